@@ -1,0 +1,382 @@
+//! The contender: the one thread of a process (per key) that talks to Redis to take a lock,
+//! and how it waits between attempts.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+
+use crate::builder::{HANDOFF_BITS, Wakeup};
+use crate::client::Inner;
+use crate::error::{Error, Result};
+use crate::keys::Keys;
+use crate::node::{Attempt, ReleaseReply};
+use crate::remote::RemoteLock;
+use crate::stats::Counters;
+use crate::subscriber::{Snapshot, Watch};
+
+/// How long a contender that takes over after a budget-forced release lets a remote waiter
+/// go first (it is woken sooner by the remote acquisition's `set` event).
+const YIELD: Duration = Duration::from_millis(10);
+/// Fences above this would overflow the token's handoff bits.
+const MAX_FENCE: u64 = u64::MAX >> HANDOFF_BITS;
+
+/// The outcome of one round of attempts.
+enum Round {
+    Acquired(Arc<RemoteLock>),
+    /// Held elsewhere; wake by this time at the latest (the holder's remaining lease, or a
+    /// jitter after a split Redlock vote).
+    Held(Option<Duration>),
+}
+
+/// Why a wait ended.
+enum Woken {
+    Event,
+    Lease,
+    Recheck,
+    Deadline,
+    Reconnected,
+}
+
+/// The caller's wait policy.
+#[derive(Clone, Copy)]
+pub(crate) enum Wait {
+    No,
+    Until(Option<Instant>),
+}
+
+impl Wait {
+    fn deadline(self) -> Option<Instant> {
+        match self {
+            Wait::No => None,
+            Wait::Until(d) => d,
+        }
+    }
+}
+
+impl Inner {
+    /// Contends in Redis until the lock is ours, the wait policy says stop, or an error.
+    pub(crate) fn contend(
+        self: &Arc<Self>,
+        keys: &Keys,
+        wait: Wait,
+        yield_first: bool,
+    ) -> Result<Arc<RemoteLock>> {
+        let mut waiter = Waiter::new();
+        if yield_first && !self.subs.is_empty() {
+            waiter.yield_to_others(keys, wait.deadline(), self);
+        }
+        loop {
+            let before = waiter.snapshots();
+            let hint = match self.round(keys)? {
+                Round::Acquired(lock) => return Ok(lock),
+                Round::Held(hint) => hint,
+            };
+            let deadline = match wait {
+                Wait::No => return Err(Error::WouldBlock),
+                Wait::Until(d) => d,
+            };
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(Error::Timeout);
+            }
+            let woken = match self.cfg.wakeup {
+                Wakeup::Polling(every) => {
+                    let until = earliest(Instant::now() + every, deadline);
+                    std::thread::sleep(until.saturating_duration_since(Instant::now()));
+                    Counters::inc(&self.counters.wakeups_poll);
+                    continue;
+                }
+                Wakeup::Notifications => {
+                    if waiter.watches.is_empty() {
+                        // Subscribe, and have Redis confirm it, before the attempt whose
+                        // failure makes us wait: then no release after it goes unseen.
+                        waiter.watch(keys, self, deadline);
+                        continue;
+                    }
+                    match before {
+                        Some(before) => waiter.wait_change(&before, hint, deadline, self),
+                        None => waiter.wait_degraded(hint, deadline, keys, self),
+                    }
+                }
+            };
+            let c = &self.counters;
+            match woken {
+                Woken::Event => Counters::inc(&c.wakeups_event),
+                Woken::Lease => Counters::inc(&c.wakeups_lease),
+                Woken::Recheck => Counters::inc(&c.wakeups_recheck),
+                Woken::Reconnected => Counters::inc(&c.wakeups_reconnect),
+                Woken::Deadline => {}
+            }
+        }
+    }
+
+    /// One attempt on every node.
+    fn round(self: &Arc<Self>, keys: &Keys) -> Result<Round> {
+        let token = uuid::Uuid::new_v4().to_string();
+        let lease = self.cfg.lease;
+        let started = Instant::now();
+        if self.nodes.len() == 1 {
+            return match self.nodes[0].acquire(keys, &token, lease, 2)? {
+                Attempt::Acquired { fence } => {
+                    self.acquired(keys, token, fence, vec![0], started)
+                }
+                Attempt::Held { pttl } => Ok(Round::Held(pttl)),
+            };
+        }
+        // Redlock: every node at once; an error is a vote against, never an abort.
+        let (client, k, t) = (self.clone(), keys.clone(), token.clone());
+        let replies = self.map_nodes(move |n| client.nodes[n].acquire(&k, &t, lease, 0));
+        let granted: Vec<(usize, u64)> = replies
+            .iter()
+            .enumerate()
+            .filter_map(|(n, r)| match r {
+                Ok(Attempt::Acquired { fence }) => Some((n, *fence)),
+                _ => None,
+            })
+            .collect();
+        let needed = self.quorum();
+        let validity = lease.checked_sub(started.elapsed() + self.cfg.drift(lease));
+        if granted.len() >= needed && validity.is_some_and(|v| !v.is_zero()) {
+            let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
+            let nodes = granted.iter().map(|&(n, _)| n).collect();
+            return self.acquired(keys, token, fence, nodes, started);
+        }
+        // Not ours: undo on every node that may hold our token, including the ones whose
+        // reply was lost.
+        let undo: Vec<usize> = replies
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !matches!(r, Ok(Attempt::Held { .. })))
+            .map(|(n, _)| n)
+            .collect();
+        self.release_on(keys, &token, undo);
+        let errors = replies.iter().filter(|r| r.is_err()).count();
+        if errors > self.nodes.len() - needed {
+            if let Some(Err(e)) = replies.iter().find(|r| r.is_err()) {
+                log::debug!("redlock round failed: {e}");
+            }
+            return Err(Error::NoQuorum {
+                granted: granted.len(),
+                needed,
+                nodes: self.nodes.len(),
+            });
+        }
+        let pttl = replies
+            .iter()
+            .filter_map(|r| match r {
+                Ok(Attempt::Held { pttl }) => *pttl,
+                _ => None,
+            })
+            .min();
+        // A split vote: retry after a random jitter so contenders do not stay in lockstep.
+        let jitter = Duration::from_millis(rand::random_range(2..=25));
+        Ok(Round::Held(Some(pttl.map_or(jitter, |p| p.min(jitter)))))
+    }
+
+    fn acquired(
+        self: &Arc<Self>,
+        keys: &Keys,
+        token: String,
+        fence: u64,
+        nodes: Vec<usize>,
+        started: Instant,
+    ) -> Result<Round> {
+        if fence > MAX_FENCE {
+            self.release_on(keys, &token, nodes);
+            return Err(Error::Protocol(format!(
+                "fence counter {fence} exceeds {MAX_FENCE}"
+            )));
+        }
+        let lease = self.cfg.lease;
+        let lock = Arc::new(RemoteLock::new(
+            keys.clone(),
+            token,
+            fence,
+            nodes,
+            started,
+            lease,
+            started + lease - self.cfg.drift(lease),
+            self.renew_every(lease),
+        ));
+        Counters::inc(&self.counters.remote_acquisitions);
+        Ok(Round::Acquired(lock))
+    }
+
+    /// Compare-and-delete on `nodes`, in parallel; the replies per node.
+    pub(crate) fn release_on(
+        self: &Arc<Self>,
+        keys: &Keys,
+        token: &str,
+        nodes: Vec<usize>,
+    ) -> Vec<Result<ReleaseReply>> {
+        if nodes.len() == 1 {
+            return vec![self.nodes[nodes[0]].release(keys, token, 1)];
+        }
+        let (client, k, t) = (self.clone(), keys.clone(), token.to_owned());
+        let replies = self.map_nodes(move |n| {
+            if nodes.contains(&n) {
+                Some(client.nodes[n].release(&k, &t, 0))
+            } else {
+                None
+            }
+        });
+        replies.into_iter().flatten().collect()
+    }
+}
+
+fn earliest(t: Instant, deadline: Option<Instant>) -> Instant {
+    deadline.map_or(t, |d| d.min(t))
+}
+
+/// A contender's subscriptions (one per node) and the channel that pokes it.
+struct Waiter {
+    poke_tx: crossbeam_channel::Sender<()>,
+    poke: Receiver<()>,
+    watches: Vec<Watch>,
+    /// Degraded-mode backoff, used only while subscriptions cannot be confirmed.
+    backoff: Duration,
+}
+
+impl Waiter {
+    fn new() -> Self {
+        let (poke_tx, poke) = crossbeam_channel::bounded(1);
+        Waiter {
+            poke_tx,
+            poke,
+            watches: Vec::new(),
+            backoff: Duration::from_millis(10),
+        }
+    }
+
+    /// Registers with every node's subscriber and waits until a majority confirmed (one
+    /// node: that node), bounded by the deadline and the read timeout.
+    fn watch(&mut self, keys: &Keys, client: &Inner, deadline: Option<Instant>) {
+        self.watches = client
+            .subs
+            .iter()
+            .map(|s| s.watch(keys, self.poke_tx.clone()))
+            .collect();
+        self.confirm(client, deadline);
+    }
+
+    fn confirm(&self, client: &Inner, deadline: Option<Instant>) -> bool {
+        let until = earliest(Instant::now() + client.cfg.read_timeout, deadline);
+        let needed = client.quorum().min(self.watches.len());
+        loop {
+            let confirmed = self
+                .watches
+                .iter()
+                .filter(|w| w.snapshot().confirmed)
+                .count();
+            if confirmed >= needed {
+                return true;
+            }
+            if self.poke.recv_deadline(until).is_err() {
+                return self
+                    .watches
+                    .iter()
+                    .filter(|w| w.snapshot().confirmed)
+                    .count()
+                    >= needed;
+            }
+        }
+    }
+
+    /// The counters before an attempt, if the subscriptions are confirmed.
+    fn snapshots(&self) -> Option<Vec<Snapshot>> {
+        if self.watches.is_empty() {
+            return None;
+        }
+        while self.poke.try_recv().is_ok() {}
+        let snaps: Vec<Snapshot> = self.watches.iter().map(Watch::snapshot).collect();
+        let confirmed = snaps.iter().filter(|s| s.confirmed).count();
+        (confirmed >= snaps.len().div_ceil(2).max(1)).then_some(snaps)
+    }
+
+    /// Sleeps until the key may be free: an event on any node, the holder's lease (plus a
+    /// margin, since `expired` comes when Redis evicts the key, which can be late), the
+    /// re-check ceiling, or the deadline.
+    fn wait_change(
+        &self,
+        before: &[Snapshot],
+        hint: Option<Duration>,
+        deadline: Option<Instant>,
+        client: &Inner,
+    ) -> Woken {
+        let now = Instant::now();
+        let recheck = now + client.cfg.recheck_interval;
+        let lease_end = hint.map(|p| now + p + p / 100 + Duration::from_millis(2));
+        let mut until = recheck;
+        if let Some(t) = lease_end {
+            until = until.min(t);
+        }
+        let until = earliest(until, deadline);
+        loop {
+            for (w, b) in self.watches.iter().zip(before) {
+                let s = w.snapshot();
+                if s.generation != b.generation || (b.confirmed && !s.confirmed) {
+                    // Events may have been lost while the subscriber was away: re-confirm,
+                    // then retry once.
+                    self.confirm(client, deadline);
+                    return Woken::Reconnected;
+                }
+                if s.freed != b.freed {
+                    return Woken::Event;
+                }
+            }
+            if self.poke.recv_deadline(until).is_err() {
+                let now = Instant::now();
+                return if deadline.is_some_and(|d| now >= d) {
+                    Woken::Deadline
+                } else if lease_end.is_some_and(|t| now >= t) {
+                    Woken::Lease
+                } else {
+                    Woken::Recheck
+                };
+            }
+        }
+    }
+
+    /// Subscriptions could not be confirmed (the subscriber cannot reach Redis): retry with
+    /// a capped, jittered backoff, never longer than the holder's lease, and try to
+    /// confirm again.
+    fn wait_degraded(
+        &mut self,
+        hint: Option<Duration>,
+        deadline: Option<Instant>,
+        keys: &Keys,
+        client: &Inner,
+    ) -> Woken {
+        let jitter = Duration::from_millis(rand::random_range(0..=self.backoff.as_millis() as u64));
+        let mut sleep = self.backoff / 2 + jitter / 2;
+        if let Some(p) = hint {
+            sleep = sleep.min(p);
+        }
+        self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
+        let until = earliest(Instant::now() + sleep, deadline);
+        log::debug!("waiting for {} without confirmed subscription", keys.display());
+        let _ = self.poke.recv_deadline(until);
+        self.confirm(client, deadline);
+        Woken::Recheck
+    }
+
+    /// After a budget-forced release by this process, let a remote waiter take the lock
+    /// first: wait for someone to set the key, or a short while.
+    fn yield_to_others(&mut self, keys: &Keys, deadline: Option<Instant>, client: &Inner) {
+        if self.watches.is_empty() {
+            self.watch(keys, client, deadline);
+        }
+        let before: Vec<Snapshot> = self.watches.iter().map(Watch::snapshot).collect();
+        let until = earliest(Instant::now() + YIELD, deadline);
+        loop {
+            let taken = self
+                .watches
+                .iter()
+                .zip(&before)
+                .any(|(w, b)| w.snapshot().taken != b.taken);
+            if taken || self.poke.recv_deadline(until).is_err() {
+                return;
+            }
+        }
+    }
+}

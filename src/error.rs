@@ -1,0 +1,202 @@
+//! Error types and the small outcome enums of the public API.
+
+use std::fmt;
+
+/// Everything that can go wrong when taking, holding or releasing a lock.
+///
+/// Messages are short and lowercase; the underlying `redis` error, when there is one, is
+/// kept as the [`source`](std::error::Error::source). Use the `is_*` predicates rather than
+/// matching when you only need to classify.
+///
+/// # Examples
+///
+/// ```
+/// use redbaton::Error;
+///
+/// let err = Error::Timeout;
+/// assert!(err.is_timeout());
+/// assert_eq!(err.to_string(), "timed out waiting for the lock");
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// `try_lock`: the lock is held by someone else right now.
+    #[error("lock is held elsewhere")]
+    WouldBlock,
+    /// The wait deadline passed before the lock could be taken.
+    #[error("timed out waiting for the lock")]
+    Timeout,
+    /// The lock was lost while held (see [`LostReason`]).
+    #[error("lock lost: {0}")]
+    Lost(LostReason),
+    /// Redlock: too few nodes granted the lock (or answered at all) for a majority.
+    #[error("no quorum: {granted} of {nodes} nodes granted the lock, {needed} needed")]
+    NoQuorum {
+        /// Nodes that granted the lock in the last round.
+        granted: usize,
+        /// Nodes needed for a majority.
+        needed: usize,
+        /// Nodes configured.
+        nodes: usize,
+    },
+    /// The calling thread already holds this lock through this client: waiting would wait
+    /// for itself.
+    #[error("this thread already holds the lock")]
+    WouldDeadlock,
+    /// The lock name is not acceptable (empty or too long).
+    #[error("invalid lock name: {0}")]
+    InvalidName(&'static str),
+    /// A builder setting is invalid; the message says which.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// Every pooled connection stayed busy for longer than the connect timeout.
+    #[error("connection pool exhausted")]
+    PoolExhausted,
+    /// Redis answered something this library does not expect (a bug or a foreign value).
+    #[error("unexpected reply from redis: {0}")]
+    Protocol(String),
+    /// A Redis or I/O error; the `redis` error is the source.
+    #[error("redis: {0}")]
+    Redis(#[source] redis::RedisError),
+}
+
+impl Error {
+    /// `try_lock` found the lock held.
+    pub fn is_would_block(&self) -> bool {
+        matches!(self, Error::WouldBlock)
+    }
+
+    /// The wait deadline passed.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout)
+    }
+
+    /// The lock was lost while held.
+    pub fn is_lost(&self) -> bool {
+        matches!(self, Error::Lost(_))
+    }
+
+    /// Redlock could not reach a majority.
+    pub fn is_no_quorum(&self) -> bool {
+        matches!(self, Error::NoQuorum { .. })
+    }
+
+    /// Bad configuration or a bad lock name: retrying will not help.
+    pub fn is_invalid_input(&self) -> bool {
+        matches!(self, Error::InvalidConfig(_) | Error::InvalidName(_))
+    }
+
+    /// A network-level failure talking to Redis: refused, reset, timed out, or the pool
+    /// had no connection to give. Retrying later may help.
+    pub fn is_connection(&self) -> bool {
+        match self {
+            Error::PoolExhausted => true,
+            Error::Redis(e) => is_network_error(e),
+            _ => false,
+        }
+    }
+
+    /// The underlying `redis` error, if any.
+    pub fn redis_error(&self) -> Option<&redis::RedisError> {
+        match self {
+            Error::Redis(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<redis::RedisError> for Error {
+    fn from(e: redis::RedisError) -> Self {
+        Error::Redis(e)
+    }
+}
+
+/// A failure where the connection itself is suspect: the request may or may not have reached
+/// Redis, and the connection must not be used again.
+pub(crate) fn is_network_error(e: &redis::RedisError) -> bool {
+    e.is_timeout() || e.is_connection_dropped() || e.is_io_error() || e.is_connection_refusal()
+}
+
+/// Why a held lock was lost.
+///
+/// # Examples
+///
+/// ```
+/// use redbaton::LostReason;
+/// assert_eq!(LostReason::Stolen.to_string(), "held by another owner");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LostReason {
+    /// The lease ran out before a renewal succeeded (Redis unreachable, process paused,
+    /// or renewals turned off).
+    Expired,
+    /// A renewal found the key gone (deleted, evicted, or the server restarted empty).
+    Deleted,
+    /// A renewal found the key holding another owner's token.
+    Stolen,
+    /// The configured cap on total hold time was reached; renewals stopped.
+    HoldLimit,
+    /// Redlock: fewer than a majority of nodes still hold the lock.
+    NoQuorum,
+}
+
+impl fmt::Display for LostReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LostReason::Expired => "lease expired before renewal",
+            LostReason::Deleted => "key deleted",
+            LostReason::Stolen => "held by another owner",
+            LostReason::HoldLimit => "hold-time limit reached",
+            LostReason::NoQuorum => "held on fewer than a majority of nodes",
+        })
+    }
+}
+
+/// What an explicit [`unlock`](crate::LockGuard::unlock) did.
+///
+/// # Examples
+///
+/// ```no_run
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().build()?;
+/// let guard = client.lock("orders:42")?;
+/// match guard.unlock()? {
+///     redbaton::Unlocked::Released | redbaton::Unlocked::HandedOff => {}
+///     other => eprintln!("the lock was not ours any more: {other}"),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Unlocked {
+    /// Deleted in Redis: it was still ours.
+    Released,
+    /// Passed to a waiting thread of this process without a Redis command.
+    HandedOff,
+    /// The key was already gone: the lease had expired (or someone deleted it).
+    Expired,
+    /// The key holds another owner's token; it was left alone.
+    HeldByOther,
+}
+
+impl Unlocked {
+    /// `Released` or `HandedOff`: the lock was still ours until this call.
+    pub fn was_held(self) -> bool {
+        matches!(self, Unlocked::Released | Unlocked::HandedOff)
+    }
+}
+
+impl fmt::Display for Unlocked {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Unlocked::Released => "released",
+            Unlocked::HandedOff => "handed off to a local waiter",
+            Unlocked::Expired => "already expired",
+            Unlocked::HeldByOther => "held by another owner",
+        })
+    }
+}
+
+/// Shorthand for `Result<T, redbaton::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,258 @@
+//! The guard a holder keeps while in its critical section.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+
+use crate::builder::HANDOFF_BITS;
+use crate::client::Inner;
+use crate::error::{Error, LostReason, Result, Unlocked};
+use crate::remote::RemoteLock;
+
+/// Proof that this thread holds a lock. Dropping it releases the lock (best effort, never
+/// panicking, also while unwinding); [`unlock`](LockGuard::unlock) does the same and says
+/// what happened.
+///
+/// A guard is not `Send`: the lock belongs to the thread that took it (that is how a thread
+/// asking again for a lock it holds gets [`Error::WouldDeadlock`] instead of waiting for
+/// itself, and how the baton knows whom it was passed to).
+///
+/// # Losing the lock
+///
+/// A lease can run out under a holder: the process paused longer than the lease, Redis was
+/// unreachable for the watchdog, the key was deleted by hand, the server restarted empty.
+/// The holder learns it without asking Redis, through [`is_lost`](LockGuard::is_lost),
+/// [`check`](LockGuard::check) and the channel [`lost`](LockGuard::lost). Two policies:
+///
+/// *Conservative*: check between steps and stop when the lock is gone.
+///
+/// ```no_run
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().build()?;
+/// # let steps: Vec<fn()> = vec![];
+/// let guard = client.lock("migration")?;
+/// for step in steps {
+///     guard.check()?; // Err(Error::Lost(_)) once the lock is gone: stop here
+///     step();
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// *Aggressive*: carry on knowingly, and let the protected resource reject stale writers by
+/// their [fencing token](LockGuard::fencing_token).
+///
+/// ```no_run
+/// use crossbeam_channel::select;
+/// use std::time::Duration;
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().build()?;
+/// # let work = crossbeam_channel::never::<()>();
+/// let guard = client.lock("migration")?;
+/// select! {
+///     recv(guard.lost()) -> reason => eprintln!("lock lost ({reason:?}); finishing, fenced"),
+///     recv(work) -> _ => {}
+/// }
+/// # Ok(()) }
+/// ```
+#[must_use = "the lock is released as soon as the guard is dropped"]
+pub struct LockGuard {
+    client: Arc<Inner>,
+    remote: Arc<RemoteLock>,
+    seq: u32,
+    lost_rx: Receiver<LostReason>,
+    released: bool,
+    /// Not `Send`, not `Sync`: see the type's docs.
+    _not_send: PhantomData<*const ()>,
+}
+
+impl std::fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("name", &self.remote.keys.display())
+            .field("fencing_token", &self.fencing_token())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LockGuard {
+    pub(crate) fn new(client: Arc<Inner>, remote: Arc<RemoteLock>, seq: u32) -> Self {
+        let (tx, lost_rx) = crossbeam_channel::bounded(1);
+        remote.set_listener(tx);
+        LockGuard {
+            client,
+            remote,
+            seq,
+            lost_rx,
+            released: false,
+            _not_send: PhantomData,
+        }
+    }
+
+    /// The lock's name, as given (names are bytes; see [`MAX_NAME_LEN`](crate::MAX_NAME_LEN)).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().build()?;
+    /// let guard = client.lock("orders:42")?;
+    /// assert_eq!(guard.name(), b"orders:42");
+    /// # Ok(()) }
+    /// ```
+    pub fn name(&self) -> &[u8] {
+        self.remote.keys.name()
+    }
+
+    /// A number that grows with every holder of this name, for the protected resource to
+    /// refuse writes from an older holder (one whose lease ran out while it was paused).
+    ///
+    /// It is `(fence << 20) | handoff`, where `fence` comes from a Redis counter incremented
+    /// by every acquisition in Redis, and `handoff` numbers the local handoffs of that
+    /// acquisition (at most 2^20 - 1 of them before the lock goes back through Redis). On one
+    /// node it strictly increases across all holders, local and remote, as long as the
+    /// counter key is not deleted. For Redlock see the crate docs: it is the highest counter
+    /// of the granting nodes, which is not strictly increasing in every failure.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().build()?;
+    /// let first = client.lock("k")?.fencing_token();
+    /// let second = client.lock("k")?.fencing_token();
+    /// assert!(second > first);
+    /// # Ok(()) }
+    /// ```
+    pub fn fencing_token(&self) -> u64 {
+        (self.remote.fence << HANDOFF_BITS) | u64::from(self.seq)
+    }
+
+    /// Until when the lock is surely held: the last successful acquisition or renewal, plus
+    /// the lease, minus a clock-drift margin (lease × 1% + 2 ms).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().build()?;
+    /// let guard = client.lock("k")?;
+    /// assert!(guard.valid_until() > std::time::Instant::now());
+    /// # Ok(()) }
+    /// ```
+    pub fn valid_until(&self) -> Instant {
+        self.remote.valid_until()
+    }
+
+    /// Whether the lock is known to be lost. Never asks Redis.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().build()?;
+    /// let guard = client.lock("k")?;
+    /// if guard.is_lost() {
+    ///     return Ok(()); // stop: someone else may hold it
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn is_lost(&self) -> bool {
+        self.remote.lost(&self.client.counters).is_some()
+    }
+
+    /// A channel that receives the [`LostReason`] once, when the lock is lost (and is never
+    /// sent anything otherwise): `select!` on it next to your work.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().build()?;
+    /// let guard = client.lock("k")?;
+    /// if let Ok(reason) = guard.lost().recv_timeout(Duration::from_millis(10)) {
+    ///     eprintln!("lost: {reason}");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn lost(&self) -> &Receiver<LostReason> {
+        &self.lost_rx
+    }
+
+    /// `Ok(())` while the lock is held, [`Error::Lost`] once it is known lost.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().build()?;
+    /// let guard = client.lock("k")?;
+    /// guard.check()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn check(&self) -> Result<()> {
+        match self.remote.lost(&self.client.counters) {
+            Some(reason) => Err(Error::Lost(reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Sets the lock's remaining lease to `lease` now (the watchdog then keeps renewing at a
+    /// third of it). Fails with [`Error::Lost`] if the lock is no longer ours.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().build()?;
+    /// let guard = client.lock("k")?;
+    /// guard.extend(Duration::from_secs(120))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn extend(&self, lease: Duration) -> Result<()> {
+        if lease.is_zero() {
+            return Err(Error::InvalidConfig("extend: lease must be positive".to_owned()));
+        }
+        self.client.extend(&self.remote, lease)
+    }
+
+    /// Releases the lock — to the next waiting thread of this process when the baton
+    /// allows, else in Redis — and says what happened.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().build()?;
+    /// let guard = client.lock("k")?;
+    /// let outcome = guard.unlock()?;
+    /// assert!(outcome.was_held());
+    /// # Ok(()) }
+    /// ```
+    pub fn unlock(mut self) -> Result<Unlocked> {
+        self.released = true;
+        self.client.release(&self.remote)
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        match self.client.release(&self.remote) {
+            Ok(outcome) if outcome.was_held() => {}
+            Ok(outcome) => log::warn!(
+                "lock {:?} dropped but it was not held: {outcome}",
+                self.remote.keys.display()
+            ),
+            Err(e) => log::warn!(
+                "lock {:?}: release on drop failed (it expires with its lease): {e}",
+                self.remote.keys.display()
+            ),
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Lock names and the Redis keys and channels derived from them.
+
+use crate::error::{Error, Result};
+
+/// Longest lock name accepted, in bytes. Redis allows 512 MB keys, but every wait, event
+/// and log line carries the name: a name this long is a bug, not a key.
+pub const MAX_NAME_LEN: usize = 4096;
+/// Longest key prefix accepted, in bytes.
+pub(crate) const MAX_PREFIX_LEN: usize = 1024;
+
+/// The keys and channels of one lock name.
+///
+/// Names are arbitrary non-empty bytes (Redis keys are binary): UTF-8 or not, spaces,
+/// braces, anything. The name sits between braces so that a Redis Cluster port keeps the
+/// lock key and its fencing counter in one slot: the first `{...}` of both keys is the same.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Keys {
+    name: Vec<u8>,
+    lock: Vec<u8>,
+    fence: Vec<u8>,
+    /// The library's own channel: `r` on release (when keyspace events are off) and `c`
+    /// when an acquire attempt failed (a remote process wants the lock).
+    channel: Vec<u8>,
+}
+
+impl Keys {
+    pub fn new(prefix: &str, name: &[u8]) -> Result<Self> {
+        if name.is_empty() {
+            return Err(Error::InvalidName("empty"));
+        }
+        if name.len() > MAX_NAME_LEN {
+            return Err(Error::InvalidName("longer than 4096 bytes"));
+        }
+        let mut lock = Vec::with_capacity(prefix.len() + name.len() + 2);
+        lock.extend_from_slice(prefix.as_bytes());
+        lock.push(b'{');
+        lock.extend_from_slice(name);
+        lock.push(b'}');
+        let mut fence = lock.clone();
+        fence.extend_from_slice(b":fence");
+        let mut channel = lock.clone();
+        channel.extend_from_slice(b":ev");
+        Ok(Keys {
+            name: name.to_vec(),
+            lock,
+            fence,
+            channel,
+        })
+    }
+
+    pub fn name(&self) -> &[u8] {
+        &self.name
+    }
+
+    pub fn lock(&self) -> &[u8] {
+        &self.lock
+    }
+
+    pub fn fence(&self) -> &[u8] {
+        &self.fence
+    }
+
+    pub fn channel(&self) -> &[u8] {
+        &self.channel
+    }
+
+    /// The name for log lines.
+    pub fn display(&self) -> String {
+        String::from_utf8_lossy(&self.name).into_owned()
+    }
+}
+
+/// The lock key behind one of the library's own channels (`{lock}:ev`).
+pub(crate) fn lock_of_channel(channel: &[u8]) -> Option<&[u8]> {
+    channel.strip_suffix(b":ev")
+}
+
+/// The keyspace-notification channel of a key in database `db`.
+pub(crate) fn keyspace_channel(db: i64, lock: &[u8]) -> Vec<u8> {
+    let mut c = format!("__keyspace@{db}__:").into_bytes();
+    c.extend_from_slice(lock);
+    c
+}
+
+/// The key behind a keyspace-notification channel.
+pub(crate) fn lock_of_keyspace_channel(channel: &[u8]) -> Option<&[u8]> {
+    let rest = channel.strip_prefix(b"__keyspace@")?;
+    let colon = rest.windows(3).position(|w| w == b"__:")?;
+    Some(&rest[colon + 3..])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_share_a_hash_tag() {
+        let k = Keys::new("p:", b"orders:42").unwrap();
+        assert_eq!(k.lock(), b"p:{orders:42}");
+        assert_eq!(k.fence(), b"p:{orders:42}:fence");
+        assert_eq!(lock_of_channel(k.channel()), Some(k.lock()));
+    }
+
+    #[test]
+    fn binary_names_are_kept_exactly() {
+        let k = Keys::new("", &[0xff, 0x00, b'}']).unwrap();
+        assert_eq!(k.lock(), &[b'{', 0xff, 0x00, b'}', b'}']);
+    }
+
+    #[test]
+    fn bad_names_are_errors() {
+        assert!(Keys::new("p", b"").unwrap_err().is_invalid_input());
+        let long = vec![b'a'; MAX_NAME_LEN + 1];
+        assert!(Keys::new("p", &long).unwrap_err().is_invalid_input());
+        assert!(Keys::new("p", &long[..MAX_NAME_LEN]).is_ok());
+    }
+
+    #[test]
+    fn keyspace_channels_round_trip() {
+        let c = keyspace_channel(3, b"p:{a}");
+        assert_eq!(c, b"__keyspace@3__:p:{a}");
+        assert_eq!(lock_of_keyspace_channel(&c), Some(&b"p:{a}"[..]));
+    }
+}

@@ -1,0 +1,179 @@
+//! A bounded pool of command connections to one node.
+//!
+//! Hand-written rather than r2d2 because the pool must (a) keep the `redis` error of a
+//! failed connect as the error's source (r2d2 reduces it to a string), (b) discard every
+//! connection whose command failed at the network level, since the reply to it may still
+//! be on the wire, and (c) open connections lazily on the caller's thread, with no
+//! background threads of its own.
+
+use std::ops::{Deref, DerefMut};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use redis::{Connection, ConnectionLike, RedisResult};
+
+use crate::error::{Error, Result};
+
+pub(crate) struct Pool {
+    client: redis::Client,
+    connect_timeout: Duration,
+    read_timeout: Duration,
+    write_timeout: Duration,
+    max: usize,
+    state: Mutex<PoolState>,
+    freed: Condvar,
+}
+
+struct PoolState {
+    idle: Vec<Connection>,
+    /// Connections that exist: idle, lent out, or being opened.
+    open: usize,
+}
+
+impl Pool {
+    pub fn new(client: redis::Client, cfg: &crate::builder::Config) -> Self {
+        Pool {
+            client,
+            connect_timeout: cfg.connect_timeout,
+            read_timeout: cfg.read_timeout,
+            write_timeout: cfg.write_timeout,
+            max: cfg.pool_size,
+            state: Mutex::new(PoolState {
+                idle: Vec::new(),
+                open: 0,
+            }),
+            freed: Condvar::new(),
+        }
+    }
+
+    pub fn client(&self) -> &redis::Client {
+        &self.client
+    }
+
+    pub fn timeouts(&self) -> (Duration, Duration, Duration) {
+        (self.connect_timeout, self.read_timeout, self.write_timeout)
+    }
+
+    /// A connection, reused or new; waits up to the connect timeout for one to be free.
+    pub fn get(&self) -> Result<PooledConn<'_>> {
+        let deadline = Instant::now() + self.connect_timeout;
+        let mut st = self.state.lock();
+        loop {
+            if let Some(conn) = st.idle.pop() {
+                return Ok(PooledConn::new(self, conn));
+            }
+            if st.open < self.max {
+                st.open += 1;
+                drop(st);
+                return match self.connect("redbaton") {
+                    Ok(conn) => Ok(PooledConn::new(self, conn)),
+                    Err(e) => {
+                        self.forget_one();
+                        Err(Error::Redis(e))
+                    }
+                };
+            }
+            if self.freed.wait_until(&mut st, deadline).timed_out() {
+                return Err(Error::PoolExhausted);
+            }
+        }
+    }
+
+    fn connect(&self, name: &str) -> RedisResult<Connection> {
+        open_connection(
+            &self.client,
+            self.connect_timeout,
+            self.read_timeout,
+            self.write_timeout,
+            name,
+        )
+    }
+
+    fn forget_one(&self) {
+        self.state.lock().open -= 1;
+        self.freed.notify_one();
+    }
+
+    fn put_back(&self, conn: Connection) {
+        self.state.lock().idle.push(conn);
+        self.freed.notify_one();
+    }
+
+    /// Drops every idle connection (after the server restarted, say).
+    pub fn clear_idle(&self) {
+        let mut st = self.state.lock();
+        let n = st.idle.len();
+        st.idle.clear();
+        st.open -= n;
+        drop(st);
+        self.freed.notify_all();
+    }
+}
+
+/// Opens a connection with timeouts on every read and write, named so that `CLIENT LIST`
+/// tells the pool's connections (`redbaton`) from the subscriber's (`redbaton:sub`).
+pub(crate) fn open_connection(
+    client: &redis::Client,
+    connect_timeout: Duration,
+    read_timeout: Duration,
+    write_timeout: Duration,
+    name: &str,
+) -> RedisResult<Connection> {
+    let mut conn = client.get_connection_with_timeout(connect_timeout)?;
+    conn.set_read_timeout(Some(read_timeout))?;
+    conn.set_write_timeout(Some(write_timeout))?;
+    // Naming is a courtesy to operators; an ACL may forbid it.
+    if let Err(e) = redis::cmd("CLIENT")
+        .arg("SETNAME")
+        .arg(name)
+        .query::<()>(&mut conn)
+        && crate::error::is_network_error(&e)
+    {
+        return Err(e);
+    }
+    Ok(conn)
+}
+
+/// A lent connection. Mark it [`broken`](PooledConn::discard) after a network error: it is
+/// then closed instead of returned.
+pub(crate) struct PooledConn<'a> {
+    pool: &'a Pool,
+    conn: Option<Connection>,
+    broken: bool,
+}
+
+impl<'a> PooledConn<'a> {
+    fn new(pool: &'a Pool, conn: Connection) -> Self {
+        PooledConn {
+            pool,
+            conn: Some(conn),
+            broken: false,
+        }
+    }
+
+    pub fn discard(&mut self) {
+        self.broken = true;
+    }
+}
+
+impl Deref for PooledConn<'_> {
+    type Target = Connection;
+    fn deref(&self) -> &Connection {
+        self.conn.as_ref().expect("connection present until drop")
+    }
+}
+
+impl DerefMut for PooledConn<'_> {
+    fn deref_mut(&mut self) -> &mut Connection {
+        self.conn.as_mut().expect("connection present until drop")
+    }
+}
+
+impl Drop for PooledConn<'_> {
+    fn drop(&mut self) {
+        match self.conn.take() {
+            Some(conn) if !self.broken && conn.is_open() => self.pool.put_back(conn),
+            _ => self.pool.forget_one(),
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! A lock held in Redis by this process: its token, fence, validity and lost state. Shared
+//! by the guard(s) that hold it in turn (the baton) and the watchdog.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::LostReason;
+use crate::keys::Keys;
+use crate::stats::Counters;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) struct RemoteLock {
+    pub id: u64,
+    pub keys: Keys,
+    /// The owner token in Redis: a random UUID v4 per remote acquisition.
+    pub token: String,
+    /// The Redis fencing counter of this acquisition (Redlock: the highest of the nodes
+    /// that granted it).
+    pub fence: u64,
+    /// Indexes of the nodes that granted the lock.
+    pub nodes: Vec<usize>,
+    pub acquired_at: Instant,
+    state: Mutex<State>,
+    renew_done: Condvar,
+}
+
+struct State {
+    lease: Duration,
+    valid_until: Instant,
+    next_renew: Instant,
+    renewing: bool,
+    released: bool,
+    lost: Option<LostReason>,
+    /// The current holder's lost channel.
+    listener: Option<Sender<LostReason>>,
+}
+
+/// What the watchdog should do with a lock now.
+pub(crate) enum Due {
+    /// Released or lost: forget it.
+    Forget,
+    /// Not yet: look again at this instant.
+    At(Instant),
+    /// Renew now with this lease; `renewing` is set until [`RemoteLock::end_renew`].
+    Renew(Duration),
+}
+
+impl RemoteLock {
+    pub fn new(
+        keys: Keys,
+        token: String,
+        fence: u64,
+        nodes: Vec<usize>,
+        started: Instant,
+        lease: Duration,
+        valid_until: Instant,
+        renew_every: Duration,
+    ) -> Self {
+        RemoteLock {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            keys,
+            token,
+            fence,
+            nodes,
+            acquired_at: started,
+            state: Mutex::new(State {
+                lease,
+                valid_until,
+                next_renew: started + renew_every,
+                renewing: false,
+                released: false,
+                lost: None,
+                listener: None,
+            }),
+            renew_done: Condvar::new(),
+        }
+    }
+
+    pub fn valid_until(&self) -> Instant {
+        self.state.lock().valid_until
+    }
+
+    /// Why the lock is lost, if it is. Past its validity a lock is lost even if the
+    /// watchdog has not run (the process was paused, say).
+    pub fn lost(&self, counters: &Counters) -> Option<LostReason> {
+        let mut st = self.state.lock();
+        if st.lost.is_none() && !st.released && Instant::now() >= st.valid_until {
+            Self::set_lost(&mut st, LostReason::Expired, counters);
+        }
+        st.lost
+    }
+
+    /// Marks the lock lost (once) and tells the current holder.
+    pub fn mark_lost(&self, reason: LostReason, counters: &Counters) {
+        let mut st = self.state.lock();
+        if st.lost.is_none() && !st.released {
+            Self::set_lost(&mut st, reason, counters);
+        }
+    }
+
+    fn set_lost(st: &mut State, reason: LostReason, counters: &Counters) {
+        st.lost = Some(reason);
+        Counters::inc(&counters.locks_lost);
+        log::warn!("lock lost: {reason}");
+        if let Some(tx) = st.listener.take() {
+            let _ = tx.try_send(reason);
+        }
+    }
+
+    /// Installs the lost channel of a new holder (first acquisition or handoff).
+    pub fn set_listener(&self, tx: Sender<LostReason>) {
+        let mut st = self.state.lock();
+        match st.lost {
+            Some(reason) => {
+                let _ = tx.try_send(reason);
+            }
+            None => st.listener = Some(tx),
+        }
+    }
+
+    /// Stops renewals for good before the release is sent: waits for a renewal in flight,
+    /// so that none is ever sent after the caller's unlock returns. Returns whether the
+    /// lock was already lost.
+    pub fn begin_release(&self, counters: &Counters) -> Option<LostReason> {
+        let mut st = self.state.lock();
+        while st.renewing {
+            self.renew_done.wait(&mut st);
+        }
+        if st.lost.is_none() && Instant::now() >= st.valid_until {
+            Self::set_lost(&mut st, LostReason::Expired, counters);
+        }
+        st.released = true;
+        st.listener = None;
+        st.lost
+    }
+
+    /// The watchdog's question: renew now, later, or never.
+    pub fn due(
+        &self,
+        now: Instant,
+        horizon: Instant,
+        max_hold: Option<Duration>,
+        counters: &Counters,
+    ) -> Due {
+        let mut st = self.state.lock();
+        if st.released || st.lost.is_some() {
+            return Due::Forget;
+        }
+        if now >= st.valid_until {
+            Self::set_lost(&mut st, LostReason::Expired, counters);
+            return Due::Forget;
+        }
+        if let Some(cap) = max_hold
+            && now.duration_since(self.acquired_at) >= cap
+        {
+            Self::set_lost(&mut st, LostReason::HoldLimit, counters);
+            return Due::Forget;
+        }
+        if st.next_renew > horizon {
+            return Due::At(st.next_renew);
+        }
+        st.renewing = true;
+        Due::Renew(st.lease)
+    }
+
+    /// Ends a renewal started by [`due`](Self::due): `Ok(valid_until)` when it succeeded,
+    /// `Err(Some(reason))` when it proved the lock lost, `Err(None)` on a network failure
+    /// (retry at `retry_at`).
+    pub fn end_renew(
+        &self,
+        outcome: Result<(Instant, Instant), Option<LostReason>>,
+        retry_at: Instant,
+        counters: &Counters,
+    ) {
+        let mut st = self.state.lock();
+        st.renewing = false;
+        match outcome {
+            Ok((valid_until, next_renew)) => {
+                st.valid_until = st.valid_until.max(valid_until);
+                st.next_renew = next_renew;
+            }
+            Err(Some(reason)) => {
+                if st.lost.is_none() && !st.released {
+                    Self::set_lost(&mut st, reason, counters);
+                }
+            }
+            Err(None) => st.next_renew = retry_at,
+        }
+        drop(st);
+        self.renew_done.notify_all();
+    }
+
+    /// After an explicit extend by the holder: new lease, validity and renew time.
+    pub fn extended(&self, lease: Duration, valid_until: Instant, next_renew: Instant) {
+        let mut st = self.state.lock();
+        st.lease = lease;
+        st.valid_until = valid_until;
+        st.next_renew = next_renew;
+    }
+}

@@ -1,0 +1,81 @@
+//! The three Lua scripts of the protocol. Each is hashed once (`redis::Script`) and run
+//! with EVALSHA; redis-rs loads it and retries when the server answers NOSCRIPT (after a
+//! restart or `SCRIPT FLUSH`).
+
+use std::sync::LazyLock;
+
+use redis::Script;
+
+/// Acquire in one round trip, idempotently.
+///
+/// KEYS: lock, fence. ARGV: token, lease in ms, the library's channel, the client's id.
+/// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when someone else holds it.
+///
+/// When the key already holds *our* token (a retry after the reply to a first attempt was
+/// lost), the lease is refreshed and the fence the first attempt created is returned: one
+/// lock, one fence, no stray key. A failed attempt publishes `c<client id>` on the lock's channel so
+/// that the holder's process knows another process is waiting (the fairness budget only
+/// applies then).
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+end
+if not cur then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, redis.call('INCR', KEYS[2])}
+end
+redis.call('PUBLISH', ARGV[3], 'c' .. ARGV[4])
+return {0, redis.call('PTTL', KEYS[1])}
+",
+    )
+});
+
+/// Compare-and-delete.
+///
+/// KEYS: lock. ARGV: token, channel to publish `r` on after a release (empty: do not; the
+/// keyspace `del` event already wakes waiters).
+/// Returns 1 released, 0 the key was gone, -1 another token holds it.
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], 'r') end
+  return 1
+end
+if not cur then return 0 end
+return -1
+",
+    )
+});
+
+/// Compare-and-`PEXPIRE` for a batch of locks in one round trip (the watchdog renews every
+/// due lock of a node with one call).
+///
+/// KEYS: lock keys. ARGV: lease in ms, then one token per key.
+/// Returns one status per key: 1 extended, 0 the key was gone, -1 another token holds it.
+/// A key that is gone is never recreated: a renewal racing a release cannot revive a lock.
+pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local out = {}
+for i = 1, #KEYS do
+  local cur = redis.call('GET', KEYS[i])
+  if cur == ARGV[i + 1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    out[i] = 1
+  elseif not cur then
+    out[i] = 0
+  else
+    out[i] = -1
+  end
+end
+return out
+",
+    )
+});

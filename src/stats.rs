@@ -1,0 +1,79 @@
+//! Counters of what a client did, for users measuring contention and for tests.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+macro_rules! counters {
+    ($( $(#[$doc:meta])* $field:ident ),* $(,)?) => {
+        /// A snapshot of a client's counters since it was built (see
+        /// [`LockClient::stats`](crate::LockClient::stats)).
+        ///
+        /// # Examples
+        ///
+        /// ```no_run
+        /// # fn main() -> Result<(), redbaton::Error> {
+        /// # let client = redbaton::LockClient::builder().build()?;
+        /// client.with_lock("report", || ())?;
+        /// let s = client.stats();
+        /// println!("{} commands for {} acquisitions", s.commands, s.remote_acquisitions);
+        /// # Ok(()) }
+        /// ```
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        #[non_exhaustive]
+        pub struct Stats {
+            $( $(#[$doc])* pub $field: u64, )*
+        }
+
+        #[derive(Default)]
+        pub(crate) struct Counters {
+            $( pub $field: AtomicU64, )*
+        }
+
+        impl Counters {
+            pub fn snapshot(&self) -> Stats {
+                Stats { $( $field: self.$field.load(Relaxed), )* }
+            }
+        }
+    };
+}
+
+counters! {
+    /// Locks taken in Redis (one per remote acquisition, however many local holders).
+    remote_acquisitions,
+    /// Acquire attempts that found the lock held.
+    failed_attempts,
+    /// Locks passed to a waiting local thread with no Redis command.
+    local_handoffs,
+    /// Releases in Redis forced by the fairness budget while local threads still waited.
+    budget_releases,
+    /// Commands sent to Redis by this client: scripts, (un)subscribes, pings.
+    commands,
+    /// Waits ended by a notification for the key.
+    wakeups_event,
+    /// Waits ended because the holder's remaining lease ran out.
+    wakeups_lease,
+    /// Waits ended by the re-check ceiling.
+    wakeups_recheck,
+    /// Waits ended by the polling interval (`Wakeup::Polling`).
+    wakeups_poll,
+    /// Waits ended because the subscriber reconnected (events may have been missed).
+    wakeups_reconnect,
+    /// Times a subscriber connection was re-established.
+    reconnects,
+    /// Lock renewals sent by the watchdog (one per lock per node).
+    renewals_sent,
+    /// Renewals that failed at the network level (retried until the lease runs out).
+    renewals_failed,
+    /// Locks found lost while held.
+    locks_lost,
+    /// Calls that returned `Error::Timeout`.
+    timeouts,
+}
+
+impl Counters {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Relaxed);
+    }
+    pub fn inc(counter: &AtomicU64) {
+        counter.fetch_add(1, Relaxed);
+    }
+}

@@ -1,0 +1,493 @@
+//! One subscriber thread per node: listens for changes of the keys local threads wait for
+//! and wakes exactly their waiters.
+//!
+//! # Why one channel per key, not a pattern
+//!
+//! The thread `SUBSCRIBE`s to the keyspace channel of each key it has waiters for (and to the
+//! library's own channel of that key), instead of `PSUBSCRIBE`ing to a prefix pattern. With
+//! 10,000 keys and 100 processes on one Redis, a pattern would deliver every event of every
+//! key to all 100 processes (and Redis matches every published event against every
+//! pattern): 100 messages per lock change, 99 of them thrown away. Per-key channels cost
+//! one dictionary lookup per event and reach only the processes that wait for that key;
+//! the price is one `SUBSCRIBE` when a process starts waiting for a key (amortised: a
+//! subscription lingers for [`LINGER`] after its last waiter leaves) and Redis memory of one
+//! entry per (key, waiting process).
+//!
+//! # The invariant
+//!
+//! A waiter registers a [`Watch`] and waits until Redis confirms the subscription
+//! ([`Watch::wait_confirmed`]) *before* the acquire attempt whose failure makes it wait. It
+//! reads the key's event counters before that attempt and, after it, sleeps only while they
+//! are unchanged: an event between the attempt and the sleep is never lost. When the
+//! connection drops, the generation changes, every waiter is poked, re-waits for the
+//! re-subscription and retries once (events sent while it was away are gone).
+//!
+//! The sync `redis` connection is `&mut` only, so this thread owns it and reads with a
+//! short timeout ([`POLL`]) to take (un)subscribe requests between reads; events
+//! themselves are read as soon as they arrive.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+use redis::{Msg, PubSub, RedisResult};
+
+use crate::keys::{Keys, keyspace_channel, lock_of_channel, lock_of_keyspace_channel};
+use crate::stats::Counters;
+
+/// How long a subscription outlives its last waiter, so that a key locked again and again
+/// does not pay a `SUBSCRIBE` each time.
+pub(crate) const LINGER: Duration = Duration::from_secs(2);
+/// Read timeout while subscriptions are active: the longest a (un)subscribe request waits
+/// for the thread. It does not delay events.
+const POLL: Duration = Duration::from_millis(5);
+/// Longest sleep while nothing is subscribed.
+const IDLE: Duration = Duration::from_millis(500);
+/// A `PING` on the subscriber connection after this long without traffic, so that a dead
+/// connection is noticed even when no event is due.
+const HEALTH_CHECK: Duration = Duration::from_secs(15);
+/// Channels per `SUBSCRIBE` command.
+const BATCH: usize = 512;
+
+/// The counters a waiter compares before and after its attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Snapshot {
+    pub confirmed: bool,
+    pub generation: u64,
+    /// Events after which the key may be free (`del`, `expired`, the library's `r`...).
+    pub freed: u64,
+    /// Events where someone set the key (another process took it).
+    pub taken: u64,
+}
+
+struct KeySub {
+    channels: Vec<Vec<u8>>,
+    interest: usize,
+    confirmed: bool,
+    requested: bool,
+    idle_since: Option<Instant>,
+    freed: u64,
+    taken: u64,
+    last_contended: Option<Instant>,
+    listeners: Vec<(u64, Sender<()>)>,
+}
+
+impl KeySub {
+    fn poke(&self) {
+        for (_, tx) in &self.listeners {
+            let _ = tx.try_send(());
+        }
+    }
+}
+
+struct State {
+    keys: HashMap<Vec<u8>, KeySub>,
+    generation: u64,
+    next_listener: u64,
+    /// Some key wants subscribing: the thread should look.
+    dirty: bool,
+}
+
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    kick: Sender<()>,
+    shutdown: AtomicBool,
+    keyspace: AtomicBool,
+    db: i64,
+    client_id: String,
+}
+
+/// The subscriber of one node: the handle callers use, and the thread.
+pub(crate) struct Subscriber {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// How the thread opens its connection.
+pub(crate) struct Connector {
+    pub client: redis::Client,
+    pub connect_timeout: Duration,
+    pub read_timeout: Duration,
+    pub write_timeout: Duration,
+}
+
+impl Subscriber {
+    pub fn start(
+        node_idx: usize,
+        db: i64,
+        keyspace: bool,
+        client_id: String,
+        connector: Connector,
+        counters: Arc<Counters>,
+    ) -> std::io::Result<Self> {
+        let (kick, kicked) = crossbeam_channel::bounded(1);
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                keys: HashMap::new(),
+                generation: 0,
+                next_listener: 0,
+                dirty: false,
+            }),
+            kick,
+            shutdown: AtomicBool::new(false),
+            keyspace: AtomicBool::new(keyspace),
+            db,
+            client_id,
+        });
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("redbaton-sub-{node_idx}"))
+            .spawn(move || run(thread_shared, kicked, connector, counters, node_idx))?;
+        Ok(Subscriber {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Keeps `keys` subscribed (for the holder's process to hear of remote contention);
+    /// dropping the handle lets the subscription linger, then go.
+    pub fn interest(&self, keys: &Keys) -> Interest {
+        self.register(keys, None);
+        Interest {
+            shared: self.shared.clone(),
+            lock: keys.lock().to_vec(),
+            listener: None,
+        }
+    }
+
+    /// An [`Interest`] that also pokes `poke` at every change of the key.
+    pub fn watch(&self, keys: &Keys, poke: Sender<()>) -> Watch {
+        let id = self.register(keys, Some(poke));
+        Watch(Interest {
+            shared: self.shared.clone(),
+            lock: keys.lock().to_vec(),
+            listener: Some(id),
+        })
+    }
+
+    fn register(&self, keys: &Keys, poke: Option<Sender<()>>) -> u64 {
+        let mut st = self.shared.state.lock();
+        let id = st.next_listener;
+        st.next_listener += 1;
+        let keyspace = self.shared.keyspace.load(Ordering::Relaxed);
+        let db = self.shared.db;
+        let ks = st.keys.entry(keys.lock().to_vec()).or_insert_with(|| {
+            let mut channels = vec![keys.channel().to_vec()];
+            if keyspace {
+                channels.push(keyspace_channel(db, keys.lock()));
+            }
+            KeySub {
+                channels,
+                interest: 0,
+                confirmed: false,
+                requested: false,
+                idle_since: None,
+                freed: 0,
+                taken: 0,
+                last_contended: None,
+                listeners: Vec::new(),
+            }
+        });
+        ks.interest += 1;
+        ks.idle_since = None;
+        if let Some(tx) = poke {
+            ks.listeners.push((id, tx));
+        }
+        let needs_subscribe = !ks.confirmed && !ks.requested;
+        if needs_subscribe {
+            st.dirty = true;
+            drop(st);
+            let _ = self.shared.kick.try_send(());
+        }
+        id
+    }
+
+    /// Whether another process failed to get `keys` within the last `window`.
+    pub fn contended_within(&self, keys: &Keys, window: Duration) -> bool {
+        let st = self.shared.state.lock();
+        st.keys
+            .get(keys.lock())
+            .and_then(|k| k.last_contended)
+            .is_some_and(|t| t.elapsed() < window)
+    }
+
+    /// Whether `keys` is subscribed right now (the holder's contention signal is reliable).
+    pub fn is_confirmed(&self, keys: &Keys) -> bool {
+        let st = self.shared.state.lock();
+        st.keys.get(keys.lock()).is_some_and(|k| k.confirmed)
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Relaxed);
+        let _ = self.shared.kick.try_send(());
+        if let Some(t) = self.thread.take()
+            && t.thread().id() != std::thread::current().id()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Keeps a key subscribed while alive.
+pub(crate) struct Interest {
+    shared: Arc<Shared>,
+    lock: Vec<u8>,
+    listener: Option<u64>,
+}
+
+impl Drop for Interest {
+    fn drop(&mut self) {
+        let mut st = self.shared.state.lock();
+        if let Some(ks) = st.keys.get_mut(&self.lock) {
+            ks.interest -= 1;
+            if let Some(id) = self.listener {
+                ks.listeners.retain(|(l, _)| *l != id);
+            }
+            if ks.interest == 0 {
+                ks.idle_since = Some(Instant::now());
+            }
+        }
+    }
+}
+
+/// A waiter's registration: keeps the key subscribed and pokes the waiter on changes.
+pub(crate) struct Watch(Interest);
+
+impl Watch {
+    pub fn snapshot(&self) -> Snapshot {
+        let st = self.0.shared.state.lock();
+        let ks = st.keys.get(&self.0.lock);
+        Snapshot {
+            confirmed: ks.is_some_and(|k| k.confirmed),
+            generation: st.generation,
+            freed: ks.map_or(0, |k| k.freed),
+            taken: ks.map_or(0, |k| k.taken),
+        }
+    }
+}
+
+fn run(
+    shared: Arc<Shared>,
+    kicked: Receiver<()>,
+    connector: Connector,
+    counters: Arc<Counters>,
+    node: usize,
+) {
+    let mut backoff = Duration::from_millis(50);
+    let mut connected_once = false;
+    while !shared.shutdown.load(Ordering::Relaxed) {
+        if !shared.wants_connection() {
+            let _ = kicked.recv_timeout(IDLE);
+            continue;
+        }
+        let conn = crate::pool::open_connection(
+            &connector.client,
+            connector.connect_timeout,
+            connector.read_timeout,
+            connector.write_timeout,
+            "redbaton:sub",
+        );
+        let mut conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                log::debug!("subscriber {node}: connect failed: {e}; retrying in {backoff:?}");
+                let jitter = rand::random_range(0..=backoff.as_millis() as u64 / 2);
+                let _ = kicked.recv_timeout(backoff + Duration::from_millis(jitter));
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        if connected_once {
+            Counters::inc(&counters.reconnects);
+            log::info!("subscriber {node}: reconnected; waiters retry once");
+        }
+        connected_once = true;
+        backoff = Duration::from_millis(50);
+        let err = serve(
+            &shared,
+            &kicked,
+            conn.as_pubsub(),
+            connector.read_timeout,
+            &counters,
+        );
+        shared.lost_connection();
+        match err {
+            Ok(()) => break,
+            Err(e) => log::warn!("subscriber {node}: connection lost: {e}"),
+        }
+    }
+}
+
+/// Serves one connection until it fails (`Err`) or the client shuts down (`Ok`).
+fn serve(
+    shared: &Shared,
+    kicked: &Receiver<()>,
+    mut ps: PubSub<'_>,
+    read_timeout: Duration,
+    counters: &Counters,
+) -> RedisResult<()> {
+    let mut last_traffic = Instant::now();
+    ps.set_read_timeout(Some(POLL))?;
+    loop {
+        if shared.shutdown.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let active = sync_subscriptions(shared, &mut ps, read_timeout, counters)?;
+        if !active {
+            // Nothing subscribed: sleep on the kick channel rather than the socket.
+            let _ = kicked.recv_timeout(IDLE);
+        } else {
+            match ps.get_message() {
+                Ok(msg) => {
+                    last_traffic = Instant::now();
+                    shared.dispatch(&msg);
+                    continue;
+                }
+                Err(e) if e.is_timeout() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if last_traffic.elapsed() >= HEALTH_CHECK {
+            ps.set_read_timeout(Some(read_timeout))?;
+            Counters::inc(&counters.commands);
+            ps.ping::<redis::Value>()?;
+            ps.set_read_timeout(Some(POLL))?;
+            last_traffic = Instant::now();
+        }
+    }
+}
+
+/// Sends the (un)subscribes the state asks for. Returns whether any key is subscribed.
+fn sync_subscriptions(
+    shared: &Shared,
+    ps: &mut PubSub<'_>,
+    read_timeout: Duration,
+    counters: &Counters,
+) -> RedisResult<bool> {
+    let (subscribe, unsubscribe, generation, active) = {
+        let mut st = shared.state.lock();
+        let now = Instant::now();
+        let mut subscribe = Vec::new();
+        let mut unsubscribe = Vec::new();
+        if st.dirty {
+            st.dirty = false;
+            for (lock, ks) in st.keys.iter_mut() {
+                if ks.interest > 0 && !ks.confirmed && !ks.requested {
+                    ks.requested = true;
+                    subscribe.push((lock.clone(), ks.channels.clone()));
+                }
+            }
+        }
+        st.keys.retain(|_, ks| {
+            let expired = ks.interest == 0 && ks.idle_since.is_some_and(|t| now - t >= LINGER);
+            if expired && (ks.confirmed || ks.requested) {
+                unsubscribe.extend(ks.channels.iter().cloned());
+            }
+            !expired
+        });
+        let active = !st.keys.is_empty();
+        (subscribe, unsubscribe, st.generation, active)
+    };
+    if subscribe.is_empty() && unsubscribe.is_empty() {
+        return Ok(active);
+    }
+    // A confirmation may take longer than the poll interval on a busy server.
+    ps.set_read_timeout(Some(read_timeout))?;
+    for batch in unsubscribe.chunks(BATCH) {
+        Counters::inc(&counters.commands);
+        ps.unsubscribe(batch)?;
+    }
+    for batch in subscribe.chunks(BATCH / 2) {
+        let channels: Vec<&Vec<u8>> = batch.iter().flat_map(|(_, c)| c).collect();
+        Counters::inc(&counters.commands);
+        // Redis runs the whole command before replying: the first confirmation means
+        // every channel of the batch is subscribed. The others are skipped as non-messages.
+        ps.subscribe(channels)?;
+        let mut st = shared.state.lock();
+        if st.generation != generation {
+            continue;
+        }
+        for (lock, _) in batch {
+            if let Some(ks) = st.keys.get_mut(lock) {
+                ks.confirmed = true;
+                ks.requested = false;
+                ks.poke();
+            }
+        }
+    }
+    ps.set_read_timeout(Some(POLL))?;
+    Ok(true)
+}
+
+impl Shared {
+    fn wants_connection(&self) -> bool {
+        let st = self.state.lock();
+        st.keys.values().any(|k| k.interest > 0)
+    }
+
+    /// Every subscription is gone with the connection: waiters must re-wait for the
+    /// re-subscription and retry once.
+    fn lost_connection(&self) {
+        let mut st = self.state.lock();
+        st.generation += 1;
+        st.dirty = true;
+        st.keys.retain(|_, ks| ks.interest > 0);
+        for ks in st.keys.values_mut() {
+            ks.confirmed = false;
+            ks.requested = false;
+            ks.poke();
+        }
+    }
+
+    fn dispatch(&self, msg: &Msg) {
+        // Names may be binary: read the channel as bytes, not as `&str`.
+        let Ok(channel) = msg.get_channel::<Vec<u8>>() else {
+            return;
+        };
+        let channel = channel.as_slice();
+        let payload: &[u8] = msg.get_payload_bytes();
+        enum Kind {
+            Freed,
+            Taken,
+            Contended,
+            Ignored,
+        }
+        let (lock, kind) = if let Some(lock) = lock_of_keyspace_channel(channel) {
+            let kind = match payload {
+                // Our own renewals (`expire`) must not wake every waiter each renew interval.
+                b"expire" => Kind::Ignored,
+                b"set" => Kind::Taken,
+                // del, expired, evicted, rename_from, move_from, ...: the key may be free.
+                _ => Kind::Freed,
+            };
+            (lock, kind)
+        } else if let Some(lock) = lock_of_channel(channel) {
+            let kind = match payload {
+                b"r" => Kind::Freed,
+                // `c` + the failing client's id: our own failed attempts do not count.
+                [b'c', id @ ..] if id != self.client_id.as_bytes() => Kind::Contended,
+                _ => Kind::Ignored,
+            };
+            (lock, kind)
+        } else {
+            return;
+        };
+        let mut st = self.state.lock();
+        let Some(ks) = st.keys.get_mut(lock) else {
+            return;
+        };
+        match kind {
+            Kind::Freed => ks.freed += 1,
+            Kind::Taken => ks.taken += 1,
+            Kind::Contended => ks.last_contended = Some(Instant::now()),
+            Kind::Ignored => return,
+        }
+        ks.poke();
+    }
+}

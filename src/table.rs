@@ -1,0 +1,273 @@
+//! The local table: for each key some thread of this process holds or wants, who holds it,
+//! who contends for it in Redis, and the FIFO queue of local waiters (singleflight).
+//!
+//! Every change of an entry, and every grant to a queued waiter, happens under the table's
+//! one mutex. That is what makes the races simple: a waiter whose deadline passes takes the
+//! same mutex to leave the queue, so it either finds its grant already there (and takes
+//! it) or leaves before any grant can be made to it; a lock is never handed to a thread
+//! that has gone.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::builder::{Config, MAX_LOCAL_SEQ};
+use crate::error::{Error, Result};
+use crate::keys::Keys;
+use crate::remote::RemoteLock;
+use crate::subscriber::{Interest, Subscriber};
+
+/// What a queued waiter is given.
+pub(crate) enum Grant {
+    /// The lock itself, passed by the previous local holder: same Redis token and lease.
+    Baton { remote: Arc<RemoteLock>, seq: u32 },
+    /// The duty to contend in Redis for the process. `yield_first`: the previous holder
+    /// released because of the fairness budget, so let a remote waiter in first.
+    Contend { yield_first: bool },
+}
+
+/// A queued waiter's mailbox.
+pub(crate) struct Slot {
+    thread: ThreadId,
+    grant: Mutex<Option<Grant>>,
+    granted: Condvar,
+}
+
+/// What `enter` decided for the calling thread.
+pub(crate) enum Role {
+    Contend,
+    Queued(Arc<Slot>),
+}
+
+/// What a release must do.
+pub(crate) enum Step {
+    /// Handed to the next local waiter: nothing to send.
+    HandedOff,
+    /// Release in Redis, then call [`Table::released`]. `forced`: local waiters remain but
+    /// the fairness budget is spent.
+    Remote { forced: bool },
+}
+
+struct Entry {
+    holder: Option<ThreadId>,
+    contenders: usize,
+    releasing: bool,
+    queue: VecDeque<Arc<Slot>>,
+    /// Handoff number within the current remote acquisition (low bits of the fence).
+    seq: u32,
+    /// When the current remote acquisition began (the budget's time slice).
+    acquired_at: Instant,
+    /// Keeps the key subscribed while local threads queue behind a holder, so that the
+    /// holder hears when a remote process fails to get the lock.
+    interests: Vec<Interest>,
+}
+
+impl Entry {
+    fn new() -> Self {
+        Entry {
+            holder: None,
+            contenders: 0,
+            releasing: false,
+            queue: VecDeque::new(),
+            seq: 0,
+            acquired_at: Instant::now(),
+            interests: Vec::new(),
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.holder.is_none() && self.contenders == 0 && !self.releasing && self.queue.is_empty()
+    }
+
+    /// Wakes the first queued waiter as the process's contender.
+    fn promote(&mut self, yield_first: bool) {
+        if let Some(slot) = self.queue.pop_front() {
+            self.contenders += 1;
+            slot.give(Grant::Contend { yield_first });
+        }
+    }
+}
+
+impl Slot {
+    fn give(&self, grant: Grant) {
+        *self.grant.lock() = Some(grant);
+        self.granted.notify_one();
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Table {
+    map: Mutex<HashMap<Vec<u8>, Entry>>,
+}
+
+impl Table {
+    /// Registers the calling thread's interest in `keys`: it either contends in Redis
+    /// itself, or queues behind the local holder/contender (`handoff`).
+    pub fn enter(
+        &self,
+        keys: &Keys,
+        wait: bool,
+        handoff: bool,
+        subs: &[Subscriber],
+    ) -> Result<Role> {
+        let me = std::thread::current().id();
+        let mut map = self.map.lock();
+        let entry = map.entry(keys.lock().to_vec()).or_insert_with(Entry::new);
+        if entry.holder == Some(me) {
+            return Err(Error::WouldDeadlock);
+        }
+        let busy = entry.holder.is_some() || entry.contenders > 0 || entry.releasing;
+        if !(handoff && busy) {
+            entry.contenders += 1;
+            return Ok(Role::Contend);
+        }
+        if !wait {
+            return Err(Error::WouldBlock);
+        }
+        if entry.interests.is_empty() {
+            entry.interests = subs.iter().map(|s| s.interest(keys)).collect();
+        }
+        let slot = Arc::new(Slot {
+            thread: me,
+            grant: Mutex::new(None),
+            granted: Condvar::new(),
+        });
+        entry.queue.push_back(slot.clone());
+        Ok(Role::Queued(slot))
+    }
+
+    /// Waits in the local queue for the baton or the duty to contend, until `deadline`.
+    pub fn wait_queued(
+        &self,
+        keys: &Keys,
+        slot: &Slot,
+        deadline: Option<Instant>,
+    ) -> Result<Grant> {
+        {
+            let mut grant = slot.grant.lock();
+            loop {
+                if let Some(g) = grant.take() {
+                    return Ok(g);
+                }
+                match deadline {
+                    Some(d) => {
+                        if slot.granted.wait_until(&mut grant, d).timed_out() {
+                            break;
+                        }
+                    }
+                    None => slot.granted.wait(&mut grant),
+                }
+            }
+        }
+        // Deadline passed: leave the queue under the table lock, unless a grant won the race.
+        let mut map = self.map.lock();
+        if let Some(g) = slot.grant.lock().take() {
+            return Ok(g);
+        }
+        if let Some(entry) = map.get_mut(keys.lock()) {
+            entry.queue.retain(|s| !std::ptr::eq(&**s, slot));
+            if entry.idle() {
+                map.remove(keys.lock());
+            }
+        }
+        Err(Error::Timeout)
+    }
+
+    /// A waiter that was granted the duty to contend but gives up before contending
+    /// (its deadline passed in the same instant): pass the duty on.
+    pub fn contend_failed(&self, keys: &Keys) {
+        let mut map = self.map.lock();
+        let Some(entry) = map.get_mut(keys.lock()) else {
+            return;
+        };
+        entry.contenders -= 1;
+        if entry.holder.is_none() && entry.contenders == 0 && !entry.releasing {
+            entry.promote(false);
+        }
+        if entry.idle() {
+            map.remove(keys.lock());
+        }
+    }
+
+    /// The calling thread, a contender, got the lock in Redis.
+    pub fn acquired(&self, keys: &Keys) {
+        let me = std::thread::current().id();
+        let mut map = self.map.lock();
+        let entry = map
+            .get_mut(keys.lock())
+            .expect("a contender's entry lives until it leaves");
+        entry.contenders -= 1;
+        entry.holder = Some(me);
+        entry.seq = 0;
+        entry.acquired_at = Instant::now();
+    }
+
+    /// The holder releases: hand the lock to the next local waiter when allowed, or tell
+    /// the caller to release it in Redis.
+    ///
+    /// The fairness budget (`max_handoffs`, `handoff_slice`) applies only while another
+    /// process is known to wait — it failed an attempt within the last `window` — or when
+    /// this process cannot know (its subscription is not confirmed).
+    pub fn release(
+        &self,
+        remote: &Arc<RemoteLock>,
+        lost: bool,
+        cfg: &Config,
+        subs: &[Subscriber],
+    ) -> Step {
+        let keys = &remote.keys;
+        let mut map = self.map.lock();
+        let entry = map
+            .get_mut(keys.lock())
+            .expect("a holder's entry lives until it releases");
+        entry.holder = None;
+        if entry.queue.is_empty() || lost || !cfg.local_handoff {
+            entry.releasing = true;
+            return Step::Remote { forced: false };
+        }
+        let window = contention_window(cfg);
+        let others_wait = subs.is_empty()
+            || subs
+                .iter()
+                .any(|s| !s.is_confirmed(keys) || s.contended_within(keys, window));
+        let within_budget = entry.seq < cfg.max_handoffs
+            && entry.acquired_at.elapsed() < cfg.handoff_slice;
+        if entry.seq >= MAX_LOCAL_SEQ || (others_wait && !within_budget) {
+            entry.releasing = true;
+            return Step::Remote { forced: true };
+        }
+        let slot = entry.queue.pop_front().expect("queue checked non-empty");
+        entry.seq += 1;
+        entry.holder = Some(slot.thread);
+        slot.give(Grant::Baton {
+            remote: remote.clone(),
+            seq: entry.seq,
+        });
+        Step::HandedOff
+    }
+
+    /// The release in Redis is done: the next local waiter (if any) contends.
+    pub fn released(&self, keys: &Keys, forced: bool) {
+        let mut map = self.map.lock();
+        let Some(entry) = map.get_mut(keys.lock()) else {
+            return;
+        };
+        entry.releasing = false;
+        if entry.holder.is_none() && entry.contenders == 0 {
+            entry.promote(forced);
+        }
+        if entry.idle() {
+            map.remove(keys.lock());
+        }
+    }
+}
+
+/// How long after a remote process's failed attempt it still counts as waiting: a waiter
+/// retries (and so marks the key again) at least every re-check interval.
+fn contention_window(cfg: &Config) -> Duration {
+    cfg.recheck_interval + cfg.recheck_interval / 2
+}

@@ -1,0 +1,188 @@
+//! One watchdog thread per client: renews every held lock at about a third of its lease,
+//! all due locks of a node in one round trip, and marks locks lost when a renewal proves
+//! they are gone or the lease ran out before one succeeded.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
+
+use crate::client::Inner;
+use crate::error::LostReason;
+use crate::node::ExtendReply;
+use crate::remote::{Due, RemoteLock};
+use crate::stats::Counters;
+
+/// Longest sleep, so that hold caps and shutdown are noticed without a kick.
+const MAX_SLEEP: Duration = Duration::from_secs(1);
+/// Keys per extend call.
+const BATCH: usize = 1000;
+
+pub(crate) struct Watchdog {
+    held: Arc<Mutex<HashMap<u64, Arc<RemoteLock>>>>,
+    kick: Sender<()>,
+    shutdown: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Watchdog {
+    pub fn start(client: Weak<Inner>) -> std::io::Result<Self> {
+        let held = Arc::new(Mutex::new(HashMap::new()));
+        let (kick, kicked) = crossbeam_channel::bounded(1);
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let (h, s) = (held.clone(), shutdown.clone());
+        let thread = std::thread::Builder::new()
+            .name("redbaton-watchdog".to_owned())
+            .spawn(move || run(client, h, kicked, s))?;
+        Ok(Watchdog {
+            held,
+            kick,
+            shutdown,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn register(&self, lock: Arc<RemoteLock>) {
+        self.held.lock().insert(lock.id, lock);
+        let _ = self.kick.try_send(());
+    }
+
+    pub fn unregister(&self, lock: &RemoteLock) {
+        self.held.lock().remove(&lock.id);
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.shutdown.store(true, Ordering::Relaxed);
+        let _ = self.kick.try_send(());
+        if let Some(t) = self.thread.take()
+            && t.thread().id() != std::thread::current().id()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(
+    client: Weak<Inner>,
+    held: Arc<Mutex<HashMap<u64, Arc<RemoteLock>>>>,
+    kicked: Receiver<()>,
+    shutdown: Arc<AtomicBool>,
+) {
+    while !shutdown.load(Ordering::Relaxed) {
+        // Hold the client only while working, so that dropping the last handle ends us.
+        let next = match client.upgrade() {
+            Some(inner) => renew_due(&inner, &held),
+            None => return,
+        };
+        let sleep = next
+            .saturating_duration_since(Instant::now())
+            .min(MAX_SLEEP);
+        if let Err(RecvTimeoutError::Disconnected) = kicked.recv_timeout(sleep) {
+            return;
+        }
+    }
+}
+
+/// Renews what is due (and what would be due within a quarter interval, to batch), and
+/// returns when to look again.
+fn renew_due(inner: &Arc<Inner>, held: &Mutex<HashMap<u64, Arc<RemoteLock>>>) -> Instant {
+    let cfg = &inner.cfg;
+    let counters = &inner.counters;
+    let now = Instant::now();
+    let horizon = now + cfg.renew_interval / 4;
+    let mut next = now + MAX_SLEEP;
+    let mut due: Vec<(Arc<RemoteLock>, Duration)> = Vec::new();
+    held.lock().retain(|_, lock| match lock.due(now, horizon, cfg.max_hold, counters) {
+        Due::Forget => false,
+        Due::At(t) => {
+            next = next.min(t);
+            true
+        }
+        Due::Renew(lease) => {
+            due.push((lock.clone(), lease));
+            true
+        }
+    });
+    if due.is_empty() {
+        return next;
+    }
+    // Per lock: (extended, gone, other owner) node counts.
+    let tallies = extend_on_nodes(inner, &due);
+    let retry = (cfg.renew_interval / 4).min(Duration::from_millis(200));
+    let quorum = inner.quorum();
+    for ((lock, lease), (ok, gone, other)) in due.iter().zip(tallies) {
+        let granted = lock.nodes.len();
+        let outcome = if ok >= quorum.min(granted) {
+            let renew_every = inner.renew_every(*lease);
+            Ok((now + *lease - cfg.drift(*lease), now + renew_every))
+        } else if gone + other > granted.saturating_sub(quorum.min(granted)) {
+            // Enough nodes said "not yours" that no majority can be kept.
+            Err(Some(if inner.nodes.len() > 1 {
+                LostReason::NoQuorum
+            } else if other > 0 {
+                LostReason::Stolen
+            } else {
+                LostReason::Deleted
+            }))
+        } else {
+            Counters::inc(&counters.renewals_failed);
+            Err(None)
+        };
+        lock.end_renew(outcome, now + retry, counters);
+        next = next.min(now + retry);
+    }
+    next
+}
+
+/// Sends the extends, one call per node and batch, every node in parallel.
+fn extend_on_nodes(
+    inner: &Arc<Inner>,
+    due: &[(Arc<RemoteLock>, Duration)],
+) -> Vec<(usize, usize, usize)> {
+    let jobs: Arc<Vec<(Arc<RemoteLock>, Duration)>> = Arc::new(due.to_vec());
+    let client = inner.clone();
+    let per_node = inner.map_nodes(move |n| {
+        let node = &client.nodes[n];
+        // Group this node's locks by lease: one script call per (lease, batch).
+        let mut by_lease: HashMap<Duration, Vec<usize>> = HashMap::new();
+        for (i, (lock, lease)) in jobs.iter().enumerate() {
+            if lock.nodes.contains(&n) {
+                by_lease.entry(*lease).or_default().push(i);
+            }
+        }
+        let mut replies: Vec<(usize, Option<ExtendReply>)> = Vec::new();
+        for (lease, idxs) in by_lease {
+            for chunk in idxs.chunks(BATCH) {
+                let batch: Vec<(&[u8], &str)> = chunk
+                    .iter()
+                    .map(|&i| (jobs[i].0.keys.lock(), jobs[i].0.token.as_str()))
+                    .collect();
+                Counters::add(&client.counters.renewals_sent, batch.len() as u64);
+                match node.extend(&batch, lease) {
+                    Ok(r) => replies.extend(chunk.iter().copied().zip(r.into_iter().map(Some))),
+                    Err(e) => {
+                        log::debug!("node {n}: renewal failed: {e}");
+                        replies.extend(chunk.iter().map(|&i| (i, None)));
+                    }
+                }
+            }
+        }
+        replies
+    });
+    let mut tallies = vec![(0, 0, 0); due.len()];
+    for (i, reply) in per_node.into_iter().flatten() {
+        match reply {
+            Some(ExtendReply::Extended) => tallies[i].0 += 1,
+            Some(ExtendReply::Gone) => tallies[i].1 += 1,
+            Some(ExtendReply::Other) => tallies[i].2 += 1,
+            None => {}
+        }
+    }
+    tallies
+}
