@@ -50,8 +50,6 @@ const IDLE: Duration = Duration::from_millis(500);
 /// A `PING` on the subscriber connection after this long without traffic, so that a dead
 /// connection is noticed even when no event is due.
 const HEALTH_CHECK: Duration = Duration::from_secs(15);
-/// Channels per `SUBSCRIBE` command.
-const BATCH: usize = 512;
 
 /// The counters a waiter compares before and after its attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -399,26 +397,26 @@ fn sync_subscriptions(
     }
     // A confirmation may take longer than the poll interval on a busy server.
     ps.set_read_timeout(Some(read_timeout))?;
-    for batch in unsubscribe.chunks(BATCH) {
+    // One channel per command: redis-rs reads one confirmation per call, and a multi-channel
+    // (UN)SUBSCRIBE leaves the others in the stream, where a later call would take one for
+    // its own confirmation before Redis has run it. That would break the invariant.
+    for channel in &unsubscribe {
         Counters::inc(&counters.commands);
-        ps.unsubscribe(batch)?;
+        ps.unsubscribe(channel)?;
     }
-    for batch in subscribe.chunks(BATCH / 2) {
-        let channels: Vec<&Vec<u8>> = batch.iter().flat_map(|(_, c)| c).collect();
-        Counters::inc(&counters.commands);
-        // Redis runs the whole command before replying: the first confirmation means
-        // every channel of the batch is subscribed. The others are skipped as non-messages.
-        ps.subscribe(channels)?;
+    for (lock, channels) in &subscribe {
+        for channel in channels {
+            Counters::inc(&counters.commands);
+            ps.subscribe(channel)?;
+        }
         let mut st = shared.state.lock();
         if st.generation != generation {
             continue;
         }
-        for (lock, _) in batch {
-            if let Some(ks) = st.keys.get_mut(lock) {
-                ks.confirmed = true;
-                ks.requested = false;
-                ks.poke();
-            }
+        if let Some(ks) = st.keys.get_mut(lock) {
+            ks.confirmed = true;
+            ks.requested = false;
+            ks.poke();
         }
     }
     ps.set_read_timeout(Some(POLL))?;

@@ -1,0 +1,89 @@
+//! Quickstart: four threads share one counter in Redis under one lock.
+//!
+//! ```text
+//! cargo run --example quickstart
+//! ```
+//!
+//! Uses `REDIS_URL` when set; otherwise Redis on 127.0.0.1:6379 if one answers; otherwise it
+//! starts a throwaway `redis-server` (no persistence, in a temp dir) and stops it at the end.
+
+use std::time::Duration;
+
+use redbaton::LockClient;
+
+#[path = "../tests/support/server.rs"]
+#[allow(dead_code)]
+mod server;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+
+    // Keep the throwaway server alive until the end of main.
+    let (url, _server) = match std::env::var("REDIS_URL") {
+        Ok(url) => (url, None),
+        Err(_) if answers("redis://127.0.0.1:6379/") => ("redis://127.0.0.1:6379/".to_owned(), None),
+        Err(_) => {
+            println!("no Redis on 127.0.0.1:6379: starting a throwaway redis-server");
+            let server = server::RedisServer::start();
+            (server.url(), Some(server))
+        }
+    };
+    println!("using {url}");
+
+    let client = LockClient::builder()
+        .node(url.as_str())
+        .key_prefix("quickstart:")
+        .lease(Duration::from_secs(10))
+        .build()?;
+
+    // A counter in Redis, read and written non-atomically: only the lock keeps it exact.
+    let mut conn = redis::Client::open(url.as_str())?.get_connection()?;
+    redis::cmd("SET").arg("quickstart:counter").arg(0).query::<()>(&mut conn)?;
+
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let client = client.clone();
+            let url = url.clone();
+            std::thread::spawn(move || -> Result<u64, redbaton::Error> {
+                let mut conn = redis::Client::open(url.as_str())?.get_connection()?;
+                let mut last_token = 0;
+                for _ in 0..50 {
+                    let guard = client.lock("counter")?;
+                    assert!(guard.fencing_token() > last_token, "tokens grow");
+                    last_token = guard.fencing_token();
+                    let n: u64 = redis::cmd("GET").arg("quickstart:counter").query(&mut conn)?;
+                    redis::cmd("SET")
+                        .arg("quickstart:counter")
+                        .arg(n + 1)
+                        .query::<()>(&mut conn)?;
+                    guard.unlock()?;
+                }
+                println!("thread {t} done, last fencing token {last_token}");
+                Ok(last_token)
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("worker thread panicked")?;
+    }
+
+    let n: u64 = redis::cmd("GET").arg("quickstart:counter").query(&mut conn)?;
+    let s = client.stats();
+    println!("counter = {n} (expected 200)");
+    println!(
+        "remote acquisitions {}, local handoffs {}, redis commands {}, wakeups by event {}",
+        s.remote_acquisitions, s.local_handoffs, s.commands, s.wakeups_event
+    );
+    redis::cmd("DEL").arg("quickstart:counter").query::<()>(&mut conn)?;
+    if n != 200 {
+        return Err("counter is off: mutual exclusion failed".into());
+    }
+    Ok(())
+}
+
+fn answers(url: &str) -> bool {
+    redis::Client::open(url)
+        .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(300)))
+        .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+        .is_ok()
+}
