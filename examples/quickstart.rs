@@ -21,7 +21,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Keep the throwaway server alive until the end of main.
     let (url, _server) = match std::env::var("REDIS_URL") {
         Ok(url) => (url, None),
-        Err(_) if answers("redis://127.0.0.1:6379/") => ("redis://127.0.0.1:6379/".to_owned(), None),
+        Err(_) if answers("redis://127.0.0.1:6379/") => {
+            ("redis://127.0.0.1:6379/".to_owned(), None)
+        }
         Err(_) => {
             println!("no Redis on 127.0.0.1:6379: starting a throwaway redis-server");
             let server = server::RedisServer::start();
@@ -38,7 +40,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // A counter in Redis, read and written non-atomically: only the lock keeps it exact.
     let mut conn = redis::Client::open(url.as_str())?.get_connection()?;
-    redis::cmd("SET").arg("quickstart:counter").arg(0).query::<()>(&mut conn)?;
+    redis::cmd("SET")
+        .arg("quickstart:counter")
+        .arg(0)
+        .query::<()>(&mut conn)?;
 
     let threads: Vec<_> = (0..4)
         .map(|t| {
@@ -51,7 +56,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let guard = client.lock("counter")?;
                     assert!(guard.fencing_token() > last_token, "tokens grow");
                     last_token = guard.fencing_token();
-                    let n: u64 = redis::cmd("GET").arg("quickstart:counter").query(&mut conn)?;
+                    let n: u64 = redis::cmd("GET")
+                        .arg("quickstart:counter")
+                        .query(&mut conn)?;
                     redis::cmd("SET")
                         .arg("quickstart:counter")
                         .arg(n + 1)
@@ -67,14 +74,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         t.join().expect("worker thread panicked")?;
     }
 
-    let n: u64 = redis::cmd("GET").arg("quickstart:counter").query(&mut conn)?;
+    let n: u64 = redis::cmd("GET")
+        .arg("quickstart:counter")
+        .query(&mut conn)?;
     let s = client.stats();
     println!("counter = {n} (expected 200)");
     println!(
         "remote acquisitions {}, local handoffs {}, redis commands {}, wakeups by event {}",
         s.remote_acquisitions, s.local_handoffs, s.commands, s.wakeups_event
     );
-    redis::cmd("DEL").arg("quickstart:counter").query::<()>(&mut conn)?;
+    redis::cmd("DEL")
+        .arg("quickstart:counter")
+        .query::<()>(&mut conn)?;
     if n != 200 {
         return Err("counter is off: mutual exclusion failed".into());
     }

@@ -295,7 +295,7 @@ impl Builder {
             nodes.push("redis://127.0.0.1:6379/".to_owned());
         }
         let n = nodes.len();
-        if n > 1 && (n < 3 || n % 2 == 0) {
+        if n > 1 && (n < 3 || n.is_multiple_of(2)) {
             return bad(format!(
                 "{n} nodes: Redlock needs an odd number of nodes, at least 3"
             ));

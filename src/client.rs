@@ -146,15 +146,12 @@ impl LockClient {
                         connector,
                         counters.clone(),
                     )
-                        .map_err(|e| thread_error("subscriber", e))?,
+                    .map_err(|e| thread_error("subscriber", e))?,
                 );
             }
         }
         let fanout = if nodes.len() > 1 {
-            Some(
-                Fanout::start(2 * (nodes.len() - 1))
-                    .map_err(|e| thread_error("fanout", e))?,
-            )
+            Some(Fanout::start(2 * (nodes.len() - 1)).map_err(|e| thread_error("fanout", e))?)
         } else {
             None
         };
@@ -344,7 +341,10 @@ impl Inner {
             Ok(lock) => {
                 self.table.acquired(keys);
                 if let Some(w) = &self.watchdog {
-                    w.register(lock.clone());
+                    w.register(
+                        lock.clone(),
+                        lock.acquired_at + self.renew_every(self.cfg.lease),
+                    );
                 }
                 Ok(lock)
             }

@@ -11,7 +11,7 @@ use crate::client::Inner;
 use crate::error::{Error, Result};
 use crate::keys::Keys;
 use crate::node::{Attempt, ReleaseReply};
-use crate::remote::RemoteLock;
+use crate::remote::{Acquisition, RemoteLock};
 use crate::stats::Counters;
 use crate::subscriber::{Snapshot, Watch};
 
@@ -117,9 +117,7 @@ impl Inner {
         let started = Instant::now();
         if self.nodes.len() == 1 {
             return match self.nodes[0].acquire(keys, &token, lease, 2)? {
-                Attempt::Acquired { fence } => {
-                    self.acquired(keys, token, fence, vec![0], started)
-                }
+                Attempt::Acquired { fence } => self.acquired(keys, token, fence, vec![0], started),
                 Attempt::Held { pttl } => Ok(Round::Held(pttl)),
             };
         }
@@ -189,13 +187,15 @@ impl Inner {
         }
         let lease = self.cfg.lease;
         let lock = Arc::new(RemoteLock::new(
-            keys.clone(),
-            token,
-            fence,
-            nodes,
-            started,
+            Acquisition {
+                keys: keys.clone(),
+                token,
+                fence,
+                nodes,
+                started,
+            },
             lease,
-            started + lease - self.cfg.drift(lease),
+            self.cfg.drift(lease),
             self.renew_every(lease),
         ));
         Counters::inc(&self.counters.remote_acquisitions);
@@ -354,7 +354,10 @@ impl Waiter {
         }
         self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
         let until = earliest(Instant::now() + sleep, deadline);
-        log::debug!("waiting for {} without confirmed subscription", keys.display());
+        log::debug!(
+            "waiting for {} without confirmed subscription",
+            keys.display()
+        );
         let _ = self.poke.recv_deadline(until);
         self.confirm(client, deadline);
         Woken::Recheck

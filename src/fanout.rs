@@ -45,7 +45,10 @@ impl Fanout {
         F: Fn(usize) -> T + Send + Sync + 'static,
     {
         let (tx, rx) = crossbeam_channel::bounded(n);
-        let jobs = self.jobs.as_ref().expect("fanout alive while its client is");
+        let jobs = self
+            .jobs
+            .as_ref()
+            .expect("fanout alive while its client is");
         for i in 1..n {
             let (f, tx) = (f.clone(), tx.clone());
             let job: Job = Box::new(move || {

@@ -214,7 +214,9 @@ impl LockGuard {
     /// ```
     pub fn extend(&self, lease: Duration) -> Result<()> {
         if lease.is_zero() {
-            return Err(Error::InvalidConfig("extend: lease must be positive".to_owned()));
+            return Err(Error::InvalidConfig(
+                "extend: lease must be positive".to_owned(),
+            ));
         }
         self.client.extend(&self.remote, lease)
     }

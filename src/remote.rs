@@ -49,15 +49,27 @@ pub(crate) enum Due {
     Renew(Duration),
 }
 
+/// What a successful acquisition round produced.
+pub(crate) struct Acquisition {
+    pub keys: Keys,
+    pub token: String,
+    pub fence: u64,
+    pub nodes: Vec<usize>,
+    /// When the round began: validity counts from here, not from the reply.
+    pub started: Instant,
+}
+
 impl RemoteLock {
     pub fn new(
-        keys: Keys,
-        token: String,
-        fence: u64,
-        nodes: Vec<usize>,
-        started: Instant,
+        Acquisition {
+            keys,
+            token,
+            fence,
+            nodes,
+            started,
+        }: Acquisition,
         lease: Duration,
-        valid_until: Instant,
+        drift: Duration,
         renew_every: Duration,
     ) -> Self {
         RemoteLock {
@@ -69,7 +81,7 @@ impl RemoteLock {
             acquired_at: started,
             state: Mutex::new(State {
                 lease,
-                valid_until,
+                valid_until: started + lease - drift,
                 next_renew: started + renew_every,
                 renewing: false,
                 released: false,

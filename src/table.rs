@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
-
 use parking_lot::{Condvar, Mutex};
 
 use crate::builder::{Config, MAX_LOCAL_SEQ};
@@ -234,8 +233,8 @@ impl Table {
             || subs
                 .iter()
                 .any(|s| !s.is_confirmed(keys) || s.contended_within(keys, window));
-        let within_budget = entry.seq < cfg.max_handoffs
-            && entry.acquired_at.elapsed() < cfg.handoff_slice;
+        let within_budget =
+            entry.seq < cfg.max_handoffs && entry.acquired_at.elapsed() < cfg.handoff_slice;
         if entry.seq >= MAX_LOCAL_SEQ || (others_wait && !within_budget) {
             entry.releasing = true;
             return Step::Remote { forced: true };

@@ -22,8 +22,15 @@ const MAX_SLEEP: Duration = Duration::from_secs(1);
 /// Keys per extend call.
 const BATCH: usize = 1000;
 
+/// The held locks, and when the thread plans to look at them next.
+#[derive(Default)]
+struct Held {
+    locks: HashMap<u64, Arc<RemoteLock>>,
+    planned: Option<Instant>,
+}
+
 pub(crate) struct Watchdog {
-    held: Arc<Mutex<HashMap<u64, Arc<RemoteLock>>>>,
+    held: Arc<Mutex<Held>>,
     kick: Sender<()>,
     shutdown: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -31,7 +38,7 @@ pub(crate) struct Watchdog {
 
 impl Watchdog {
     pub fn start(client: Weak<Inner>) -> std::io::Result<Self> {
-        let held = Arc::new(Mutex::new(HashMap::new()));
+        let held = Arc::new(Mutex::new(Held::default()));
         let (kick, kicked) = crossbeam_channel::bounded(1);
         let shutdown = Arc::new(AtomicBool::new(false));
         let (h, s) = (held.clone(), shutdown.clone());
@@ -46,13 +53,20 @@ impl Watchdog {
         })
     }
 
-    pub fn register(&self, lock: Arc<RemoteLock>) {
-        self.held.lock().insert(lock.id, lock);
-        let _ = self.kick.try_send(());
+    /// Starts renewing `lock`. Wakes the thread only when this lock is due before the
+    /// thread's next planned look: most acquisitions cost no context switch.
+    pub fn register(&self, lock: Arc<RemoteLock>, first_renewal: Instant) {
+        let mut held = self.held.lock();
+        held.locks.insert(lock.id, lock);
+        if held.planned.is_none_or(|p| first_renewal < p) {
+            held.planned = Some(first_renewal);
+            drop(held);
+            let _ = self.kick.try_send(());
+        }
     }
 
     pub fn unregister(&self, lock: &RemoteLock) {
-        self.held.lock().remove(&lock.id);
+        self.held.lock().locks.remove(&lock.id);
     }
 }
 
@@ -70,7 +84,7 @@ impl Drop for Watchdog {
 
 fn run(
     client: Weak<Inner>,
-    held: Arc<Mutex<HashMap<u64, Arc<RemoteLock>>>>,
+    held: Arc<Mutex<Held>>,
     kicked: Receiver<()>,
     shutdown: Arc<AtomicBool>,
 ) {
@@ -80,9 +94,15 @@ fn run(
             Some(inner) => renew_due(&inner, &held),
             None => return,
         };
-        let sleep = next
-            .saturating_duration_since(Instant::now())
-            .min(MAX_SLEEP);
+        let next = next.min(Instant::now() + MAX_SLEEP);
+        // A lock registered during the pass set `planned` (and kicked): keep the earlier.
+        let next = {
+            let mut h = held.lock();
+            let next = h.planned.map_or(next, |p| p.min(next));
+            h.planned = Some(next);
+            next
+        };
+        let sleep = next.saturating_duration_since(Instant::now());
         if let Err(RecvTimeoutError::Disconnected) = kicked.recv_timeout(sleep) {
             return;
         }
@@ -91,24 +111,30 @@ fn run(
 
 /// Renews what is due (and what would be due within a quarter interval, to batch), and
 /// returns when to look again.
-fn renew_due(inner: &Arc<Inner>, held: &Mutex<HashMap<u64, Arc<RemoteLock>>>) -> Instant {
+fn renew_due(inner: &Arc<Inner>, held: &Mutex<Held>) -> Instant {
     let cfg = &inner.cfg;
     let counters = &inner.counters;
     let now = Instant::now();
     let horizon = now + cfg.renew_interval / 4;
     let mut next = now + MAX_SLEEP;
     let mut due: Vec<(Arc<RemoteLock>, Duration)> = Vec::new();
-    held.lock().retain(|_, lock| match lock.due(now, horizon, cfg.max_hold, counters) {
-        Due::Forget => false,
-        Due::At(t) => {
-            next = next.min(t);
-            true
-        }
-        Due::Renew(lease) => {
-            due.push((lock.clone(), lease));
-            true
-        }
-    });
+    let mut h = held.lock();
+    // Registrations during this pass must kick: the plan is being remade.
+    h.planned = None;
+    h.locks.retain(
+        |_, lock| match lock.due(now, horizon, cfg.max_hold, counters) {
+            Due::Forget => false,
+            Due::At(t) => {
+                next = next.min(t);
+                true
+            }
+            Due::Renew(lease) => {
+                due.push((lock.clone(), lease));
+                true
+            }
+        },
+    );
+    drop(h);
     if due.is_empty() {
         return next;
     }

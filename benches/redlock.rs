@@ -1,0 +1,2 @@
+//! Placeholder: replaced by the Redlock latency benchmark.
+fn main() {}

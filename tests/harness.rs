@@ -1,0 +1,539 @@
+//! Tests of the test harness itself (tests/support), independent of the
+//! library: if these fail, failures elsewhere say nothing about redbaton.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redis::Connection;
+use support::child;
+use support::proxy::Proxy;
+use support::server::{self, RedisServer, StatsReset};
+use support::{init_log, ms};
+
+fn ping(conn: &mut Connection) -> redis::RedisResult<String> {
+    redis::cmd("PING").query(conn)
+}
+
+fn set(conn: &mut Connection, key: &str, value: &str) {
+    let () = redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .query(conn)
+        .expect("SET");
+}
+
+fn get(conn: &mut Connection, key: &str) -> Option<String> {
+    redis::cmd("GET").arg(key).query(conn).expect("GET")
+}
+
+/// A connection through `url` that fails instead of hanging.
+fn conn_with_timeout(url: &str, timeout: Duration) -> Connection {
+    let client = redis::Client::open(url).expect("client");
+    let conn = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .expect("connect");
+    conn.set_read_timeout(Some(timeout)).expect("read timeout");
+    conn.set_write_timeout(Some(timeout))
+        .expect("write timeout");
+    conn
+}
+
+fn process_exists(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks for existence.
+    unsafe { libc::kill(pid as libc::pid_t, 0) == 0 }
+}
+
+#[test]
+fn smoke() {
+    init_log();
+    let srv = RedisServer::start();
+    let mut conn = srv.conn();
+    assert_eq!(ping(&mut conn).unwrap(), "PONG");
+    assert_eq!(srv.url(), format!("redis://127.0.0.1:{}/", srv.port()));
+    assert_eq!(srv.addr().port(), srv.port());
+    assert!(srv.addr().ip().is_loopback());
+    assert!(srv.is_running());
+    assert!(srv.dir().join("redis.conf").exists());
+}
+
+#[test]
+fn drop_kills_the_process() {
+    let srv = RedisServer::start();
+    let pid = srv.pid();
+    assert!(process_exists(pid));
+    drop(srv);
+    assert!(!process_exists(pid), "redis-server {pid} survived drop");
+}
+
+#[test]
+fn commandstats_are_net_of_harness_traffic() {
+    let srv = RedisServer::start();
+    // A fresh server reports nothing: the startup probe is hidden.
+    assert_eq!(srv.commandstats(), HashMap::new());
+    assert_eq!(srv.total_commands(), 0);
+
+    let mut conn = srv.conn();
+    for i in 0..3 {
+        set(&mut conn, &format!("k{i}"), "v");
+    }
+    assert_eq!(get(&mut conn, "k1").as_deref(), Some("v"));
+    let _: String = redis::cmd("CLIENT")
+        .arg("GETNAME")
+        .query(&mut conn)
+        .unwrap_or_default();
+
+    // Repeated readings must not count themselves.
+    for _ in 0..3 {
+        assert_eq!(srv.command_count("set"), 3);
+        assert_eq!(srv.command_count("SET"), 3);
+        assert_eq!(srv.command_count("get"), 1);
+        assert_eq!(srv.command_count("client|getname"), 1);
+        assert_eq!(srv.command_count("client"), 1, "container sums subcommands");
+        assert_eq!(srv.total_commands(), 5);
+    }
+    assert_eq!(
+        srv.keys("k*"),
+        vec![b"k0".to_vec(), b"k1".to_vec(), b"k2".to_vec()]
+    );
+    assert_eq!(srv.client_list().len(), 1, "only the test's connection");
+    assert_eq!(
+        srv.total_commands(),
+        5,
+        "SCAN / CLIENT LIST are harness traffic"
+    );
+
+    assert_eq!(srv.reset_stats(), StatsReset::Server);
+    assert_eq!(srv.total_commands(), 0);
+    set(&mut conn, "k", "v");
+    assert_eq!(srv.commandstats(), HashMap::from([("set".to_string(), 1)]));
+    assert!(srv.raw_commandstats()["info"] > 0);
+}
+
+#[test]
+fn parse_helpers() {
+    let info = "# Commandstats\r\ncmdstat_evalsha:calls=12,usec=40,usec_per_call=3.33,rejected_calls=0,failed_calls=1\r\ncmdstat_client|list:calls=2,usec=5\r\n";
+    let stats = server::parse_commandstats(info);
+    assert_eq!(stats["evalsha"], 12);
+    assert_eq!(stats["client|list"], 2);
+    assert_eq!(stats.len(), 2);
+
+    let list = "id=3 addr=127.0.0.1:5000 name= cmd=client|list\nid=4 addr=127.0.0.1:5001 name=w cmd=psubscribe psub=1\n";
+    let clients = server::parse_client_list(list);
+    assert_eq!(clients.len(), 2);
+    assert_eq!(clients[0]["name"], "");
+    assert_eq!(clients[1]["psub"], "1");
+}
+
+#[test]
+fn client_list_sees_connections() {
+    let srv = RedisServer::start();
+    assert!(srv.client_list().is_empty());
+    let mut a = srv.conn();
+    let _b = srv.conn();
+    let () = redis::cmd("CLIENT")
+        .arg("SETNAME")
+        .arg("waiter")
+        .query(&mut a)
+        .unwrap();
+    let clients = srv.client_list();
+    assert_eq!(clients.len(), 2);
+    assert!(clients.iter().any(|c| c["name"] == "waiter"));
+}
+
+#[test]
+fn renamed_config_falls_back_to_baseline() {
+    let srv = RedisServer::builder()
+        .config("rename-command", "CONFIG \"\"")
+        .config("notify-keyspace-events", "")
+        .start();
+    let mut conn = srv.conn();
+    assert!(
+        redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("port")
+            .query::<Vec<String>>(&mut conn)
+            .is_err()
+    );
+    set(&mut conn, "a", "1");
+    assert_eq!(srv.command_count("set"), 1);
+    assert_eq!(srv.reset_stats(), StatsReset::Baseline);
+    assert_eq!(srv.total_commands(), 0);
+    set(&mut conn, "a", "2");
+    assert_eq!(srv.commandstats(), HashMap::from([("set".to_string(), 1)]));
+}
+
+#[test]
+fn password_and_acl_users() {
+    let srv = RedisServer::builder().password("s3cret").start();
+    let client = redis::Client::open(srv.url()).unwrap();
+    let mut anon = client.get_connection().unwrap();
+    assert!(ping(&mut anon).is_err(), "NOAUTH expected");
+    assert_eq!(ping(&mut srv.conn()).unwrap(), "PONG");
+    let mut via_url = redis::Client::open(srv.url_with_auth())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    assert_eq!(ping(&mut via_url).unwrap(), "PONG");
+    assert_eq!(srv.command_count("ping"), 2);
+
+    let acl = RedisServer::builder()
+        .config("user", "admin on >adminpw ~* &* +@all")
+        .config("user", "default off")
+        .admin_auth("admin", "adminpw")
+        .start();
+    assert_eq!(ping(&mut acl.conn()).unwrap(), "PONG");
+    assert_eq!(acl.command_count("ping"), 1);
+}
+
+#[test]
+fn restart_keeps_port_and_loses_data() {
+    let srv = RedisServer::start();
+    let (port, pid) = (srv.port(), srv.pid());
+    set(&mut srv.conn(), "k", "v");
+    srv.restart();
+    assert_eq!(srv.port(), port);
+    assert_ne!(srv.pid(), pid);
+    assert!(!process_exists(pid));
+    let mut conn = srv.conn();
+    assert_eq!(get(&mut conn, "k"), None);
+    assert_eq!(srv.command_count("set"), 0, "stats start over");
+
+    // Restart after a crash, too.
+    srv.kill();
+    assert!(!srv.is_running());
+    assert!(ping(&mut conn).is_err());
+    srv.restart();
+    assert_eq!(ping(&mut srv.conn()).unwrap(), "PONG");
+}
+
+#[test]
+fn fixed_port_builder() {
+    let first = RedisServer::start();
+    let port = first.port();
+    drop(first);
+    let srv = RedisServer::builder().port(port).start();
+    assert_eq!(srv.port(), port);
+    assert_eq!(ping(&mut srv.conn()).unwrap(), "PONG");
+}
+
+#[test]
+#[should_panic(expected = "redis-server on fixed port")]
+fn fixed_port_in_use_panics() {
+    let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = squatter.local_addr().unwrap().port();
+    let _srv = RedisServer::builder().port(port).start();
+}
+
+#[test]
+#[should_panic(expected = "Bad directive or wrong number of arguments")]
+fn bad_config_panics_with_log_tail() {
+    let _srv = RedisServer::builder()
+        .config("no-such-directive", "1")
+        .start();
+}
+
+#[test]
+fn stop_is_clean() {
+    let srv = RedisServer::start();
+    let pid = srv.pid();
+    srv.pause(); // stop must work on a paused server too
+    let started = Instant::now();
+    srv.stop();
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "SIGTERM was honoured"
+    );
+    assert!(!process_exists(pid));
+}
+
+#[test]
+fn pause_and_resume() {
+    let srv = Arc::new(RedisServer::start());
+    let mut conn = conn_with_timeout(&srv.url(), ms(300));
+    srv.pause();
+    let started = Instant::now();
+    let err = ping(&mut conn).expect_err("paused server must not answer");
+    assert!(err.is_timeout() || err.is_io_error(), "{err}");
+    assert!(started.elapsed() >= ms(250));
+
+    // Resumed from another thread: the request queued in the socket runs.
+    let s = Arc::clone(&srv);
+    let resumer = thread::spawn(move || {
+        thread::sleep(ms(100));
+        s.resume();
+    });
+    let mut fresh = conn_with_timeout(&srv.url(), Duration::from_secs(5));
+    assert_eq!(ping(&mut fresh).unwrap(), "PONG");
+    resumer.join().unwrap();
+}
+
+#[test]
+fn start_many_gives_independent_servers() {
+    let servers = server::start_many(3);
+    let mut ports: Vec<u16> = servers.iter().map(|s| s.port()).collect();
+    ports.sort();
+    ports.dedup();
+    assert_eq!(ports.len(), 3);
+    set(&mut servers[0].conn(), "only-here", "1");
+    assert_eq!(servers[0].keys("*").len(), 1);
+    assert!(servers[1].keys("*").is_empty());
+    assert!(servers[2].keys("*").is_empty());
+}
+
+#[test]
+fn proxy_forwards_and_delays() {
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    let mut conn = conn_with_timeout(&proxy.url(), Duration::from_secs(5));
+    set(&mut conn, "k", "v");
+    assert_eq!(get(&mut srv.conn(), "k").as_deref(), Some("v"));
+    assert_eq!(proxy.connections_accepted(), 1);
+    assert_eq!(proxy.active_connections(), 1);
+
+    proxy.set_delay(ms(150));
+    let started = Instant::now();
+    assert_eq!(ping(&mut conn).unwrap(), "PONG");
+    let elapsed = started.elapsed();
+    assert!(elapsed >= ms(150), "{elapsed:?}");
+    assert!(elapsed < ms(1500), "{elapsed:?}");
+
+    proxy.set_delay_both(ms(100));
+    let started = Instant::now();
+    assert_eq!(ping(&mut conn).unwrap(), "PONG");
+    assert!(started.elapsed() >= ms(200), "{:?}", started.elapsed());
+
+    // Any leftover delay would cost >= 200 ms here; the bound leaves room
+    // for a loaded 2-core CI box.
+    proxy.heal();
+    let started = Instant::now();
+    assert_eq!(ping(&mut conn).unwrap(), "PONG");
+    assert!(started.elapsed() < ms(190), "{:?}", started.elapsed());
+}
+
+#[test]
+fn delay_is_latency_not_throughput() {
+    // A pipeline of many commands is delayed once, not once per reply.
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    let mut conn = conn_with_timeout(&proxy.url(), Duration::from_secs(5));
+    proxy.set_delay(ms(100));
+    let mut pipe = redis::pipe();
+    for i in 0..200 {
+        pipe.cmd("SET").arg(format!("k{i}")).arg("x").ignore();
+    }
+    let started = Instant::now();
+    let () = pipe.query(&mut conn).unwrap();
+    let elapsed = started.elapsed();
+    assert!(elapsed >= ms(100) && elapsed < ms(800), "{elapsed:?}");
+}
+
+#[test]
+fn drop_next_reply_executes_but_loses_the_answer() {
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    let mut conn = conn_with_timeout(&proxy.url(), Duration::from_secs(2));
+    assert_eq!(ping(&mut conn).unwrap(), "PONG"); // handshake done before arming
+
+    proxy.drop_next_reply();
+    assert!(proxy.drop_armed());
+    let started = Instant::now();
+    let err = redis::cmd("SET")
+        .arg("k")
+        .arg("v")
+        .query::<()>(&mut conn)
+        .expect_err("reply must be lost");
+    assert!(started.elapsed() < ms(1500), "closed, not timed out: {err}");
+    assert!(!proxy.drop_armed());
+    assert_eq!(proxy.replies_dropped(), 1);
+    // ...but the command ran.
+    assert_eq!(get(&mut srv.conn(), "k").as_deref(), Some("v"));
+    assert_eq!(srv.command_count("set"), 1);
+
+    // The connection is gone; a new one works normally.
+    assert!(ping(&mut conn).is_err());
+    let mut fresh = conn_with_timeout(&proxy.url(), Duration::from_secs(2));
+    assert_eq!(get(&mut fresh, "k").as_deref(), Some("v"));
+}
+
+#[test]
+fn drop_next_reply_matching_skips_other_traffic() {
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    let mut conn = conn_with_timeout(&proxy.url(), Duration::from_secs(2));
+    proxy.drop_next_reply_matching(b"target-key");
+    set(&mut conn, "other", "1");
+    assert!(proxy.drop_armed());
+    assert!(
+        redis::cmd("SET")
+            .arg("target-key")
+            .arg("2")
+            .query::<()>(&mut conn)
+            .is_err()
+    );
+    assert_eq!(get(&mut srv.conn(), "target-key").as_deref(), Some("2"));
+}
+
+#[test]
+fn blackhole_and_stall() {
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    let mut conn = conn_with_timeout(&proxy.url(), ms(300));
+
+    proxy.blackhole(true);
+    assert!(ping(&mut conn).is_err(), "blackholed");
+    assert_eq!(srv.command_count("ping"), 0, "nothing reached Redis");
+    proxy.blackhole(false);
+    let mut fresh = conn_with_timeout(&proxy.url(), ms(300));
+    assert_eq!(ping(&mut fresh).unwrap(), "PONG");
+
+    // Stall: the request is held, then delivered when the partition heals.
+    proxy.stall(true);
+    assert!(
+        redis::cmd("SET")
+            .arg("late")
+            .arg("1")
+            .query::<()>(&mut fresh)
+            .is_err()
+    );
+    assert_eq!(get(&mut srv.conn(), "late"), None);
+    proxy.stall(false);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while get(&mut srv.conn(), "late").is_none() {
+        assert!(Instant::now() < deadline, "stalled request never arrived");
+        thread::sleep(ms(10));
+    }
+}
+
+#[test]
+fn proxy_kill_all_and_drop() {
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    let mut a = conn_with_timeout(&proxy.url(), Duration::from_secs(2));
+    let mut b = conn_with_timeout(&proxy.url(), Duration::from_secs(2));
+    assert_eq!(ping(&mut a).unwrap(), "PONG");
+    assert_eq!(ping(&mut b).unwrap(), "PONG");
+    assert_eq!(proxy.active_connections(), 2);
+
+    proxy.kill_all();
+    assert!(ping(&mut a).is_err());
+    assert!(ping(&mut b).is_err());
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while proxy.active_connections() > 0 {
+        assert!(Instant::now() < deadline, "pumps did not exit");
+        thread::sleep(ms(5));
+    }
+    let mut c = conn_with_timeout(&proxy.url(), Duration::from_secs(2));
+    assert_eq!(ping(&mut c).unwrap(), "PONG");
+
+    // Drop closes live connections and returns (threads joined).
+    let url = proxy.url();
+    let started = Instant::now();
+    drop(proxy);
+    assert!(started.elapsed() < Duration::from_secs(1));
+    assert!(ping(&mut c).is_err());
+    assert!(redis::Client::open(url).unwrap().get_connection().is_err());
+}
+
+#[test]
+fn proxy_to_dead_target_closes_client() {
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    srv.kill();
+    let client = redis::Client::open(proxy.url()).unwrap();
+    // Either the handshake or the first command fails: the proxy closes
+    // the client as soon as the upstream connect is refused.
+    if let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) {
+        assert!(ping(&mut conn).is_err());
+    }
+    assert_eq!(proxy.connections_accepted(), 1);
+}
+
+// --- child processes -------------------------------------------------------
+
+/// Child entry point: passes trivially in a normal run.
+#[test]
+fn child_echo() {
+    if !child::is_child() {
+        return;
+    }
+    let mut conn = redis::Client::open(child::env("HARNESS_URL"))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    set(&mut conn, "from-child", &child::env("HARNESS_ECHO"));
+    child::print_result(&[("ok", "1".into()), ("echo", child::env("HARNESS_ECHO"))]);
+}
+
+/// Child entry point that announces itself and then hangs until killed.
+#[test]
+fn child_sleeper() {
+    if !child::is_child() {
+        return;
+    }
+    child::print_result(&[("ready", std::process::id().to_string())]);
+    thread::sleep(Duration::from_secs(60));
+}
+
+/// Child entry point: starts a server with no redis-server on PATH.
+#[test]
+fn child_without_redis() {
+    if !child::is_child() {
+        return;
+    }
+    let _srv = RedisServer::start();
+}
+
+#[test]
+fn missing_redis_server_message() {
+    let c = child::spawn_self("child_without_redis", &[("PATH", "/nonexistent".into())]);
+    let out = child::wait_output(c, Duration::from_secs(30));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("redis-server not found on PATH")
+            && out.stderr.contains("they never skip"),
+        "stderr:\n{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn child_round_trip() {
+    let srv = RedisServer::start();
+    let c = child::spawn_self(
+        "child_echo",
+        &[("HARNESS_URL", srv.url()), ("HARNESS_ECHO", "hello".into())],
+    );
+    let out = child::wait_ok(c, Duration::from_secs(30));
+    let results = child::parse_results(&out);
+    assert_eq!(results.len(), 1, "stdout:\n{out}");
+    assert_eq!(results[0]["ok"], "1");
+    assert_eq!(results[0]["echo"], "hello");
+    assert_eq!(get(&mut srv.conn(), "from-child").as_deref(), Some("hello"));
+}
+
+#[test]
+fn child_can_be_killed() {
+    let mut c = child::spawn_self("child_sleeper", &[]);
+    let line = child::wait_for_line(&mut c, "RESULT ready=", Duration::from_secs(30));
+    let fields = &child::parse_results(&line)[0];
+    assert_eq!(fields["ready"], c.id().to_string());
+    child::kill_child(&mut c, libc::SIGKILL);
+    let out = child::wait_output(c, Duration::from_secs(10));
+    assert!(!out.status.success());
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGKILL));
+}
+
+#[test]
+fn parse_results_handles_libtest_prefix() {
+    let out = "\nrunning 1 test\ntest child_x ... RESULT a=1 b=x=y\nRESULT c=3\nok\n";
+    let r = child::parse_results(out);
+    assert_eq!(r.len(), 2);
+    assert_eq!(r[0]["a"], "1");
+    assert_eq!(r[0]["b"], "x=y");
+    assert_eq!(r[1]["c"], "3");
+}
