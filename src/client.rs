@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::builder::{Builder, Config, Wakeup};
-use crate::contend::Wait;
+use crate::contend::{Wait, YIELD};
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fanout::Fanout;
 use crate::guard::LockGuard;
@@ -388,31 +388,50 @@ impl Inner {
         let lost = lock.lost(&self.counters).is_some();
         match self.table.release(lock, lost, &self.cfg, &self.subs) {
             Step::HandedOff => Ok(Unlocked::HandedOff),
-            Step::Remote { forced } => {
+            Step::Remote { forced, contended } => {
                 if forced {
                     Counters::inc(&self.counters.budget_releases);
                 }
                 // No renewal may be sent once this returns (a renewal racing the release
                 // must not outlive it).
-                lock.begin_release(&self.counters);
+                let lost = lock.begin_release(&self.counters);
                 if let Some(w) = &self.watchdog {
                     w.unregister(lock);
                 }
                 let replies = self.release_on(&lock.keys, &lock.token, lock.nodes.clone());
+                if contended {
+                    // A thread that releases and locks again would otherwise win every time:
+                    // its attempt reaches Redis before the waiters have heard of the release.
+                    let until = Instant::now() + YIELD;
+                    for s in &self.subs {
+                        s.ask_to_yield(&lock.keys, until);
+                    }
+                }
                 self.table.released(&lock.keys, forced);
-                self.tally_release(replies)
+                self.tally_release(replies, lost.is_none())
             }
         }
     }
 
-    fn tally_release(&self, replies: Vec<Result<ReleaseReply>>) -> Result<Unlocked> {
-        let count = |want| {
+    /// One outcome from the nodes' replies. `was_valid`: the lease had not run out when the
+    /// release began, so a key that only a retry found gone was deleted by our first attempt.
+    fn tally_release(
+        &self,
+        replies: Vec<Result<ReleaseReply>>,
+        was_valid: bool,
+    ) -> Result<Unlocked> {
+        let count = |want: &[ReleaseReply]| {
             replies
                 .iter()
-                .filter(|r| matches!(r, Ok(x) if *x == want))
+                .filter(|r| matches!(r, Ok(x) if want.contains(x)))
                 .count()
         };
-        let (released, other) = (count(ReleaseReply::Released), count(ReleaseReply::Other));
+        let released = if was_valid {
+            count(&[ReleaseReply::Released, ReleaseReply::GoneAfterRetry])
+        } else {
+            count(&[ReleaseReply::Released])
+        };
+        let other = count(&[ReleaseReply::Other]);
         let needed = self.quorum().min(replies.len());
         if released >= needed {
             return Ok(Unlocked::Released);

@@ -15,9 +15,9 @@ use crate::remote::{Acquisition, RemoteLock};
 use crate::stats::Counters;
 use crate::subscriber::{Snapshot, Watch};
 
-/// How long a contender that takes over after a budget-forced release lets a remote waiter
-/// go first (it is woken sooner by the remote acquisition's `set` event).
-const YIELD: Duration = Duration::from_millis(10);
+/// How long a contender of a process that just released a contended lock lets the other
+/// waiters go first (it is woken sooner by their acquisition's `set` event).
+pub(crate) const YIELD: Duration = Duration::from_millis(10);
 /// Fences above this would overflow the token's handoff bits.
 const MAX_FENCE: u64 = u64::MAX >> HANDOFF_BITS;
 
@@ -63,7 +63,8 @@ impl Inner {
         yield_first: bool,
     ) -> Result<Arc<RemoteLock>> {
         let mut waiter = Waiter::new();
-        if yield_first && !self.subs.is_empty() {
+        let asked = self.subs.iter().any(|s| s.should_yield(keys));
+        if (yield_first || asked) && !self.subs.is_empty() {
             waiter.yield_to_others(keys, wait.deadline(), self);
         }
         loop {
@@ -363,8 +364,8 @@ impl Waiter {
         Woken::Recheck
     }
 
-    /// After a budget-forced release by this process, let a remote waiter take the lock
-    /// first: wait for someone to set the key, or a short while.
+    /// After this process released a lock others wait for, let them take it first: wait
+    /// for someone to set (or free) the key, or a short while.
     fn yield_to_others(&mut self, keys: &Keys, deadline: Option<Instant>, client: &Inner) {
         if self.watches.is_empty() {
             self.watch(keys, client, deadline);
@@ -372,11 +373,10 @@ impl Waiter {
         let before: Vec<Snapshot> = self.watches.iter().map(Watch::snapshot).collect();
         let until = earliest(Instant::now() + YIELD, deadline);
         loop {
-            let taken = self
-                .watches
-                .iter()
-                .zip(&before)
-                .any(|(w, b)| w.snapshot().taken != b.taken);
+            let taken = self.watches.iter().zip(&before).any(|(w, b)| {
+                let s = w.snapshot();
+                s.taken != b.taken || s.freed != b.freed
+            });
             if taken || self.poke.recv_deadline(until).is_err() {
                 return;
             }

@@ -27,6 +27,9 @@ pub(crate) enum Attempt {
 pub(crate) enum ReleaseReply {
     Released,
     Gone,
+    /// Gone, but only a retry saw it: the first attempt, whose reply was lost, may have
+    /// been the one that deleted it.
+    GoneAfterRetry,
     Other,
 }
 
@@ -153,15 +156,18 @@ impl Node {
         }
     }
 
-    /// Compare-and-delete. `retries` may be non-zero: a repeated release is harmless (it
-    /// then reports `Gone` for a key the first attempt deleted).
+    /// Compare-and-delete. `retries` may be non-zero: a repeated release is harmless, and
+    /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
+    /// deleted.
     pub fn release(&self, keys: &Keys, token: &str, retries: u32) -> Result<ReleaseReply> {
         let channel: &[u8] = if self.publishes_release() {
             keys.channel()
         } else {
             b""
         };
+        let mut attempts = 0;
         let reply = self.run(retries, |c| {
+            attempts += 1;
             RELEASE
                 .key(keys.lock())
                 .arg(token)
@@ -170,6 +176,7 @@ impl Node {
         })?;
         match reply {
             1 => Ok(ReleaseReply::Released),
+            0 if attempts > 1 => Ok(ReleaseReply::GoneAfterRetry),
             0 => Ok(ReleaseReply::Gone),
             -1 => Ok(ReleaseReply::Other),
             n => Err(Error::Protocol(format!("release replied {n}"))),

@@ -71,6 +71,9 @@ struct KeySub {
     freed: u64,
     taken: u64,
     last_contended: Option<Instant>,
+    /// This process released the key while others waited: its next contender waits for
+    /// them (or this instant) before its first attempt.
+    yield_until: Option<Instant>,
     listeners: Vec<(u64, Sender<()>)>,
 }
 
@@ -187,6 +190,7 @@ impl Subscriber {
                 freed: 0,
                 taken: 0,
                 last_contended: None,
+                yield_until: None,
                 listeners: Vec::new(),
             }
         });
@@ -211,6 +215,26 @@ impl Subscriber {
             .get(keys.lock())
             .and_then(|k| k.last_contended)
             .is_some_and(|t| t.elapsed() < window)
+    }
+
+    /// Asks this process's next contender for `keys` to let others go first until `until`
+    /// (kept only while the key is subscribed: without events it could not be woken early).
+    pub fn ask_to_yield(&self, keys: &Keys, until: Instant) {
+        let mut st = self.shared.state.lock();
+        if let Some(k) = st.keys.get_mut(keys.lock())
+            && k.confirmed
+        {
+            k.yield_until = Some(until);
+        }
+    }
+
+    /// Whether a contender for `keys` should yield first (and clears the request).
+    pub fn should_yield(&self, keys: &Keys) -> bool {
+        let mut st = self.shared.state.lock();
+        st.keys
+            .get_mut(keys.lock())
+            .and_then(|k| k.yield_until.take())
+            .is_some_and(|t| Instant::now() < t)
     }
 
     /// Whether `keys` is subscribed right now (the holder's contention signal is reliable).

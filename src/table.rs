@@ -47,8 +47,9 @@ pub(crate) enum Step {
     /// Handed to the next local waiter: nothing to send.
     HandedOff,
     /// Release in Redis, then call [`Table::released`]. `forced`: local waiters remain but
-    /// the fairness budget is spent.
-    Remote { forced: bool },
+    /// the fairness budget is spent. `contended`: another thread or process is known to
+    /// want the lock, so this process's next contender should let it go first.
+    Remote { forced: bool, contended: bool },
 }
 
 struct Entry {
@@ -209,8 +210,8 @@ impl Table {
     /// the caller to release it in Redis.
     ///
     /// The fairness budget (`max_handoffs`, `handoff_slice`) applies only while another
-    /// process is known to wait — it failed an attempt within the last `window` — or when
-    /// this process cannot know (its subscription is not confirmed).
+    /// process is known to wait — it failed an attempt within the contention window — or
+    /// when this process cannot know (its subscription is not confirmed).
     pub fn release(
         &self,
         remote: &Arc<RemoteLock>,
@@ -224,20 +225,30 @@ impl Table {
             .get_mut(keys.lock())
             .expect("a holder's entry lives until it releases");
         entry.holder = None;
+        let window = contention_window(cfg);
+        let remote_waits = || {
+            subs.is_empty()
+                || subs
+                    .iter()
+                    .any(|s| !s.is_confirmed(keys) || s.contended_within(keys, window))
+        };
         if entry.queue.is_empty() || lost || !cfg.local_handoff {
             entry.releasing = true;
-            return Step::Remote { forced: false };
+            // Someone else wants it: our next local contender should not barge ahead.
+            let contended = !lost && (entry.contenders > 0 || remote_waits());
+            return Step::Remote {
+                forced: false,
+                contended,
+            };
         }
-        let window = contention_window(cfg);
-        let others_wait = subs.is_empty()
-            || subs
-                .iter()
-                .any(|s| !s.is_confirmed(keys) || s.contended_within(keys, window));
         let within_budget =
             entry.seq < cfg.max_handoffs && entry.acquired_at.elapsed() < cfg.handoff_slice;
-        if entry.seq >= MAX_LOCAL_SEQ || (others_wait && !within_budget) {
+        if entry.seq >= MAX_LOCAL_SEQ || (!within_budget && remote_waits()) {
             entry.releasing = true;
-            return Step::Remote { forced: true };
+            return Step::Remote {
+                forced: true,
+                contended: true,
+            };
         }
         let slot = entry.queue.pop_front().expect("queue checked non-empty");
         entry.seq += 1;
