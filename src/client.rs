@@ -13,7 +13,7 @@ use crate::node::{ExtendReply, Node, ReleaseReply};
 use crate::notify::{self, Mode};
 use crate::remote::RemoteLock;
 use crate::stats::{Counters, Stats};
-use crate::subscriber::{Connector, Subscriber};
+use crate::subscriber::{Connector, Setup, Subscriber};
 use crate::table::{Grant, Role, Step, Table};
 use crate::watchdog::Watchdog;
 
@@ -113,8 +113,6 @@ impl LockClient {
         }
         let mut subs = Vec::new();
         for (node, mode) in nodes.iter().zip(&modes) {
-            // A node not reached yet publishes on release too: that wakes waiters whatever
-            // its notification settings turn out to be.
             let keyspace = match mode {
                 Some(Mode::Keyspace) => true,
                 Some(Mode::Fallback(why)) => {
@@ -128,7 +126,6 @@ impl LockClient {
                 }
                 None => true,
             };
-            node.set_publish_release(!matches!(mode, Some(Mode::Keyspace)));
             if notifications {
                 let (connect_timeout, read_timeout, write_timeout) = node.pool.timeouts();
                 let connector = Connector {
@@ -137,16 +134,18 @@ impl LockClient {
                     read_timeout,
                     write_timeout,
                 };
+                let setup = Setup {
+                    node: node.idx,
+                    db: node.db,
+                    keyspace,
+                    configure: cfg.configure_notifications,
+                    prefix: cfg.key_prefix.clone(),
+                    client_id: client_id.to_string(),
+                    connector,
+                };
                 subs.push(
-                    Subscriber::start(
-                        node.idx,
-                        node.db,
-                        keyspace,
-                        client_id.to_string(),
-                        connector,
-                        counters.clone(),
-                    )
-                    .map_err(|e| thread_error("subscriber", e))?,
+                    Subscriber::start(setup, counters.clone())
+                        .map_err(|e| thread_error("subscriber", e))?,
                 );
             }
         }
@@ -303,11 +302,14 @@ impl LockClient {
             .enter(&keys, waits, inner.cfg.local_handoff, &inner.subs)?;
         let (remote, seq) = match role {
             Role::Contend => (inner.contend_for_table(&keys, wait, false)?, 0),
-            Role::Queued(slot) => {
+            Role::Queued { slot, check_marks } => {
                 let deadline = match wait {
                     Wait::Until(d) => d,
                     Wait::No => None,
                 };
+                if check_marks {
+                    inner.check_marks(&keys, deadline);
+                }
                 match inner.table.wait_queued(&keys, &slot, deadline) {
                     Ok(Grant::Baton { remote, seq }) => {
                         Counters::inc(&inner.counters.local_handoffs);
@@ -354,6 +356,33 @@ impl Inner {
                     Counters::inc(&self.counters.timeouts);
                 }
                 Err(e)
+            }
+        }
+    }
+
+    /// Run by the first local waiter queued behind a holder (it is idle anyway): once the
+    /// key's subscription is confirmed, read the mark key, so that a remote waiter whose
+    /// live mark came before the subscription is known too. One `GET` per node and episode.
+    fn check_marks(self: &Arc<Self>, keys: &Keys, deadline: Option<Instant>) {
+        let until = deadline.map_or(Instant::now() + self.cfg.read_timeout, |d| {
+            d.min(Instant::now() + self.cfg.read_timeout)
+        });
+        let (poke_tx, poke) = crossbeam_channel::bounded(1);
+        for (i, sub) in self.subs.iter().enumerate() {
+            let watch = sub.watch(keys, poke_tx.clone());
+            let confirmed_at = loop {
+                if let Some(at) = sub.confirmed_at(keys) {
+                    break Some(at);
+                }
+                if poke.recv_deadline(until).is_err() {
+                    break sub.confirmed_at(keys);
+                }
+            };
+            drop(watch);
+            let Some(at) = confirmed_at else { continue };
+            match self.nodes[i].foreign_mark(keys) {
+                Ok(foreign) => self.table.marks_checked(keys, i, at, foreign),
+                Err(e) => log::debug!("node {i}: mark check failed: {e}"),
             }
         }
     }
@@ -407,7 +436,7 @@ impl Inner {
                         s.ask_to_yield(&lock.keys, until);
                     }
                 }
-                self.table.released(&lock.keys, forced);
+                self.table.released(&lock.keys, forced && contended);
                 self.tally_release(replies, lost.is_none())
             }
         }

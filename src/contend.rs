@@ -67,17 +67,37 @@ impl Inner {
         if (yield_first || asked) && !self.subs.is_empty() {
             waiter.yield_to_others(keys, wait.deadline(), self);
         }
+        let mut marked = false;
         loop {
             let before = waiter.snapshots();
-            let hint = match self.round(keys)? {
-                Round::Acquired(lock) => return Ok(lock),
-                Round::Held(hint) => hint,
+            // An attempt that will wait if it fails marks contention for the holder. The
+            // script deletes our mark when we win; when we leave without the lock, we take
+            // it with us, so that no holder keeps yielding to nobody.
+            let waiting = match wait {
+                Wait::No => false,
+                Wait::Until(d) => d.is_none_or(|d| Instant::now() < d),
+            };
+            let hint = match self.round(keys, waiting) {
+                Ok(Round::Acquired(lock)) => return Ok(lock),
+                Ok(Round::Held(hint)) => {
+                    marked |= waiting;
+                    hint
+                }
+                Err(e) => {
+                    if marked {
+                        self.unmark(keys);
+                    }
+                    return Err(e);
+                }
             };
             let deadline = match wait {
                 Wait::No => return Err(Error::WouldBlock),
                 Wait::Until(d) => d,
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
+                if marked {
+                    self.unmark(keys);
+                }
                 return Err(Error::Timeout);
             }
             let woken = match self.cfg.wakeup {
@@ -111,20 +131,30 @@ impl Inner {
         }
     }
 
+    /// Removes our contention mark on every node (best effort).
+    fn unmark(self: &Arc<Self>, keys: &Keys) {
+        let (client, k) = (self.clone(), keys.clone());
+        for r in self.map_nodes(move |n| client.nodes[n].unmark(&k)) {
+            if let Err(e) = r {
+                log::debug!("removing a contention mark failed: {e}");
+            }
+        }
+    }
+
     /// One attempt on every node.
-    fn round(self: &Arc<Self>, keys: &Keys) -> Result<Round> {
+    fn round(self: &Arc<Self>, keys: &Keys, waiting: bool) -> Result<Round> {
         let token = uuid::Uuid::new_v4().to_string();
         let lease = self.cfg.lease;
         let started = Instant::now();
         if self.nodes.len() == 1 {
-            return match self.nodes[0].acquire(keys, &token, lease, 2)? {
+            return match self.nodes[0].acquire(keys, &token, lease, 2, waiting)? {
                 Attempt::Acquired { fence } => self.acquired(keys, token, fence, vec![0], started),
                 Attempt::Held { pttl } => Ok(Round::Held(pttl)),
             };
         }
         // Redlock: every node at once; an error is a vote against, never an abort.
         let (client, k, t) = (self.clone(), keys.clone(), token.clone());
-        let replies = self.map_nodes(move |n| client.nodes[n].acquire(&k, &t, lease, 0));
+        let replies = self.map_nodes(move |n| client.nodes[n].acquire(&k, &t, lease, 0, waiting));
         let granted: Vec<(usize, u64)> = replies
             .iter()
             .enumerate()
@@ -263,6 +293,9 @@ impl Waiter {
     fn confirm(&self, client: &Inner, deadline: Option<Instant>) -> bool {
         let until = earliest(Instant::now() + client.cfg.read_timeout, deadline);
         let needed = client.quorum().min(self.watches.len());
+        if client.subs.iter().filter(|s| s.usable()).count() < needed {
+            return false;
+        }
         loop {
             let confirmed = self
                 .watches

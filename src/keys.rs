@@ -18,6 +18,9 @@ pub(crate) struct Keys {
     name: Vec<u8>,
     lock: Vec<u8>,
     fence: Vec<u8>,
+    /// Who last failed to get the lock (a client id, with a short TTL): lets a holder that
+    /// subscribed late learn of a waiter whose live mark it could not hear.
+    mark: Vec<u8>,
     /// The library's own channel: `r` on release (when keyspace events are off) and `c`
     /// when an acquire attempt failed (a remote process wants the lock).
     channel: Vec<u8>,
@@ -38,12 +41,14 @@ impl Keys {
         lock.push(b'}');
         let mut fence = lock.clone();
         fence.extend_from_slice(b":fence");
-        let mut channel = lock.clone();
-        channel.extend_from_slice(b":ev");
+        let mut mark = lock.clone();
+        mark.extend_from_slice(b":w");
+        let channel = channel_of_lock(&lock);
         Ok(Keys {
             name: name.to_vec(),
             lock,
             fence,
+            mark,
             channel,
         })
     }
@@ -60,6 +65,10 @@ impl Keys {
         &self.fence
     }
 
+    pub fn mark(&self) -> &[u8] {
+        &self.mark
+    }
+
     pub fn channel(&self) -> &[u8] {
         &self.channel
     }
@@ -68,6 +77,14 @@ impl Keys {
     pub fn display(&self) -> String {
         String::from_utf8_lossy(&self.name).into_owned()
     }
+}
+
+/// The library's own channel of a lock key.
+pub(crate) fn channel_of_lock(lock: &[u8]) -> Vec<u8> {
+    let mut c = Vec::with_capacity(lock.len() + 3);
+    c.extend_from_slice(lock);
+    c.extend_from_slice(b":ev");
+    c
 }
 
 /// The lock key behind one of the library's own channels (`{lock}:ev`).

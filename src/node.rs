@@ -1,7 +1,6 @@
 //! One Redis node: its connection pool and the protocol's three operations on it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use redis::{Connection, RedisResult};
@@ -10,7 +9,7 @@ use crate::builder::Config;
 use crate::error::{Error, Result, is_network_error};
 use crate::keys::Keys;
 use crate::pool::Pool;
-use crate::scripts::{ACQUIRE, EXTEND, RELEASE};
+use crate::scripts::{ACQUIRE, EXTEND, RELEASE, UNMARK};
 use crate::stats::Counters;
 
 /// The reply to one acquire attempt on one node.
@@ -46,12 +45,11 @@ pub(crate) struct Node {
     pub pool: Pool,
     /// The database of the URL: keyspace channels are per database.
     pub db: i64,
-    /// Release publishes on the library's own channel: this node's keyspace notifications
-    /// are off and could not be turned on.
-    publish_release: AtomicBool,
     counters: Arc<Counters>,
     /// Sent with failed attempts, so that our own subscriber ignores our own marks.
     client_id: Arc<str>,
+    /// How long a failed attempt's mark lives: a waiter re-marks at least this often.
+    mark_ttl: Duration,
 }
 
 impl Node {
@@ -69,18 +67,10 @@ impl Node {
             idx,
             pool: Pool::new(client, cfg),
             db,
-            publish_release: AtomicBool::new(false),
             counters,
             client_id,
+            mark_ttl: cfg.recheck_interval * 2,
         })
-    }
-
-    pub fn set_publish_release(&self, on: bool) {
-        self.publish_release.store(on, Ordering::Relaxed);
-    }
-
-    pub fn publishes_release(&self) -> bool {
-        self.publish_release.load(Ordering::Relaxed)
     }
 
     /// Runs one command on a pooled connection. A network failure discards the connection
@@ -116,22 +106,31 @@ impl Node {
     /// One acquire attempt with `token`, retried with the same token after an ambiguous
     /// failure (the script recognises its own token and returns the first fence). When the
     /// outcome stays unknown, a best-effort release removes whatever the attempts left.
+    /// `waiting`: the caller will wait if the lock is held, so a failure marks contention.
     pub fn acquire(
         &self,
         keys: &Keys,
         token: &str,
         lease: Duration,
         retries: u32,
+        waiting: bool,
     ) -> Result<Attempt> {
         let lease_ms = lease.as_millis().max(1) as u64;
+        let mark_ms = if waiting {
+            self.mark_ttl.as_millis().max(1) as u64
+        } else {
+            0
+        };
         let reply = self.run(retries, |c| {
             ACQUIRE
                 .key(keys.lock())
                 .key(keys.fence())
+                .key(keys.mark())
                 .arg(token)
                 .arg(lease_ms)
                 .arg(keys.channel())
                 .arg(&*self.client_id)
+                .arg(mark_ms)
                 .invoke::<(i64, i64)>(c)
         });
         match reply {
@@ -156,22 +155,34 @@ impl Node {
         }
     }
 
+    /// Whether another client failed to get `keys` lately (its mark is alive).
+    pub fn foreign_mark(&self, keys: &Keys) -> Result<bool> {
+        let mark: Option<Vec<u8>> = self.run(1, |c| redis::cmd("GET").arg(keys.mark()).query(c))?;
+        Ok(mark.is_some_and(|m| m != self.client_id.as_bytes()))
+    }
+
+    /// Removes our own contention mark (a waiter gave up).
+    pub fn unmark(&self, keys: &Keys) -> Result<()> {
+        self.run(1, |c| {
+            UNMARK
+                .key(keys.mark())
+                .arg(&*self.client_id)
+                .invoke::<i64>(c)
+        })?;
+        Ok(())
+    }
+
     /// Compare-and-delete. `retries` may be non-zero: a repeated release is harmless, and
     /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
     /// deleted.
     pub fn release(&self, keys: &Keys, token: &str, retries: u32) -> Result<ReleaseReply> {
-        let channel: &[u8] = if self.publishes_release() {
-            keys.channel()
-        } else {
-            b""
-        };
         let mut attempts = 0;
         let reply = self.run(retries, |c| {
             attempts += 1;
             RELEASE
                 .key(keys.lock())
                 .arg(token)
-                .arg(channel)
+                .arg(keys.channel())
                 .invoke::<i64>(c)
         })?;
         match reply {

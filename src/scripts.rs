@@ -8,14 +8,19 @@ use redis::Script;
 
 /// Acquire in one round trip, idempotently.
 ///
-/// KEYS: lock, fence. ARGV: token, lease in ms, the library's channel, the client's id.
+/// KEYS: lock, fence, mark. ARGV: token, lease in ms, the library's channel, the client's
+/// id, the mark's TTL in ms (0: the caller will not wait, so leave no mark).
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when someone else holds it.
 ///
 /// When the key already holds *our* token (a retry after the reply to a first attempt was
 /// lost), the lease is refreshed and the fence the first attempt created is returned: one
-/// lock, one fence, no stray key. A failed attempt publishes `c<client id>` on the lock's channel so
-/// that the holder's process knows another process is waiting (the fairness budget only
-/// applies then).
+/// lock, one fence, no stray key. A failed attempt publishes `c<client id>` on the lock's
+/// channel, and leaves its client id in the mark key, so that the holder's process knows
+/// another process is waiting (the fairness budget only applies then): live when it is
+/// subscribed, through the mark when it subscribed too late to hear.
+///
+/// Marks and release messages are published with `pcall`: an ACL user without channel
+/// permissions still locks (its waiters then wake by the lease timer and the re-check).
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -26,9 +31,13 @@ if cur == ARGV[1] then
 end
 if not cur then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  if redis.call('GET', KEYS[3]) == ARGV[4] then redis.call('DEL', KEYS[3]) end
   return {1, redis.call('INCR', KEYS[2])}
 end
-redis.call('PUBLISH', ARGV[3], 'c' .. ARGV[4])
+if ARGV[5] ~= '0' then
+  redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
+  redis.pcall('PUBLISH', ARGV[3], 'c' .. ARGV[4])
+end
 return {0, redis.call('PTTL', KEYS[1])}
 ",
     )
@@ -36,8 +45,10 @@ return {0, redis.call('PTTL', KEYS[1])}
 
 /// Compare-and-delete.
 ///
-/// KEYS: lock. ARGV: token, channel to publish `r` on after a release (empty: do not; the
-/// keyspace `del` event already wakes waiters).
+/// KEYS: lock. ARGV: token, the library's channel, on which `r` is published after a
+/// release. Always, even when keyspace notifications are on: waiters of another ACL user
+/// may not be allowed keyspace channels, and a server restart forgets a `CONFIG SET`. The
+/// subscriber pairs each `r` with the `del` event before it, so nobody wakes twice.
 /// Returns 1 released, 0 the key was gone, -1 another token holds it.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
@@ -45,7 +56,7 @@ pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
 local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], 'r') end
+  redis.pcall('PUBLISH', ARGV[2], 'r')
   return 1
 end
 if not cur then return 0 end
@@ -76,6 +87,18 @@ for i = 1, #KEYS do
   end
 end
 return out
+",
+    )
+});
+
+/// Compare-and-delete of a waiter's own mark, when it stops waiting without the lock.
+///
+/// KEYS: mark. ARGV: the client's id.
+pub(crate) static UNMARK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
 ",
     )
 });

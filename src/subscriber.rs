@@ -36,7 +36,9 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use redis::{Msg, PubSub, RedisResult};
 
-use crate::keys::{Keys, keyspace_channel, lock_of_channel, lock_of_keyspace_channel};
+use crate::keys::{
+    Keys, channel_of_lock, keyspace_channel, lock_of_channel, lock_of_keyspace_channel,
+};
 use crate::stats::Counters;
 
 /// How long a subscription outlives its last waiter, so that a key locked again and again
@@ -63,13 +65,20 @@ pub(crate) struct Snapshot {
 }
 
 struct KeySub {
+    /// What was subscribed for this key on the current connection (depends on whether the
+    /// node has keyspace notifications, which can change at a reconnect).
     channels: Vec<Vec<u8>>,
     interest: usize,
     confirmed: bool,
+    /// When the subscription was confirmed: marks of remote contention published before
+    /// then were not heard.
+    confirmed_at: Option<Instant>,
     requested: bool,
     idle_since: Option<Instant>,
     freed: u64,
     taken: u64,
+    /// Keyspace `del` events not yet followed by the library's `r` for the same release.
+    unpaired_dels: u32,
     last_contended: Option<Instant>,
     /// This process released the key while others waited: its next contender waits for
     /// them (or this instant) before its first attempt.
@@ -97,9 +106,28 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     kick: Sender<()>,
     shutdown: AtomicBool,
+    /// Keyspace notifications are on and their channels may be subscribed.
     keyspace: AtomicBool,
+    /// The library's own channels may be subscribed (contention marks are heard).
+    own_channel: AtomicBool,
+    /// May `CONFIG SET` the notification classes.
+    configure: bool,
+    node: usize,
     db: i64,
+    prefix: String,
     client_id: String,
+}
+
+/// How a subscriber starts.
+pub(crate) struct Setup {
+    pub node: usize,
+    pub db: i64,
+    /// What the build-time check found (it warned if notifications are unavailable).
+    pub keyspace: bool,
+    pub configure: bool,
+    pub prefix: String,
+    pub client_id: String,
+    pub connector: Connector,
 }
 
 /// The subscriber of one node: the handle callers use, and the thread.
@@ -117,14 +145,16 @@ pub(crate) struct Connector {
 }
 
 impl Subscriber {
-    pub fn start(
-        node_idx: usize,
-        db: i64,
-        keyspace: bool,
-        client_id: String,
-        connector: Connector,
-        counters: Arc<Counters>,
-    ) -> std::io::Result<Self> {
+    pub fn start(setup: Setup, counters: Arc<Counters>) -> std::io::Result<Self> {
+        let Setup {
+            node,
+            db,
+            keyspace,
+            configure,
+            prefix,
+            client_id,
+            connector,
+        } = setup;
         let (kick, kicked) = crossbeam_channel::bounded(1);
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -136,13 +166,17 @@ impl Subscriber {
             kick,
             shutdown: AtomicBool::new(false),
             keyspace: AtomicBool::new(keyspace),
+            own_channel: AtomicBool::new(true),
+            configure,
+            node,
             db,
+            prefix,
             client_id,
         });
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
-            .name(format!("redbaton-sub-{node_idx}"))
-            .spawn(move || run(thread_shared, kicked, connector, counters, node_idx))?;
+            .name(format!("redbaton-sub-{node}"))
+            .spawn(move || run(thread_shared, kicked, connector, counters))?;
         Ok(Subscriber {
             shared,
             thread: Some(thread),
@@ -174,26 +208,23 @@ impl Subscriber {
         let mut st = self.shared.state.lock();
         let id = st.next_listener;
         st.next_listener += 1;
-        let keyspace = self.shared.keyspace.load(Ordering::Relaxed);
-        let db = self.shared.db;
-        let ks = st.keys.entry(keys.lock().to_vec()).or_insert_with(|| {
-            let mut channels = vec![keys.channel().to_vec()];
-            if keyspace {
-                channels.push(keyspace_channel(db, keys.lock()));
-            }
-            KeySub {
-                channels,
+        let ks = st
+            .keys
+            .entry(keys.lock().to_vec())
+            .or_insert_with(|| KeySub {
+                channels: Vec::new(),
                 interest: 0,
                 confirmed: false,
+                confirmed_at: None,
                 requested: false,
                 idle_since: None,
                 freed: 0,
                 taken: 0,
+                unpaired_dels: 0,
                 last_contended: None,
                 yield_until: None,
                 listeners: Vec::new(),
-            }
-        });
+            });
         ks.interest += 1;
         ks.idle_since = None;
         if let Some(tx) = poke {
@@ -208,13 +239,34 @@ impl Subscriber {
         id
     }
 
-    /// Whether another process failed to get `keys` within the last `window`.
-    pub fn contended_within(&self, keys: &Keys, window: Duration) -> bool {
+    /// Whether another process failed to get `keys` within the last `window`, as heard live.
+    pub fn heard_mark_within(&self, keys: &Keys, window: Duration) -> bool {
         let st = self.shared.state.lock();
         st.keys
             .get(keys.lock())
             .and_then(|k| k.last_contended)
             .is_some_and(|t| t.elapsed() < window)
+    }
+
+    /// When the key's current subscription was confirmed (`None`: it is not).
+    pub fn confirmed_at(&self, keys: &Keys) -> Option<Instant> {
+        let st = self.shared.state.lock();
+        st.keys
+            .get(keys.lock())
+            .filter(|k| k.confirmed)
+            .and_then(|k| k.confirmed_at)
+    }
+
+    /// Whether marks are heard at all on this node (an ACL may refuse our channels).
+    pub fn hears_marks(&self) -> bool {
+        self.shared.own_channel.load(Ordering::Relaxed)
+    }
+
+    /// Whether this node's subscriptions can work at all (an ACL may refuse every channel
+    /// we need): waiters then do not wait for confirmations that cannot come.
+    pub fn usable(&self) -> bool {
+        self.shared.keyspace.load(Ordering::Relaxed)
+            || self.shared.own_channel.load(Ordering::Relaxed)
     }
 
     /// Asks this process's next contender for `keys` to let others go first until `until`
@@ -235,12 +287,6 @@ impl Subscriber {
             .get_mut(keys.lock())
             .and_then(|k| k.yield_until.take())
             .is_some_and(|t| Instant::now() < t)
-    }
-
-    /// Whether `keys` is subscribed right now (the holder's contention signal is reliable).
-    pub fn is_confirmed(&self, keys: &Keys) -> bool {
-        let st = self.shared.state.lock();
-        st.keys.get(keys.lock()).is_some_and(|k| k.confirmed)
     }
 }
 
@@ -294,13 +340,8 @@ impl Watch {
     }
 }
 
-fn run(
-    shared: Arc<Shared>,
-    kicked: Receiver<()>,
-    connector: Connector,
-    counters: Arc<Counters>,
-    node: usize,
-) {
+fn run(shared: Arc<Shared>, kicked: Receiver<()>, connector: Connector, counters: Arc<Counters>) {
+    let node = shared.node;
     let mut backoff = Duration::from_millis(50);
     let mut connected_once = false;
     while !shared.shutdown.load(Ordering::Relaxed) {
@@ -315,7 +356,8 @@ fn run(
             connector.write_timeout,
             "redbaton:sub",
         );
-        let mut conn = match conn {
+        let mut conn = match conn.and_then(|mut c| prepare(&shared, &mut c, &counters).map(|()| c))
+        {
             Ok(c) => c,
             Err(e) => {
                 log::debug!("subscriber {node}: connect failed: {e}; retrying in {backoff:?}");
@@ -343,6 +385,56 @@ fn run(
             Ok(()) => break,
             Err(e) => log::warn!("subscriber {node}: connection lost: {e}"),
         }
+    }
+}
+
+/// Before subscribing on a new connection: re-check the node's notifications (a restart
+/// forgets a `CONFIG SET`) and which channels an ACL lets us subscribe to. Doing this on a
+/// plain connection matters: redis-rs's `PubSub::subscribe` swallows an error reply, so a
+/// refused SUBSCRIBE would look confirmed.
+fn prepare(shared: &Shared, conn: &mut redis::Connection, counters: &Counters) -> RedisResult<()> {
+    Counters::add(&counters.commands, 2);
+    let mode = crate::notify::ensure(conn, shared.configure)?;
+    let probe_lock = format!("{}{{redbaton-probe}}", shared.prefix).into_bytes();
+    let keyspace = matches!(mode, crate::notify::Mode::Keyspace)
+        && probe(conn, &keyspace_channel(shared.db, &probe_lock), counters)?;
+    let own = probe(conn, &channel_of_lock(&probe_lock), counters)?;
+    let had_keyspace = shared.keyspace.swap(keyspace, Ordering::Relaxed);
+    shared.own_channel.store(own, Ordering::Relaxed);
+    let node = shared.node;
+    if had_keyspace && !keyspace {
+        let why = match mode {
+            crate::notify::Mode::Fallback(why) => why,
+            crate::notify::Mode::Keyspace => "SUBSCRIBE to keyspace channels refused".to_owned(),
+        };
+        log::warn!(
+            "node {node}: keyspace notifications unavailable: {why}; waiters are woken by the library's release channel instead"
+        );
+    }
+    if !own {
+        log::warn!(
+            "node {node}: SUBSCRIBE to the library's channels refused (ACL?): waiters are woken by the lease timer and re-checks, and the fairness budget always applies"
+        );
+    }
+    Ok(())
+}
+
+/// Whether SUBSCRIBE to `channel` is allowed; unsubscribes at once.
+fn probe(conn: &mut redis::Connection, channel: &[u8], counters: &Counters) -> RedisResult<bool> {
+    Counters::inc(&counters.commands);
+    match redis::cmd("SUBSCRIBE")
+        .arg(channel)
+        .query::<redis::Value>(conn)
+    {
+        Ok(_) => {
+            Counters::inc(&counters.commands);
+            redis::cmd("UNSUBSCRIBE")
+                .arg(channel)
+                .query::<redis::Value>(conn)?;
+            Ok(true)
+        }
+        Err(e) if crate::error::is_network_error(&e) => Err(e),
+        Err(_) => Ok(false),
     }
 }
 
@@ -399,9 +491,19 @@ fn sync_subscriptions(
         let mut unsubscribe = Vec::new();
         if st.dirty {
             st.dirty = false;
+            let keyspace = shared.keyspace.load(Ordering::Relaxed);
+            let own = shared.own_channel.load(Ordering::Relaxed);
+            let usable = keyspace || own;
             for (lock, ks) in st.keys.iter_mut() {
-                if ks.interest > 0 && !ks.confirmed && !ks.requested {
+                if usable && ks.interest > 0 && !ks.confirmed && !ks.requested {
                     ks.requested = true;
+                    ks.channels.clear();
+                    if own {
+                        ks.channels.push(channel_of_lock(lock));
+                    }
+                    if keyspace {
+                        ks.channels.push(keyspace_channel(shared.db, lock));
+                    }
                     subscribe.push((lock.clone(), ks.channels.clone()));
                 }
             }
@@ -439,6 +541,7 @@ fn sync_subscriptions(
         }
         if let Some(ks) = st.keys.get_mut(lock) {
             ks.confirmed = true;
+            ks.confirmed_at = Some(Instant::now());
             ks.requested = false;
             ks.poke();
         }
@@ -462,6 +565,7 @@ impl Shared {
         st.keys.retain(|_, ks| ks.interest > 0);
         for ks in st.keys.values_mut() {
             ks.confirmed = false;
+            ks.confirmed_at = None;
             ks.requested = false;
             ks.poke();
         }
@@ -475,6 +579,8 @@ impl Shared {
         let channel = channel.as_slice();
         let payload: &[u8] = msg.get_payload_bytes();
         enum Kind {
+            Deleted,
+            Released,
             Freed,
             Taken,
             Contended,
@@ -485,13 +591,14 @@ impl Shared {
                 // Our own renewals (`expire`) must not wake every waiter each renew interval.
                 b"expire" => Kind::Ignored,
                 b"set" => Kind::Taken,
+                b"del" => Kind::Deleted,
                 // del, expired, evicted, rename_from, move_from, ...: the key may be free.
                 _ => Kind::Freed,
             };
             (lock, kind)
         } else if let Some(lock) = lock_of_channel(channel) {
             let kind = match payload {
-                b"r" => Kind::Freed,
+                b"r" => Kind::Released,
                 // `c` + the failing client's id: our own failed attempts do not count.
                 [b'c', id @ ..] if id != self.client_id.as_bytes() => Kind::Contended,
                 _ => Kind::Ignored,
@@ -505,7 +612,17 @@ impl Shared {
             return;
         };
         match kind {
-            Kind::Freed => ks.freed += 1,
+            Kind::Deleted => {
+                ks.freed += 1;
+                ks.unpaired_dels += 1;
+            }
+            // Our release script deletes, then publishes `r`: the `del` came first (same
+            // connection, same order) and already woke the waiters.
+            Kind::Released if ks.unpaired_dels > 0 => {
+                ks.unpaired_dels -= 1;
+                return;
+            }
+            Kind::Released | Kind::Freed => ks.freed += 1,
             Kind::Taken => ks.taken += 1,
             Kind::Contended => ks.last_contended = Some(Instant::now()),
             Kind::Ignored => return,

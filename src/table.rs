@@ -39,7 +39,25 @@ pub(crate) struct Slot {
 /// What `enter` decided for the calling thread.
 pub(crate) enum Role {
     Contend,
-    Queued(Arc<Slot>),
+    /// Wait in the local queue. `check_marks`: this waiter started the key's subscription
+    /// behind a holder, so it should look for marks left before the subscription was
+    /// confirmed ([`Table::marks_checked`]).
+    Queued {
+        slot: Arc<Slot>,
+        check_marks: bool,
+    },
+}
+
+/// Whether another process is waiting for a key we hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Others {
+    /// No: a process alone hands off freely.
+    No,
+    /// Cannot tell yet (subscription or mark check pending): apply the budget, but do not
+    /// make our next contender wait for a waiter that may not exist.
+    Unknown,
+    /// Yes: apply the budget, and let them go first.
+    Waiting,
 }
 
 /// What a release must do.
@@ -64,6 +82,11 @@ struct Entry {
     /// Keeps the key subscribed while local threads queue behind a holder, so that the
     /// holder hears when a remote process fails to get the lock.
     interests: Vec<Interest>,
+    /// Per node: the subscription (by its confirmation time) after whose confirmation the
+    /// mark key was read; marks before it are then known too.
+    checked: Vec<Option<Instant>>,
+    /// When a mark check found another process's mark.
+    marked_at: Option<Instant>,
 }
 
 impl Entry {
@@ -76,7 +99,29 @@ impl Entry {
             seq: 0,
             acquired_at: Instant::now(),
             interests: Vec::new(),
+            checked: Vec::new(),
+            marked_at: None,
         }
+    }
+
+    fn others(&self, remote: &RemoteLock, subs: &[Subscriber], window: Duration) -> Others {
+        if subs.is_empty() || self.marked_at.is_some_and(|t| t.elapsed() < window) {
+            return Others::Waiting;
+        }
+        let mut unknown = false;
+        for (i, s) in subs.iter().enumerate() {
+            if s.heard_mark_within(&remote.keys, window) {
+                return Others::Waiting;
+            }
+            if !s.hears_marks() {
+                return Others::Waiting;
+            }
+            let known = s.confirmed_at(&remote.keys).is_some_and(|at| {
+                at <= remote.acquired_at || self.checked.get(i).copied().flatten() == Some(at)
+            });
+            unknown |= !known;
+        }
+        if unknown { Others::Unknown } else { Others::No }
     }
 
     fn idle(&self) -> bool {
@@ -128,8 +173,10 @@ impl Table {
         if !wait {
             return Err(Error::WouldBlock);
         }
-        if entry.interests.is_empty() {
+        let check_marks = entry.interests.is_empty() && !subs.is_empty();
+        if check_marks {
             entry.interests = subs.iter().map(|s| s.interest(keys)).collect();
+            entry.checked = vec![None; subs.len()];
         }
         let slot = Arc::new(Slot {
             thread: me,
@@ -137,7 +184,7 @@ impl Table {
             granted: Condvar::new(),
         });
         entry.queue.push_back(slot.clone());
-        Ok(Role::Queued(slot))
+        Ok(Role::Queued { slot, check_marks })
     }
 
     /// Waits in the local queue for the baton or the duty to contend, until `deadline`.
@@ -175,6 +222,20 @@ impl Table {
             }
         }
         Err(Error::Timeout)
+    }
+
+    /// Records a mark check on node `node`: the mark key was read after the subscription
+    /// confirmed at `confirmed_at`; `foreign` if another process's mark was there.
+    pub fn marks_checked(&self, keys: &Keys, node: usize, confirmed_at: Instant, foreign: bool) {
+        let mut map = self.map.lock();
+        if let Some(entry) = map.get_mut(keys.lock()) {
+            if let Some(c) = entry.checked.get_mut(node) {
+                *c = Some(confirmed_at);
+            }
+            if foreign {
+                entry.marked_at = Some(Instant::now());
+            }
+        }
     }
 
     /// A waiter that was granted the duty to contend but gives up before contending
@@ -226,16 +287,11 @@ impl Table {
             .expect("a holder's entry lives until it releases");
         entry.holder = None;
         let window = contention_window(cfg);
-        let remote_waits = || {
-            subs.is_empty()
-                || subs
-                    .iter()
-                    .any(|s| !s.is_confirmed(keys) || s.contended_within(keys, window))
-        };
         if entry.queue.is_empty() || lost || !cfg.local_handoff {
             entry.releasing = true;
             // Someone else wants it: our next local contender should not barge ahead.
-            let contended = !lost && (entry.contenders > 0 || remote_waits());
+            let contended = !lost
+                && (entry.contenders > 0 || entry.others(remote, subs, window) == Others::Waiting);
             return Step::Remote {
                 forced: false,
                 contended,
@@ -243,11 +299,16 @@ impl Table {
         }
         let within_budget =
             entry.seq < cfg.max_handoffs && entry.acquired_at.elapsed() < cfg.handoff_slice;
-        if entry.seq >= MAX_LOCAL_SEQ || (!within_budget && remote_waits()) {
+        let others = if within_budget && entry.seq < MAX_LOCAL_SEQ {
+            Others::No // no need to ask
+        } else {
+            entry.others(remote, subs, window)
+        };
+        if entry.seq >= MAX_LOCAL_SEQ || (!within_budget && others != Others::No) {
             entry.releasing = true;
             return Step::Remote {
                 forced: true,
-                contended: true,
+                contended: others == Others::Waiting,
             };
         }
         let slot = entry.queue.pop_front().expect("queue checked non-empty");
@@ -260,15 +321,16 @@ impl Table {
         Step::HandedOff
     }
 
-    /// The release in Redis is done: the next local waiter (if any) contends.
-    pub fn released(&self, keys: &Keys, forced: bool) {
+    /// The release in Redis is done: the next local waiter (if any) contends, first letting
+    /// the remote waiters go when `yield_first`.
+    pub fn released(&self, keys: &Keys, yield_first: bool) {
         let mut map = self.map.lock();
         let Some(entry) = map.get_mut(keys.lock()) else {
             return;
         };
         entry.releasing = false;
         if entry.holder.is_none() && entry.contenders == 0 {
-            entry.promote(forced);
+            entry.promote(yield_first);
         }
         if entry.idle() {
             map.remove(keys.lock());

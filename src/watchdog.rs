@@ -88,11 +88,16 @@ fn run(
     kicked: Receiver<()>,
     shutdown: Arc<AtomicBool>,
 ) {
+    // Nothing to do before the first registration; and the client may still be under
+    // construction (spawned inside `Arc::new_cyclic`, where `upgrade` fails until it is done).
+    if kicked.recv().is_err() {
+        return;
+    }
     while !shutdown.load(Ordering::Relaxed) {
         // Hold the client only while working, so that dropping the last handle ends us.
         let next = match client.upgrade() {
             Some(inner) => renew_due(&inner, &held),
-            None => return,
+            None => return, // registrations come from a live client: it is gone now
         };
         let next = next.min(Instant::now() + MAX_SLEEP);
         // A lock registered during the pass set `planned` (and kicked): keep the earlier.
