@@ -9,7 +9,7 @@ use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fanout::Fanout;
 use crate::guard::LockGuard;
 use crate::keys::Keys;
-use crate::node::{ExtendReply, Node, ReleaseReply};
+use crate::node::{ExtendReply, Node, ReleaseReply, Retry};
 use crate::notify::{self, Mode};
 use crate::remote::RemoteLock;
 use crate::stats::{Counters, Stats};
@@ -156,13 +156,10 @@ impl LockClient {
         };
         let mut spawn_error = None;
         let inner = Arc::new_cyclic(|weak| {
-            let watchdog = if cfg.auto_renew {
-                Watchdog::start(weak.clone())
-                    .map_err(|e| spawn_error = Some(thread_error("watchdog", e)))
-                    .ok()
-            } else {
-                None
-            };
+            // Also with renewals off: it tells holders when their lease runs out.
+            let watchdog = Watchdog::start(weak.clone())
+                .map_err(|e| spawn_error = Some(thread_error("watchdog", e)))
+                .ok();
             Inner {
                 cfg,
                 nodes,
@@ -343,10 +340,7 @@ impl Inner {
             Ok(lock) => {
                 self.table.acquired(keys);
                 if let Some(w) = &self.watchdog {
-                    w.register(
-                        lock.clone(),
-                        lock.acquired_at + self.renew_every(self.cfg.lease),
-                    );
+                    w.register(lock.clone(), lock.next_due());
                 }
                 Ok(lock)
             }
@@ -427,7 +421,10 @@ impl Inner {
                 if let Some(w) = &self.watchdog {
                     w.unregister(lock);
                 }
-                let replies = self.release_on(&lock.keys, &lock.token, lock.nodes.clone());
+                // Redlock: on every node, not only those that granted: a node whose grant
+                // came too late to count may hold our token too.
+                let every: Vec<usize> = (0..self.nodes.len()).collect();
+                let replies = self.release_on(&lock.keys, &lock.token, every);
                 if contended {
                     // A thread that releases and locks again would otherwise win every time:
                     // its attempt reaches Redis before the waiters have heard of the release.
@@ -504,6 +501,9 @@ impl Inner {
                 started + lease - self.cfg.drift(lease),
                 started + self.renew_every(lease),
             );
+            if let Some(w) = &self.watchdog {
+                w.reschedule(lock.next_due());
+            }
             return Ok(());
         }
         let refused = replies
@@ -533,9 +533,9 @@ impl Inner {
 /// by notifications, checks (and maybe turns on) the node's keyspace notifications.
 fn check_node(node: &Node, notifications: bool, configure: bool) -> Result<Mode> {
     if notifications {
-        node.run(0, |conn| notify::ensure(conn, configure))
+        node.run(Retry::NEVER, |conn| notify::ensure(conn, configure))
     } else {
-        node.run(0, |conn| redis::cmd("PING").query::<()>(conn))?;
+        node.run(Retry::NEVER, |conn| redis::cmd("PING").query::<()>(conn))?;
         Ok(Mode::Keyspace)
     }
 }

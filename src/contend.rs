@@ -10,7 +10,7 @@ use crate::builder::{HANDOFF_BITS, Wakeup};
 use crate::client::Inner;
 use crate::error::{Error, Result};
 use crate::keys::Keys;
-use crate::node::{Attempt, ReleaseReply};
+use crate::node::{Attempt, ReleaseReply, Retry, may_have_run};
 use crate::remote::{Acquisition, RemoteLock};
 use crate::stats::Counters;
 use crate::subscriber::{Snapshot, Watch};
@@ -131,6 +131,23 @@ impl Inner {
         }
     }
 
+    /// Redlock: raises the fencing counter of every granting node to `fence`, the highest
+    /// among them, before the lock is used. Any later majority overlaps this one in at
+    /// least one node, whose counter is now at least `fence`: the next holder's token is
+    /// higher, even though the nodes' counters drift apart. A node that fails here (or
+    /// restarts empty later) weakens that promise: see the crate docs.
+    fn raise_fences(self: &Arc<Self>, keys: &Keys, fence: u64, nodes: &[usize]) {
+        let (client, k, nodes) = (self.clone(), keys.clone(), nodes.to_vec());
+        let replies = self.map_nodes(move |n| {
+            nodes
+                .contains(&n)
+                .then(|| client.nodes[n].raise_fence(&k, fence))
+        });
+        for e in replies.into_iter().flatten().filter_map(|r| r.err()) {
+            log::debug!("raising a fence counter failed: {e}");
+        }
+    }
+
     /// Removes our contention mark on every node (best effort).
     fn unmark(self: &Arc<Self>, keys: &Keys) {
         let (client, k) = (self.clone(), keys.clone());
@@ -147,14 +164,24 @@ impl Inner {
         let lease = self.cfg.lease;
         let started = Instant::now();
         if self.nodes.len() == 1 {
-            return match self.nodes[0].acquire(keys, &token, lease, 2, waiting)? {
-                Attempt::Acquired { fence } => self.acquired(keys, token, fence, vec![0], started),
-                Attempt::Held { pttl } => Ok(Round::Held(pttl)),
+            return match self.nodes[0].acquire(keys, &token, lease, Retry::LOST_REPLY, waiting) {
+                Ok(Attempt::Acquired { fence }) => {
+                    self.acquired(keys, token, fence, vec![0], started)
+                }
+                Ok(Attempt::Held { pttl }) => Ok(Round::Held(pttl)),
+                Err(e) => {
+                    if may_have_run(&e) {
+                        // The key may be ours without our knowing: leave nothing behind.
+                        let _ = self.nodes[0].release(keys, &token, Retry::NEVER);
+                    }
+                    Err(e)
+                }
             };
         }
         // Redlock: every node at once; an error is a vote against, never an abort.
         let (client, k, t) = (self.clone(), keys.clone(), token.clone());
-        let replies = self.map_nodes(move |n| client.nodes[n].acquire(&k, &t, lease, 0, waiting));
+        let replies = self
+            .map_nodes(move |n| client.nodes[n].acquire(&k, &t, lease, Retry::ON_RESET, waiting));
         let granted: Vec<(usize, u64)> = replies
             .iter()
             .enumerate()
@@ -167,7 +194,8 @@ impl Inner {
         let validity = lease.checked_sub(started.elapsed() + self.cfg.drift(lease));
         if granted.len() >= needed && validity.is_some_and(|v| !v.is_zero()) {
             let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
-            let nodes = granted.iter().map(|&(n, _)| n).collect();
+            let nodes: Vec<usize> = granted.iter().map(|&(n, _)| n).collect();
+            self.raise_fences(keys, fence, &nodes);
             return self.acquired(keys, token, fence, nodes, started);
         }
         // Not ours: undo on every node that may hold our token, including the ones whose
@@ -175,7 +203,11 @@ impl Inner {
         let undo: Vec<usize> = replies
             .iter()
             .enumerate()
-            .filter(|(_, r)| !matches!(r, Ok(Attempt::Held { .. })))
+            .filter(|(_, r)| match r {
+                Ok(Attempt::Held { .. }) => false,
+                Ok(Attempt::Acquired { .. }) => true,
+                Err(e) => may_have_run(e),
+            })
             .map(|(n, _)| n)
             .collect();
         self.release_on(keys, &token, undo);
@@ -190,14 +222,21 @@ impl Inner {
                 nodes: self.nodes.len(),
             });
         }
-        let pttl = replies
+        let held: Vec<Option<Duration>> = replies
             .iter()
             .filter_map(|r| match r {
-                Ok(Attempt::Held { pttl }) => *pttl,
+                Ok(Attempt::Held { pttl }) => Some(*pttl),
                 _ => None,
             })
-            .min();
-        // A split vote: retry after a random jitter so contenders do not stay in lockstep.
+            .collect();
+        let pttl = held.iter().flatten().min().copied();
+        if held.len() > self.nodes.len() - needed {
+            // Others hold enough nodes that we cannot win now: wait for their release
+            // events (or their lease), like on one node.
+            return Ok(Round::Held(pttl));
+        }
+        // A split vote (nobody has a majority): retry after a random jitter, so that
+        // contenders do not stay in lockstep.
         let jitter = Duration::from_millis(rand::random_range(2..=25));
         Ok(Round::Held(Some(pttl.map_or(jitter, |p| p.min(jitter)))))
     }
@@ -227,7 +266,7 @@ impl Inner {
             },
             lease,
             self.cfg.drift(lease),
-            self.renew_every(lease),
+            self.cfg.auto_renew.then(|| self.renew_every(lease)),
         ));
         Counters::inc(&self.counters.remote_acquisitions);
         Ok(Round::Acquired(lock))
@@ -240,13 +279,16 @@ impl Inner {
         token: &str,
         nodes: Vec<usize>,
     ) -> Vec<Result<ReleaseReply>> {
-        if nodes.len() == 1 {
-            return vec![self.nodes[nodes[0]].release(keys, token, 1)];
+        if self.nodes.len() == 1 {
+            return nodes
+                .iter()
+                .map(|&n| self.nodes[n].release(keys, token, Retry::LOST_REPLY))
+                .collect();
         }
         let (client, k, t) = (self.clone(), keys.clone(), token.to_owned());
         let replies = self.map_nodes(move |n| {
             if nodes.contains(&n) {
-                Some(client.nodes[n].release(&k, &t, 0))
+                Some(client.nodes[n].release(&k, &t, Retry::ON_RESET))
             } else {
                 None
             }
@@ -398,7 +440,7 @@ impl Waiter {
     }
 
     /// After this process released a lock others wait for, let them take it first: wait
-    /// for someone to set (or free) the key, or a short while.
+    /// for someone to set the key, or a short while.
     fn yield_to_others(&mut self, keys: &Keys, deadline: Option<Instant>, client: &Inner) {
         if self.watches.is_empty() {
             self.watch(keys, client, deadline);
@@ -406,10 +448,13 @@ impl Waiter {
         let before: Vec<Snapshot> = self.watches.iter().map(Watch::snapshot).collect();
         let until = earliest(Instant::now() + YIELD, deadline);
         loop {
-            let taken = self.watches.iter().zip(&before).any(|(w, b)| {
-                let s = w.snapshot();
-                s.taken != b.taken || s.freed != b.freed
-            });
+            // Only another owner's `set` ends the pause early: our own release's `del`/`r`
+            // may still be on its way and must not count as "they went first".
+            let taken = self
+                .watches
+                .iter()
+                .zip(&before)
+                .any(|(w, b)| w.snapshot().taken != b.taken);
             if taken || self.poke.recv_deadline(until).is_err() {
                 return;
             }

@@ -9,7 +9,7 @@ use crate::builder::Config;
 use crate::error::{Error, Result, is_network_error};
 use crate::keys::Keys;
 use crate::pool::Pool;
-use crate::scripts::{ACQUIRE, EXTEND, RELEASE, UNMARK};
+use crate::scripts::{ACQUIRE, EXTEND, RAISE_FENCE, RELEASE, UNMARK};
 use crate::stats::Counters;
 
 /// The reply to one acquire attempt on one node.
@@ -40,6 +40,34 @@ pub(crate) enum ExtendReply {
     Other,
 }
 
+/// When a command is sent again on a fresh connection after a network failure. Only
+/// idempotent commands are retried.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Retry {
+    pub times: u32,
+    /// Also after a read timeout. Right when the reply may just be lost (one node); wrong
+    /// when a node hangs and others can decide without it (Redlock, renewals).
+    pub after_timeout: bool,
+}
+
+impl Retry {
+    /// Start-up checks: fail fast.
+    pub const NEVER: Retry = Retry {
+        times: 0,
+        after_timeout: false,
+    };
+    /// A dead pooled connection (server restarted) is worth one more try; a hung node is not.
+    pub const ON_RESET: Retry = Retry {
+        times: 1,
+        after_timeout: false,
+    };
+    /// One node, idempotent command: a lost reply is retried with the same arguments.
+    pub const LOST_REPLY: Retry = Retry {
+        times: 2,
+        after_timeout: true,
+    };
+}
+
 pub(crate) struct Node {
     pub idx: usize,
     pub pool: Pool,
@@ -60,8 +88,13 @@ impl Node {
         counters: Arc<Counters>,
         client_id: Arc<str>,
     ) -> Result<Self> {
-        let client = redis::Client::open(url)
-            .map_err(|_| Error::InvalidConfig(format!("node {idx}: unparsable redis url")))?;
+        let bad_url = || Error::InvalidConfig(format!("node {idx}: unparsable redis url"));
+        let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(|_| bad_url())?;
+        // No `CLIENT SETINFO` pipeline at connect: against a hung server each of its
+        // replies would wait a full timeout.
+        let settings = info.redis_settings().clone().set_skip_set_lib_name();
+        let client =
+            redis::Client::open(info.set_redis_settings(settings)).map_err(|_| bad_url())?;
         let db = client.get_connection_info().redis_settings().db();
         Ok(Node {
             idx,
@@ -75,11 +108,11 @@ impl Node {
 
     /// Runs one command on a pooled connection. A network failure discards the connection
     /// (its reply may still arrive) and every idle one (a server restart kills them all),
-    /// then retries up to `retries` times on fresh connections: callers pass retries only
-    /// for idempotent commands.
+    /// then retries on fresh connections as `retry` says: callers pass retries only for
+    /// idempotent commands.
     pub fn run<T>(
         &self,
-        retries: u32,
+        retry: Retry,
         mut f: impl FnMut(&mut Connection) -> RedisResult<T>,
     ) -> Result<T> {
         let mut tries = 0;
@@ -92,7 +125,7 @@ impl Node {
                     conn.discard();
                     drop(conn);
                     self.pool.clear_idle();
-                    if tries >= retries {
+                    if tries >= retry.times || (e.is_timeout() && !retry.after_timeout) {
                         return Err(Error::Redis(e));
                     }
                     tries += 1;
@@ -105,14 +138,14 @@ impl Node {
 
     /// One acquire attempt with `token`, retried with the same token after an ambiguous
     /// failure (the script recognises its own token and returns the first fence). When the
-    /// outcome stays unknown, a best-effort release removes whatever the attempts left.
+    /// outcome stays unknown, the caller must release with the token: the key may be ours.
     /// `waiting`: the caller will wait if the lock is held, so a failure marks contention.
     pub fn acquire(
         &self,
         keys: &Keys,
         token: &str,
         lease: Duration,
-        retries: u32,
+        retry: Retry,
         waiting: bool,
     ) -> Result<Attempt> {
         let lease_ms = lease.as_millis().max(1) as u64;
@@ -121,7 +154,7 @@ impl Node {
         } else {
             0
         };
-        let reply = self.run(retries, |c| {
+        let reply = self.run(retry, |c| {
             ACQUIRE
                 .key(keys.lock())
                 .key(keys.fence())
@@ -145,25 +178,29 @@ impl Node {
                 })
             }
             Ok(other) => Err(Error::Protocol(format!("acquire replied {other:?}"))),
-            Err(e) => {
-                if e.is_connection() {
-                    // We may hold the key without knowing: leave nothing behind.
-                    let _ = self.release(keys, token, 0);
-                }
-                Err(e)
-            }
+            Err(e) => Err(e),
         }
     }
 
     /// Whether another client failed to get `keys` lately (its mark is alive).
     pub fn foreign_mark(&self, keys: &Keys) -> Result<bool> {
-        let mark: Option<Vec<u8>> = self.run(1, |c| redis::cmd("GET").arg(keys.mark()).query(c))?;
+        let mark: Option<Vec<u8>> = self.run(Retry::ON_RESET, |c| {
+            redis::cmd("GET").arg(keys.mark()).query(c)
+        })?;
         Ok(mark.is_some_and(|m| m != self.client_id.as_bytes()))
+    }
+
+    /// Raises the key's fencing counter to at least `fence`.
+    pub fn raise_fence(&self, keys: &Keys, fence: u64) -> Result<()> {
+        self.run(Retry::ON_RESET, |c| {
+            RAISE_FENCE.key(keys.fence()).arg(fence).invoke::<i64>(c)
+        })?;
+        Ok(())
     }
 
     /// Removes our own contention mark (a waiter gave up).
     pub fn unmark(&self, keys: &Keys) -> Result<()> {
-        self.run(1, |c| {
+        self.run(Retry::ON_RESET, |c| {
             UNMARK
                 .key(keys.mark())
                 .arg(&*self.client_id)
@@ -175,9 +212,9 @@ impl Node {
     /// Compare-and-delete. `retries` may be non-zero: a repeated release is harmless, and
     /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
     /// deleted.
-    pub fn release(&self, keys: &Keys, token: &str, retries: u32) -> Result<ReleaseReply> {
+    pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
         let mut attempts = 0;
-        let reply = self.run(retries, |c| {
+        let reply = self.run(retry, |c| {
             attempts += 1;
             RELEASE
                 .key(keys.lock())
@@ -197,7 +234,7 @@ impl Node {
     /// Compare-and-extend many locks of this node in one round trip.
     pub fn extend(&self, locks: &[(&[u8], &str)], lease: Duration) -> Result<Vec<ExtendReply>> {
         let lease_ms = lease.as_millis().max(1) as u64;
-        let replies = self.run(1, |c| {
+        let replies = self.run(Retry::ON_RESET, |c| {
             let mut inv = EXTEND.prepare_invoke();
             inv.arg(lease_ms);
             for (key, token) in locks {
@@ -221,5 +258,14 @@ impl Node {
                 n => Err(Error::Protocol(format!("extend replied {n}"))),
             })
             .collect()
+    }
+}
+
+/// Whether a failed command may have reached Redis (and so may have taken effect).
+pub(crate) fn may_have_run(e: &Error) -> bool {
+    match e {
+        Error::PoolExhausted => false,
+        Error::Redis(e) => !e.is_connection_refusal(),
+        _ => true,
     }
 }

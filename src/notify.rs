@@ -13,6 +13,14 @@ use redis::Connection;
 
 use crate::error::is_network_error;
 
+/// Errors that say something is wrong with the connection or its credentials, not that
+/// `CONFIG` is refused: reported as errors, never turned into a silent fallback.
+fn is_fatal(e: &redis::RedisError) -> bool {
+    is_network_error(e)
+        || e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+}
+
 /// The classes we need, in `notify-keyspace-events` syntax.
 pub(crate) const NEEDED: &str = "Kg$xe";
 
@@ -43,7 +51,7 @@ pub(crate) fn ensure(conn: &mut Connection, allowed: bool) -> redis::RedisResult
         .query(conn)
     {
         Ok(v) => v,
-        Err(e) if is_network_error(&e) => return Err(e),
+        Err(e) if is_fatal(&e) => return Err(e),
         Err(e) => return Ok(Mode::Fallback(format!("CONFIG GET refused ({e})"))),
     };
     let flags = current.get(1).cloned().unwrap_or_default();
@@ -67,7 +75,7 @@ pub(crate) fn ensure(conn: &mut Connection, allowed: bool) -> redis::RedisResult
             log::info!("notify-keyspace-events set to {merged:?} (was {flags:?})");
             Ok(Mode::Keyspace)
         }
-        Err(e) if is_network_error(&e) => Err(e),
+        Err(e) if is_fatal(&e) => Err(e),
         Err(e) => Ok(Mode::Fallback(format!(
             "CONFIG SET notify-keyspace-events refused ({e})"
         ))),

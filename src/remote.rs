@@ -24,6 +24,8 @@ pub(crate) struct RemoteLock {
     /// Indexes of the nodes that granted the lock.
     pub nodes: Vec<usize>,
     pub acquired_at: Instant,
+    /// Renewed by the watchdog (else only watched until it expires).
+    renews: bool,
     state: Mutex<State>,
     renew_done: Condvar,
 }
@@ -70,7 +72,7 @@ impl RemoteLock {
         }: Acquisition,
         lease: Duration,
         drift: Duration,
-        renew_every: Duration,
+        renew_every: Option<Duration>,
     ) -> Self {
         RemoteLock {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -79,16 +81,27 @@ impl RemoteLock {
             fence,
             nodes,
             acquired_at: started,
+            renews: renew_every.is_some(),
             state: Mutex::new(State {
                 lease,
                 valid_until: started + lease - drift,
-                next_renew: started + renew_every,
+                next_renew: started + renew_every.unwrap_or(lease),
                 renewing: false,
                 released: false,
                 lost: None,
                 listener: None,
             }),
             renew_done: Condvar::new(),
+        }
+    }
+
+    /// When the watchdog should look at this lock next.
+    pub fn next_due(&self) -> Instant {
+        let st = self.state.lock();
+        if self.renews {
+            st.next_renew
+        } else {
+            st.valid_until
         }
     }
 
@@ -171,6 +184,9 @@ impl RemoteLock {
         {
             Self::set_lost(&mut st, LostReason::HoldLimit, counters);
             return Due::Forget;
+        }
+        if !self.renews {
+            return Due::At(st.valid_until);
         }
         if st.next_renew > horizon {
             return Due::At(st.next_renew);

@@ -19,7 +19,10 @@ use redis::Script;
 /// another process is waiting (the fairness budget only applies then): live when it is
 /// subscribed, through the mark when it subscribed too late to hear.
 ///
-/// Marks and release messages are published with `pcall`: an ACL user without channel
+/// A script that fails half-way is not rolled back, so the counter is incremented before
+/// the lock key is set: an `INCR` that fails (a foreign value in the counter key, an ACL
+/// without `incr`) leaves no lock behind. Marks and release messages are published with
+/// `pcall`: an ACL user without channel
 /// permissions still locks (its waiters then wake by the lease timer and the re-check).
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
@@ -30,9 +33,10 @@ if cur == ARGV[1] then
   return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
 end
 if not cur then
+  local fence = redis.call('INCR', KEYS[2])
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   if redis.call('GET', KEYS[3]) == ARGV[4] then redis.call('DEL', KEYS[3]) end
-  return {1, redis.call('INCR', KEYS[2])}
+  return {1, fence}
 end
 if ARGV[5] ~= '0' then
   redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
@@ -98,6 +102,21 @@ pub(crate) static UNMARK: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+",
+    )
+});
+
+/// Raises a fencing counter to at least a value (Redlock: the highest counter of the
+/// granting majority).
+///
+/// KEYS: fence. ARGV: the value.
+pub(crate) static RAISE_FENCE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if (tonumber(redis.call('GET', KEYS[1]) or '0')) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
 return 0
 ",
     )

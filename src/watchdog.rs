@@ -1,6 +1,7 @@
 //! One watchdog thread per client: renews every held lock at about a third of its lease,
 //! all due locks of a node in one round trip, and marks locks lost when a renewal proves
-//! they are gone or the lease ran out before one succeeded.
+//! they are gone or the lease ran out before one succeeded. With renewals off it still
+//! watches: the holder's lost channel fires when the lease runs out.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,13 +54,23 @@ impl Watchdog {
         })
     }
 
-    /// Starts renewing `lock`. Wakes the thread only when this lock is due before the
-    /// thread's next planned look: most acquisitions cost no context switch.
-    pub fn register(&self, lock: Arc<RemoteLock>, first_renewal: Instant) {
+    /// Starts watching `lock` (renewing it, or with renewals off, telling its holder when
+    /// it expires). Wakes the thread only when the lock is due before the thread's next
+    /// planned look: most acquisitions cost no context switch.
+    pub fn register(&self, lock: Arc<RemoteLock>, due: Instant) {
         let mut held = self.held.lock();
         held.locks.insert(lock.id, lock);
-        if held.planned.is_none_or(|p| first_renewal < p) {
-            held.planned = Some(first_renewal);
+        self.plan(held, due);
+    }
+
+    /// A watched lock is due at `due` now (its lease was changed by an explicit extend).
+    pub fn reschedule(&self, due: Instant) {
+        self.plan(self.held.lock(), due);
+    }
+
+    fn plan(&self, mut held: parking_lot::MutexGuard<'_, Held>, due: Instant) {
+        if held.planned.is_none_or(|p| due < p) {
+            held.planned = Some(due);
             drop(held);
             let _ = self.kick.try_send(());
         }

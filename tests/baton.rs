@@ -680,12 +680,11 @@ fn two_clients_both_progress() {
     assert_both_progressed(&clients, switches, interleaved);
 }
 
-/// The same from a cold start (neither client subscribed yet). Fails in about one run in
-/// four: the contention mark of the client that failed first is published before the
-/// holder's process has subscribed to the key, so the holder never applies the budget and
-/// runs all its sections first (see `missed_contention_mark_still_yields_promptly`).
+/// The same from a cold start (neither client subscribed yet). Regression: the contention
+/// mark of the client that failed first was published before the holder's process had
+/// subscribed to the key, so the holder never applied the budget and ran all its sections
+/// first; the durable mark key now tells it.
 #[test]
-#[ignore = "library bug: a contention mark published before the holder subscribed is lost"]
 fn two_clients_both_progress_from_cold_start() {
     let srv = RedisServer::start();
     let clients: Vec<LockClient> = (0..2)
@@ -781,10 +780,9 @@ fn missed_contention_mark_is_bounded_by_recheck() {
 }
 
 /// What the design promises ("yield promptly once someone else wants it") also when the
-/// waiter failed before the holder's process subscribed. Fails today: the waiter waits for
-/// its re-check (see the report on `missed_contention_mark_is_bounded_by_recheck`).
+/// waiter failed before the holder's process subscribed. Regression: the waiter used to wait
+/// for its re-check; the first queued local waiter now reads the durable mark key.
 #[test]
-#[ignore = "library bug: a contention mark published before the holder subscribed is lost"]
 fn missed_contention_mark_still_yields_promptly() {
     let srv = RedisServer::start();
     let waited = holder_yield_wait(&srv, true);

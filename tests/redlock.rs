@@ -11,12 +11,10 @@
 //! - a held lock survives nodes restarting empty while a majority still holds it, and the
 //!   lost signal (`LostReason::NoQuorum`) fires when it no longer does;
 //! - what the fencing token promises on Redlock (the highest counter among the granting
-//!   nodes: increasing on healthy nodes without contention; under contention a later holder
-//!   can get a lower token, or the same token as an earlier holder).
-//!
-//! Three `#[ignore]`d tests assert the correct behaviour where the library falls short
-//! today (a Redlock waiter polls; one hung node makes short-lease locks expire; a round
-//! right after restarts fails on stale connections). Run them with `-- --ignored`.
+//!   nodes, which the acquisition writes back to its majority: increasing across holders,
+//!   also under contention, until a majority restarts empty);
+//! - regressions of three fixed bugs: a Redlock waiter polled; one hung node made
+//!   short-lease locks expire; a round right after restarts failed on stale connections.
 //!
 //! Timeouts: tests that stop nodes set connect/read/write timeouts to `FAST` (300 ms) so a
 //! paused node fails fast. Bounds asserted are liveness bounds, generous for a loaded 2-core
@@ -835,13 +833,16 @@ fn fencing_tokens_on_redlock() {
     guard.unlock().expect("unlock");
     del(&mut raw[3..]);
     eprintln!(
-        "later holder's token {low} (fence {}) < earlier holder's {high} (fence {})",
+        "later holder's token {low} (fence {}), earlier holder's {high} (fence {})",
         fence_of(low),
         fence_of(high)
     );
+    // Each acquisition raises the fence counters of its granting majority to the highest
+    // among them, and any later majority overlaps it: tokens keep increasing although
+    // the nodes' counters drift apart (the failed rounds above advanced nodes 3 and 4 only).
     assert!(
-        low < high,
-        "documented limitation: Redlock tokens are not monotonic"
+        low > high,
+        "a later holder's token {low} is not above the earlier holder's {high}"
     );
 
     // A majority restarting empty restarts the counters: with nodes 0..=2 restarted and
@@ -867,7 +868,7 @@ fn fencing_tokens_on_redlock() {
 
 /// `lock()` right after nodes restarted: the first Redlock round can fail with `NoQuorum`
 /// because the pooled connections to the restarted nodes are dead and a Redlock round does
-/// not retry (see `lock_right_after_a_majority_restarted_succeeds`, ignored: library bug).
+/// not retry (see `lock_right_after_a_majority_restarted_succeeds`).
 /// That round discards them; the next one gets fresh connections.
 fn lock_after_restarts(client: &LockClient, name: &str) -> LockGuard {
     match client.lock(name) {
@@ -923,7 +924,7 @@ fn waiter_behind_a_holder_gets_the_lock_on_release() {
     assert_eq!(s.remote_acquisitions, 1);
 }
 
-/// Library bug (ignored so the suite stays green; remove the `ignore` once fixed).
+/// Regression test (was a library bug).
 ///
 /// The design promises that waiters sleep until Redis says the key changed. On one node
 /// that holds (2 failed attempts, 1 event wakeup for a 1.5 s hold). On Redlock the waiter
@@ -935,7 +936,6 @@ fn waiter_behind_a_holder_gets_the_lock_on_release() {
 /// elsewhere on a majority, the holder's remaining lease and the keyspace events should
 /// decide the wait, as on one node.
 #[test]
-#[ignore = "library bug: a Redlock waiter polls every 2-25 ms (contend.rs round() jitter)"]
 fn waiter_behind_a_holder_does_not_poll() {
     let servers = server::start_many(5);
     let (waited, s) = wait_behind_holder(&servers, ms(1500));
@@ -993,7 +993,7 @@ fn held_lock_survives_a_paused_minority_node() {
     drop(resume);
 }
 
-/// Library bug (ignored so the suite stays green; remove the `ignore` once fixed).
+/// Regression test (was a library bug).
 ///
 /// One node of five pauses while a lock is held: 4 healthy nodes remain, yet the lock is
 /// lost (`Expired`, 1.8 s after the pause) and its keys really expire on all 4 healthy
@@ -1005,7 +1005,6 @@ fn held_lock_survives_a_paused_minority_node() {
 /// With the defaults (2 s timeouts) that is 6 s per round: any lease under about 6 s is
 /// lost as soon as one Redlock node hangs.
 #[test]
-#[ignore = "library bug: one hung Redlock node blocks renewals of every held lock (watchdog waits for all nodes)"]
 fn held_lock_with_short_lease_survives_a_paused_minority_node() {
     let servers = server::start_many(5);
     let timeout = ms(500);
@@ -1032,7 +1031,7 @@ fn held_lock_with_short_lease_survives_a_paused_minority_node() {
     assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
 }
 
-/// Library bug (ignored so the suite stays green; remove the `ignore` once fixed).
+/// Regression test (was a library bug).
 ///
 /// Two of three nodes restart (empty) while no lock is held. Every node is up again, yet
 /// the next `lock()` — which should wait as long as it takes — fails at once with
@@ -1041,7 +1040,6 @@ fn held_lock_with_short_lease_survives_a_paused_minority_node() {
 /// `retries = 0` to `Node::acquire`; the single-node path passes 2). The failed command
 /// discards them, so the round after works.
 #[test]
-#[ignore = "library bug: Redlock acquire does not retry on a stale pooled connection after a node restart"]
 fn lock_right_after_a_majority_restarted_succeeds() {
     let servers = server::start_many(3);
     let client = builder(&urls(&servers)).build().expect("build");

@@ -11,9 +11,8 @@
 //! run while a heavy test saturates the machine (they still run in parallel with each
 //! other).
 //!
-//! Three tests are `#[ignore]`d because they fail against the current library (server
-//! restart, and the two Redis 7 ACL cases); they assert the correct behaviour and should be
-//! un-ignored once it is fixed: `cargo test --test wakeup -- --ignored`.
+//! Three tests are regressions of fixed library bugs (server restart, and the two Redis 7
+//! ACL cases).
 
 mod support;
 
@@ -997,10 +996,9 @@ fn release_latency(holder: &LockClient, c: &LockClient, name: &str) -> (Duration
 /// `CONFIG SET`) loses it. Clients built before must still wake their waiters on release,
 /// not by the re-check ceiling.
 ///
-/// Ignored: fails against the current library, which checks the flags only in `build()`
-/// (see the report: waiters then wake only by the 5 s re-check). Run with `--ignored`.
+/// Regression: the flags were checked only in `build()`; the subscriber now re-checks them
+/// at every (re)connect, and releases always publish on the library's channel.
 #[test]
-#[ignore = "library bug: notify-keyspace-events is not re-checked after a server restart"]
 fn waiters_still_wake_on_release_after_server_restart() {
     let _light = HEAVY.read();
     let srv = RedisServer::start();
@@ -1049,11 +1047,9 @@ fn acl_server(rule: &str) -> (RedisServer, String) {
 /// work, and waiters must still get it after a release (without events they can only
 /// retry with the degraded backoff, capped at 1 s).
 ///
-/// Ignored: fails against the current library, whose acquire script `PUBLISH`es the
-/// contention mark with `redis.call`, so every attempt on a held lock fails with
-/// "can't publish to the channel" (see the report). Run with `--ignored`.
+/// Regression: the scripts `PUBLISH`ed with `redis.call`, so every attempt on a held lock
+/// failed with "can't publish to the channel"; they use `pcall` now.
 #[test]
-#[ignore = "library bug: acquire script's PUBLISH fails for ACL users without channel permissions"]
 fn acl_user_without_channel_permissions_can_still_wait() {
     let _light = HEAVY.read();
     let (_srv, url) = acl_server("~* +@all");
@@ -1085,11 +1081,10 @@ fn acl_user_without_channel_permissions_can_still_wait() {
 /// keyspace channel is refused with NOPERM. Waiters must still wake on release (the
 /// library's own channel can carry it), not by the 5 s re-check.
 ///
-/// Ignored: fails against the current library, which takes the refused `SUBSCRIBE` for a
-/// confirmation (redis-rs `PubSub::subscribe` returns `Ok` on an error reply) and does not
-/// publish on release since keyspace notifications are on (see the report).
+/// Regression: a refused `SUBSCRIBE` was taken for a confirmation (redis-rs
+/// `PubSub::subscribe` returns `Ok` on an error reply); the subscriber now probes channel
+/// permissions on a plain connection, and releases always publish on the library channel.
 #[test]
-#[ignore = "library bug: a SUBSCRIBE refused by ACL counts as confirmed; release does not publish"]
 fn acl_user_without_keyspace_channels_still_wakes_on_release() {
     let _light = HEAVY.read();
     let (_srv, url) = acl_server("~* &redbaton:* +@all");
