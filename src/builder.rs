@@ -29,7 +29,7 @@ pub enum Wakeup {
 }
 
 /// Settings checked by [`Builder::build`]; kept by the client.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct Config {
     pub nodes: Vec<String>,
     pub key_prefix: String,
@@ -107,7 +107,7 @@ const MIN_LEASE: Duration = Duration::from_millis(10);
 /// let err = redbaton::LockClient::builder().lease(Duration::ZERO).build().unwrap_err();
 /// assert!(err.is_invalid_input());
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[must_use = "a builder does nothing until build() is called"]
 pub struct Builder {
     nodes: Vec<String>,
@@ -126,6 +126,48 @@ pub struct Builder {
     local_handoff: bool,
     max_handoffs: u32,
     handoff_slice: Duration,
+}
+
+/// Node URLs may carry a password: `Debug` shows them with it replaced by `***`.
+impl std::fmt::Debug for Builder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Builder")
+            .field(
+                "nodes",
+                &self.nodes.iter().map(|u| redact(u)).collect::<Vec<_>>(),
+            )
+            .field("key_prefix", &self.key_prefix)
+            .field("lease", &self.lease)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("read_timeout", &self.read_timeout)
+            .field("write_timeout", &self.write_timeout)
+            .field("pool_size", &self.pool_size)
+            .field("wakeup", &self.wakeup)
+            .field("configure_notifications", &self.configure_notifications)
+            .field("recheck_interval", &self.recheck_interval)
+            .field("auto_renew", &self.auto_renew)
+            .field("renew_interval", &self.renew_interval)
+            .field("max_hold", &self.max_hold)
+            .field("local_handoff", &self.local_handoff)
+            .field("max_handoffs", &self.max_handoffs)
+            .field("handoff_slice", &self.handoff_slice)
+            .finish()
+    }
+}
+
+/// `redis://user:secret@host/` → `redis://user:***@host/`.
+fn redact(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_owned();
+    };
+    let userinfo = &rest[..at];
+    let user = userinfo.split(':').next().unwrap_or("");
+    format!("{}{user}:***{}", &url[..scheme_end], &rest[at..])
 }
 
 impl Default for Builder {
@@ -367,5 +409,20 @@ impl Builder {
             max_handoffs: self.max_handoffs,
             handoff_slice: self.handoff_slice,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("redis://u:pw@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact("redis://:pw@h/"), "redis://:***@h/");
+        assert_eq!(redact("redis://h:6379/"), "redis://h:6379/");
+        assert_eq!(redact("not a url"), "not a url");
+        let b = crate::LockClient::builder().node("redis://a:s3cret@h/");
+        assert!(!format!("{b:?}").contains("s3cret"));
     }
 }

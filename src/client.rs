@@ -481,6 +481,7 @@ impl Inner {
         if let Some(reason) = lock.lost(&self.counters) {
             return Err(Error::Lost(reason));
         }
+        lock.begin_extend();
         let started = Instant::now();
         let (client, l) = (self.clone(), lock.clone());
         let replies = self.map_nodes(move |n| {
@@ -495,12 +496,15 @@ impl Inner {
             .iter()
             .filter(|r| matches!(r, Ok(v) if v.first() == Some(&ExtendReply::Extended)))
             .count();
-        if ok >= self.quorum().min(replies.len()) {
-            lock.extended(
+        let extended = ok >= self.quorum().min(replies.len());
+        lock.end_extend(extended.then(|| {
+            (
                 lease,
                 started + lease - self.cfg.drift(lease),
                 started + self.renew_every(lease),
-            );
+            )
+        }));
+        if extended {
             if let Some(w) = &self.watchdog {
                 w.reschedule(lock.next_due());
             }

@@ -77,7 +77,7 @@ impl Inner {
                 Wait::No => false,
                 Wait::Until(d) => d.is_none_or(|d| Instant::now() < d),
             };
-            let hint = match self.round(keys, waiting) {
+            let hint = match self.round(keys, waiting, wait.deadline()) {
                 Ok(Round::Acquired(lock)) => return Ok(lock),
                 Ok(Round::Held(hint)) => {
                     marked |= waiting;
@@ -131,8 +131,25 @@ impl Inner {
         }
     }
 
-    /// Redlock: raises the fencing counter of every granting node to `fence`, the highest
-    /// among them, before the lock is used. Any later majority overlaps this one in at
+    /// A compare-and-delete the caller does not wait for (after an ambiguous failure, so
+    /// that the deadline is kept and no stray key outlives the call by long).
+    fn release_in_background(self: &Arc<Self>, keys: &Keys, token: String, nodes: Vec<usize>) {
+        let (client, k) = (self.clone(), keys.clone());
+        let cleanup = move || {
+            for r in client.release_on(&k, &token, nodes) {
+                if let Err(e) = r {
+                    log::debug!("cleanup release failed (the key expires with its lease): {e}");
+                }
+            }
+        };
+        // Rare (a failed attempt): a thread of its own is cheaper than keeping one around.
+        let _ = std::thread::Builder::new()
+            .name("redbaton-cleanup".to_owned())
+            .spawn(cleanup);
+    }
+
+    /// Redlock: raises the fencing counter of the granting nodes that are behind to
+    /// `fence`, the highest among them, before the lock is used. Any later majority overlaps this one in at
     /// least one node, whose counter is now at least `fence`: the next holder's token is
     /// higher, even though the nodes' counters drift apart. A node that fails here (or
     /// restarts empty later) weakens that promise: see the crate docs.
@@ -159,20 +176,27 @@ impl Inner {
     }
 
     /// One attempt on every node.
-    fn round(self: &Arc<Self>, keys: &Keys, waiting: bool) -> Result<Round> {
+    fn round(
+        self: &Arc<Self>,
+        keys: &Keys,
+        waiting: bool,
+        deadline: Option<Instant>,
+    ) -> Result<Round> {
         let token = uuid::Uuid::new_v4().to_string();
         let lease = self.cfg.lease;
         let started = Instant::now();
         if self.nodes.len() == 1 {
-            return match self.nodes[0].acquire(keys, &token, lease, Retry::LOST_REPLY, waiting) {
+            let node = &self.nodes[0];
+            return match node.acquire(keys, &token, lease, Retry::LOST_REPLY, waiting, deadline) {
                 Ok(Attempt::Acquired { fence }) => {
                     self.acquired(keys, token, fence, vec![0], started)
                 }
                 Ok(Attempt::Held { pttl }) => Ok(Round::Held(pttl)),
                 Err(e) => {
                     if may_have_run(&e) {
-                        // The key may be ours without our knowing: leave nothing behind.
-                        let _ = self.nodes[0].release(keys, &token, Retry::NEVER);
+                        // The key may be ours without our knowing: leave nothing behind,
+                        // without spending the caller's deadline on it.
+                        self.release_in_background(keys, token, vec![0]);
                     }
                     Err(e)
                 }
@@ -180,8 +204,9 @@ impl Inner {
         }
         // Redlock: every node at once; an error is a vote against, never an abort.
         let (client, k, t) = (self.clone(), keys.clone(), token.clone());
-        let replies = self
-            .map_nodes(move |n| client.nodes[n].acquire(&k, &t, lease, Retry::ON_RESET, waiting));
+        let replies = self.map_nodes(move |n| {
+            client.nodes[n].acquire(&k, &t, lease, Retry::ON_RESET, waiting, deadline)
+        });
         let granted: Vec<(usize, u64)> = replies
             .iter()
             .enumerate()
@@ -195,7 +220,15 @@ impl Inner {
         if granted.len() >= needed && validity.is_some_and(|v| !v.is_zero()) {
             let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
             let nodes: Vec<usize> = granted.iter().map(|&(n, _)| n).collect();
-            self.raise_fences(keys, fence, &nodes);
+            // Only nodes behind need it: with counters in step there is no extra round trip.
+            let behind: Vec<usize> = granted
+                .iter()
+                .filter(|&&(_, f)| f < fence)
+                .map(|&(n, _)| n)
+                .collect();
+            if !behind.is_empty() {
+                self.raise_fences(keys, fence, &behind);
+            }
             return self.acquired(keys, token, fence, nodes, started);
         }
         // Not ours: undo on every node that may hold our token, including the ones whose
@@ -210,7 +243,11 @@ impl Inner {
             })
             .map(|(n, _)| n)
             .collect();
-        self.release_on(keys, &token, undo);
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            self.release_in_background(keys, token, undo);
+        } else {
+            self.release_on(keys, &token, undo);
+        }
         let errors = replies.iter().filter(|r| r.is_err()).count();
         if errors > self.nodes.len() - needed {
             if let Some(Err(e)) = replies.iter().find(|r| r.is_err()) {

@@ -112,8 +112,9 @@ impl LockGuard {
     /// by every acquisition in Redis, and `handoff` numbers the local handoffs of that
     /// acquisition (at most 2^20 - 1 of them before the lock goes back through Redis). On one
     /// node it strictly increases across all holders, local and remote, as long as the
-    /// counter key is not deleted. For Redlock see the crate docs: it is the highest counter
-    /// of the granting nodes, which is not strictly increasing in every failure.
+    /// counter key is not deleted. For Redlock it is the highest counter of the granting
+    /// nodes, written back to them; it keeps increasing unless a majority of nodes lose
+    /// their data (see the crate docs).
     ///
     /// # Examples
     ///

@@ -41,16 +41,29 @@
 //!
 //! With [`Builder::nodes`] over N independent masters (N odd, at least 3) the lock is
 //! taken on all nodes in parallel and held when a majority granted it within the validity
-//! time (lease − elapsed − drift). Its fencing token is built from the highest counter among
-//! the granting nodes. That is **not** strictly increasing in every failure: a node that
-//! restarts empty restarts its counter, and two majorities overlap in one node only, whose
-//! counter may not be the highest of either. Martin Kleppmann ("How to do distributed
-//! locking") argues that a lock without strictly monotonic tokens cannot make a paused
-//! holder safe; antirez ("Is Redlock safe?") answers that the token-checking storage can use
-//! the random token instead. redbaton promises: on one node, strictly increasing tokens
-//! while the counter key survives; on Redlock, a majority-held lease and a best-effort
-//! token. If your resource needs strict fencing, use one node with persistence (or a
-//! consensus system).
+//! time (lease − elapsed − drift, drift = lease × 1% + 2 ms); a node's error is a vote
+//! against, never an abort, and a failed round is undone on every node that may hold the
+//! token.
+//!
+//! Each node keeps its own fencing counter, and they drift apart (a round that fails
+//! still increments the nodes that granted it). So after a successful round the client
+//! raises the counter of every granting node to the highest among them before returning
+//! the guard. Any later majority shares at least one node with this one, whose counter is
+//! now at least this token's: the next holder's token is higher.
+//!
+//! What is promised, and what is not:
+//!
+//! * Promised: on one node, strictly increasing tokens while the `…:fence` key survives.
+//!   On Redlock, increasing tokens across holders while no node restarts empty (or fails
+//!   over to a replica that missed the counter) and the write-back reached the overlap.
+//! * Not promised: after a majority of nodes lose their data, counters start again from
+//!   zero and tokens go backwards. Martin Kleppmann ("How to do distributed locking")
+//!   argues that a lock whose tokens are not strictly monotonic cannot make a paused holder
+//!   safe, and that Redlock's timing assumptions do not hold in an asynchronous network;
+//!   antirez ("Is Redlock safe?") answers that the storage can check the unique random
+//!   token instead, and that the timing assumptions are reasonable in practice. If your
+//!   resource needs strict fencing through node failures, use one node with persistence
+//!   (`appendfsync always`) or a consensus system.
 
 mod builder;
 mod client;

@@ -1,7 +1,7 @@
 //! One Redis node: its connection pool and the protocol's three operations on it.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::{Connection, RedisResult};
 
@@ -68,6 +68,9 @@ impl Retry {
     };
 }
 
+/// The shortest read timeout an attempt gets, however close the caller's deadline.
+const MIN_ATTEMPT: Duration = Duration::from_millis(50);
+
 pub(crate) struct Node {
     pub idx: usize,
     pub pool: Pool,
@@ -113,19 +116,47 @@ impl Node {
     pub fn run<T>(
         &self,
         retry: Retry,
+        f: impl FnMut(&mut Connection) -> RedisResult<T>,
+    ) -> Result<T> {
+        self.run_until(retry, None, f)
+    }
+
+    /// [`run`](Self::run), within the caller's `deadline`: each read waits at most until
+    /// the deadline (but [`MIN_ATTEMPT`] at least, so an attempt has a chance), and
+    /// nothing is retried once it has passed.
+    pub fn run_until<T>(
+        &self,
+        retry: Retry,
+        deadline: Option<Instant>,
         mut f: impl FnMut(&mut Connection) -> RedisResult<T>,
     ) -> Result<T> {
+        let (_, read_timeout, _) = self.pool.timeouts();
         let mut tries = 0;
         loop {
             let mut conn = self.pool.get()?;
             Counters::inc(&self.counters.commands);
-            match f(&mut conn) {
+            let short = deadline
+                .map(|d| d.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT))
+                .filter(|t| *t < read_timeout);
+            let mut result = match short {
+                Some(t) => conn.set_read_timeout(Some(t)),
+                None => Ok(()),
+            }
+            .and_then(|()| f(&mut conn));
+            if short.is_some() && result.is_ok() {
+                // Back to the pool's timeout; a connection that cannot be reset is dropped.
+                if let Err(e) = conn.set_read_timeout(Some(read_timeout)) {
+                    result = Err(e);
+                }
+            }
+            match result {
                 Ok(v) => return Ok(v),
                 Err(e) if is_network_error(&e) => {
                     conn.discard();
                     drop(conn);
                     self.pool.clear_idle();
-                    if tries >= retry.times || (e.is_timeout() && !retry.after_timeout) {
+                    let late = deadline.is_some_and(|d| Instant::now() >= d);
+                    if tries >= retry.times || (e.is_timeout() && !retry.after_timeout) || late {
                         return Err(Error::Redis(e));
                     }
                     tries += 1;
@@ -147,6 +178,7 @@ impl Node {
         lease: Duration,
         retry: Retry,
         waiting: bool,
+        deadline: Option<Instant>,
     ) -> Result<Attempt> {
         let lease_ms = lease.as_millis().max(1) as u64;
         let mark_ms = if waiting {
@@ -154,7 +186,7 @@ impl Node {
         } else {
             0
         };
-        let reply = self.run(retry, |c| {
+        let reply = self.run_until(retry, deadline, |c| {
             ACQUIRE
                 .key(keys.lock())
                 .key(keys.fence())

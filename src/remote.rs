@@ -175,6 +175,10 @@ impl RemoteLock {
         if st.released || st.lost.is_some() {
             return Due::Forget;
         }
+        if st.renewing {
+            // The holder is extending it right now: look again shortly.
+            return Due::At(now + Duration::from_millis(10));
+        }
         if now >= st.valid_until {
             Self::set_lost(&mut st, LostReason::Expired, counters);
             return Due::Forget;
@@ -222,11 +226,27 @@ impl RemoteLock {
         self.renew_done.notify_all();
     }
 
-    /// After an explicit extend by the holder: new lease, validity and renew time.
-    pub fn extended(&self, lease: Duration, valid_until: Instant, next_renew: Instant) {
+    /// Before an explicit extend: waits for a renewal in flight and keeps the watchdog
+    /// out until [`end_extend`](Self::end_extend), so that an older, shorter lease can never
+    /// land in Redis after the holder's.
+    pub fn begin_extend(&self) {
         let mut st = self.state.lock();
-        st.lease = lease;
-        st.valid_until = valid_until;
-        st.next_renew = next_renew;
+        while st.renewing {
+            self.renew_done.wait(&mut st);
+        }
+        st.renewing = true;
+    }
+
+    /// After an explicit extend: the new lease, validity and renew time if it succeeded.
+    pub fn end_extend(&self, extended: Option<(Duration, Instant, Instant)>) {
+        let mut st = self.state.lock();
+        st.renewing = false;
+        if let Some((lease, valid_until, next_renew)) = extended {
+            st.lease = lease;
+            st.valid_until = valid_until;
+            st.next_renew = next_renew;
+        }
+        drop(st);
+        self.renew_done.notify_all();
     }
 }
