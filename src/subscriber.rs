@@ -15,8 +15,8 @@
 //!
 //! # The invariant
 //!
-//! A waiter registers a [`Watch`] and waits until Redis confirms the subscription
-//! ([`Watch::wait_confirmed`]) *before* the acquire attempt whose failure makes it wait. It
+//! A waiter registers a [`Watch`] and waits until Redis confirms the subscription (the
+//! contender's `confirm`) *before* the acquire attempt whose failure makes it wait. It
 //! reads the key's event counters before that attempt and, after it, sleeps only while they
 //! are unchanged: an event between the attempt and the sleep is never lost. When the
 //! connection drops, the generation changes, every waiter is poked, re-waits for the
@@ -24,7 +24,17 @@
 //!
 //! The sync `redis` connection is `&mut` only, so this thread owns it and reads with a
 //! short timeout ([`POLL`]) to take (un)subscribe requests between reads; events
-//! themselves are read as soon as they arrive.
+//! themselves are read as soon as they arrive. One channel per (UN)SUBSCRIBE command:
+//! redis-rs reads one confirmation per call.
+//!
+//! # What wakes whom
+//!
+//! Keyspace `del`, `expired`, `evicted` (anything but `set` and `expire`) and the
+//! library's `r` mean "the key may be free": every waiter of the key retries. `r` right
+//! after a `del` is the same release and is skipped. `set` means another owner took it
+//! (it ends a yielding contender's pause). `expire` is a renewal and wakes nobody. `c<id>`
+//! from another client means it failed to get the key: the holder's process applies its
+//! fairness budget.
 
 use std::collections::HashMap;
 use std::sync::Arc;
