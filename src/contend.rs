@@ -10,7 +10,7 @@ use crate::builder::{HANDOFF_BITS, Wakeup};
 use crate::client::Inner;
 use crate::error::{Error, Result};
 use crate::keys::Keys;
-use crate::node::{Attempt, ReleaseReply, Retry, may_have_run};
+use crate::node::{Attempt, Marks, ReleaseReply, Retry, may_have_run};
 use crate::remote::{Acquisition, RemoteLock};
 use crate::stats::Counters;
 use crate::subscriber::{Snapshot, Watch};
@@ -77,10 +77,14 @@ impl Inner {
                 Wait::No => false,
                 Wait::Until(d) => d.is_none_or(|d| Instant::now() < d),
             };
-            let hint = match self.round(keys, waiting, wait.deadline()) {
+            let marks = Marks {
+                leave: waiting,
+                clear: marked,
+            };
+            let hint = match self.round(keys, marks, wait.deadline()) {
                 Ok(Round::Acquired(lock)) => return Ok(lock),
                 Ok(Round::Held(hint)) => {
-                    marked |= waiting;
+                    marked |= marks.leave;
                     hint
                 }
                 Err(e) => {
@@ -179,15 +183,15 @@ impl Inner {
     fn round(
         self: &Arc<Self>,
         keys: &Keys,
-        waiting: bool,
+        marks: Marks,
         deadline: Option<Instant>,
     ) -> Result<Round> {
-        let token = uuid::Uuid::new_v4().to_string();
+        let token = new_token();
         let lease = self.cfg.lease;
         let started = Instant::now();
         if self.nodes.len() == 1 {
             let node = &self.nodes[0];
-            return match node.acquire(keys, &token, lease, Retry::LOST_REPLY, waiting, deadline) {
+            return match node.acquire(keys, &token, lease, Retry::LOST_REPLY, marks, deadline) {
                 Ok(Attempt::Acquired { fence }) => {
                     self.acquired(keys, token, fence, vec![0], started)
                 }
@@ -205,7 +209,7 @@ impl Inner {
         // Redlock: every node at once; an error is a vote against, never an abort.
         let (client, k, t) = (self.clone(), keys.clone(), token.clone());
         let replies = self.map_nodes(move |n| {
-            client.nodes[n].acquire(&k, &t, lease, Retry::ON_RESET, waiting, deadline)
+            client.nodes[n].acquire(&k, &t, lease, Retry::ON_RESET, marks, deadline)
         });
         let granted: Vec<(usize, u64)> = replies
             .iter()
@@ -334,13 +338,22 @@ impl Inner {
     }
 }
 
+/// A fresh owner token: a random UUID v4, from the thread-local CSPRNG (seeded by the OS)
+/// rather than a `getrandom` system call per lock.
+fn new_token() -> String {
+    uuid::Builder::from_random_bytes(rand::random())
+        .into_uuid()
+        .hyphenated()
+        .to_string()
+}
+
 fn earliest(t: Instant, deadline: Option<Instant>) -> Instant {
     deadline.map_or(t, |d| d.min(t))
 }
 
-/// A contender's subscriptions (one per node) and the channel that pokes it.
+/// A contender's subscriptions (one per node) and the channel that pokes it. Both are made
+/// only when the contender has to wait: an uncontended lock allocates neither.
 struct Waiter {
-    poke_tx: crossbeam_channel::Sender<()>,
     poke: Receiver<()>,
     watches: Vec<Watch>,
     /// Degraded-mode backoff, used only while subscriptions cannot be confirmed.
@@ -349,10 +362,8 @@ struct Waiter {
 
 impl Waiter {
     fn new() -> Self {
-        let (poke_tx, poke) = crossbeam_channel::bounded(1);
         Waiter {
-            poke_tx,
-            poke,
+            poke: crossbeam_channel::never(),
             watches: Vec::new(),
             backoff: Duration::from_millis(10),
         }
@@ -361,10 +372,12 @@ impl Waiter {
     /// Registers with every node's subscriber and waits until a majority confirmed (one
     /// node: that node), bounded by the deadline and the read timeout.
     fn watch(&mut self, keys: &Keys, client: &Inner, deadline: Option<Instant>) {
+        let (poke_tx, poke) = crossbeam_channel::bounded(1);
+        self.poke = poke;
         self.watches = client
             .subs
             .iter()
-            .map(|s| s.watch(keys, self.poke_tx.clone()))
+            .map(|s| s.watch(keys, poke_tx.clone()))
             .collect();
         self.confirm(client, deadline);
     }

@@ -68,6 +68,15 @@ impl Retry {
     };
 }
 
+/// What an acquire attempt does with contention marks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Marks {
+    /// The caller will wait if the lock is held: a failure marks contention.
+    pub leave: bool,
+    /// The caller marked before: a success deletes its mark.
+    pub clear: bool,
+}
+
 /// The shortest read timeout an attempt gets, however close the caller's deadline.
 const MIN_ATTEMPT: Duration = Duration::from_millis(50);
 
@@ -170,18 +179,18 @@ impl Node {
     /// One acquire attempt with `token`, retried with the same token after an ambiguous
     /// failure (the script recognises its own token and returns the first fence). When the
     /// outcome stays unknown, the caller must release with the token: the key may be ours.
-    /// `waiting`: the caller will wait if the lock is held, so a failure marks contention.
+    /// `marks`: whether a failure leaves a contention mark, and whether a success clears ours.
     pub fn acquire(
         &self,
         keys: &Keys,
         token: &str,
         lease: Duration,
         retry: Retry,
-        waiting: bool,
+        marks: Marks,
         deadline: Option<Instant>,
     ) -> Result<Attempt> {
         let lease_ms = lease.as_millis().max(1) as u64;
-        let mark_ms = if waiting {
+        let mark_ms = if marks.leave {
             self.mark_ttl.as_millis().max(1) as u64
         } else {
             0
@@ -196,6 +205,7 @@ impl Node {
                 .arg(keys.channel())
                 .arg(&*self.client_id)
                 .arg(mark_ms)
+                .arg(if marks.clear { "1" } else { "0" })
                 .invoke::<(i64, i64)>(c)
         });
         match reply {

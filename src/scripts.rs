@@ -9,34 +9,40 @@ use redis::Script;
 /// Acquire in one round trip, idempotently.
 ///
 /// KEYS: lock, fence, mark. ARGV: token, lease in ms, the library's channel, the client's
-/// id, the mark's TTL in ms (0: the caller will not wait, so leave no mark).
+/// id, the mark's TTL in ms (0: the caller will not wait, so leave no mark), `1` if this
+/// caller marked before (its mark is deleted when it wins).
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when someone else holds it.
+///
+/// The common case comes first and costs two calls: `SET NX PX`, then `INCR` of the fence.
+/// A script that fails half-way is not rolled back, so an `INCR` that fails (a foreign
+/// value in the counter key, an ACL without `incr`) deletes the key it just set: no lock is
+/// left behind.
 ///
 /// When the key already holds *our* token (a retry after the reply to a first attempt was
 /// lost), the lease is refreshed and the fence the first attempt created is returned: one
 /// lock, one fence, no stray key. A failed attempt publishes `c<client id>` on the lock's
 /// channel, and leaves its client id in the mark key, so that the holder's process knows
 /// another process is waiting (the fairness budget only applies then): live when it is
-/// subscribed, through the mark when it subscribed too late to hear.
-///
-/// A script that fails half-way is not rolled back, so the counter is incremented before
-/// the lock key is set: an `INCR` that fails (a foreign value in the counter key, an ACL
-/// without `incr`) leaves no lock behind. Marks and release messages are published with
-/// `pcall`: an ACL user without channel
-/// permissions still locks (its waiters then wake by the lease timer and the re-check).
+/// subscribed, through the mark when it subscribed too late to hear. Marks are published
+/// with `pcall`: an ACL user without channel permissions still locks.
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local fence = redis.pcall('INCR', KEYS[2])
+  if type(fence) == 'table' then
+    redis.call('DEL', KEYS[1])
+    return fence
+  end
+  if ARGV[6] == '1' and redis.call('GET', KEYS[3]) == ARGV[4] then
+    redis.call('DEL', KEYS[3])
+  end
+  return {1, fence}
+end
 local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
-end
-if not cur then
-  local fence = redis.call('INCR', KEYS[2])
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  if redis.call('GET', KEYS[3]) == ARGV[4] then redis.call('DEL', KEYS[3]) end
-  return {1, fence}
 end
 if ARGV[5] ~= '0' then
   redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
