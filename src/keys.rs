@@ -13,8 +13,14 @@ pub(crate) const MAX_PREFIX_LEN: usize = 1024;
 /// Names are arbitrary non-empty bytes (Redis keys are binary): UTF-8 or not, spaces,
 /// braces, anything. The name sits between braces so that a Redis Cluster port keeps the
 /// lock key and its fencing counter in one slot: the first `{...}` of both keys is the same.
+///
+/// Shared behind an `Arc`: the keys travel with the lock (guard, watchdog, fan-out jobs),
+/// and a clone must not copy five buffers on every acquisition.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub(crate) struct Keys {
+pub(crate) struct Keys(std::sync::Arc<KeyBytes>);
+
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub(crate) struct KeyBytes {
     name: Vec<u8>,
     lock: Vec<u8>,
     fence: Vec<u8>,
@@ -44,38 +50,38 @@ impl Keys {
         let mut mark = lock.clone();
         mark.extend_from_slice(b":w");
         let channel = channel_of_lock(&lock);
-        Ok(Keys {
+        Ok(Keys(std::sync::Arc::new(KeyBytes {
             name: name.to_vec(),
             lock,
             fence,
             mark,
             channel,
-        })
+        })))
     }
 
     pub fn name(&self) -> &[u8] {
-        &self.name
+        &self.0.name
     }
 
     pub fn lock(&self) -> &[u8] {
-        &self.lock
+        &self.0.lock
     }
 
     pub fn fence(&self) -> &[u8] {
-        &self.fence
+        &self.0.fence
     }
 
     pub fn mark(&self) -> &[u8] {
-        &self.mark
+        &self.0.mark
     }
 
     pub fn channel(&self) -> &[u8] {
-        &self.channel
+        &self.0.channel
     }
 
     /// The name for log lines.
     pub fn display(&self) -> String {
-        String::from_utf8_lossy(&self.name).into_owned()
+        String::from_utf8_lossy(&self.0.name).into_owned()
     }
 }
 
