@@ -7,20 +7,32 @@
 //! | `poll-100ms`     | `.wakeup(Wakeup::Polling(100 ms)).local_handoff(false)`          |
 //! | `poll-1ms`       | `.wakeup(Wakeup::Polling(1 ms)).local_handoff(false)`            |
 //! | `notify`         | `.wakeup(Wakeup::Notifications).local_handoff(false)`            |
-//! | `notify+handoff` | the defaults: notifications and the local baton                  |
+//! | `notify+handoff` | the defaults: notifications and the local baton (`--max-handoffs`, `--slice-ms` set its budget) |
 //!
-//! and prints one table: throughput, how long `lock()` waited (p50/p99/max), Redis commands
-//! per critical section, fairness, and whether a counter kept in Redis came out exact.
+//! and prints one table: throughput (also as a share of the `ideal` row), how long `lock()`
+//! waited (p50/p99/max), Redis commands per critical section, fairness, and whether a
+//! counter kept in Redis came out exact.
 //!
 //! ```text
 //! cargo run --release --example contend -- --quick
 //! cargo run --release --example contend -- -p 4 -t 8 -s 200 --svg /tmp/contend.svg
 //! cargo run --release --example contend -- --url redis://127.0.0.1:6379/ --strategies notify,notify+handoff
+//! cargo run --release --example contend -- -p 4 -t 8 --strategies notify+handoff --max-handoffs 64 --slice-ms 2.5
+//! cargo run --release --example contend -- --matrix
 //! ```
 //!
 //! * Each critical section locks key `(thread + i) mod K`, reads that key's counter with
 //!   `GET` on the thread's own raw connection, sleeps H µs, writes it back with `SET`, and
 //!   unlocks. Only mutual exclusion across all processes keeps the counters exact.
+//! * `ideal`, the first row: the same critical sections (GET, H µs, SET on the same server)
+//!   run back to back by ONE thread of the parent process, with no lock at all — the
+//!   throughput a perfect lock would reach on one key. It runs as many sections as the
+//!   strategies (P × T × S), at most 5,000 (beyond that its rate is measured on 5,000 and
+//!   its time extrapolated), half before and half after the strategies, so that a drift in
+//!   the machine's load weighs on both alike (the table shows each half's rate).
+//!   `% ideal` = a strategy's sections/s ÷ ideal's. With
+//!   K > 1 keys, sections on different keys can run in parallel, so more than 100% is
+//!   possible.
 //! * The tool re-executes itself as P worker processes (hidden `--worker` flag). Workers
 //!   build their client and connections, say `ready` on stdout, and all start when the
 //!   parent writes `go` on their stdin (a barrier that sends nothing to Redis). They report
@@ -34,10 +46,25 @@
 //!   counted too.
 //! * Fairness: when the first thread finished its S sections, how many sections the
 //!   slowest and fastest thread (and process) had done. Everyone does S in the end.
+//!   `proc gap`: the longest time a process completed no section. `--json` adds, from the
+//!   fencing tokens: `max_tenure` (most sections one remote acquisition served, i.e. its
+//!   local handoffs + 1), `max_tenures_in_row` (most remote acquisitions in a row by one
+//!   process while another still had sections to do), `max_run` (the same in sections),
+//!   `switches`, `tail_alone_us`/`tail_alone_sections` (the end of the run, when only the
+//!   last process still had sections to do), plus
+//!   each process's client counters. `--sections-csv FILE` writes every section (end
+//!   time, wait, fence, handoff number) for a closer look.
 //! * `--quick`: P=2, T=4, S=100, H=100 µs, K=1, and `poll-100ms` runs only S/5 sections per
 //!   thread (`--slow-sections`), since each of its waits lasts about a polling period.
 //!   It finishes in well under a minute on 2 cores. Without `--quick` the defaults are
 //!   P=4, T=8, S=200, H=100 µs, K=1, lease 10 s.
+//! * `--matrix`: one combined table over the configurations 1 process × {2, 8, 32} threads
+//!   and 4 processes × 8 threads, each with its `ideal` row and the strategies `notify`
+//!   (no handoff) and `notify+handoff`, H=100 µs, S=500 sections per thread (about a
+//!   minute on 2 cores; `--quick`: S=60). `-s`, `--hold-us`, `-k`, `--lease-ms`,
+//!   `--max-handoffs` and `--slice-ms` still apply; `-p`, `-t` and `--strategies` do not.
+//!   It ends with the target check for 1 × 8: notify+handoff at 80% of ideal or more and
+//!   fewer than 0.2 Redis commands per section.
 //! * Without `--url` the tool starts its own `redis-server` (no persistence, temp dir, free
 //!   127.0.0.1 port) and stops it at the end. Unix only (it reads `CLOCK_MONOTONIC`, which
 //!   all processes of a machine share).
@@ -47,7 +74,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
@@ -76,7 +103,8 @@ const EXIT_TIMEOUT: Duration = Duration::from_secs(15);
 #[command(
     name = "contend",
     about = "Measure redbaton's wakeup strategies under contention: P processes × T threads × S critical sections of H µs on K keys.",
-    after_help = "--quick = -p 2 -t 4 -s 100 --hold-us 100 -k 1 and poll-100ms with S/5 sections; explicit flags override it."
+    after_help = "--quick = -p 2 -t 4 -s 100 --hold-us 100 -k 1 and poll-100ms with S/5 sections; explicit flags override it.\n\
+                  --matrix = 1×2, 1×8, 1×32 and 4×8 (processes × threads) with notify and notify+handoff, H=100µs, S=500 (--quick: S=60)."
 )]
 struct Args {
     /// Redis to use; without it a throwaway redis-server is started.
@@ -97,6 +125,10 @@ struct Args {
     /// How long each critical section holds the lock, in µs [default: 100].
     #[arg(long)]
     hold_us: Option<u64>,
+    /// Hold the lock by busy-waiting H µs instead of sleeping: steadier timings (no timer
+    /// slack, no wake-up from an idle CPU), at the cost of a busy core per holder.
+    #[arg(long)]
+    spin: bool,
     /// Number of lock keys; section i of thread g takes key (g + i) mod K [default: 1].
     #[arg(short = 'k', long)]
     keys: Option<usize>,
@@ -106,6 +138,17 @@ struct Args {
     /// Strategies to run, comma-separated [default: all four].
     #[arg(long, value_enum, value_delimiter = ',')]
     strategies: Vec<Strategy>,
+    /// Handoff budget of notify+handoff: consecutive local handoffs while another process
+    /// waits [default: the library's].
+    #[arg(long, value_name = "N")]
+    max_handoffs: Option<u32>,
+    /// Handoff budget of notify+handoff: how long one process may keep passing the lock
+    /// on locally while another waits, in ms (fractions allowed) [default: the library's].
+    #[arg(long, value_name = "MS")]
+    slice_ms: Option<f64>,
+    /// Run the matrix (see below) and print one combined table.
+    #[arg(long)]
+    matrix: bool,
     /// Small, fast settings (see below).
     #[arg(long)]
     quick: bool,
@@ -115,6 +158,10 @@ struct Args {
     /// Write an SVG chart of throughput and commands per section.
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
+    /// Write every critical section as a CSV line (config, strategy, key, process, thread,
+    /// section, end µs after go, wait µs, remote fence, local handoff number).
+    #[arg(long, value_name = "FILE")]
+    sections_csv: Option<PathBuf>,
     /// Abort when workers report no progress for this many seconds.
     #[arg(long, default_value_t = 120)]
     stall_s: u64,
@@ -178,7 +225,16 @@ impl Strategy {
                 .wakeup(Wakeup::Polling(Duration::from_millis(1)))
                 .local_handoff(false),
             Strategy::Notify => b.wakeup(Wakeup::Notifications).local_handoff(false),
-            Strategy::NotifyHandoff => b,
+            Strategy::NotifyHandoff => {
+                let b = match s.max_handoffs {
+                    Some(n) => b.max_handoffs(n),
+                    None => b,
+                };
+                match s.slice() {
+                    Some(d) => b.handoff_slice(d),
+                    None => b,
+                }
+            }
         }
     }
 }
@@ -193,6 +249,11 @@ struct Settings {
     hold_us: u64,
     keys: usize,
     lease_ms: u64,
+    /// Hold by busy-waiting instead of sleeping.
+    spin: bool,
+    /// notify+handoff's budget; `None` = the library's default.
+    max_handoffs: Option<u32>,
+    slice_ms: Option<f64>,
 }
 
 impl Settings {
@@ -214,13 +275,59 @@ impl Settings {
             sections,
             slow_sections: a.slow_sections.unwrap_or(slow_default),
             hold_us: a.hold_us.unwrap_or(h),
+            spin: a.spin,
             keys: a.keys.unwrap_or(k),
             lease_ms: a.lease_ms.unwrap_or(10_000),
+            max_handoffs: a.max_handoffs,
+            slice_ms: a.slice_ms,
         };
-        if s.processes == 0 || s.threads == 0 || s.keys == 0 {
-            return Err("--processes, --threads and --keys must be at least 1".into());
+        if s.processes == 0 || s.threads == 0 || s.keys == 0 || s.sections == 0 {
+            return Err("--processes, --threads, --sections and --keys must be at least 1".into());
+        }
+        if s.max_handoffs == Some(0) {
+            return Err("--max-handoffs must be at least 1".into());
+        }
+        if let Some(ms) = s.slice_ms
+            && !(ms.is_finite() && ms > 0.0 && ms < 1e9)
+        {
+            return Err(format!("--slice-ms {ms}: must be a positive number of ms").into());
         }
         Ok(s)
+    }
+
+    fn hold_desc(&self) -> String {
+        let how = if self.spin { "busy-wait" } else { "sleep" };
+        format!("{}µs ({how})", self.hold_us)
+    }
+
+    fn slice(&self) -> Option<Duration> {
+        self.slice_ms.map(|ms| Duration::from_secs_f64(ms / 1e3))
+    }
+
+    /// Every section of every thread (poll-100ms may run fewer).
+    fn total_sections(&self) -> usize {
+        self.processes * self.threads * self.sections
+    }
+
+    /// The handoff budget notify+handoff runs with, for headers: explicit values, or the
+    /// library's defaults (read from the builder's `Debug`, so they stay true if they change).
+    fn budget(&self) -> String {
+        let defaults = format!("{:?}", redbaton::Builder::default());
+        let field = |name: &str| -> String {
+            defaults
+                .split_once(&format!("{name}: "))
+                .map(|(_, rest)| rest.split([',', ' ', '}']).next().unwrap_or("?").to_owned())
+                .unwrap_or_else(|| "?".to_owned())
+        };
+        let n = match self.max_handoffs {
+            Some(n) => n.to_string(),
+            None => format!("{} (library default)", field("max_handoffs")),
+        };
+        let slice = match self.slice_ms {
+            Some(ms) => format!("{ms}ms"),
+            None => format!("{} (library default)", field("handoff_slice")),
+        };
+        format!("max_handoffs {n}, handoff_slice {slice}")
     }
 
     fn sections_for(&self, strategy: Strategy) -> usize {
@@ -260,6 +367,8 @@ struct ThreadReport {
     waits_us: Vec<u64>,
     /// When each section ended, µs after the parent's `go` (CLOCK_MONOTONIC).
     done_us: Vec<u64>,
+    /// Each section's fencing token (remote fence << 20 | local handoff number).
+    fences: Vec<u64>,
 }
 
 /// The client's own counters (`LockClient::stats`), summed over processes in the results.
@@ -331,6 +440,21 @@ fn mono_us() -> u64 {
     ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
 }
 
+/// The critical section's work: sleep (or busy-wait) for `hold`.
+fn hold_for(hold: Duration, spin: bool) {
+    if hold.is_zero() {
+        return;
+    }
+    if spin {
+        let start = Instant::now();
+        while start.elapsed() < hold {
+            std::hint::spin_loop();
+        }
+    } else {
+        std::thread::sleep(hold);
+    }
+}
+
 fn lock_name(k: usize) -> String {
     format!("k{k}")
 }
@@ -372,13 +496,14 @@ fn worker_main(args: &Args) -> Res<()> {
         .ok_or_else(|| format!("expected `go <time>` on stdin, got {line:?}"))?;
 
     let done = Arc::new(AtomicU64::new(0));
-    let finished = Arc::new(AtomicBool::new(false));
+    // Dropping `finished` stops the reporter at once (no sleep to wait out).
+    let (finished, stop) = crossbeam_channel::bounded::<()>(0);
     let reporter = {
-        let (done, finished) = (done.clone(), finished.clone());
+        let done = done.clone();
         std::thread::spawn(move || {
             let mut last = 0;
-            while !finished.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(100));
+            while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(Duration::from_millis(100))
+            {
                 let now = done.load(Ordering::Relaxed);
                 if now != last {
                     send(&Msg::Progress { done: now });
@@ -414,7 +539,7 @@ fn worker_main(args: &Args) -> Res<()> {
             .map(|h| h.join().unwrap_or_else(|_| Err("a thread panicked".into())))
             .collect()
     });
-    finished.store(true, Ordering::Relaxed);
+    drop(finished);
     let _ = reporter.join();
 
     let mut report = WorkerReport {
@@ -457,6 +582,7 @@ fn run_thread(
     let mut report = ThreadReport {
         waits_us: Vec::with_capacity(sections),
         done_us: Vec::with_capacity(sections),
+        fences: Vec::with_capacity(sections),
     };
     let mut key_counts = vec![0u64; s.keys];
     let mut lost = 0;
@@ -464,11 +590,10 @@ fn run_thread(
         let k = (global_thread + i) % s.keys;
         let asked = Instant::now();
         let guard = client.lock(&names[k])?;
+        let fence = guard.fencing_token();
         let waited = asked.elapsed();
         let n: Option<u64> = redis::cmd("GET").arg(&counters[k]).query(conn)?;
-        if !hold.is_zero() {
-            std::thread::sleep(hold);
-        }
+        hold_for(hold, s.spin);
         if guard.is_lost() {
             lost += 1;
         }
@@ -482,6 +607,7 @@ fn run_thread(
         }
         report.waits_us.push(waited.as_micros() as u64);
         report.done_us.push(mono_us().saturating_sub(base));
+        report.fences.push(fence);
         key_counts[k] += 1;
         done.fetch_add(1, Ordering::Relaxed);
     }
@@ -523,6 +649,22 @@ struct Fairness {
     thread_max: u64,
     process_min: u64,
     process_max: u64,
+    /// The most sections one process completed in a row on one key (completion order)
+    /// while another process still had sections to do on it.
+    max_run: u64,
+    /// How many times a key went from one process to another.
+    switches: u64,
+    /// The most sections one remote acquisition served (its local handoffs + 1).
+    max_tenure: u64,
+    /// The most remote acquisitions in a row one process made on one key while another
+    /// process still had sections to do on it.
+    max_tenures_in_row: u64,
+    /// The longest time a process completed no section (from `go` to its last section).
+    process_max_gap_us: u64,
+    /// The end of the run, when only the last process still had sections to do: how long
+    /// it lasted and how many sections it saw (0 with one process).
+    tail_alone_us: u64,
+    tail_alone_sections: u64,
 }
 
 #[derive(Serialize, Debug)]
@@ -539,20 +681,82 @@ struct StrategyResult {
     strategy: Strategy,
     sections_per_thread: usize,
     sections: u64,
+    /// From `go` to the end of the last section.
     elapsed_s: f64,
+    /// From `go` to the last worker's report.
+    wall_s: f64,
     sections_per_s: f64,
     wait: Waits,
     commands: Commands,
     fairness: Fairness,
     counter: Counter,
     client_stats: ClientStats,
+    /// Each process's own counters, by worker id.
+    process_stats: Vec<ClientStats>,
+    /// sections_per_s ÷ the ideal row's, in percent.
+    pct_ideal: f64,
+}
+
+/// The `ideal` row: the same critical sections run back to back by one thread, no lock.
+#[derive(Serialize, Debug)]
+struct IdealResult {
+    /// The sections it stands for: the strategies' P × T × S.
+    sections: u64,
+    /// The sections actually run (at most `IDEAL_CAP`): half before the strategies, half
+    /// after.
+    sections_run: u64,
+    /// Measured time of the sections run.
+    measured_s: f64,
+    /// Time `sections` would take at the measured rate.
+    elapsed_s: f64,
+    sections_per_s: f64,
+    /// The rate of each half (before, after the strategies).
+    parts_per_s: Vec<f64>,
+    /// How long one section (GET, hold, SET) took, µs.
+    section_p50_us: u64,
+    section_p99_us: u64,
+    /// Counted like the strategies': with no lock, `lock` should come out 0.
+    commands: Commands,
+    counter: Counter,
+}
+
+/// One configuration's ideal row and strategy rows.
+#[derive(Serialize, Debug)]
+struct ConfigResult {
+    settings: Settings,
+    /// notify+handoff's budget, as used.
+    handoff_budget: String,
+    ideal: IdealResult,
+    results: Vec<StrategyResult>,
 }
 
 #[derive(Serialize)]
 struct Output<'a> {
-    settings: &'a Settings,
     redis_url: &'a str,
-    results: &'a [StrategyResult],
+    #[serde(flatten)]
+    config: &'a ConfigResult,
+}
+
+#[derive(Serialize)]
+struct MatrixOutput<'a> {
+    redis_url: &'a str,
+    matrix: bool,
+    elapsed_s: f64,
+    configs: &'a [ConfigResult],
+    target: Option<Target>,
+}
+
+/// The issue's target: 1 process × 8 threads, notify+handoff.
+#[derive(Serialize, Debug)]
+struct Target {
+    pct_ideal: f64,
+    sent_per_section: f64,
+    lock_per_section: f64,
+    /// pct_ideal ≥ 80.
+    throughput_met: bool,
+    /// Fewer than 0.2 commands per section, sent by clients / run by the server.
+    sent_met: bool,
+    server_side_met: bool,
 }
 
 /// The worker processes of one strategy; killed (SIGKILL) if still running when dropped.
@@ -602,8 +806,19 @@ fn spawn_workers(
             .args(["--sections", &s.sections.to_string()])
             .args(["--slow-sections", &s.slow_sections.to_string()])
             .args(["--hold-us", &s.hold_us.to_string()])
+            .args(s.spin.then_some("--spin"))
             .args(["--keys", &s.keys.to_string()])
             .args(["--lease-ms", &s.lease_ms.to_string()])
+            .args(
+                s.max_handoffs
+                    .iter()
+                    .flat_map(|n| ["--max-handoffs".to_owned(), n.to_string()]),
+            )
+            .args(
+                s.slice_ms
+                    .iter()
+                    .flat_map(|ms| ["--slice-ms".to_owned(), ms.to_string()]),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -683,129 +898,21 @@ fn cleanup(admin: &mut redis::Connection, prefix: &str) -> Res<()> {
 
 struct Ctx<'a> {
     url: &'a str,
-    settings: &'a Settings,
     admin: redis::Connection,
     bar: ProgressBar,
     stall: Duration,
+    /// `--sections-csv`: one line per critical section.
+    csv: Option<std::io::BufWriter<std::fs::File>>,
 }
 
-fn run_strategy(ctx: &mut Ctx, strategy: Strategy, run_id: &str) -> Res<StrategyResult> {
-    let s = ctx.settings;
-    let per_thread = s.sections_for(strategy);
-    let prefix = format!("contend:{run_id}:{}:", strategy.name());
-    for k in 0..s.keys {
-        redis::cmd("SET")
-            .arg(counter_key(&prefix, k))
-            .arg(0)
-            .query::<()>(&mut ctx.admin)?;
-    }
-    ctx.bar.set_message(strategy.name());
-    let (mut workers, rx) = spawn_workers(ctx.url, &prefix, strategy, s)?;
-    for _ in 0..s.processes {
-        match next_msg(&rx, READY_TIMEOUT, "starting")? {
-            (_, Msg::Ready) => {}
-            (id, other) => return Err(format!("worker {id}: unexpected {other:?}").into()),
-        }
-    }
-
-    // Window opens: fresh server counters, then a baseline reading.
-    let _ = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query::<()>(&mut ctx.admin);
-    let before = commandstats(&mut ctx.admin)?;
-    let base = mono_us();
-    let started = Instant::now();
-    for stdin in workers.stdins.iter_mut().flatten() {
-        writeln!(stdin, "go {base}")?;
-        stdin.flush()?;
-    }
-    let offset = ctx.bar.position();
-    let mut progress = vec![0u64; s.processes];
-    let mut reports: Vec<Option<WorkerReport>> = (0..s.processes).map(|_| None).collect();
-    while reports.iter().any(Option::is_none) {
-        match next_msg(&rx, ctx.stall, "running")? {
-            (id, Msg::Progress { done }) => progress[id] = done,
-            (id, Msg::Done(report)) => {
-                progress[id] = report.threads.iter().map(|t| t.done_us.len() as u64).sum();
-                reports[id] = Some(report);
-            }
-            (id, other) => return Err(format!("worker {id}: unexpected {other:?}").into()),
-        }
-        ctx.bar.set_position(offset + progress.iter().sum::<u64>());
-    }
-    let elapsed = started.elapsed();
-    let after = commandstats(&mut ctx.admin)?;
-    // Window closed: let the workers go.
-    workers.stdins.clear();
-    let deadline = Instant::now() + EXIT_TIMEOUT;
-    for child in &mut workers.children {
-        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-    drop(workers);
-
-    let reports: Vec<WorkerReport> = reports.into_iter().flatten().collect();
-    let mut counters = Vec::with_capacity(s.keys);
-    for k in 0..s.keys {
-        let n: Option<u64> = redis::cmd("GET")
-            .arg(counter_key(&prefix, k))
-            .query(&mut ctx.admin)?;
-        counters.push(n.unwrap_or(0));
-    }
-    cleanup(&mut ctx.admin, &prefix)?;
-
-    // Sections, waits, fairness.
-    let sections: u64 = reports
-        .iter()
-        .flat_map(|r| &r.threads)
-        .map(|t| t.done_us.len() as u64)
-        .sum();
-    let mut waits: Vec<u64> = reports
-        .iter()
-        .flat_map(|r| &r.threads)
-        .flat_map(|t| t.waits_us.iter().copied())
-        .collect();
-    waits.sort_unstable();
-    let pct = |q: f64| -> u64 {
-        if waits.is_empty() {
-            return 0;
-        }
-        let rank = ((q * waits.len() as f64).ceil() as usize).clamp(1, waits.len());
-        waits[rank - 1]
-    };
-    let wait = Waits {
-        p50_us: pct(0.50),
-        p99_us: pct(0.99),
-        max_us: waits.last().copied().unwrap_or(0),
-        mean_us: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
-    };
-    let first_finish_us = reports
-        .iter()
-        .flat_map(|r| &r.threads)
-        .filter_map(|t| t.done_us.last().copied())
-        .min()
-        .unwrap_or(0);
-    let by_thread = |t: &ThreadReport| t.done_us.partition_point(|&d| d <= first_finish_us) as u64;
-    let thread_counts: Vec<u64> = reports
-        .iter()
-        .flat_map(|r| &r.threads)
-        .map(by_thread)
-        .collect();
-    let process_counts: Vec<u64> = reports
-        .iter()
-        .map(|r| r.threads.iter().map(by_thread).sum())
-        .collect();
-    let fairness = Fairness {
-        first_finish_us,
-        thread_min: thread_counts.iter().copied().min().unwrap_or(0),
-        thread_max: thread_counts.iter().copied().max().unwrap_or(0),
-        process_min: process_counts.iter().copied().min().unwrap_or(0),
-        process_max: process_counts.iter().copied().max().unwrap_or(0),
-    };
-
-    // Commands: the window's net calls per command, minus our own INFO (the first reading
-    // is counted by the second).
+/// The window's net calls per command (INFO commandstats readings `before` and `after`),
+/// minus our own INFO (the first reading is counted by the second) and the counter's
+/// GET + SET of each of `sections` sections.
+fn net_commands(
+    before: &HashMap<String, u64>,
+    after: &HashMap<String, u64>,
+    sections: u64,
+) -> Commands {
     let mut by_command: HashMap<String, u64> = after
         .iter()
         .map(|(name, &calls)| {
@@ -827,7 +934,7 @@ fn run_strategy(ctx: &mut Ctx, strategy: Strategy, run_id: &str) -> Res<Strategy
         .sum();
     let sent = server_total.saturating_sub(in_script);
     let per = |n: u64| n as f64 / sections.max(1) as f64;
-    let commands = Commands {
+    Commands {
         server_total,
         counter,
         lock,
@@ -835,7 +942,390 @@ fn run_strategy(ctx: &mut Ctx, strategy: Strategy, run_id: &str) -> Res<Strategy
         sent,
         sent_per_section: per(sent),
         by_command,
+    }
+}
+
+/// `q`-quantile (nearest rank) of sorted values; 0 when empty.
+fn percentile(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// At most this many sections for the ideal row; beyond, its rate is extrapolated.
+const IDEAL_CAP: usize = 5_000;
+
+/// One half of the ideal row.
+struct IdealPart {
+    measured: Duration,
+    /// How long each section took, µs.
+    times: Vec<u64>,
+    commands: Commands,
+    /// Counter values found, and expected, per key.
+    actual: Vec<u64>,
+    expected: Vec<u64>,
+}
+
+/// `n` of the strategies' critical sections (GET, hold, SET on the same server) run back
+/// to back by this thread, with no lock.
+fn run_ideal_part(ctx: &mut Ctx, s: &Settings, run_id: &str, n: usize) -> Res<IdealPart> {
+    let prefix = format!("contend:{run_id}:ideal:");
+    let counters: Vec<String> = (0..s.keys).map(|k| counter_key(&prefix, k)).collect();
+    for c in &counters {
+        redis::cmd("SET")
+            .arg(c)
+            .arg(0)
+            .query::<()>(&mut ctx.admin)?;
+    }
+    let mut conn = raw_conn(ctx.url)?;
+    let hold = Duration::from_micros(s.hold_us);
+    let mut times = Vec::with_capacity(n);
+
+    let _ = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query::<()>(&mut ctx.admin);
+    let before = commandstats(&mut ctx.admin)?;
+    let started = Instant::now();
+    for i in 0..n {
+        let k = i % s.keys;
+        let t0 = Instant::now();
+        let v: Option<u64> = redis::cmd("GET").arg(&counters[k]).query(&mut conn)?;
+        hold_for(hold, s.spin);
+        redis::cmd("SET")
+            .arg(&counters[k])
+            .arg(v.unwrap_or(0) + 1)
+            .query::<()>(&mut conn)?;
+        times.push(t0.elapsed().as_micros() as u64);
+    }
+    let measured = started.elapsed();
+    let after = commandstats(&mut ctx.admin)?;
+    drop(conn);
+
+    let mut actual = Vec::with_capacity(s.keys);
+    for c in &counters {
+        let v: Option<u64> = redis::cmd("GET").arg(c).query(&mut ctx.admin)?;
+        actual.push(v.unwrap_or(0));
+    }
+    cleanup(&mut ctx.admin, &prefix)?;
+    Ok(IdealPart {
+        measured,
+        times,
+        commands: net_commands(&before, &after, n as u64),
+        actual,
+        expected: (0..s.keys)
+            .map(|k| (0..n).filter(|i| i % s.keys == k).count() as u64)
+            .collect(),
+    })
+}
+
+/// The ideal row from its halves, run before and after the strategies (so that a machine
+/// whose load drifts during the run weighs on both alike).
+fn ideal_result(s: &Settings, parts: &[IdealPart]) -> IdealResult {
+    let total = s.total_sections() as u64;
+    let run: u64 = parts.iter().map(|p| p.times.len() as u64).sum();
+    let measured: Duration = parts.iter().map(|p| p.measured).sum();
+    let rate = run as f64 / measured.as_secs_f64().max(1e-9);
+    let mut times: Vec<u64> = parts.iter().flat_map(|p| p.times.iter().copied()).collect();
+    times.sort_unstable();
+    let mut by_command: HashMap<String, u64> = HashMap::new();
+    for p in parts {
+        for (name, n) in &p.commands.by_command {
+            *by_command.entry(name.clone()).or_default() += n;
+        }
+    }
+    let sum = |f: fn(&Commands) -> u64| parts.iter().map(|p| f(&p.commands)).sum::<u64>();
+    let (lock, sent) = (sum(|c| c.lock), sum(|c| c.sent));
+    let per = |n: u64| n as f64 / run.max(1) as f64;
+    let actual: u64 = parts.iter().flat_map(|p| &p.actual).sum();
+    IdealResult {
+        sections: total,
+        sections_run: run,
+        measured_s: measured.as_secs_f64(),
+        elapsed_s: total as f64 / rate,
+        sections_per_s: rate,
+        parts_per_s: parts
+            .iter()
+            .map(|p| p.times.len() as f64 / p.measured.as_secs_f64().max(1e-9))
+            .collect(),
+        section_p50_us: percentile(&times, 0.50),
+        section_p99_us: percentile(&times, 0.99),
+        commands: Commands {
+            server_total: sum(|c| c.server_total),
+            counter: sum(|c| c.counter),
+            lock,
+            lock_per_section: per(lock),
+            sent,
+            sent_per_section: per(sent),
+            by_command,
+        },
+        counter: Counter {
+            expected: run,
+            actual,
+            exact: parts.iter().all(|p| p.actual == p.expected),
+            lost: 0,
+        },
+    }
+}
+
+fn run_strategy(
+    ctx: &mut Ctx,
+    s: &Settings,
+    strategy: Strategy,
+    label: &str,
+    run_id: &str,
+) -> Res<StrategyResult> {
+    let per_thread = s.sections_for(strategy);
+    let prefix = format!("contend:{run_id}:{}:", strategy.name());
+    for k in 0..s.keys {
+        redis::cmd("SET")
+            .arg(counter_key(&prefix, k))
+            .arg(0)
+            .query::<()>(&mut ctx.admin)?;
+    }
+    ctx.bar.set_message(format!("{label}{}", strategy.name()));
+    let (mut workers, rx) = spawn_workers(ctx.url, &prefix, strategy, s)?;
+    for _ in 0..s.processes {
+        match next_msg(&rx, READY_TIMEOUT, "starting")? {
+            (_, Msg::Ready) => {}
+            (id, other) => return Err(format!("worker {id}: unexpected {other:?}").into()),
+        }
+    }
+
+    // Window opens: fresh server counters, then a baseline reading.
+    let _ = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query::<()>(&mut ctx.admin);
+    let before = commandstats(&mut ctx.admin)?;
+    let base = mono_us();
+    let started = Instant::now();
+    for stdin in workers.stdins.iter_mut().flatten() {
+        // Also the time origin of the workers' completion times.
+        writeln!(stdin, "go {base}")?;
+        stdin.flush()?;
+    }
+    let offset = ctx.bar.position();
+    let mut progress = vec![0u64; s.processes];
+    let mut reports: Vec<Option<WorkerReport>> = (0..s.processes).map(|_| None).collect();
+    while reports.iter().any(Option::is_none) {
+        match next_msg(&rx, ctx.stall, "running")? {
+            (id, Msg::Progress { done }) => progress[id] = done,
+            (id, Msg::Done(report)) => {
+                progress[id] = report.threads.iter().map(|t| t.done_us.len() as u64).sum();
+                reports[id] = Some(report);
+            }
+            (id, other) => return Err(format!("worker {id}: unexpected {other:?}").into()),
+        }
+        ctx.bar.set_position(offset + progress.iter().sum::<u64>());
+    }
+    let wall = started.elapsed();
+    let after = commandstats(&mut ctx.admin)?;
+    // Window closed: let the workers go.
+    workers.stdins.clear();
+    let deadline = Instant::now() + EXIT_TIMEOUT;
+    for child in &mut workers.children {
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    drop(workers);
+
+    let reports: Vec<WorkerReport> = reports.into_iter().flatten().collect();
+    if let Some(csv) = &mut ctx.csv {
+        let config = format!("{}x{}", s.processes, s.threads);
+        for r in &reports {
+            for (t, th) in r.threads.iter().enumerate() {
+                let global = r.worker * s.threads + t;
+                for (i, ((&end, &wait), &fence)) in th
+                    .done_us
+                    .iter()
+                    .zip(&th.waits_us)
+                    .zip(&th.fences)
+                    .enumerate()
+                {
+                    writeln!(
+                        csv,
+                        "{config},{},{},{},{t},{i},{end},{wait},{},{}",
+                        strategy.name(),
+                        (global + i) % s.keys,
+                        r.worker,
+                        fence >> 20,
+                        fence & ((1 << 20) - 1),
+                    )?;
+                }
+            }
+        }
+        csv.flush()?;
+    }
+    let mut counters = Vec::with_capacity(s.keys);
+    for k in 0..s.keys {
+        let n: Option<u64> = redis::cmd("GET")
+            .arg(counter_key(&prefix, k))
+            .query(&mut ctx.admin)?;
+        counters.push(n.unwrap_or(0));
+    }
+    cleanup(&mut ctx.admin, &prefix)?;
+
+    // Sections, waits, fairness. The run lasts from `go` to the last section's end (the
+    // workers' reports arrive a little later).
+    let last_done_us = reports
+        .iter()
+        .flat_map(|r| &r.threads)
+        .filter_map(|t| t.done_us.last().copied())
+        .max()
+        .unwrap_or(0);
+    let elapsed = if last_done_us > 0 {
+        Duration::from_micros(last_done_us)
+    } else {
+        wall
     };
+    let sections: u64 = reports
+        .iter()
+        .flat_map(|r| &r.threads)
+        .map(|t| t.done_us.len() as u64)
+        .sum();
+    let mut waits: Vec<u64> = reports
+        .iter()
+        .flat_map(|r| &r.threads)
+        .flat_map(|t| t.waits_us.iter().copied())
+        .collect();
+    waits.sort_unstable();
+    let wait = Waits {
+        p50_us: percentile(&waits, 0.50),
+        p99_us: percentile(&waits, 0.99),
+        max_us: waits.last().copied().unwrap_or(0),
+        mean_us: waits.iter().sum::<u64>() as f64 / waits.len().max(1) as f64,
+    };
+    let first_finish_us = reports
+        .iter()
+        .flat_map(|r| &r.threads)
+        .filter_map(|t| t.done_us.last().copied())
+        .min()
+        .unwrap_or(0);
+    let by_thread = |t: &ThreadReport| t.done_us.partition_point(|&d| d <= first_finish_us) as u64;
+    let thread_counts: Vec<u64> = reports
+        .iter()
+        .flat_map(|r| &r.threads)
+        .map(by_thread)
+        .collect();
+    let process_counts: Vec<u64> = reports
+        .iter()
+        .map(|r| r.threads.iter().map(by_thread).sum())
+        .collect();
+    // Completion order per key: (done_us, process). Thread t of worker w is global thread
+    // w × T + t, and its section i took key (global + i) mod K.
+    let mut per_key: Vec<Vec<(u64, usize, u64)>> = vec![Vec::new(); s.keys];
+    for r in &reports {
+        for (t, th) in r.threads.iter().enumerate() {
+            let global = r.worker * s.threads + t;
+            for (i, (&d, &f)) in th.done_us.iter().zip(&th.fences).enumerate() {
+                per_key[(global + i) % s.keys].push((d, r.worker, f >> 20));
+            }
+        }
+    }
+    // Runs only count while another process still had sections to do on the key: once a
+    // process is alone, it keeps the lock by right.
+    let (mut max_run, mut switches) = (0u64, 0u64);
+    let (mut max_tenure, mut max_tenures_in_row) = (0u64, 0u64);
+    for seq in &mut per_key {
+        seq.sort_unstable();
+        let mut last_end: HashMap<usize, u64> = HashMap::new();
+        for &(end, p, _) in seq.iter() {
+            last_end.insert(p, end);
+        }
+        let others_until = |p: usize| {
+            last_end
+                .iter()
+                .filter(|&(&q, _)| q != p)
+                .map(|(_, &e)| e)
+                .max()
+                .unwrap_or(0)
+        };
+        let (mut run, mut prev) = (0u64, None);
+        let (mut tenures, mut tenure, mut prev_fence) = (0u64, 0u64, None);
+        for &(end, p, fence) in seq.iter() {
+            let contested = end < others_until(p);
+            if prev == Some(p) {
+                run += 1;
+            } else {
+                switches += u64::from(prev.is_some());
+                run = 1;
+                tenures = 0;
+                prev = Some(p);
+            }
+            if prev_fence == Some(fence) {
+                tenure += 1;
+            } else {
+                tenure = 1;
+                tenures += 1;
+                prev_fence = Some(fence);
+            }
+            max_tenure = max_tenure.max(tenure);
+            if contested {
+                max_run = max_run.max(run);
+                max_tenures_in_row = max_tenures_in_row.max(tenures);
+            }
+        }
+    }
+    let process_max_gap_us = reports
+        .iter()
+        .map(|r| {
+            let mut done: Vec<u64> = r
+                .threads
+                .iter()
+                .flat_map(|t| t.done_us.iter().copied())
+                .collect();
+            done.sort_unstable();
+            let mut last = 0;
+            let mut gap = 0;
+            for d in done {
+                gap = gap.max(d.saturating_sub(last));
+                last = d;
+            }
+            gap
+        })
+        .max()
+        .unwrap_or(0);
+    let mut finish: Vec<u64> = reports
+        .iter()
+        .map(|r| {
+            r.threads
+                .iter()
+                .filter_map(|t| t.done_us.last().copied())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    finish.sort_unstable();
+    let (tail_alone_us, tail_alone_sections) = match finish[..] {
+        [.., second, last] => (
+            last - second,
+            reports
+                .iter()
+                .flat_map(|r| &r.threads)
+                .flat_map(|t| &t.done_us)
+                .filter(|&&d| d > second)
+                .count() as u64,
+        ),
+        _ => (0, 0),
+    };
+    let fairness = Fairness {
+        first_finish_us,
+        tail_alone_us,
+        tail_alone_sections,
+        thread_min: thread_counts.iter().copied().min().unwrap_or(0),
+        thread_max: thread_counts.iter().copied().max().unwrap_or(0),
+        process_min: process_counts.iter().copied().min().unwrap_or(0),
+        process_max: process_counts.iter().copied().max().unwrap_or(0),
+        max_run,
+        switches,
+        max_tenure,
+        max_tenures_in_row,
+        process_max_gap_us,
+    };
+
+    let commands = net_commands(&before, &after, sections);
 
     // The counters in Redis must match the sections done on each key, across processes.
     let mut per_key = vec![0u64; s.keys];
@@ -862,12 +1352,15 @@ fn run_strategy(ctx: &mut Ctx, strategy: Strategy, run_id: &str) -> Res<Strategy
         sections_per_thread: per_thread,
         sections,
         elapsed_s: elapsed.as_secs_f64(),
+        wall_s: wall.as_secs_f64(),
         sections_per_s: sections as f64 / elapsed.as_secs_f64().max(1e-9),
         wait,
         commands,
         fairness,
         counter,
         client_stats,
+        process_stats: reports.iter().map(|r| r.stats).collect(),
+        pct_ideal: 0.0,
     })
 }
 
@@ -888,115 +1381,311 @@ fn fmt_rate(x: f64) -> String {
     }
 }
 
-fn print_table(s: &Settings, url: &str, results: &[StrategyResult]) {
+fn fmt_pct(x: f64) -> String {
+    if x >= 10.0 {
+        format!("{x:.0}%")
+    } else {
+        format!("{x:.1}%")
+    }
+}
+
+/// Table columns after the first one(s): (title, width); the counter column follows.
+const COLUMNS: [(&str, usize); 10] = [
+    ("sect/s", 9),
+    ("% ideal", 8),
+    ("wait p50", 9),
+    ("p99", 9),
+    ("max", 9),
+    ("cmds/sect", 10),
+    ("sent/sect", 10),
+    ("thr min-max", 12),
+    ("proc min-max", 13),
+    ("proc gap", 9),
+];
+
+fn table_line(first: &[(&str, usize)], cells: &[String], last: &str) -> String {
+    let mut line = String::new();
+    for (text, width) in first {
+        line.push_str(&format!("{text:<width$} "));
+    }
+    for (cell, (_, width)) in cells.iter().zip(COLUMNS) {
+        line.push_str(&format!("{cell:>width$} "));
+    }
+    line.push(' ');
+    line.push_str(last);
+    line.trim_end().to_owned()
+}
+
+fn table_header(first: &[(&str, usize)]) -> String {
+    let titles: Vec<String> = COLUMNS.iter().map(|(t, _)| t.to_string()).collect();
+    let header = table_line(first, &titles, "counter");
+    let rule = "-".repeat(header.chars().count() + 8);
+    format!("{header}\n{rule}")
+}
+
+fn ideal_cells(i: &IdealResult) -> (Vec<String>, String) {
+    let dash = || "-".to_owned();
+    let cells = vec![
+        fmt_rate(i.sections_per_s),
+        "100%".to_owned(),
+        dash(),
+        dash(),
+        dash(),
+        format!("{:.2}", i.commands.lock_per_section),
+        format!("{:.2}", i.commands.sent_per_section),
+        dash(),
+        dash(),
+        dash(),
+    ];
+    let counter = if i.counter.exact {
+        format!("exact {}", i.counter.actual)
+    } else {
+        format!("WRONG {}/{}", i.counter.actual, i.counter.expected)
+    };
+    (cells, counter)
+}
+
+fn result_cells(r: &StrategyResult) -> (Vec<String>, String) {
+    let f = &r.fairness;
+    let cells = vec![
+        fmt_rate(r.sections_per_s),
+        fmt_pct(r.pct_ideal),
+        fmt_us(r.wait.p50_us),
+        fmt_us(r.wait.p99_us),
+        fmt_us(r.wait.max_us),
+        format!("{:.2}", r.commands.lock_per_section),
+        format!("{:.2}", r.commands.sent_per_section),
+        format!("{}-{}", f.thread_min, f.thread_max),
+        format!("{}-{}", f.process_min, f.process_max),
+        fmt_us(f.process_max_gap_us),
+    ];
+    let counter = if r.counter.exact {
+        format!("exact {}", r.counter.actual)
+    } else {
+        format!(
+            "WRONG {}/{} (lost {})",
+            r.counter.actual, r.counter.expected, r.counter.lost
+        )
+    };
+    (cells, counter)
+}
+
+const LEGEND: &str = "\
+ideal     = the same critical sections (GET, hold, SET) back to back in ONE thread with NO lock.
+% ideal   = sections/s ÷ ideal's sections/s.
+wait      = time spent in lock().
+cmds/sect = Redis commands per critical section (INFO commandstats), EXCLUDING the counter's GET+SET
+            (2 per section) and the tool's own INFO; includes what the Lua scripts run inside EVALSHA.
+sent/sect = the same, counting only the commands clients sent (round trips).
+thr/proc min-max = sections done by the slowest / fastest thread and process when the first thread
+            finished its S (all reach S in the end).
+proc gap  = the longest time a process completed no section (from go to its last section).
+counter   = every Redis counter (GET+SET under the lock) equals the sections done on its key.";
+
+fn ideal_note(i: &IdealResult) -> String {
+    let run = if i.sections_run < i.sections {
+        format!(
+            "{} of its {} sections run, time extrapolated",
+            i.sections_run, i.sections
+        )
+    } else {
+        format!("{} sections", i.sections_run)
+    };
+    let halves: Vec<String> = i.parts_per_s.iter().map(|&r| fmt_rate(r)).collect();
+    format!(
+        "{run} (half before, half after the strategies: {}/s); one section took p50 {} / p99 {}",
+        halves.join(" and "),
+        fmt_us(i.section_p50_us),
+        fmt_us(i.section_p99_us)
+    )
+}
+
+fn print_table(url: &str, c: &ConfigResult) {
+    let s = &c.settings;
     println!(
-        "contend: P={} processes × T={} threads × S={} sections (poll-100ms: {}) of H={}µs on K={} key{}, lease {} ms, redis {url}",
+        "contend: P={} processes × T={} threads × S={} sections (poll-100ms: {}) of H={} on K={} key{}, lease {} ms, redis {url}",
         s.processes,
         s.threads,
         s.sections,
         s.slow_sections,
-        s.hold_us,
+        s.hold_desc(),
+        s.keys,
+        if s.keys == 1 { "" } else { "s" },
+        s.lease_ms,
+    );
+    println!("notify+handoff budget: {}", c.handoff_budget);
+    println!("ideal: {}", ideal_note(&c.ideal));
+    println!("{LEGEND}");
+    println!();
+    let first = [("strategy", 15)];
+    println!("{}", table_header(&first));
+    let (cells, counter) = ideal_cells(&c.ideal);
+    println!("{}", table_line(&[("ideal", 15)], &cells, &counter));
+    for r in &c.results {
+        let (cells, counter) = result_cells(r);
+        println!(
+            "{}",
+            table_line(&[(r.strategy.name(), 15)], &cells, &counter)
+        );
+    }
+}
+
+/// The matrix's configurations: (processes, threads).
+const MATRIX: [(usize, usize); 4] = [(1, 2), (1, 8), (1, 32), (4, 8)];
+/// Sections per thread in the matrix (about a minute on 2 cores), and with `--quick`.
+const MATRIX_SECTIONS: usize = 500;
+const MATRIX_SECTIONS_QUICK: usize = 60;
+
+fn config_label(s: &Settings) -> String {
+    format!("{}×{}", s.processes, s.threads)
+}
+
+fn print_matrix(url: &str, configs: &[ConfigResult], elapsed: Duration, target: Option<&Target>) {
+    let Some(s) = configs.first().map(|c| &c.settings) else {
+        return;
+    };
+    println!(
+        "contend --matrix: processes × threads ∈ {{1×2, 1×8, 1×32, 4×8}}, S={} sections per thread of H={} on K={} key{}, lease {} ms, redis {url}",
+        s.sections,
+        s.hold_desc(),
         s.keys,
         if s.keys == 1 { "" } else { "s" },
         s.lease_ms,
     );
     println!(
-        "wait      = time spent in lock().\n\
-         cmds/sect = Redis commands per critical section (INFO commandstats), EXCLUDING the counter's GET+SET\n\
-         \x20           (2 per section) and the tool's own INFO; includes what the Lua scripts run inside EVALSHA.\n\
-         sent/sect = the same, counting only the commands clients sent (round trips).\n\
-         thr/proc min-max = sections done by the slowest / fastest thread and process when the first thread\n\
-         \x20           finished its S (all reach S in the end).\n\
-         counter   = every Redis counter (GET+SET under the lock) equals the sections done on its key."
+        "S is sized so that the whole matrix takes about a minute on 2 cores (--quick: S={MATRIX_SECTIONS_QUICK}); this one took {:.0} s.",
+        elapsed.as_secs_f64()
     );
+    println!("notify+handoff budget: {}", configs[0].handoff_budget);
+    println!(
+        "ideal: P × T × S sections (at most {IDEAL_CAP}; beyond that the rate is measured on {IDEAL_CAP}), half before and half after each configuration's strategies."
+    );
+    println!("{LEGEND}");
     println!();
-    let header = format!(
-        "{:<15} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>12} {:>13}  {}",
-        "strategy",
-        "sect/s",
-        "wait p50",
-        "p99",
-        "max",
-        "cmds/sect",
-        "sent/sect",
-        "thr min-max",
-        "proc min-max",
-        "counter"
-    );
-    println!("{header}");
-    println!("{}", "-".repeat(header.chars().count() + 6));
-    for r in results {
-        let f = &r.fairness;
-        let counter = if r.counter.exact {
-            format!("exact {}", r.counter.actual)
-        } else {
-            format!(
-                "WRONG {}/{} (lost {})",
-                r.counter.actual, r.counter.expected, r.counter.lost
-            )
-        };
+    let first = [("config", 6), ("strategy", 15)];
+    println!("{}", table_header(&first));
+    for (n, c) in configs.iter().enumerate() {
+        if n > 0 {
+            println!();
+        }
+        let label = config_label(&c.settings);
+        let (cells, counter) = ideal_cells(&c.ideal);
         println!(
-            "{:<15} {:>9} {:>9} {:>9} {:>9} {:>10.2} {:>10.2} {:>12} {:>13}  {}",
-            r.strategy.name(),
-            fmt_rate(r.sections_per_s),
-            fmt_us(r.wait.p50_us),
-            fmt_us(r.wait.p99_us),
-            fmt_us(r.wait.max_us),
-            r.commands.lock_per_section,
-            r.commands.sent_per_section,
-            format!("{}-{}", f.thread_min, f.thread_max),
-            format!("{}-{}", f.process_min, f.process_max),
-            counter,
+            "{}",
+            table_line(&[(&label, 6), ("ideal", 15)], &cells, &counter)
+        );
+        for r in &c.results {
+            let (cells, counter) = result_cells(r);
+            println!(
+                "{}",
+                table_line(&[(&label, 6), (r.strategy.name(), 15)], &cells, &counter)
+            );
+        }
+    }
+    println!();
+    for c in configs {
+        println!(
+            "ideal {:<5} {}",
+            config_label(&c.settings),
+            ideal_note(&c.ideal)
+        );
+    }
+    if let Some(t) = target {
+        let mark = |ok: bool| if ok { "met" } else { "NOT met" };
+        println!();
+        println!(
+            "target (1×8, notify+handoff, H=100µs): ≥ 80% of ideal: {} ({}); < 0.2 commands/section: sent {:.3} ({}), server-side {:.3} ({})",
+            fmt_pct(t.pct_ideal),
+            mark(t.throughput_met),
+            t.sent_per_section,
+            mark(t.sent_met),
+            t.lock_per_section,
+            mark(t.server_side_met),
         );
     }
 }
 
-fn draw_svg(path: &Path, s: &Settings, results: &[StrategyResult]) -> Res<()> {
+fn target_of(configs: &[ConfigResult]) -> Option<Target> {
+    let c = configs
+        .iter()
+        .find(|c| c.settings.processes == 1 && c.settings.threads == 8)?;
+    let r = c
+        .results
+        .iter()
+        .find(|r| r.strategy == Strategy::NotifyHandoff)?;
+    Some(Target {
+        pct_ideal: r.pct_ideal,
+        sent_per_section: r.commands.sent_per_section,
+        lock_per_section: r.commands.lock_per_section,
+        throughput_met: r.pct_ideal >= 80.0,
+        sent_met: r.commands.sent_per_section < 0.2,
+        server_side_met: r.commands.lock_per_section < 0.2,
+    })
+}
+
+/// Draws throughput (with each configuration's ideal as a dashed reference line) and
+/// commands per section for one or more configurations, one bar per strategy.
+fn draw_svg(path: &Path, title: &str, configs: &[ConfigResult]) -> Res<()> {
     use plotters::coord::combinators::IntoLogRange;
     use plotters::prelude::*;
     use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-    let n = results.len();
-    let names: Vec<&str> = results.iter().map(|r| r.strategy.name()).collect();
+    // One slot per strategy result, configurations side by side.
+    let many = configs.len() > 1;
+    let bars: Vec<(String, &StrategyResult)> = configs
+        .iter()
+        .flat_map(|c| {
+            let label = config_label(&c.settings);
+            c.results.iter().map(move |r| {
+                let name = if many {
+                    format!("{label} {}", r.strategy.name())
+                } else {
+                    r.strategy.name().to_owned()
+                };
+                (name, r)
+            })
+        })
+        .collect();
+    // (first slot, last slot, ideal rate) per configuration.
+    let mut groups = Vec::new();
+    let mut slot = 0;
+    for c in configs {
+        let n = c.results.len();
+        if n > 0 {
+            groups.push((slot, slot + n - 1, c.ideal.sections_per_s));
+        }
+        slot += n;
+    }
+    let n = bars.len();
     let x_range = || Slots(n);
     let label = |x: &f64| -> String {
         let i = x.round();
         if (x - i).abs() < 1e-6 && i >= 0.0 {
-            names
-                .get(i as usize)
-                .map_or(String::new(), |s| s.to_string())
+            bars.get(i as usize)
+                .map_or(String::new(), |(name, _)| name.clone())
         } else {
             String::new()
         }
     };
-    let on_top =
-        TextStyle::from(("sans-serif", 14).into_font()).pos(Pos::new(HPos::Center, VPos::Bottom));
+    // Throughput labels go inside the bars' tops, clear of the ideal line just above.
+    let inside = TextStyle::from(("sans-serif", 14).into_font())
+        .color(&WHITE)
+        .pos(Pos::new(HPos::Center, VPos::Top));
+    let panel = (130 * n as u32).max(600);
 
-    let root = SVGBackend::new(path, (1200, 560)).into_drawing_area();
+    let root = SVGBackend::new(path, (2 * panel, 560)).into_drawing_area();
     root.fill(&WHITE)?;
-    let title = format!(
-        "redbaton contend: P={} processes × T={} threads × S={} sections (poll-100ms: {}), H={}µs hold, K={} key{}",
-        s.processes,
-        s.threads,
-        s.sections,
-        s.slow_sections,
-        s.hold_us,
-        s.keys,
-        if s.keys == 1 { "" } else { "s" },
-    );
-    let root = root.titled(&title, ("sans-serif", 20))?;
-    let (left, right) = root.split_horizontally(600);
+    let root = root.titled(title, ("sans-serif", 20))?;
+    let (left, right) = root.split_horizontally(panel);
 
     // Left: throughput, log scale (polling at 100 ms is orders of magnitude slower).
-    let max_rate = results
-        .iter()
-        .map(|r| r.sections_per_s)
-        .fold(1.0f64, f64::max);
-    let min_rate = results
-        .iter()
-        .map(|r| r.sections_per_s)
-        .fold(f64::INFINITY, f64::min)
-        .max(0.1);
+    let rates = || {
+        bars.iter()
+            .map(|(_, r)| r.sections_per_s)
+            .chain(groups.iter().map(|g| g.2))
+    };
+    let max_rate = rates().fold(1.0f64, f64::max);
+    let min_rate = rates().fold(f64::INFINITY, f64::min).max(0.1);
     let y_lo = 10f64.powf(min_rate.log10().floor()).clamp(0.1, 1.0);
     let y_hi = 10f64.powf((max_rate * 3.0).log10().ceil());
     let mut chart = ChartBuilder::on(&left)
@@ -1008,31 +1697,65 @@ fn draw_svg(path: &Path, s: &Settings, results: &[StrategyResult]) -> Res<()> {
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_desc("strategy")
+        .x_desc(if many {
+            "configuration (processes×threads) and strategy"
+        } else {
+            "strategy"
+        })
         .y_desc("critical sections per second (log scale)")
         .x_label_formatter(&label)
         .y_label_formatter(&|y| format!("{y}"))
         .axis_desc_style(("sans-serif", 15))
         .draw()?;
-    chart.draw_series(results.iter().enumerate().map(|(i, r)| {
+    chart.draw_series(bars.iter().enumerate().map(|(i, (_, r))| {
         let x = i as f64;
+        let color = Palette99::pick(if many { i % 2 + 2 } else { i });
         Rectangle::new(
             [(x - 0.32, y_lo), (x + 0.32, r.sections_per_s.max(y_lo))],
-            Palette99::pick(i).filled(),
+            color.filled(),
         )
     }))?;
-    chart.draw_series(results.iter().enumerate().map(|(i, r)| {
+    chart.draw_series(bars.iter().enumerate().map(|(i, (_, r))| {
         Text::new(
-            fmt_rate(r.sections_per_s),
-            (i as f64, r.sections_per_s.max(y_lo) * 1.12),
-            on_top.clone(),
+            format!("{} ({})", fmt_rate(r.sections_per_s), fmt_pct(r.pct_ideal)),
+            (i as f64, r.sections_per_s.max(y_lo) / 1.08),
+            inside.clone(),
         )
     }))?;
+    let ideal_color = RGBColor(200, 30, 30);
+    chart
+        .draw_series(groups.iter().map(|&(a, b, rate)| {
+            plotters::element::DashedPathElement::new(
+                [(a as f64 - 0.45, rate), (b as f64 + 0.45, rate)],
+                8,
+                5,
+                ideal_color.stroke_width(2),
+            )
+        }))?
+        .label("ideal: the same sections in 1 thread with no lock")
+        .legend(move |(x, y)| PathElement::new([(x, y), (x + 14, y)], ideal_color.stroke_width(2)));
+    let ideal_text = TextStyle::from(("sans-serif", 13).into_font())
+        .color(&ideal_color)
+        .pos(Pos::new(HPos::Left, VPos::Bottom));
+    chart.draw_series(groups.iter().map(|&(a, _, rate)| {
+        Text::new(
+            format!("ideal {}", fmt_rate(rate)),
+            (a as f64 - 0.43, rate * 1.04),
+            ideal_text.clone(),
+        )
+    }))?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.4))
+        .label_font(("sans-serif", 13))
+        .draw()?;
 
     // Right: commands per critical section, two bars per strategy.
-    let max_cmds = results
+    let max_cmds = bars
         .iter()
-        .map(|r| r.commands.lock_per_section.max(r.commands.sent_per_section))
+        .map(|(_, r)| r.commands.lock_per_section.max(r.commands.sent_per_section))
         .fold(0.0f64, f64::max);
     let y_hi = (max_cmds * 1.2).max(1.0);
     let mut chart = ChartBuilder::on(&right)
@@ -1047,7 +1770,11 @@ fn draw_svg(path: &Path, s: &Settings, results: &[StrategyResult]) -> Res<()> {
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_desc("strategy")
+        .x_desc(if many {
+            "configuration (processes×threads) and strategy"
+        } else {
+            "strategy"
+        })
         .y_desc("commands per critical section")
         .x_label_formatter(&label)
         .y_label_formatter(&|y| {
@@ -1062,7 +1789,7 @@ fn draw_svg(path: &Path, s: &Settings, results: &[StrategyResult]) -> Res<()> {
     let all_color = RGBColor(70, 110, 190);
     let sent_color = RGBColor(235, 145, 50);
     chart
-        .draw_series(results.iter().enumerate().map(|(i, r)| {
+        .draw_series(bars.iter().enumerate().map(|(i, (_, r))| {
             let x = i as f64;
             Rectangle::new(
                 [(x - 0.38, 0.0), (x - 0.02, r.commands.lock_per_section)],
@@ -1072,7 +1799,7 @@ fn draw_svg(path: &Path, s: &Settings, results: &[StrategyResult]) -> Res<()> {
         .label("all commands (incl. those run inside Lua scripts)")
         .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 14, y + 6)], all_color.filled()));
     chart
-        .draw_series(results.iter().enumerate().map(|(i, r)| {
+        .draw_series(bars.iter().enumerate().map(|(i, (_, r))| {
             let x = i as f64;
             Rectangle::new(
                 [(x + 0.02, 0.0), (x + 0.38, r.commands.sent_per_section)],
@@ -1083,7 +1810,7 @@ fn draw_svg(path: &Path, s: &Settings, results: &[StrategyResult]) -> Res<()> {
         .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 14, y + 6)], sent_color.filled()));
     let small =
         TextStyle::from(("sans-serif", 12).into_font()).pos(Pos::new(HPos::Center, VPos::Bottom));
-    chart.draw_series(results.iter().enumerate().flat_map(|(i, r)| {
+    chart.draw_series(bars.iter().enumerate().flat_map(|(i, (_, r))| {
         let x = i as f64;
         [
             Text::new(
@@ -1131,14 +1858,84 @@ impl plotters::coord::ranged1d::Ranged for Slots {
     }
 }
 
+fn make_bar(hidden: bool, total: u64) -> Res<ProgressBar> {
+    if hidden {
+        return Ok(ProgressBar::hidden());
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:>20} [{bar:40}] {pos}/{len} sections  {elapsed_precise}",
+        )?
+        .progress_chars("=> "),
+    );
+    Ok(bar)
+}
+
+/// One configuration: the ideal row, then each strategy.
+fn run_config(
+    ctx: &mut Ctx,
+    s: &Settings,
+    strategies: &[Strategy],
+    label: &str,
+    run_id: &str,
+) -> Res<ConfigResult> {
+    let n = s.total_sections().min(IDEAL_CAP);
+    ctx.bar.set_message(format!("{label}ideal"));
+    let first = run_ideal_part(ctx, s, run_id, n / 2)?;
+    let mut results = Vec::new();
+    for &strategy in strategies {
+        results.push(run_strategy(ctx, s, strategy, label, run_id)?);
+    }
+    ctx.bar.set_message(format!("{label}ideal"));
+    let second = run_ideal_part(ctx, s, run_id, n - n / 2)?;
+    let ideal = ideal_result(s, &[first, second]);
+    for r in &mut results {
+        r.pct_ideal = 100.0 * r.sections_per_s / ideal.sections_per_s.max(1e-9);
+    }
+    Ok(ConfigResult {
+        settings: s.clone(),
+        handoff_budget: s.budget(),
+        ideal,
+        results,
+    })
+}
+
 fn parent_main(args: &Args) -> Res<()> {
     let settings = Settings::from_args(args)?;
-    let strategies: Vec<Strategy> = if args.strategies.is_empty() {
-        Strategy::ALL.to_vec()
+    if args.matrix
+        && (args.processes.is_some() || args.threads.is_some() || !args.strategies.is_empty())
+    {
+        return Err("--matrix sets --processes, --threads and --strategies itself".into());
+    }
+    // The configurations to run, with their strategies.
+    let runs: Vec<(Settings, Vec<Strategy>)> = if args.matrix {
+        MATRIX
+            .iter()
+            .map(|&(p, t)| {
+                let s = Settings {
+                    processes: p,
+                    threads: t,
+                    sections: args.sections.unwrap_or(if args.quick {
+                        MATRIX_SECTIONS_QUICK
+                    } else {
+                        MATRIX_SECTIONS
+                    }),
+                    hold_us: args.hold_us.unwrap_or(100),
+                    ..settings.clone()
+                };
+                (s, vec![Strategy::Notify, Strategy::NotifyHandoff])
+            })
+            .collect()
     } else {
-        let mut v = args.strategies.clone();
-        v.dedup();
-        v
+        let strategies = if args.strategies.is_empty() {
+            Strategy::ALL.to_vec()
+        } else {
+            let mut v = args.strategies.clone();
+            v.dedup();
+            v
+        };
+        vec![(settings, strategies)]
     };
     // Keep a throwaway server alive until the end.
     let (url, _server) = match &args.url {
@@ -1148,53 +1945,97 @@ fn parent_main(args: &Args) -> Res<()> {
             (server.url(), Some(server))
         }
     };
-    let bar = if args.json {
-        ProgressBar::hidden()
-    } else {
-        let total: u64 = strategies
-            .iter()
-            .map(|&st| (settings.processes * settings.threads * settings.sections_for(st)) as u64)
-            .sum();
-        let bar = ProgressBar::new(total);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{msg:>15} [{bar:40}] {pos}/{len} sections  {elapsed_precise}",
-            )?
-            .progress_chars("=> "),
-        );
-        bar
-    };
+    let total: u64 = runs
+        .iter()
+        .flat_map(|(s, strategies)| {
+            strategies
+                .iter()
+                .map(|&st| (s.processes * s.threads * s.sections_for(st)) as u64)
+        })
+        .sum();
     let mut ctx = Ctx {
         url: &url,
-        settings: &settings,
         admin: raw_conn(&url)?,
-        bar,
+        bar: make_bar(args.json, total)?,
         stall: Duration::from_secs(args.stall_s.max(1)),
+        csv: match &args.sections_csv {
+            Some(path) => {
+                let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+                writeln!(
+                    f,
+                    "config,strategy,key,process,thread,section,end_us,wait_us,fence,handoff"
+                )?;
+                Some(f)
+            }
+            None => None,
+        },
     };
     let run_id = format!("{}", std::process::id());
-    let mut results = Vec::new();
-    for &strategy in &strategies {
-        results.push(run_strategy(&mut ctx, strategy, &run_id)?);
+    let started = Instant::now();
+    let mut configs = Vec::new();
+    for (s, strategies) in &runs {
+        let label = if args.matrix {
+            format!("{} ", config_label(s))
+        } else {
+            String::new()
+        };
+        configs.push(run_config(&mut ctx, s, strategies, &label, &run_id)?);
     }
+    let elapsed = started.elapsed();
     ctx.bar.finish_and_clear();
 
-    if args.json {
+    if args.matrix {
+        let target = target_of(&configs);
+        if args.json {
+            let out = MatrixOutput {
+                redis_url: &url,
+                matrix: true,
+                elapsed_s: elapsed.as_secs_f64(),
+                configs: &configs,
+                target,
+            };
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        } else {
+            print_matrix(&url, &configs, elapsed, target.as_ref());
+        }
+    } else if args.json {
         let out = Output {
-            settings: &settings,
             redis_url: &url,
-            results: &results,
+            config: &configs[0],
         };
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        print_table(&settings, &url, &results);
+        print_table(&url, &configs[0]);
     }
     if let Some(path) = &args.svg {
-        draw_svg(path, &settings, &results)?;
+        let s = &configs[0].settings;
+        let keys = format!("K={} key{}", s.keys, if s.keys == 1 { "" } else { "s" });
+        let title = if args.matrix {
+            format!(
+                "redbaton contend --matrix: S={} sections per thread, H={} hold, {keys}; {}",
+                s.sections,
+                s.hold_desc(),
+                s.budget()
+            )
+        } else {
+            format!(
+                "redbaton contend: P={} processes × T={} threads × S={} sections (poll-100ms: {}), H={} hold, {keys}",
+                s.processes,
+                s.threads,
+                s.sections,
+                s.slow_sections,
+                s.hold_desc(),
+            )
+        };
+        draw_svg(path, &title, &configs)?;
         if !args.json {
             println!("\nchart written to {}", path.display());
         }
     }
-    if results.iter().any(|r| !r.counter.exact) {
+    let exact = configs
+        .iter()
+        .all(|c| c.ideal.counter.exact && c.results.iter().all(|r| r.counter.exact));
+    if !exact {
         return Err("a counter is off: mutual exclusion failed".into());
     }
     Ok(())

@@ -63,9 +63,10 @@ impl Inner {
         yield_first: bool,
     ) -> Result<Arc<RemoteLock>> {
         let mut waiter = Waiter::new();
-        let asked = self.subs.iter().any(|s| s.should_yield(keys));
-        if (yield_first || asked) && !self.subs.is_empty() {
-            waiter.yield_to_others(keys, wait.deadline(), self);
+        let asked: Vec<Option<(Instant, u64)>> =
+            self.subs.iter().map(|s| s.should_yield(keys)).collect();
+        if (yield_first || asked.iter().any(Option::is_some)) && !self.subs.is_empty() {
+            waiter.yield_to_others(keys, wait.deadline(), self, &asked);
         }
         let mut marked = false;
         loop {
@@ -490,13 +491,31 @@ impl Waiter {
     }
 
     /// After this process released a lock others wait for, let them take it first: wait
-    /// for someone to set the key, or a short while.
-    fn yield_to_others(&mut self, keys: &Keys, deadline: Option<Instant>, client: &Inner) {
+    /// for someone to set the key, or until the pause asked for at release (`asked`, per
+    /// node: until when, and the count of others' acquisitions then) runs out.
+    fn yield_to_others(
+        &mut self,
+        keys: &Keys,
+        deadline: Option<Instant>,
+        client: &Inner,
+        asked: &[Option<(Instant, u64)>],
+    ) {
         if self.watches.is_empty() {
             self.watch(keys, client, deadline);
         }
-        let before: Vec<Snapshot> = self.watches.iter().map(Watch::snapshot).collect();
-        let until = earliest(Instant::now() + YIELD, deadline);
+        let before: Vec<u64> = self
+            .watches
+            .iter()
+            .zip(asked)
+            .map(|(w, a)| a.map_or_else(|| w.snapshot().taken, |(_, taken)| taken))
+            .collect();
+        let pause_end = asked
+            .iter()
+            .flatten()
+            .map(|&(until, _)| until)
+            .min()
+            .unwrap_or_else(|| Instant::now() + YIELD);
+        let until = earliest(pause_end, deadline);
         loop {
             // Only another owner's `set` ends the pause early: our own release's `del`/`r`
             // may still be on its way and must not count as "they went first".
@@ -504,7 +523,7 @@ impl Waiter {
                 .watches
                 .iter()
                 .zip(&before)
-                .any(|(w, b)| w.snapshot().taken != b.taken);
+                .any(|(w, b)| w.snapshot().taken != *b);
             if taken || self.poke.recv_deadline(until).is_err() {
                 return;
             }

@@ -92,7 +92,7 @@ struct KeySub {
     last_contended: Option<Instant>,
     /// This process released the key while others waited: its next contender waits for
     /// them (or this instant) before its first attempt.
-    yield_until: Option<Instant>,
+    yield_until: Option<(Instant, u64)>,
     listeners: Vec<(u64, Sender<()>)>,
 }
 
@@ -286,17 +286,19 @@ impl Subscriber {
         if let Some(k) = st.keys.get_mut(keys.lock())
             && k.confirmed
         {
-            k.yield_until = Some(until);
+            k.yield_until = Some((until, k.taken));
         }
     }
 
-    /// Whether a contender for `keys` should yield first (and clears the request).
-    pub fn should_yield(&self, keys: &Keys) -> bool {
+    /// Whether a contender for `keys` should yield first (and clears the request): until
+    /// when, and the count of others' acquisitions (`set` events) when it was asked, so
+    /// that one which came in between counts.
+    pub fn should_yield(&self, keys: &Keys) -> Option<(Instant, u64)> {
         let mut st = self.shared.state.lock();
         st.keys
             .get_mut(keys.lock())
             .and_then(|k| k.yield_until.take())
-            .is_some_and(|t| Instant::now() < t)
+            .filter(|&(until, _)| Instant::now() < until)
     }
 }
 
@@ -633,7 +635,13 @@ impl Shared {
                 return;
             }
             Kind::Released | Kind::Freed => ks.freed += 1,
-            Kind::Taken => ks.taken += 1,
+            Kind::Taken => {
+                ks.taken += 1;
+                // A new owner: every process still waiting fails against it and marks
+                // again (Redis sends those marks after this event), so older marks say
+                // nothing about who waits now. A process left alone stops yielding.
+                ks.last_contended = None;
+            }
             Kind::Contended => ks.last_contended = Some(Instant::now()),
             Kind::Ignored => return,
         }
