@@ -195,18 +195,43 @@ impl Default for Builder {
 
 impl Builder {
     /// A builder with the defaults in the table above.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let b = redbaton::Builder::new(); // same as LockClient::builder()
+    /// # let _ = b;
+    /// ```
     pub fn new() -> Self {
         Self::default()
     }
 
     /// Adds one Redis node by URL (`redis://[user:password@]host:port/db`). One node is a
     /// plain lock; three or more (an odd number) make a Redlock.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let b = redbaton::LockClient::builder().node("redis://:secret@127.0.0.1:6379/0");
+    /// # let _ = b;
+    /// ```
     pub fn node(mut self, url: impl Into<String>) -> Self {
         self.nodes.push(url.into());
         self
     }
 
     /// Adds several independent Redis masters for Redlock (an odd number, at least 3).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let b = redbaton::LockClient::builder().nodes([
+    ///     "redis://10.0.0.1:6379/",
+    ///     "redis://10.0.0.2:6379/",
+    ///     "redis://10.0.0.3:6379/",
+    /// ]);
+    /// # let _ = b;
+    /// ```
     pub fn nodes<I, S>(mut self, urls: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -219,12 +244,27 @@ impl Builder {
     /// Prefix of every key the client writes (may be empty). The lock key of name `n` is
     /// `{prefix}{n}` with `n` between braces (a Redis Cluster hash tag), and its fencing
     /// counter is the same key with `:fence` appended.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let b = redbaton::LockClient::builder().key_prefix("billing:lock:");
+    /// # let _ = b;
+    /// ```
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = prefix.into();
         self
     }
 
     /// How long a lock lives in Redis without renewal (10 ms to 24 h).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = redbaton::LockClient::builder().lease(Duration::from_secs(10));
+    /// # let _ = b;
+    /// ```
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -232,18 +272,42 @@ impl Builder {
 
     /// Timeout for opening a connection; also bounds how long a caller waits for a free
     /// pooled connection.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = redbaton::LockClient::builder().connect_timeout(Duration::from_millis(500));
+    /// # let _ = b;
+    /// ```
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
     }
 
     /// Timeout for reading each reply. A connection whose read timed out is discarded.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = redbaton::LockClient::builder().read_timeout(Duration::from_millis(500));
+    /// # let _ = b;
+    /// ```
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
         self.read_timeout = timeout;
         self
     }
 
     /// Timeout for writing each command.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = redbaton::LockClient::builder().write_timeout(Duration::from_millis(500));
+    /// # let _ = b;
+    /// ```
     pub fn write_timeout(mut self, timeout: Duration) -> Self {
         self.write_timeout = timeout;
         self
@@ -251,12 +315,28 @@ impl Builder {
 
     /// The most command connections the client opens to each node (1 to 1024). The
     /// subscriber thread's connection comes on top: one per node.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let b = redbaton::LockClient::builder().pool_size(32);
+    /// # let _ = b;
+    /// ```
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size;
         self
     }
 
     /// How waiters learn that a lock may be free; see [`Wakeup`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redbaton::Wakeup;
+    /// let b = redbaton::LockClient::builder().wakeup(Wakeup::Polling(Duration::from_millis(100)));
+    /// # let _ = b;
+    /// ```
     pub fn wakeup(mut self, wakeup: Wakeup) -> Self {
         self.wakeup = wakeup;
         self
@@ -266,18 +346,43 @@ impl Builder {
     /// `notify-keyspace-events` (merging with, never replacing, what is set). When this is
     /// off or the server refuses `CONFIG`, waiters are woken through the library's own
     /// release channel instead (one `warn!` says so).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// // A managed Redis that forbids CONFIG: do not even try.
+    /// let b = redbaton::LockClient::builder().configure_notifications(false);
+    /// # let _ = b;
+    /// ```
     pub fn configure_notifications(mut self, allowed: bool) -> Self {
         self.configure_notifications = allowed;
         self
     }
 
     /// Safety net: a waiter re-tries at least this often even if no event arrives.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = redbaton::LockClient::builder().recheck_interval(Duration::from_secs(2));
+    /// # let _ = b;
+    /// ```
     pub fn recheck_interval(mut self, interval: Duration) -> Self {
         self.recheck_interval = interval;
         self
     }
 
     /// Whether the watchdog renews held locks. With `false` a lock lives for one lease.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// // A fixed 5 s lease, never renewed.
+    /// let b = redbaton::LockClient::builder().lease(Duration::from_secs(5)).auto_renew(false);
+    /// # let _ = b;
+    /// ```
     pub fn auto_renew(mut self, renew: bool) -> Self {
         self.auto_renew = renew;
         self
@@ -285,6 +390,16 @@ impl Builder {
 
     /// How often the watchdog renews a held lock; must be shorter than the lease.
     /// Defaults to a third of the lease.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = redbaton::LockClient::builder()
+    ///     .lease(Duration::from_secs(30))
+    ///     .renew_interval(Duration::from_secs(5));
+    /// # let _ = b;
+    /// ```
     pub fn renew_interval(mut self, interval: Duration) -> Self {
         self.renew_interval = Some(interval);
         self
@@ -292,6 +407,14 @@ impl Builder {
 
     /// A cap on how long one lock may be held: after it, renewals stop and the holder is
     /// told the lock is lost ([`LostReason::HoldLimit`](crate::LostReason::HoldLimit)).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = redbaton::LockClient::builder().max_hold(Duration::from_secs(600));
+    /// # let _ = b;
+    /// ```
     pub fn max_hold(mut self, cap: Duration) -> Self {
         self.max_hold = Some(cap);
         self
@@ -299,6 +422,14 @@ impl Builder {
 
     /// Whether a released lock goes straight to a waiting thread of this process (the
     /// baton). With `false` every thread contends in Redis on its own.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// // Every thread contends in Redis (to measure what the baton saves).
+    /// let b = redbaton::LockClient::builder().local_handoff(false);
+    /// # let _ = b;
+    /// ```
     pub fn local_handoff(mut self, on: bool) -> Self {
         self.local_handoff = on;
         self
@@ -306,6 +437,14 @@ impl Builder {
 
     /// Fairness budget: consecutive local handoffs allowed while another process waits
     /// (1 to 1,048,575). A process alone on a key is not limited.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// // More throughput, longer waits for other processes.
+    /// let b = redbaton::LockClient::builder().max_handoffs(64);
+    /// # let _ = b;
+    /// ```
     pub fn max_handoffs(mut self, n: u32) -> Self {
         self.max_handoffs = n;
         self
@@ -313,6 +452,14 @@ impl Builder {
 
     /// Fairness budget: how long one process may keep handing a lock around locally while
     /// another process waits.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = redbaton::LockClient::builder().handoff_slice(Duration::from_millis(20));
+    /// # let _ = b;
+    /// ```
     pub fn handoff_slice(mut self, slice: Duration) -> Self {
         self.handoff_slice = slice;
         self
@@ -325,6 +472,18 @@ impl Builder {
     ///
     /// [`Error::InvalidConfig`] for a bad setting, [`Error::Redis`] when a node cannot be
     /// reached within the connect timeout (for Redlock: when fewer than a majority can).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// let client = redbaton::LockClient::builder()
+    ///     .node("redis://127.0.0.1:6379/")
+    ///     .lease(Duration::from_secs(15))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
     pub fn build(self) -> Result<LockClient> {
         let config = self.validate()?;
         LockClient::connect(config)

@@ -62,32 +62,75 @@ pub enum Error {
 
 impl Error {
     /// `try_lock` found the lock held.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// assert!(redbaton::Error::WouldBlock.is_would_block());
+    /// ```
     pub fn is_would_block(&self) -> bool {
         matches!(self, Error::WouldBlock)
     }
 
     /// The wait deadline passed.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// assert!(redbaton::Error::Timeout.is_timeout());
+    /// ```
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Timeout)
     }
 
     /// The lock was lost while held.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use redbaton::{Error, LostReason};
+    /// assert!(Error::Lost(LostReason::Stolen).is_lost());
+    /// ```
     pub fn is_lost(&self) -> bool {
         matches!(self, Error::Lost(_))
     }
 
     /// Redlock could not reach a majority.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let e = redbaton::Error::NoQuorum { granted: 2, needed: 3, nodes: 5 };
+    /// assert!(e.is_no_quorum());
+    /// assert_eq!(e.to_string(), "no quorum: 2 of 5 nodes granted the lock, 3 needed");
+    /// ```
     pub fn is_no_quorum(&self) -> bool {
         matches!(self, Error::NoQuorum { .. })
     }
 
     /// Bad configuration or a bad lock name: retrying will not help.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let e = redbaton::LockClient::builder().pool_size(0).build().unwrap_err();
+    /// assert!(e.is_invalid_input());
+    /// ```
     pub fn is_invalid_input(&self) -> bool {
         matches!(self, Error::InvalidConfig(_) | Error::InvalidName(_))
     }
 
     /// A network-level failure talking to Redis: refused, reset, timed out, or the pool
     /// had no connection to give. Retrying later may help.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// // Nothing listens on port 1.
+    /// let e = redbaton::LockClient::builder().node("redis://127.0.0.1:1/").build().unwrap_err();
+    /// assert!(e.is_connection());
+    /// assert!(e.redis_error().is_some());
+    /// ```
     pub fn is_connection(&self) -> bool {
         match self {
             Error::PoolExhausted => true,
@@ -97,6 +140,15 @@ impl Error {
     }
 
     /// The underlying `redis` error, if any.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let e = redbaton::LockClient::builder().node("redis://127.0.0.1:1/").build().unwrap_err();
+    /// if let Some(r) = e.redis_error() {
+    ///     eprintln!("redis said: {r}");
+    /// }
+    /// ```
     pub fn redis_error(&self) -> Option<&redis::RedisError> {
         match self {
             Error::Redis(e) => Some(e),
@@ -182,6 +234,13 @@ pub enum Unlocked {
 
 impl Unlocked {
     /// `Released` or `HandedOff`: the lock was still ours until this call.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// assert!(redbaton::Unlocked::HandedOff.was_held());
+    /// assert!(!redbaton::Unlocked::Expired.was_held());
+    /// ```
     pub fn was_held(self) -> bool {
         matches!(self, Unlocked::Released | Unlocked::HandedOff)
     }
@@ -199,4 +258,13 @@ impl fmt::Display for Unlocked {
 }
 
 /// Shorthand for `Result<T, redbaton::Error>`.
+///
+/// # Examples
+///
+/// ```no_run
+/// fn transfer(client: &redbaton::LockClient) -> redbaton::Result<u64> {
+///     let guard = client.lock("accounts:7")?;
+///     Ok(guard.fencing_token())
+/// }
+/// ```
 pub type Result<T, E = Error> = std::result::Result<T, E>;

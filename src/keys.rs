@@ -4,6 +4,16 @@ use crate::error::{Error, Result};
 
 /// Longest lock name accepted, in bytes. Redis allows 512 MB keys, but every wait, event
 /// and log line carries the name: a name this long is a bug, not a key.
+///
+/// # Examples
+///
+/// ```no_run
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().build()?;
+/// let too_long = vec![b'x'; redbaton::MAX_NAME_LEN + 1];
+/// assert!(client.lock(&too_long).unwrap_err().is_invalid_input());
+/// # Ok(()) }
+/// ```
 pub const MAX_NAME_LEN: usize = 4096;
 /// Longest key prefix accepted, in bytes.
 pub(crate) const MAX_PREFIX_LEN: usize = 1024;
