@@ -35,6 +35,8 @@ struct State {
     valid_until: Instant,
     next_renew: Instant,
     renewing: bool,
+    /// The holder waits to extend: the watchdog starts no renewal meanwhile.
+    extend_waiting: bool,
     released: bool,
     lost: Option<LostReason>,
     /// The current holder's lost channel.
@@ -87,6 +89,7 @@ impl RemoteLock {
                 valid_until: started + lease - drift,
                 next_renew: started + renew_every.unwrap_or(lease),
                 renewing: false,
+                extend_waiting: false,
                 released: false,
                 lost: None,
                 listener: None,
@@ -152,13 +155,15 @@ impl RemoteLock {
     /// lock was already lost.
     pub fn begin_release(&self, counters: &Counters) -> Option<LostReason> {
         let mut st = self.state.lock();
+        // Say so before waiting: a watchdog that finishes one renewal must not start the
+        // next before we get the mutex back (with a hung node it always has one due).
+        st.released = true;
         while st.renewing {
             self.renew_done.wait(&mut st);
         }
         if st.lost.is_none() && Instant::now() >= st.valid_until {
             Self::set_lost(&mut st, LostReason::Expired, counters);
         }
-        st.released = true;
         st.listener = None;
         st.lost
     }
@@ -175,7 +180,7 @@ impl RemoteLock {
         if st.released || st.lost.is_some() {
             return Due::Forget;
         }
-        if st.renewing {
+        if st.renewing || st.extend_waiting {
             // The holder is extending it right now: look again shortly.
             return Due::At(now + Duration::from_millis(10));
         }
@@ -231,9 +236,11 @@ impl RemoteLock {
     /// land in Redis after the holder's.
     pub fn begin_extend(&self) {
         let mut st = self.state.lock();
+        st.extend_waiting = true;
         while st.renewing {
             self.renew_done.wait(&mut st);
         }
+        st.extend_waiting = false;
         st.renewing = true;
     }
 
