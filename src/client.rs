@@ -5,11 +5,11 @@ use std::time::{Duration, Instant};
 
 use crate::builder::{Builder, Config, Wakeup};
 use crate::contend::{Wait, YIELD};
-use crate::error::{Error, LostReason, Result, Unlocked};
+use crate::error::{Error, Result, Unlocked};
 use crate::fanout::Fanout;
 use crate::guard::LockGuard;
 use crate::keys::Keys;
-use crate::node::{ExtendReply, Node, ReleaseReply, Retry};
+use crate::node::{ExtendReply, Node, ReleaseReply, Renewal, Retry};
 use crate::notify::{self, Mode};
 use crate::remote::RemoteLock;
 use crate::stats::{Counters, Stats};
@@ -492,39 +492,37 @@ impl Inner {
             }
         });
         let replies: Vec<_> = replies.into_iter().flatten().collect();
-        let ok = replies
-            .iter()
-            .filter(|r| matches!(r, Ok(v) if v.first() == Some(&ExtendReply::Extended)))
-            .count();
-        let extended = ok >= self.quorum().min(replies.len());
-        lock.end_extend(extended.then(|| {
+        let count = |want: ExtendReply| {
+            replies
+                .iter()
+                .filter(|r| matches!(r, Ok(v) if v.first() == Some(&want)))
+                .count()
+        };
+        let tally = (
+            count(ExtendReply::Extended),
+            count(ExtendReply::Gone),
+            count(ExtendReply::Other),
+        );
+        let verdict = Renewal::judge(tally, replies.len(), self.quorum(), self.nodes.len() > 1);
+        lock.end_extend((verdict == Renewal::Renewed).then(|| {
             (
                 lease,
                 started + lease - self.cfg.drift(lease),
                 started + self.renew_every(lease),
             )
         }));
-        if extended {
-            if let Some(w) = &self.watchdog {
-                w.reschedule(lock.next_due());
+        match verdict {
+            Renewal::Renewed => {
+                if let Some(w) = &self.watchdog {
+                    w.reschedule(lock.next_due());
+                }
+                return Ok(());
             }
-            return Ok(());
-        }
-        let refused = replies
-            .iter()
-            .filter(|r| matches!(r, Ok(v) if v.first() != Some(&ExtendReply::Extended)))
-            .count();
-        if refused > replies.len() - self.quorum().min(replies.len()) {
-            let stolen = replies
-                .iter()
-                .any(|r| matches!(r, Ok(v) if v.first() == Some(&ExtendReply::Other)));
-            let reason = match (self.nodes.len() > 1, stolen) {
-                (true, _) => LostReason::NoQuorum,
-                (false, true) => LostReason::Stolen,
-                (false, false) => LostReason::Deleted,
-            };
-            lock.mark_lost(reason, &self.counters);
-            return Err(Error::Lost(reason));
+            Renewal::Lost(reason) => {
+                lock.mark_lost(reason, &self.counters);
+                return Err(Error::Lost(reason));
+            }
+            Renewal::Unknown => {}
         }
         match replies.into_iter().find_map(|r| r.err()) {
             Some(e) => Err(e),

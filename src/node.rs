@@ -303,6 +303,45 @@ impl Node {
     }
 }
 
+/// What one round of extends, on the nodes that hold a lock, says about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewal {
+    /// A majority (one node: that node) extended it.
+    Renewed,
+    /// Enough nodes said "not yours" that no majority can hold it.
+    Lost(crate::error::LostReason),
+    /// Too few answers to tell (network errors): try again while the lease lasts.
+    Unknown,
+}
+
+impl Renewal {
+    /// The verdict from the replies of `holders` nodes: `ok` extended, `gone` had no key,
+    /// `other` held another token; `quorum` of all nodes is needed; `redlock` says whether
+    /// a loss is a lost majority rather than one node's answer.
+    pub fn judge(
+        (ok, gone, other): (usize, usize, usize),
+        holders: usize,
+        quorum: usize,
+        redlock: bool,
+    ) -> Renewal {
+        use crate::error::LostReason;
+        let needed = quorum.min(holders);
+        if ok >= needed {
+            Renewal::Renewed
+        } else if gone + other > holders.saturating_sub(needed) {
+            Renewal::Lost(if redlock {
+                LostReason::NoQuorum
+            } else if other > 0 {
+                LostReason::Stolen
+            } else {
+                LostReason::Deleted
+            })
+        } else {
+            Renewal::Unknown
+        }
+    }
+}
+
 /// Whether a failed command may have reached Redis (and so may have taken effect).
 pub(crate) fn may_have_run(e: &Error) -> bool {
     match e {

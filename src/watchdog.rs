@@ -13,8 +13,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use crate::client::Inner;
-use crate::error::LostReason;
-use crate::node::ExtendReply;
+use crate::node::{ExtendReply, Renewal};
 use crate::remote::{Due, RemoteLock};
 use crate::stats::Counters;
 
@@ -159,22 +158,17 @@ fn renew_due(inner: &Arc<Inner>, held: &Mutex<Held>) -> Instant {
     let retry = (cfg.renew_interval / 4).min(Duration::from_millis(200));
     let quorum = inner.quorum();
     for ((lock, lease), (ok, gone, other)) in due.iter().zip(tallies) {
-        let granted = lock.nodes.len();
-        let outcome = if ok >= quorum.min(granted) {
-            let renew_every = inner.renew_every(*lease);
-            Ok((now + *lease - cfg.drift(*lease), now + renew_every))
-        } else if gone + other > granted.saturating_sub(quorum.min(granted)) {
-            // Enough nodes said "not yours" that no majority can be kept.
-            Err(Some(if inner.nodes.len() > 1 {
-                LostReason::NoQuorum
-            } else if other > 0 {
-                LostReason::Stolen
-            } else {
-                LostReason::Deleted
-            }))
-        } else {
-            Counters::inc(&counters.renewals_failed);
-            Err(None)
+        let redlock = inner.nodes.len() > 1;
+        let outcome = match Renewal::judge((ok, gone, other), lock.nodes.len(), quorum, redlock) {
+            Renewal::Renewed => {
+                let renew_every = inner.renew_every(*lease);
+                Ok((now + *lease - cfg.drift(*lease), now + renew_every))
+            }
+            Renewal::Lost(reason) => Err(Some(reason)),
+            Renewal::Unknown => {
+                Counters::inc(&counters.renewals_failed);
+                Err(None)
+            }
         };
         lock.end_renew(outcome, now + retry, counters);
         next = next.min(now + retry);
