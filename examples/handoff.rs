@@ -22,8 +22,10 @@
 //!
 //! Rows: `raw-keyspace` is the floor, a waiter without the library (one thread subscribed
 //! to the key's keyspace channel retries `SET NX PX` on each event: one event delivery plus
-//! one round trip); then the library's waiter with `Wakeup::Notifications` (the default),
-//! `Wakeup::Polling(1 ms)` and `Wakeup::Polling(100 ms)`.
+//! one round trip); `raw-script` is the same with the protocol's minimum attempt, one Lua
+//! script doing `SET NX PX` and `INCR` of the fence counter; then the library's waiter
+//! with `Wakeup::Notifications` (the default), `Wakeup::Polling(1 ms)` and
+//! `Wakeup::Polling(100 ms)`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -68,6 +70,10 @@ enum Strategy {
     /// retries `SET NX PX` on each event. The floor of an event-driven handoff.
     #[value(name = "raw-keyspace")]
     RawKeyspace,
+    /// As `raw-keyspace`, but each attempt is one Lua script doing `SET NX PX` and, when
+    /// that succeeds, `INCR` of a fence counter: the protocol's minimum, still no library.
+    #[value(name = "raw-script")]
+    RawScript,
 }
 
 impl Strategy {
@@ -77,12 +83,15 @@ impl Strategy {
             Strategy::Polling1ms => "polling-1ms",
             Strategy::Polling100ms => "polling-100ms",
             Strategy::RawKeyspace => "raw-keyspace",
+            Strategy::RawScript => "raw-script",
         }
     }
 
     fn wakeup(self) -> Wakeup {
         match self {
-            Strategy::Notifications | Strategy::RawKeyspace => Wakeup::Notifications,
+            Strategy::Notifications | Strategy::RawKeyspace | Strategy::RawScript => {
+                Wakeup::Notifications
+            }
             Strategy::Polling1ms => Wakeup::Polling(Duration::from_millis(1)),
             Strategy::Polling100ms => Wakeup::Polling(Duration::from_millis(100)),
         }
@@ -111,8 +120,9 @@ impl Strategy {
     }
 }
 
-const STRATEGIES: [Strategy; 4] = [
+const STRATEGIES: [Strategy; 5] = [
     Strategy::RawKeyspace,
+    Strategy::RawScript,
     Strategy::Notifications,
     Strategy::Polling1ms,
     Strategy::Polling100ms,
@@ -133,7 +143,8 @@ fn main() -> Result<(), BoxError> {
     let cli = Cli::parse();
     let url = cli.url.as_deref();
     match cli.child {
-        Some(Strategy::RawKeyspace) => raw_waiter(url.ok_or("--url is required")?),
+        Some(Strategy::RawKeyspace) => raw_waiter(url.ok_or("--url is required")?, false),
+        Some(Strategy::RawScript) => raw_waiter(url.ok_or("--url is required")?, true),
         Some(strategy) => waiter(strategy, url.ok_or("--url is required")?),
         None => holder(cli.quick),
     }
@@ -194,13 +205,24 @@ fn waiter(strategy: Strategy, url: &str) -> Result<(), BoxError> {
 }
 
 /// The floor: the same protocol with no library. One thread reads the keyspace events of
-/// the key and, on any event but `set`, tries `SET key token NX PX` on a second connection:
-/// one event delivery plus one round trip, no thread handoff.
-fn raw_waiter(url: &str) -> Result<(), BoxError> {
+/// the key and, on any event but `set`, tries `SET key token NX PX` on a second connection
+/// (`scripted`: a script doing that and `INCR` of a fence counter): one event delivery plus
+/// one round trip, no thread handoff.
+fn raw_waiter(url: &str, scripted: bool) -> Result<(), BoxError> {
     let client = redis::Client::open(url)?;
     let mut cmd_conn = client.get_connection()?;
     let mut sub_conn = client.get_connection()?;
-    let key = format!("{PREFIX}{{{}}}", Strategy::RawKeyspace.key());
+    let strategy = if scripted {
+        Strategy::RawScript
+    } else {
+        Strategy::RawKeyspace
+    };
+    let key = format!("{PREFIX}{{{}}}", strategy.key());
+    let fence = format!("{key}:fence");
+    let script = redis::Script::new(
+        "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then \
+           return redis.call('INCR', KEYS[2]) end return 0",
+    );
     let mut ps = sub_conn.as_pubsub();
     let db = client.get_connection_info().redis_settings().db();
     ps.subscribe(format!("__keyspace@{db}__:{key}"))?;
@@ -214,14 +236,25 @@ fn raw_waiter(url: &str) -> Result<(), BoxError> {
                 let mut failed = 0u64;
                 let mut events = 0u64;
                 loop {
-                    let set: redis::Value = redis::cmd("SET")
-                        .arg(&key)
-                        .arg(token)
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(30_000)
-                        .query(&mut cmd_conn)?;
-                    if matches!(set, redis::Value::Okay) {
+                    let won = if scripted {
+                        let fence: i64 = script
+                            .key(&key)
+                            .key(&fence)
+                            .arg(token)
+                            .arg(30_000)
+                            .invoke(&mut cmd_conn)?;
+                        fence > 0
+                    } else {
+                        let set: redis::Value = redis::cmd("SET")
+                            .arg(&key)
+                            .arg(token)
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(30_000)
+                            .query(&mut cmd_conn)?;
+                        matches!(set, redis::Value::Okay)
+                    };
+                    if won {
                         break;
                     }
                     failed += 1;
@@ -568,8 +601,8 @@ fn print_table(pings: &[i64], idle_pings: &[i64], rows: &[Row], elapsed: Duratio
         verdict(poll_vs_notif >= 50.0)
     );
     println!(
-        "notifications p50 - raw-keyspace p50  = {:7.1} us (the library's share of a handoff)",
-        us(p50(Strategy::Notifications) - p50(Strategy::RawKeyspace))
+        "notifications p50 - raw-script p50    = {:7.1} us (the library's share of a handoff)",
+        us(p50(Strategy::Notifications) - p50(Strategy::RawScript))
     );
     println!(
         "(PING: back-to-back round trips; PING after idle: one after each 5-15 ms pause. \

@@ -5,9 +5,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
+use redis::Cmd;
 
 use crate::builder::{HANDOFF_BITS, Wakeup};
 use crate::client::Inner;
+use crate::early::{Armed, Shot};
 use crate::error::{Error, Result};
 use crate::keys::Keys;
 use crate::node::{Attempt, Marks, ReleaseReply, Retry, may_have_run};
@@ -70,19 +72,30 @@ impl Inner {
         }
         let mut marked = false;
         loop {
-            let before = waiter.snapshots();
             // An attempt that will wait if it fails marks contention for the holder. The
             // script deletes our mark when we win; when we leave without the lock, we take
             // it with us, so that no holder keeps yielding to nobody.
-            let waiting = match wait {
-                Wait::No => false,
-                Wait::Until(d) => d.is_none_or(|d| Instant::now() < d),
+            let (before, marks, outcome) = match waiter.take_early() {
+                // The subscriber sent our attempt when the key was freed.
+                Some((shot, pending)) => (
+                    Some(vec![shot.at]),
+                    pending.marks,
+                    self.finish_early(keys, shot, pending, wait.deadline()),
+                ),
+                None => {
+                    let before = waiter.snapshots();
+                    let waiting = match wait {
+                        Wait::No => false,
+                        Wait::Until(d) => d.is_none_or(|d| Instant::now() < d),
+                    };
+                    let marks = Marks {
+                        leave: waiting,
+                        clear: marked,
+                    };
+                    (before, marks, self.round(keys, marks, wait.deadline()))
+                }
             };
-            let marks = Marks {
-                leave: waiting,
-                clear: marked,
-            };
-            let hint = match self.round(keys, marks, wait.deadline()) {
+            let hint = match outcome {
                 Ok(Round::Acquired(lock)) => return Ok(lock),
                 Ok(Round::Held(hint)) => {
                     marked |= marks.leave;
@@ -120,7 +133,10 @@ impl Inner {
                         continue;
                     }
                     match before {
-                        Some(before) => waiter.wait_change(&before, hint, deadline, self),
+                        Some(before) => {
+                            waiter.arm(keys, self, marked);
+                            waiter.wait_change(&before, hint, deadline, self)
+                        }
                         None => waiter.wait_degraded(hint, deadline, keys, self),
                     }
                 }
@@ -191,21 +207,9 @@ impl Inner {
         let lease = self.cfg.lease;
         let started = Instant::now();
         if self.nodes.len() == 1 {
-            let node = &self.nodes[0];
-            return match node.acquire(keys, &token, lease, Retry::LOST_REPLY, marks, deadline) {
-                Ok(Attempt::Acquired { fence }) => {
-                    self.acquired(keys, token, fence, vec![0], started)
-                }
-                Ok(Attempt::Held { pttl }) => Ok(Round::Held(pttl)),
-                Err(e) => {
-                    if may_have_run(&e) {
-                        // The key may be ours without our knowing: leave nothing behind,
-                        // without spending the caller's deadline on it.
-                        self.release_in_background(keys, token, vec![0]);
-                    }
-                    Err(e)
-                }
-            };
+            let reply =
+                self.nodes[0].acquire(keys, &token, lease, Retry::LOST_REPLY, marks, deadline);
+            return self.single_node(keys, token, started, reply);
         }
         // Redlock: every node at once; an error is a vote against, never an abort.
         let (client, k, t) = (self.clone(), keys.clone(), token.clone());
@@ -281,6 +285,41 @@ impl Inner {
         // contenders do not stay in lockstep.
         let jitter = Duration::from_millis(rand::random_range(2..=25));
         Ok(Round::Held(Some(pttl.map_or(jitter, |p| p.min(jitter)))))
+    }
+
+    /// Reads the reply to the attempt the subscriber sent for us (one node).
+    fn finish_early(
+        self: &Arc<Self>,
+        keys: &Keys,
+        shot: Shot,
+        pending: Pending,
+        deadline: Option<Instant>,
+    ) -> Result<Round> {
+        let reply =
+            self.nodes[0].finish_acquire(shot.reply, &pending.call, Retry::LOST_REPLY, deadline);
+        self.single_node(keys, pending.token, shot.sent, reply)
+    }
+
+    /// The round's outcome from the one node's reply to an attempt with `token`.
+    fn single_node(
+        self: &Arc<Self>,
+        keys: &Keys,
+        token: String,
+        started: Instant,
+        reply: Result<Attempt>,
+    ) -> Result<Round> {
+        match reply {
+            Ok(Attempt::Acquired { fence }) => self.acquired(keys, token, fence, vec![0], started),
+            Ok(Attempt::Held { pttl }) => Ok(Round::Held(pttl)),
+            Err(e) => {
+                if may_have_run(&e) {
+                    // The key may be ours without our knowing: leave nothing behind,
+                    // without spending the caller's deadline on it.
+                    self.release_in_background(keys, token, vec![0]);
+                }
+                Err(e)
+            }
+        }
     }
 
     fn acquired(
@@ -359,6 +398,15 @@ struct Waiter {
     watches: Vec<Watch>,
     /// Degraded-mode backoff, used only while subscriptions cannot be confirmed.
     backoff: Duration,
+    /// The attempt armed for the subscriber to send early (see `early`).
+    pending: Option<Pending>,
+}
+
+/// An armed attempt, as the contender needs it when it reads the reply.
+struct Pending {
+    token: String,
+    marks: Marks,
+    call: Cmd,
 }
 
 impl Waiter {
@@ -367,7 +415,36 @@ impl Waiter {
             poke: crossbeam_channel::never(),
             watches: Vec::new(),
             backoff: Duration::from_millis(10),
+            pending: None,
         }
+    }
+
+    /// Before sleeping: leaves the next attempt (with a fresh token) for the subscriber to
+    /// send the moment the key may be free. One node only.
+    fn arm(&mut self, keys: &Keys, client: &Inner, marked: bool) {
+        let [node] = client.nodes.as_slice() else {
+            return;
+        };
+        let [watch] = self.watches.as_slice() else {
+            return;
+        };
+        let token = new_token();
+        // We wait, so a failure marks contention; and clears our mark if we win.
+        let marks = Marks {
+            leave: true,
+            clear: marked,
+        };
+        let call = node.acquire_call(keys, &token, client.cfg.lease, marks);
+        if watch.arm(Armed::new(node.pool.clone(), &call)) {
+            self.pending = Some(Pending { token, marks, call });
+        }
+    }
+
+    /// After a wake-up: disarms, and returns the attempt in flight if the subscriber sent it.
+    fn take_early(&mut self) -> Option<(Shot, Pending)> {
+        let pending = self.pending.take()?;
+        let shot = self.watches.first()?.take_early()?;
+        Some((shot, pending))
     }
 
     /// Registers with every node's subscriber and waits until a majority confirmed (one

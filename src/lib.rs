@@ -68,6 +68,7 @@
 mod builder;
 mod client;
 mod contend;
+mod early;
 mod error;
 mod fanout;
 mod guard;

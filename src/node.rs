@@ -3,13 +3,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redis::{Connection, RedisResult};
+use redis::{Cmd, Connection, RedisResult, Value};
 
 use crate::builder::Config;
 use crate::error::{Error, Result, is_network_error};
 use crate::keys::Keys;
 use crate::pool::Pool;
-use crate::scripts::{ACQUIRE, EXTEND, RAISE_FENCE, RELEASE, UNMARK};
+use crate::scripts::{self, ACQUIRE, EXTEND, RAISE_FENCE, RELEASE, UNMARK};
 use crate::stats::Counters;
 
 /// The reply to one acquire attempt on one node.
@@ -82,7 +82,7 @@ const MIN_ATTEMPT: Duration = Duration::from_millis(50);
 
 pub(crate) struct Node {
     pub idx: usize,
-    pub pool: Pool,
+    pub pool: Arc<Pool>,
     /// The database of the URL: keyspace channels are per database.
     pub db: i64,
     counters: Arc<Counters>,
@@ -110,7 +110,7 @@ impl Node {
         let db = client.get_connection_info().redis_settings().db();
         Ok(Node {
             idx,
-            pool: Pool::new(client, cfg),
+            pool: Arc::new(Pool::new(client, cfg)),
             db,
             counters,
             client_id,
@@ -144,9 +144,7 @@ impl Node {
         loop {
             let mut conn = self.pool.get()?;
             Counters::inc(&self.counters.commands);
-            let short = deadline
-                .map(|d| d.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT))
-                .filter(|t| *t < read_timeout);
+            let short = attempt_timeout(deadline, read_timeout);
             let mut result = match short {
                 Some(t) => conn.set_read_timeout(Some(t)),
                 None => Ok(()),
@@ -189,38 +187,73 @@ impl Node {
         marks: Marks,
         deadline: Option<Instant>,
     ) -> Result<Attempt> {
+        let call = self.acquire_call(keys, token, lease, marks);
+        let reply = self.run_until(retry, deadline, |c| ACQUIRE.run(&call, c));
+        self.attempt_of(reply?)
+    }
+
+    /// The `EVALSHA` of one acquire attempt.
+    pub fn acquire_call(&self, keys: &Keys, token: &str, lease: Duration, marks: Marks) -> Cmd {
         let lease_ms = lease.as_millis().max(1) as u64;
         let mark_ms = if marks.leave {
             self.mark_ttl.as_millis().max(1) as u64
         } else {
             0
         };
-        let reply = self.run_until(retry, deadline, |c| {
-            ACQUIRE
-                .key(keys.lock())
-                .key(keys.fence())
-                .key(keys.mark())
-                .arg(token)
-                .arg(lease_ms)
-                .arg(keys.channel())
-                .arg(&*self.client_id)
-                .arg(mark_ms)
-                .arg(if marks.clear { "1" } else { "0" })
-                .invoke::<(i64, i64)>(c)
-        });
+        let mut call = ACQUIRE.call(3);
+        call.arg(keys.lock())
+            .arg(keys.fence())
+            .arg(keys.mark())
+            .arg(token)
+            .arg(lease_ms)
+            .arg(keys.channel())
+            .arg(&*self.client_id)
+            .arg(mark_ms)
+            .arg(if marks.clear { "1" } else { "0" });
+        call
+    }
+
+    /// The outcome of an acquire the subscriber thread made early (see `early`), from its
+    /// raw reply. When the reply was lost or the server lacked the script, the attempt is
+    /// made again the usual way with the same token: the script recognises its own token.
+    pub fn finish_acquire(
+        &self,
+        reply: RedisResult<Value>,
+        call: &Cmd,
+        retry: Retry,
+        deadline: Option<Instant>,
+    ) -> Result<Attempt> {
+        Counters::inc(&self.counters.commands);
+        Counters::inc(&self.counters.early_attempts);
+        let parsed = reply
+            .and_then(Value::extract_error)
+            .and_then(|v| Ok(redis::from_redis_value::<(i64, i64)>(v)?));
+        match parsed {
+            Ok(v) => self.attempt_of(v),
+            Err(e) if is_network_error(&e) || scripts::is_noscript(&e) => {
+                if is_network_error(&e) {
+                    self.pool.clear_idle();
+                }
+                log::debug!("node {}: early attempt failed: {e}; retrying", self.idx);
+                self.attempt_of(self.run_until(retry, deadline, |c| ACQUIRE.run(call, c))?)
+            }
+            Err(e) => Err(Error::Redis(e)),
+        }
+    }
+
+    fn attempt_of(&self, reply: (i64, i64)) -> Result<Attempt> {
         match reply {
-            Ok((1, fence)) => Ok(Attempt::Acquired {
+            (1, fence) => Ok(Attempt::Acquired {
                 fence: u64::try_from(fence)
                     .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
             }),
-            Ok((0, pttl)) => {
+            (0, pttl) => {
                 Counters::inc(&self.counters.failed_attempts);
                 Ok(Attempt::Held {
                     pttl: u64::try_from(pttl).ok().map(Duration::from_millis),
                 })
             }
-            Ok(other) => Err(Error::Protocol(format!("acquire replied {other:?}"))),
-            Err(e) => Err(e),
+            other => Err(Error::Protocol(format!("acquire replied {other:?}"))),
         }
     }
 
@@ -235,19 +268,18 @@ impl Node {
     /// Raises the key's fencing counter to at least `fence`.
     pub fn raise_fence(&self, keys: &Keys, fence: u64) -> Result<()> {
         self.run(Retry::ON_RESET, |c| {
-            RAISE_FENCE.key(keys.fence()).arg(fence).invoke::<i64>(c)
+            let mut call = RAISE_FENCE.call(1);
+            call.arg(keys.fence()).arg(fence);
+            RAISE_FENCE.run::<i64>(&call, c)
         })?;
         Ok(())
     }
 
     /// Removes our own contention mark (a waiter gave up).
     pub fn unmark(&self, keys: &Keys) -> Result<()> {
-        self.run(Retry::ON_RESET, |c| {
-            UNMARK
-                .key(keys.mark())
-                .arg(&*self.client_id)
-                .invoke::<i64>(c)
-        })?;
+        let mut call = UNMARK.call(1);
+        call.arg(keys.mark()).arg(&*self.client_id);
+        self.run(Retry::ON_RESET, |c| UNMARK.run::<i64>(&call, c))?;
         Ok(())
     }
 
@@ -255,14 +287,12 @@ impl Node {
     /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
     /// deleted.
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
+        let mut call = RELEASE.call(1);
+        call.arg(keys.lock()).arg(token).arg(keys.channel());
         let mut attempts = 0;
         let reply = self.run(retry, |c| {
             attempts += 1;
-            RELEASE
-                .key(keys.lock())
-                .arg(token)
-                .arg(keys.channel())
-                .invoke::<i64>(c)
+            RELEASE.run::<i64>(&call, c)
         })?;
         match reply {
             1 => Ok(ReleaseReply::Released),
@@ -276,14 +306,15 @@ impl Node {
     /// Compare-and-extend many locks of this node in one round trip.
     pub fn extend(&self, locks: &[(&[u8], &str)], lease: Duration) -> Result<Vec<ExtendReply>> {
         let lease_ms = lease.as_millis().max(1) as u64;
-        let replies = self.run(Retry::ON_RESET, |c| {
-            let mut inv = EXTEND.prepare_invoke();
-            inv.arg(lease_ms);
-            for (key, token) in locks {
-                inv.key(*key).arg(*token);
-            }
-            inv.invoke::<Vec<i64>>(c)
-        })?;
+        let mut call = EXTEND.call(locks.len());
+        for (key, _) in locks {
+            call.arg(*key);
+        }
+        call.arg(lease_ms);
+        for (_, token) in locks {
+            call.arg(*token);
+        }
+        let replies = self.run(Retry::ON_RESET, |c| EXTEND.run::<Vec<i64>>(&call, c))?;
         if replies.len() != locks.len() {
             return Err(Error::Protocol(format!(
                 "extend replied {} statuses for {} keys",
@@ -340,6 +371,14 @@ impl Renewal {
             Renewal::Unknown
         }
     }
+}
+
+/// The read timeout for an attempt bounded by `deadline`, when shorter than the usual one:
+/// what remains until the deadline, but [`MIN_ATTEMPT`] at least.
+fn attempt_timeout(deadline: Option<Instant>, read_timeout: Duration) -> Option<Duration> {
+    deadline
+        .map(|d| d.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT))
+        .filter(|t| *t < read_timeout)
 }
 
 /// Whether a failed command may have reached Redis (and so may have taken effect).

@@ -79,6 +79,13 @@ impl Pool {
         }
     }
 
+    /// An idle connection, if one is free right now: never opens one, never waits (for the
+    /// subscriber thread, which must not block on the pool).
+    pub fn try_idle(&self) -> Option<PooledConn<'_>> {
+        let conn = self.state.lock().idle.pop()?;
+        Some(PooledConn::new(self, conn))
+    }
+
     fn connect(&self, name: &str) -> RedisResult<Connection> {
         open_connection(
             &self.client,

@@ -1,10 +1,47 @@
-//! The three Lua scripts of the protocol. Each is hashed once (`redis::Script`) and run
-//! with EVALSHA; redis-rs loads it and retries when the server answers NOSCRIPT (after a
-//! restart or `SCRIPT FLUSH`).
+//! The Lua scripts of the protocol. Each is hashed once (`redis::Script`) and run with
+//! EVALSHA; it is loaded, and the call sent again, when the server answers NOSCRIPT (after
+//! a restart or `SCRIPT FLUSH`).
 
 use std::sync::LazyLock;
 
-use redis::Script;
+use redis::{Cmd, Connection, FromRedisValue, RedisError, RedisResult, Script};
+
+/// A script, called by hash.
+///
+/// The `EVALSHA` command is built directly, arguments written once into the command's
+/// buffer, rather than through `ScriptInvocation`, which copies every key and argument into
+/// a vector of its own first: the acquire and release are on every lock's path. A built
+/// call can also be sent by another thread (see `early`).
+pub(crate) struct Lua(Script);
+
+impl Lua {
+    fn new(code: &str) -> Self {
+        Lua(Script::new(code))
+    }
+
+    /// An `EVALSHA` of this script with `keys` keys: append the keys, then the arguments.
+    pub fn call(&self, keys: usize) -> Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.0.get_hash()).arg(keys);
+        cmd
+    }
+
+    /// Runs `call` on `conn`, loading the script first if the server does not know it.
+    pub fn run<T: FromRedisValue>(&self, call: &Cmd, conn: &mut Connection) -> RedisResult<T> {
+        match call.query(conn) {
+            Err(e) if is_noscript(&e) => {
+                self.0.load(conn)?;
+                call.query(conn)
+            }
+            other => other,
+        }
+    }
+}
+
+/// The server does not have the script (restarted, or `SCRIPT FLUSH`).
+pub(crate) fn is_noscript(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+}
 
 /// Acquire in one round trip, idempotently.
 ///
@@ -25,8 +62,8 @@ use redis::Script;
 /// another process is waiting (the fairness budget only applies then): live when it is
 /// subscribed, through the mark when it subscribed too late to hear. Marks are published
 /// with `pcall`: an ACL user without channel permissions still locks.
-pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+pub(crate) static ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
         r"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local fence = redis.pcall('INCR', KEYS[2])
@@ -60,8 +97,8 @@ return {0, redis.call('PTTL', KEYS[1])}
 /// may not be allowed keyspace channels, and a server restart forgets a `CONFIG SET`. The
 /// subscriber pairs each `r` with the `del` event before it, so nobody wakes twice.
 /// Returns 1 released, 0 the key was gone, -1 another token holds it.
-pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
         r"
 local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then
@@ -81,8 +118,8 @@ return -1
 /// KEYS: lock keys. ARGV: lease in ms, then one token per key.
 /// Returns one status per key: 1 extended, 0 the key was gone, -1 another token holds it.
 /// A key that is gone is never recreated: a renewal racing a release cannot revive a lock.
-pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+pub(crate) static EXTEND: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
         r"
 local out = {}
 for i = 1, #KEYS do
@@ -104,8 +141,8 @@ return out
 /// Compare-and-delete of a waiter's own mark, when it stops waiting without the lock.
 ///
 /// KEYS: mark. ARGV: the client's id.
-pub(crate) static UNMARK: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+pub(crate) static UNMARK: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
         r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
@@ -117,8 +154,8 @@ return 0
 /// granting majority).
 ///
 /// KEYS: fence. ARGV: the value.
-pub(crate) static RAISE_FENCE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+pub(crate) static RAISE_FENCE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
         r"
 if (tonumber(redis.call('GET', KEYS[1]) or '0')) < tonumber(ARGV[1]) then
   redis.call('SET', KEYS[1], ARGV[1])

@@ -49,6 +49,9 @@ counters! {
     commands,
     /// Waits ended by a notification for the key.
     wakeups_event,
+    /// Acquire attempts the subscriber thread made for a waiter the moment the key was
+    /// freed, before waking it (one node, notifications): a handoff without a thread hop.
+    early_attempts,
     /// Waits ended because the holder's remaining lease ran out.
     wakeups_lease,
     /// Waits ended by the re-check ceiling.

@@ -43,9 +43,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use redis::{Msg, PubSub, RedisResult};
 
+use crate::early::{Armed, Early, Shot};
 use crate::keys::{
     Keys, channel_of_lock, keyspace_channel, lock_of_channel, lock_of_keyspace_channel,
 };
@@ -94,12 +95,35 @@ struct KeySub {
     /// them (or this instant) before its first attempt.
     yield_until: Option<(Instant, u64)>,
     listeners: Vec<(u64, Sender<()>)>,
+    /// One contender's next attempt, to send when the key is freed (`early`).
+    early: Option<(u64, Early)>,
 }
 
 impl KeySub {
     fn poke(&self) {
         for (_, tx) in &self.listeners {
             let _ = tx.try_send(());
+        }
+    }
+
+    /// The key may be free: takes the armed attempt, if any, to send (the contender waits
+    /// for it while it is [`Early::Sending`]).
+    fn take_armed(&mut self, generation: u64) -> Option<(Armed, Snapshot)> {
+        let at = Snapshot {
+            confirmed: self.confirmed,
+            generation,
+            freed: self.freed,
+            taken: self.taken,
+        };
+        match self.early.take() {
+            Some((id, Early::Armed(armed))) => {
+                self.early = Some((id, Early::Sending));
+                Some((armed, at))
+            }
+            other => {
+                self.early = other;
+                None
+            }
         }
     }
 }
@@ -114,6 +138,8 @@ struct State {
 
 pub(crate) struct Shared {
     state: Mutex<State>,
+    /// Signalled when an early attempt is done (see [`Early::Sending`]).
+    sent: Condvar,
     kick: Sender<()>,
     shutdown: AtomicBool,
     /// Keyspace notifications are on and their channels may be subscribed.
@@ -173,6 +199,7 @@ impl Subscriber {
                 next_listener: 0,
                 dirty: false,
             }),
+            sent: Condvar::new(),
             kick,
             shutdown: AtomicBool::new(false),
             keyspace: AtomicBool::new(keyspace),
@@ -234,6 +261,7 @@ impl Subscriber {
                 last_contended: None,
                 yield_until: None,
                 listeners: Vec::new(),
+                early: None,
             });
         ks.interest += 1;
         ks.idle_since = None;
@@ -328,6 +356,9 @@ impl Drop for Interest {
             ks.interest -= 1;
             if let Some(id) = self.listener {
                 ks.listeners.retain(|(l, _)| *l != id);
+                if ks.early.as_ref().is_some_and(|(l, _)| *l == id) {
+                    ks.early = None;
+                }
             }
             if ks.interest == 0 {
                 ks.idle_since = Some(Instant::now());
@@ -340,6 +371,47 @@ impl Drop for Interest {
 pub(crate) struct Watch(Interest);
 
 impl Watch {
+    /// Leaves `armed` to be sent the moment the key may be free; `false` when another
+    /// contender of this process has armed it already.
+    pub fn arm(&self, armed: Armed) -> bool {
+        let mut st = self.0.shared.state.lock();
+        let (Some(ks), Some(id)) = (st.keys.get_mut(&self.0.lock), self.0.listener) else {
+            return false;
+        };
+        if ks.early.is_some() {
+            return false;
+        }
+        ks.early = Some((id, Early::Armed(armed)));
+        true
+    }
+
+    /// Takes back what [`arm`](Self::arm) left: the attempt, if the subscriber made it.
+    /// A contender woken by something else while the subscriber is making it waits for it
+    /// (at most a round trip: the connection's timeouts bound it).
+    pub fn take_early(&self) -> Option<Shot> {
+        let shared = &self.0.shared;
+        let mut st = shared.state.lock();
+        loop {
+            let ks = st.keys.get_mut(&self.0.lock)?;
+            if ks
+                .early
+                .as_ref()
+                .is_none_or(|(l, _)| Some(*l) != self.0.listener)
+            {
+                return None;
+            }
+            match ks.early.take() {
+                Some((_, Early::Fired(shot))) => return Some(shot),
+                Some((id, Early::Sending)) => {
+                    ks.early = Some((id, Early::Sending));
+                    shared.sent.wait_for(&mut st, Duration::from_millis(100));
+                }
+                // Armed and not sent: disarmed now.
+                _ => return None,
+            }
+        }
+    }
+
     pub fn snapshot(&self) -> Snapshot {
         let st = self.0.shared.state.lock();
         let ks = st.keys.get(&self.0.lock);
@@ -620,6 +692,7 @@ impl Shared {
             return;
         };
         let mut st = self.state.lock();
+        let generation = st.generation;
         let Some(ks) = st.keys.get_mut(lock) else {
             return;
         };
@@ -645,6 +718,27 @@ impl Shared {
             Kind::Contended => ks.last_contended = Some(Instant::now()),
             Kind::Ignored => return,
         }
-        ks.poke();
+        let armed = match kind {
+            Kind::Deleted | Kind::Released | Kind::Freed => ks.take_armed(generation),
+            _ => None,
+        };
+        let Some((armed, at)) = armed else {
+            ks.poke();
+            return;
+        };
+        drop(st);
+        // Outside the state lock: a contender woken by something else may look meanwhile.
+        // The attempt goes out before the poke: on a small machine the wake-up would
+        // otherwise delay the write (measured: the other order is slower).
+        let shot = armed.fire(at);
+        let mut st = self.state.lock();
+        if let Some(ks) = st.keys.get_mut(lock) {
+            if let Some((id, Early::Sending)) = ks.early {
+                ks.early = shot.map(|s| (id, Early::Fired(s)));
+            }
+            ks.poke();
+        }
+        drop(st);
+        self.sent.notify_all();
     }
 }

@@ -1,0 +1,204 @@
+//! Early attempts (`src/early.rs`): the subscriber thread makes a waiting contender's next
+//! acquire attempt the moment the key is freed. These tests drive each of its branches
+//! against a real `redis-server`: the plain case, a server that forgot the script, a lost
+//! reply, and a waiter that gave up before the release (its armed attempt must never go
+//! out). Bounds are generous liveness bounds.
+
+mod support;
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use redbaton::{LockClient, Unlocked};
+use support::ms;
+use support::proxy::Proxy;
+use support::server::RedisServer;
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn client(url: &str) -> LockClient {
+    LockClient::builder()
+        .node(url)
+        .lease(secs(30))
+        .build()
+        .expect("build")
+}
+
+/// Polls `cond` every 5 ms; panics with `what` after `timeout`.
+fn wait_until(timeout: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        thread::sleep(ms(5));
+    }
+}
+
+/// A thread of `c` waiting in `lock(name)`; reports the fence it got, after unlocking.
+fn spawn_waiter(c: &LockClient, name: &str) -> Receiver<Result<u64, String>> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let (c, name) = (c.clone(), name.to_owned());
+    thread::spawn(move || {
+        let r = c.lock(&name).map_err(|e| e.to_string()).and_then(|g| {
+            let fence = g.fencing_token();
+            match g.unlock() {
+                Ok(Unlocked::Released) => Ok(fence),
+                other => Err(format!("unlock: {other:?}")),
+            }
+        });
+        let _ = tx.send(r);
+    });
+    rx
+}
+
+/// Waits until `c`'s contender has failed twice (before and after its subscription was
+/// confirmed), then a little longer, so that it sleeps with its next attempt armed.
+fn wait_armed(c: &LockClient) {
+    wait_until(secs(10), "the waiter to block", || {
+        c.stats().failed_attempts >= 2
+    });
+    thread::sleep(ms(300));
+}
+
+/// Holds `name` with `holder`, lets a waiter of `waiter` arm, runs `fault`, releases, and
+/// returns (the holder's fence, the waiter's fence).
+fn handoff(
+    holder: &LockClient,
+    waiter: &LockClient,
+    name: &str,
+    fault: impl FnOnce(),
+) -> (u64, u64) {
+    let guard = holder.lock(name).expect("holder lock");
+    let held = guard.fencing_token();
+    let rx = spawn_waiter(waiter, name);
+    wait_armed(waiter);
+    fault();
+    assert_eq!(guard.unlock().unwrap(), Unlocked::Released);
+    let got = rx
+        .recv_timeout(secs(20))
+        .expect("waiter hung")
+        .expect("waiter failed");
+    (held, got)
+}
+
+#[test]
+fn smoke() {
+    let srv = RedisServer::start();
+    let (holder, waiter) = (client(&srv.url()), client(&srv.url()));
+    let (held, got) = handoff(&holder, &waiter, "smoke", || {});
+    let s = waiter.stats();
+    eprintln!("early smoke: {s:?}");
+    assert_eq!(got, held + (1 << 20), "one fence step between holders");
+    assert_eq!(s.early_attempts, 1, "{s:?}");
+    assert_eq!(s.remote_acquisitions, 1, "{s:?}");
+    assert!(srv.keys("redbaton:{smoke}").is_empty(), "lock key left");
+}
+
+/// The server lost its scripts (`SCRIPT FLUSH`, as after a restart) while the attempt was
+/// armed: the early call gets NOSCRIPT and the contender makes it again, loading the script.
+#[test]
+fn noscript_reply_is_retried() {
+    let srv = RedisServer::start();
+    let (holder, waiter) = (client(&srv.url()), client(&srv.url()));
+    let (held, got) = handoff(&holder, &waiter, "noscript", || {
+        redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query::<()>(&mut srv.conn())
+            .expect("SCRIPT FLUSH");
+    });
+    // The holder's release reloads the release script; the waiter's early acquire then
+    // still meets a server without the acquire script.
+    let s = waiter.stats();
+    assert_eq!(got, held + (1 << 20), "{s:?}");
+    assert_eq!(s.early_attempts, 1, "{s:?}");
+    assert!(srv.keys("redbaton:{noscript}").is_empty(), "lock key left");
+}
+
+/// The early attempt ran in Redis but its reply was lost (the connection closed): the
+/// contender retries with the same token and gets the first attempt's fence: one lock, no
+/// second fence step.
+#[test]
+fn lost_early_reply_returns_the_first_fence() {
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    let holder = client(&srv.url());
+    let waiter = client(&proxy.url());
+    let (held, got) = handoff(&holder, &waiter, "lost-reply", || {
+        proxy.drop_next_reply_matching(b"EVALSHA");
+    });
+    let s = waiter.stats();
+    eprintln!("lost early reply: {s:?}");
+    assert_eq!(proxy.replies_dropped(), 1, "the fault did not fire");
+    assert_eq!(got, held + (1 << 20), "the retry took a new fence: {s:?}");
+    assert_eq!(s.early_attempts, 1, "{s:?}");
+    assert!(
+        srv.keys("redbaton:{lost-reply}").is_empty(),
+        "lock key left"
+    );
+    let fence: u64 = redis::cmd("GET")
+        .arg("redbaton:{lost-reply}:fence")
+        .query(&mut srv.conn())
+        .unwrap();
+    assert_eq!(fence, (held >> 20) + 1, "the counter moved twice");
+}
+
+/// A waiter that timed out took its armed attempt back: the release that follows takes
+/// nothing on its behalf (no stray lock for the lease's 30 s).
+#[test]
+fn timed_out_waiter_leaves_no_armed_attempt() {
+    let srv = RedisServer::start();
+    let (holder, waiter) = (client(&srv.url()), client(&srv.url()));
+    let guard = holder.lock("gave-up").expect("holder lock");
+    let err = waiter
+        .try_lock_for("gave-up", ms(400))
+        .expect_err("the lock is held");
+    assert!(err.is_timeout(), "{err}");
+    assert_eq!(guard.unlock().unwrap(), Unlocked::Released);
+    thread::sleep(ms(300));
+    let s = waiter.stats();
+    assert_eq!(s.early_attempts, 0, "{s:?}");
+    assert!(
+        srv.keys("redbaton:{gave-up}").is_empty(),
+        "someone holds the key after its only waiter gave up"
+    );
+    let again = holder.try_lock("gave-up").expect("free again");
+    drop(again);
+}
+
+/// Several threads of one process waiting in Redis on one key (local handoff off): one of
+/// them is armed, the others are woken as usual; every section runs once.
+#[test]
+fn many_contenders_one_armed() {
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let waiter = LockClient::builder()
+        .node(srv.url())
+        .lease(secs(30))
+        .local_handoff(false)
+        .build()
+        .expect("build");
+    let guard = holder.lock("many").expect("holder lock");
+    let waiters: Vec<_> = (0..6).map(|_| spawn_waiter(&waiter, "many")).collect();
+    wait_until(secs(10), "every waiter to block", || {
+        waiter.stats().failed_attempts >= 12
+    });
+    thread::sleep(ms(300));
+    assert_eq!(guard.unlock().unwrap(), Unlocked::Released);
+    let mut fences: Vec<u64> = waiters
+        .iter()
+        .map(|rx| {
+            rx.recv_timeout(secs(30))
+                .expect("waiter hung")
+                .expect("waiter failed")
+        })
+        .collect();
+    fences.sort_unstable();
+    fences.dedup();
+    assert_eq!(fences.len(), 6, "two holders shared a fence");
+    let s = waiter.stats();
+    eprintln!("6 contenders: {s:?}");
+    assert!(s.early_attempts >= 1, "{s:?}");
+    assert!(srv.keys("redbaton:{many}").is_empty(), "lock key left");
+}
