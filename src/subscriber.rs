@@ -35,6 +35,10 @@
 //! (it ends a yielding contender's pause). `expire` is a renewal and wakes nobody. `c<id>`
 //! from another client means it failed to get the key: the holder's process applies its
 //! fairness budget.
+//!
+//! A contender may leave its next attempt with its watch (see `early`): on an event that
+//! may free the key, this thread sends it and reads the reply before it wakes the
+//! contender.
 
 use std::collections::HashMap;
 use std::sync::Arc;
