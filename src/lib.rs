@@ -78,6 +78,7 @@ mod notify;
 mod pool;
 mod remote;
 mod scripts;
+mod slot;
 mod stats;
 mod subscriber;
 mod table;

@@ -12,12 +12,13 @@ use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use crate::builder::{Config, MAX_LOCAL_SEQ};
 use crate::error::{Error, Result};
 use crate::keys::Keys;
 use crate::remote::RemoteLock;
+use crate::slot::{SPIN_MAX_HOLD, Slot};
 use crate::subscriber::{Interest, Subscriber};
 
 /// What a queued waiter is given.
@@ -27,13 +28,6 @@ pub(crate) enum Grant {
     /// The duty to contend in Redis for the process. `yield_first`: the previous holder
     /// released because of the fairness budget, so let a remote waiter in first.
     Contend { yield_first: bool },
-}
-
-/// A queued waiter's mailbox.
-pub(crate) struct Slot {
-    thread: ThreadId,
-    grant: Mutex<Option<Grant>>,
-    granted: Condvar,
 }
 
 /// What `enter` decided for the calling thread.
@@ -87,6 +81,10 @@ struct Entry {
     checked: Vec<Option<Instant>>,
     /// When a mark check found another process's mark.
     marked_at: Option<Instant>,
+    /// When the current local holder got the lock, and the average local hold: the next
+    /// waiter is told when to expect the release (see `slot`).
+    held_since: Instant,
+    hold_avg: Option<Duration>,
 }
 
 impl Entry {
@@ -101,6 +99,8 @@ impl Entry {
             interests: Vec::new(),
             checked: Vec::new(),
             marked_at: None,
+            held_since: Instant::now(),
+            hold_avg: None,
         }
     }
 
@@ -124,6 +124,22 @@ impl Entry {
         if unknown { Others::Unknown } else { Others::No }
     }
 
+    /// Folds the hold that just ended into the average (weight 1/8).
+    fn note_hold(&mut self) {
+        let hold = self.held_since.elapsed();
+        self.hold_avg = Some(self.hold_avg.map_or(hold, |a| (a * 7 + hold) / 8));
+    }
+
+    /// Tells the head of the queue when the new hold is expected to end, if holds are
+    /// short enough for it to be worth spinning for.
+    fn tell_next(&self) {
+        if let (Some(next), Some(avg)) = (self.queue.front(), self.hold_avg)
+            && avg <= SPIN_MAX_HOLD
+        {
+            next.expect_release(self.held_since + avg);
+        }
+    }
+
     fn idle(&self) -> bool {
         self.holder.is_none() && self.contenders == 0 && !self.releasing && self.queue.is_empty()
     }
@@ -134,13 +150,6 @@ impl Entry {
             self.contenders += 1;
             slot.give(Grant::Contend { yield_first });
         }
-    }
-}
-
-impl Slot {
-    fn give(&self, grant: Grant) {
-        *self.grant.lock() = Some(grant);
-        self.granted.notify_one();
     }
 }
 
@@ -178,12 +187,11 @@ impl Table {
             entry.interests = subs.iter().map(|s| s.interest(keys)).collect();
             entry.checked = vec![None; subs.len()];
         }
-        let slot = Arc::new(Slot {
-            thread: me,
-            grant: Mutex::new(None),
-            granted: Condvar::new(),
-        });
+        let slot = Arc::new(Slot::new(me));
         entry.queue.push_back(slot.clone());
+        if entry.queue.len() == 1 && entry.holder.is_some() {
+            entry.tell_next();
+        }
         Ok(Role::Queued { slot, check_marks })
     }
 
@@ -194,25 +202,12 @@ impl Table {
         slot: &Slot,
         deadline: Option<Instant>,
     ) -> Result<Grant> {
-        {
-            let mut grant = slot.grant.lock();
-            loop {
-                if let Some(g) = grant.take() {
-                    return Ok(g);
-                }
-                match deadline {
-                    Some(d) => {
-                        if slot.granted.wait_until(&mut grant, d).timed_out() {
-                            break;
-                        }
-                    }
-                    None => slot.granted.wait(&mut grant),
-                }
-            }
+        if let Some(g) = slot.wait(deadline) {
+            return Ok(g);
         }
         // Deadline passed: leave the queue under the table lock, unless a grant won the race.
         let mut map = self.map.lock();
-        if let Some(g) = slot.grant.lock().take() {
+        if let Some(g) = slot.take() {
             return Ok(g);
         }
         if let Some(entry) = map.get_mut(keys.lock()) {
@@ -265,6 +260,8 @@ impl Table {
         entry.holder = Some(me);
         entry.seq = 0;
         entry.acquired_at = Instant::now();
+        entry.held_since = entry.acquired_at;
+        entry.tell_next();
     }
 
     /// The holder releases: hand the lock to the next local waiter when allowed, or tell
@@ -286,6 +283,7 @@ impl Table {
             .get_mut(keys.lock())
             .expect("a holder's entry lives until it releases");
         entry.holder = None;
+        entry.note_hold();
         let window = contention_window(cfg);
         if entry.queue.is_empty() || lost || !cfg.local_handoff {
             entry.releasing = true;
@@ -318,6 +316,8 @@ impl Table {
             remote: remote.clone(),
             seq: entry.seq,
         });
+        entry.held_since = Instant::now();
+        entry.tell_next();
         Step::HandedOff
     }
 
