@@ -134,7 +134,7 @@ impl Inner {
                     }
                     match before {
                         Some(before) => {
-                            waiter.arm(keys, self, marked);
+                            waiter.arm(keys, self, marked, deadline);
                             waiter.wait_change(&before, hint, deadline, self)
                         }
                         None => waiter.wait_degraded(hint, deadline, keys, self),
@@ -421,7 +421,7 @@ impl Waiter {
 
     /// Before sleeping: leaves the next attempt (with a fresh token) for the subscriber to
     /// send the moment the key may be free. One node only.
-    fn arm(&mut self, keys: &Keys, client: &Inner, marked: bool) {
+    fn arm(&mut self, keys: &Keys, client: &Inner, marked: bool, deadline: Option<Instant>) {
         let [node] = client.nodes.as_slice() else {
             return;
         };
@@ -435,7 +435,7 @@ impl Waiter {
             clear: marked,
         };
         let call = node.acquire_call(keys, &token, client.cfg.lease, marks);
-        if watch.arm(Armed::new(node.pool.clone(), &call)) {
+        if watch.arm(Armed::new(node.pool.clone(), &call, deadline)) {
             self.pending = Some(Pending { token, marks, call });
         }
     }

@@ -24,6 +24,7 @@ use std::time::Instant;
 use redis::{Cmd, RedisResult, Value};
 
 use crate::error::is_network_error;
+use crate::node::attempt_timeout;
 use crate::pool::Pool;
 use crate::subscriber::Snapshot;
 use std::sync::Arc;
@@ -32,13 +33,17 @@ use std::sync::Arc;
 pub(crate) struct Armed {
     pool: Arc<Pool>,
     packed: Vec<u8>,
+    /// The contender's deadline: the reply is waited for no longer than an attempt of
+    /// the contender's own would be (the contender waits for the subscriber meanwhile).
+    deadline: Option<Instant>,
 }
 
 impl Armed {
-    pub fn new(pool: Arc<Pool>, call: &Cmd) -> Self {
+    pub fn new(pool: Arc<Pool>, call: &Cmd, deadline: Option<Instant>) -> Self {
         Armed {
             pool,
             packed: call.get_packed_command(),
+            deadline,
         }
     }
 
@@ -46,10 +51,18 @@ impl Armed {
     /// connection was idle (the contender then makes the attempt itself).
     pub fn fire(self, at: Snapshot) -> Option<Shot> {
         let mut conn = self.pool.try_idle()?;
+        let (_, read_timeout, _) = self.pool.timeouts();
+        let short = attempt_timeout(self.deadline, read_timeout);
         let sent = Instant::now();
-        let reply = conn
-            .send_packed_command(&self.packed)
-            .and_then(|()| conn.recv_response());
+        let mut reply = match short {
+            Some(t) => conn.set_read_timeout(Some(t)),
+            None => Ok(()),
+        }
+        .and_then(|()| conn.send_packed_command(&self.packed))
+        .and_then(|()| conn.recv_response());
+        if short.is_some() && reply.is_ok() {
+            reply = conn.set_read_timeout(Some(read_timeout)).and(reply);
+        }
         if let Err(e) = &reply
             && is_network_error(e)
         {

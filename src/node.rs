@@ -375,7 +375,10 @@ impl Renewal {
 
 /// The read timeout for an attempt bounded by `deadline`, when shorter than the usual one:
 /// what remains until the deadline, but [`MIN_ATTEMPT`] at least.
-fn attempt_timeout(deadline: Option<Instant>, read_timeout: Duration) -> Option<Duration> {
+pub(crate) fn attempt_timeout(
+    deadline: Option<Instant>,
+    read_timeout: Duration,
+) -> Option<Duration> {
     deadline
         .map(|d| d.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT))
         .filter(|t| *t < read_timeout)
