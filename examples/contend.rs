@@ -83,6 +83,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use redbaton::{LockClient, Unlocked, Wakeup};
 use serde::{Deserialize, Serialize};
 
+#[path = "../tests/support/clock.rs"]
+mod clock;
 #[path = "../tests/support/server.rs"]
 #[allow(dead_code)]
 mod server;
@@ -427,17 +429,9 @@ fn send(msg: &Msg) {
     );
 }
 
-/// Microseconds on CLOCK_MONOTONIC, which every process of the machine shares (unlike
-/// `Instant`, whose values cannot be sent to another process).
+/// Microseconds on CLOCK_MONOTONIC, which every process of the machine shares.
 fn mono_us() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime only writes the timespec we pass, which outlives the call.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime(CLOCK_MONOTONIC) failed");
-    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
+    clock::mono_ns() / 1_000
 }
 
 /// The critical section's work: sleep (or busy-wait) for `hold`.

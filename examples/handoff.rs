@@ -35,6 +35,8 @@ use clap::{Parser, ValueEnum};
 use crossbeam_channel::Receiver;
 use redbaton::{LockClient, Wakeup};
 
+#[path = "../tests/support/clock.rs"]
+mod clock;
 #[path = "../tests/support/server.rs"]
 #[allow(dead_code)]
 mod server;
@@ -150,16 +152,9 @@ fn main() -> Result<(), BoxError> {
     }
 }
 
-/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the machine.
+/// CLOCK_MONOTONIC in nanoseconds, signed for differences between processes' readings.
 fn mono_ns() -> i64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid out-pointer for a clock every Linux has.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime(CLOCK_MONOTONIC)");
-    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+    clock::mono_ns() as i64
 }
 
 // ---------------------------------------------------------------------------------------

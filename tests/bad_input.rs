@@ -666,12 +666,12 @@ fn config_command_refused_still_works() {
 
 fn acl_server(rules: &str) -> RedisServer {
     RedisServer::builder()
-        .config("user", &format!("locker on >lockerpw {rules}"))
+        .acl_user("locker", "lockerpw", rules)
         .start()
 }
 
 fn acl_url(srv: &RedisServer) -> String {
-    format!("redis://locker:lockerpw@127.0.0.1:{}/", srv.port())
+    srv.url_as("locker", "lockerpw")
 }
 
 /// build + lock + WouldBlock + unlock + renewals + a waiter woken by the release + a

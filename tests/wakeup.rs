@@ -1035,10 +1035,8 @@ fn waiters_still_wake_on_release_after_server_restart() {
 /// A server with the ACL user `alice` (password `pw`) defined by `rule`; the URL logs in
 /// as alice.
 fn acl_server(rule: &str) -> (RedisServer, String) {
-    let srv = RedisServer::builder()
-        .config("user", &format!("alice on >pw {rule}"))
-        .start();
-    let url = format!("redis://alice:pw@127.0.0.1:{}/", srv.port());
+    let srv = RedisServer::builder().acl_user("alice", "pw", rule).start();
+    let url = srv.url_as("alice", "pw");
     (srv, url)
 }
 

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, LostReason, Unlocked};
 use redis::{Connection, Value};
+use support::clock::mono_ns;
 use support::server::RedisServer;
 use support::{child, init_log, ms};
 
@@ -55,19 +56,6 @@ fn exists(conn: &mut Connection, key: &str) -> bool {
         .query::<i64>(conn)
         .expect("EXISTS")
         == 1
-}
-
-/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the machine, so a
-/// parent and its child can order their events.
-fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec to fill.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime");
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// The one `RESULT` line of a child's output that has `field`.

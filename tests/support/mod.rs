@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod child;
+pub mod clock;
 pub mod proxy;
 pub mod server;
 

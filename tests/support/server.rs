@@ -73,6 +73,12 @@ impl RedisServerBuilder {
         self
     }
 
+    /// Adds the ACL user `user` with `password` and ACL `rules` (e.g. `~* +@all`); log in
+    /// as it with [`RedisServer::url_as`].
+    pub fn acl_user(self, user: &str, password: &str, rules: &str) -> Self {
+        self.config("user", &format!("{user} on >{password} {rules}"))
+    }
+
     /// Listens on this port instead of a free one.
     pub fn port(mut self, port: u16) -> Self {
         self.port = Some(port);
@@ -205,6 +211,11 @@ impl RedisServer {
     /// `redis://127.0.0.1:PORT/` (no credentials; see `url_with_auth`).
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// A URL that logs in as `user` (see [`RedisServerBuilder::acl_user`]).
+    pub fn url_as(&self, user: &str, password: &str) -> String {
+        format!("redis://{user}:{password}@127.0.0.1:{}/", self.port)
     }
 
     /// Like `url()` but with the configured user/password embedded.
