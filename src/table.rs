@@ -18,7 +18,7 @@ use crate::builder::{Config, MAX_LOCAL_SEQ};
 use crate::error::{Error, Result};
 use crate::keys::Keys;
 use crate::remote::RemoteLock;
-use crate::slot::{SPIN_MAX_HOLD, Slot};
+use crate::slot::{Permit, SPIN_MAX_HOLD, Slot};
 use crate::subscriber::{Interest, Subscriber};
 
 /// What a queued waiter is given.
@@ -131,12 +131,14 @@ impl Entry {
     }
 
     /// Tells the head of the queue when the new hold is expected to end, if holds are
-    /// short enough for it to be worth spinning for.
-    fn tell_next(&self) {
+    /// short enough for it to be worth spinning for and this process has a core to spare
+    /// for it (`active`: the keys this process is busy with; see `slot`).
+    fn tell_next(&self, active: usize) {
         if let (Some(next), Some(avg)) = (self.queue.front(), self.hold_avg)
             && avg <= SPIN_MAX_HOLD
+            && let Some(permit) = Permit::try_take(active)
         {
-            next.expect_release(self.held_since + avg);
+            next.expect_release(self.held_since + avg, permit);
         }
     }
 
@@ -170,6 +172,7 @@ impl Table {
     ) -> Result<Role> {
         let me = std::thread::current().id();
         let mut map = self.map.lock();
+        let active = map.len() + usize::from(!map.contains_key(keys.lock()));
         let entry = map.entry(keys.lock().to_vec()).or_insert_with(Entry::new);
         if entry.holder == Some(me) {
             return Err(Error::WouldDeadlock);
@@ -190,7 +193,7 @@ impl Table {
         let slot = Arc::new(Slot::new(me));
         entry.queue.push_back(slot.clone());
         if entry.queue.len() == 1 && entry.holder.is_some() {
-            entry.tell_next();
+            entry.tell_next(active);
         }
         Ok(Role::Queued { slot, check_marks })
     }
@@ -253,6 +256,7 @@ impl Table {
     pub fn acquired(&self, keys: &Keys) {
         let me = std::thread::current().id();
         let mut map = self.map.lock();
+        let active = map.len();
         let entry = map
             .get_mut(keys.lock())
             .expect("a contender's entry lives until it leaves");
@@ -261,7 +265,7 @@ impl Table {
         entry.seq = 0;
         entry.acquired_at = Instant::now();
         entry.held_since = entry.acquired_at;
-        entry.tell_next();
+        entry.tell_next(active);
     }
 
     /// The holder releases: hand the lock to the next local waiter when allowed, or tell
@@ -279,6 +283,7 @@ impl Table {
     ) -> Step {
         let keys = &remote.keys;
         let mut map = self.map.lock();
+        let active = map.len();
         let entry = map
             .get_mut(keys.lock())
             .expect("a holder's entry lives until it releases");
@@ -317,7 +322,7 @@ impl Table {
             seq: entry.seq,
         });
         entry.held_since = Instant::now();
-        entry.tell_next();
+        entry.tell_next(active);
         Step::HandedOff
     }
 
