@@ -19,15 +19,15 @@
 //!
 //! Only one node (a Redlock round needs every node at once) and only with notifications.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use redis::{Cmd, RedisResult, Value};
 
 use crate::error::is_network_error;
-use crate::node::attempt_timeout;
+use crate::node::within_deadline;
 use crate::pool::Pool;
 use crate::subscriber::Snapshot;
-use std::sync::Arc;
 
 /// A request ready to go when the key is freed.
 pub(crate) struct Armed {
@@ -52,17 +52,11 @@ impl Armed {
     pub fn fire(self, at: Snapshot) -> Option<Shot> {
         let mut conn = self.pool.try_idle()?;
         let (_, read_timeout, _) = self.pool.timeouts();
-        let short = attempt_timeout(self.deadline, read_timeout);
         let sent = Instant::now();
-        let mut reply = match short {
-            Some(t) => conn.set_read_timeout(Some(t)),
-            None => Ok(()),
-        }
-        .and_then(|()| conn.send_packed_command(&self.packed))
-        .and_then(|()| conn.recv_response());
-        if short.is_some() && reply.is_ok() {
-            reply = conn.set_read_timeout(Some(read_timeout)).and(reply);
-        }
+        let reply = within_deadline(&mut conn, self.deadline, read_timeout, |c| {
+            c.send_packed_command(&self.packed)?;
+            c.recv_response()
+        });
         if let Err(e) = &reply
             && is_network_error(e)
         {

@@ -144,19 +144,7 @@ impl Node {
         loop {
             let mut conn = self.pool.get()?;
             Counters::inc(&self.counters.commands);
-            let short = attempt_timeout(deadline, read_timeout);
-            let mut result = match short {
-                Some(t) => conn.set_read_timeout(Some(t)),
-                None => Ok(()),
-            }
-            .and_then(|()| f(&mut conn));
-            if short.is_some() && result.is_ok() {
-                // Back to the pool's timeout; a connection that cannot be reset is dropped.
-                if let Err(e) = conn.set_read_timeout(Some(read_timeout)) {
-                    result = Err(e);
-                }
-            }
-            match result {
+            match within_deadline(&mut conn, deadline, read_timeout, &mut f) {
                 Ok(v) => return Ok(v),
                 Err(e) if is_network_error(&e) => {
                     conn.discard();
@@ -373,15 +361,26 @@ impl Renewal {
     }
 }
 
-/// The read timeout for an attempt bounded by `deadline`, when shorter than the usual one:
-/// what remains until the deadline, but [`MIN_ATTEMPT`] at least.
-pub(crate) fn attempt_timeout(
+/// Runs `f` on `conn` with its reads bounded by `deadline`: what remains of it, but
+/// [`MIN_ATTEMPT`] at least, when that is shorter than `read_timeout`, the connection's
+/// usual timeout, which is then put back. A connection whose timeout cannot be put back
+/// fails the call (a network error: the caller drops it).
+pub(crate) fn within_deadline<T>(
+    conn: &mut Connection,
     deadline: Option<Instant>,
     read_timeout: Duration,
-) -> Option<Duration> {
-    deadline
+    f: impl FnOnce(&mut Connection) -> RedisResult<T>,
+) -> RedisResult<T> {
+    let short = deadline
         .map(|d| d.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT))
-        .filter(|t| *t < read_timeout)
+        .filter(|t| *t < read_timeout);
+    let Some(t) = short else {
+        return f(conn);
+    };
+    conn.set_read_timeout(Some(t))?;
+    let result = f(conn)?;
+    conn.set_read_timeout(Some(read_timeout))?;
+    Ok(result)
 }
 
 /// Whether a failed command may have reached Redis (and so may have taken effect).

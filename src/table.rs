@@ -172,7 +172,8 @@ impl Table {
     ) -> Result<Role> {
         let me = std::thread::current().id();
         let mut map = self.map.lock();
-        let active = map.len() + usize::from(!map.contains_key(keys.lock()));
+        // Only a queued waiter uses it, and it queues behind an entry that already exists.
+        let active = map.len();
         let entry = map.entry(keys.lock().to_vec()).or_insert_with(Entry::new);
         if entry.holder == Some(me) {
             return Err(Error::WouldDeadlock);
