@@ -363,8 +363,9 @@ impl Renewal {
 
 /// Runs `f` on `conn` with its reads bounded by `deadline`: what remains of it, but
 /// [`MIN_ATTEMPT`] at least, when that is shorter than `read_timeout`, the connection's
-/// usual timeout, which is then put back. A connection whose timeout cannot be put back
-/// fails the call (a network error: the caller drops it).
+/// usual timeout, which is then put back (after a reply, error replies included). A
+/// connection whose timeout cannot be put back fails the call (a network error: the
+/// caller drops it).
 pub(crate) fn within_deadline<T>(
     conn: &mut Connection,
     deadline: Option<Instant>,
@@ -378,9 +379,13 @@ pub(crate) fn within_deadline<T>(
         return f(conn);
     };
     conn.set_read_timeout(Some(t))?;
-    let result = f(conn)?;
+    let result = f(conn);
+    if result.as_ref().is_err_and(is_network_error) {
+        return result; // the connection is dropped anyway
+    }
+    // Also after an error reply: the connection goes back to the pool.
     conn.set_read_timeout(Some(read_timeout))?;
-    Ok(result)
+    result
 }
 
 /// Whether a failed command may have reached Redis (and so may have taken effect).
