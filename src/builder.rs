@@ -87,12 +87,14 @@ const MIN_LEASE: Duration = Duration::from_millis(10);
 ///
 /// # Examples
 ///
-/// ```no_run
+/// ```
 /// use std::time::Duration;
 ///
 /// # fn main() -> Result<(), redbaton::Error> {
+/// let url = "redis://127.0.0.1:6379/";
+/// # let url = redbaton_testkit::redis_url(); // the doc test's throwaway redis-server
 /// let client = redbaton::LockClient::builder()
-///     .node("redis://127.0.0.1:6379/")
+///     .node(url)
 ///     .key_prefix("lock:")
 ///     .lease(Duration::from_secs(30))
 ///     .build()?;
@@ -475,11 +477,13 @@ impl Builder {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// use std::time::Duration;
     /// # fn main() -> Result<(), redbaton::Error> {
+    /// let url = "redis://127.0.0.1:6379/";
+    /// # let url = redbaton_testkit::redis_url(); // the doc test's throwaway redis-server
     /// let client = redbaton::LockClient::builder()
-    ///     .node("redis://127.0.0.1:6379/")
+    ///     .node(url)
     ///     .lease(Duration::from_secs(15))
     ///     .build()?;
     /// # Ok(()) }

@@ -27,12 +27,14 @@ use crate::watchdog::Watchdog;
 ///
 /// # Examples
 ///
-/// ```no_run
+/// ```
 /// use std::time::Duration;
 ///
 /// # fn main() -> Result<(), redbaton::Error> {
+/// let url = "redis://127.0.0.1:6379/";
+/// # let url = redbaton_testkit::redis_url(); // the doc test's throwaway redis-server
 /// let client = redbaton::LockClient::builder()
-///     .node("redis://127.0.0.1:6379/")
+///     .node(url)
 ///     .build()?;
 ///
 /// let guard = client.lock("orders:42")?;
@@ -75,9 +77,12 @@ impl LockClient {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// let client = redbaton::LockClient::builder().key_prefix("lock:").build()?;
+    /// let client = redbaton::LockClient::builder()
+    /// #   .node(redbaton_testkit::redis_url())
+    ///     .key_prefix("lock:")
+    ///     .build()?;
     /// # Ok(()) }
     /// ```
     pub fn builder() -> Builder {
@@ -185,9 +190,9 @@ impl LockClient {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let guard = client.lock("orders:42")?;
     /// // ... critical section ...
     /// guard.unlock()?;
@@ -201,9 +206,9 @@ impl LockClient {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// match client.try_lock("orders:42") {
     ///     Ok(guard) => drop(guard),
     ///     Err(e) if e.is_would_block() => println!("busy"),
@@ -219,10 +224,10 @@ impl LockClient {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// use std::time::Duration;
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// match client.try_lock_for("orders:42", Duration::from_secs(5)) {
     ///     Ok(guard) => drop(guard),
     ///     Err(e) if e.is_timeout() => println!("gave up"),
@@ -242,10 +247,10 @@ impl LockClient {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// use std::time::{Duration, Instant};
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let deadline = Instant::now() + Duration::from_secs(2);
     /// let a = client.try_lock_until("a", deadline)?;
     /// let b = client.try_lock_until("b", deadline)?; // one deadline for both
@@ -259,9 +264,9 @@ impl LockClient {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let n = client.with_lock("counter", || 1 + 1)?;
     /// # Ok(()) }
     /// ```
@@ -278,9 +283,9 @@ impl LockClient {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let before = client.stats();
     /// client.with_lock("k", || ())?;
     /// assert!(client.stats().commands > before.commands);

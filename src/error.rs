@@ -209,9 +209,9 @@ impl fmt::Display for LostReason {
 ///
 /// # Examples
 ///
-/// ```no_run
+/// ```
 /// # fn main() -> Result<(), redbaton::Error> {
-/// # let client = redbaton::LockClient::builder().build()?;
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
 /// let guard = client.lock("orders:42")?;
 /// match guard.unlock()? {
 ///     redbaton::Unlocked::Released | redbaton::Unlocked::HandedOff => {}
@@ -261,10 +261,13 @@ impl fmt::Display for Unlocked {
 ///
 /// # Examples
 ///
-/// ```no_run
+/// ```
 /// fn transfer(client: &redbaton::LockClient) -> redbaton::Result<u64> {
 ///     let guard = client.lock("accounts:7")?;
 ///     Ok(guard.fencing_token())
 /// }
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// # assert!(transfer(&client)? > 0);
+/// # Ok::<(), redbaton::Error>(())
 /// ```
 pub type Result<T, E = Error> = std::result::Result<T, E>;

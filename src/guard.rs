@@ -28,9 +28,9 @@ use crate::remote::RemoteLock;
 ///
 /// *Conservative*: check between steps and stop when the lock is gone.
 ///
-/// ```no_run
+/// ```
 /// # fn main() -> Result<(), redbaton::Error> {
-/// # let client = redbaton::LockClient::builder().build()?;
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
 /// # let steps: Vec<fn()> = vec![];
 /// let guard = client.lock("migration")?;
 /// for step in steps {
@@ -43,12 +43,12 @@ use crate::remote::RemoteLock;
 /// *Aggressive*: carry on knowingly, and let the protected resource reject stale writers by
 /// their [fencing token](LockGuard::fencing_token).
 ///
-/// ```no_run
+/// ```
 /// use crossbeam_channel::select;
 /// use std::time::Duration;
 /// # fn main() -> Result<(), redbaton::Error> {
-/// # let client = redbaton::LockClient::builder().build()?;
-/// # let work = crossbeam_channel::never::<()>();
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// # let work = crossbeam_channel::after(Duration::from_millis(10));
 /// let guard = client.lock("migration")?;
 /// select! {
 ///     recv(guard.lost()) -> reason => eprintln!("lock lost ({reason:?}); finishing, fenced"),
@@ -94,9 +94,9 @@ impl LockGuard {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let guard = client.lock("orders:42")?;
     /// assert_eq!(guard.name(), b"orders:42");
     /// # Ok(()) }
@@ -118,9 +118,9 @@ impl LockGuard {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let first = client.lock("k")?.fencing_token();
     /// let second = client.lock("k")?.fencing_token();
     /// assert!(second > first);
@@ -135,9 +135,9 @@ impl LockGuard {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let guard = client.lock("k")?;
     /// assert!(guard.valid_until() > std::time::Instant::now());
     /// # Ok(()) }
@@ -150,9 +150,9 @@ impl LockGuard {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let guard = client.lock("k")?;
     /// if guard.is_lost() {
     ///     return Ok(()); // stop: someone else may hold it
@@ -168,10 +168,10 @@ impl LockGuard {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// use std::time::Duration;
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let guard = client.lock("k")?;
     /// if let Ok(reason) = guard.lost().recv_timeout(Duration::from_millis(10)) {
     ///     eprintln!("lost: {reason}");
@@ -186,9 +186,9 @@ impl LockGuard {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let guard = client.lock("k")?;
     /// guard.check()?;
     /// # Ok(()) }
@@ -205,10 +205,10 @@ impl LockGuard {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// use std::time::Duration;
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let guard = client.lock("k")?;
     /// guard.extend(Duration::from_secs(120))?;
     /// # Ok(()) }
@@ -227,9 +227,9 @@ impl LockGuard {
     ///
     /// # Examples
     ///
-    /// ```no_run
+    /// ```
     /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().build()?;
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let guard = client.lock("k")?;
     /// let outcome = guard.unlock()?;
     /// assert!(outcome.was_held());

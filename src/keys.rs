@@ -7,9 +7,9 @@ use crate::error::{Error, Result};
 ///
 /// # Examples
 ///
-/// ```no_run
+/// ```
 /// # fn main() -> Result<(), redbaton::Error> {
-/// # let client = redbaton::LockClient::builder().build()?;
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
 /// let too_long = vec![b'x'; redbaton::MAX_NAME_LEN + 1];
 /// assert!(client.lock(&too_long).unwrap_err().is_invalid_input());
 /// # Ok(()) }

@@ -9,9 +9,9 @@ macro_rules! counters {
         ///
         /// # Examples
         ///
-        /// ```no_run
+        /// ```
         /// # fn main() -> Result<(), redbaton::Error> {
-        /// # let client = redbaton::LockClient::builder().build()?;
+        /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
         /// client.with_lock("report", || ())?;
         /// let s = client.stats();
         /// println!("{} commands for {} acquisitions", s.commands, s.remote_acquisitions);
