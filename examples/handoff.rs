@@ -590,6 +590,11 @@ fn print_table(pings: &[i64], idle_pings: &[i64], rows: &[Row], elapsed: Duratio
         "notifications p50 / PING p50          = {notif_vs_ping:7.2}  (target <= 5){}",
         verdict(notif_vs_ping <= 5.0)
     );
+    println!(
+        "raw-keyspace p50 / PING p50           = {:7.2}  (no library: the least any \
+         event-driven waiter needs on this machine)",
+        p50(Strategy::RawKeyspace) as f64 / ping_p50 as f64
+    );
     println!("notifications p50 / PING-after-idle   = {notif_vs_idle_ping:7.2}");
     println!(
         "polling-100ms p50 / notifications p50 = {poll_vs_notif:7.1}  (target >= 50){}",
