@@ -478,6 +478,57 @@ fn child_sleeper() {
     thread::sleep(Duration::from_secs(60));
 }
 
+/// Child entry point: starts a server, says which, and hangs until killed.
+#[test]
+fn child_server_owner() {
+    if !child::is_child() {
+        return;
+    }
+    let srv = RedisServer::start();
+    child::print_result(&[
+        ("pid", srv.pid().to_string()),
+        ("dir", srv.dir().display().to_string()),
+    ]);
+    thread::sleep(Duration::from_secs(60));
+}
+
+/// Alive and not a zombie (a killed orphan stays one until init reaps it).
+fn running(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !matches!(rest.trim_start().chars().next(), Some('Z' | 'X'))),
+        Err(_) => process_exists(pid),
+    }
+}
+
+#[test]
+fn server_dies_with_a_killed_test_process() {
+    let mut c = child::spawn_self("child_server_owner", &[]);
+    let line = child::wait_for_line(&mut c, "RESULT", Duration::from_secs(30));
+    let result = child::parse_results(&line).pop().expect("a RESULT line");
+    let pid: u32 = result["pid"].parse().expect("pid");
+    let dir = std::path::PathBuf::from(&result["dir"]);
+    assert!(running(pid) && dir.exists());
+    // No unwinding, no destructors: only the reaper can stop the server now.
+    child::kill_child(&mut c, libc::SIGKILL);
+    let _ = child::wait_output(c, Duration::from_secs(30));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (running(pid) || dir.exists()) && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !running(pid),
+        "redis-server {pid} outlived its killed test process"
+    );
+    assert!(
+        !dir.exists(),
+        "{} outlived its killed test process",
+        dir.display()
+    );
+}
+
 /// Child entry point: starts a server with no redis-server on PATH.
 #[test]
 fn child_without_redis() {

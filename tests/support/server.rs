@@ -4,7 +4,9 @@
 //! real expiry and real keyspace notifications. Each `RedisServer` owns a
 //! private temp dir, a generated `redis.conf`, a loopback-only port and the
 //! child process; dropping it SIGKILLs and reaps the process, so no
-//! `redis-server` outlives its test even when the test panics.
+//! `redis-server` outlives its test even when the test panics. A test
+//! process that dies without unwinding (SIGKILL, abort, a CI timeout) does
+//! not leak its servers either: each has a reaper (see [`Reaper`]).
 //!
 //! Command statistics (`commandstats`, `command_count`, `total_commands`) are
 //! reported *net of the harness's own bookkeeping*: the private admin
@@ -18,7 +20,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -122,6 +124,7 @@ impl RedisServerBuilder {
         let server = RedisServer {
             spec,
             port,
+            reaper: Mutex::new(Reaper::arm(child.id(), dir.path())),
             process: Mutex::new(child),
             admin: Mutex::new(Admin::default()),
             _dir: dir,
@@ -193,6 +196,7 @@ pub struct RedisServer {
     spec: Spec,
     port: u16,
     process: Mutex<Child>,
+    reaper: Mutex<Reaper>,
     admin: Mutex<Admin>,
     // Declared last: removed only after the process is gone (see Drop).
     _dir: TempDir,
@@ -268,6 +272,7 @@ impl RedisServer {
     /// SIGKILL and reap: the abrupt death of a Redis node.
     pub fn kill(&self) {
         let mut child = self.process.lock();
+        self.reaper.lock().disarm();
         signal(&mut child, libc::SIGKILL);
         let _ = child.wait();
     }
@@ -275,6 +280,7 @@ impl RedisServer {
     /// SIGTERM (clean shutdown), waiting up to 5 s before SIGKILL.
     pub fn stop(&self) {
         let mut child = self.process.lock();
+        self.reaper.lock().disarm();
         stop_child(&mut child);
     }
 
@@ -295,8 +301,11 @@ impl RedisServer {
     pub fn restart(&self) {
         {
             let mut child = self.process.lock();
+            let mut reaper = self.reaper.lock();
+            reaper.disarm();
             stop_child(&mut child);
             let (new_child, _) = spawn_same_port(&self.spec, self.port, SAME_PORT_RETRY);
+            *reaper = Reaper::arm(new_child.id(), &self.spec.dir);
             *child = new_child;
         }
         self.reset_admin();
@@ -479,6 +488,7 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         // SIGKILL is enough: nothing is persisted. Reap it so the process is
         // really gone before the temp dir is deleted.
+        self.reaper.get_mut().disarm();
         let child = self.process.get_mut();
         signal(child, libc::SIGKILL);
         let _ = child.wait();
@@ -578,6 +588,47 @@ fn signal(child: &mut Child, sig: libc::c_int) -> bool {
     }
     // SAFETY: plain syscall on a PID we own and have not reaped.
     unsafe { libc::kill(child.id() as libc::pid_t, sig) == 0 }
+}
+
+/// Kills a server by PID if the test process dies without stopping it: a `sh`
+/// child blocked reading a pipe from this process. A line written to the pipe
+/// disarms it (the harness stops the server itself); end of file means this
+/// process is gone, however it went, and the reaper kills the server and
+/// removes its temp dir. It checks that the PID is still a `redis-server`
+/// where `/proc` can tell, so a reused PID is never killed.
+struct Reaper(Option<(Child, ChildStdin)>);
+
+impl Reaper {
+    fn arm(pid: u32, dir: &Path) -> Reaper {
+        const SCRIPT: &str = r#"
+if read _; then exit 0; fi
+comm=$(cat "/proc/$0/comm" 2>/dev/null || echo redis-server)
+case "$comm" in redis*) kill -9 "$0" 2>/dev/null ;; esac
+rm -rf "$1""#;
+        let spawned = Command::new("sh")
+            .arg("-c")
+            .arg(SCRIPT)
+            .arg(pid.to_string())
+            .arg(dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        // Without `sh` the harness still stops its servers; only a test
+        // process killed outright would leak one.
+        Reaper(spawned.ok().and_then(|mut child| {
+            let pipe = child.stdin.take()?;
+            Some((child, pipe))
+        }))
+    }
+
+    fn disarm(&mut self) {
+        if let Some((mut child, mut pipe)) = self.0.take() {
+            let _ = pipe.write_all(b"\n");
+            drop(pipe);
+            let _ = child.wait();
+        }
+    }
 }
 
 fn stop_child(child: &mut Child) {
