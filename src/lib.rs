@@ -81,6 +81,7 @@ mod pool;
 mod remote;
 mod scripts;
 mod slot;
+mod spin_choice;
 mod stats;
 mod subscriber;
 mod table;

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::keys::Keys;
 use crate::remote::RemoteLock;
 use crate::slot::{Permit, SPIN_MAX_HOLD, Slot};
+use crate::spin_choice::SpinChoice;
 use crate::subscriber::{Interest, Subscriber};
 
 /// What a queued waiter is given.
@@ -85,6 +86,8 @@ struct Entry {
     /// waiter is told when to expect the release (see `slot`).
     held_since: Instant,
     hold_avg: Option<Duration>,
+    /// Whether telling the head to spin pays for this key (see `spin_choice`).
+    spin: SpinChoice,
 }
 
 impl Entry {
@@ -101,6 +104,7 @@ impl Entry {
             marked_at: None,
             held_since: Instant::now(),
             hold_avg: None,
+            spin: SpinChoice::new(),
         }
     }
 
@@ -124,18 +128,21 @@ impl Entry {
         if unknown { Others::Unknown } else { Others::No }
     }
 
-    /// Folds the hold that just ended into the average (weight 1/8).
-    fn note_hold(&mut self) {
+    /// Folds the hold that just ended into the average (weight 1/8), and returns it.
+    fn note_hold(&mut self) -> Duration {
         let hold = self.held_since.elapsed();
         self.hold_avg = Some(self.hold_avg.map_or(hold, |a| (a * 7 + hold) / 8));
+        hold
     }
 
     /// Tells the head of the queue when the new hold is expected to end, if holds are
-    /// short enough for it to be worth spinning for and this process has a core to spare
-    /// for it (`active`: the keys this process is busy with; see `slot`).
+    /// short enough for it to be worth spinning for, spinning pays for this key, and this
+    /// process has a core to spare for it (`active`: the keys this process is busy with;
+    /// see `slot`).
     fn tell_next(&self, active: usize) {
         if let (Some(next), Some(avg)) = (self.queue.front(), self.hold_avg)
             && avg <= SPIN_MAX_HOLD
+            && self.spin.spin()
             && let Some(permit) = Permit::try_take(active)
         {
             next.expect_release(self.held_since + avg, permit);
@@ -289,7 +296,7 @@ impl Table {
             .get_mut(keys.lock())
             .expect("a holder's entry lives until it releases");
         entry.holder = None;
-        entry.note_hold();
+        let hold = entry.note_hold();
         let window = contention_window(cfg);
         if entry.queue.is_empty() || lost || !cfg.local_handoff {
             entry.releasing = true;
@@ -316,6 +323,11 @@ impl Table {
             };
         }
         let slot = entry.queue.pop_front().expect("queue checked non-empty");
+        if entry.seq > 0 {
+            // This hold began with a handoff too: from grant to grant, it is what the
+            // spin choice weighs.
+            entry.spin.note(hold);
+        }
         entry.seq += 1;
         entry.holder = Some(slot.thread);
         slot.give(Grant::Baton {
