@@ -69,7 +69,7 @@ impl SpinChoice {
         let mean = &mut self.mean[usize::from(self.spin)];
         *mean = Some(mean.map_or(block, |m| (m * 3 + block) / 4));
         self.held = 0;
-        self.blocks += 1;
+        self.blocks = self.blocks.wrapping_add(1);
         self.spin = match self.mean {
             // Try each once; then the cheaper, spinning only when it is cheaper.
             [_, None] => true,
