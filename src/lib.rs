@@ -67,29 +67,21 @@
 //!   resource needs strict fencing through node failures, use one node with persistence
 //!   (`appendfsync always`) or a consensus system.
 
-mod builder;
-mod client;
-mod contend;
-mod early;
+mod api;
+mod config;
+mod engine;
 mod error;
-mod fanout;
-mod guard;
-mod keys;
-mod node;
-mod notify;
-mod pool;
-mod remote;
-mod scripts;
-mod slot;
-mod spin_choice;
+mod fencing;
+mod local;
+mod proto;
 mod stats;
-mod subscriber;
-mod table;
-mod watchdog;
+mod topology;
+mod wake;
 
-pub use builder::{Builder, Wakeup};
-pub use client::LockClient;
+pub use api::builder::Builder;
+pub use api::client::LockClient;
+pub use api::guard::LockGuard;
+pub use config::Wakeup;
 pub use error::{Error, LostReason, Result, Unlocked};
-pub use guard::LockGuard;
-pub use keys::MAX_NAME_LEN;
+pub use proto::keys::MAX_NAME_LEN;
 pub use stats::Stats;

@@ -8,7 +8,7 @@ use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::LostReason;
-use crate::keys::Keys;
+use crate::proto::keys::Keys;
 use crate::stats::Counters;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);

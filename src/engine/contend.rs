@@ -7,21 +7,20 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use redis::Cmd;
 
-use crate::builder::{HANDOFF_BITS, Wakeup};
-use crate::client::Inner;
-use crate::early::{Armed, Shot};
+use crate::api::client::Inner;
+use crate::config::Wakeup;
 use crate::error::{Error, Result};
-use crate::keys::Keys;
-use crate::node::{Attempt, Marks, ReleaseReply, Retry, may_have_run};
-use crate::remote::{Acquisition, RemoteLock};
+use crate::fencing::MAX_FENCE;
+use crate::local::held::{Acquisition, RemoteLock};
+use crate::proto::keys::Keys;
+use crate::proto::node::{Attempt, Marks, ReleaseReply, Retry, may_have_run};
 use crate::stats::Counters;
-use crate::subscriber::{Snapshot, Watch};
+use crate::wake::early::{Armed, Shot};
+use crate::wake::subscriber::{Snapshot, Watch};
 
 /// How long a contender of a process that just released a contended lock lets the other
 /// waiters go first (it is woken sooner by their acquisition's `set` event).
 pub(crate) const YIELD: Duration = Duration::from_millis(10);
-/// Fences above this would overflow the token's handoff bits.
-const MAX_FENCE: u64 = u64::MAX >> HANDOFF_BITS;
 
 /// The outcome of one round of attempts.
 enum Round {

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
-use crate::client::Inner;
-use crate::node::{ExtendReply, Renewal};
-use crate::remote::{Due, RemoteLock};
+use crate::api::client::Inner;
+use crate::local::held::{Due, RemoteLock};
+use crate::proto::node::{ExtendReply, Renewal};
 use crate::stats::Counters;
 
 /// Longest sleep, so that hold caps and shutdown are noticed without a kick.

@@ -31,7 +31,7 @@ struct PoolState {
 }
 
 impl Pool {
-    pub fn new(client: redis::Client, cfg: &crate::builder::Config) -> Self {
+    pub fn new(client: redis::Client, cfg: &crate::config::Config) -> Self {
         Pool {
             client,
             connect_timeout: cfg.connect_timeout,

@@ -3,19 +3,20 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::builder::{Builder, Config, Wakeup};
-use crate::contend::{Wait, YIELD};
+use crate::api::builder::Builder;
+use crate::api::guard::LockGuard;
+use crate::config::{Config, Wakeup};
+use crate::engine::contend::{Wait, YIELD};
+use crate::engine::watchdog::Watchdog;
 use crate::error::{Error, Result, Unlocked};
-use crate::fanout::Fanout;
-use crate::guard::LockGuard;
-use crate::keys::Keys;
-use crate::node::{ExtendReply, Node, ReleaseReply, Renewal, Retry};
-use crate::notify::{self, Mode};
-use crate::remote::RemoteLock;
+use crate::local::held::RemoteLock;
+use crate::local::table::{Grant, Role, Step, Table};
+use crate::proto::keys::Keys;
+use crate::proto::node::{ExtendReply, Node, ReleaseReply, Renewal, Retry};
 use crate::stats::{Counters, Stats};
-use crate::subscriber::{Connector, Setup, Subscriber};
-use crate::table::{Grant, Role, Step, Table};
-use crate::watchdog::Watchdog;
+use crate::topology::fanout::Fanout;
+use crate::wake::notify::{self, Mode};
+use crate::wake::subscriber::{Connector, Setup, Subscriber};
 
 /// A distributed lock client over one Redis node, or over several independent masters
 /// (Redlock).

@@ -50,11 +50,11 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 use redis::{Msg, PubSub, RedisResult};
 
-use crate::early::{Armed, Early, Shot};
-use crate::keys::{
+use crate::proto::keys::{
     Keys, channel_of_lock, keyspace_channel, lock_of_channel, lock_of_keyspace_channel,
 };
 use crate::stats::Counters;
+use crate::wake::early::{Armed, Early, Shot};
 
 /// How long a subscription outlives its last waiter, so that a key locked again and again
 /// does not pay a `SUBSCRIBE` each time.
@@ -437,7 +437,7 @@ fn run(shared: Arc<Shared>, kicked: Receiver<()>, connector: Connector, counters
             let _ = kicked.recv_timeout(IDLE);
             continue;
         }
-        let conn = crate::pool::open_connection(
+        let conn = crate::proto::pool::open_connection(
             &connector.client,
             connector.connect_timeout,
             connector.read_timeout,
@@ -482,9 +482,9 @@ fn run(shared: Arc<Shared>, kicked: Receiver<()>, connector: Connector, counters
 /// refused SUBSCRIBE would look confirmed.
 fn prepare(shared: &Shared, conn: &mut redis::Connection, counters: &Counters) -> RedisResult<()> {
     Counters::add(&counters.commands, 2);
-    let mode = crate::notify::ensure(conn, shared.configure)?;
+    let mode = crate::wake::notify::ensure(conn, shared.configure)?;
     let probe_lock = format!("{}{{redbaton-probe}}", shared.prefix).into_bytes();
-    let keyspace = matches!(mode, crate::notify::Mode::Keyspace)
+    let keyspace = matches!(mode, crate::wake::notify::Mode::Keyspace)
         && probe(conn, &keyspace_channel(shared.db, &probe_lock), counters)?;
     let own = probe(conn, &channel_of_lock(&probe_lock), counters)?;
     let had_keyspace = shared.keyspace.swap(keyspace, Ordering::Relaxed);
@@ -492,8 +492,10 @@ fn prepare(shared: &Shared, conn: &mut redis::Connection, counters: &Counters) -
     let node = shared.node;
     if had_keyspace && !keyspace {
         let why = match mode {
-            crate::notify::Mode::Fallback(why) => why,
-            crate::notify::Mode::Keyspace => "SUBSCRIBE to keyspace channels refused".to_owned(),
+            crate::wake::notify::Mode::Fallback(why) => why,
+            crate::wake::notify::Mode::Keyspace => {
+                "SUBSCRIBE to keyspace channels refused".to_owned()
+            }
         };
         log::warn!(
             "node {node}: keyspace notifications unavailable: {why}; waiters are woken by the library's release channel instead"

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
-use crate::builder::HANDOFF_BITS;
-use crate::client::Inner;
+use crate::api::client::Inner;
 use crate::error::{Error, LostReason, Result, Unlocked};
-use crate::remote::RemoteLock;
+use crate::fencing;
+use crate::local::held::RemoteLock;
 
 /// Proof that this thread holds a lock. Dropping it releases the lock (best effort, never
 /// panicking, also while unwinding); [`unlock`](LockGuard::unlock) does the same and says
@@ -127,7 +127,7 @@ impl LockGuard {
     /// # Ok(()) }
     /// ```
     pub fn fencing_token(&self) -> u64 {
-        (self.remote.fence << HANDOFF_BITS) | u64::from(self.seq)
+        fencing::token(self.remote.fence, self.seq)
     }
 
     /// Until when the lock is surely held: the last successful acquisition or renewal, plus

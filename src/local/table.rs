@@ -14,13 +14,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::builder::{Config, MAX_LOCAL_SEQ};
+use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::keys::Keys;
-use crate::remote::RemoteLock;
-use crate::slot::{Permit, SPIN_MAX_HOLD, Slot};
-use crate::spin_choice::SpinChoice;
-use crate::subscriber::{Interest, Subscriber};
+use crate::fencing::MAX_LOCAL_SEQ;
+use crate::local::held::RemoteLock;
+use crate::local::mailbox::{Permit, SPIN_MAX_HOLD, Slot};
+use crate::local::spin_choice::SpinChoice;
+use crate::proto::keys::Keys;
+use crate::wake::subscriber::{Interest, Subscriber};
 
 /// What a queued waiter is given.
 pub(crate) enum Grant {

@@ -2,66 +2,12 @@
 
 use std::time::Duration;
 
-use crate::client::LockClient;
+use crate::api::client::LockClient;
+use crate::config::{Config, Wakeup};
 use crate::error::{Error, Result};
-use crate::keys::MAX_PREFIX_LEN;
+use crate::fencing::MAX_LOCAL_SEQ;
+use crate::proto::keys::MAX_PREFIX_LEN;
 
-/// How a waiter learns that a held lock may have become free.
-///
-/// # Examples
-///
-/// ```
-/// use std::time::Duration;
-/// use redbaton::Wakeup;
-///
-/// let _default = Wakeup::Notifications;
-/// let _for_comparison = Wakeup::Polling(Duration::from_millis(100));
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Wakeup {
-    /// Sleep until Redis says the key changed (keyspace notifications, or the library's
-    /// own release channel when the server's notifications cannot be turned on), the
-    /// holder's lease runs out, or the re-check ceiling passes. The default.
-    Notifications,
-    /// Retry at a fixed interval, like most Redis locks do. Useful to measure the difference.
-    Polling(Duration),
-}
-
-/// Settings checked by [`Builder::build`]; kept by the client.
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub nodes: Vec<String>,
-    pub key_prefix: String,
-    pub lease: Duration,
-    pub connect_timeout: Duration,
-    pub read_timeout: Duration,
-    pub write_timeout: Duration,
-    pub pool_size: usize,
-    pub wakeup: Wakeup,
-    pub configure_notifications: bool,
-    pub recheck_interval: Duration,
-    pub auto_renew: bool,
-    pub renew_interval: Duration,
-    pub max_hold: Option<Duration>,
-    pub local_handoff: bool,
-    pub max_handoffs: u32,
-    pub handoff_slice: Duration,
-}
-
-impl Config {
-    /// Safety margin for clock drift between this process and Redis: lease × 1% + 2 ms.
-    pub fn drift(&self, lease: Duration) -> Duration {
-        lease / 100 + Duration::from_millis(2)
-    }
-}
-
-/// Bits of a fencing token that number local handoffs (see [`LockGuard::fencing_token`]).
-///
-/// [`LockGuard::fencing_token`]: crate::LockGuard::fencing_token
-pub(crate) const HANDOFF_BITS: u32 = 20;
-/// The most consecutive local handoffs one remote acquisition can serve.
-pub(crate) const MAX_LOCAL_SEQ: u32 = (1 << HANDOFF_BITS) - 1;
 const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
 const MIN_LEASE: Duration = Duration::from_millis(10);
 

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::table::Grant;
+use crate::local::table::Grant;
 
 /// How long before the expected release the head waiter starts spinning: its own timer
 /// wake-up (with the kernel's default 50 µs timer slack) must land before the release.

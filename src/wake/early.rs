@@ -25,9 +25,9 @@ use std::time::Instant;
 use redis::{Cmd, RedisResult, Value};
 
 use crate::error::is_network_error;
-use crate::node::within_deadline;
-use crate::pool::Pool;
-use crate::subscriber::Snapshot;
+use crate::proto::node::within_deadline;
+use crate::proto::pool::Pool;
+use crate::wake::subscriber::Snapshot;
 
 /// A request ready to go when the key is freed.
 pub(crate) struct Armed {

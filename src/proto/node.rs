@@ -5,11 +5,11 @@ use std::time::{Duration, Instant};
 
 use redis::{Cmd, Connection, RedisResult, Value};
 
-use crate::builder::Config;
+use crate::config::Config;
 use crate::error::{Error, Result, is_network_error};
-use crate::keys::Keys;
-use crate::pool::Pool;
-use crate::scripts::{self, ACQUIRE, EXTEND, RAISE_FENCE, RELEASE, UNMARK};
+use crate::proto::keys::Keys;
+use crate::proto::pool::Pool;
+use crate::proto::scripts::{self, ACQUIRE, EXTEND, RAISE_FENCE, RELEASE, UNMARK};
 use crate::stats::Counters;
 
 /// The reply to one acquire attempt on one node.

@@ -1,0 +1,5 @@
+//! What applications use: the builder, the client façade and the guards.
+
+pub(crate) mod builder;
+pub(crate) mod client;
+pub(crate) mod guard;

@@ -1,0 +1,53 @@
+//! The settings a client runs with, as checked by the builder.
+
+use std::time::Duration;
+
+/// How a waiter learns that a held lock may have become free.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use redbaton::Wakeup;
+///
+/// let _default = Wakeup::Notifications;
+/// let _for_comparison = Wakeup::Polling(Duration::from_millis(100));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Wakeup {
+    /// Sleep until Redis says the key changed (keyspace notifications, or the library's
+    /// own release channel when the server's notifications cannot be turned on), the
+    /// holder's lease runs out, or the re-check ceiling passes. The default.
+    Notifications,
+    /// Retry at a fixed interval, like most Redis locks do. Useful to measure the difference.
+    Polling(Duration),
+}
+
+/// Settings checked by [`Builder::build`]; kept by the client.
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub nodes: Vec<String>,
+    pub key_prefix: String,
+    pub lease: Duration,
+    pub connect_timeout: Duration,
+    pub read_timeout: Duration,
+    pub write_timeout: Duration,
+    pub pool_size: usize,
+    pub wakeup: Wakeup,
+    pub configure_notifications: bool,
+    pub recheck_interval: Duration,
+    pub auto_renew: bool,
+    pub renew_interval: Duration,
+    pub max_hold: Option<Duration>,
+    pub local_handoff: bool,
+    pub max_handoffs: u32,
+    pub handoff_slice: Duration,
+}
+
+impl Config {
+    /// Safety margin for clock drift between this process and Redis: lease × 1% + 2 ms.
+    pub fn drift(&self, lease: Duration) -> Duration {
+        lease / 100 + Duration::from_millis(2)
+    }
+}
