@@ -50,4 +50,14 @@ impl Config {
     pub fn drift(&self, lease: Duration) -> Duration {
         lease / 100 + Duration::from_millis(2)
     }
+
+    /// How often to renew a lock of this lease: the configured interval for the
+    /// configured lease, a third of any other (set by an explicit extend).
+    pub fn renew_every(&self, lease: Duration) -> Duration {
+        if lease == self.lease {
+            self.renew_interval
+        } else {
+            lease / 3
+        }
+    }
 }

@@ -271,3 +271,11 @@ impl fmt::Display for Unlocked {
 /// # Ok::<(), redbaton::Error>(())
 /// ```
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The error for a library thread that could not be started.
+pub(crate) fn thread_error(what: &str, e: std::io::Error) -> Error {
+    Error::Redis(redis::RedisError::from(std::io::Error::new(
+        e.kind(),
+        format!("cannot start the {what} thread: {e}"),
+    )))
+}

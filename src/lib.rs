@@ -77,6 +77,7 @@ mod proto;
 mod stats;
 mod topology;
 mod wake;
+mod worker;
 
 pub use api::builder::Builder;
 pub use api::client::LockClient;

@@ -141,6 +141,24 @@ impl Default for Builder {
     }
 }
 
+impl LockClient {
+    /// A [`Builder`] with the documented defaults.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// let client = redbaton::LockClient::builder()
+    /// #   .node(redbaton_testkit::redis_url())
+    ///     .key_prefix("lock:")
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder() -> Builder {
+        Builder::new()
+    }
+}
+
 impl Builder {
     /// A builder with the defaults in the table above.
     ///

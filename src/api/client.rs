@@ -3,20 +3,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::api::builder::Builder;
 use crate::api::guard::LockGuard;
-use crate::config::{Config, Wakeup};
-use crate::engine::contend::{Wait, YIELD};
-use crate::engine::watchdog::Watchdog;
-use crate::error::{Error, Result, Unlocked};
-use crate::local::held::RemoteLock;
-use crate::local::table::{Grant, Role, Step, Table};
-use crate::proto::keys::Keys;
-use crate::proto::node::{ExtendReply, Node, ReleaseReply, Renewal, Retry};
-use crate::stats::{Counters, Stats};
-use crate::topology::fanout::Fanout;
-use crate::wake::notify::{self, Mode};
-use crate::wake::subscriber::{Connector, Setup, Subscriber};
+use crate::config::Config;
+use crate::engine::contend::Wait;
+use crate::engine::state::Engine;
+use crate::error::{Error, Result};
+use crate::stats::Stats;
 
 /// A distributed lock client over one Redis node, or over several independent masters
 /// (Redlock).
@@ -48,138 +40,24 @@ use crate::wake::subscriber::{Connector, Setup, Subscriber};
 /// ```
 #[derive(Clone)]
 pub struct LockClient {
-    inner: Arc<Inner>,
+    engine: Arc<Engine>,
 }
 
 impl std::fmt::Debug for LockClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LockClient")
-            .field("nodes", &self.inner.nodes.len())
-            .field("key_prefix", &self.inner.cfg.key_prefix)
-            .field("lease", &self.inner.cfg.lease)
+            .field("nodes", &self.engine.topology.nodes().len())
+            .field("key_prefix", &self.engine.cfg.key_prefix)
+            .field("lease", &self.engine.cfg.lease)
             .finish_non_exhaustive()
     }
 }
 
-/// The shared state. Guards hold it too, so that a guard can always release.
-pub(crate) struct Inner {
-    pub cfg: Config,
-    pub nodes: Vec<Node>,
-    /// One per node with `Wakeup::Notifications`; none when polling.
-    pub subs: Vec<Subscriber>,
-    pub table: Table,
-    pub counters: Arc<Counters>,
-    watchdog: Option<Watchdog>,
-    fanout: Option<Fanout>,
-}
-
 impl LockClient {
-    /// A [`Builder`] with the documented defaults.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// let client = redbaton::LockClient::builder()
-    /// #   .node(redbaton_testkit::redis_url())
-    ///     .key_prefix("lock:")
-    ///     .build()?;
-    /// # Ok(()) }
-    /// ```
-    pub fn builder() -> Builder {
-        Builder::new()
-    }
-
     pub(crate) fn connect(cfg: Config) -> Result<Self> {
-        let counters = Arc::new(Counters::default());
-        let client_id: Arc<str> = uuid::Uuid::new_v4().simple().to_string().into();
-        let nodes = cfg
-            .nodes
-            .iter()
-            .enumerate()
-            .map(|(i, url)| Node::new(i, url, &cfg, counters.clone(), client_id.clone()))
-            .collect::<Result<Vec<_>>>()?;
-        let notifications = cfg.wakeup == Wakeup::Notifications;
-        let mut modes = Vec::with_capacity(nodes.len());
-        let mut first_error = None;
-        for node in &nodes {
-            match check_node(node, notifications, cfg.configure_notifications) {
-                Ok(mode) => modes.push(Some(mode)),
-                Err(e) => {
-                    log::warn!("node {}: unreachable at start: {e}", node.idx);
-                    first_error.get_or_insert(e);
-                    modes.push(None);
-                }
-            }
-        }
-        let reachable = modes.iter().filter(|m| m.is_some()).count();
-        let quorum = nodes.len() / 2 + 1;
-        if reachable < quorum {
-            return Err(first_error.expect("an unreachable node left its error"));
-        }
-        let mut subs = Vec::new();
-        for (node, mode) in nodes.iter().zip(&modes) {
-            let keyspace = match mode {
-                Some(Mode::Keyspace) => true,
-                Some(Mode::Fallback(why)) => {
-                    if notifications {
-                        log::warn!(
-                            "node {}: keyspace notifications unavailable: {why}; waiters are woken by the library's release channel instead",
-                            node.idx
-                        );
-                    }
-                    false
-                }
-                None => true,
-            };
-            if notifications {
-                let (connect_timeout, read_timeout, write_timeout) = node.pool.timeouts();
-                let connector = Connector {
-                    client: node.pool.client().clone(),
-                    connect_timeout,
-                    read_timeout,
-                    write_timeout,
-                };
-                let setup = Setup {
-                    node: node.idx,
-                    db: node.db,
-                    keyspace,
-                    configure: cfg.configure_notifications,
-                    prefix: cfg.key_prefix.clone(),
-                    client_id: client_id.to_string(),
-                    connector,
-                };
-                subs.push(
-                    Subscriber::start(setup, counters.clone())
-                        .map_err(|e| thread_error("subscriber", e))?,
-                );
-            }
-        }
-        let fanout = if nodes.len() > 1 {
-            Some(Fanout::start(2 * (nodes.len() - 1)).map_err(|e| thread_error("fanout", e))?)
-        } else {
-            None
-        };
-        let mut spawn_error = None;
-        let inner = Arc::new_cyclic(|weak| {
-            // Also with renewals off: it tells holders when their lease runs out.
-            let watchdog = Watchdog::start(weak.clone())
-                .map_err(|e| spawn_error = Some(thread_error("watchdog", e)))
-                .ok();
-            Inner {
-                cfg,
-                nodes,
-                subs,
-                table: Table::default(),
-                counters,
-                watchdog,
-                fanout,
-            }
-        });
-        match spawn_error {
-            Some(e) => Err(e),
-            None => Ok(LockClient { inner }),
-        }
+        Ok(LockClient {
+            engine: Arc::new(Engine::start(cfg)?),
+        })
     }
 
     /// Waits until the lock is acquired, however long that takes.
@@ -293,264 +171,47 @@ impl LockClient {
     /// # Ok(()) }
     /// ```
     pub fn stats(&self) -> Stats {
-        self.inner.counters.snapshot()
+        self.engine.counters.snapshot()
+    }
+
+    /// Stops the client's background threads (the subscribers that wake waiters and the
+    /// watchdog that renews leases) and waits up to `timeout` for them to end.
+    ///
+    /// Dropping the last clone of a client and its last guard stops them too; this is
+    /// for a caller who wants to know they are gone, for example before a fork or at the
+    /// end of a test. Locks held when it is called are no longer renewed: release them
+    /// first. Other clones of this client keep working, but waiters are then woken only
+    /// by their lease timers and re-checks.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] if a thread was still running when `timeout` passed (it ends
+    /// on its own once its current Redis call returns).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// client.with_lock("report", || ())?;
+    /// client.shutdown(Duration::from_secs(5))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn shutdown(self, timeout: Duration) -> Result<()> {
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(timeout)
+            .unwrap_or(now + Duration::from_secs(3600));
+        if self.engine.shutdown(deadline) {
+            Ok(())
+        } else {
+            Err(Error::Timeout)
+        }
     }
 
     fn acquire(&self, name: &[u8], wait: Wait) -> Result<LockGuard> {
-        let inner = &self.inner;
-        let keys = Keys::new(&inner.cfg.key_prefix, name)?;
-        let waits = matches!(wait, Wait::Until(_));
-        let role = inner
-            .table
-            .enter(&keys, waits, inner.cfg.local_handoff, &inner.subs)?;
-        let (remote, seq) = match role {
-            Role::Contend => (inner.contend_for_table(&keys, wait, false)?, 0),
-            Role::Queued { slot, check_marks } => {
-                let deadline = match wait {
-                    Wait::Until(d) => d,
-                    Wait::No => None,
-                };
-                if check_marks {
-                    inner.check_marks(&keys, deadline);
-                }
-                match inner.table.wait_queued(&keys, &slot, deadline) {
-                    Ok(Grant::Baton { remote, seq }) => {
-                        Counters::inc(&inner.counters.local_handoffs);
-                        (remote, seq)
-                    }
-                    Ok(Grant::Contend { yield_first }) => {
-                        (inner.contend_for_table(&keys, wait, yield_first)?, 0)
-                    }
-                    Err(e) => {
-                        if e.is_timeout() {
-                            Counters::inc(&inner.counters.timeouts);
-                        }
-                        return Err(e);
-                    }
-                }
-            }
-        };
-        Ok(LockGuard::new(inner.clone(), remote, seq))
+        let (remote, seq) = self.engine.acquire(name, wait)?;
+        Ok(LockGuard::new(self.engine.clone(), remote, seq))
     }
-}
-
-impl Inner {
-    /// Contends as the table's contender for `keys` and records the outcome there.
-    fn contend_for_table(
-        self: &Arc<Self>,
-        keys: &Keys,
-        wait: Wait,
-        yield_first: bool,
-    ) -> Result<Arc<RemoteLock>> {
-        match self.contend(keys, wait, yield_first) {
-            Ok(lock) => {
-                self.table.acquired(keys);
-                if let Some(w) = &self.watchdog {
-                    w.register(lock.clone(), lock.next_due());
-                }
-                Ok(lock)
-            }
-            Err(e) => {
-                self.table.contend_failed(keys);
-                if e.is_timeout() {
-                    Counters::inc(&self.counters.timeouts);
-                }
-                Err(e)
-            }
-        }
-    }
-
-    /// Run by the first local waiter queued behind a holder (it is idle anyway): once the
-    /// key's subscription is confirmed, read the mark key, so that a remote waiter whose
-    /// live mark came before the subscription is known too. One `GET` per node and episode.
-    fn check_marks(self: &Arc<Self>, keys: &Keys, deadline: Option<Instant>) {
-        let until = deadline.map_or(Instant::now() + self.cfg.read_timeout, |d| {
-            d.min(Instant::now() + self.cfg.read_timeout)
-        });
-        let (poke_tx, poke) = crossbeam_channel::bounded(1);
-        for (i, sub) in self.subs.iter().enumerate() {
-            let watch = sub.watch(keys, poke_tx.clone());
-            let confirmed_at = loop {
-                if let Some(at) = sub.confirmed_at(keys) {
-                    break Some(at);
-                }
-                if poke.recv_deadline(until).is_err() {
-                    break sub.confirmed_at(keys);
-                }
-            };
-            drop(watch);
-            let Some(at) = confirmed_at else { continue };
-            match self.nodes[i].foreign_mark(keys) {
-                Ok(foreign) => self.table.marks_checked(keys, i, at, foreign),
-                Err(e) => log::debug!("node {i}: mark check failed: {e}"),
-            }
-        }
-    }
-
-    pub fn quorum(&self) -> usize {
-        self.nodes.len() / 2 + 1
-    }
-
-    /// How often to renew a lock of this lease.
-    pub fn renew_every(&self, lease: Duration) -> Duration {
-        if lease == self.cfg.lease {
-            self.cfg.renew_interval
-        } else {
-            lease / 3
-        }
-    }
-
-    /// `f(node index)` for every node, in parallel when there are several.
-    pub fn map_nodes<T, F>(&self, f: F) -> Vec<T>
-    where
-        T: Send + 'static,
-        F: Fn(usize) -> T + Send + Sync + 'static,
-    {
-        match &self.fanout {
-            Some(fanout) => fanout.map(self.nodes.len(), Arc::new(f)),
-            None => (0..self.nodes.len()).map(f).collect(),
-        }
-    }
-
-    /// A holder is done: hand the lock on locally, or release it in Redis.
-    pub fn release(self: &Arc<Self>, lock: &Arc<RemoteLock>) -> Result<Unlocked> {
-        let lost = lock.lost(&self.counters).is_some();
-        match self.table.release(lock, lost, &self.cfg, &self.subs) {
-            Step::HandedOff => Ok(Unlocked::HandedOff),
-            Step::Remote { forced, contended } => {
-                if forced {
-                    Counters::inc(&self.counters.budget_releases);
-                }
-                // No renewal may be sent once this returns (a renewal racing the release
-                // must not outlive it).
-                let lost = lock.begin_release(&self.counters);
-                if let Some(w) = &self.watchdog {
-                    w.unregister(lock);
-                }
-                // Redlock: on every node, not only those that granted: a node whose grant
-                // came too late to count may hold our token too.
-                let every: Vec<usize> = (0..self.nodes.len()).collect();
-                let replies = self.release_on(&lock.keys, &lock.token, every);
-                if contended {
-                    // A thread that releases and locks again would otherwise win every time:
-                    // its attempt reaches Redis before the waiters have heard of the release.
-                    let until = Instant::now() + YIELD;
-                    for s in &self.subs {
-                        s.ask_to_yield(&lock.keys, until);
-                    }
-                }
-                self.table.released(&lock.keys, forced && contended);
-                self.tally_release(replies, lost.is_none())
-            }
-        }
-    }
-
-    /// One outcome from the nodes' replies. `was_valid`: the lease had not run out when the
-    /// release began, so a key that only a retry found gone was deleted by our first attempt.
-    fn tally_release(
-        &self,
-        replies: Vec<Result<ReleaseReply>>,
-        was_valid: bool,
-    ) -> Result<Unlocked> {
-        let count = |want: &[ReleaseReply]| {
-            replies
-                .iter()
-                .filter(|r| matches!(r, Ok(x) if want.contains(x)))
-                .count()
-        };
-        let released = if was_valid {
-            count(&[ReleaseReply::Released, ReleaseReply::GoneAfterRetry])
-        } else {
-            count(&[ReleaseReply::Released])
-        };
-        let other = count(&[ReleaseReply::Other]);
-        let needed = self.quorum().min(replies.len());
-        if released >= needed {
-            return Ok(Unlocked::Released);
-        }
-        let answered = replies.iter().filter(|r| r.is_ok()).count();
-        if answered < needed {
-            // Too few answers to say anything: report the first error.
-            if let Some(Err(e)) = replies.into_iter().find(|r| r.is_err()) {
-                return Err(e);
-            }
-        }
-        Ok(if other > 0 {
-            Unlocked::HeldByOther
-        } else {
-            Unlocked::Expired
-        })
-    }
-
-    /// Sets the lock's lease to `lease` on its nodes now.
-    pub fn extend(self: &Arc<Self>, lock: &Arc<RemoteLock>, lease: Duration) -> Result<()> {
-        if let Some(reason) = lock.lost(&self.counters) {
-            return Err(Error::Lost(reason));
-        }
-        lock.begin_extend();
-        let started = Instant::now();
-        let (client, l) = (self.clone(), lock.clone());
-        let replies = self.map_nodes(move |n| {
-            if l.nodes.contains(&n) {
-                Some(client.nodes[n].extend(&[(l.keys.lock(), l.token.as_str())], lease))
-            } else {
-                None
-            }
-        });
-        let replies: Vec<_> = replies.into_iter().flatten().collect();
-        let count = |want: ExtendReply| {
-            replies
-                .iter()
-                .filter(|r| matches!(r, Ok(v) if v.first() == Some(&want)))
-                .count()
-        };
-        let tally = (
-            count(ExtendReply::Extended),
-            count(ExtendReply::Gone),
-            count(ExtendReply::Other),
-        );
-        let verdict = Renewal::judge(tally, replies.len(), self.quorum(), self.nodes.len() > 1);
-        lock.end_extend((verdict == Renewal::Renewed).then(|| {
-            (
-                lease,
-                started + lease - self.cfg.drift(lease),
-                started + self.renew_every(lease),
-            )
-        }));
-        match verdict {
-            Renewal::Renewed => {
-                if let Some(w) = &self.watchdog {
-                    w.reschedule(lock.next_due());
-                }
-                return Ok(());
-            }
-            Renewal::Lost(reason) => {
-                lock.mark_lost(reason, &self.counters);
-                return Err(Error::Lost(reason));
-            }
-            Renewal::Unknown => {}
-        }
-        match replies.into_iter().find_map(|r| r.err()) {
-            Some(e) => Err(e),
-            None => Err(Error::Protocol("extend: no answer".to_owned())),
-        }
-    }
-}
-
-/// Connects to a node once at start: proves it reachable and, when waiters are to be woken
-/// by notifications, checks (and maybe turns on) the node's keyspace notifications.
-fn check_node(node: &Node, notifications: bool, configure: bool) -> Result<Mode> {
-    if notifications {
-        node.run(Retry::NEVER, |conn| notify::ensure(conn, configure))
-    } else {
-        node.run(Retry::NEVER, |conn| redis::cmd("PING").query::<()>(conn))?;
-        Ok(Mode::Keyspace)
-    }
-}
-
-fn thread_error(what: &str, e: std::io::Error) -> Error {
-    Error::Redis(redis::RedisError::from(std::io::Error::new(
-        e.kind(),
-        format!("cannot start the {what} thread: {e}"),
-    )))
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
-use crate::api::client::Inner;
+use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing;
 use crate::local::held::RemoteLock;
@@ -58,7 +58,7 @@ use crate::local::held::RemoteLock;
 /// ```
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
-    client: Arc<Inner>,
+    client: Arc<Engine>,
     remote: Arc<RemoteLock>,
     seq: u32,
     lost_rx: Receiver<LostReason>,
@@ -77,7 +77,7 @@ impl std::fmt::Debug for LockGuard {
 }
 
 impl LockGuard {
-    pub(crate) fn new(client: Arc<Inner>, remote: Arc<RemoteLock>, seq: u32) -> Self {
+    pub(crate) fn new(client: Arc<Engine>, remote: Arc<RemoteLock>, seq: u32) -> Self {
         let (tx, lost_rx) = crossbeam_channel::bounded(1);
         remote.set_listener(tx);
         LockGuard {

@@ -1,4 +1,10 @@
-//! The engine: the contend loop and its waiter, the release path and the watchdog.
+//! The engine: the acquire path and contend loop, a contender's wait, the release path and
+//! the watchdog, over the shared [`state::Engine`].
 
+pub(crate) mod acquire;
 pub(crate) mod contend;
+mod probe;
+pub(crate) mod release;
+pub(crate) mod state;
+pub(crate) mod waiter;
 pub(crate) mod watchdog;

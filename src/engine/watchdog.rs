@@ -12,10 +12,12 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
-use crate::api::client::Inner;
+use crate::config::Config;
 use crate::local::held::{Due, RemoteLock};
-use crate::proto::node::{ExtendReply, Renewal};
+use crate::proto::node::ExtendReply;
 use crate::stats::Counters;
+use crate::topology::Topology;
+use crate::topology::verdict::Renewal;
 
 /// Longest sleep, so that hold caps and shutdown are noticed without a kick.
 const MAX_SLEEP: Duration = Duration::from_secs(1);
@@ -33,24 +35,58 @@ pub(crate) struct Watchdog {
     held: Arc<Mutex<Held>>,
     kick: Sender<()>,
     shutdown: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the thread works with: the settings, the nodes (weakly: the thread must not keep
+/// the client's connections alive) and the counters.
+struct Context {
+    cfg: Config,
+    topology: Weak<Topology>,
+    counters: Arc<Counters>,
 }
 
 impl Watchdog {
-    pub fn start(client: Weak<Inner>) -> std::io::Result<Self> {
+    pub fn start(
+        cfg: Config,
+        topology: Weak<Topology>,
+        counters: Arc<Counters>,
+    ) -> std::io::Result<Self> {
         let held = Arc::new(Mutex::new(Held::default()));
         let (kick, kicked) = crossbeam_channel::bounded(1);
         let shutdown = Arc::new(AtomicBool::new(false));
         let (h, s) = (held.clone(), shutdown.clone());
+        let cx = Context {
+            cfg,
+            topology,
+            counters,
+        };
         let thread = std::thread::Builder::new()
             .name("redbaton-watchdog".to_owned())
-            .spawn(move || run(client, h, kicked, s))?;
+            .spawn(move || run(cx, h, kicked, s))?;
         Ok(Watchdog {
             held,
             kick,
             shutdown,
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// Stops the thread and waits for it until `deadline`; `false` if it is still running.
+    pub fn shutdown(&self, deadline: Instant) -> bool {
+        self.shutdown.store(true, Ordering::Relaxed);
+        let _ = self.kick.try_send(());
+        let mut thread = self.thread.lock();
+        match thread
+            .take()
+            .map(|t| crate::worker::join_until(t, deadline))
+        {
+            Some(Err(t)) => {
+                *thread = Some(t);
+                false
+            }
+            _ => true,
+        }
     }
 
     /// Starts watching `lock` (renewing it, or with renewals off, telling its holder when
@@ -84,29 +120,21 @@ impl Drop for Watchdog {
     fn drop(&mut self) {
         self.shutdown.store(true, Ordering::Relaxed);
         let _ = self.kick.try_send(());
-        if let Some(t) = self.thread.take()
-            && t.thread().id() != std::thread::current().id()
-        {
-            let _ = t.join();
+        if let Some(t) = self.thread.get_mut().take() {
+            crate::worker::join(t);
         }
     }
 }
 
-fn run(
-    client: Weak<Inner>,
-    held: Arc<Mutex<Held>>,
-    kicked: Receiver<()>,
-    shutdown: Arc<AtomicBool>,
-) {
-    // Nothing to do before the first registration; and the client may still be under
-    // construction (spawned inside `Arc::new_cyclic`, where `upgrade` fails until it is done).
+fn run(cx: Context, held: Arc<Mutex<Held>>, kicked: Receiver<()>, shutdown: Arc<AtomicBool>) {
+    // Nothing to do before the first registration.
     if kicked.recv().is_err() {
         return;
     }
     while !shutdown.load(Ordering::Relaxed) {
-        // Hold the client only while working, so that dropping the last handle ends us.
-        let next = match client.upgrade() {
-            Some(inner) => renew_due(&inner, &held),
+        // Hold the nodes only while working, so that dropping the client ends us.
+        let next = match cx.topology.upgrade() {
+            Some(topology) => renew_due(&cx, &topology, &held),
             None => return, // registrations come from a live client: it is gone now
         };
         let next = next.min(Instant::now() + MAX_SLEEP);
@@ -126,9 +154,9 @@ fn run(
 
 /// Renews what is due (and what would be due within a quarter interval, to batch), and
 /// returns when to look again.
-fn renew_due(inner: &Arc<Inner>, held: &Mutex<Held>) -> Instant {
-    let cfg = &inner.cfg;
-    let counters = &inner.counters;
+fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
+    let cfg = &cx.cfg;
+    let counters = &cx.counters;
     let now = Instant::now();
     let horizon = now + cfg.renew_interval / 4;
     let mut next = now + MAX_SLEEP;
@@ -154,14 +182,14 @@ fn renew_due(inner: &Arc<Inner>, held: &Mutex<Held>) -> Instant {
         return next;
     }
     // Per lock: (extended, gone, other owner) node counts.
-    let tallies = extend_on_nodes(inner, &due);
+    let tallies = extend_on_nodes(cx, topology, &due);
     let retry = (cfg.renew_interval / 4).min(Duration::from_millis(200));
-    let quorum = inner.quorum();
     for ((lock, lease), (ok, gone, other)) in due.iter().zip(tallies) {
-        let redlock = inner.nodes.len() > 1;
+        let route = topology.route(&lock.keys);
+        let (quorum, redlock) = (route.quorum(), route.sole().is_none());
         let outcome = match Renewal::judge((ok, gone, other), lock.nodes.len(), quorum, redlock) {
             Renewal::Renewed => {
-                let renew_every = inner.renew_every(*lease);
+                let renew_every = cfg.renew_every(*lease);
                 Ok((now + *lease - cfg.drift(*lease), now + renew_every))
             }
             Renewal::Lost(reason) => Err(Some(reason)),
@@ -178,17 +206,24 @@ fn renew_due(inner: &Arc<Inner>, held: &Mutex<Held>) -> Instant {
 
 /// Sends the extends, one call per node and batch, every node in parallel.
 fn extend_on_nodes(
-    inner: &Arc<Inner>,
+    cx: &Context,
+    topology: &Topology,
     due: &[(Arc<RemoteLock>, Duration)],
 ) -> Vec<(usize, usize, usize)> {
     let jobs: Arc<Vec<(Arc<RemoteLock>, Duration)>> = Arc::new(due.to_vec());
-    let client = inner.clone();
-    let per_node = inner.map_nodes(move |n| {
-        let node = &client.nodes[n];
+    let counters = cx.counters.clone();
+    // The nodes that hold any of the due locks.
+    let nodes: Vec<_> = topology
+        .nodes()
+        .iter()
+        .filter(|n| due.iter().any(|(lock, _)| lock.nodes.contains(&n.id)))
+        .cloned()
+        .collect();
+    let per_node = topology.fan_out(&nodes, move |node| {
         // Group this node's locks by lease: one script call per (lease, batch).
         let mut by_lease: HashMap<Duration, Vec<usize>> = HashMap::new();
         for (i, (lock, lease)) in jobs.iter().enumerate() {
-            if lock.nodes.contains(&n) {
+            if lock.nodes.contains(&node.id) {
                 by_lease.entry(*lease).or_default().push(i);
             }
         }
@@ -199,11 +234,11 @@ fn extend_on_nodes(
                     .iter()
                     .map(|&i| (jobs[i].0.keys.lock(), jobs[i].0.token.as_str()))
                     .collect();
-                Counters::add(&client.counters.renewals_sent, batch.len() as u64);
+                Counters::add(&counters.renewals_sent, batch.len() as u64);
                 match node.extend(&batch, lease) {
                     Ok(r) => replies.extend(chunk.iter().copied().zip(r.into_iter().map(Some))),
                     Err(e) => {
-                        log::debug!("node {n}: renewal failed: {e}");
+                        log::debug!("node {}: renewal failed: {e}", node.id);
                         replies.extend(chunk.iter().map(|&i| (i, None)));
                     }
                 }

@@ -9,6 +9,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::error::LostReason;
 use crate::proto::keys::Keys;
+use crate::proto::node::NodeId;
 use crate::stats::Counters;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -21,8 +22,8 @@ pub(crate) struct RemoteLock {
     /// The Redis fencing counter of this acquisition (Redlock: the highest of the nodes
     /// that granted it).
     pub fence: u64,
-    /// Indexes of the nodes that granted the lock.
-    pub nodes: Vec<usize>,
+    /// The nodes that granted the lock.
+    pub nodes: Vec<NodeId>,
     pub acquired_at: Instant,
     /// Renewed by the watchdog (else only watched until it expires).
     renews: bool,
@@ -58,7 +59,7 @@ pub(crate) struct Acquisition {
     pub keys: Keys,
     pub token: String,
     pub fence: u64,
-    pub nodes: Vec<usize>,
+    pub nodes: Vec<NodeId>,
     /// When the round began: validity counts from here, not from the reply.
     pub started: Instant,
 }

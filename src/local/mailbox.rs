@@ -24,7 +24,18 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::local::table::Grant;
+use std::sync::Arc;
+
+use crate::local::held::RemoteLock;
+
+/// What a queued waiter is given.
+pub(crate) enum Grant {
+    /// The lock itself, passed by the previous local holder: same Redis token and lease.
+    Baton { remote: Arc<RemoteLock>, seq: u32 },
+    /// The duty to contend in Redis for the process. `yield_first`: the previous holder
+    /// released because of the fairness budget, so let a remote waiter in first.
+    Contend { yield_first: bool },
+}
 
 /// How long before the expected release the head waiter starts spinning: its own timer
 /// wake-up (with the kernel's default 50 µs timer slack) must land before the release.

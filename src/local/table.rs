@@ -18,18 +18,26 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::fencing::MAX_LOCAL_SEQ;
 use crate::local::held::RemoteLock;
-use crate::local::mailbox::{Permit, SPIN_MAX_HOLD, Slot};
+use crate::local::mailbox::{Grant, Permit, SPIN_MAX_HOLD, Slot};
 use crate::local::spin_choice::SpinChoice;
 use crate::proto::keys::Keys;
-use crate::wake::subscriber::{Interest, Subscriber};
+use crate::proto::node::NodeId;
 
-/// What a queued waiter is given.
-pub(crate) enum Grant {
-    /// The lock itself, passed by the previous local holder: same Redis token and lease.
-    Baton { remote: Arc<RemoteLock>, seq: u32 },
-    /// The duty to contend in Redis for the process. `yield_first`: the previous holder
-    /// released because of the fairness budget, so let a remote waiter in first.
-    Contend { yield_first: bool },
+/// What the table asks a node's event listener about remote contention. The listener
+/// lives in a higher layer (the subscriber of `wake`); this trait is how the table reaches
+/// it without naming it.
+pub(crate) trait Probe {
+    /// The node this listener hears.
+    fn node(&self) -> &NodeId;
+    /// Keeps `keys` subscribed while the returned value lives, so that the holder's
+    /// process hears when a remote process fails to get the lock.
+    fn interest(&self, keys: &Keys) -> Box<dyn Send>;
+    /// Whether another process failed to get `keys` within the last `window`.
+    fn heard_mark_within(&self, keys: &Keys, window: Duration) -> bool;
+    /// Whether remote contention can be heard on this node at all.
+    fn hears_marks(&self) -> bool;
+    /// When the key's current subscription was confirmed (`None`: it is not).
+    fn confirmed_at(&self, keys: &Keys) -> Option<Instant>;
 }
 
 /// What `enter` decided for the calling thread.
@@ -77,10 +85,10 @@ struct Entry {
     acquired_at: Instant,
     /// Keeps the key subscribed while local threads queue behind a holder, so that the
     /// holder hears when a remote process fails to get the lock.
-    interests: Vec<Interest>,
+    interests: Vec<Box<dyn Send>>,
     /// Per node: the subscription (by its confirmation time) after whose confirmation the
     /// mark key was read; marks before it are then known too.
-    checked: Vec<Option<Instant>>,
+    checked: Vec<(NodeId, Instant)>,
     /// When a mark check found another process's mark.
     marked_at: Option<Instant>,
     /// When the current local holder got the lock, and the average local hold: the next
@@ -109,12 +117,12 @@ impl Entry {
         }
     }
 
-    fn others(&self, remote: &RemoteLock, subs: &[Subscriber], window: Duration) -> Others {
+    fn others<P: Probe>(&self, remote: &RemoteLock, subs: &[P], window: Duration) -> Others {
         if subs.is_empty() || self.marked_at.is_some_and(|t| t.elapsed() < window) {
             return Others::Waiting;
         }
         let mut unknown = false;
-        for (i, s) in subs.iter().enumerate() {
+        for s in subs {
             if s.heard_mark_within(&remote.keys, window) {
                 return Others::Waiting;
             }
@@ -122,7 +130,8 @@ impl Entry {
                 return Others::Waiting;
             }
             let known = s.confirmed_at(&remote.keys).is_some_and(|at| {
-                at <= remote.acquired_at || self.checked.get(i).copied().flatten() == Some(at)
+                at <= remote.acquired_at
+                    || self.checked.iter().any(|(n, t)| n == s.node() && *t == at)
             });
             unknown |= !known;
         }
@@ -171,12 +180,12 @@ pub(crate) struct Table {
 impl Table {
     /// Registers the calling thread's interest in `keys`: it either contends in Redis
     /// itself, or queues behind the local holder/contender (`handoff`).
-    pub fn enter(
+    pub fn enter<P: Probe>(
         &self,
         keys: &Keys,
         wait: bool,
         handoff: bool,
-        subs: &[Subscriber],
+        subs: &[P],
     ) -> Result<Role> {
         let me = std::thread::current().id();
         let mut map = self.map.lock();
@@ -197,7 +206,7 @@ impl Table {
         let check_marks = entry.interests.is_empty() && !subs.is_empty();
         if check_marks {
             entry.interests = subs.iter().map(|s| s.interest(keys)).collect();
-            entry.checked = vec![None; subs.len()];
+            entry.checked.clear();
         }
         let slot = Arc::new(Slot::new(me));
         entry.queue.push_back(slot.clone());
@@ -233,12 +242,11 @@ impl Table {
 
     /// Records a mark check on node `node`: the mark key was read after the subscription
     /// confirmed at `confirmed_at`; `foreign` if another process's mark was there.
-    pub fn marks_checked(&self, keys: &Keys, node: usize, confirmed_at: Instant, foreign: bool) {
+    pub fn marks_checked(&self, keys: &Keys, node: &NodeId, confirmed_at: Instant, foreign: bool) {
         let mut map = self.map.lock();
         if let Some(entry) = map.get_mut(keys.lock()) {
-            if let Some(c) = entry.checked.get_mut(node) {
-                *c = Some(confirmed_at);
-            }
+            entry.checked.retain(|(n, _)| n != node);
+            entry.checked.push((node.clone(), confirmed_at));
             if foreign {
                 entry.marked_at = Some(Instant::now());
             }
@@ -283,12 +291,12 @@ impl Table {
     /// The fairness budget (`max_handoffs`, `handoff_slice`) applies only while another
     /// process is known to wait — it failed an attempt within the contention window — or
     /// when this process cannot know (its subscription is not confirmed).
-    pub fn release(
+    pub fn release<P: Probe>(
         &self,
         remote: &Arc<RemoteLock>,
         lost: bool,
         cfg: &Config,
-        subs: &[Subscriber],
+        subs: &[P],
     ) -> Step {
         let keys = &remote.keys;
         let mut map = self.map.lock();

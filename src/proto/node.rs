@@ -80,8 +80,25 @@ pub(crate) struct Marks {
 /// The shortest read timeout an attempt gets, however close the caller's deadline.
 const MIN_ATTEMPT: Duration = Duration::from_millis(50);
 
+/// A node's stable name: its address (never a password), the same for as long as the node
+/// serves, whatever the order or number of nodes around it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct NodeId(Arc<str>);
+
+impl NodeId {
+    pub fn new(address: impl Into<Arc<str>>) -> Self {
+        NodeId(address.into())
+    }
+}
+
+impl std::fmt::Display for NodeId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 pub(crate) struct Node {
-    pub idx: usize,
+    pub id: NodeId,
     pub pool: Arc<Pool>,
     /// The database of the URL: keyspace channels are per database.
     pub db: i64,
@@ -93,23 +110,26 @@ pub(crate) struct Node {
 }
 
 impl Node {
+    /// A node at `url`; `label` names it in errors (the URL may hold a password).
     pub fn new(
-        idx: usize,
+        label: &str,
         url: &str,
         cfg: &Config,
         counters: Arc<Counters>,
         client_id: Arc<str>,
     ) -> Result<Self> {
-        let bad_url = || Error::InvalidConfig(format!("node {idx}: unparsable redis url"));
+        let bad_url = || Error::InvalidConfig(format!("{label}: unparsable redis url"));
         let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(|_| bad_url())?;
         // No `CLIENT SETINFO` pipeline at connect: against a hung server each of its
         // replies would wait a full timeout.
         let settings = info.redis_settings().clone().set_skip_set_lib_name();
         let client =
             redis::Client::open(info.set_redis_settings(settings)).map_err(|_| bad_url())?;
-        let db = client.get_connection_info().redis_settings().db();
+        let info = client.get_connection_info();
+        let db = info.redis_settings().db();
+        let id = NodeId::new(format!("{}/{db}", info.addr()));
         Ok(Node {
-            idx,
+            id,
             pool: Arc::new(Pool::new(client, cfg)),
             db,
             counters,
@@ -155,7 +175,7 @@ impl Node {
                         return Err(Error::Redis(e));
                     }
                     tries += 1;
-                    log::debug!("node {}: retrying after network error: {e}", self.idx);
+                    log::debug!("node {}: retrying after network error: {e}", self.id);
                 }
                 Err(e) => return Err(Error::Redis(e)),
             }
@@ -222,7 +242,7 @@ impl Node {
                 if is_network_error(&e) {
                     self.pool.clear_idle();
                 }
-                log::debug!("node {}: early attempt failed: {e}; retrying", self.idx);
+                log::debug!("node {}: early attempt failed: {e}; retrying", self.id);
                 self.attempt_of(self.run_until(retry, deadline, |c| ACQUIRE.run(call, c))?)
             }
             Err(e) => Err(Error::Redis(e)),
@@ -319,45 +339,6 @@ impl Node {
                 n => Err(Error::Protocol(format!("extend replied {n}"))),
             })
             .collect()
-    }
-}
-
-/// What one round of extends, on the nodes that hold a lock, says about it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Renewal {
-    /// A majority (one node: that node) extended it.
-    Renewed,
-    /// Enough nodes said "not yours" that no majority can hold it.
-    Lost(crate::error::LostReason),
-    /// Too few answers to tell (network errors): try again while the lease lasts.
-    Unknown,
-}
-
-impl Renewal {
-    /// The verdict from the replies of `holders` nodes: `ok` extended, `gone` had no key,
-    /// `other` held another token; `quorum` of all nodes is needed; `redlock` says whether
-    /// a loss is a lost majority rather than one node's answer.
-    pub fn judge(
-        (ok, gone, other): (usize, usize, usize),
-        holders: usize,
-        quorum: usize,
-        redlock: bool,
-    ) -> Renewal {
-        use crate::error::LostReason;
-        let needed = quorum.min(holders);
-        if ok >= needed {
-            Renewal::Renewed
-        } else if gone + other > holders.saturating_sub(needed) {
-            Renewal::Lost(if redlock {
-                LostReason::NoQuorum
-            } else if other > 0 {
-                LostReason::Stolen
-            } else {
-                LostReason::Deleted
-            })
-        } else {
-            Renewal::Unknown
-        }
     }
 }
 

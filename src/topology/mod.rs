@@ -1,3 +1,157 @@
 //! Which node(s) serve a lock's keys, and how many of them must agree.
+//!
+//! [`Topology`] is the one place that knows how the client's Redis is laid out. It is an
+//! enum of flavors, each in its own file: a single node ([`single`]) and Redlock over
+//! independent masters ([`redlock`]). The contend loop, the watchdog and the release path
+//! ask it for a lock's [`Route`] and for verdicts on the nodes' replies ([`verdict`]), and
+//! never count nodes themselves. Nodes are named by a stable [`NodeId`] (their address),
+//! never by position, so a flavor whose set of nodes changes while locks are held fits
+//! behind the same questions.
 
-pub(crate) mod fanout;
+mod fanout;
+mod redlock;
+mod single;
+pub(crate) mod verdict;
+
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::proto::keys::Keys;
+use crate::proto::node::{Node, NodeId, Retry};
+use crate::stats::Counters;
+
+use redlock::Redlock;
+use single::Single;
+
+/// The layout of the client's Redis.
+pub(crate) enum Topology {
+    /// One node decides alone.
+    Single(Single),
+    /// N independent masters (N odd, at least 3); a majority decides.
+    Redlock(Redlock),
+}
+
+/// The node(s) that serve one lock's keys, and how many of them must agree.
+#[derive(Clone)]
+pub(crate) struct Route {
+    nodes: Arc<[Arc<Node>]>,
+    quorum: usize,
+}
+
+impl Route {
+    fn new(nodes: Arc<[Arc<Node>]>) -> Self {
+        let quorum = nodes.len() / 2 + 1;
+        Route { nodes, quorum }
+    }
+
+    /// Every node of the route.
+    pub fn nodes(&self) -> &[Arc<Node>] {
+        &self.nodes
+    }
+
+    /// How many nodes must agree.
+    pub fn quorum(&self) -> usize {
+        self.quorum
+    }
+
+    /// The node that decides alone, when one does. A reply from it is the whole answer,
+    /// so a lost reply is worth retrying with the same arguments, and an attempt may be
+    /// sent early by the subscriber on its own.
+    pub fn sole(&self) -> Option<&Arc<Node>> {
+        match &*self.nodes {
+            [node] => Some(node),
+            _ => None,
+        }
+    }
+
+    /// How an idempotent command on this route is retried after a network failure: a
+    /// lost reply from the deciding node is retried; with a majority to decide, a hung
+    /// node is not waited for twice.
+    pub fn retry(&self) -> Retry {
+        if self.sole().is_some() {
+            Retry::LOST_REPLY
+        } else {
+            Retry::ON_RESET
+        }
+    }
+
+    /// The nodes of the route among `ids`.
+    pub fn among(&self, ids: &[NodeId]) -> Vec<Arc<Node>> {
+        self.nodes
+            .iter()
+            .filter(|n| ids.contains(&n.id))
+            .cloned()
+            .collect()
+    }
+}
+
+impl Topology {
+    /// Opens the nodes `cfg` names (no connection is made yet).
+    pub fn open(cfg: &Config, counters: &Arc<Counters>, client_id: &Arc<str>) -> Result<Self> {
+        let nodes = cfg
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, url)| {
+                Node::new(
+                    &format!("node {i}"),
+                    url,
+                    cfg,
+                    counters.clone(),
+                    client_id.clone(),
+                )
+                .map(Arc::new)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(match nodes.len() {
+            1 => Topology::Single(Single::new(nodes.into_iter().next().expect("one node"))),
+            _ => Topology::Redlock(Redlock::new(nodes)?),
+        })
+    }
+
+    /// Every node the client talks to now.
+    pub fn nodes(&self) -> &[Arc<Node>] {
+        self.any_route().nodes
+    }
+
+    /// How many of [`nodes`](Self::nodes) must be reachable at start.
+    pub fn quorum(&self) -> usize {
+        self.any_route().quorum
+    }
+
+    /// The nodes that serve the lock `keys`.
+    pub fn route(&self, _keys: &Keys) -> Route {
+        match self {
+            Topology::Single(t) => t.route(),
+            Topology::Redlock(t) => t.route(),
+        }
+    }
+
+    fn any_route(&self) -> RouteRef<'_> {
+        match self {
+            Topology::Single(t) => t.route_ref(),
+            Topology::Redlock(t) => t.route_ref(),
+        }
+    }
+
+    /// `f(node)` for each of `nodes`, in parallel where several must answer (a round
+    /// costs about the slowest node's round trip, not the sum); replies in `nodes` order.
+    pub fn fan_out<T, F>(&self, nodes: &[Arc<Node>], f: F) -> Vec<T>
+    where
+        T: Send + 'static,
+        F: Fn(&Node) -> T + Send + Sync + 'static,
+    {
+        match (self, nodes) {
+            (_, [node]) => vec![f(node)],
+            (Topology::Redlock(t), _) => t.fan_out(nodes, f),
+            (Topology::Single(_), _) => nodes.iter().map(|n| f(n)).collect(),
+        }
+    }
+}
+
+/// A borrowed view of a flavor's nodes.
+struct RouteRef<'a> {
+    nodes: &'a [Arc<Node>],
+    quorum: usize,
+}

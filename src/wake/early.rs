@@ -27,7 +27,7 @@ use redis::{Cmd, RedisResult, Value};
 use crate::error::is_network_error;
 use crate::proto::node::within_deadline;
 use crate::proto::pool::Pool;
-use crate::wake::subscriber::Snapshot;
+use crate::wake::events::Snapshot;
 
 /// A request ready to go when the key is freed.
 pub(crate) struct Armed {

@@ -2,5 +2,6 @@
 //! classifies, the attempts it sends early, and the server's notification settings.
 
 pub(crate) mod early;
+pub(crate) mod events;
 pub(crate) mod notify;
 pub(crate) mod subscriber;

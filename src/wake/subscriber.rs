@@ -29,12 +29,8 @@
 //!
 //! # What wakes whom
 //!
-//! Keyspace `del`, `expired`, `evicted` (anything but `set` and `expire`) and the
-//! library's `r` mean "the key may be free": every waiter of the key retries. `r` right
-//! after a `del` is the same release and is skipped. `set` means another owner took it
-//! (it ends a yielding contender's pause). `expire` is a renewal and wakes nobody. `c<id>`
-//! from another client means it failed to get the key: the holder's process applies its
-//! fairness budget.
+//! `events` classifies each message; this thread counts it for the key's waiters and pokes
+//! them.
 //!
 //! A contender may leave its next attempt with its watch (see `early`): on an event that
 //! may free the key, this thread sends it and reads the reply before it wakes the
@@ -50,11 +46,11 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 use redis::{Msg, PubSub, RedisResult};
 
-use crate::proto::keys::{
-    Keys, channel_of_lock, keyspace_channel, lock_of_channel, lock_of_keyspace_channel,
-};
+use crate::proto::keys::{Keys, channel_of_lock, keyspace_channel};
+use crate::proto::node::NodeId;
 use crate::stats::Counters;
 use crate::wake::early::{Armed, Early, Shot};
+use crate::wake::events::{Event, Snapshot, classify};
 
 /// How long a subscription outlives its last waiter, so that a key locked again and again
 /// does not pay a `SUBSCRIBE` each time.
@@ -67,17 +63,6 @@ const IDLE: Duration = Duration::from_millis(500);
 /// A `PING` on the subscriber connection after this long without traffic, so that a dead
 /// connection is noticed even when no event is due.
 const HEALTH_CHECK: Duration = Duration::from_secs(15);
-
-/// The counters a waiter compares before and after its attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Snapshot {
-    pub confirmed: bool,
-    pub generation: u64,
-    /// Events after which the key may be free (`del`, `expired`, the library's `r`...).
-    pub freed: u64,
-    /// Events where someone set the key (another process took it).
-    pub taken: u64,
-}
 
 struct KeySub {
     /// What was subscribed for this key on the current connection (depends on whether the
@@ -152,7 +137,7 @@ pub(crate) struct Shared {
     own_channel: AtomicBool,
     /// May `CONFIG SET` the notification classes.
     configure: bool,
-    node: usize,
+    node: NodeId,
     db: i64,
     prefix: String,
     client_id: String,
@@ -160,7 +145,7 @@ pub(crate) struct Shared {
 
 /// How a subscriber starts.
 pub(crate) struct Setup {
-    pub node: usize,
+    pub node: NodeId,
     pub db: i64,
     /// What the build-time check found (it warned if notifications are unavailable).
     pub keyspace: bool,
@@ -173,7 +158,7 @@ pub(crate) struct Setup {
 /// The subscriber of one node: the handle callers use, and the thread.
 pub(crate) struct Subscriber {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// How the thread opens its connection.
@@ -216,12 +201,34 @@ impl Subscriber {
         });
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
-            .name(format!("redbaton-sub-{node}"))
+            .name("redbaton-sub".to_owned())
             .spawn(move || run(thread_shared, kicked, connector, counters))?;
         Ok(Subscriber {
             shared,
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// The node this subscriber listens to.
+    pub fn node(&self) -> &NodeId {
+        &self.shared.node
+    }
+
+    /// Stops the thread and waits for it until `deadline`; `false` if it is still running.
+    pub fn shutdown(&self, deadline: Instant) -> bool {
+        self.shared.shutdown.store(true, Ordering::Relaxed);
+        let _ = self.shared.kick.try_send(());
+        let mut thread = self.thread.lock();
+        match thread
+            .take()
+            .map(|t| crate::worker::join_until(t, deadline))
+        {
+            Some(Err(t)) => {
+                *thread = Some(t);
+                false
+            }
+            _ => true,
+        }
     }
 
     /// Keeps `keys` subscribed (for the holder's process to hear of remote contention);
@@ -338,10 +345,8 @@ impl Drop for Subscriber {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Relaxed);
         let _ = self.shared.kick.try_send(());
-        if let Some(t) = self.thread.take()
-            && t.thread().id() != std::thread::current().id()
-        {
-            let _ = t.join();
+        if let Some(t) = self.thread.get_mut().take() {
+            crate::worker::join(t);
         }
     }
 }
@@ -429,7 +434,7 @@ impl Watch {
 }
 
 fn run(shared: Arc<Shared>, kicked: Receiver<()>, connector: Connector, counters: Arc<Counters>) {
-    let node = shared.node;
+    let node = &shared.node;
     let mut backoff = Duration::from_millis(50);
     let mut connected_once = false;
     while !shared.shutdown.load(Ordering::Relaxed) {
@@ -489,7 +494,7 @@ fn prepare(shared: &Shared, conn: &mut redis::Connection, counters: &Counters) -
     let own = probe(conn, &channel_of_lock(&probe_lock), counters)?;
     let had_keyspace = shared.keyspace.swap(keyspace, Ordering::Relaxed);
     shared.own_channel.store(own, Ordering::Relaxed);
-    let node = shared.node;
+    let node = &shared.node;
     if had_keyspace && !keyspace {
         let why = match mode {
             crate::wake::notify::Mode::Fallback(why) => why,
@@ -668,33 +673,7 @@ impl Shared {
         };
         let channel = channel.as_slice();
         let payload: &[u8] = msg.get_payload_bytes();
-        enum Kind {
-            Deleted,
-            Released,
-            Freed,
-            Taken,
-            Contended,
-            Ignored,
-        }
-        let (lock, kind) = if let Some(lock) = lock_of_keyspace_channel(channel) {
-            let kind = match payload {
-                // Our own renewals (`expire`) must not wake every waiter each renew interval.
-                b"expire" => Kind::Ignored,
-                b"set" => Kind::Taken,
-                b"del" => Kind::Deleted,
-                // del, expired, evicted, rename_from, move_from, ...: the key may be free.
-                _ => Kind::Freed,
-            };
-            (lock, kind)
-        } else if let Some(lock) = lock_of_channel(channel) {
-            let kind = match payload {
-                b"r" => Kind::Released,
-                // `c` + the failing client's id: our own failed attempts do not count.
-                [b'c', id @ ..] if id != self.client_id.as_bytes() => Kind::Contended,
-                _ => Kind::Ignored,
-            };
-            (lock, kind)
-        } else {
+        let Some((lock, kind)) = classify(channel, payload, self.client_id.as_bytes()) else {
             return;
         };
         let mut st = self.state.lock();
@@ -703,29 +682,29 @@ impl Shared {
             return;
         };
         match kind {
-            Kind::Deleted => {
+            Event::Deleted => {
                 ks.freed += 1;
                 ks.unpaired_dels += 1;
             }
             // Our release script deletes, then publishes `r`: the `del` came first (same
             // connection, same order) and already woke the waiters.
-            Kind::Released if ks.unpaired_dels > 0 => {
+            Event::Released if ks.unpaired_dels > 0 => {
                 ks.unpaired_dels -= 1;
                 return;
             }
-            Kind::Released | Kind::Freed => ks.freed += 1,
-            Kind::Taken => {
+            Event::Released | Event::Freed => ks.freed += 1,
+            Event::Taken => {
                 ks.taken += 1;
                 // A new owner: every process still waiting fails against it and marks
                 // again (Redis sends those marks after this event), so older marks say
                 // nothing about who waits now. A process left alone stops yielding.
                 ks.last_contended = None;
             }
-            Kind::Contended => ks.last_contended = Some(Instant::now()),
-            Kind::Ignored => return,
+            Event::Contended => ks.last_contended = Some(Instant::now()),
+            Event::Ignored => return,
         }
         let armed = match kind {
-            Kind::Deleted | Kind::Released | Kind::Freed => ks.take_armed(generation),
+            Event::Deleted | Event::Released | Event::Freed => ks.take_armed(generation),
             _ => None,
         };
         let Some((armed, at)) = armed else {

@@ -1,0 +1,106 @@
+//! The acquire path: the local table decides whether this thread contends in Redis or
+//! queues behind a local holder, and the outcome is recorded there.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::engine::contend::Wait;
+use crate::engine::state::Engine;
+use crate::error::Result;
+use crate::local::held::RemoteLock;
+use crate::local::mailbox::Grant;
+use crate::local::table::Role;
+use crate::proto::keys::Keys;
+use crate::stats::Counters;
+
+impl Engine {
+    /// Takes the lock `name` for the calling thread as `wait` allows: the remote lock and
+    /// the handoff number of this holder.
+    pub fn acquire(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<(Arc<RemoteLock>, u32)> {
+        let keys = Keys::new(&self.cfg.key_prefix, name)?;
+        let waits = matches!(wait, Wait::Until(_));
+        let role = self
+            .table
+            .enter(&keys, waits, self.cfg.local_handoff, &self.subs)?;
+        match role {
+            Role::Contend => Ok((self.contend_for_table(&keys, wait, false)?, 0)),
+            Role::Queued { slot, check_marks } => {
+                let deadline = wait.deadline();
+                if check_marks {
+                    self.check_marks(&keys, deadline);
+                }
+                match self.table.wait_queued(&keys, &slot, deadline) {
+                    Ok(Grant::Baton { remote, seq }) => {
+                        Counters::inc(&self.counters.local_handoffs);
+                        Ok((remote, seq))
+                    }
+                    Ok(Grant::Contend { yield_first }) => {
+                        Ok((self.contend_for_table(&keys, wait, yield_first)?, 0))
+                    }
+                    Err(e) => {
+                        if e.is_timeout() {
+                            Counters::inc(&self.counters.timeouts);
+                        }
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Contends as the table's contender for `keys` and records the outcome there.
+    fn contend_for_table(
+        self: &Arc<Self>,
+        keys: &Keys,
+        wait: Wait,
+        yield_first: bool,
+    ) -> Result<Arc<RemoteLock>> {
+        match self.contend(keys, wait, yield_first) {
+            Ok(lock) => {
+                self.table.acquired(keys);
+                if let Some(w) = &self.watchdog {
+                    w.register(lock.clone(), lock.next_due());
+                }
+                Ok(lock)
+            }
+            Err(e) => {
+                self.table.contend_failed(keys);
+                if e.is_timeout() {
+                    Counters::inc(&self.counters.timeouts);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Run by the first local waiter queued behind a holder (it is idle anyway): once the
+    /// key's subscription is confirmed, read the mark key, so that a remote waiter whose
+    /// live mark came before the subscription is known too. One `GET` per node and episode.
+    fn check_marks(self: &Arc<Self>, keys: &Keys, deadline: Option<Instant>) {
+        let now = Instant::now();
+        let soon = now.checked_add(self.cfg.read_timeout).unwrap_or(now);
+        let until = deadline.map_or(soon, |d| d.min(soon));
+        let route = self.topology.route(keys);
+        let (poke_tx, poke) = crossbeam_channel::bounded(1);
+        for node in route.nodes() {
+            let Some(sub) = self.subs.iter().find(|s| *s.node() == node.id) else {
+                continue;
+            };
+            let watch = sub.watch(keys, poke_tx.clone());
+            let confirmed_at = loop {
+                if let Some(at) = sub.confirmed_at(keys) {
+                    break Some(at);
+                }
+                if poke.recv_deadline(until).is_err() {
+                    break sub.confirmed_at(keys);
+                }
+            };
+            drop(watch);
+            let Some(at) = confirmed_at else { continue };
+            match node.foreign_mark(keys) {
+                Ok(foreign) => self.table.marks_checked(keys, &node.id, at, foreign),
+                Err(e) => log::debug!("node {}: mark check failed: {e}", node.id),
+            }
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! Giving a lock back — to the next local waiter, or in Redis — and changing its lease.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::engine::contend::YIELD;
+use crate::engine::state::Engine;
+use crate::engine::waiter::after;
+use crate::error::{Error, Result, Unlocked};
+use crate::local::held::RemoteLock;
+use crate::local::table::Step;
+use crate::proto::keys::Keys;
+use crate::proto::node::{ExtendReply, NodeId, ReleaseReply};
+use crate::stats::Counters;
+use crate::topology::Route;
+use crate::topology::verdict::{Renewal, tally_release};
+
+impl Engine {
+    /// A holder is done: hand the lock on locally, or release it in Redis.
+    pub fn release(self: &Arc<Self>, lock: &Arc<RemoteLock>) -> Result<Unlocked> {
+        let lost = lock.lost(&self.counters).is_some();
+        match self.table.release(lock, lost, &self.cfg, &self.subs) {
+            Step::HandedOff => Ok(Unlocked::HandedOff),
+            Step::Remote { forced, contended } => {
+                if forced {
+                    Counters::inc(&self.counters.budget_releases);
+                }
+                // No renewal may be sent once this returns (a renewal racing the release
+                // must not outlive it).
+                let lost = lock.begin_release(&self.counters);
+                if let Some(w) = &self.watchdog {
+                    w.unregister(lock);
+                }
+                // Redlock: on every node, not only those that granted: a node whose grant
+                // came too late to count may hold our token too.
+                let route = self.topology.route(&lock.keys);
+                let every: Vec<NodeId> = route.nodes().iter().map(|n| n.id.clone()).collect();
+                let replies = self.release_on(&lock.keys, &route, &lock.token, &every);
+                if contended {
+                    // A thread that releases and locks again would otherwise win every time:
+                    // its attempt reaches Redis before the waiters have heard of the release.
+                    let until = after(YIELD);
+                    for s in self.subs_for(&route) {
+                        s.ask_to_yield(&lock.keys, until);
+                    }
+                }
+                self.table.released(&lock.keys, forced && contended);
+                tally_release(replies, lost.is_none(), route.quorum())
+            }
+        }
+    }
+
+    /// Sets the lock's lease to `lease` on its nodes now.
+    pub fn extend(self: &Arc<Self>, lock: &Arc<RemoteLock>, lease: Duration) -> Result<()> {
+        if let Some(reason) = lock.lost(&self.counters) {
+            return Err(Error::Lost(reason));
+        }
+        lock.begin_extend();
+        let started = Instant::now();
+        let route = self.topology.route(&lock.keys);
+        let holders = route.among(&lock.nodes);
+        let l = lock.clone();
+        let replies = self.topology.fan_out(&holders, move |node| {
+            node.extend(&[(l.keys.lock(), l.token.as_str())], lease)
+        });
+        let count = |want: ExtendReply| {
+            replies
+                .iter()
+                .filter(|r| matches!(r, Ok(v) if v.first() == Some(&want)))
+                .count()
+        };
+        let tally = (
+            count(ExtendReply::Extended),
+            count(ExtendReply::Gone),
+            count(ExtendReply::Other),
+        );
+        let verdict = Renewal::judge(tally, replies.len(), route.quorum(), route.sole().is_none());
+        lock.end_extend((verdict == Renewal::Renewed).then(|| {
+            (
+                lease,
+                started + lease - self.cfg.drift(lease),
+                started + self.cfg.renew_every(lease),
+            )
+        }));
+        match verdict {
+            Renewal::Renewed => {
+                if let Some(w) = &self.watchdog {
+                    w.reschedule(lock.next_due());
+                }
+                return Ok(());
+            }
+            Renewal::Lost(reason) => {
+                lock.mark_lost(reason, &self.counters);
+                return Err(Error::Lost(reason));
+            }
+            Renewal::Unknown => {}
+        }
+        match replies.into_iter().find_map(|r| r.err()) {
+            Some(e) => Err(e),
+            None => Err(Error::Protocol("extend: no answer".to_owned())),
+        }
+    }
+
+    /// Compare-and-delete on the nodes `ids` of the route, in parallel; the replies.
+    pub(crate) fn release_on(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: &Route,
+        token: &str,
+        ids: &[NodeId],
+    ) -> Vec<Result<ReleaseReply>> {
+        let retry = route.retry();
+        let nodes = route.among(ids);
+        if let [node] = nodes.as_slice() {
+            return vec![node.release(keys, token, retry)];
+        }
+        let (k, t) = (keys.clone(), token.to_owned());
+        self.topology
+            .fan_out(&nodes, move |node| node.release(&k, &t, retry))
+    }
+
+    /// A compare-and-delete the caller does not wait for (after an ambiguous failure, so
+    /// that the deadline is kept and no stray key outlives the call by long).
+    pub(crate) fn release_in_background(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: &Route,
+        token: String,
+        nodes: Vec<NodeId>,
+    ) {
+        let (client, k, route) = (self.clone(), keys.clone(), route.clone());
+        let cleanup = move || {
+            for r in client.release_on(&k, &route, &token, &nodes) {
+                if let Err(e) = r {
+                    log::debug!("cleanup release failed (the key expires with its lease): {e}");
+                }
+            }
+        };
+        // Rare (a failed attempt): a thread of its own is cheaper than keeping one around.
+        let _ = std::thread::Builder::new()
+            .name("redbaton-cleanup".to_owned())
+            .spawn(cleanup);
+    }
+
+    /// Redlock: raises the fencing counter of the granting nodes that are behind to
+    /// `fence`, the highest among them, before the lock is used. Any later majority
+    /// overlaps this one in at least one node, whose counter is now at least `fence`: the
+    /// next holder's token is higher, even though the nodes' counters drift apart. A node
+    /// that fails here (or restarts empty later) weakens that promise: see the crate docs.
+    pub(crate) fn raise_fences(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: &Route,
+        fence: u64,
+        behind: &[NodeId],
+    ) {
+        let k = keys.clone();
+        let replies = self.topology.fan_out(&route.among(behind), move |node| {
+            node.raise_fence(&k, fence)
+        });
+        for e in replies.into_iter().filter_map(|r| r.err()) {
+            log::debug!("raising a fence counter failed: {e}");
+        }
+    }
+
+    /// Removes our contention mark on every node of the route (best effort).
+    pub(crate) fn unmark(self: &Arc<Self>, keys: &Keys, route: &Route) {
+        let k = keys.clone();
+        for r in self
+            .topology
+            .fan_out(route.nodes(), move |node| node.unmark(&k))
+        {
+            if let Err(e) = r {
+                log::debug!("removing a contention mark failed: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! The engine's shared state: what the client façade, the guards and the contend loop
+//! share, and how it starts.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::config::{Config, Wakeup};
+use crate::engine::watchdog::Watchdog;
+use crate::error::{Result, thread_error};
+use crate::local::table::Table;
+use crate::proto::node::{Node, Retry};
+use crate::stats::Counters;
+use crate::topology::{Route, Topology};
+use crate::wake::notify::{self, Mode};
+use crate::wake::subscriber::{Connector, Setup, Subscriber};
+
+/// Everything a lock operation needs. Guards hold it too, so that a guard can always
+/// release.
+pub(crate) struct Engine {
+    pub cfg: Config,
+    pub topology: Arc<Topology>,
+    /// One per node with `Wakeup::Notifications`; none when polling.
+    pub subs: Vec<Subscriber>,
+    pub table: Table,
+    pub counters: Arc<Counters>,
+    pub watchdog: Option<Watchdog>,
+}
+
+impl Engine {
+    /// Opens the topology, checks its nodes and starts the background threads.
+    pub fn start(cfg: Config) -> Result<Self> {
+        let counters = Arc::new(Counters::default());
+        let client_id: Arc<str> = uuid::Uuid::new_v4().simple().to_string().into();
+        let topology = Arc::new(Topology::open(&cfg, &counters, &client_id)?);
+        let notifications = cfg.wakeup == Wakeup::Notifications;
+        let mut modes = Vec::with_capacity(topology.nodes().len());
+        let mut first_error = None;
+        for node in topology.nodes() {
+            match check_node(node, notifications, cfg.configure_notifications) {
+                Ok(mode) => modes.push(Some(mode)),
+                Err(e) => {
+                    log::warn!("node {}: unreachable at start: {e}", node.id);
+                    first_error.get_or_insert(e);
+                    modes.push(None);
+                }
+            }
+        }
+        let reachable = modes.iter().filter(|m| m.is_some()).count();
+        if reachable < topology.quorum() {
+            return Err(first_error.expect("an unreachable node left its error"));
+        }
+        let mut subs = Vec::new();
+        for (node, mode) in topology.nodes().iter().zip(&modes) {
+            let keyspace = match mode {
+                Some(Mode::Keyspace) => true,
+                Some(Mode::Fallback(why)) => {
+                    if notifications {
+                        log::warn!(
+                            "node {}: keyspace notifications unavailable: {why}; waiters are woken by the library's release channel instead",
+                            node.id
+                        );
+                    }
+                    false
+                }
+                None => true,
+            };
+            if notifications {
+                let (connect_timeout, read_timeout, write_timeout) = node.pool.timeouts();
+                let setup = Setup {
+                    node: node.id.clone(),
+                    db: node.db,
+                    keyspace,
+                    configure: cfg.configure_notifications,
+                    prefix: cfg.key_prefix.clone(),
+                    client_id: client_id.to_string(),
+                    connector: Connector {
+                        client: node.pool.client().clone(),
+                        connect_timeout,
+                        read_timeout,
+                        write_timeout,
+                    },
+                };
+                subs.push(
+                    Subscriber::start(setup, counters.clone())
+                        .map_err(|e| thread_error("subscriber", e))?,
+                );
+            }
+        }
+        // Also with renewals off: it tells holders when their lease runs out.
+        let watchdog = Watchdog::start(cfg.clone(), Arc::downgrade(&topology), counters.clone())
+            .map_err(|e| thread_error("watchdog", e))?;
+        Ok(Engine {
+            cfg,
+            topology,
+            subs,
+            table: Table::default(),
+            counters,
+            watchdog: Some(watchdog),
+        })
+    }
+
+    /// The subscribers of the nodes of `route`.
+    pub fn subs_for<'a>(&'a self, route: &Route) -> Vec<&'a Subscriber> {
+        route
+            .nodes()
+            .iter()
+            .filter_map(|n| self.subs.iter().find(|s| *s.node() == n.id))
+            .collect()
+    }
+
+    /// Stops the background threads and waits for them until `deadline`; `false` if one
+    /// is still running then.
+    pub fn shutdown(&self, deadline: Instant) -> bool {
+        let mut all = true;
+        for s in &self.subs {
+            all &= s.shutdown(deadline);
+        }
+        if let Some(w) = &self.watchdog {
+            all &= w.shutdown(deadline);
+        }
+        all
+    }
+}
+
+/// Connects to a node once at start: proves it reachable and, when waiters are to be woken
+/// by notifications, checks (and maybe turns on) the node's keyspace notifications.
+fn check_node(node: &Node, notifications: bool, configure: bool) -> Result<Mode> {
+    if notifications {
+        node.run(Retry::NEVER, |conn| notify::ensure(conn, configure))
+    } else {
+        node.run(Retry::NEVER, |conn| redis::cmd("PING").query::<()>(conn))?;
+        Ok(Mode::Keyspace)
+    }
+}

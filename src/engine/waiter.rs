@@ -1,0 +1,273 @@
+//! A contender's wait between attempts: its subscriptions, and what ends its sleep.
+
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use redis::Cmd;
+
+use crate::engine::contend::{YIELD, earliest, new_token};
+use crate::engine::state::Engine;
+use crate::proto::keys::Keys;
+use crate::proto::node::Marks;
+use crate::topology::Route;
+use crate::wake::early::{Armed, Shot};
+use crate::wake::events::Snapshot;
+use crate::wake::subscriber::Watch;
+
+/// Why a wait ended.
+pub(crate) enum Woken {
+    Event,
+    Lease,
+    Recheck,
+    Deadline,
+    Reconnected,
+}
+
+/// A contender's subscriptions (one per node) and the channel that pokes it. Both are made
+/// only when the contender has to wait: an uncontended lock allocates neither.
+pub(crate) struct Waiter {
+    poke: Receiver<()>,
+    watches: Vec<Watch>,
+    /// Degraded-mode backoff, used only while subscriptions cannot be confirmed.
+    backoff: Duration,
+    /// The attempt armed for the subscriber to send early (see `early`).
+    pending: Option<Pending>,
+    /// How many confirmed subscriptions make the waiter's view complete (a majority of
+    /// the route's nodes), and how many of its subscribers can confirm at all.
+    needed: usize,
+    usable: usize,
+}
+
+/// An armed attempt, as the contender needs it when it reads the reply.
+pub(crate) struct Pending {
+    pub token: String,
+    pub marks: Marks,
+    pub call: Cmd,
+}
+
+impl Waiter {
+    pub fn new() -> Self {
+        Waiter {
+            poke: crossbeam_channel::never(),
+            watches: Vec::new(),
+            backoff: Duration::from_millis(10),
+            pending: None,
+            needed: 0,
+            usable: 0,
+        }
+    }
+
+    /// Before sleeping: leaves the next attempt (with a fresh token) for the subscriber to
+    /// send the moment the key may be free. One node only.
+    pub fn arm(
+        &mut self,
+        keys: &Keys,
+        client: &Engine,
+        route: &Route,
+        marked: bool,
+        deadline: Option<Instant>,
+    ) {
+        let Some(node) = route.sole() else {
+            return;
+        };
+        let [watch] = self.watches.as_slice() else {
+            return;
+        };
+        let token = new_token();
+        // We wait, so a failure marks contention; and clears our mark if we win.
+        let marks = Marks {
+            leave: true,
+            clear: marked,
+        };
+        let call = node.acquire_call(keys, &token, client.cfg.lease, marks);
+        if watch.arm(Armed::new(node.pool.clone(), &call, deadline)) {
+            self.pending = Some(Pending { token, marks, call });
+        }
+    }
+
+    /// After a wake-up: disarms, and returns the attempt in flight if the subscriber sent it.
+    pub fn take_early(&mut self) -> Option<(Shot, Pending)> {
+        let pending = self.pending.take()?;
+        let shot = self.watches.first()?.take_early()?;
+        Some((shot, pending))
+    }
+
+    /// Registers with every node's subscriber and waits until a majority confirmed (one
+    /// node: that node), bounded by the deadline and the read timeout.
+    pub fn watch(
+        &mut self,
+        keys: &Keys,
+        client: &Engine,
+        route: &Route,
+        deadline: Option<Instant>,
+    ) {
+        let (poke_tx, poke) = crossbeam_channel::bounded(1);
+        self.poke = poke;
+        let subs = client.subs_for(route);
+        self.watches = subs
+            .iter()
+            .map(|s| s.watch(keys, poke_tx.clone()))
+            .collect();
+        self.needed = route.quorum().min(self.watches.len());
+        self.usable = subs.iter().filter(|s| s.usable()).count();
+        self.confirm(client, deadline);
+    }
+
+    pub fn watching(&self) -> bool {
+        !self.watches.is_empty()
+    }
+
+    fn confirm(&self, client: &Engine, deadline: Option<Instant>) -> bool {
+        let until = earliest(after(client.cfg.read_timeout), deadline);
+        let needed = self.needed;
+        if self.usable < needed {
+            return false;
+        }
+        loop {
+            let confirmed = self
+                .watches
+                .iter()
+                .filter(|w| w.snapshot().confirmed)
+                .count();
+            if confirmed >= needed {
+                return true;
+            }
+            if self.poke.recv_deadline(until).is_err() {
+                return self
+                    .watches
+                    .iter()
+                    .filter(|w| w.snapshot().confirmed)
+                    .count()
+                    >= needed;
+            }
+        }
+    }
+
+    /// The counters before an attempt, if the subscriptions are confirmed.
+    pub fn snapshots(&self) -> Option<Vec<Snapshot>> {
+        if self.watches.is_empty() {
+            return None;
+        }
+        while self.poke.try_recv().is_ok() {}
+        let snaps: Vec<Snapshot> = self.watches.iter().map(Watch::snapshot).collect();
+        let confirmed = snaps.iter().filter(|s| s.confirmed).count();
+        (confirmed >= snaps.len().div_ceil(2).max(1)).then_some(snaps)
+    }
+
+    /// Sleeps until the key may be free: an event on any node, the holder's lease (plus a
+    /// margin, since `expired` comes when Redis evicts the key, which can be late), the
+    /// re-check ceiling, or the deadline.
+    pub fn wait_change(
+        &self,
+        before: &[Snapshot],
+        hint: Option<Duration>,
+        deadline: Option<Instant>,
+        client: &Engine,
+    ) -> Woken {
+        let recheck = after(client.cfg.recheck_interval);
+        let lease_end = hint.map(|p| after(p.saturating_add(p / 100 + Duration::from_millis(2))));
+        let mut until = recheck;
+        if let Some(t) = lease_end {
+            until = until.min(t);
+        }
+        let until = earliest(until, deadline);
+        loop {
+            for (w, b) in self.watches.iter().zip(before) {
+                let s = w.snapshot();
+                if s.generation != b.generation || (b.confirmed && !s.confirmed) {
+                    // Events may have been lost while the subscriber was away: re-confirm,
+                    // then retry once.
+                    self.confirm(client, deadline);
+                    return Woken::Reconnected;
+                }
+                if s.freed != b.freed {
+                    return Woken::Event;
+                }
+            }
+            if self.poke.recv_deadline(until).is_err() {
+                let now = Instant::now();
+                return if deadline.is_some_and(|d| now >= d) {
+                    Woken::Deadline
+                } else if lease_end.is_some_and(|t| now >= t) {
+                    Woken::Lease
+                } else {
+                    Woken::Recheck
+                };
+            }
+        }
+    }
+
+    /// Subscriptions could not be confirmed (the subscriber cannot reach Redis): retry with
+    /// a capped, jittered backoff, never longer than the holder's lease, and try to
+    /// confirm again.
+    pub fn wait_degraded(
+        &mut self,
+        hint: Option<Duration>,
+        deadline: Option<Instant>,
+        keys: &Keys,
+        client: &Engine,
+    ) -> Woken {
+        let jitter = Duration::from_millis(rand::random_range(0..=self.backoff.as_millis() as u64));
+        let mut sleep = self.backoff / 2 + jitter / 2;
+        if let Some(p) = hint {
+            sleep = sleep.min(p);
+        }
+        self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
+        let until = earliest(after(sleep), deadline);
+        log::debug!(
+            "waiting for {} without confirmed subscription",
+            keys.display()
+        );
+        let _ = self.poke.recv_deadline(until);
+        self.confirm(client, deadline);
+        Woken::Recheck
+    }
+
+    /// After this process released a lock others wait for, let them take it first: wait
+    /// for someone to set the key, or until the pause asked for at release (`asked`, per
+    /// node: until when, and the count of others' acquisitions then) runs out.
+    pub fn yield_to_others(
+        &mut self,
+        keys: &Keys,
+        deadline: Option<Instant>,
+        client: &Engine,
+        route: &Route,
+        asked: &[Option<(Instant, u64)>],
+    ) {
+        if self.watches.is_empty() {
+            self.watch(keys, client, route, deadline);
+        }
+        let before: Vec<u64> = self
+            .watches
+            .iter()
+            .zip(asked)
+            .map(|(w, a)| a.map_or_else(|| w.snapshot().taken, |(_, taken)| taken))
+            .collect();
+        let pause_end = asked
+            .iter()
+            .flatten()
+            .map(|&(until, _)| until)
+            .min()
+            .unwrap_or_else(|| after(YIELD));
+        let until = earliest(pause_end, deadline);
+        loop {
+            // Only another owner's `set` ends the pause early: our own release's `del`/`r`
+            // may still be on its way and must not count as "they went first".
+            let taken = self
+                .watches
+                .iter()
+                .zip(&before)
+                .any(|(w, b)| w.snapshot().taken != *b);
+            if taken || self.poke.recv_deadline(until).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// `d` from now, or far in the future when that cannot be represented.
+pub(crate) fn after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}

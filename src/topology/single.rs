@@ -1,0 +1,29 @@
+//! One Redis node: it serves every key and decides alone.
+
+use std::sync::Arc;
+
+use super::{Route, RouteRef};
+use crate::proto::node::Node;
+
+pub(crate) struct Single {
+    route: Route,
+}
+
+impl Single {
+    pub fn new(node: Arc<Node>) -> Self {
+        Single {
+            route: Route::new(Arc::from(vec![node])),
+        }
+    }
+
+    pub fn route(&self) -> Route {
+        self.route.clone()
+    }
+
+    pub(super) fn route_ref(&self) -> RouteRef<'_> {
+        RouteRef {
+            nodes: &self.route.nodes,
+            quorum: self.route.quorum,
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! What the nodes' replies to one operation mean, given how many must agree. Pure
+//! functions of the replies: the contend loop, the release path and the watchdog act on
+//! the verdicts and never count nodes themselves.
+
+use std::time::Duration;
+
+use crate::error::{Error, LostReason, Result, Unlocked};
+use crate::proto::node::{Attempt, NodeId, ReleaseReply, may_have_run};
+
+/// What one round of acquire attempts, one per node of the route, decided.
+#[derive(Debug)]
+pub(crate) enum Vote {
+    /// The lock is ours: the highest fence among the granting nodes, those nodes, and the
+    /// ones among them whose counter is behind that fence (to be raised).
+    Won {
+        fence: u64,
+        granted: Vec<NodeId>,
+        behind: Vec<NodeId>,
+    },
+    /// Held elsewhere: wait until the first of an event and `hint` (the holder's
+    /// remaining lease, or a jitter after a split vote), after releasing our token on
+    /// `undo`.
+    Held { hint: Option<Duration>, undo: Undo },
+    /// The round failed: return `error`, after releasing our token on `undo`.
+    Failed { error: Error, undo: Undo },
+}
+
+/// Where a round that is not ours left, or may have left, our token.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Undo {
+    /// Nodes that granted: worth a release the caller waits for, while its deadline allows.
+    pub granted: Vec<NodeId>,
+    /// Nodes whose reply was lost: the attempt may have run. Released without waiting:
+    /// a node that just failed may fail again, and the caller's deadline is not spent on it.
+    pub unknown: Vec<NodeId>,
+}
+
+impl Undo {
+    pub fn is_empty(&self) -> bool {
+        self.granted.is_empty() && self.unknown.is_empty()
+    }
+}
+
+/// How a round of replies is judged.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rules {
+    /// How many nodes must grant.
+    pub quorum: usize,
+    /// One node decides alone: its error is the round's error, and no validity check
+    /// applies (its lease counts from its own reply).
+    pub sole: bool,
+    /// Whether the lease has time left after the round took its time and the drift
+    /// margin: a late majority is no majority.
+    pub valid: bool,
+    /// The retry pause after a split vote, so that contenders fall out of lockstep.
+    pub jitter: Duration,
+}
+
+/// Judges one round of acquire replies.
+pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vote {
+    let granted: Vec<(&NodeId, u64)> = replies
+        .iter()
+        .filter_map(|(n, r)| match r {
+            Ok(Attempt::Acquired { fence }) => Some((n, *fence)),
+            _ => None,
+        })
+        .collect();
+    let total = replies.len();
+    if granted.len() >= rules.quorum && (rules.sole || rules.valid) {
+        let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
+        return Vote::Won {
+            fence,
+            granted: granted.iter().map(|&(n, _)| n.clone()).collect(),
+            behind: granted
+                .iter()
+                .filter(|&&(_, f)| f < fence)
+                .map(|&(n, _)| n.clone())
+                .collect(),
+        };
+    }
+    // Not ours: undo on every node that may hold our token, including the ones whose
+    // reply was lost.
+    let undo = Undo {
+        granted: granted.iter().map(|&(n, _)| n.clone()).collect(),
+        unknown: replies
+            .iter()
+            .filter(|(_, r)| r.as_ref().is_err_and(may_have_run))
+            .map(|(n, _)| n.clone())
+            .collect(),
+    };
+    let errors = replies.iter().filter(|(_, r)| r.is_err()).count();
+    if errors > total - rules.quorum.min(total) {
+        let granted = granted.len();
+        let mut replies = replies;
+        let first = replies
+            .iter()
+            .position(|(_, r)| r.is_err())
+            .expect("errors counted");
+        let Err(error) = replies.swap_remove(first).1 else {
+            unreachable!("position found an error")
+        };
+        let error = if rules.sole {
+            error
+        } else {
+            log::debug!("redlock round failed: {error}");
+            Error::NoQuorum {
+                granted,
+                needed: rules.quorum,
+                nodes: total,
+            }
+        };
+        return Vote::Failed { error, undo };
+    }
+    let held: Vec<Option<Duration>> = replies
+        .iter()
+        .filter_map(|(_, r)| match r {
+            Ok(Attempt::Held { pttl }) => Some(*pttl),
+            _ => None,
+        })
+        .collect();
+    let pttl = held.iter().flatten().min().copied();
+    if rules.sole || held.len() > total - rules.quorum {
+        // Others hold enough nodes that we cannot win now: wait for their release events
+        // (or their lease).
+        return Vote::Held { hint: pttl, undo };
+    }
+    // A split vote (nobody has a majority): retry after the jitter.
+    Vote::Held {
+        hint: Some(pttl.map_or(rules.jitter, |p| p.min(rules.jitter))),
+        undo,
+    }
+}
+
+/// One outcome of a release from the nodes' replies. `was_valid`: the lease had not run
+/// out when the release began, so a key that only a retry found gone was deleted by our
+/// first attempt.
+pub(crate) fn tally_release(
+    replies: Vec<Result<ReleaseReply>>,
+    was_valid: bool,
+    quorum: usize,
+) -> Result<Unlocked> {
+    let count = |want: &[ReleaseReply]| {
+        replies
+            .iter()
+            .filter(|r| matches!(r, Ok(x) if want.contains(x)))
+            .count()
+    };
+    let released = if was_valid {
+        count(&[ReleaseReply::Released, ReleaseReply::GoneAfterRetry])
+    } else {
+        count(&[ReleaseReply::Released])
+    };
+    let other = count(&[ReleaseReply::Other]);
+    let needed = quorum.min(replies.len());
+    if released >= needed {
+        return Ok(Unlocked::Released);
+    }
+    let answered = replies.iter().filter(|r| r.is_ok()).count();
+    if answered < needed {
+        // Too few answers to say anything: report the first error.
+        if let Some(Err(e)) = replies.into_iter().find(|r| r.is_err()) {
+            return Err(e);
+        }
+    }
+    Ok(if other > 0 {
+        Unlocked::HeldByOther
+    } else {
+        Unlocked::Expired
+    })
+}
+
+/// What one round of extends, on the nodes that hold a lock, says about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewal {
+    /// A majority (one node: that node) extended it.
+    Renewed,
+    /// Enough nodes said "not yours" that no majority can hold it.
+    Lost(LostReason),
+    /// Too few answers to tell (network errors): try again while the lease lasts.
+    Unknown,
+}
+
+impl Renewal {
+    /// The verdict from the replies of `holders` nodes: `ok` extended, `gone` had no key,
+    /// `other` held another token; `quorum` of all nodes is needed; `redlock` says whether
+    /// a loss is a lost majority rather than one node's answer.
+    pub fn judge(
+        (ok, gone, other): (usize, usize, usize),
+        holders: usize,
+        quorum: usize,
+        redlock: bool,
+    ) -> Renewal {
+        let needed = quorum.min(holders);
+        if ok >= needed {
+            Renewal::Renewed
+        } else if gone + other > holders.saturating_sub(needed) {
+            Renewal::Lost(if redlock {
+                LostReason::NoQuorum
+            } else if other > 0 {
+                LostReason::Stolen
+            } else {
+                LostReason::Deleted
+            })
+        } else {
+            Renewal::Unknown
+        }
+    }
+}

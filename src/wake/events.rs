@@ -1,0 +1,67 @@
+//! What an event on a subscribed channel means for the key's waiters, and the counters a
+//! waiter compares before and after its attempt.
+//!
+//! Keyspace `del`, `expired`, `evicted` (anything but `set` and `expire`) and the
+//! library's `r` mean "the key may be free": every waiter of the key retries. `r` right
+//! after a `del` is the same release (the subscriber skips it). `set` means another owner
+//! took it (it ends a yielding contender's pause). `expire` is a renewal and wakes nobody.
+//! `c<id>` from another client means it failed to get the key: the holder's process
+//! applies its fairness budget.
+
+use crate::proto::keys::{lock_of_channel, lock_of_keyspace_channel};
+
+/// The counters a waiter compares before and after its attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Snapshot {
+    pub confirmed: bool,
+    pub generation: u64,
+    /// Events after which the key may be free (`del`, `expired`, the library's `r`...).
+    pub freed: u64,
+    /// Events where someone set the key (another process took it).
+    pub taken: u64,
+}
+
+/// What one message says about its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// Keyspace `del`: freed, and the library's `r` for the same release follows.
+    Deleted,
+    /// The library's `r`: our release script deleted the key.
+    Released,
+    /// Expired, evicted, renamed away...: the key may be free.
+    Freed,
+    /// Someone set the key: another owner took it.
+    Taken,
+    /// Another client failed to get the key.
+    Contended,
+    /// Nothing a waiter cares about (a renewal, our own failed attempt, an unknown payload).
+    Ignored,
+}
+
+/// The lock key a message is about and what it means, or `None` when the channel is not
+/// one of ours. `client_id`: this client's id, whose own contention marks are ignored.
+pub(crate) fn classify<'a>(
+    channel: &'a [u8],
+    payload: &[u8],
+    client_id: &[u8],
+) -> Option<(&'a [u8], Event)> {
+    if let Some(lock) = lock_of_keyspace_channel(channel) {
+        let event = match payload {
+            // Our own renewals (`expire`) must not wake every waiter each renew interval.
+            b"expire" => Event::Ignored,
+            b"set" => Event::Taken,
+            b"del" => Event::Deleted,
+            // expired, evicted, rename_from, move_from, ...: the key may be free.
+            _ => Event::Freed,
+        };
+        return Some((lock, event));
+    }
+    let lock = lock_of_channel(channel)?;
+    let event = match payload {
+        b"r" => Event::Released,
+        // `c` + the failing client's id: our own failed attempts do not count.
+        [b'c', id @ ..] if id != client_id => Event::Contended,
+        _ => Event::Ignored,
+    };
+    Some((lock, event))
+}

@@ -1,0 +1,28 @@
+//! Stopping the library's background threads: a `Drop` only signals and joins a thread
+//! that is not the current one; [`join_until`] lets a user wait for them with a bound.
+
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Joins `handle` if it ends by `deadline`; gives it back otherwise. Never joins the
+/// current thread (a worker may drop the last handle of what owns it).
+pub(crate) fn join_until(handle: JoinHandle<()>, deadline: Instant) -> Result<(), JoinHandle<()>> {
+    if handle.thread().id() == std::thread::current().id() {
+        return Ok(());
+    }
+    while !handle.is_finished() {
+        if Instant::now() >= deadline {
+            return Err(handle);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = handle.join();
+    Ok(())
+}
+
+/// Joins `handle` unless it is the current thread.
+pub(crate) fn join(handle: JoinHandle<()>) {
+    if handle.thread().id() != std::thread::current().id() {
+        let _ = handle.join();
+    }
+}
