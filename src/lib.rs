@@ -67,6 +67,9 @@
 //!   resource needs strict fencing through node failures, use one node with persistence
 //!   (`appendfsync always`) or a consensus system.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs, clippy::missing_errors_doc)]
+
 mod api;
 mod config;
 mod engine;

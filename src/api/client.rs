@@ -83,6 +83,11 @@ impl LockClient {
 
     /// Takes the lock if it is free right now; [`Error::WouldBlock`] otherwise.
     ///
+    /// # Errors
+    ///
+    /// [`Error::WouldBlock`] when another holder (a thread of this process, or another
+    /// process) has it; otherwise as [`lock`](Self::lock).
+    ///
     /// # Examples
     ///
     /// ```
@@ -100,6 +105,11 @@ impl LockClient {
     }
 
     /// Waits at most `timeout`; [`Error::Timeout`] after. A zero timeout makes one attempt.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when the lock was not free within `timeout`; otherwise as
+    /// [`lock`](Self::lock).
     ///
     /// # Examples
     ///
@@ -124,6 +134,11 @@ impl LockClient {
     /// Waits until `deadline` at most; [`Error::Timeout`] after. A deadline in the past
     /// makes one attempt.
     ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when the lock was not free by `deadline`; otherwise as
+    /// [`lock`](Self::lock).
+    ///
     /// # Examples
     ///
     /// ```
@@ -140,6 +155,11 @@ impl LockClient {
     }
 
     /// Runs `f` while holding the lock, and releases it after, also when `f` panics.
+    ///
+    /// # Errors
+    ///
+    /// As [`lock`](Self::lock); `f` does not run then. A failed release after `f` ran is
+    /// logged, not returned: the lock then expires with its lease.
     ///
     /// # Examples
     ///

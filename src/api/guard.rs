@@ -184,6 +184,10 @@ impl LockGuard {
 
     /// `Ok(())` while the lock is held, [`Error::Lost`] once it is known lost.
     ///
+    /// # Errors
+    ///
+    /// [`Error::Lost`] with the reason, once the lock is known lost.
+    ///
     /// # Examples
     ///
     /// ```
@@ -202,6 +206,11 @@ impl LockGuard {
 
     /// Sets the lock's remaining lease to `lease` now (the watchdog then keeps renewing at a
     /// third of it). Fails with [`Error::Lost`] if the lock is no longer ours.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Lost`] when the lock is no longer ours; [`Error::InvalidConfig`] for a zero
+    /// lease; Redis errors when too few nodes answered to tell.
     ///
     /// # Examples
     ///
@@ -224,6 +233,12 @@ impl LockGuard {
 
     /// Releases the lock — to the next waiting thread of this process when the baton
     /// allows, else in Redis — and says what happened.
+    ///
+    /// # Errors
+    ///
+    /// Redis errors when too few nodes answered to tell whether the lock was released (it
+    /// then expires with its lease). A lock that had expired or was taken by another
+    /// owner is not an error: see [`Unlocked`].
     ///
     /// # Examples
     ///

@@ -5,21 +5,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::Wakeup;
+use crate::engine::clock::{after, earliest};
 use crate::engine::state::Engine;
-use crate::engine::waiter::{Pending, Waiter, Woken, after};
+use crate::engine::waiter::{Pending, Waiter, Woken};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, RemoteLock};
 use crate::proto::keys::Keys;
-use crate::proto::node::{Attempt, Marks, NodeId};
+use crate::proto::node::{Attempt, Marks, NodeId, new_token};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::verdict::{Rules, Undo, Vote, vote};
 use crate::wake::early::Shot;
-
-/// How long a contender of a process that just released a contended lock lets the other
-/// waiters go first (it is woken sooner by their acquisition's `set` event).
-pub(crate) const YIELD: Duration = Duration::from_millis(10);
 
 /// The outcome of one round of attempts.
 enum Round {
@@ -298,17 +295,4 @@ impl Engine {
         Counters::inc(&self.counters.remote_acquisitions);
         Ok(Round::Acquired(lock))
     }
-}
-
-/// A fresh owner token: a random UUID v4, from the thread-local CSPRNG (seeded by the OS)
-/// rather than a `getrandom` system call per lock.
-pub(crate) fn new_token() -> String {
-    uuid::Builder::from_random_bytes(rand::random())
-        .into_uuid()
-        .hyphenated()
-        .to_string()
-}
-
-pub(crate) fn earliest(t: Instant, deadline: Option<Instant>) -> Instant {
-    deadline.map_or(t, |d| d.min(t))
 }

@@ -2,6 +2,7 @@
 //! the watchdog, over the shared [`state::Engine`].
 
 pub(crate) mod acquire;
+pub(crate) mod clock;
 pub(crate) mod contend;
 mod probe;
 pub(crate) mod release;

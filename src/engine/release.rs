@@ -3,9 +3,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::engine::contend::YIELD;
+use crate::engine::clock::{YIELD, after};
 use crate::engine::state::Engine;
-use crate::engine::waiter::after;
 use crate::error::{Error, Result, Unlocked};
 use crate::local::held::RemoteLock;
 use crate::local::table::Step;

@@ -5,10 +5,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use redis::Cmd;
 
-use crate::engine::contend::{YIELD, earliest, new_token};
+use crate::engine::clock::{YIELD, after, earliest};
 use crate::engine::state::Engine;
 use crate::proto::keys::Keys;
-use crate::proto::node::Marks;
+use crate::proto::node::{Marks, new_token};
 use crate::topology::Route;
 use crate::wake::early::{Armed, Shot};
 use crate::wake::events::Snapshot;
@@ -263,11 +263,4 @@ impl Waiter {
             }
         }
     }
-}
-
-/// `d` from now, or far in the future when that cannot be represented.
-pub(crate) fn after(d: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(d)
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }

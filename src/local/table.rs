@@ -370,3 +370,249 @@ impl Table {
 fn contention_window(cfg: &Config) -> Duration {
     cfg.recheck_interval + cfg.recheck_interval / 2
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::held::Acquisition;
+
+    /// A node listener with fixed answers.
+    struct Fake {
+        node: NodeId,
+        others_waiting: bool,
+        confirmed_at: Instant,
+    }
+
+    impl Probe for Fake {
+        fn node(&self) -> &NodeId {
+            &self.node
+        }
+        fn interest(&self, _: &Keys) -> Box<dyn Send> {
+            Box::new(())
+        }
+        fn heard_mark_within(&self, _: &Keys, _: Duration) -> bool {
+            self.others_waiting
+        }
+        fn hears_marks(&self) -> bool {
+            true
+        }
+        fn confirmed_at(&self, _: &Keys) -> Option<Instant> {
+            Some(self.confirmed_at)
+        }
+    }
+
+    fn probes(others_waiting: bool) -> Vec<Fake> {
+        vec![Fake {
+            node: NodeId::new("127.0.0.1:1/0"),
+            others_waiting,
+            // Confirmed before any acquisition: what it heard is complete.
+            confirmed_at: Instant::now() - Duration::from_secs(120),
+        }]
+    }
+
+    fn config(max_handoffs: u32) -> Config {
+        crate::api::builder::Builder::new()
+            .max_handoffs(max_handoffs)
+            .validate()
+            .expect("valid settings")
+    }
+
+    fn keys() -> Keys {
+        Keys::new("t:", b"k").unwrap()
+    }
+
+    fn remote(keys: &Keys) -> Arc<RemoteLock> {
+        let lease = Duration::from_secs(30);
+        Arc::new(RemoteLock::new(
+            Acquisition {
+                keys: keys.clone(),
+                token: "tok".to_owned(),
+                fence: 1,
+                nodes: vec![NodeId::new("127.0.0.1:1/0")],
+                started: Instant::now() - Duration::from_secs(60),
+            },
+            lease,
+            Duration::ZERO,
+            None,
+        ))
+    }
+
+    /// This thread contends and acquires; returns the remote lock it holds.
+    fn hold(table: &Table, keys: &Keys, subs: &[Fake]) -> Arc<RemoteLock> {
+        assert!(matches!(
+            table.enter(keys, true, true, subs),
+            Ok(Role::Contend)
+        ));
+        table.acquired(keys);
+        remote(keys)
+    }
+
+    /// Queues a waiter on another thread; returns its slot once it is queued.
+    fn queue_elsewhere(table: &Table, keys: &Keys, subs: &[Fake]) -> Arc<Slot> {
+        std::thread::scope(|s| {
+            s.spawn(|| match table.enter(keys, true, true, subs) {
+                Ok(Role::Queued { slot, .. }) => slot,
+                _ => panic!("expected to queue"),
+            })
+            .join()
+            .unwrap()
+        })
+    }
+
+    #[test]
+    fn smoke() {
+        let (table, keys, subs) = (Table::default(), keys(), probes(false));
+        let lock = hold(&table, &keys, &subs);
+        let step = table.release(&lock, false, &config(10), &subs);
+        assert!(matches!(
+            step,
+            Step::Remote {
+                forced: false,
+                contended: false
+            }
+        ));
+        table.released(&keys, false);
+        assert!(table.map.lock().is_empty(), "entry removed when idle");
+    }
+
+    #[test]
+    fn asking_again_for_a_held_lock_is_a_deadlock_error() {
+        let (table, keys, subs) = (Table::default(), keys(), probes(false));
+        let _lock = hold(&table, &keys, &subs);
+        assert!(matches!(
+            table.enter(&keys, true, true, &subs),
+            Err(Error::WouldDeadlock)
+        ));
+    }
+
+    #[test]
+    fn a_try_behind_a_local_holder_would_block() {
+        let (table, keys, subs) = (Table::default(), keys(), probes(false));
+        let _lock = hold(&table, &keys, &subs);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                assert!(matches!(
+                    table.enter(&keys, false, true, &subs),
+                    Err(Error::WouldBlock)
+                ))
+            });
+        });
+    }
+
+    #[test]
+    fn release_hands_the_baton_to_the_queued_waiter() {
+        let (table, keys, subs) = (Table::default(), keys(), probes(false));
+        let lock = hold(&table, &keys, &subs);
+        let slot = queue_elsewhere(&table, &keys, &subs);
+        assert!(matches!(
+            table.release(&lock, false, &config(10), &subs),
+            Step::HandedOff
+        ));
+        match slot.take() {
+            Some(Grant::Baton { remote, seq }) => {
+                assert_eq!(seq, 1);
+                assert!(Arc::ptr_eq(&remote, &lock));
+            }
+            _ => panic!("expected the baton"),
+        }
+        assert_eq!(
+            table.map.lock()[keys.lock()].holder,
+            Some(slot.thread),
+            "the waiter holds it now"
+        );
+    }
+
+    #[test]
+    fn a_lost_lock_is_not_handed_on() {
+        let (table, keys, subs) = (Table::default(), keys(), probes(false));
+        let lock = hold(&table, &keys, &subs);
+        let slot = queue_elsewhere(&table, &keys, &subs);
+        assert!(matches!(
+            table.release(&lock, true, &config(10), &subs),
+            Step::Remote { .. }
+        ));
+        // After the release in Redis, the waiter contends for the process.
+        table.released(&keys, false);
+        assert!(matches!(
+            slot.take(),
+            Some(Grant::Contend { yield_first: false })
+        ));
+    }
+
+    #[test]
+    fn a_waiter_timing_out_leaves_the_queue() {
+        let (table, keys, subs) = (Table::default(), keys(), probes(false));
+        let lock = hold(&table, &keys, &subs);
+        let slot = queue_elsewhere(&table, &keys, &subs);
+        let past = Some(Instant::now() - Duration::from_millis(1));
+        assert!(matches!(
+            table.wait_queued(&keys, &slot, past),
+            Err(Error::Timeout)
+        ));
+        // Nobody to hand it to: the release goes to Redis.
+        assert!(matches!(
+            table.release(&lock, false, &config(10), &subs),
+            Step::Remote { forced: false, .. }
+        ));
+    }
+
+    #[test]
+    fn a_grant_that_races_the_timeout_is_taken_not_lost() {
+        let (table, keys, subs) = (Table::default(), keys(), probes(false));
+        let lock = hold(&table, &keys, &subs);
+        let slot = queue_elsewhere(&table, &keys, &subs);
+        assert!(matches!(
+            table.release(&lock, false, &config(10), &subs),
+            Step::HandedOff
+        ));
+        // The deadline has passed too, but the grant came first: the waiter holds it.
+        let past = Some(Instant::now() - Duration::from_millis(1));
+        assert!(matches!(
+            table.wait_queued(&keys, &slot, past),
+            Ok(Grant::Baton { seq: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn the_budget_applies_only_while_another_process_waits() {
+        let keys = keys();
+        for (others_waiting, expect_forced) in [(false, false), (true, true)] {
+            let (table, subs) = (Table::default(), probes(others_waiting));
+            let lock = hold(&table, &keys, &subs);
+            let cfg = config(1);
+            // First handoff: within the budget of one.
+            queue_elsewhere(&table, &keys, &subs);
+            assert!(matches!(
+                table.release(&lock, false, &cfg, &subs),
+                Step::HandedOff
+            ));
+            // Pretend the waiter is this thread now, and a next one queues.
+            table.map.lock().get_mut(keys.lock()).unwrap().holder =
+                Some(std::thread::current().id());
+            queue_elsewhere(&table, &keys, &subs);
+            let step = table.release(&lock, false, &cfg, &subs);
+            match step {
+                Step::Remote { forced, contended } => {
+                    assert!(expect_forced, "budget spent while others wait");
+                    assert!(forced && contended);
+                }
+                Step::HandedOff => assert!(!expect_forced, "alone: keeps the baton"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_contender_that_gives_up_passes_the_duty_on() {
+        let (table, keys, subs) = (Table::default(), keys(), probes(false));
+        assert!(matches!(
+            table.enter(&keys, true, true, &subs),
+            Ok(Role::Contend)
+        ));
+        let slot = queue_elsewhere(&table, &keys, &subs);
+        table.contend_failed(&keys);
+        assert!(matches!(
+            slot.take(),
+            Some(Grant::Contend { yield_first: false })
+        ));
+    }
+}

@@ -377,3 +377,12 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
         _ => true,
     }
 }
+
+/// A fresh owner token: a random UUID v4, from the thread-local CSPRNG (seeded by the OS)
+/// rather than a `getrandom` system call per lock.
+pub(crate) fn new_token() -> String {
+    uuid::Builder::from_random_bytes(rand::random())
+        .into_uuid()
+        .hyphenated()
+        .to_string()
+}

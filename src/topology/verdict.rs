@@ -206,3 +206,214 @@ impl Renewal {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(n: u16) -> NodeId {
+        NodeId::new(format!("127.0.0.1:{n}/0"))
+    }
+
+    fn io_error() -> Error {
+        Error::Redis(redis::RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "timed out",
+        )))
+    }
+
+    fn rules(quorum: usize, sole: bool) -> Rules {
+        Rules {
+            quorum,
+            sole,
+            valid: true,
+            jitter: Duration::from_millis(7),
+        }
+    }
+
+    fn acquired(fence: u64) -> Result<Attempt> {
+        Ok(Attempt::Acquired { fence })
+    }
+
+    fn held(ms: u64) -> Result<Attempt> {
+        Ok(Attempt::Held {
+            pttl: Some(Duration::from_millis(ms)),
+        })
+    }
+
+    #[test]
+    fn smoke() {
+        let v = vote(vec![(id(1), acquired(5))], rules(1, true));
+        assert!(matches!(v, Vote::Won { fence: 5, .. }));
+    }
+
+    #[test]
+    fn one_node_held_waits_for_its_lease_and_undoes_nothing() {
+        match vote(vec![(id(1), held(300))], rules(1, true)) {
+            Vote::Held { hint, undo } => {
+                assert_eq!(hint, Some(Duration::from_millis(300)));
+                assert!(undo.is_empty());
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn one_node_error_is_the_error_and_the_key_may_be_ours() {
+        match vote(vec![(id(1), Err(io_error()))], rules(1, true)) {
+            Vote::Failed { error, undo } => {
+                assert!(error.is_connection(), "{error:?}");
+                assert_eq!(undo.unknown, vec![id(1)]);
+                assert!(undo.granted.is_empty());
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_majority_wins_with_the_highest_fence_and_raises_the_others() {
+        let replies = vec![
+            (id(1), acquired(7)),
+            (id(2), held(100)),
+            (id(3), acquired(9)),
+        ];
+        match vote(replies, rules(2, false)) {
+            Vote::Won {
+                fence,
+                granted,
+                behind,
+            } => {
+                assert_eq!(fence, 9);
+                assert_eq!(granted, vec![id(1), id(3)]);
+                assert_eq!(behind, vec![id(1)]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_late_majority_is_no_majority() {
+        let replies = vec![
+            (id(1), acquired(1)),
+            (id(2), acquired(1)),
+            (id(3), held(50)),
+        ];
+        let late = Rules {
+            valid: false,
+            ..rules(2, false)
+        };
+        match vote(replies, late) {
+            Vote::Held { undo, .. } => assert_eq!(undo.granted, vec![id(1), id(2)]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn too_many_errors_is_no_quorum_with_the_count_granted() {
+        let replies = vec![
+            (id(1), acquired(3)),
+            (id(2), Err(io_error())),
+            (id(3), Err(io_error())),
+        ];
+        match vote(replies, rules(2, false)) {
+            Vote::Failed { error, undo } => {
+                assert!(matches!(
+                    error,
+                    Error::NoQuorum {
+                        granted: 1,
+                        needed: 2,
+                        nodes: 3
+                    }
+                ));
+                assert_eq!(undo.granted, vec![id(1)]);
+                assert_eq!(undo.unknown, vec![id(2), id(3)]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_split_vote_retries_after_the_jitter() {
+        let replies = vec![
+            (id(1), acquired(3)),
+            (id(2), held(5000)),
+            (id(3), Err(io_error())),
+        ];
+        match vote(replies, rules(2, false)) {
+            Vote::Held { hint, undo } => {
+                assert_eq!(hint, Some(Duration::from_millis(7)));
+                assert_eq!(undo.granted, vec![id(1)]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn held_by_a_majority_waits_for_the_shortest_lease() {
+        let replies = vec![(id(1), held(900)), (id(2), held(400)), (id(3), acquired(1))];
+        match vote(replies, rules(2, false)) {
+            Vote::Held { hint, .. } => assert_eq!(hint, Some(Duration::from_millis(400))),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn release_tally() {
+        use ReleaseReply::*;
+        let ok = |r| Ok(r);
+        assert_eq!(
+            tally_release(vec![ok(Released)], true, 1).unwrap(),
+            Unlocked::Released
+        );
+        // A retry that found the key gone: our first attempt deleted it, if the lease
+        // was still running.
+        assert_eq!(
+            tally_release(vec![ok(GoneAfterRetry)], true, 1).unwrap(),
+            Unlocked::Released
+        );
+        assert_eq!(
+            tally_release(vec![ok(GoneAfterRetry)], false, 1).unwrap(),
+            Unlocked::Expired
+        );
+        assert_eq!(
+            tally_release(vec![ok(Other)], true, 1).unwrap(),
+            Unlocked::HeldByOther
+        );
+        assert_eq!(
+            tally_release(vec![ok(Released), ok(Gone), ok(Released)], true, 2).unwrap(),
+            Unlocked::Released
+        );
+        assert_eq!(
+            tally_release(vec![ok(Released), ok(Gone), ok(Other)], true, 2).unwrap(),
+            Unlocked::HeldByOther
+        );
+        // Too few answers: the first error.
+        let e = tally_release(
+            vec![ok(Released), Err(io_error()), Err(io_error())],
+            true,
+            2,
+        )
+        .unwrap_err();
+        assert!(e.is_connection());
+    }
+
+    #[test]
+    fn renewal_verdicts() {
+        use LostReason::*;
+        let one = |t| Renewal::judge(t, 1, 1, false);
+        assert_eq!(one((1, 0, 0)), Renewal::Renewed);
+        assert_eq!(one((0, 1, 0)), Renewal::Lost(Deleted));
+        assert_eq!(one((0, 0, 1)), Renewal::Lost(Stolen));
+        assert_eq!(one((0, 0, 0)), Renewal::Unknown);
+        let five = |t| Renewal::judge(t, 5, 3, true);
+        assert_eq!(five((3, 2, 0)), Renewal::Renewed);
+        assert_eq!(five((2, 2, 0)), Renewal::Unknown);
+        assert_eq!(five((2, 2, 1)), Renewal::Lost(NoQuorum));
+        // Held on 3 of 5: all three must still be ours.
+        assert_eq!(
+            Renewal::judge((2, 1, 0), 3, 3, true),
+            Renewal::Lost(NoQuorum)
+        );
+        assert_eq!(Renewal::judge((2, 0, 0), 3, 3, true), Renewal::Unknown);
+    }
+}

@@ -65,3 +65,46 @@ pub(crate) fn classify<'a>(
     };
     Some((lock, event))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ME: &[u8] = b"me";
+
+    #[test]
+    fn smoke() {
+        assert_eq!(
+            classify(b"__keyspace@0__:p:{k}", b"del", ME),
+            Some((&b"p:{k}"[..], Event::Deleted))
+        );
+    }
+
+    #[test]
+    fn keyspace_events() {
+        let ch = b"__keyspace@3__:p:{k}";
+        let kind = |payload: &[u8]| classify(ch, payload, ME).map(|(_, e)| e);
+        assert_eq!(kind(b"set"), Some(Event::Taken));
+        assert_eq!(kind(b"expire"), Some(Event::Ignored));
+        assert_eq!(kind(b"expired"), Some(Event::Freed));
+        assert_eq!(kind(b"evicted"), Some(Event::Freed));
+        assert_eq!(kind(b"rename_from"), Some(Event::Freed));
+    }
+
+    #[test]
+    fn library_channel_events() {
+        let ch = b"p:{k}:ev";
+        let kind = |payload: &[u8]| classify(ch, payload, ME).map(|(_, e)| e);
+        assert_eq!(kind(b"r"), Some(Event::Released));
+        assert_eq!(kind(b"cother"), Some(Event::Contended));
+        // Our own failed attempts are not contention.
+        assert_eq!(kind(b"cme"), Some(Event::Ignored));
+        assert_eq!(kind(b"?"), Some(Event::Ignored));
+        assert_eq!(classify(ch, b"r", ME).map(|(l, _)| l), Some(&b"p:{k}"[..]));
+    }
+
+    #[test]
+    fn other_channels_are_not_ours() {
+        assert_eq!(classify(b"news", b"r", ME), None);
+    }
+}
