@@ -1,9 +1,8 @@
 //! A queued local waiter's mailbox, and how it waits for its grant.
 //!
 //! A local handoff costs the next holder's wake-up: a futex wake and, when its CPU has gone
-//! idle, an inter-processor interrupt, which on a virtual machine means a VM exit (40-60 µs
-//! measured on this project's 2-vCPU VM, a quarter of a 100 µs critical section's cycle).
-//! So the waiter at the head of the queue is told when the current holder is *expected* to
+//! idle, an inter-processor interrupt, which on a virtual machine means a VM exit (tens of
+//! microseconds: a large share of a short critical section's cycle). So the waiter at the head of the queue is told when the current holder is *expected* to
 //! release (its predecessor's hold time, averaged: see the table), sleeps until shortly
 //! before, and then spins, yielding, until the grant arrives or a short grace period
 //! passes, after which it sleeps again. Only the head spins, for at most
@@ -14,8 +13,8 @@
 //! Telling a head costs a wake-up of its own (to re-plan its sleep), and a spinning head
 //! takes a core, so a head is told only with a [`Permit`]: at most one fewer than the
 //! machine's cores across the process, and only while the process is busy with no more
-//! keys than that. Measured on 2 cores with 32 threads on 8 hot keys: spinning for every
-//! key cost a quarter to a third of the throughput; gated, nothing measurable.
+//! keys than that: spinning for every key of a busy process takes the cores its holders
+//! need (see `docs/benchmarks.md`).
 
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -2,13 +2,9 @@
 //! from the key's own handoffs.
 //!
 //! A spinning head saves the next holder's wake-up, but keeps a core busy while the
-//! current holder still works, and which of the two weighs more depends on the machine.
-//! Measured with 1 process × 8 threads on 100 µs sections that each make two Redis round
-//! trips: on one 2-vCPU VM, where waking a parked thread costs a VM exit of 40–60 µs,
-//! the spin took throughput from 80–85% to 92–98% of one thread running the sections
-//! alone; on another, the handoff gap fell by ~25 µs but each section took ~40 µs longer
-//! (its round trips and timer wake-ups had to share the other vCPU), and throughput fell
-//! by about 5%.
+//! current holder still works; which of the two weighs more depends on the machine (how
+//! much a wake-up costs there, and whether the holder's own round trips need the core the
+//! head spins on). `docs/benchmarks.md` has the measurements behind this choice.
 //!
 //! So each key measures both. The table notes every local hold that began and ended with
 //! a handoff: from the grant to the next grant, it includes the holder's wake-up and the

@@ -4,8 +4,8 @@
 //! Without this, a handoff between processes costs the event's delivery to the subscriber
 //! thread, a wake-up of the contender thread, and only then the acquire's round trip, with
 //! Redis gone idle in between. With it, the round trip starts as soon as the event is
-//! read, on the thread that is already running: measured on loopback, a handoff is about a
-//! fifth faster (see the README's figures).
+//! read, on the thread that is already running, and a handoff between processes is that
+//! much shorter (`docs/benchmarks.md` has the figures).
 //!
 //! A contender *arms* its watch with the request (built with its next token) just before it
 //! sleeps, and *takes* it back at each wake-up, fired or not. The subscriber fires at most
