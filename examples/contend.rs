@@ -81,13 +81,8 @@ use clap::{Parser, ValueEnum};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use indicatif::{ProgressBar, ProgressStyle};
 use redbaton::{LockClient, Unlocked, Wakeup};
+use redbaton_testkit::{clock, server};
 use serde::{Deserialize, Serialize};
-
-#[path = "../tests/support/clock.rs"]
-mod clock;
-#[path = "../tests/support/server.rs"]
-#[allow(dead_code)]
-mod server;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Res<T> = Result<T, BoxError>;

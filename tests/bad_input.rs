@@ -13,15 +13,13 @@
 //! * The minimal Redis 7 ACL for a client with key prefix `redbaton:` is
 //!   [`MINIMAL_ACL`] (see `acl_minimal_user_*`).
 
-mod support;
-
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, MAX_NAME_LEN, Unlocked, Wakeup};
-use support::server::RedisServer;
-use support::{init_log, ms};
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{init_log, ms};
 
 /// The smallest ACL rule set with which a `redbaton` client (default prefix `redbaton:`,
 /// database 0) works fully on Redis 7 — found by trial: each rule below was removed in turn

@@ -8,17 +8,15 @@
 //! must be empty on entry, and a counter updated with a separate load and store (or GET and
 //! SET across processes), so that an overlap shows up as a lost update.
 
-mod support;
-
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use redbaton::{Builder, Error, LockClient, LostReason, Stats, Unlocked};
-use support::child;
-use support::server::RedisServer;
-use support::{init_log, ms};
+use redbaton_testkit::child;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{init_log, ms};
 
 const PREFIX: &str = "bt:";
 

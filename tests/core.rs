@@ -2,8 +2,6 @@
 //! (threads and processes), fencing tokens, release on panic, `try_lock*`, the idempotent
 //! acquire after a lost reply, unlock outcomes, bad input, and the connection bound.
 
-mod support;
-
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -12,11 +10,11 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, Unlocked};
+use redbaton_testkit::child;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{init_log, ms};
 use redis::Connection;
-use support::child;
-use support::proxy::Proxy;
-use support::server::RedisServer;
-use support::{init_log, ms};
 
 const PREFIX: &str = "redbaton:";
 

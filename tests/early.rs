@@ -4,16 +4,14 @@
 //! reply, and a waiter that gave up before the release (its armed attempt must never go
 //! out). Bounds are generous liveness bounds.
 
-mod support;
-
 use std::thread;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use redbaton::{LockClient, Unlocked};
-use support::ms;
-use support::proxy::Proxy;
-use support::server::RedisServer;
+use redbaton_testkit::ms;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::RedisServer;
 
 fn secs(n: u64) -> Duration {
     Duration::from_secs(n)

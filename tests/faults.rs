@@ -12,8 +12,6 @@
 //!   every `try_lock_for` returning by its deadline plus a margin, no hung thread or
 //!   process, no lock key left at the end.
 
-mod support;
-
 use std::collections::{BTreeMap, HashMap};
 use std::process::Child;
 use std::sync::{Arc, Mutex, mpsc};
@@ -24,10 +22,10 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use redbaton::{Error, LockClient, LostReason, Unlocked};
-use support::child;
-use support::proxy::Proxy;
-use support::server::RedisServer;
-use support::{init_log, ms};
+use redbaton_testkit::child;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{init_log, ms};
 
 /// Short leases so that every fault resolves within about a second.
 const LEASE: Duration = Duration::from_secs(1);

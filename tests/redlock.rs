@@ -20,16 +20,14 @@
 //! paused node fails fast. Bounds asserted are liveness bounds, generous for a loaded 2-core
 //! CI machine; measured figures are printed with `eprintln!`.
 
-mod support;
-
 use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{Builder, Error, LockClient, LockGuard, LostReason, Stats, Unlocked};
-use support::child;
-use support::proxy::Proxy;
-use support::server::{self, RedisServer};
-use support::{init_log, ms};
+use redbaton_testkit::child;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::{self, RedisServer};
+use redbaton_testkit::{init_log, ms};
 
 const PREFIX: &str = "rl:";
 /// Per-node connect/read/write timeout for tests where nodes stop answering.

@@ -2,7 +2,7 @@
 //! against a real `redis-server`.
 //!
 //! Holders and waiters live in different processes wherever the claim is about other
-//! processes (child processes re-run this binary, see `support::child`). Time bounds are
+//! processes (child processes re-run this binary, see `redbaton_testkit::child`). Time bounds are
 //! generous liveness bounds, never speed claims; measured figures are printed with
 //! `eprintln!` (run with `--nocapture` to see them).
 //!
@@ -14,8 +14,6 @@
 //! Three tests are regressions of fixed library bugs (server restart, and the two Redis 7
 //! ACL cases).
 
-mod support;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, Once};
@@ -25,9 +23,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crossbeam_channel::Receiver;
 use parking_lot::RwLock;
 use redbaton::{LockClient, Stats, Unlocked, Wakeup};
-use support::child;
-use support::ms;
-use support::server::RedisServer;
+use redbaton_testkit::child;
+use redbaton_testkit::ms;
+use redbaton_testkit::server::RedisServer;
 
 /// Held for writing by CPU-heavy tests, for reading by latency-bounded ones.
 static HEAVY: RwLock<()> = RwLock::new(());

@@ -5,17 +5,15 @@
 //! within a few renew intervals", never "it was fast". Measured figures are printed with
 //! `eprintln!` (see them with `--nocapture`).
 
-mod support;
-
 use std::collections::HashMap;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, LostReason, Unlocked};
+use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{child, init_log, ms};
 use redis::{Connection, Value};
-use support::clock::mono_ns;
-use support::server::RedisServer;
-use support::{child, init_log, ms};
 
 const PREFIX: &str = "wd:";
 
