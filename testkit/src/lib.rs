@@ -62,3 +62,30 @@ pub fn secs(n: u64) -> Duration {
 /// Placeholder for logger setup (env_logger may be wired in later); tests
 /// call it first so that change will not touch every test.
 pub fn init_log() {}
+
+/// A raw connection to `url` (5 s to connect, 10 s per read or write), so that a broken
+/// test fails instead of hanging. Panics when it cannot connect.
+pub fn raw_conn(url: &str) -> redis::Connection {
+    let conn = redis::Client::open(url)
+        .unwrap_or_else(|e| panic!("redis url {url}: {e}"))
+        .get_connection_with_timeout(secs(5))
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+    conn.set_read_timeout(Some(secs(10))).expect("read timeout");
+    conn.set_write_timeout(Some(secs(10)))
+        .expect("write timeout");
+    conn
+}
+
+/// Whether `key` exists (`EXISTS`).
+pub fn exists(conn: &mut redis::Connection, key: impl redis::ToRedisArgs) -> bool {
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query::<i64>(conn)
+        .expect("EXISTS")
+        == 1
+}
+
+/// `PTTL key`: milliseconds left, -1 without expiry, -2 when the key does not exist.
+pub fn pttl(conn: &mut redis::Connection, key: impl redis::ToRedisArgs) -> i64 {
+    redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
+}
