@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, MAX_NAME_LEN, Unlocked, Wakeup};
 use redbaton_testkit::exists;
-use redbaton_testkit::keys::Keys;
+use redbaton_testkit::keys::{Keys, MAX_HANDOFFS};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::{init_log, ms};
 
@@ -372,7 +372,10 @@ fn counts_out_of_range_are_invalid() {
     assert_invalid_config(builder(&srv).pool_size(0).build(), "pool size");
     assert_invalid_config(builder(&srv).pool_size(1025).build(), "pool size");
     assert_invalid_config(builder(&srv).max_handoffs(0).build(), "max handoffs");
-    assert_invalid_config(builder(&srv).max_handoffs(1 << 20).build(), "max handoffs");
+    assert_invalid_config(
+        builder(&srv).max_handoffs(MAX_HANDOFFS + 1).build(),
+        "max handoffs",
+    );
     assert_invalid_config(
         builder(&srv).key_prefix("p".repeat(1025)).build(),
         "key prefix",
@@ -384,7 +387,7 @@ fn counts_out_of_range_are_invalid() {
         builder(&srv).pool_size(1),
         builder(&srv).pool_size(1024),
         builder(&srv).max_handoffs(1),
-        builder(&srv).max_handoffs((1 << 20) - 1),
+        builder(&srv).max_handoffs(MAX_HANDOFFS),
         builder(&srv).key_prefix("p".repeat(1024)),
     ] {
         b.build().expect("boundary value accepted");

@@ -1015,7 +1015,7 @@ fn chaos() {
     }
     let mut per_epoch: BTreeMap<u64, u64> = BTreeMap::new();
     for s in &sections {
-        if s.token >> 20 >= (epoch + 1) << EPOCH_SHIFT {
+        if fence_of(s.token) >= (epoch + 1) << EPOCH_SHIFT {
             violations.push(format!("fence of {} beyond its epoch range", s.token));
         }
         *per_epoch.entry(epoch_of(s.token)).or_default() += 1;

@@ -13,6 +13,10 @@ pub const DEFAULT_PREFIX: &str = "redbaton:";
 /// layout; its tests pin it down).
 pub const HANDOFF_BITS: u32 = 20;
 
+/// The largest `Builder::max_handoffs` accepted: a handoff count must fit in
+/// [`HANDOFF_BITS`].
+pub const MAX_HANDOFFS: u32 = (1 << HANDOFF_BITS) - 1;
+
 /// How much one remote acquisition (one step of the fencing counter) adds to a token.
 pub const FENCE_STEP: u64 = 1 << HANDOFF_BITS;
 
