@@ -32,10 +32,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group};
 use redbaton::{LockClient, Unlocked};
-
-#[path = "../tests/support/server.rs"]
-#[allow(dead_code)]
-mod server;
+use redbaton_testkit::server;
 
 /// Counts heap allocations, so that the ratio loop can say how many one lock+unlock makes
 /// (one relaxed atomic add per allocation: nanoseconds beside a round trip).

@@ -22,11 +22,8 @@
 use std::time::{Duration, Instant};
 
 use redbaton::LockClient;
+use redbaton_testkit::server;
 use redis::{Connection, ConnectionLike};
-
-#[path = "../tests/support/server.rs"]
-#[allow(dead_code)]
-mod server;
 
 const WARMUP: usize = 300;
 const BLOCK: usize = 100;

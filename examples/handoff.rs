@@ -34,12 +34,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use crossbeam_channel::Receiver;
 use redbaton::{LockClient, Wakeup};
-
-#[path = "../tests/support/clock.rs"]
-mod clock;
-#[path = "../tests/support/server.rs"]
-#[allow(dead_code)]
-mod server;
+use redbaton_testkit::{clock, server};
 
 type BoxError = Box<dyn std::error::Error>;
 

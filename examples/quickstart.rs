@@ -10,10 +10,7 @@
 use std::time::Duration;
 
 use redbaton::LockClient;
-
-#[path = "../tests/support/server.rs"]
-#[allow(dead_code)]
-mod server;
+use redbaton_testkit::server;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();

@@ -13,15 +13,18 @@
 //! * The minimal Redis 7 ACL for a client with key prefix `redbaton:` is
 //!   [`MINIMAL_ACL`] (see `acl_minimal_user_*`).
 
-mod support;
-
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, MAX_NAME_LEN, Unlocked, Wakeup};
-use support::server::RedisServer;
-use support::{init_log, ms};
+use redbaton_testkit::exists;
+use redbaton_testkit::keys::{Keys, MAX_HANDOFFS};
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{init_log, ms};
+
+/// The keys of a client with the default prefix.
+const KEYS: Keys = Keys::DEFAULT;
 
 /// The smallest ACL rule set with which a `redbaton` client (default prefix `redbaton:`,
 /// database 0) works fully on Redis 7 — found by trial: each rule below was removed in turn
@@ -77,28 +80,6 @@ fn event_only_client(url: &str) -> LockClient {
         .expect("build")
 }
 
-/// The lock key of `name` with the default prefix, as bytes.
-fn lock_key(name: &[u8]) -> Vec<u8> {
-    let mut k = b"redbaton:{".to_vec();
-    k.extend_from_slice(name);
-    k.push(b'}');
-    k
-}
-
-fn fence_key(name: &[u8]) -> Vec<u8> {
-    let mut k = lock_key(name);
-    k.extend_from_slice(b":fence");
-    k
-}
-
-fn exists(srv: &RedisServer, key: &[u8]) -> bool {
-    let n: i64 = redis::cmd("EXISTS")
-        .arg(key)
-        .query(&mut srv.conn())
-        .expect("EXISTS");
-    n == 1
-}
-
 /// `err` must be `InvalidConfig` and its message must mention `needle`.
 fn assert_invalid_config(result: Result<LockClient, Error>, needle: &str) {
     match result {
@@ -147,7 +128,7 @@ fn smoke() {
     let g = c.lock("smoke").expect("lock");
     assert_eq!(srv.keys("redbaton:*").len(), 2, "lock key and its counter");
     assert_eq!(g.unlock().unwrap(), Unlocked::Released);
-    assert_eq!(srv.keys("redbaton:*"), vec![fence_key(b"smoke")]);
+    assert_eq!(srv.keys("redbaton:*"), vec![KEYS.fence_bytes(b"smoke")]);
 }
 
 // --- names -------------------------------------------------------------------------------
@@ -213,10 +194,13 @@ fn name_length_limit_is_4096_bytes() {
     let name = &mib[..MAX_NAME_LEN];
     let g = c.lock(name).expect("a 4096-byte name is accepted");
     assert_eq!(g.name(), name);
-    assert_eq!(srv.keys("*"), vec![lock_key(name), fence_key(name)]);
+    assert_eq!(
+        srv.keys("*"),
+        vec![KEYS.lock_bytes(name), KEYS.fence_bytes(name)]
+    );
     assert_eq!(g.unlock().unwrap(), Unlocked::Released);
     // The fencing counter stays (it must, for tokens to keep increasing); the lock goes.
-    assert_eq!(srv.keys("*"), vec![fence_key(name)]);
+    assert_eq!(srv.keys("*"), vec![KEYS.fence_bytes(name)]);
 }
 
 #[test]
@@ -241,10 +225,10 @@ fn binary_names_are_exact_keys() {
         assert_eq!(
             srv.keys("*"),
             {
-                let mut v = vec![lock_key(name), fence_key(name)];
+                let mut v = vec![KEYS.lock_bytes(name), KEYS.fence_bytes(name)];
                 for other in &names {
-                    if other != name && exists(&srv, &fence_key(other)) {
-                        v.push(fence_key(other));
+                    if other != name && exists(&mut srv.conn(), KEYS.fence_bytes(other)) {
+                        v.push(KEYS.fence_bytes(other));
                     }
                 }
                 v.sort();
@@ -255,7 +239,7 @@ fn binary_names_are_exact_keys() {
         let e = b.try_lock(name).expect_err("held by a");
         assert!(e.is_would_block(), "{name:?}: {e:?}");
         assert_eq!(g.unlock().unwrap(), Unlocked::Released, "{name:?}");
-        assert!(!exists(&srv, &lock_key(name)), "{name:?}");
+        assert!(!exists(&mut srv.conn(), KEYS.lock_bytes(name)), "{name:?}");
     }
     assert!(!srv.keys("*").is_empty());
     assert!(
@@ -284,7 +268,7 @@ fn binary_name_waiter_is_woken_by_the_release() {
     eprintln!("binary-name waiter woken {latency:?} after the release");
     // Only the `del` event can wake it this soon (lease and re-check are 60 s).
     assert!(latency < Duration::from_secs(5), "{latency:?}");
-    assert!(!exists(&srv, &lock_key(&name)));
+    assert!(!exists(&mut srv.conn(), KEYS.lock_bytes(&name)));
 }
 
 // --- builder settings ----------------------------------------------------------------------
@@ -319,7 +303,7 @@ fn lease_outside_10ms_to_24h_is_invalid() {
     let c = builder(&srv).lease(day).build().unwrap();
     let g = c.lock("day").unwrap();
     let pttl: i64 = redis::cmd("PTTL")
-        .arg(lock_key(b"day"))
+        .arg(KEYS.lock_bytes(b"day"))
         .query(&mut srv.conn())
         .unwrap();
     assert!(
@@ -327,7 +311,7 @@ fn lease_outside_10ms_to_24h_is_invalid() {
         "{pttl}"
     );
     drop(g);
-    assert!(!exists(&srv, &lock_key(b"day")));
+    assert!(!exists(&mut srv.conn(), KEYS.lock_bytes(b"day")));
 }
 
 #[test]
@@ -388,7 +372,10 @@ fn counts_out_of_range_are_invalid() {
     assert_invalid_config(builder(&srv).pool_size(0).build(), "pool size");
     assert_invalid_config(builder(&srv).pool_size(1025).build(), "pool size");
     assert_invalid_config(builder(&srv).max_handoffs(0).build(), "max handoffs");
-    assert_invalid_config(builder(&srv).max_handoffs(1 << 20).build(), "max handoffs");
+    assert_invalid_config(
+        builder(&srv).max_handoffs(MAX_HANDOFFS + 1).build(),
+        "max handoffs",
+    );
     assert_invalid_config(
         builder(&srv).key_prefix("p".repeat(1025)).build(),
         "key prefix",
@@ -400,7 +387,7 @@ fn counts_out_of_range_are_invalid() {
         builder(&srv).pool_size(1),
         builder(&srv).pool_size(1024),
         builder(&srv).max_handoffs(1),
-        builder(&srv).max_handoffs((1 << 20) - 1),
+        builder(&srv).max_handoffs(MAX_HANDOFFS),
         builder(&srv).key_prefix("p".repeat(1024)),
     ] {
         b.build().expect("boundary value accepted");
@@ -408,9 +395,9 @@ fn counts_out_of_range_are_invalid() {
     // An empty prefix is allowed: the key is the braced name.
     let c = builder(&srv).key_prefix("").build().unwrap();
     let g = c.lock("bare").unwrap();
-    assert!(exists(&srv, b"{bare}"));
+    assert!(exists(&mut srv.conn(), b"{bare}"));
     drop(g);
-    assert!(!exists(&srv, b"{bare}"));
+    assert!(!exists(&mut srv.conn(), b"{bare}"));
 }
 
 #[test]
@@ -661,7 +648,7 @@ fn config_command_refused_still_works() {
     let latency = wake_latency(&holder, waiter, b"cfg");
     eprintln!("CONFIG renamed: waiter woken {latency:?} after the release");
     assert!(latency < Duration::from_secs(5), "{latency:?}");
-    assert!(!exists(&srv, &lock_key(b"cfg")));
+    assert!(!exists(&mut srv.conn(), KEYS.lock_bytes(b"cfg")));
 }
 
 fn acl_server(rules: &str) -> RedisServer {
@@ -703,7 +690,7 @@ fn exercise_acl_user(srv: &RedisServer) -> Duration {
 
     let latency = wake_latency(&holder, waiter.clone(), b"acl");
     assert!(latency < Duration::from_secs(5), "{latency:?}");
-    assert!(!exists(srv, &lock_key(b"acl")));
+    assert!(!exists(&mut srv.conn(), KEYS.lock_bytes(b"acl")));
     // The waiter's subscription lingers 2 s, then is dropped (UNSUBSCRIBE) without
     // disturbing the subscriber connection; a second wait works the same.
     thread::sleep(ms(2600));
@@ -809,7 +796,7 @@ fn acl_user_without_channel_permissions_still_locks() {
     let latency = wake_latency(&holder, waiter, b"nc");
     eprintln!("ACL without channels: waiter got the lock {latency:?} after the release");
     assert!(latency < Duration::from_secs(10), "{latency:?}");
-    assert!(!exists(&srv, &lock_key(b"nc")));
+    assert!(!exists(&mut srv.conn(), KEYS.lock_bytes(b"nc")));
 }
 
 // --- foreign values in the lock's keys -----------------------------------------------------
@@ -818,7 +805,7 @@ fn acl_user_without_channel_permissions_still_locks() {
 fn lock_key_of_the_wrong_type_is_a_typed_error() {
     let srv = RedisServer::start();
     let c = client(&srv);
-    let key = lock_key(b"wt");
+    let key = KEYS.lock_bytes(b"wt");
     let () = redis::cmd("HSET")
         .arg(&key)
         .arg("field")
@@ -855,7 +842,7 @@ fn fence_key_of_the_wrong_type_leaves_nothing() {
     let srv = RedisServer::start();
     let c = client(&srv);
     let () = redis::cmd("HSET")
-        .arg(fence_key(b"wf"))
+        .arg(KEYS.fence_bytes(b"wf"))
         .arg("f")
         .arg("v")
         .query(&mut srv.conn())
@@ -864,7 +851,7 @@ fn fence_key_of_the_wrong_type_leaves_nothing() {
     assert!(matches!(e, Error::Redis(_)) && !e.is_connection(), "{e:?}");
     assert!(e.to_string().contains("WRONGTYPE"), "{e}");
     assert!(
-        !exists(&srv, &lock_key(b"wf")),
+        !exists(&mut srv.conn(), KEYS.lock_bytes(b"wf")),
         "a failed acquire left the lock key behind"
     );
 }
@@ -874,7 +861,7 @@ fn foreign_lock_without_ttl_is_held_not_an_error() {
     let srv = RedisServer::start();
     let c = client(&srv);
     let () = redis::cmd("SET")
-        .arg(lock_key(b"ft"))
+        .arg(KEYS.lock_bytes(b"ft"))
         .arg("someone-else")
         .query(&mut srv.conn())
         .unwrap();
@@ -888,7 +875,7 @@ fn foreign_lock_without_ttl_is_held_not_an_error() {
         started.elapsed()
     );
     let v: String = redis::cmd("GET")
-        .arg(lock_key(b"ft"))
+        .arg(KEYS.lock_bytes(b"ft"))
         .query(&mut srv.conn())
         .unwrap();
     assert_eq!(v, "someone-else", "never touched");

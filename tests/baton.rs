@@ -8,35 +8,24 @@
 //! must be empty on entry, and a counter updated with a separate load and store (or GET and
 //! SET across processes), so that an overlap shows up as a lost update.
 
-mod support;
-
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{Builder, Error, LockClient, LostReason, Stats, Unlocked};
-use support::child;
-use support::server::RedisServer;
-use support::{init_log, ms};
+use redbaton_testkit::child;
+use redbaton_testkit::exists;
+use redbaton_testkit::keys::{Keys, fence_of, handoff_of};
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::join_within;
+use redbaton_testkit::{init_log, ms};
 
 const PREFIX: &str = "bt:";
+const KEYS: Keys = Keys::new(PREFIX);
 
 fn builder(url: &str) -> Builder {
     LockClient::builder().node(url).key_prefix(PREFIX)
-}
-
-/// The Redis key that holds lock `name`'s owner token.
-fn lock_key(name: &str) -> String {
-    format!("{PREFIX}{{{name}}}")
-}
-
-fn exists(conn: &mut redis::Connection, key: &str) -> bool {
-    redis::cmd("EXISTS")
-        .arg(key)
-        .query::<i64>(conn)
-        .expect("EXISTS")
-        == 1
 }
 
 /// Busy-waits (a critical section that keeps its core, unlike a sleep).
@@ -49,25 +38,6 @@ fn spin(d: Duration) {
 
 fn random_section() -> Duration {
     Duration::from_micros(rand::random_range(0..=100))
-}
-
-/// Joins every thread, failing (instead of hanging) if one is not done by `timeout`: a lost
-/// baton leaves its waiters blocked for ever.
-fn join_within<T>(handles: Vec<JoinHandle<T>>, timeout: Duration, what: &str) -> Vec<T> {
-    let deadline = Instant::now() + timeout;
-    for h in &handles {
-        while !h.is_finished() {
-            assert!(
-                Instant::now() < deadline,
-                "{what}: a thread is still running after {timeout:?} (lost handoff / hang?)"
-            );
-            thread::sleep(ms(2));
-        }
-    }
-    handles
-        .into_iter()
-        .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-        .collect()
 }
 
 /// What critical sections check and record, shared by the threads of one process.
@@ -123,10 +93,6 @@ impl Shared {
     }
 }
 
-fn fence_of(token: u64) -> u64 {
-    token >> 20
-}
-
 #[test]
 fn smoke() {
     init_log();
@@ -139,9 +105,9 @@ fn smoke() {
         1,
         "first remote acquisition"
     );
-    assert!(exists(&mut srv.conn(), &lock_key("smoke")));
+    assert!(exists(&mut srv.conn(), KEYS.lock("smoke")));
     assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
-    assert!(!exists(&mut srv.conn(), &lock_key("smoke")));
+    assert!(!exists(&mut srv.conn(), KEYS.lock("smoke")));
     let s = client.stats();
     assert_eq!((s.remote_acquisitions, s.local_handoffs), (1, 0));
 }
@@ -188,7 +154,7 @@ fn local_contention(handoff: bool, threads: u64, per_thread: u64) -> LocalRun {
     eprintln!("{what}: INFO commandstats (script-internal calls included): {breakdown:?}");
     let server_commands = breakdown.iter().map(|(_, n)| n).sum();
     assert!(
-        !exists(&mut srv.conn(), &lock_key("hot")),
+        !exists(&mut srv.conn(), KEYS.lock("hot")),
         "{what}: lock key left behind"
     );
     LocalRun {
@@ -304,7 +270,7 @@ fn handoff_off_never_hands_off() {
             thread::spawn(move || {
                 for _ in 0..per_thread {
                     let guard = client.lock("off").expect("lock");
-                    assert_eq!(guard.fencing_token() & 0xfffff, 0, "a handed-off token");
+                    assert_eq!(handoff_of(guard.fencing_token()), 0, "a handed-off token");
                     shared.section(me, guard.fencing_token(), random_section());
                     let outcome = guard.unlock().expect("unlock");
                     outcomes.lock().unwrap().push(outcome);
@@ -382,7 +348,7 @@ fn child_contender() {
                     }
                     total_wait += waited;
                     let token = guard.fencing_token();
-                    if token & 0xfffff == 0 {
+                    if handoff_of(token) == 0 {
                         fences.push(fence_of(token));
                     }
                     let (count, last): (Option<u64>, Option<u64>) = redis::cmd("MGET")
@@ -558,7 +524,7 @@ fn four_processes_share_one_key() {
     assert_eq!(total, PROCS as u64 * PROC_THREADS * PROC_SECTIONS);
     assert_eq!(counter, total, "lost updates across processes");
     assert!(
-        !exists(&mut conn, &lock_key("shared")),
+        !exists(&mut conn, KEYS.lock("shared")),
         "lock key left behind"
     );
 }
@@ -571,7 +537,7 @@ fn warm_subscription(srv: &RedisServer, client: &LockClient, name: &str, subscri
     let guard = client.lock(name).expect("warm-up lock");
     let (c, n) = (client.clone(), name.to_string());
     let waiter = thread::spawn(move || c.try_lock_for(&n, Duration::from_secs(10)).map(drop));
-    let channel = format!("__keyspace@0__:{}", lock_key(name));
+    let channel = format!("__keyspace@0__:{}", KEYS.lock(name));
     let mut conn = srv.conn();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -623,7 +589,7 @@ fn two_clients(srv: &RedisServer, clients: &[LockClient]) -> (usize, [usize; 2])
     let waits = join_within(handles, Duration::from_secs(60), "two clients");
     let total = shared.check("two clients");
     assert_eq!(total, 2 * threads * per_thread);
-    assert!(!exists(&mut srv.conn(), &lock_key("two")));
+    assert!(!exists(&mut srv.conn(), KEYS.lock("two")));
     let order = order.lock().unwrap();
     let switches = order.windows(2).filter(|w| w[0] != w[1]).count();
     let last = [0, 1].map(|c| order.iter().rposition(|&x| x == c).unwrap());
@@ -894,7 +860,7 @@ fn timeouts_race_handoffs() {
     assert!(sections > 0);
     let mut conn = srv.conn();
     assert!(
-        !exists(&mut conn, &lock_key("race")),
+        !exists(&mut conn, KEYS.lock("race")),
         "lock key still in Redis after every thread is done"
     );
     // Both clients' tables are free too: each takes it at once.
@@ -927,7 +893,7 @@ fn lost_lock_is_not_handed_to_queued_threads() {
                 let mut conn = redis::Client::open(url).unwrap().get_connection().unwrap();
                 let guard = client.lock("lost").expect("queued lock");
                 let token = guard.fencing_token();
-                let in_redis = exists(&mut conn, &lock_key("lost"));
+                let in_redis = exists(&mut conn, KEYS.lock("lost"));
                 let checked = guard.check();
                 acquired.lock().unwrap().push(token);
                 thread::sleep(ms(5));
@@ -940,7 +906,7 @@ fn lost_lock_is_not_handed_to_queued_threads() {
     assert!(handles.iter().all(|h| !h.is_finished()), "a waiter got in");
     let mut conn = srv.conn();
     let () = redis::cmd("DEL")
-        .arg(lock_key("lost"))
+        .arg(KEYS.lock("lost"))
         .query(&mut conn)
         .unwrap();
     let reason = holder
@@ -991,7 +957,7 @@ fn lost_lock_is_not_handed_to_queued_threads() {
         "each waiter acquired in Redis or from a valid holder"
     );
     assert!(after.locks_lost >= 1);
-    assert!(!exists(&mut conn, &lock_key("lost")));
+    assert!(!exists(&mut conn, KEYS.lock("lost")));
 }
 
 /// Asking again for a lock the calling thread holds fails at once with `WouldDeadlock`,
@@ -1061,7 +1027,7 @@ fn reentry_is_would_deadlock() {
         assert!(deadlock && fast, "handoff={handoff}: baton holder re-entry");
         if handoff {
             assert_eq!(outcome, Unlocked::HandedOff);
-            assert_eq!(token & 0xfffff, 1, "the baton's first handoff");
+            assert_eq!(handoff_of(token), 1, "the baton's first handoff");
         } else {
             assert_eq!(outcome, Unlocked::Released);
         }
@@ -1121,7 +1087,7 @@ fn queued_waiter_times_out_and_queue_still_works() {
     assert_eq!((c_out, d_out), (Unlocked::HandedOff, Unlocked::Released));
     let s = client.stats();
     assert_eq!((s.remote_acquisitions, s.local_handoffs), (1, 2));
-    assert!(!exists(&mut srv.conn(), &lock_key("queue")));
+    assert!(!exists(&mut srv.conn(), KEYS.lock("queue")));
     // And the key is usable afterwards.
     client
         .try_lock_for("queue", Duration::from_secs(5))

@@ -2,23 +2,25 @@
 //! (threads and processes), fencing tokens, release on panic, `try_lock*`, the idempotent
 //! acquire after a lost reply, unlock outcomes, bad input, and the connection bound.
 
-mod support;
-
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, Unlocked};
+use redbaton_testkit::child;
+use redbaton_testkit::keys::{FENCE_STEP, Keys, fence_of};
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::{join_within, wait_until};
+use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::{pttl, raw_conn};
 use redis::Connection;
-use support::child;
-use support::proxy::Proxy;
-use support::server::RedisServer;
-use support::{init_log, ms};
 
-const PREFIX: &str = "redbaton:";
+/// The keys of a client with the default prefix.
+const KEYS: Keys = Keys::DEFAULT;
 
 // --- helpers ---------------------------------------------------------------
 
@@ -28,21 +30,6 @@ fn client(url: &str) -> LockClient {
         .node(url)
         .build()
         .unwrap_or_else(|e| panic!("build client on {url}: {e}"))
-}
-
-/// The lock key of `name` under the default prefix: `redbaton:{name}`.
-fn lock_key(name: &[u8]) -> Vec<u8> {
-    let mut k = PREFIX.as_bytes().to_vec();
-    k.push(b'{');
-    k.extend_from_slice(name);
-    k.push(b'}');
-    k
-}
-
-fn fence_key(name: &[u8]) -> Vec<u8> {
-    let mut k = lock_key(name);
-    k.extend_from_slice(b":fence");
-    k
 }
 
 /// Every key on the server that is not a fencing counter.
@@ -63,56 +50,6 @@ fn get_u64(conn: &mut Connection, key: &[u8]) -> Option<u64> {
 
 fn set_u64(conn: &mut Connection, key: &[u8], v: u64) {
     let () = redis::cmd("SET").arg(key).arg(v).query(conn).expect("SET");
-}
-
-fn pttl(conn: &mut Connection, key: &[u8]) -> i64 {
-    redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
-}
-
-/// A raw connection with timeouts, so that a broken test fails instead of hanging.
-fn raw_conn(url: &str) -> Connection {
-    let conn = redis::Client::open(url)
-        .expect("redis url")
-        .get_connection_with_timeout(Duration::from_secs(5))
-        .expect("raw connection");
-    conn.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("read timeout");
-    conn.set_write_timeout(Some(Duration::from_secs(10)))
-        .expect("write timeout");
-    conn
-}
-
-/// Joins every thread, failing the test (instead of hanging) if one is not done in time;
-/// a worker's panic is re-raised here.
-fn join_all<T>(handles: Vec<JoinHandle<T>>, timeout: Duration) -> Vec<T> {
-    let deadline = Instant::now() + timeout;
-    handles
-        .into_iter()
-        .map(|h| {
-            while !h.is_finished() {
-                assert!(
-                    Instant::now() < deadline,
-                    "a worker thread did not finish within {timeout:?}"
-                );
-                thread::sleep(ms(5));
-            }
-            h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
-        })
-        .collect()
-}
-
-/// Polls `f` until it holds or `timeout` passes; whether it held.
-fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        thread::sleep(ms(5));
-    }
 }
 
 fn assert_strictly_increasing(tokens: &[u64], what: &str) {
@@ -144,7 +81,7 @@ fn smoke() {
     assert_eq!(guard.name(), b"smoke");
     assert!(guard.fencing_token() > 0);
     assert!(!guard.is_lost());
-    assert_eq!(lock_keys(&srv), vec![lock_key(b"smoke")]);
+    assert_eq!(lock_keys(&srv), vec![KEYS.lock_bytes(b"smoke")]);
     assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
     assert!(lock_keys(&srv).is_empty(), "lock key left after unlock");
 }
@@ -194,7 +131,7 @@ fn mutual_exclusion(local_handoff: bool) {
             })
         })
         .collect();
-    join_all(handles, Duration::from_secs(120));
+    join_within(handles, Duration::from_secs(120), "workers");
     let elapsed = started.elapsed();
     let stats = client.stats();
     eprintln!(
@@ -213,7 +150,7 @@ fn mutual_exclusion(local_handoff: bool) {
     assert_strictly_increasing(&tokens, "one process");
     // Every remote acquisition incremented the fence counter exactly once.
     assert_eq!(
-        get_u64(&mut conn, &fence_key(name)),
+        get_u64(&mut conn, &KEYS.fence_bytes(name)),
         Some(stats.remote_acquisitions)
     );
     assert_eq!(
@@ -297,7 +234,7 @@ fn child_mutex_worker() {
             })
         })
         .collect();
-    let per_thread = join_all(handles, Duration::from_secs(120));
+    let per_thread = join_within(handles, Duration::from_secs(120), "workers");
     for seen in &per_thread {
         assert_strictly_increasing(seen, "one thread");
     }
@@ -392,9 +329,12 @@ fn mutual_exclusion_across_processes() {
         "fencing tokens repeat"
     );
     // Each remote acquisition of every process incremented the counter exactly once.
-    assert_eq!(get_u64(&mut conn, &fence_key(b"xproc")), Some(remote_sum));
+    assert_eq!(
+        get_u64(&mut conn, &KEYS.fence_bytes(b"xproc")),
+        Some(remote_sum)
+    );
     assert!(
-        get(&mut conn, &lock_key(b"xproc")).is_none(),
+        get(&mut conn, &KEYS.lock_bytes(b"xproc")).is_none(),
         "lock key left"
     );
 }
@@ -445,10 +385,14 @@ fn panic_in_with_lock_releases() {
     );
     assert!(latency < Duration::from_secs(5), "{latency:?}");
     assert!(
-        waiter_token >> 20 == 2,
+        fence_of(waiter_token) == 2,
         "second acquisition: {waiter_token:#x}"
     );
-    join_all(vec![waiter.expect("spawned")], Duration::from_secs(10));
+    join_within(
+        vec![waiter.expect("spawned")],
+        Duration::from_secs(10),
+        "the waiter",
+    );
 
     // (b) A waiter of the same client (queued locally) gets the baton at once.
     let (tx, rx) = crossbeam_channel::bounded::<Instant>(1);
@@ -479,7 +423,11 @@ fn panic_in_with_lock_releases() {
         acquired_at.saturating_duration_since(returned_at)
     );
     assert!(latency < Duration::from_secs(5), "{latency:?}");
-    join_all(vec![waiter.expect("spawned")], Duration::from_secs(10));
+    join_within(
+        vec![waiter.expect("spawned")],
+        Duration::from_secs(10),
+        "the waiter",
+    );
 
     // (c) Nobody waits: the key is gone and try_lock succeeds right away, on both clients.
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -513,7 +461,7 @@ fn try_lock_on_a_held_key() {
     let mut conn = srv.conn();
 
     let held = b.lock(name).expect("other owner locks");
-    let their_token = get(&mut conn, &lock_key(name)).expect("their token");
+    let their_token = get(&mut conn, &KEYS.lock_bytes(name)).expect("their token");
 
     let t0 = Instant::now();
     let err = a.try_lock(name).expect_err("held elsewhere");
@@ -533,11 +481,11 @@ fn try_lock_on_a_held_key() {
 
     // Nothing held, nothing left: the key still holds the other owner's token, and no
     // other key appeared.
-    assert_eq!(get(&mut conn, &lock_key(name)), Some(their_token));
-    assert!(pttl(&mut conn, &lock_key(name)) > 0);
+    assert_eq!(get(&mut conn, &KEYS.lock_bytes(name)), Some(their_token));
+    assert!(pttl(&mut conn, KEYS.lock_bytes(name)) > 0);
     let mut keys = srv.keys("*");
     keys.sort();
-    assert_eq!(keys, vec![lock_key(name), fence_key(name)]);
+    assert_eq!(keys, vec![KEYS.lock_bytes(name), KEYS.fence_bytes(name)]);
     // ...and no subscription outlives the wait.
     let subscribed = || {
         srv.client_list()
@@ -559,14 +507,14 @@ fn try_lock_on_a_held_key() {
         let err = b2.try_lock(name).expect_err("held by a sibling thread");
         (err, t0.elapsed())
     });
-    let (err, took) = join_all(vec![t], Duration::from_secs(10)).remove(0);
+    let (err, took) = join_within(vec![t], Duration::from_secs(10), "the waiter").remove(0);
     assert!(err.is_would_block(), "{err:?}");
     assert!(took < Duration::from_secs(1), "{took:?}");
 
     // Once the owner releases, the client that timed out takes it: no stale local state.
     assert_eq!(held.unlock().unwrap(), Unlocked::Released);
     let g = a.try_lock(name).expect("free now");
-    assert_eq!(g.fencing_token() >> 20, 2);
+    assert_eq!(fence_of(g.fencing_token()), 2);
     assert_eq!(g.unlock().unwrap(), Unlocked::Released);
     assert!(lock_keys(&srv).is_empty());
 }
@@ -604,27 +552,27 @@ fn lost_acquire_reply_is_retried_idempotently() {
     let mut conn = srv.conn();
     // One acquisition, one fence: the retry recognised its own token.
     assert_eq!(
-        guard.fencing_token() >> 20,
+        fence_of(guard.fencing_token()),
         1,
         "{:#x}",
         guard.fencing_token()
     );
-    assert_eq!(guard.fencing_token(), 1 << 20);
-    assert_eq!(get_u64(&mut conn, &fence_key(name)), Some(1));
+    assert_eq!(guard.fencing_token(), FENCE_STEP);
+    assert_eq!(get_u64(&mut conn, &KEYS.fence_bytes(name)), Some(1));
     assert_eq!(
         client.stats().remote_acquisitions,
         before.remote_acquisitions + 1
     );
     // Exactly one lock key, with a live lease.
-    assert_eq!(lock_keys(&srv), vec![lock_key(name)]);
-    assert!(pttl(&mut conn, &lock_key(name)) > 0);
+    assert_eq!(lock_keys(&srv), vec![KEYS.lock_bytes(name)]);
+    assert!(pttl(&mut conn, KEYS.lock_bytes(name)) > 0);
     assert!(!guard.is_lost());
 
     assert_eq!(guard.unlock().unwrap(), Unlocked::Released);
     assert!(lock_keys(&srv).is_empty(), "lock key left after unlock");
     // And the next acquisition gets the next fence.
     let g = client.lock(name).expect("relock");
-    assert_eq!(g.fencing_token(), 2 << 20);
+    assert_eq!(g.fencing_token(), 2 * FENCE_STEP);
     drop(g);
     assert!(lock_keys(&srv).is_empty());
 }
@@ -671,19 +619,19 @@ fn unlock_after_another_client_took_the_key() {
     let mut conn = srv.conn();
 
     let mine = a.lock(name).expect("lock");
-    let my_token = get(&mut conn, &lock_key(name)).expect("my token");
+    let my_token = get(&mut conn, &KEYS.lock_bytes(name)).expect("my token");
     thread::sleep(lease * 2 + ms(50));
     let theirs = b
         .try_lock_for(name, Duration::from_secs(5))
         .expect("the other client takes the expired lock");
-    let their_token = get(&mut conn, &lock_key(name)).expect("their token");
+    let their_token = get(&mut conn, &KEYS.lock_bytes(name)).expect("their token");
     assert_ne!(my_token, their_token);
     assert!(theirs.fencing_token() > mine.fencing_token());
 
     assert_eq!(mine.unlock().expect("unlock"), Unlocked::HeldByOther);
     // Their lock is untouched.
-    assert_eq!(get(&mut conn, &lock_key(name)), Some(their_token));
-    assert!(pttl(&mut conn, &lock_key(name)) > 1000);
+    assert_eq!(get(&mut conn, &KEYS.lock_bytes(name)), Some(their_token));
+    assert!(pttl(&mut conn, KEYS.lock_bytes(name)) > 1000);
     assert!(!theirs.is_lost());
     assert_eq!(theirs.unlock().expect("their unlock"), Unlocked::Released);
     assert!(lock_keys(&srv).is_empty());
@@ -816,7 +764,7 @@ fn bad_names_are_invalid_and_touch_nothing() {
         .expect("4096 bytes");
     assert_eq!(
         lock_keys(&srv),
-        vec![lock_key(&long[..redbaton::MAX_NAME_LEN])]
+        vec![KEYS.lock_bytes(&long[..redbaton::MAX_NAME_LEN])]
     );
     drop(g);
     assert!(lock_keys(&srv).is_empty());
@@ -866,7 +814,7 @@ fn connections_stay_within_the_pool_bound() {
         max_sub = max_sub.max(s);
     }
     stop.store(true, Ordering::Relaxed);
-    let per_thread = join_all(handles, Duration::from_secs(60));
+    let per_thread = join_within(handles, Duration::from_secs(60), "workers");
     let clients = srv.client_list();
     let p = clients.iter().filter(|c| c["name"] == "redbaton").count();
     eprintln!(
@@ -928,7 +876,7 @@ fn with_lock_returns_the_closures_value() {
     let client = client(&srv.url());
     let seen = client
         .with_lock("value", || {
-            assert_eq!(lock_keys(&srv), vec![lock_key(b"value")]);
+            assert_eq!(lock_keys(&srv), vec![KEYS.lock_bytes(b"value")]);
             String::from("forty-two")
         })
         .expect("with_lock");
@@ -992,7 +940,7 @@ fn dropping_the_guard_releases() {
     let b = client(&srv.url());
     {
         let _g = a.lock("dropped").expect("lock");
-        assert_eq!(lock_keys(&srv), vec![lock_key(b"dropped")]);
+        assert_eq!(lock_keys(&srv), vec![KEYS.lock_bytes(b"dropped")]);
         assert!(b.try_lock("dropped").unwrap_err().is_would_block());
     }
     assert!(lock_keys(&srv).is_empty(), "drop did not release");
@@ -1015,10 +963,10 @@ fn binary_names_map_to_exact_keys() {
     for name in names {
         let g = client.lock(name).expect("binary name");
         assert_eq!(g.name(), name);
-        let key = lock_key(name);
+        let key = KEYS.lock_bytes(name);
         assert_eq!(lock_keys(&srv), vec![key.clone()], "key for {name:?}");
         assert!(get(&mut conn, &key).is_some());
-        assert_eq!(get_u64(&mut conn, &fence_key(name)), Some(1));
+        assert_eq!(get_u64(&mut conn, &KEYS.fence_bytes(name)), Some(1));
         // Another client sees the same key.
         let other = self::client(&srv.url());
         assert!(other.try_lock(name).unwrap_err().is_would_block());

@@ -4,20 +4,16 @@
 //! reply, and a waiter that gave up before the release (its armed attempt must never go
 //! out). Bounds are generous liveness bounds.
 
-mod support;
-
 use std::thread;
-use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use redbaton::{LockClient, Unlocked};
-use support::ms;
-use support::proxy::Proxy;
-use support::server::RedisServer;
-
-fn secs(n: u64) -> Duration {
-    Duration::from_secs(n)
-}
+use redbaton_testkit::keys::{FENCE_STEP, fence_of};
+use redbaton_testkit::ms;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::secs;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::wait_for;
 
 fn client(url: &str) -> LockClient {
     LockClient::builder()
@@ -25,15 +21,6 @@ fn client(url: &str) -> LockClient {
         .lease(secs(30))
         .build()
         .expect("build")
-}
-
-/// Polls `cond` every 5 ms; panics with `what` after `timeout`.
-fn wait_until(timeout: Duration, what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        thread::sleep(ms(5));
-    }
 }
 
 /// A thread of `c` waiting in `lock(name)`; reports the fence it got, after unlocking.
@@ -56,7 +43,7 @@ fn spawn_waiter(c: &LockClient, name: &str) -> Receiver<Result<u64, String>> {
 /// Waits until `c`'s contender has failed twice (before and after its subscription was
 /// confirmed), then a little longer, so that it sleeps with its next attempt armed.
 fn wait_armed(c: &LockClient) {
-    wait_until(secs(10), "the waiter to block", || {
+    wait_for(secs(10), "the waiter to block", || {
         c.stats().failed_attempts >= 2
     });
     thread::sleep(ms(300));
@@ -90,7 +77,7 @@ fn smoke() {
     let (held, got) = handoff(&holder, &waiter, "smoke", || {});
     let s = waiter.stats();
     eprintln!("early smoke: {s:?}");
-    assert_eq!(got, held + (1 << 20), "one fence step between holders");
+    assert_eq!(got, held + FENCE_STEP, "one fence step between holders");
     assert_eq!(s.early_attempts, 1, "{s:?}");
     assert_eq!(s.remote_acquisitions, 1, "{s:?}");
     assert!(srv.keys("redbaton:{smoke}").is_empty(), "lock key left");
@@ -111,7 +98,7 @@ fn noscript_reply_is_retried() {
     // The holder's release reloads the release script; the waiter's early acquire then
     // still meets a server without the acquire script.
     let s = waiter.stats();
-    assert_eq!(got, held + (1 << 20), "{s:?}");
+    assert_eq!(got, held + FENCE_STEP, "{s:?}");
     assert_eq!(s.early_attempts, 1, "{s:?}");
     assert!(srv.keys("redbaton:{noscript}").is_empty(), "lock key left");
 }
@@ -131,7 +118,7 @@ fn lost_early_reply_returns_the_first_fence() {
     let s = waiter.stats();
     eprintln!("lost early reply: {s:?}");
     assert_eq!(proxy.replies_dropped(), 1, "the fault did not fire");
-    assert_eq!(got, held + (1 << 20), "the retry took a new fence: {s:?}");
+    assert_eq!(got, held + FENCE_STEP, "the retry took a new fence: {s:?}");
     assert_eq!(s.early_attempts, 1, "{s:?}");
     assert!(
         srv.keys("redbaton:{lost-reply}").is_empty(),
@@ -141,7 +128,7 @@ fn lost_early_reply_returns_the_first_fence() {
         .arg("redbaton:{lost-reply}:fence")
         .query(&mut srv.conn())
         .unwrap();
-    assert_eq!(fence, (held >> 20) + 1, "the counter moved twice");
+    assert_eq!(fence, fence_of(held) + 1, "the counter moved twice");
 }
 
 /// A waiter that timed out took its armed attempt back: the release that follows takes
@@ -181,7 +168,7 @@ fn many_contenders_one_armed() {
         .expect("build");
     let guard = holder.lock("many").expect("holder lock");
     let waiters: Vec<_> = (0..6).map(|_| spawn_waiter(&waiter, "many")).collect();
-    wait_until(secs(10), "every waiter to block", || {
+    wait_for(secs(10), "every waiter to block", || {
         waiter.stats().failed_attempts >= 12
     });
     thread::sleep(ms(300));

@@ -12,22 +12,23 @@
 //!   every `try_lock_for` returning by its deadline plus a margin, no hung thread or
 //!   process, no lock key left at the end.
 
-mod support;
-
 use std::collections::{BTreeMap, HashMap};
 use std::process::Child;
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use redbaton::{Error, LockClient, LostReason, Unlocked};
-use support::child;
-use support::proxy::Proxy;
-use support::server::RedisServer;
-use support::{init_log, ms};
+use redbaton_testkit::child;
+use redbaton_testkit::clock::wall_us;
+use redbaton_testkit::keys::fence_of;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::eventually;
+use redbaton_testkit::{init_log, ms};
 
 /// Short leases so that every fault resolves within about a second.
 const LEASE: Duration = Duration::from_secs(1);
@@ -47,27 +48,6 @@ fn fast_builder(url: &str) -> redbaton::Builder {
 
 fn fast_client(url: &str) -> LockClient {
     fast_builder(url).build().expect("build")
-}
-
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_micros() as u64
-}
-
-/// Polls `f` every 20 ms until it returns `Some`, for at most `limit`.
-fn eventually<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        thread::sleep(ms(20));
-    }
 }
 
 #[test]
@@ -327,7 +307,7 @@ const CHAOS_THREADS: usize = 3;
 const CHAOS_FOR: Duration = Duration::from_secs(40);
 const CALM: Duration = Duration::from_secs(2);
 /// After a lock-server restart the parent sets each fence counter to `epoch << EPOCH_SHIFT`
-/// (see `chaos` for why), so a fencing token's epoch is `(token >> 20) >> EPOCH_SHIFT`.
+/// (see `chaos` for why), so a fencing token's epoch is `fence_of(token) >> EPOCH_SHIFT`.
 const EPOCH_SHIFT: u32 = 24;
 /// The target: `try_lock_for` returns within its wait plus this. Calls over it are
 /// counted and reported (see `NET_BUDGET`).
@@ -468,7 +448,7 @@ fn chaos_child() {
             Err(e) => {
                 assert!(e.is_connection(), "build: {e:?}");
                 tally.add("build_errors", 1);
-                if now_us() > end_at {
+                if wall_us() > end_at {
                     child::print_result(&[("pid", pid.to_string()), ("built", "0".into())]);
                     return;
                 }
@@ -489,7 +469,7 @@ fn chaos_child() {
         .collect();
     // Bounded joins: a hung thread is reported, not waited for.
     let join_by = Instant::now()
-        + Duration::from_micros(end_at.saturating_sub(now_us()))
+        + Duration::from_micros(end_at.saturating_sub(wall_us()))
         + Duration::from_secs(10);
     while workers.iter().any(|w| !w.is_finished()) && Instant::now() < join_by {
         thread::sleep(ms(20));
@@ -550,10 +530,10 @@ fn chaos_worker(
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut store = Store::connect(store_url);
-    while now_us() < end_at {
+    while wall_us() < end_at {
         let key = CHAOS_KEYS[rng.random_range(0..CHAOS_KEYS.len())];
         let wait = ms(rng.random_range(50..500));
-        let (w0, t0) = (now_us(), Instant::now());
+        let (w0, t0) = (wall_us(), Instant::now());
         let r = client.try_lock_for(key, wait);
         let over = t0.elapsed().saturating_sub(wait);
         tally.max("max_overshoot_us", over.as_micros() as u64);
@@ -568,7 +548,7 @@ fn chaos_worker(
             // SIGSTOP of this process.
             tally.slow.lock().unwrap().push(format!(
                 "{w0},{},{},{outcome}",
-                now_us(),
+                wall_us(),
                 over.as_micros()
             ));
         }
@@ -576,7 +556,7 @@ fn chaos_worker(
             Ok(g) => {
                 tally.add("acquired", 1);
                 let token = g.fencing_token();
-                let s = now_us();
+                let s = wall_us();
                 let (r1, last1) = store.write("b", key, token, holder, s, 0);
                 if rng.random_range(0..40) == 0 {
                     // A long section (past a few renewals): the watchdog meets the faults.
@@ -589,7 +569,7 @@ fn chaos_worker(
                 } else {
                     thread::sleep(Duration::from_micros(rng.random_range(0..15_000)));
                 }
-                let e = now_us();
+                let e = wall_us();
                 // Checked after reading the end time: if the lock is still ours now, it was
                 // ours during all of [s, e].
                 let valid = g.check().is_ok();
@@ -724,7 +704,7 @@ struct Section {
 }
 
 fn epoch_of(token: u64) -> u64 {
-    (token >> 20) >> EPOCH_SHIFT
+    fence_of(token) >> EPOCH_SHIFT
 }
 
 fn progress(store: &mut redis::Connection) -> u64 {
@@ -781,7 +761,7 @@ fn chaos() {
     let seed: u64 = std::env::var("CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| now_us() ^ u64::from(std::process::id()));
+        .unwrap_or_else(|| wall_us() ^ u64::from(std::process::id()));
     eprintln!("chaos seed {seed} (rerun with CHAOS_SEED={seed} cargo test --test faults chaos)");
     let mut rng = StdRng::seed_from_u64(seed);
 
@@ -793,7 +773,7 @@ fn chaos() {
     let mut store = store_srv.conn();
     let started = Instant::now();
     let chaos_end = started + CHAOS_FOR;
-    let end_at_us = now_us() + (CHAOS_FOR + CALM).as_micros() as u64;
+    let end_at_us = wall_us() + (CHAOS_FOR + CALM).as_micros() as u64;
 
     let spawn = |slot: usize, rng: &mut StdRng| -> Child {
         child::spawn_self(
@@ -861,11 +841,11 @@ fn chaos() {
             Fault::PauseHolder => {
                 let c = children.slots[target].as_mut().expect("live child");
                 let pid = c.id();
-                let stop_at = now_us();
+                let stop_at = wall_us();
                 child::kill_child(c, libc::SIGSTOP);
                 thread::sleep(LEASE + ms(rng.random_range(200..800)));
                 child::kill_child(c, libc::SIGCONT);
-                pauses.push((pid, stop_at, now_us()));
+                pauses.push((pid, stop_at, wall_us()));
             }
             Fault::KillSubscribers => {
                 let n: i64 = redis::cmd("CLIENT")
@@ -1035,7 +1015,7 @@ fn chaos() {
     }
     let mut per_epoch: BTreeMap<u64, u64> = BTreeMap::new();
     for s in &sections {
-        if s.token >> 20 >= (epoch + 1) << EPOCH_SHIFT {
+        if fence_of(s.token) >= (epoch + 1) << EPOCH_SHIFT {
             violations.push(format!("fence of {} beyond its epoch range", s.token));
         }
         *per_epoch.entry(epoch_of(s.token)).or_default() += 1;

@@ -1,18 +1,16 @@
-//! Tests of the test harness itself (tests/support), independent of the
+//! Tests of the test harness itself (the `redbaton-testkit` crate), independent of the
 //! library: if these fail, failures elsewhere say nothing about redbaton.
-
-mod support;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use redbaton_testkit::child;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::{self, RedisServer, StatsReset};
+use redbaton_testkit::{init_log, ms};
 use redis::Connection;
-use support::child;
-use support::proxy::Proxy;
-use support::server::{self, RedisServer, StatsReset};
-use support::{init_log, ms};
 
 fn ping(conn: &mut Connection) -> redis::RedisResult<String> {
     redis::cmd("PING").query(conn)

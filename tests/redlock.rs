@@ -20,18 +20,19 @@
 //! paused node fails fast. Bounds asserted are liveness bounds, generous for a loaded 2-core
 //! CI machine; measured figures are printed with `eprintln!`.
 
-mod support;
-
 use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{Builder, Error, LockClient, LockGuard, LostReason, Stats, Unlocked};
-use support::child;
-use support::proxy::Proxy;
-use support::server::{self, RedisServer};
-use support::{init_log, ms};
+use redbaton_testkit::child;
+use redbaton_testkit::keys::{Keys, fence_of};
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::{self, RedisServer};
+use redbaton_testkit::wait::wait_until;
+use redbaton_testkit::{init_log, ms};
 
 const PREFIX: &str = "rl:";
+const KEYS: Keys = Keys::new(PREFIX);
 /// Per-node connect/read/write timeout for tests where nodes stop answering.
 const FAST: Duration = Duration::from_millis(300);
 /// Added to every bound that involves a timeout: the CI machine has 2 cores and the tests
@@ -56,17 +57,9 @@ fn fast_builder(urls: &[String]) -> Builder {
         .write_timeout(FAST)
 }
 
-fn lock_key(name: &str) -> String {
-    format!("{PREFIX}{{{name}}}")
-}
-
-fn fence_key(name: &str) -> String {
-    format!("{}:fence", lock_key(name))
-}
-
 /// The lock keys (not fence counters) on a reachable server.
 fn lock_keys(srv: &RedisServer) -> Vec<String> {
-    srv.keys(&format!("{PREFIX}{{*}}"))
+    srv.keys(&KEYS.lock_pattern())
         .into_iter()
         .map(|k| String::from_utf8_lossy(&k).into_owned())
         .collect()
@@ -75,38 +68,24 @@ fn lock_keys(srv: &RedisServer) -> Vec<String> {
 /// The token stored in the lock key of `name`, if any.
 fn holder(srv: &RedisServer, name: &str) -> Option<String> {
     redis::cmd("GET")
-        .arg(lock_key(name))
+        .arg(KEYS.lock(name))
         .query(&mut srv.conn())
         .expect("GET lock key")
 }
 
 fn pttl(srv: &RedisServer, name: &str) -> i64 {
     redis::cmd("PTTL")
-        .arg(lock_key(name))
+        .arg(KEYS.lock(name))
         .query(&mut srv.conn())
         .expect("PTTL")
 }
 
 fn fence(srv: &RedisServer, name: &str) -> u64 {
     redis::cmd("GET")
-        .arg(fence_key(name))
+        .arg(KEYS.fence(name))
         .query::<Option<u64>>(&mut srv.conn())
         .expect("GET fence")
         .unwrap_or(0)
-}
-
-/// Polls `cond` every 10 ms until it holds or `within` passes; returns whether it held.
-fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        thread::sleep(ms(10));
-    }
 }
 
 /// Resumes paused servers when dropped, also when an assertion fails midway (the servers'
@@ -127,11 +106,6 @@ fn pause_all<'a>(servers: impl IntoIterator<Item = &'a RedisServer>) -> Resume<'
         s.pause();
     }
     Resume(servers)
-}
-
-/// The fence part of a token (the low 20 bits number local handoffs).
-fn fence_of(token: u64) -> u64 {
-    token >> 20
 }
 
 #[test]
@@ -437,7 +411,7 @@ fn minority_down_locks_still_acquired_and_released() {
             "stray key without a lease-bound TTL: pttl {ttl}"
         );
         assert!(
-            eventually(lease + SLACK, || lock_keys(&servers[3]).is_empty()),
+            wait_until(lease + SLACK, || lock_keys(&servers[3]).is_empty()),
             "stray key on the resumed node did not expire"
         );
     }
@@ -530,7 +504,7 @@ fn majority_paused_gives_no_quorum_and_leaves_nothing() {
     // have been won on 3 nodes while a stray key still lived on another for a moment.
     for (i, s) in servers.iter().enumerate() {
         assert!(
-            eventually(SLACK, || lock_keys(s).is_empty()),
+            wait_until(SLACK, || lock_keys(s).is_empty()),
             "node {i}: lock key left: {:?} (pttl {})",
             holder(s, "k"),
             pttl(s, "k")
@@ -794,7 +768,7 @@ fn fencing_tokens_on_redlock() {
     let set_foreign = |conns: &mut [redis::Connection]| {
         for c in conns {
             let () = redis::cmd("SET")
-                .arg(lock_key("k"))
+                .arg(KEYS.lock("k"))
                 .arg("someone-else")
                 .arg("PX")
                 .arg(30_000)
@@ -804,7 +778,7 @@ fn fencing_tokens_on_redlock() {
     };
     let del = |conns: &mut [redis::Connection]| {
         for c in conns {
-            let () = redis::cmd("DEL").arg(lock_key("k")).query(c).expect("DEL");
+            let () = redis::cmd("DEL").arg(KEYS.lock("k")).query(c).expect("DEL");
         }
     };
     set_foreign(&mut raw[..3]);

@@ -2,7 +2,7 @@
 //! against a real `redis-server`.
 //!
 //! Holders and waiters live in different processes wherever the claim is about other
-//! processes (child processes re-run this binary, see `support::child`). Time bounds are
+//! processes (child processes re-run this binary, see `redbaton_testkit::child`). Time bounds are
 //! generous liveness bounds, never speed claims; measured figures are printed with
 //! `eprintln!` (run with `--nocapture` to see them).
 //!
@@ -14,67 +14,31 @@
 //! Three tests are regressions of fixed library bugs (server restart, and the two Redis 7
 //! ACL cases).
 
-mod support;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, Once};
 use std::thread;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use parking_lot::RwLock;
 use redbaton::{LockClient, Stats, Unlocked, Wakeup};
-use support::child;
-use support::ms;
-use support::server::RedisServer;
+use redbaton_testkit::child;
+use redbaton_testkit::child::{field, result_with};
+use redbaton_testkit::clock::wall_us;
+use redbaton_testkit::keys::Keys;
+use redbaton_testkit::ms;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::wait_for;
+use redbaton_testkit::{raw_conn, secs};
 
 /// Held for writing by CPU-heavy tests, for reading by latency-bounded ones.
 static HEAVY: RwLock<()> = RwLock::new(());
 
 const SUB_NAME: &str = "redbaton:sub";
 
-fn secs(n: u64) -> Duration {
-    Duration::from_secs(n)
-}
-
-/// Wall-clock microseconds: comparable between processes on one machine.
-fn now_us() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_micros() as i64
-}
-
 fn client(url: &str) -> redbaton::Builder {
     LockClient::builder().node(url)
-}
-
-/// The Redis key behind lock `name` with the default prefix.
-fn lock_key(name: &str) -> String {
-    format!("redbaton:{{{name}}}")
-}
-
-/// Polls `cond` every 5 ms; panics with `what` after `timeout`.
-fn wait_until(timeout: Duration, what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !cond() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for: {what}"
-        );
-        thread::sleep(ms(5));
-    }
-}
-
-fn redis_conn(url: &str) -> redis::Connection {
-    let conn = redis::Client::open(url)
-        .expect("client")
-        .get_connection_with_timeout(secs(5))
-        .expect("connect");
-    conn.set_read_timeout(Some(secs(10))).unwrap();
-    conn.set_write_timeout(Some(secs(10))).unwrap();
-    conn
 }
 
 /// When a waiter got its lock.
@@ -99,7 +63,7 @@ fn spawn_waiter(
             let guard = client.lock(&name).map_err(|e| format!("lock: {e}"))?;
             let got = Acquired {
                 at: Instant::now(),
-                at_us: now_us(),
+                at_us: wall_us() as i64,
             };
             thread::sleep(hold);
             match guard.unlock() {
@@ -137,22 +101,6 @@ fn sub_connections(srv: &RedisServer) -> Vec<HashMap<String, String>> {
         .into_iter()
         .filter(|c| c.get("name").map(String::as_str) == Some(SUB_NAME))
         .collect()
-}
-
-fn field(results: &HashMap<String, String>, key: &str) -> i64 {
-    results
-        .get(key)
-        .unwrap_or_else(|| panic!("child result lacks {key}: {results:?}"))
-        .parse()
-        .unwrap_or_else(|e| panic!("child result {key}: {e}"))
-}
-
-/// The first `RESULT` line of a child's stdout that has `key`.
-fn result_with(stdout: &str, key: &str) -> HashMap<String, String> {
-    child::parse_results(stdout)
-        .into_iter()
-        .find(|r| r.contains_key(key))
-        .unwrap_or_else(|| panic!("no RESULT with {key} in child stdout:\n{stdout}"))
 }
 
 fn stats_fields(s: &Stats) -> Vec<(&'static str, String)> {
@@ -204,7 +152,7 @@ fn child_hold_until_go() {
     let guard = c.lock(child::env("NAME")).expect("lock");
     child::print_result(&[("acquired", "1".into())]);
     let held = Instant::now();
-    let mut conn = redis_conn(&url);
+    let mut conn = raw_conn(&url);
     let go = child::env("GO");
     loop {
         let set: bool = redis::cmd("EXISTS").arg(&go).query(&mut conn).unwrap();
@@ -214,7 +162,7 @@ fn child_hold_until_go() {
         assert!(held.elapsed() < secs(30), "parent never said go");
         thread::sleep(ms(5));
     }
-    let released_us = now_us();
+    let released_us = wall_us() as i64;
     assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
     child::print_result(&[("released_us", released_us.to_string())]);
 }
@@ -238,7 +186,7 @@ fn waiter_wakes_on_release_by_another_process() {
     let waiter = spawn_waiter(&c, name, Duration::ZERO);
     // Two failed attempts: the one before subscribing, and the one after the
     // subscription was confirmed; the waiter is then asleep.
-    wait_until(secs(10), "the waiter to block", || {
+    wait_for(secs(10), "the waiter to block", || {
         c.stats().failed_attempts >= 2
     });
     let () = redis::cmd("SET")
@@ -249,7 +197,7 @@ fn waiter_wakes_on_release_by_another_process() {
 
     let got = collect(&[waiter], secs(20), "waiter")[0];
     let out = child::wait_ok(holder, secs(30));
-    let released_us = field(&result_with(&out, "released_us"), "released_us");
+    let released_us = field::<i64>(&result_with(&out, "released_us"), "released_us");
     let latency = got.at_us - released_us;
     let s = c.stats();
     eprintln!("wake on release: acquired {latency} us after the other process released; {s:?}");
@@ -308,13 +256,13 @@ fn waiter_takes_over_from_killed_holder_within_lease() {
     child::wait_for_line(&mut holder, "acquired=1", secs(30));
     let c = client(&srv.url()).build().expect("build");
     let waiter = spawn_waiter(&c, name, Duration::ZERO);
-    wait_until(secs(10), "the waiter to block", || {
+    wait_for(secs(10), "the waiter to block", || {
         c.stats().failed_attempts >= 2
     });
     // Let the holder's watchdog renew at least once while the waiter sleeps.
     thread::sleep(ms(800));
     let pttl: i64 = redis::cmd("PTTL")
-        .arg(lock_key(name))
+        .arg(Keys::DEFAULT.lock(name))
         .query(&mut srv.conn())
         .unwrap();
     child::kill_child(&mut holder, libc::SIGKILL);
@@ -345,7 +293,7 @@ fn raw_expiring_key_wakes_waiter() {
     let name = "raw-expiry";
     let c = client(&srv.url()).build().expect("build");
     let () = redis::cmd("SET")
-        .arg(lock_key(name))
+        .arg(Keys::DEFAULT.lock(name))
         .arg("someone-else")
         .arg("PX")
         .arg(1000)
@@ -387,7 +335,7 @@ fn expired_event_wakes_waiter_before_its_lease_timer() {
     let _light = HEAVY.read();
     let srv = RedisServer::start();
     let name = "expired-event";
-    let key = lock_key(name);
+    let key = Keys::DEFAULT.lock(name);
     let c = client(&srv.url()).build().expect("build");
     let () = redis::cmd("SET")
         .arg(&key)
@@ -397,7 +345,7 @@ fn expired_event_wakes_waiter_before_its_lease_timer() {
         .query(&mut srv.conn())
         .unwrap();
     let waiter = spawn_waiter(&c, name, Duration::ZERO);
-    wait_until(secs(10), "the waiter to block", || {
+    wait_for(secs(10), "the waiter to block", || {
         c.stats().failed_attempts >= 2
     });
     let () = redis::cmd("PEXPIRE")
@@ -477,7 +425,7 @@ fn polling_waiter_acquires_by_polls_not_events() {
         .build()
         .expect("build");
     let waiter = spawn_waiter(&c, name, Duration::ZERO);
-    wait_until(secs(10), "a few polls", || c.stats().failed_attempts >= 3);
+    wait_for(secs(10), "a few polls", || c.stats().failed_attempts >= 3);
     assert!(
         sub_connections(&srv).is_empty(),
         "a polling client opened a subscriber connection"
@@ -520,7 +468,7 @@ fn child_idle_waiters() {
     }
     let n: usize = child::env("THREADS").parse().unwrap();
     let (c, waiters) = idle_waiters(&child::env("URL"), &child::env("NAME"), n);
-    wait_until(secs(20), "the child's waiters to block", || {
+    wait_for(secs(20), "the child's waiters to block", || {
         c.stats().failed_attempts >= 2 * n as u64
     });
     child::print_result(&[("blocked", "1".into())]);
@@ -546,7 +494,7 @@ fn idle_waiters_send_no_commands() {
     );
     child::wait_for_line(&mut other, "blocked=1", secs(30));
     let (c, waiters) = idle_waiters(&srv.url(), name, 10);
-    wait_until(secs(20), "the parent's waiters to block", || {
+    wait_for(secs(20), "the parent's waiters to block", || {
         c.stats().failed_attempts >= 20
     });
     // Settle, then watch for 2.5 s: the key is held for about 3 s of idle waiting, and the
@@ -587,7 +535,7 @@ fn idle_waiters_send_no_commands() {
     eprintln!("idle waiters afterwards: parent {s:?}; child {cs:?}");
     assert_eq!(s.wakeups_recheck + s.wakeups_lease, 0, "{s:?}");
     assert_eq!(
-        field(&cs, "wakeups_recheck") + field(&cs, "wakeups_lease"),
+        field::<i64>(&cs, "wakeups_recheck") + field::<i64>(&cs, "wakeups_lease"),
         0,
         "{cs:?}"
     );
@@ -621,23 +569,23 @@ fn pubsub_kill(name: &str, wait_for_resubscribe: bool) {
         let w: Vec<_> = (0..8).map(|_| spawn_waiter(&c, name, ms(5))).collect();
         (c, w)
     };
-    wait_until(secs(20), "8 waiters to block", || {
+    wait_for(secs(20), "8 waiters to block", || {
         c.stats().failed_attempts >= 16
     });
     thread::sleep(ms(200));
     let killed = kill_pubsub(&srv);
     assert!(killed >= 1, "no pubsub client to kill");
     if wait_for_resubscribe {
-        wait_until(secs(10), "the subscriber to reconnect", || {
+        wait_for(secs(10), "the subscriber to reconnect", || {
             c.stats().reconnects >= 1
         });
-        wait_until(secs(10), "the subscriber to re-subscribe", || {
+        wait_for(secs(10), "the subscriber to re-subscribe", || {
             sub_connections(&srv)
                 .iter()
                 .any(|s| s.get("sub").map(String::as_str) == Some("2"))
         });
         // Every waiter retries once after the reconnect, then sleeps again.
-        wait_until(secs(10), "8 waiters to retry after the reconnect", || {
+        wait_for(secs(10), "8 waiters to retry after the reconnect", || {
             c.stats().wakeups_reconnect >= 8
         });
     }
@@ -647,7 +595,7 @@ fn pubsub_kill(name: &str, wait_for_resubscribe: bool) {
     let got = collect(&waiters, secs(20), "waiter after pubsub kill");
     let last = got.iter().map(|a| a.at).max().unwrap();
     let first = got.iter().map(|a| a.at).min().unwrap();
-    wait_until(secs(10), "the reconnect to be counted", || {
+    wait_for(secs(10), "the reconnect to be counted", || {
         c.stats().reconnects >= 1
     });
     let s = c.stats();
@@ -736,7 +684,7 @@ fn child_fallback_waiter() {
     assert_eq!(c.with_lock("fallback-other", || 1).unwrap(), 1);
 
     let waiter = spawn_waiter(&c, &child::env("NAME"), Duration::ZERO);
-    wait_until(secs(20), "the waiter to block", || {
+    wait_for(secs(20), "the waiter to block", || {
         c.stats().failed_attempts >= 2
     });
     child::print_result(&[("blocked", "1".into())]);
@@ -764,15 +712,15 @@ fn without_keyspace_events_release_still_wakes_waiters() {
     );
     child::wait_for_line(&mut waiter, "blocked=1", secs(30));
     thread::sleep(ms(300));
-    let released_us = now_us();
+    let released_us = wall_us() as i64;
     assert_eq!(guard.unlock().unwrap(), Unlocked::Released);
     let out = child::wait_ok(waiter, secs(60));
     let r = result_with(&out, "warnings");
-    let latency = field(&r, "acquired_us") - released_us;
+    let latency = field::<i64>(&r, "acquired_us") - released_us;
     eprintln!("no keyspace events: waiter acquired {latency} us after release; child {r:?}");
-    assert_eq!(field(&r, "warnings_at_build"), 1, "{r:?}");
+    assert_eq!(field::<i64>(&r, "warnings_at_build"), 1, "{r:?}");
     assert_eq!(
-        field(&r, "warnings"),
+        field::<i64>(&r, "warnings"),
         1,
         "exactly one warning in all: {r:?}"
     );
@@ -780,10 +728,10 @@ fn without_keyspace_events_release_still_wakes_waiters() {
         latency < 1_000_000,
         "acquired {latency} us after release (bound 1 s); {r:?}"
     );
-    assert!(field(&r, "wakeups_event") >= 1, "{r:?}");
-    assert_eq!(field(&r, "wakeups_recheck"), 0, "{r:?}");
-    assert_eq!(field(&r, "wakeups_lease"), 0, "{r:?}");
-    assert_eq!(field(&r, "wakeups_poll"), 0, "{r:?}");
+    assert!(field::<i64>(&r, "wakeups_event") >= 1, "{r:?}");
+    assert_eq!(field::<i64>(&r, "wakeups_recheck"), 0, "{r:?}");
+    assert_eq!(field::<i64>(&r, "wakeups_lease"), 0, "{r:?}");
+    assert_eq!(field::<i64>(&r, "wakeups_poll"), 0, "{r:?}");
     let subs = sub_connections(&srv);
     assert!(subs.is_empty(), "the child is gone: {subs:?}");
 }
@@ -812,7 +760,7 @@ fn child_churn() {
         .local_handoff(false)
         .build()
         .expect("build");
-    let mut conn = redis_conn(&url);
+    let mut conn = raw_conn(&url);
     child::print_result(&[("ready", "1".into())]);
     let go = child::env("GO");
     let started = Instant::now();
@@ -828,7 +776,7 @@ fn child_churn() {
         .map(|_| {
             let (c, name, counter, url) = (c.clone(), name.clone(), counter.clone(), url.clone());
             thread::spawn(move || {
-                let mut conn = redis_conn(&url);
+                let mut conn = raw_conn(&url);
                 let mut max_wait = Duration::ZERO;
                 for _ in 0..sections {
                     let t = Instant::now();
@@ -894,10 +842,10 @@ fn churn_loses_no_wakeups() {
     let expected = (CHURN_PROCESSES * CHURN_THREADS * CHURN_SECTIONS) as u64;
     let max_wait = results
         .iter()
-        .map(|r| field(r, "max_wait_us"))
+        .map(|r| field::<i64>(r, "max_wait_us"))
         .max()
         .unwrap();
-    let sum = |k: &str| results.iter().map(|r| field(r, k)).sum::<i64>();
+    let sum = |k: &str| results.iter().map(|r| field::<i64>(r, k)).sum::<i64>();
     eprintln!(
         "churn {CHURN_PROCESSES}x{CHURN_THREADS}x{CHURN_SECTIONS}: {elapsed:?}, counter {total}, longest wait {max_wait} us; wakeups event {} lease {} recheck {} reconnect {}; failed attempts {}; evalsha {}",
         sum("wakeups_event"),
@@ -938,7 +886,7 @@ fn many_waiters_on_many_keys_share_one_subscriber_connection() {
     let waiters: Vec<_> = (0..200)
         .map(|i| spawn_waiter(&c, &keys[i % keys.len()], Duration::ZERO))
         .collect();
-    wait_until(secs(60), "200 waiters to block", || {
+    wait_for(secs(60), "200 waiters to block", || {
         c.stats().failed_attempts >= 400
     });
     let subs = sub_connections(&srv);
@@ -981,7 +929,7 @@ fn release_latency(holder: &LockClient, c: &LockClient, name: &str) -> (Duration
     let guard = holder.lock(name).expect("lock");
     let before = c.stats();
     let waiter = spawn_waiter(c, name, Duration::ZERO);
-    wait_until(secs(20), "the waiter to block", || {
+    wait_for(secs(20), "the waiter to block", || {
         c.stats().failed_attempts >= before.failed_attempts + 2
     });
     thread::sleep(ms(300));
@@ -1017,7 +965,7 @@ fn waiters_still_wake_on_release_after_server_restart() {
         .unwrap();
     eprintln!("after the restart notify-keyspace-events = {:?}", flags[1]);
     // The pools find their connections dead: the first command after a restart may fail.
-    wait_until(secs(10), "the holder to reach the restarted server", || {
+    wait_for(secs(10), "the holder to reach the restarted server", || {
         holder.try_lock("probe").is_ok()
     });
     let (after, before) = release_latency(&holder, &c, name);
@@ -1122,7 +1070,7 @@ fn waiters_wake_in_another_database_on_binary_names() {
         });
         let _ = tx.send(r.map_err(|e| e.to_string()));
     });
-    wait_until(secs(10), "the waiter to block", || {
+    wait_for(secs(10), "the waiter to block", || {
         c.stats().failed_attempts >= before.failed_attempts + 2
     });
     assert_eq!(guard.unlock().unwrap(), Unlocked::Released);

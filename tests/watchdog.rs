@@ -5,19 +5,21 @@
 //! within a few renew intervals", never "it was fast". Measured figures are printed with
 //! `eprintln!` (see them with `--nocapture`).
 
-mod support;
-
 use std::collections::HashMap;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, LostReason, Unlocked};
+use redbaton_testkit::child::{field, result_with};
+use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::keys::Keys;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{child, init_log, ms};
+use redbaton_testkit::{exists, pttl};
 use redis::{Connection, Value};
-use support::clock::mono_ns;
-use support::server::RedisServer;
-use support::{child, init_log, ms};
 
 const PREFIX: &str = "wd:";
+const KEYS: Keys = Keys::new(PREFIX);
 
 // --- helpers -----------------------------------------------------------------
 
@@ -37,40 +39,8 @@ fn build(b: redbaton::Builder) -> LockClient {
     b.build().expect("build client")
 }
 
-/// The Redis key of lock `name` (prefix + `{name}`).
-fn lock_key(name: &str) -> String {
-    format!("{PREFIX}{{{name}}}")
-}
-
 fn get(conn: &mut Connection, key: &str) -> Option<String> {
     redis::cmd("GET").arg(key).query(conn).expect("GET")
-}
-
-fn pttl(conn: &mut Connection, key: &str) -> i64 {
-    redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
-}
-
-fn exists(conn: &mut Connection, key: &str) -> bool {
-    redis::cmd("EXISTS")
-        .arg(key)
-        .query::<i64>(conn)
-        .expect("EXISTS")
-        == 1
-}
-
-/// The one `RESULT` line of a child's output that has `field`.
-fn result_with(stdout: &str, field: &str) -> HashMap<String, String> {
-    child::parse_results(stdout)
-        .into_iter()
-        .rev()
-        .find(|r| r.contains_key(field))
-        .unwrap_or_else(|| panic!("no RESULT line with {field} in child stdout:\n{stdout}"))
-}
-
-fn num(r: &HashMap<String, String>, field: &str) -> u64 {
-    r[field]
-        .parse()
-        .unwrap_or_else(|e| panic!("RESULT {field}={:?}: {e}", r[field]))
 }
 
 /// Waits for the lost signal; panics (with what is known) if it does not come in time.
@@ -99,10 +69,10 @@ fn smoke() {
     assert!(guard.valid_until() > Instant::now());
     assert!(guard.lost().try_recv().is_err());
     let mut conn = srv.conn();
-    let ttl = pttl(&mut conn, &lock_key("smoke"));
+    let ttl = pttl(&mut conn, KEYS.lock("smoke"));
     assert!(ttl > 0 && ttl <= 2000, "PTTL {ttl}");
     assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
-    assert!(!exists(&mut conn, &lock_key("smoke")));
+    assert!(!exists(&mut conn, KEYS.lock("smoke")));
 }
 
 // --- 1. renewals keep a short lease held against another process --------------
@@ -178,9 +148,9 @@ fn renewals_hold_a_1s_lease_for_4s_against_another_process() {
     let out = child::wait_ok(c, Duration::from_secs(30));
     let r = result_with(&out, "failed");
     let (failed, last_fail_ns, acquired_ns) = (
-        num(&r, "failed"),
-        num(&r, "last_fail_ns"),
-        num(&r, "acquired_ns"),
+        field::<u64>(&r, "failed"),
+        field::<u64>(&r, "last_fail_ns"),
+        field::<u64>(&r, "acquired_ns"),
     );
     eprintln!(
         "1 s lease held 4 s: {renewals} renewals sent; other process failed {failed} times, \
@@ -212,7 +182,7 @@ fn deleted_key_fires_lost_and_drop_spares_the_next_holder() {
     let srv = RedisServer::start();
     let a = build(builder(&srv.url(), ms(1500)).renew_interval(ms(500)));
     let name = "deleted";
-    let key = lock_key(name);
+    let key = KEYS.lock(name);
     let guard = a.lock(name).expect("lock");
     let mut conn = srv.conn();
     assert_eq!(
@@ -269,7 +239,7 @@ fn overwritten_key_is_reported_stolen() {
     let srv = RedisServer::start();
     let client = build(builder(&srv.url(), ms(1500)).renew_interval(ms(500)));
     let name = "stolen";
-    let key = lock_key(name);
+    let key = KEYS.lock(name);
     let guard = client.lock(name).expect("lock");
     let mut conn = srv.conn();
     let () = redis::cmd("SET")
@@ -409,7 +379,7 @@ fn paused_holder_process_learns_it_lost_and_is_fenced_out() {
     init_log();
     let srv = RedisServer::start();
     let name = "paused";
-    let key = lock_key(name);
+    let key = KEYS.lock(name);
     let mut c = child::spawn_self(
         "child_stopped_holder",
         &[("REDIS_URL", srv.url()), ("LOCK_NAME", name.into())],
@@ -419,7 +389,7 @@ fn paused_holder_process_learns_it_lost_and_is_fenced_out() {
     // Whatever happens below, the child is not left stopped for ever.
     let resume = ResumeOnDrop(c.id());
     wait_stopped(c.id());
-    let child_token = num(&child::parse_results(&line)[0], "token");
+    let child_token = field::<u64>(&child::parse_results(&line)[0], "token");
 
     // Past the child's 1 s lease, this process takes the lock.
     thread::sleep(ms(1300));
@@ -439,14 +409,18 @@ fn paused_holder_process_learns_it_lost_and_is_fenced_out() {
         r["resumed"], "1",
         "the child never noticed its pause: {out}"
     );
-    assert!(num(&r, "gap_ms") >= 1000, "{r:?}");
+    assert!(field::<u64>(&r, "gap_ms") >= 1000, "{r:?}");
     assert!(
         r["first_after"].starts_with("Err(Lost("),
         "first check after the resume: {}",
         r["first_after"]
     );
-    assert_eq!(num(&r, "ok_after"), 0, "a check passed after the resume");
-    assert!(num(&r, "checks_after") >= 1);
+    assert_eq!(
+        field::<u64>(&r, "ok_after"),
+        0,
+        "a check passed after the resume"
+    );
+    assert!(field::<u64>(&r, "checks_after") >= 1);
     assert!(r["lost_signal"] != "none", "no lost signal: {r:?}");
     assert_eq!(r["is_lost"], "1");
     assert_eq!(r["unlock"], "Ok(HeldByOther)", "stale holder's unlock");
@@ -525,7 +499,7 @@ fn thousand_locks_are_renewed_in_few_round_trips() {
     let mut conn = srv.conn();
     let mut pipe = redis::pipe();
     for n in &names {
-        pipe.cmd("PTTL").arg(lock_key(n));
+        pipe.cmd("PTTL").arg(KEYS.lock(n));
     }
     let ttls: Vec<i64> = pipe.query(&mut conn).expect("PTTLs");
     let expired = ttls.iter().filter(|&&t| t <= 0).count();
@@ -621,7 +595,7 @@ fn a_thousand_key_extend_batch_works() {
     let mut conn = srv.conn();
     let mut pipe = redis::pipe();
     for i in 0..N {
-        pipe.cmd("PTTL").arg(lock_key(&format!("batch:{i}")));
+        pipe.cmd("PTTL").arg(KEYS.lock(&format!("batch:{i}")));
     }
     let ttls: Vec<i64> = pipe.query(&mut conn).expect("PTTLs");
     let min = ttls.iter().min().copied().unwrap_or(-3);
@@ -872,7 +846,7 @@ fn no_renewal_reaches_redis_after_unlock_returns() {
 
     let mut violations = Vec::new();
     for i in 0..CYCLES {
-        let key = lock_key(&format!("cyc:{i}"));
+        let key = KEYS.lock(&format!("cyc:{i}"));
         let mine: Vec<(usize, &EvalCall)> = calls
             .iter()
             .enumerate()
@@ -933,7 +907,7 @@ fn valid_until_moves_forward_with_renewals() {
     let s = client.stats();
     assert!(s.renewals_sent >= 1, "{s:?}");
     assert_eq!(s.locks_lost, 0, "{s:?}");
-    assert!(pttl(&mut srv.conn(), &lock_key("valid")) > 0);
+    assert!(pttl(&mut srv.conn(), KEYS.lock("valid")) > 0);
     assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
 }
 
@@ -945,7 +919,7 @@ fn without_auto_renew_the_lock_expires_after_one_lease() {
         .auto_renew(false)
         .build()
         .expect("build (no watchdog)");
-    let key = lock_key("once");
+    let key = KEYS.lock("once");
     let guard = client.lock("once").expect("lock");
     guard.check().expect("held at first");
     thread::sleep(ms(900));
@@ -994,7 +968,7 @@ fn max_hold_stops_renewals_and_fires_hold_limit() {
     // A lease longer than the cap (renewed every 500 ms): a loaded machine cannot make
     // the lock expire before the cap is reached.
     let client = build(builder(&srv.url(), ms(1500)).max_hold(Duration::from_secs(1)));
-    let key = lock_key("capped");
+    let key = KEYS.lock("capped");
     let started = Instant::now();
     let guard = client.lock("capped").expect("lock");
     let reason = guard
@@ -1033,7 +1007,7 @@ fn extend_sets_the_remaining_lease() {
     init_log();
     let srv = RedisServer::start();
     let client = client(&srv.url(), Duration::from_secs(2));
-    let key = lock_key("ext");
+    let key = KEYS.lock("ext");
     let guard = client.lock("ext").expect("lock");
     let mut conn = srv.conn();
     assert!(pttl(&mut conn, &key) <= 2000);
@@ -1068,7 +1042,7 @@ fn extend_to_a_shorter_lease_keeps_the_lock_renewed() {
     init_log();
     let srv = RedisServer::start();
     let client = client(&srv.url(), Duration::from_secs(3)); // renewed every 1 s
-    let key = lock_key("shorter");
+    let key = KEYS.lock("shorter");
     let guard = client.lock("shorter").expect("lock");
     // Let the watchdog take in the new lock (due in 1 s) and plan its next look for then.
     thread::sleep(ms(50));

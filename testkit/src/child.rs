@@ -315,3 +315,26 @@ fn start_orphan_watchdog() {
         }
     });
 }
+
+/// The first `RESULT` line of a child's stdout that has `key`; panics with the output when
+/// there is none.
+pub fn result_with(stdout: &str, key: &str) -> HashMap<String, String> {
+    parse_results(stdout)
+        .into_iter()
+        .find(|r| r.contains_key(key))
+        .unwrap_or_else(|| panic!("no RESULT line with {key} in child stdout:\n{stdout}"))
+}
+
+/// Field `key` of a `RESULT` line, parsed; panics naming the field when it is missing or
+/// does not parse.
+pub fn field<T>(result: &HashMap<String, String>, key: &str) -> T
+where
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    let text = result
+        .get(key)
+        .unwrap_or_else(|| panic!("child result lacks {key}: {result:?}"));
+    text.parse()
+        .unwrap_or_else(|e| panic!("child result {key}={text:?}: {e}"))
+}

@@ -1,0 +1,54 @@
+//! Polling and joining with a deadline: a test whose condition never comes fails with a
+//! message instead of hanging.
+
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// How often the helpers below re-check.
+pub const POLL: Duration = Duration::from_millis(5);
+
+/// Polls `f` until it returns `Some`, for at most `limit`; its value, or `None` on timeout.
+pub fn eventually<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        thread::sleep(POLL);
+    }
+}
+
+/// Polls `cond` until it holds or `timeout` passes; whether it held.
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    eventually(timeout, || cond().then_some(())).is_some()
+}
+
+/// Polls `cond` until it holds; panics with `what` after `timeout`.
+pub fn wait_for(timeout: Duration, what: &str, cond: impl FnMut() -> bool) {
+    assert!(
+        wait_until(timeout, cond),
+        "timed out after {timeout:?} waiting for: {what}"
+    );
+}
+
+/// Joins every thread, failing (instead of hanging) if one is not done by `timeout`; a
+/// thread's panic is re-raised here.
+pub fn join_within<T>(handles: Vec<JoinHandle<T>>, timeout: Duration, what: &str) -> Vec<T> {
+    let deadline = Instant::now() + timeout;
+    for h in &handles {
+        while !h.is_finished() {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: a thread is still running after {timeout:?}"
+            );
+            thread::sleep(Duration::from_millis(2));
+        }
+    }
+    handles
+        .into_iter()
+        .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+        .collect()
+}
