@@ -43,6 +43,16 @@ pub(crate) struct Config {
     pub local_handoff: bool,
     pub max_handoffs: u32,
     pub handoff_slice: Duration,
+    pub tls: Tls,
+}
+
+/// TLS material for `rediss://` nodes (PEM).
+#[derive(Clone, Default)]
+pub(crate) struct Tls {
+    /// The CA that signed the servers' certificates, instead of the system's trust store.
+    pub ca: Option<Vec<u8>>,
+    /// A client certificate chain and its private key, for servers that verify clients.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl Config {

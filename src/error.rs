@@ -139,6 +139,78 @@ impl Error {
         }
     }
 
+    /// Redis refused the credentials: a wrong password, an unknown or disabled ACL user,
+    /// or a server that wants a password and got none. Retrying will not help; unlike
+    /// [`is_connection`](Self::is_connection), the server was reached.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() {
+    /// # let url = redbaton_testkit::redis_url();
+    /// // The server has no user "nobody".
+    /// let url = url.replace("redis://", "redis://nobody:wrong@");
+    /// let e = redbaton::LockClient::builder().node(url).build().unwrap_err();
+    /// assert!(e.is_auth());
+    /// assert!(!e.is_connection());
+    /// assert!(!format!("{e} {e:?}").contains("wrong"));
+    /// # }
+    /// ```
+    pub fn is_auth(&self) -> bool {
+        match self {
+            Error::Redis(e) => {
+                e.kind() == redis::ErrorKind::AuthenticationFailed
+                    || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))
+            }
+            _ => false,
+        }
+    }
+
+    /// The TLS handshake failed: the server's certificate is not trusted (wrong CA,
+    /// wrong host name, expired), or the server wants a client certificate
+    /// ([`Builder::tls_client_identity`](crate::Builder::tls_client_identity)) and got none
+    /// or one it does not trust.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let e = redbaton::Error::Timeout;
+    /// assert!(!e.is_tls());
+    /// ```
+    pub fn is_tls(&self) -> bool {
+        let Error::Redis(e) = self else {
+            return false;
+        };
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        while let Some(s) = source {
+            #[cfg(feature = "tls")]
+            if s.downcast_ref::<rustls::Error>().is_some() {
+                return true;
+            }
+            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                #[cfg(feature = "tls")]
+                if io
+                    .get_ref()
+                    .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some())
+                {
+                    return true;
+                }
+                let _ = io;
+            }
+            source = s.source();
+        }
+        // The `redis` crate passes rustls' handshake errors on as text.
+        let text = e.to_string().to_ascii_lowercase();
+        [
+            "handshake",
+            "peer certificate",
+            "certificate",
+            "fatal alert",
+        ]
+        .iter()
+        .any(|m| text.contains(m))
+    }
+
     /// The underlying `redis` error, if any.
     ///
     /// # Examples

@@ -3,9 +3,10 @@
 use std::time::Duration;
 
 use crate::api::client::LockClient;
-use crate::config::{Config, Wakeup};
+use crate::config::{Config, Tls, Wakeup};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_LOCAL_SEQ;
+use crate::proto::connect::open_client;
 use crate::proto::keys::MAX_PREFIX_LEN;
 
 const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
@@ -30,6 +31,7 @@ const MIN_LEASE: Duration = Duration::from_millis(10);
 /// | [`local_handoff`](Builder::local_handoff) | `true` |
 /// | [`max_handoffs`](Builder::max_handoffs) | 16 consecutive handoffs while another process waits |
 /// | [`handoff_slice`](Builder::handoff_slice) | 10 ms while another process waits |
+/// | [`tls_ca_cert`](Builder::tls_ca_cert), [`tls_client_identity`](Builder::tls_client_identity) | the system's trust store, no client certificate |
 ///
 /// # Examples
 ///
@@ -74,6 +76,7 @@ pub struct Builder {
     local_handoff: bool,
     max_handoffs: u32,
     handoff_slice: Duration,
+    tls: Tls,
 }
 
 /// Node URLs may carry a password: `Debug` shows them with it replaced by `***`.
@@ -99,6 +102,8 @@ impl std::fmt::Debug for Builder {
             .field("local_handoff", &self.local_handoff)
             .field("max_handoffs", &self.max_handoffs)
             .field("handoff_slice", &self.handoff_slice)
+            .field("tls_ca_cert", &self.tls.ca.is_some())
+            .field("tls_client_identity", &self.tls.identity.is_some())
             .finish()
     }
 }
@@ -137,6 +142,7 @@ impl Default for Builder {
             local_handoff: true,
             max_handoffs: 16,
             handoff_slice: Duration::from_millis(10),
+            tls: Tls::default(),
         }
     }
 }
@@ -431,6 +437,49 @@ impl Builder {
         self
     }
 
+    /// Trusts this CA (PEM) for `rediss://` nodes instead of the system's trust store:
+    /// for servers with certificates from a private CA. Needs the `tls` feature (on by
+    /// default). The subscriber connections use it too.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = redbaton::LockClient::builder()
+    ///     .node("rediss://redis.internal:6380/")
+    ///     .tls_ca_cert(std::fs::read("ca.pem")?)
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn tls_ca_cert(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls.ca = Some(pem.into());
+        self
+    }
+
+    /// Presents this client certificate chain and private key (PEM) to `rediss://` nodes
+    /// that verify clients (mutual TLS, `tls-auth-clients yes`). Needs the `tls` feature.
+    /// The key is never printed, not even by `Debug`.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = redbaton::LockClient::builder()
+    ///     .node("rediss://redis.internal:6380/")
+    ///     .tls_ca_cert(std::fs::read("ca.pem")?)
+    ///     .tls_client_identity(std::fs::read("client.pem")?, std::fs::read("client.key")?)
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn tls_client_identity(
+        mut self,
+        cert_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.tls.identity = Some((cert_pem.into(), key_pem.into()));
+        self
+    }
+
     /// Checks every setting, connects to the node(s), checks keyspace notifications and
     /// starts the client's threads.
     ///
@@ -470,10 +519,8 @@ impl Builder {
             ));
         }
         for (i, url) in nodes.iter().enumerate() {
-            if redis::Client::open(url.as_str()).is_err() {
-                // The URL may hold a password: name the node, not the URL.
-                return bad(format!("node {i}: unparsable redis url"));
-            }
+            // The URL may hold a password: errors name the node, not the URL.
+            open_client(&format!("node {i}"), url, &self.tls)?;
         }
         if self.key_prefix.len() > MAX_PREFIX_LEN {
             return bad(format!("key prefix longer than {MAX_PREFIX_LEN} bytes"));
@@ -535,6 +582,7 @@ impl Builder {
             local_handoff: self.local_handoff,
             max_handoffs: self.max_handoffs,
             handoff_slice: self.handoff_slice,
+            tls: self.tls,
         })
     }
 }

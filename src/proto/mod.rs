@@ -1,5 +1,6 @@
 //! The Redis protocol: key layout, scripts, connections and one node's operations.
 
+pub(crate) mod connect;
 pub(crate) mod keys;
 pub(crate) mod node;
 pub(crate) mod pool;

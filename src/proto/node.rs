@@ -7,6 +7,7 @@ use redis::{Cmd, Connection, RedisResult, Value};
 
 use crate::config::Config;
 use crate::error::{Error, Result, is_network_error};
+use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
 use crate::proto::pool::Pool;
 use crate::proto::scripts::{self, ACQUIRE, EXTEND, RAISE_FENCE, RELEASE, UNMARK};
@@ -118,13 +119,7 @@ impl Node {
         counters: Arc<Counters>,
         client_id: Arc<str>,
     ) -> Result<Self> {
-        let bad_url = || Error::InvalidConfig(format!("{label}: unparsable redis url"));
-        let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(|_| bad_url())?;
-        // No `CLIENT SETINFO` pipeline at connect: against a hung server each of its
-        // replies would wait a full timeout.
-        let settings = info.redis_settings().clone().set_skip_set_lib_name();
-        let client =
-            redis::Client::open(info.set_redis_settings(settings)).map_err(|_| bad_url())?;
+        let client = open_client(label, url, &cfg.tls)?;
         let info = client.get_connection_info();
         let db = info.redis_settings().db();
         let id = NodeId::new(format!("{}/{db}", info.addr()));

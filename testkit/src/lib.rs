@@ -31,6 +31,7 @@ pub mod clock;
 pub mod keys;
 pub mod proxy;
 pub mod server;
+pub mod tls;
 pub mod wait;
 
 use server::RedisServer;

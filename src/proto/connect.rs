@@ -1,0 +1,128 @@
+//! How a node URL becomes a `redis::Client`: TLS (`rediss://`, a private CA, a client
+//! identity), credentials in the URL, Unix sockets. One code path for the command pool,
+//! the subscriber and the builder's validation.
+
+use crate::config::Tls;
+use crate::error::{Error, Result};
+
+/// A client for `url`; `label` names the node in errors, since the URL may hold a password.
+pub(crate) fn open_client(label: &str, url: &str, tls: &Tls) -> Result<redis::Client> {
+    let wants_tls = is_tls_url(url);
+    if wants_tls && !cfg!(feature = "tls") {
+        return Err(Error::InvalidConfig(format!(
+            "{label}: rediss:// needs redbaton's `tls` feature"
+        )));
+    }
+    let bad_url = || Error::InvalidConfig(format!("{label}: unparsable redis url"));
+    let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(|_| bad_url())?;
+    // No `CLIENT SETINFO` pipeline at connect: against a hung server each of its replies
+    // would wait a full timeout.
+    let settings = info.redis_settings().clone().set_skip_set_lib_name();
+    let info = info.set_redis_settings(settings);
+    if !wants_tls {
+        if tls.ca.is_some() || tls.identity.is_some() {
+            log::debug!("{label}: not a rediss:// url, TLS settings unused");
+        }
+        return redis::Client::open(info).map_err(|_| bad_url());
+    }
+    tls_client(label, info, tls)
+}
+
+/// Whether `url` asks for TLS.
+pub(crate) fn is_tls_url(url: &str) -> bool {
+    let scheme = url.split("://").next().unwrap_or("");
+    scheme.eq_ignore_ascii_case("rediss") || scheme.eq_ignore_ascii_case("valkeys")
+}
+
+#[cfg(feature = "tls")]
+fn tls_client(label: &str, info: redis::ConnectionInfo, tls: &Tls) -> Result<redis::Client> {
+    // rustls needs a process-wide crypto provider; keep one the application installed.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    if tls.ca.is_none() && tls.identity.is_none() {
+        // The system's trust store.
+        return redis::Client::open(info)
+            .map_err(|_| Error::InvalidConfig(format!("{label}: unparsable redis url")));
+    }
+    // Checked here, so that a file that is not PEM is a configuration error at build
+    // time rather than a handshake failure later.
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs_in = |pem: &[u8]| {
+        CertificateDer::pem_slice_iter(pem)
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .is_ok_and(|c| !c.is_empty())
+    };
+    let bad = |what: &str| {
+        Err(Error::InvalidConfig(format!(
+            "{label}: {what} is not a PEM certificate"
+        )))
+    };
+    if tls.ca.as_deref().is_some_and(|ca| !certs_in(ca)) {
+        return bad("the TLS CA");
+    }
+    if let Some((cert, key)) = &tls.identity {
+        if !certs_in(cert) {
+            return bad("the TLS client certificate");
+        }
+        if PrivateKeyDer::from_pem_slice(key).is_err() {
+            return Err(Error::InvalidConfig(format!(
+                "{label}: the TLS client key is not a PEM private key"
+            )));
+        }
+    }
+    let certificates = redis::TlsCertificates {
+        client_tls: tls
+            .identity
+            .as_ref()
+            .map(|(cert, key)| redis::ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            }),
+        root_cert: tls.ca.clone(),
+    };
+    redis::Client::build_with_tls(info, certificates).map_err(|e| {
+        Error::InvalidConfig(format!(
+            "{label}: unusable TLS certificate or key: {}",
+            e.detail().unwrap_or("cannot be parsed")
+        ))
+    })
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_client(label: &str, _: redis::ConnectionInfo, _: &Tls) -> Result<redis::Client> {
+    Err(Error::InvalidConfig(format!(
+        "{label}: rediss:// needs redbaton's `tls` feature"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_urls() {
+        assert!(is_tls_url("rediss://h:6380/"));
+        assert!(is_tls_url("REDISS://h/"));
+        assert!(!is_tls_url("redis://h/"));
+        assert!(!is_tls_url("redis+unix:///tmp/r.sock"));
+    }
+
+    #[test]
+    fn without_the_feature_rediss_says_so() {
+        let e = open_client("node 0", "rediss://127.0.0.1:6380/", &Tls::default());
+        if cfg!(feature = "tls") {
+            assert!(e.is_ok(), "{e:?}");
+        } else {
+            let msg = e.unwrap_err().to_string();
+            assert!(msg.contains("`tls` feature"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn a_bad_url_names_the_node_not_the_password() {
+        let e = open_client("node 3", "redis://u:s3cret@[bad/", &Tls::default()).unwrap_err();
+        let msg = format!("{e} {e:?}");
+        assert!(msg.contains("node 3"), "{msg}");
+        assert!(!msg.contains("s3cret"), "{msg}");
+    }
+}

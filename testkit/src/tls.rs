@@ -1,0 +1,141 @@
+//! TLS for test servers: a throwaway CA with a server and a client certificate, made
+//! fresh for each test, and a `redis-server` that listens on a TLS port with them.
+
+use std::net::{IpAddr, Ipv4Addr, TcpListener};
+use std::path::PathBuf;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, SanType,
+};
+
+use crate::server::RedisServer;
+
+/// PEM material and the files the server reads it from.
+pub struct Certs {
+    /// The CA certificate that signed both others.
+    pub ca_pem: Vec<u8>,
+    /// The client certificate and its key, for mutual TLS.
+    pub client_cert_pem: Vec<u8>,
+    pub client_key_pem: Vec<u8>,
+    dir: tempfile::TempDir,
+}
+
+impl Certs {
+    /// A new CA, a server certificate for 127.0.0.1 and `localhost`, and a client
+    /// certificate, all signed by that CA.
+    pub fn generate() -> Certs {
+        Self::generate_named("redbaton test CA")
+    }
+
+    /// The same with a CA of another name: a client trusting one set rejects the other's
+    /// server.
+    pub fn generate_named(ca_name: &str) -> Certs {
+        let ca_key = KeyPair::generate().expect("CA key");
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name.push(DnType::CommonName, ca_name);
+        let ca_cert = ca.self_signed(&ca_key).expect("self-signed CA");
+
+        let leaf = |purpose: ExtendedKeyUsagePurpose, name: &str| {
+            let key = KeyPair::generate().expect("leaf key");
+            let mut params =
+                CertificateParams::new(vec!["localhost".to_owned()]).expect("leaf params");
+            params
+                .subject_alt_names
+                .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+            params.distinguished_name.push(DnType::CommonName, name);
+            params.extended_key_usages = vec![purpose];
+            let cert = params
+                .signed_by(&key, &ca_cert, &ca_key)
+                .expect("leaf signed by CA");
+            (cert.pem().into_bytes(), key.serialize_pem().into_bytes())
+        };
+        let (server_cert, server_key) = leaf(ExtendedKeyUsagePurpose::ServerAuth, "redis");
+        let (client_cert, client_key) = leaf(ExtendedKeyUsagePurpose::ClientAuth, "client");
+        let dir = tempfile::Builder::new()
+            .prefix("redbaton-tls-")
+            .tempdir()
+            .expect("temp dir for certificates");
+        let ca_pem = ca_cert.pem().into_bytes();
+        for (name, pem) in [
+            ("ca.pem", &ca_pem),
+            ("server.pem", &server_cert),
+            ("server.key", &server_key),
+        ] {
+            std::fs::write(dir.path().join(name), pem).expect("write certificate");
+        }
+        Certs {
+            ca_pem,
+            client_cert_pem: client_cert,
+            client_key_pem: client_key,
+            dir,
+        }
+    }
+
+    fn file(&self, name: &str) -> String {
+        self.dir.path().join(name).to_string_lossy().into_owned()
+    }
+}
+
+/// A `redis-server` with a TLS port (its plain port serves only the harness).
+pub struct TlsServer {
+    pub server: RedisServer,
+    pub tls_port: u16,
+}
+
+impl TlsServer {
+    /// Starts a server with `certs`; `verify_clients`: `tls-auth-clients yes`.
+    pub fn start(certs: &Certs, verify_clients: bool) -> TlsServer {
+        let tls_port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .and_then(|l| l.local_addr())
+            .expect("bind 127.0.0.1:0")
+            .port();
+        let server = RedisServer::builder()
+            .config("tls-port", &tls_port.to_string())
+            .config("tls-cert-file", &certs.file("server.pem"))
+            .config("tls-key-file", &certs.file("server.key"))
+            .config("tls-ca-cert-file", &certs.file("ca.pem"))
+            .config(
+                "tls-auth-clients",
+                if verify_clients { "yes" } else { "no" },
+            )
+            .start();
+        TlsServer { server, tls_port }
+    }
+
+    /// The `rediss://` URL of the TLS port.
+    pub fn url(&self) -> String {
+        format!("rediss://127.0.0.1:{}/", self.tls_port)
+    }
+}
+
+/// A server that also listens on a Unix socket.
+pub struct UnixServer {
+    pub server: RedisServer,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl UnixServer {
+    pub fn start() -> UnixServer {
+        let dir = tempfile::Builder::new()
+            .prefix("redbaton-sock-")
+            .tempdir()
+            .expect("temp dir for the socket");
+        let socket = dir.path().join("redis.sock");
+        let server = RedisServer::builder()
+            .config("unixsocket", &socket.to_string_lossy())
+            .config("unixsocketperm", "700")
+            .start();
+        UnixServer {
+            server,
+            socket,
+            _dir: dir,
+        }
+    }
+
+    /// The `redis+unix://` URL of the socket.
+    pub fn url(&self) -> String {
+        format!("redis+unix://{}", self.socket.display())
+    }
+}
