@@ -44,6 +44,25 @@ pub(crate) struct Config {
     pub max_handoffs: u32,
     pub handoff_slice: Duration,
     pub tls: Tls,
+    /// Replicas that must acknowledge each acquisition and renewal, and the wait for them.
+    pub replica_ack: Option<(usize, Duration)>,
+    /// A Sentinel-managed master instead of `nodes`.
+    pub sentinel: Option<SentinelConfig>,
+}
+
+/// Where the sentinels are and how to reach the master they name.
+#[derive(Clone, Default)]
+pub(crate) struct SentinelConfig {
+    /// The master's name in the sentinels' configuration.
+    pub master: String,
+    /// The sentinels' URLs (with their own credentials and scheme).
+    pub sentinels: Vec<String>,
+    /// The master's (and replicas') ACL user and password.
+    pub master_auth: Option<(Option<String>, String)>,
+    /// Whether the master speaks TLS.
+    pub master_tls: bool,
+    /// The database on the master.
+    pub db: i64,
 }
 
 /// TLS material for `rediss://` nodes (PEM).

@@ -39,6 +39,15 @@ pub enum Error {
         /// Nodes configured.
         nodes: usize,
     },
+    /// `replica_ack`: fewer replicas than asked acknowledged the lock's acquisition (or
+    /// renewal) in time, until the caller's deadline. The acquisition was undone.
+    #[error("{acked} of {wanted} replicas acknowledged the lock in time")]
+    ReplicaAck {
+        /// Replicas that acknowledged the last attempt.
+        acked: usize,
+        /// Replicas asked for.
+        wanted: usize,
+    },
     /// The calling thread already holds this lock through this client: waiting would wait
     /// for itself.
     #[error("this thread already holds the lock")]
@@ -137,6 +146,19 @@ impl Error {
             Error::Redis(e) => is_network_error(e),
             _ => false,
         }
+    }
+
+    /// Too few replicas acknowledged the lock in time ([`Error::ReplicaAck`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let e = redbaton::Error::ReplicaAck { acked: 0, wanted: 1 };
+    /// assert!(e.is_replica_ack());
+    /// assert_eq!(e.to_string(), "0 of 1 replicas acknowledged the lock in time");
+    /// ```
+    pub fn is_replica_ack(&self) -> bool {
+        matches!(self, Error::ReplicaAck { .. })
     }
 
     /// Redis refused the credentials: a wrong password, an unknown or disabled ACL user,

@@ -70,6 +70,8 @@ counters! {
     locks_lost,
     /// Calls that returned `Error::Timeout`.
     timeouts,
+    /// Sentinel: times the master moved to another server and the client followed it.
+    failovers,
 }
 
 impl Counters {

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::api::client::LockClient;
-use crate::config::{Config, Tls, Wakeup};
+use crate::config::{Config, SentinelConfig, Tls, Wakeup};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_LOCAL_SEQ;
 use crate::proto::connect::open_client;
@@ -31,6 +31,8 @@ const MIN_LEASE: Duration = Duration::from_millis(10);
 /// | [`local_handoff`](Builder::local_handoff) | `true` |
 /// | [`max_handoffs`](Builder::max_handoffs) | 16 consecutive handoffs while another process waits |
 /// | [`handoff_slice`](Builder::handoff_slice) | 10 ms while another process waits |
+/// | [`sentinel`](Builder::sentinel) | none: the node(s) given |
+/// | [`replica_ack`](Builder::replica_ack) | none: an acquisition does not wait for replicas |
 /// | [`tls_ca_cert`](Builder::tls_ca_cert), [`tls_client_identity`](Builder::tls_client_identity) | the system's trust store, no client certificate |
 ///
 /// # Examples
@@ -77,6 +79,8 @@ pub struct Builder {
     max_handoffs: u32,
     handoff_slice: Duration,
     tls: Tls,
+    replica_ack: Option<(usize, Duration)>,
+    sentinel: Option<SentinelConfig>,
 }
 
 /// Node URLs may carry a password: `Debug` shows them with it replaced by `***`.
@@ -104,6 +108,16 @@ impl std::fmt::Debug for Builder {
             .field("handoff_slice", &self.handoff_slice)
             .field("tls_ca_cert", &self.tls.ca.is_some())
             .field("tls_client_identity", &self.tls.identity.is_some())
+            .field("replica_ack", &self.replica_ack)
+            .field(
+                "sentinel",
+                &self.sentinel.as_ref().map(|sc| {
+                    (
+                        &sc.master,
+                        sc.sentinels.iter().map(|u| redact(u)).collect::<Vec<_>>(),
+                    )
+                }),
+            )
             .finish()
     }
 }
@@ -143,6 +157,8 @@ impl Default for Builder {
             max_handoffs: 16,
             handoff_slice: Duration::from_millis(10),
             tls: Tls::default(),
+            replica_ack: None,
+            sentinel: None,
         }
     }
 }
@@ -210,6 +226,77 @@ impl Builder {
         S: Into<String>,
     {
         self.nodes.extend(urls.into_iter().map(Into::into));
+        self
+    }
+
+    /// Locks live on the master that the sentinels at `sentinel_urls` name
+    /// `master_name`, and follow it when the sentinels promote a replica (instead of
+    /// [`node`](Self::node)). The sentinels' own credentials and TLS come from their URLs
+    /// (`redis://user:password@host:26379/`, `rediss://…`); the master's from
+    /// [`sentinel_master_auth`](Self::sentinel_master_auth) and
+    /// [`sentinel_master_tls`](Self::sentinel_master_tls).
+    ///
+    /// On a failover the client moves its connections, its subscriptions (waiters retry
+    /// once) and its renewals to the new master. A lock survives it when the promoted
+    /// replica had it — [`replica_ack`](Self::replica_ack) makes that the rule rather than
+    /// luck; otherwise its holder's lost signal fires at the next renewal. Fencing
+    /// counters are as fresh as the promoted replica was.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// let client = redbaton::LockClient::builder()
+    ///     .sentinel("mymaster", ["redis://s1:26379/", "redis://s2:26379/", "redis://s3:26379/"])
+    ///     .replica_ack(1, Duration::from_millis(100))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn sentinel<I, S>(mut self, master_name: impl Into<String>, sentinel_urls: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let sc = self.sentinel.get_or_insert_with(SentinelConfig::default);
+        sc.master = master_name.into();
+        sc.sentinels = sentinel_urls.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The ACL user (`None`: the default user) and password of the Sentinel-managed
+    /// master and its replicas. Never printed, not even by `Debug`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let b = redbaton::LockClient::builder()
+    ///     .sentinel("mymaster", ["redis://127.0.0.1:26379/"])
+    ///     .sentinel_master_auth(Some("locker"), "s3cret");
+    /// assert!(!format!("{b:?}").contains("s3cret"));
+    /// ```
+    pub fn sentinel_master_auth(mut self, user: Option<&str>, password: &str) -> Self {
+        let sc = self.sentinel.get_or_insert_with(SentinelConfig::default);
+        sc.master_auth = Some((user.map(str::to_owned), password.to_owned()));
+        self
+    }
+
+    /// Whether the Sentinel-managed master speaks TLS (with
+    /// [`tls_ca_cert`](Self::tls_ca_cert) and
+    /// [`tls_client_identity`](Self::tls_client_identity) when set). Default: `false`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let b = redbaton::LockClient::builder()
+    ///     .sentinel("mymaster", ["rediss://127.0.0.1:26379/"])
+    ///     .sentinel_master_tls(true);
+    /// # let _ = b;
+    /// ```
+    pub fn sentinel_master_tls(mut self, on: bool) -> Self {
+        self.sentinel
+            .get_or_insert_with(SentinelConfig::default)
+            .master_tls = on;
         self
     }
 
@@ -480,6 +567,37 @@ impl Builder {
         self
     }
 
+    /// After each acquisition and each renewal, waits (Redis `WAIT`) up to `timeout` for
+    /// `replicas` replicas of the master to acknowledge it. An acquisition that fewer
+    /// replicas acknowledged is undone and retried until the caller's deadline, which then
+    /// ends with [`Error::ReplicaAck`](crate::Error::ReplicaAck) saying how many did; a
+    /// renewal that fewer acknowledged counts as failed (retried while the lease lasts).
+    ///
+    /// What it buys: a lock acquired with acknowledgement survives a failover to a replica
+    /// that acknowledged it (Sentinel or Cluster promote the most up-to-date replica). What
+    /// it does not: replication stays asynchronous, so a failover to a replica that had not
+    /// acknowledged, or a crash of the master together with the acknowledging replicas,
+    /// still loses the lock; the holder is then told through its lost signal at the next
+    /// renewal. `timeout` must be shorter than the read timeout. It costs one `WAIT` round
+    /// trip (about the replication delay) per acquisition and renewal, and turns off the
+    /// subscriber's early attempts.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// let client = redbaton::LockClient::builder()
+    ///     .node("redis://127.0.0.1:6379/")
+    ///     .replica_ack(1, Duration::from_millis(100))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn replica_ack(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.replica_ack = Some((replicas, timeout));
+        self
+    }
+
     /// Checks every setting, connects to the node(s), checks keyspace notifications and
     /// starts the client's threads.
     ///
@@ -509,7 +627,17 @@ impl Builder {
     pub(crate) fn validate(self) -> Result<Config> {
         let bad = |msg: String| Err(Error::InvalidConfig(msg));
         let mut nodes = self.nodes;
-        if nodes.is_empty() {
+        if let Some(sc) = &self.sentinel {
+            if !nodes.is_empty() {
+                return bad("sentinel and node(s) are exclusive: choose one".to_owned());
+            }
+            if sc.master.is_empty() || sc.sentinels.is_empty() {
+                return bad("sentinel: a master name and at least one sentinel".to_owned());
+            }
+            for (i, url) in sc.sentinels.iter().enumerate() {
+                open_client(&format!("sentinel {i}"), url, &self.tls)?;
+            }
+        } else if nodes.is_empty() {
             nodes.push("redis://127.0.0.1:6379/".to_owned());
         }
         let n = nodes.len();
@@ -562,6 +690,14 @@ impl Builder {
         {
             return bad("max hold must be positive".to_owned());
         }
+        if let Some((replicas, timeout)) = self.replica_ack
+            && (replicas == 0 || timeout.is_zero() || timeout >= self.read_timeout)
+        {
+            return bad(format!(
+                "replica ack: at least 1 replica, and a timeout shorter than the read timeout {:?}",
+                self.read_timeout
+            ));
+        }
         if !(1..=MAX_LOCAL_SEQ).contains(&self.max_handoffs) {
             return bad(format!("max handoffs outside 1..={MAX_LOCAL_SEQ}"));
         }
@@ -583,6 +719,8 @@ impl Builder {
             max_handoffs: self.max_handoffs,
             handoff_slice: self.handoff_slice,
             tls: self.tls,
+            replica_ack: self.replica_ack,
+            sentinel: self.sentinel,
         })
     }
 }

@@ -24,6 +24,8 @@ enum Round {
     /// Held elsewhere; wake by this time at the latest (the holder's remaining lease, or a
     /// jitter after a split Redlock vote).
     Held(Option<Duration>),
+    /// Ours, but too few replicas acknowledged it (`replica_ack`): undone; retry.
+    Unacked(usize),
 }
 
 /// The caller's wait policy.
@@ -63,6 +65,14 @@ impl Engine {
             }
         }
         let mut marked = false;
+        // The last attempt's replica acknowledgements, when too few: the error to give if
+        // the caller's wait ends before one has enough.
+        let mut unacked: Option<usize> = None;
+        let wanted = self.cfg.replica_ack.map_or(0, |(n, _)| n);
+        let short = |acked: Option<usize>, otherwise: Error| match acked {
+            Some(acked) => Error::ReplicaAck { acked, wanted },
+            None => otherwise,
+        };
         loop {
             // An attempt that will wait if it fails marks contention for the holder. The
             // script deletes our mark when we win; when we leave without the lock, we take
@@ -97,6 +107,11 @@ impl Engine {
                     marked |= marks.leave;
                     hint
                 }
+                Ok(Round::Unacked(acked)) => {
+                    unacked = Some(acked);
+                    // Our own release of it wakes us: try again at once.
+                    Some(Duration::ZERO)
+                }
                 Err(e) => {
                     if marked {
                         self.unmark(keys, &route);
@@ -105,14 +120,14 @@ impl Engine {
                 }
             };
             let deadline = match wait {
-                Wait::No => return Err(Error::WouldBlock),
+                Wait::No => return Err(short(unacked, Error::WouldBlock)),
                 Wait::Until(d) => d,
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 if marked {
                     self.unmark(keys, &route);
                 }
-                return Err(Error::Timeout);
+                return Err(short(unacked, Error::Timeout));
             }
             let woken = match self.cfg.wakeup {
                 Wakeup::Polling(every) => {
@@ -215,6 +230,13 @@ impl Engine {
                 .is_some_and(|v| !v.is_zero()),
             jitter: Duration::from_millis(rand::random_range(2..=25)),
         };
+        let unacked = replies
+            .iter()
+            .filter_map(|(_, r)| match r {
+                Ok(Attempt::Unacked { acked }) => Some(*acked),
+                _ => None,
+            })
+            .min();
         let verdict = vote(replies, rules);
         match verdict {
             Vote::Won {
@@ -231,7 +253,10 @@ impl Engine {
             }
             Vote::Held { hint, undo } => {
                 self.undo(keys, route, token, undo, deadline);
-                Ok(Round::Held(hint))
+                Ok(match unacked {
+                    Some(acked) => Round::Unacked(acked),
+                    None => Round::Held(hint),
+                })
             }
             Vote::Failed { error, undo } => {
                 self.undo(keys, route, token, undo, deadline);

@@ -65,7 +65,6 @@ impl Engine {
                 None => true,
             };
             if notifications {
-                let (connect_timeout, read_timeout, write_timeout) = node.pool.timeouts();
                 let setup = Setup {
                     node: node.id.clone(),
                     db: node.db,
@@ -74,10 +73,7 @@ impl Engine {
                     prefix: cfg.key_prefix.clone(),
                     client_id: client_id.to_string(),
                     connector: Connector {
-                        client: node.pool.client().clone(),
-                        connect_timeout,
-                        read_timeout,
-                        write_timeout,
+                        pool: node.pool.clone(),
                     },
                 };
                 subs.push(
@@ -118,6 +114,7 @@ impl Engine {
         if let Some(w) = &self.watchdog {
             all &= w.shutdown(deadline);
         }
+        all &= self.topology.shutdown(deadline);
         all
     }
 }

@@ -70,6 +70,9 @@ impl Waiter {
         let Some(node) = route.sole() else {
             return;
         };
+        if client.cfg.replica_ack.is_some() {
+            return; // the subscriber's early attempt would not wait for the replicas
+        }
         let [watch] = self.watches.as_slice() else {
             return;
         };

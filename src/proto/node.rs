@@ -20,6 +20,9 @@ pub(crate) enum Attempt {
     Acquired { fence: u64 },
     /// Someone else holds it; `pttl` is what remains of their lease (`None`: no TTL).
     Held { pttl: Option<Duration> },
+    /// The script took the lock, but fewer replicas than asked acknowledged it in time
+    /// (`replica_ack`): the caller must release it.
+    Unacked { acked: usize },
 }
 
 /// What a compare-and-delete found.
@@ -108,6 +111,9 @@ pub(crate) struct Node {
     client_id: Arc<str>,
     /// How long a failed attempt's mark lives: a waiter re-marks at least this often.
     mark_ttl: Duration,
+    /// `replica_ack`: replicas that must acknowledge an acquisition or renewal, and how
+    /// long to wait for them.
+    ack: Option<(usize, Duration)>,
 }
 
 impl Node {
@@ -123,14 +129,28 @@ impl Node {
         let info = client.get_connection_info();
         let db = info.redis_settings().db();
         let id = NodeId::new(format!("{}/{db}", info.addr()));
-        Ok(Node {
+        Ok(Self::with_client(id, client, cfg, counters, client_id))
+    }
+
+    /// A node named `id` whose connections go through `client` (a role, such as a
+    /// Sentinel-managed master, whose address may change: see [`Pool::repoint`]).
+    pub fn with_client(
+        id: NodeId,
+        client: redis::Client,
+        cfg: &Config,
+        counters: Arc<Counters>,
+        client_id: Arc<str>,
+    ) -> Self {
+        let db = client.get_connection_info().redis_settings().db();
+        Node {
             id,
             pool: Arc::new(Pool::new(client, cfg)),
             db,
             counters,
             client_id,
             mark_ttl: cfg.recheck_interval * 2,
-        })
+            ack: cfg.replica_ack,
+        }
     }
 
     /// Runs one command on a pooled connection. A network failure discards the connection
@@ -165,12 +185,26 @@ impl Node {
                     conn.discard();
                     drop(conn);
                     self.pool.clear_idle();
+                    self.pool.note_fault();
                     let late = deadline.is_some_and(|d| Instant::now() >= d);
                     if tries >= retry.times || (e.is_timeout() && !retry.after_timeout) || late {
                         return Err(Error::Redis(e));
                     }
                     tries += 1;
                     log::debug!("node {}: retrying after network error: {e}", self.id);
+                }
+                Err(e) if e.code() == Some("READONLY") => {
+                    // A master demoted under us (a failover): whoever follows the node's
+                    // address looks again; the command is retried if the caller allows.
+                    drop(conn);
+                    self.pool.clear_idle();
+                    self.pool.note_fault();
+                    let late = deadline.is_some_and(|d| Instant::now() >= d);
+                    if tries >= retry.times || late {
+                        return Err(Error::Redis(e));
+                    }
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(50));
                 }
                 Err(e) => return Err(Error::Redis(e)),
             }
@@ -191,8 +225,39 @@ impl Node {
         deadline: Option<Instant>,
     ) -> Result<Attempt> {
         let call = self.acquire_call(keys, token, lease, marks);
-        let reply = self.run_until(retry, deadline, |c| ACQUIRE.run(&call, c));
-        self.attempt_of(reply?)
+        let reply = self.run_until(retry, deadline, |c| {
+            let reply: (i64, i64) = ACQUIRE.run(&call, c)?;
+            // WAIT counts the writes of this connection: it must follow on the same one.
+            let acked = match (reply.0, self.ack) {
+                (1, Some(_)) => Some(self.wait_replicas(c)?),
+                _ => None,
+            };
+            Ok((reply, acked))
+        })?;
+        match (self.attempt_of(reply.0)?, reply.1, self.ack) {
+            (Attempt::Acquired { .. }, Some(acked), Some((wanted, _))) if acked < wanted => {
+                Ok(Attempt::Unacked { acked })
+            }
+            (attempt, ..) => Ok(attempt),
+        }
+    }
+
+    /// `WAIT` for the replicas `replica_ack` asks for; how many acknowledged.
+    fn wait_replicas(&self, c: &mut Connection) -> RedisResult<usize> {
+        let Some((wanted, timeout)) = self.ack else {
+            return Ok(0);
+        };
+        Counters::inc(&self.counters.commands);
+        // WAIT answers after its own timeout at the latest: give its reply that long even
+        // when the caller's deadline shortened the connection's read timeout.
+        let (_, read_timeout, _) = self.pool.timeouts();
+        c.set_read_timeout(Some(read_timeout.max(timeout + Duration::from_millis(500))))?;
+        let acked: i64 = redis::cmd("WAIT")
+            .arg(wanted)
+            .arg(timeout.as_millis().max(1) as u64)
+            .query(c)?;
+        c.set_read_timeout(Some(read_timeout))?;
+        Ok(usize::try_from(acked).unwrap_or(0))
     }
 
     /// The `EVALSHA` of one acquire attempt.
@@ -317,7 +382,20 @@ impl Node {
         for (_, token) in locks {
             call.arg(*token);
         }
-        let replies = self.run(Retry::ON_RESET, |c| EXTEND.run::<Vec<i64>>(&call, c))?;
+        let (replies, acked) = self.run(Retry::ON_RESET, |c| {
+            let replies = EXTEND.run::<Vec<i64>>(&call, c)?;
+            let acked = match self.ack {
+                Some(_) if replies.contains(&1) => Some(self.wait_replicas(c)?),
+                _ => None,
+            };
+            Ok((replies, acked))
+        })?;
+        if let (Some(acked), Some((wanted, _))) = (acked, self.ack)
+            && acked < wanted
+        {
+            // Not renewed as far as a failover is concerned: retried until the lease ends.
+            return Err(Error::ReplicaAck { acked, wanted });
+        }
         if replies.len() != locks.len() {
             return Err(Error::Protocol(format!(
                 "extend replied {} statuses for {} keys",

@@ -7,6 +7,7 @@
 //! background threads of its own.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -15,7 +16,13 @@ use redis::{Connection, ConnectionLike, RedisResult};
 use crate::error::{Error, Result};
 
 pub(crate) struct Pool {
-    client: redis::Client,
+    /// Where connections go; replaced when the node's address changes (a Sentinel
+    /// failover), with [`epoch`](Pool::epoch) counting the changes.
+    client: Mutex<redis::Client>,
+    epoch: AtomicU64,
+    /// A command failed in a way that may mean the node moved (a network error, a
+    /// `READONLY` reply); whoever follows the node's address takes it and looks again.
+    fault: AtomicBool,
     connect_timeout: Duration,
     read_timeout: Duration,
     write_timeout: Duration,
@@ -33,7 +40,9 @@ struct PoolState {
 impl Pool {
     pub fn new(client: redis::Client, cfg: &crate::config::Config) -> Self {
         Pool {
-            client,
+            client: Mutex::new(client),
+            epoch: AtomicU64::new(0),
+            fault: AtomicBool::new(false),
             connect_timeout: cfg.connect_timeout,
             read_timeout: cfg.read_timeout,
             write_timeout: cfg.write_timeout,
@@ -46,8 +55,33 @@ impl Pool {
         }
     }
 
-    pub fn client(&self) -> &redis::Client {
-        &self.client
+    /// The client for the node's current address.
+    pub fn client(&self) -> redis::Client {
+        self.client.lock().clone()
+    }
+
+    /// How many times the node's address has changed: a connection opened under an older
+    /// epoch talks to a server that no longer serves the node.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Records a failure that may mean the node moved.
+    pub fn note_fault(&self) {
+        self.fault.store(true, Ordering::Release);
+    }
+
+    /// Takes the fault recorded since the last call.
+    pub fn take_fault(&self) -> bool {
+        self.fault.swap(false, Ordering::AcqRel)
+    }
+
+    /// Points the pool at a new address: idle connections are closed, lent ones are
+    /// closed when they come back, new ones go to `client`.
+    pub fn repoint(&self, client: redis::Client) {
+        *self.client.lock() = client;
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.clear_idle();
     }
 
     pub fn timeouts(&self) -> (Duration, Duration, Duration) {
@@ -88,7 +122,7 @@ impl Pool {
 
     fn connect(&self, name: &str) -> RedisResult<Connection> {
         open_connection(
-            &self.client,
+            &self.client(),
             self.connect_timeout,
             self.read_timeout,
             self.write_timeout,
@@ -147,6 +181,7 @@ pub(crate) struct PooledConn<'a> {
     pool: &'a Pool,
     conn: Option<Connection>,
     broken: bool,
+    epoch: u64,
 }
 
 impl<'a> PooledConn<'a> {
@@ -155,6 +190,7 @@ impl<'a> PooledConn<'a> {
             pool,
             conn: Some(conn),
             broken: false,
+            epoch: pool.epoch(),
         }
     }
 
@@ -179,7 +215,9 @@ impl DerefMut for PooledConn<'_> {
 impl Drop for PooledConn<'_> {
     fn drop(&mut self) {
         match self.conn.take() {
-            Some(conn) if !self.broken && conn.is_open() => self.pool.put_back(conn),
+            Some(conn) if !self.broken && conn.is_open() && self.epoch == self.pool.epoch() => {
+                self.pool.put_back(conn)
+            }
             _ => self.pool.forget_one(),
         }
     }

@@ -10,6 +10,7 @@
 
 mod fanout;
 mod redlock;
+mod sentinel;
 mod single;
 pub(crate) mod verdict;
 
@@ -22,6 +23,7 @@ use crate::proto::node::{Node, NodeId, Retry};
 use crate::stats::Counters;
 
 use redlock::Redlock;
+use sentinel::Sentinel;
 use single::Single;
 
 /// The layout of the client's Redis.
@@ -30,6 +32,8 @@ pub(crate) enum Topology {
     Single(Single),
     /// N independent masters (N odd, at least 3); a majority decides.
     Redlock(Redlock),
+    /// A master the sentinels name; it may move to another server while locks are held.
+    Sentinel(Sentinel),
 }
 
 /// The node(s) that serve one lock's keys, and how many of them must agree.
@@ -89,6 +93,11 @@ impl Route {
 impl Topology {
     /// Opens the nodes `cfg` names (no connection is made yet).
     pub fn open(cfg: &Config, counters: &Arc<Counters>, client_id: &Arc<str>) -> Result<Self> {
+        if let Some(sc) = &cfg.sentinel {
+            return Ok(Topology::Sentinel(Sentinel::open(
+                sc, cfg, counters, client_id,
+            )?));
+        }
         let nodes = cfg
             .nodes
             .iter()
@@ -125,6 +134,7 @@ impl Topology {
         match self {
             Topology::Single(t) => t.route(),
             Topology::Redlock(t) => t.route(),
+            Topology::Sentinel(t) => t.route(),
         }
     }
 
@@ -132,6 +142,7 @@ impl Topology {
         match self {
             Topology::Single(t) => t.route_ref(),
             Topology::Redlock(t) => t.route_ref(),
+            Topology::Sentinel(t) => t.route_ref(),
         }
     }
 
@@ -145,7 +156,16 @@ impl Topology {
         match (self, nodes) {
             (_, [node]) => vec![f(node)],
             (Topology::Redlock(t), _) => t.fan_out(nodes, f),
-            (Topology::Single(_), _) => nodes.iter().map(|n| f(n)).collect(),
+            (_, _) => nodes.iter().map(|n| f(n)).collect(),
+        }
+    }
+
+    /// Stops the topology's own threads (the Sentinel watcher) and waits for them until
+    /// `deadline`; `false` if one still runs.
+    pub fn shutdown(&self, deadline: std::time::Instant) -> bool {
+        match self {
+            Topology::Sentinel(t) => t.shutdown(deadline),
+            _ => true,
         }
     }
 }

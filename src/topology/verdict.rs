@@ -81,7 +81,12 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
     // Not ours: undo on every node that may hold our token, including the ones whose
     // reply was lost.
     let undo = Undo {
-        granted: granted.iter().map(|&(n, _)| n.clone()).collect(),
+        // Where the script took the lock: granted in time, or without enough replicas.
+        granted: replies
+            .iter()
+            .filter(|(_, r)| matches!(r, Ok(Attempt::Acquired { .. } | Attempt::Unacked { .. })))
+            .map(|(n, _)| n.clone())
+            .collect(),
         unknown: replies
             .iter()
             .filter(|(_, r)| r.as_ref().is_err_and(may_have_run))

@@ -48,6 +48,7 @@ use redis::{Msg, PubSub, RedisResult};
 
 use crate::proto::keys::{Keys, channel_of_lock, keyspace_channel};
 use crate::proto::node::NodeId;
+use crate::proto::pool::Pool;
 use crate::stats::Counters;
 use crate::wake::early::{Armed, Early, Shot};
 use crate::wake::events::{Event, Snapshot, classify};
@@ -161,12 +162,10 @@ pub(crate) struct Subscriber {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// How the thread opens its connection.
+/// How the thread opens its connection: to wherever the node's pool points now (it moves
+/// on a Sentinel failover), with the pool's timeouts.
 pub(crate) struct Connector {
-    pub client: redis::Client,
-    pub connect_timeout: Duration,
-    pub read_timeout: Duration,
-    pub write_timeout: Duration,
+    pub pool: Arc<Pool>,
 }
 
 impl Subscriber {
@@ -442,11 +441,13 @@ fn run(shared: Arc<Shared>, kicked: Receiver<()>, connector: Connector, counters
             let _ = kicked.recv_timeout(IDLE);
             continue;
         }
+        let (connect_timeout, read_timeout, write_timeout) = connector.pool.timeouts();
+        let epoch = connector.pool.epoch();
         let conn = crate::proto::pool::open_connection(
-            &connector.client,
-            connector.connect_timeout,
-            connector.read_timeout,
-            connector.write_timeout,
+            &connector.pool.client(),
+            connect_timeout,
+            read_timeout,
+            write_timeout,
             "redbaton:sub",
         );
         let mut conn = match conn.and_then(|mut c| prepare(&shared, &mut c, &counters).map(|()| c))
@@ -466,12 +467,14 @@ fn run(shared: Arc<Shared>, kicked: Receiver<()>, connector: Connector, counters
         }
         connected_once = true;
         backoff = Duration::from_millis(50);
+        let moved = || connector.pool.epoch() != epoch;
         let err = serve(
             &shared,
             &kicked,
             conn.as_pubsub(),
-            connector.read_timeout,
+            read_timeout,
             &counters,
+            &moved,
         );
         shared.lost_connection();
         match err {
@@ -540,12 +543,21 @@ fn serve(
     mut ps: PubSub<'_>,
     read_timeout: Duration,
     counters: &Counters,
+    moved: &dyn Fn() -> bool,
 ) -> RedisResult<()> {
     let mut last_traffic = Instant::now();
     ps.set_read_timeout(Some(POLL))?;
     loop {
         if shared.shutdown.load(Ordering::Relaxed) {
             return Ok(());
+        }
+        if moved() {
+            // The node's address changed (a failover): events now come from the new
+            // server. Reconnect there, re-subscribe, and have every waiter retry once.
+            return Err(redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "the node moved to a new address",
+            )));
         }
         let active = sync_subscriptions(shared, &mut ps, read_timeout, counters)?;
         if !active {

@@ -30,6 +30,7 @@ pub mod child;
 pub mod clock;
 pub mod keys;
 pub mod proxy;
+pub mod sentinel;
 pub mod server;
 pub mod tls;
 pub mod wait;

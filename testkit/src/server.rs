@@ -56,6 +56,7 @@ struct Auth {
 #[derive(Clone, Debug, Default)]
 pub struct RedisServerBuilder {
     config: Vec<(String, String)>,
+    sentinel: bool,
     port: Option<u16>,
     password: Option<String>,
     admin_auth: Option<(String, String)>,
@@ -79,6 +80,12 @@ impl RedisServerBuilder {
     /// as it with [`RedisServer::url_as`].
     pub fn acl_user(self, user: &str, password: &str, rules: &str) -> Self {
         self.config("user", &format!("{user} on >{password} {rules}"))
+    }
+
+    /// Runs `redis-server --sentinel`: `config` then takes `sentinel …` directives.
+    pub fn sentinel(mut self) -> Self {
+        self.sentinel = true;
+        self
     }
 
     /// Listens on this port instead of a free one.
@@ -112,6 +119,7 @@ impl RedisServerBuilder {
             .tempdir()
             .expect("create temp dir for redis-server");
         let spec = Spec {
+            sentinel: self.sentinel,
             conf_path: dir.path().join("redis.conf"),
             dir: dir.path().to_path_buf(),
             config,
@@ -158,6 +166,7 @@ impl RedisServerBuilder {
 
 /// What is needed to (re)start the process.
 struct Spec {
+    sentinel: bool,
     dir: PathBuf,
     conf_path: PathBuf,
     config: Vec<(String, String)>,
@@ -705,8 +714,12 @@ fn spawn_once(spec: &Spec, port: u16) -> Result<Child, StartError> {
     let stderr = stdio
         .try_clone()
         .map_err(|e| StartError::Fatal(format!("dup stdio.log: {e}")))?;
-    let mut child = Command::new("redis-server")
-        .arg(&spec.conf_path)
+    let mut command = Command::new("redis-server");
+    command.arg(&spec.conf_path);
+    if spec.sentinel {
+        command.arg("--sentinel");
+    }
+    let mut child = command
         .current_dir(&spec.dir)
         .stdin(Stdio::null())
         .stdout(stdio)

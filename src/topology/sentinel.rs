@@ -1,0 +1,314 @@
+//! A Sentinel-managed master: one node whose address the sentinels decide. The node keeps
+//! a stable name (`sentinel:<master name>`), so held locks, subscriptions and the watchdog
+//! stay attached to it while its connections move to whichever server is master.
+//!
+//! A watcher thread follows the sentinels' `+switch-master` messages, and re-resolves the
+//! master when a command on it fails in a way that may mean it moved (a network error, a
+//! `READONLY` reply) and every [`RECHECK`] in case a message was missed. Re-resolving asks
+//! the sentinels for the master's address and checks with `ROLE` that it is one (the
+//! `redis` crate's Sentinel client does both). When the address changes, the node's pool
+//! is pointed at the new master: idle connections close, the subscriber reconnects there
+//! and re-subscribes (its waiters then retry once), and the watchdog's next renewal goes
+//! there — where a lock that the promoted replica did not have is found gone, and its
+//! holder told.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+
+use super::{Route, RouteRef};
+use crate::config::{Config, SentinelConfig};
+use crate::error::{Error, Result, thread_error};
+use crate::proto::connect::is_tls_url;
+use crate::proto::node::{Node, NodeId};
+use crate::stats::Counters;
+
+/// How often the master is re-resolved even without a message or a fault.
+const RECHECK: Duration = Duration::from_secs(10);
+/// How long a read on the sentinel subscription waits before the thread looks at faults.
+const POLL: Duration = Duration::from_millis(100);
+
+pub(crate) struct Sentinel {
+    route: Route,
+    stop: Arc<AtomicBool>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the watcher needs.
+struct Watcher {
+    name: String,
+    node: Weak<Node>,
+    resolver: SentinelClient,
+    /// Clients of the sentinels themselves, for the `+switch-master` subscription.
+    sentinels: Vec<redis::Client>,
+    address: String,
+    connect_timeout: Duration,
+    stop: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+}
+
+impl Sentinel {
+    pub fn open(
+        sc: &SentinelConfig,
+        cfg: &Config,
+        counters: &Arc<Counters>,
+        client_id: &Arc<str>,
+    ) -> Result<Self> {
+        let mut resolver = resolver(sc, cfg)?;
+        let master = resolver.get_client().map_err(Error::Redis)?;
+        let address = master.get_connection_info().addr().to_string();
+        log::info!("sentinel: master {:?} is at {address}", sc.master);
+        let id = NodeId::new(format!("sentinel:{}", sc.master));
+        let node = Arc::new(Node::with_client(
+            id,
+            master,
+            cfg,
+            counters.clone(),
+            client_id.clone(),
+        ));
+        let sentinels = sc
+            .sentinels
+            .iter()
+            .enumerate()
+            .map(|(i, url)| {
+                crate::proto::connect::open_client(&format!("sentinel {i}"), url, &cfg.tls)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let watcher = Watcher {
+            name: sc.master.clone(),
+            node: Arc::downgrade(&node),
+            resolver,
+            sentinels,
+            address,
+            connect_timeout: cfg.connect_timeout,
+            stop: stop.clone(),
+            counters: counters.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("redbaton-sentinel".to_owned())
+            .spawn(move || watcher.run())
+            .map_err(|e| thread_error("sentinel", e))?;
+        Ok(Sentinel {
+            route: Route::new(Arc::from(vec![node])),
+            stop,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    pub fn route(&self) -> Route {
+        self.route.clone()
+    }
+
+    pub(super) fn route_ref(&self) -> RouteRef<'_> {
+        RouteRef {
+            nodes: &self.route.nodes,
+            quorum: self.route.quorum,
+        }
+    }
+
+    /// Stops the watcher and waits for it until `deadline`; `false` if it still runs.
+    pub fn shutdown(&self, deadline: Instant) -> bool {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut thread = self.thread.lock();
+        match thread
+            .take()
+            .map(|t| crate::worker::join_until(t, deadline))
+        {
+            Some(Err(t)) => {
+                *thread = Some(t);
+                false
+            }
+            _ => true,
+        }
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.get_mut().take() {
+            crate::worker::join(t);
+        }
+    }
+}
+
+/// The `redis` crate's Sentinel client for `sc`: the sentinels' credentials and TLS come
+/// from their URLs, the master's from the builder.
+fn resolver(sc: &SentinelConfig, cfg: &Config) -> Result<SentinelClient> {
+    let bad = |what: String| Error::InvalidConfig(what);
+    let infos = sc
+        .sentinels
+        .iter()
+        .enumerate()
+        .map(|(i, url)| {
+            redis::IntoConnectionInfo::into_connection_info(url.as_str())
+                .map_err(|_| bad(format!("sentinel {i}: unparsable redis url")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let addrs = infos.iter().map(|i| i.addr().clone());
+    let mut b = SentinelClientBuilder::new(addrs, &sc.master, SentinelServerType::Master)
+        .map_err(Error::Redis)?;
+    if let Some(first) = infos.first() {
+        let settings = first.redis_settings();
+        if let Some(user) = settings.username() {
+            b = b.set_client_to_sentinel_username(user);
+        }
+        if let Some(pw) = settings.password() {
+            b = b.set_client_to_sentinel_password(pw);
+        }
+    }
+    if let Some((user, password)) = &sc.master_auth {
+        if let Some(user) = user {
+            b = b.set_client_to_redis_username(user);
+        }
+        b = b.set_client_to_redis_password(password);
+    }
+    b = b.set_client_to_redis_db(sc.db);
+    let sentinel_tls = sc.sentinels.iter().any(|u| is_tls_url(u));
+    if sentinel_tls || sc.master_tls {
+        b = with_tls(b, sentinel_tls, sc.master_tls, cfg)?;
+    }
+    b.build().map_err(Error::Redis)
+}
+
+#[cfg(feature = "tls")]
+fn with_tls(
+    mut b: SentinelClientBuilder,
+    sentinels: bool,
+    master: bool,
+    cfg: &Config,
+) -> Result<SentinelClientBuilder> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let certs = || redis::TlsCertificates {
+        client_tls: cfg
+            .tls
+            .identity
+            .as_ref()
+            .map(|(cert, key)| redis::ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            }),
+        root_cert: cfg.tls.ca.clone(),
+    };
+    let custom = cfg.tls.ca.is_some() || cfg.tls.identity.is_some();
+    if sentinels {
+        b = b.set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
+        if custom {
+            b = b.set_client_to_sentinel_certificates(certs());
+        }
+    }
+    if master {
+        b = b.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+        if custom {
+            b = b.set_client_to_redis_certificates(certs());
+        }
+    }
+    Ok(b)
+}
+
+#[cfg(not(feature = "tls"))]
+fn with_tls(
+    _: SentinelClientBuilder,
+    _: bool,
+    _: bool,
+    _: &Config,
+) -> Result<SentinelClientBuilder> {
+    Err(Error::InvalidConfig(
+        "sentinel: TLS needs redbaton's `tls` feature".to_owned(),
+    ))
+}
+
+impl Watcher {
+    fn run(mut self) {
+        let mut next = 0;
+        let mut backoff = Duration::from_millis(50);
+        while !self.stop.load(Ordering::Relaxed) {
+            let Some(node) = self.node.upgrade() else {
+                return;
+            };
+            drop(node);
+            // One sentinel at a time; the next one when it fails.
+            let sentinel = self.sentinels[next % self.sentinels.len()].clone();
+            next += 1;
+            match self.follow(&sentinel) {
+                Ok(()) => return,
+                Err(e) => {
+                    log::debug!("sentinel: subscription lost: {e}; trying the next sentinel");
+                    // Whatever was missed meanwhile: look now.
+                    self.resolve();
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
+    }
+
+    /// Listens to one sentinel's `+switch-master` until it fails (`Err`) or the client
+    /// stops (`Ok`).
+    fn follow(&mut self, sentinel: &redis::Client) -> redis::RedisResult<()> {
+        let mut conn = sentinel.get_connection_with_timeout(self.connect_timeout)?;
+        conn.set_write_timeout(Some(self.connect_timeout))?;
+        let mut ps = conn.as_pubsub();
+        ps.subscribe("+switch-master")?;
+        ps.set_read_timeout(Some(POLL))?;
+        // A switch may have happened before the subscription.
+        self.resolve();
+        let mut last_check = Instant::now();
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let Some(node) = self.node.upgrade() else {
+                return Ok(());
+            };
+            let fault = node.pool.take_fault();
+            drop(node);
+            match ps.get_message() {
+                Ok(msg) => {
+                    let payload: String = msg.get_payload().unwrap_or_default();
+                    // "<name> <old ip> <old port> <new ip> <new port>"
+                    if payload.split(' ').next() == Some(self.name.as_str()) {
+                        log::info!("sentinel: +switch-master {payload}");
+                        self.resolve();
+                        last_check = Instant::now();
+                    }
+                    continue;
+                }
+                Err(e) if e.is_timeout() => {}
+                Err(e) => return Err(e),
+            }
+            if fault || last_check.elapsed() >= RECHECK {
+                self.resolve();
+                last_check = Instant::now();
+            }
+        }
+    }
+
+    /// Asks the sentinels where the master is, and moves the node there if it moved.
+    fn resolve(&mut self) {
+        let Some(node) = self.node.upgrade() else {
+            return;
+        };
+        match self.resolver.get_client() {
+            Ok(client) => {
+                let address = client.get_connection_info().addr().to_string();
+                if address != self.address {
+                    log::warn!(
+                        "sentinel: master {:?} moved from {} to {address}",
+                        self.name,
+                        self.address
+                    );
+                    node.pool.repoint(client);
+                    self.address = address;
+                    Counters::inc(&self.counters.failovers);
+                }
+            }
+            Err(e) => log::debug!("sentinel: cannot resolve {:?}: {e}", self.name),
+        }
+    }
+}

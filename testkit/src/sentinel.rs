@@ -1,0 +1,172 @@
+//! A Sentinel group on loopback: one master, its replicas and the sentinels that watch
+//! them, all real `redis-server` processes (`--sentinel` for the sentinels), stopped by
+//! PID like every other test server.
+
+use std::time::{Duration, Instant};
+
+use crate::server::RedisServer;
+
+/// How fast the sentinels decide a master is down.
+const DOWN_AFTER_MS: u64 = 1000;
+
+/// A master, its replicas and the sentinels that monitor it under `name`.
+pub struct SentinelGroup {
+    pub name: String,
+    /// Data servers: the first is the master at start.
+    pub servers: Vec<RedisServer>,
+    pub sentinels: Vec<RedisServer>,
+}
+
+impl SentinelGroup {
+    /// Starts a master with `replicas` replicas and `sentinels` sentinels (quorum: a
+    /// majority of them), and waits until the sentinels know every replica and each other.
+    pub fn start(name: &str, replicas: usize, sentinels: usize) -> SentinelGroup {
+        let master = RedisServer::start();
+        let mport = master.port();
+        let mut servers = vec![master];
+        for _ in 0..replicas {
+            servers.push(
+                RedisServer::builder()
+                    .config("replicaof", &format!("127.0.0.1 {mport}"))
+                    .start(),
+            );
+        }
+        wait_for(Duration::from_secs(20), "replicas in sync", || {
+            info(&servers[0], "replication").contains(&format!("connected_slaves:{replicas}"))
+                && servers[1..]
+                    .iter()
+                    .all(|r| info(r, "replication").contains("master_link_status:up"))
+        });
+        let quorum = sentinels / 2 + 1;
+        let sentinels: Vec<RedisServer> = (0..sentinels)
+            .map(|_| {
+                RedisServer::builder()
+                    .sentinel()
+                    .config(
+                        "sentinel",
+                        &format!("monitor {name} 127.0.0.1 {mport} {quorum}"),
+                    )
+                    .config(
+                        "sentinel",
+                        &format!("down-after-milliseconds {name} {DOWN_AFTER_MS}"),
+                    )
+                    .config("sentinel", &format!("failover-timeout {name} 4000"))
+                    .config("sentinel", &format!("parallel-syncs {name} 2"))
+                    .start()
+            })
+            .collect();
+        let group = SentinelGroup {
+            name: name.to_owned(),
+            servers,
+            sentinels,
+        };
+        group.wait_known(replicas);
+        group
+    }
+
+    fn wait_known(&self, replicas: usize) {
+        let others = self.sentinels.len() - 1;
+        wait_for(
+            Duration::from_secs(30),
+            "sentinels discover the group",
+            || {
+                self.sentinels.iter().all(|s| {
+                    let master: Vec<String> = redis::cmd("SENTINEL")
+                        .arg("MASTER")
+                        .arg(&self.name)
+                        .query(&mut s.conn())
+                        .unwrap_or_default();
+                    let field = |k: &str| {
+                        master
+                            .iter()
+                            .position(|x| x == k)
+                            .and_then(|i| master.get(i + 1))
+                            .and_then(|v| v.parse::<usize>().ok())
+                    };
+                    field("num-slaves") == Some(replicas)
+                        && field("num-other-sentinels") == Some(others)
+                })
+            },
+        );
+    }
+
+    /// The sentinels' URLs.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(RedisServer::url).collect()
+    }
+
+    /// The port the sentinels name as master now.
+    pub fn master_port(&self) -> u16 {
+        for s in &self.sentinels {
+            if let Ok((_, port)) = redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(&self.name)
+                .query::<(String, u16)>(&mut s.conn())
+            {
+                return port;
+            }
+        }
+        panic!("no sentinel names a master");
+    }
+
+    /// The data server listening on `port`.
+    pub fn server(&self, port: u16) -> &RedisServer {
+        self.servers
+            .iter()
+            .find(|s| s.port() == port)
+            .expect("a server of the group")
+    }
+
+    /// The current master.
+    pub fn master(&self) -> &RedisServer {
+        self.server(self.master_port())
+    }
+
+    /// `SENTINEL FAILOVER`, then waits until the sentinels name another master and it
+    /// says it is one. Returns the new master's port.
+    pub fn failover(&self) -> u16 {
+        let old = self.master_port();
+        let asked = Instant::now();
+        loop {
+            // Refused while a previous failover is still settling: ask again.
+            let r: redis::RedisResult<()> = redis::cmd("SENTINEL")
+                .arg("FAILOVER")
+                .arg(&self.name)
+                .query(&mut self.sentinels[0].conn());
+            if r.is_ok() {
+                break;
+            }
+            assert!(
+                asked.elapsed() < Duration::from_secs(30),
+                "failover refused: {r:?}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        self.wait_new_master(old)
+    }
+
+    /// Waits until the sentinels name a master other than `old` and it is one.
+    pub fn wait_new_master(&self, old: u16) -> u16 {
+        let mut new = old;
+        wait_for(Duration::from_secs(40), "a new master", || {
+            new = self.master_port();
+            new != old && info(self.server(new), "replication").contains("role:master")
+        });
+        new
+    }
+}
+
+fn info(server: &RedisServer, section: &str) -> String {
+    redis::cmd("INFO")
+        .arg(section)
+        .query(&mut server.conn())
+        .unwrap_or_default()
+}
+
+fn wait_for(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) {
+    let until = Instant::now() + limit;
+    while !ok() {
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

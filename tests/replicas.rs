@@ -1,0 +1,117 @@
+//! `replica_ack`: an acquisition counts only once enough replicas acknowledged it.
+
+use std::time::{Duration, Instant};
+
+use redbaton::LockClient;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{init_log, ms};
+
+fn with_replica() -> (RedisServer, RedisServer) {
+    let master = RedisServer::start();
+    let replica = RedisServer::builder()
+        .config("replicaof", &format!("127.0.0.1 {}", master.port()))
+        .start();
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut replica.conn())
+            .expect("INFO");
+        if info.contains("master_link_status:up") {
+            break;
+        }
+        assert!(Instant::now() < until, "replica never synced");
+        std::thread::sleep(ms(50));
+    }
+    (master, replica)
+}
+
+#[test]
+fn smoke() {
+    init_log();
+    let (master, replica) = with_replica();
+    let client = LockClient::builder()
+        .node(master.url())
+        .replica_ack(1, ms(500))
+        .build()
+        .expect("build");
+    let guard = client.lock("k").expect("acknowledged lock");
+    // The replica has it: it was acknowledged before the guard was returned.
+    let on_replica: bool = redis::cmd("EXISTS")
+        .arg("redbaton:{k}")
+        .query(&mut replica.conn())
+        .expect("EXISTS");
+    assert!(on_replica);
+    guard.unlock().expect("unlock");
+}
+
+#[test]
+fn without_enough_replicas_the_call_fails_with_the_count_and_leaves_nothing() {
+    init_log();
+    let server = RedisServer::start();
+    let client = LockClient::builder()
+        .node(server.url())
+        .replica_ack(1, ms(50))
+        .build()
+        .expect("build");
+    let e = client.try_lock("k").expect_err("no replica to acknowledge");
+    assert!(e.is_replica_ack(), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            redbaton::Error::ReplicaAck {
+                acked: 0,
+                wanted: 1
+            }
+        ),
+        "{e:?}"
+    );
+    let started = Instant::now();
+    let e = client
+        .try_lock_for("k", ms(400))
+        .expect_err("still no replica");
+    assert!(e.is_replica_ack(), "{e:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "kept its deadline"
+    );
+    assert!(server.keys("redbaton:{k}").is_empty(), "undone");
+}
+
+#[test]
+fn a_paused_replica_makes_acquisitions_fail_until_it_is_back() {
+    init_log();
+    let (master, replica) = with_replica();
+    let client = LockClient::builder()
+        .node(master.url())
+        .replica_ack(1, ms(100))
+        .build()
+        .expect("build");
+    replica.pause();
+    let e = client
+        .try_lock_for("k", ms(500))
+        .expect_err("replica paused");
+    assert!(e.is_replica_ack(), "{e:?}");
+    replica.resume();
+    client
+        .try_lock_for("k", Duration::from_secs(10))
+        .expect("replica back")
+        .unlock()
+        .expect("unlock");
+}
+
+#[test]
+fn a_zero_replica_count_or_a_long_timeout_is_invalid() {
+    for (n, t) in [
+        (0, ms(100)),
+        (1, Duration::ZERO),
+        (1, Duration::from_secs(5)),
+    ] {
+        let e = LockClient::builder()
+            .node("redis://127.0.0.1:1/")
+            .replica_ack(n, t)
+            .build()
+            .expect_err("invalid");
+        assert!(e.is_invalid_input(), "{n} {t:?}: {e:?}");
+    }
+}

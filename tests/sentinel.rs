@@ -1,0 +1,345 @@
+//! A Sentinel-managed master: locks follow the master through a failover, waiters keep
+//! waking on events, and a holder whose lock did not survive is told. The group (master,
+//! replicas, sentinels) is made of real `redis-server` processes; the contenders are
+//! real child processes.
+
+use std::collections::HashMap;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redbaton::{LockClient, Unlocked};
+use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::sentinel::SentinelGroup;
+use redbaton_testkit::{child, init_log, ms};
+
+const NAME: &str = "locks";
+const PROCS: usize = 4;
+const THREADS: usize = 4;
+/// Each call's own deadline; no call may return later than this plus [`MARGIN`].
+const WAIT: Duration = Duration::from_secs(20);
+const MARGIN: Duration = Duration::from_secs(5);
+
+fn builder(group: &SentinelGroup) -> redbaton::Builder {
+    LockClient::builder()
+        .sentinel(NAME, group.sentinel_urls())
+        .connect_timeout(ms(1000))
+        .read_timeout(ms(1000))
+        .write_timeout(ms(1000))
+}
+
+#[test]
+fn smoke() {
+    init_log();
+    let group = SentinelGroup::start(NAME, 1, 3);
+    let client = builder(&group)
+        .build()
+        .expect("build through the sentinels");
+    let guard = client.lock("smoke").expect("lock");
+    let key_on_master: bool = redis::cmd("EXISTS")
+        .arg(b"redbaton:{smoke}".as_slice())
+        .query(&mut group.master().conn())
+        .expect("EXISTS");
+    assert!(
+        key_on_master,
+        "the lock is on the master the sentinels name"
+    );
+    guard.unlock().expect("unlock");
+    assert!(format!("{client:?}").contains("LockClient"));
+}
+
+/// One critical section as a child saw it.
+#[derive(Debug, Clone, Copy)]
+struct Section {
+    start: u64,
+    end: u64,
+    token: u64,
+    /// The holder was told it did not hold the lock (lost signal, `check()`, or an unlock
+    /// that found the key gone or someone else's).
+    told: bool,
+}
+
+/// Child: `THREADS` threads take "k" again and again for `S_RUN_MS`, retrying after errors
+/// (a failover makes some calls fail). Prints every section, each call's longest
+/// duration and the client's counters.
+#[test]
+fn child_failover_worker() {
+    if !child::is_child() {
+        return;
+    }
+    let urls: Vec<String> = child::env("S_URLS").split(',').map(str::to_owned).collect();
+    let run_for = Duration::from_millis(child::env("S_RUN_MS").parse().expect("S_RUN_MS"));
+    let lease = Duration::from_millis(child::env("S_LEASE_MS").parse().expect("lease"));
+    let mut b = LockClient::builder()
+        .sentinel(NAME, urls)
+        .lease(lease)
+        .connect_timeout(ms(1000))
+        .read_timeout(ms(1000))
+        .write_timeout(ms(1000));
+    if let Ok(n) = std::env::var("S_ACK") {
+        b = b.replica_ack(n.parse().expect("S_ACK"), ms(100));
+    }
+    let client = b.build().expect("child: build");
+    let until = Instant::now() + run_for;
+    let workers: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let client = client.clone();
+            thread::spawn(move || {
+                let mut sections = Vec::new();
+                let (mut errors, mut longest) = (0u64, Duration::ZERO);
+                while Instant::now() < until {
+                    let called = Instant::now();
+                    let r = client.try_lock_for("k", WAIT);
+                    longest = longest.max(called.elapsed());
+                    let guard = match r {
+                        Ok(g) => g,
+                        Err(_) => {
+                            errors += 1;
+                            thread::sleep(ms(20));
+                            continue;
+                        }
+                    };
+                    let start = mono_ns();
+                    thread::sleep(ms(3));
+                    let lost_now = guard.check().is_err();
+                    let end = mono_ns();
+                    let token = guard.fencing_token();
+                    let told = lost_now
+                        || !matches!(guard.unlock(), Ok(Unlocked::Released | Unlocked::HandedOff));
+                    sections.push(Section {
+                        start,
+                        end,
+                        token,
+                        told,
+                    });
+                }
+                (sections, errors, longest)
+            })
+        })
+        .collect();
+    for w in workers {
+        let (sections, errors, longest) = w.join().expect("worker");
+        let list: Vec<String> = sections
+            .iter()
+            .map(|s| format!("{}:{}:{}:{}", s.start, s.end, s.token, u8::from(s.told)))
+            .collect();
+        child::print_result(&[
+            ("sections", list.join(",")),
+            ("errors", errors.to_string()),
+            ("longest_ms", longest.as_millis().to_string()),
+        ]);
+    }
+    let s = client.stats();
+    child::print_result(&[
+        ("wake_event", s.wakeups_event.to_string()),
+        ("wake_lease", s.wakeups_lease.to_string()),
+        ("wake_recheck", s.wakeups_recheck.to_string()),
+        ("failovers", s.failovers.to_string()),
+        ("lost", s.locks_lost.to_string()),
+    ]);
+}
+
+struct Run {
+    sections: Vec<Section>,
+    /// Per thread: sections that began after the fault was over.
+    after_fault: Vec<usize>,
+    stats: Vec<HashMap<String, String>>,
+}
+
+/// Runs the children on `group`, calls `fault` once they are busy, and collects.
+fn run_with_fault(group: &SentinelGroup, ack: Option<usize>, fault: impl FnOnce()) -> Run {
+    let mut envs = vec![
+        ("S_URLS", group.sentinel_urls().join(",")),
+        ("S_RUN_MS", "14000".to_owned()),
+        ("S_LEASE_MS", "2000".to_owned()),
+    ];
+    if let Some(n) = ack {
+        envs.push(("S_ACK", n.to_string()));
+    }
+    let children: Vec<_> = (0..PROCS)
+        .map(|_| child::spawn_self("child_failover_worker", &envs))
+        .collect();
+    thread::sleep(ms(1500));
+    fault();
+    let fault_over = mono_ns();
+    let outputs: Vec<String> = children
+        .into_iter()
+        .map(|c| child::wait_ok(c, Duration::from_secs(150)))
+        .collect();
+    let mut sections = Vec::new();
+    let mut after_fault = Vec::new();
+    let mut stats = Vec::new();
+    for out in &outputs {
+        for r in child::parse_results(out) {
+            if let Some(list) = r.get("sections") {
+                let before = sections.len();
+                for s in list.split(',').filter(|s| !s.is_empty()) {
+                    let f: Vec<u64> = s.split(':').map(|x| x.parse().expect("number")).collect();
+                    sections.push(Section {
+                        start: f[0],
+                        end: f[1],
+                        token: f[2],
+                        told: f[3] == 1,
+                    });
+                }
+                after_fault.push(
+                    sections[before..]
+                        .iter()
+                        .filter(|s: &&Section| s.start > fault_over)
+                        .count(),
+                );
+                let longest: u64 = r["longest_ms"].parse().expect("longest");
+                assert!(
+                    Duration::from_millis(longest) <= WAIT + MARGIN,
+                    "a call took {longest} ms, past its deadline"
+                );
+                eprintln!("thread: errors {} longest {longest} ms", r["errors"]);
+            } else {
+                eprintln!("child stats: {r:?}");
+                stats.push(r);
+            }
+        }
+    }
+    Run {
+        sections,
+        after_fault,
+        stats,
+    }
+}
+
+/// Pairs of sections that overlapped in time, where neither holder was told.
+fn unexplained_overlaps(sections: &[Section]) -> Vec<(Section, Section)> {
+    let mut sorted = sections.to_vec();
+    sorted.sort_by_key(|s| s.start);
+    let mut bad = Vec::new();
+    for (i, a) in sorted.iter().enumerate() {
+        for b in &sorted[i + 1..] {
+            if b.start >= a.end {
+                break;
+            }
+            if !a.told && !b.told {
+                bad.push((*a, *b));
+            }
+        }
+    }
+    bad
+}
+
+fn check_run(run: &Run) {
+    assert_eq!(
+        run.after_fault.len(),
+        PROCS * THREADS,
+        "every thread reported"
+    );
+    assert!(
+        run.after_fault.iter().all(|&n| n > 0),
+        "every thread went on locking on the new master: {:?}",
+        run.after_fault
+    );
+    let bad = unexplained_overlaps(&run.sections);
+    assert!(bad.is_empty(), "overlaps nobody was told of: {bad:?}");
+    let told = run.sections.iter().filter(|s| s.told).count();
+    eprintln!("sections {} told-lost {told}", run.sections.len());
+    let sum = |k: &str| -> u64 { run.stats.iter().map(|s| s[k].parse::<u64>().unwrap()).sum() };
+    assert!(
+        sum("failovers") >= PROCS as u64,
+        "every process followed the master"
+    );
+    assert!(
+        sum("wake_event") > sum("wake_lease") + sum("wake_recheck"),
+        "waiters woke on events, not timers: {:?}",
+        run.stats
+    );
+}
+
+#[test]
+fn locks_follow_a_forced_failover() {
+    init_log();
+    let group = SentinelGroup::start(NAME, 2, 3);
+    let old = group.master_port();
+    let run = run_with_fault(&group, None, || {
+        let new = group.failover();
+        eprintln!("failover: {old} -> {new}");
+    });
+    check_run(&run);
+}
+
+#[test]
+fn locks_follow_a_killed_master() {
+    init_log();
+    let group = SentinelGroup::start(NAME, 2, 3);
+    let old = group.master_port();
+    let run = run_with_fault(&group, None, || {
+        group.server(old).kill();
+        let new = group.wait_new_master(old);
+        eprintln!("master {old} killed; new master {new}");
+    });
+    check_run(&run);
+}
+
+/// With `replica_ack(2, …)` a held lock is on both replicas before its holder gets it, so
+/// the promoted one has it: holders across the failover keep their locks, and the tokens
+/// of one name keep increasing.
+#[test]
+fn acknowledged_locks_survive_a_failover() {
+    init_log();
+    let group = SentinelGroup::start(NAME, 2, 3);
+    let client = builder(&group)
+        .lease(Duration::from_secs(30))
+        .replica_ack(2, ms(200))
+        .build()
+        .expect("build");
+    let names: Vec<String> = (0..8).map(|i| format!("held-{i}")).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(0);
+    let holders: Vec<_> = names
+        .iter()
+        .map(|name| {
+            let (client, name, tx, done) =
+                (client.clone(), name.clone(), tx.clone(), done_rx.clone());
+            thread::spawn(move || {
+                let guard = client.lock(&name).expect("lock with acknowledgement");
+                tx.send(()).unwrap();
+                let _ = done.recv();
+                let lost = guard.is_lost();
+                let outcome = guard.unlock();
+                (lost, outcome.map(|o| o.was_held()).unwrap_or(false))
+            })
+        })
+        .collect();
+    for _ in &names {
+        rx.recv_timeout(Duration::from_secs(20))
+            .expect("every holder locked");
+    }
+    let before = client.lock("counted").expect("lock").fencing_token();
+    let old = group.master_port();
+    let new = group.failover();
+    eprintln!("failover: {old} -> {new}");
+    // Every held key is on the new master.
+    let mut conn = group.server(new).conn();
+    for name in &names {
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(format!("redbaton:{{{name}}}"))
+            .query(&mut conn)
+            .expect("EXISTS");
+        assert!(exists, "{name} survived the failover");
+    }
+    // Renewals go on against the new master for a while.
+    thread::sleep(Duration::from_secs(3));
+    let after = client
+        .try_lock_for("counted", Duration::from_secs(30))
+        .expect("lock after the failover")
+        .fencing_token();
+    assert!(
+        after > before,
+        "tokens keep increasing: {before} then {after}"
+    );
+    drop(done_tx);
+    for h in holders {
+        let (lost, held) = h.join().expect("holder");
+        assert!(
+            !lost && held,
+            "a held lock survived: lost {lost}, held at unlock {held}"
+        );
+    }
+    assert!(client.stats().failovers >= 1);
+}
