@@ -3,4 +3,5 @@
 pub(crate) mod keys;
 pub(crate) mod node;
 pub(crate) mod pool;
+pub(crate) mod rw_scripts;
 pub(crate) mod scripts;
