@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::{Config, Wakeup};
+use crate::engine::shared_hold::ReadShares;
 use crate::engine::watchdog::Watchdog;
 use crate::error::{Result, thread_error};
 use crate::local::table::Table;
@@ -24,6 +25,8 @@ pub(crate) struct Engine {
     pub table: Table,
     pub counters: Arc<Counters>,
     pub watchdog: Option<Watchdog>,
+    /// Read holds shared by this process's readers.
+    pub shares: ReadShares,
 }
 
 impl Engine {
@@ -96,6 +99,7 @@ impl Engine {
             table: Table::default(),
             counters,
             watchdog: Some(watchdog),
+            shares: ReadShares::default(),
         })
     }
 
