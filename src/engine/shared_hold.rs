@@ -3,13 +3,13 @@
 //! obstacle's lease, the re-check ceiling or the deadline), sharing one process's read
 //! hold among its readers, and giving holds back.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::ThreadId;
 use std::time::Instant;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::engine::contend::Wait;
 use crate::engine::state::Engine;
@@ -31,6 +31,8 @@ static NEXT_SHARER: AtomicU64 = AtomicU64::new(1);
 #[derive(Default)]
 pub(crate) struct ReadShares {
     state: Mutex<SharesState>,
+    /// Notified when a local reader's attempt in Redis ends.
+    attempted: Condvar,
 }
 
 #[derive(Default)]
@@ -41,6 +43,9 @@ struct SharesState {
     readers: HashMap<u64, usize>,
     /// What each thread holds, per name.
     threads: HashMap<(Keys, ThreadId), Mine>,
+    /// Names for which a local reader is taking a read hold in Redis: other local readers
+    /// wait for it and join its hold rather than contend too (singleflight).
+    acquiring: HashSet<Keys>,
 }
 
 struct Current {
@@ -69,9 +74,9 @@ impl Engine {
     pub(crate) fn read(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         let me = std::thread::current().id();
-        {
-            let mut st = self.shares.state.lock();
-            let st = &mut *st;
+        let mut guard = self.shares.state.lock();
+        loop {
+            let st = &mut *guard;
             let joined = match st.threads.get_mut(&(keys.clone(), me)) {
                 Some(Mine::Write) => return Err(Error::WouldDeadlock),
                 // A thread that reads already joins its own hold: a new remote read could
@@ -95,9 +100,31 @@ impl Engine {
                 Counters::inc(&self.counters.local_handoffs);
                 return Ok(self.sharer(remote));
             }
+            // Another local reader is asking Redis: wait for its hold and join it.
+            let deadline = match wait {
+                Wait::Until(d) if self.cfg.local_handoff && st.acquiring.contains(&keys) => d,
+                _ => break,
+            };
+            match deadline {
+                Some(d) => {
+                    if self.shares.attempted.wait_until(&mut guard, d).timed_out() {
+                        Counters::inc(&self.counters.timeouts);
+                        return Err(Error::Timeout);
+                    }
+                }
+                None => self.shares.attempted.wait(&mut guard),
+            }
         }
-        let remote = self.acquire_shared(&keys, Want::Read, wait)?;
+        // A `try_read` next to a local contender tries on its own, and leaves the flag to it.
+        let flagged = guard.acquiring.insert(keys.clone());
+        drop(guard);
+        let acquired = self.acquire_shared(&keys, Want::Read, wait);
         let mut st = self.shares.state.lock();
+        if flagged {
+            st.acquiring.remove(&keys);
+            self.shares.attempted.notify_all();
+        }
+        let remote = acquired?;
         st.readers.insert(remote.id, 1);
         if self.cfg.local_handoff {
             st.current.insert(
