@@ -3,13 +3,9 @@
 //! obstacle's lease, the re-check ceiling or the deadline), sharing one process's read
 //! hold among its readers, and giving holds back.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::thread::ThreadId;
 use std::time::Instant;
-
-use parking_lot::{Condvar, Mutex};
 
 use crate::engine::contend::Wait;
 use crate::engine::state::Engine;
@@ -17,6 +13,7 @@ use crate::engine::waiter::Waiter;
 use crate::error::{Error, Result, Unlocked};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, HoldKind, RemoteLock};
+use crate::local::shares::{Current, Mine};
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, may_have_run, new_token};
 use crate::proto::rw_scripts::{SharedAttempt, Want};
@@ -25,40 +22,6 @@ use crate::topology::Route;
 use crate::topology::verdict::tally_release;
 
 static NEXT_SHARER: AtomicU64 = AtomicU64::new(1);
-
-/// The read holds of one process and who holds what, so that local readers share one
-/// remote read hold and a thread never waits for itself.
-#[derive(Default)]
-pub(crate) struct ReadShares {
-    state: Mutex<SharesState>,
-    /// Notified when a local reader's attempt in Redis ends.
-    attempted: Condvar,
-}
-
-#[derive(Default)]
-struct SharesState {
-    /// Per name: the remote read hold that new local readers may join.
-    current: HashMap<Keys, Current>,
-    /// Per remote read hold (by id): how many local readers hold it.
-    readers: HashMap<u64, usize>,
-    /// What each thread holds, per name.
-    threads: HashMap<(Keys, ThreadId), Mine>,
-    /// Names for which a local reader is taking a read hold in Redis: other local readers
-    /// wait for it and join its hold rather than contend too (singleflight).
-    acquiring: HashSet<Keys>,
-}
-
-struct Current {
-    remote: Arc<RemoteLock>,
-    since: Instant,
-    joins: u32,
-}
-
-enum Mine {
-    /// This many read guards of the thread on this remote read hold.
-    Read(Arc<RemoteLock>, usize),
-    Write,
-}
 
 /// A hold as a guard keeps it: the remote hold, and the guard's id among the readers who
 /// share it (0 for a hold of its own).

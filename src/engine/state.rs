@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::{Config, Wakeup};
-use crate::engine::shared_hold::ReadShares;
 use crate::engine::watchdog::Watchdog;
 use crate::error::{Result, thread_error};
+use crate::local::shares::ReadShares;
 use crate::local::table::Table;
 use crate::proto::node::{Node, Retry};
 use crate::stats::Counters;
