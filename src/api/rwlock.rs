@@ -271,6 +271,63 @@ impl RwLock {
     }
 }
 
+/// The methods every shared-hold guard has (`check`, `lost`, `valid_until`), documented
+/// with `$what` naming what the guard holds and `$get` the example's way to get one.
+macro_rules! shared_guard_methods {
+    ($what:literal, $get:literal) => {
+        #[doc = concat!("`Ok(())` while the ", $what, " is ours, [`Error::Lost`](crate::Error::Lost) once it is known lost.")]
+        ///
+        /// # Errors
+        ///
+        #[doc = concat!("[`Error::Lost`](crate::Error::Lost) with the reason, once the ", $what, " is known lost.")]
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # fn main() -> Result<(), redbaton::Error> {
+        /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+        #[doc = concat!("let guard = ", $get, "?;")]
+        /// guard.check()?;
+        /// # Ok(()) }
+        /// ```
+        pub fn check(&self) -> Result<()> {
+            self.0.check()
+        }
+
+        #[doc = concat!("A channel that receives the [`LostReason`] once, if the ", $what, " is lost.")]
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// use std::time::Duration;
+        /// # fn main() -> Result<(), redbaton::Error> {
+        /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+        #[doc = concat!("let guard = ", $get, "?;")]
+        /// assert!(guard.lost().recv_timeout(Duration::from_millis(10)).is_err());
+        /// # Ok(()) }
+        /// ```
+        pub fn lost(&self) -> &Receiver<LostReason> {
+            self.0.lost()
+        }
+
+        #[doc = concat!("Until when the ", $what, " is surely ours: its acquisition or last renewal, plus the lease, minus a drift margin (lease × 1% + 2 ms).")]
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # fn main() -> Result<(), redbaton::Error> {
+        /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+        #[doc = concat!("let guard = ", $get, "?;")]
+        /// assert!(guard.valid_until() > std::time::Instant::now());
+        /// # Ok(()) }
+        /// ```
+        pub fn valid_until(&self) -> Instant {
+            self.0.valid_until()
+        }
+    };
+}
+pub(crate) use shared_guard_methods;
+
 /// What a [`SharedGuard`] holds, which says how it is released.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -415,6 +472,8 @@ impl std::fmt::Debug for WriteGuard {
 }
 
 impl ReadGuard {
+    shared_guard_methods!("read hold", "client.rwlock(\"catalog\").read()");
+
     /// Lets go of the read hold (the process's last reader releases it in Redis) and says
     /// what happened.
     ///
@@ -434,57 +493,6 @@ impl ReadGuard {
     /// ```
     pub fn unlock(self) -> Result<Unlocked> {
         self.0.unlock()
-    }
-
-    /// `Ok(())` while the hold is ours, [`Error::Lost`] once it is known lost.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Lost`] with the reason, once the hold is known lost.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
-    /// let r = client.rwlock("catalog").read()?;
-    /// r.check()?;
-    /// # Ok(()) }
-    /// ```
-    pub fn check(&self) -> Result<()> {
-        self.0.check()
-    }
-
-    /// A channel that receives the [`LostReason`] once, if the hold is lost.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
-    /// let r = client.rwlock("catalog").read()?;
-    /// assert!(r.lost().recv_timeout(Duration::from_millis(10)).is_err());
-    /// # Ok(()) }
-    /// ```
-    pub fn lost(&self) -> &Receiver<LostReason> {
-        self.0.lost()
-    }
-
-    /// Until when the hold is surely ours (acquisition or last renewal, plus the lease,
-    /// minus a drift margin).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
-    /// let r = client.rwlock("catalog").read()?;
-    /// assert!(r.valid_until() > std::time::Instant::now());
-    /// # Ok(()) }
-    /// ```
-    pub fn valid_until(&self) -> Instant {
-        self.0.valid_until()
     }
 
     /// The read's fencing token: `(f << 20) | (2^20 − 1)`, where `f` is the name's fence
@@ -510,6 +518,8 @@ impl ReadGuard {
 }
 
 impl WriteGuard {
+    shared_guard_methods!("write hold", "client.rwlock(\"catalog\").write()");
+
     /// Releases the write hold in Redis and says what happened.
     ///
     /// # Errors
@@ -528,57 +538,6 @@ impl WriteGuard {
     /// ```
     pub fn unlock(self) -> Result<Unlocked> {
         self.0.unlock()
-    }
-
-    /// `Ok(())` while the hold is ours, [`Error::Lost`] once it is known lost.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Lost`] with the reason, once the hold is known lost.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
-    /// let w = client.rwlock("catalog").write()?;
-    /// w.check()?;
-    /// # Ok(()) }
-    /// ```
-    pub fn check(&self) -> Result<()> {
-        self.0.check()
-    }
-
-    /// A channel that receives the [`LostReason`] once, if the hold is lost.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
-    /// let w = client.rwlock("catalog").write()?;
-    /// assert!(w.lost().recv_timeout(Duration::from_millis(10)).is_err());
-    /// # Ok(()) }
-    /// ```
-    pub fn lost(&self) -> &Receiver<LostReason> {
-        self.0.lost()
-    }
-
-    /// Until when the hold is surely ours (acquisition or last renewal, plus the lease,
-    /// minus a drift margin).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
-    /// let w = client.rwlock("catalog").write()?;
-    /// assert!(w.valid_until() > std::time::Instant::now());
-    /// # Ok(()) }
-    /// ```
-    pub fn valid_until(&self) -> Instant {
-        self.0.valid_until()
     }
 
     /// The write's fencing token: `f << 20`, where `f` is the name's fence counter, which

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 
 use crate::api::client::LockClient;
-use crate::api::rwlock::{Kind, SharedGuard};
+use crate::api::rwlock::{Kind, SharedGuard, shared_guard_methods};
 use crate::engine::contend::Wait;
 use crate::engine::state::Engine;
 use crate::error::{LostReason, Result, Unlocked};
@@ -198,6 +198,8 @@ impl std::fmt::Debug for Permit {
 }
 
 impl Permit {
+    shared_guard_methods!("permit", "client.semaphore(\"api-quota\", 3).acquire()");
+
     /// Gives the permit back and says what happened.
     ///
     /// # Errors
@@ -216,56 +218,5 @@ impl Permit {
     /// ```
     pub fn unlock(self) -> Result<Unlocked> {
         self.0.unlock()
-    }
-
-    /// `Ok(())` while the permit is ours, [`Error::Lost`](crate::Error::Lost) once it is
-    /// known lost.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Lost`](crate::Error::Lost) with the reason, once the permit is known lost.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
-    /// let permit = client.semaphore("api-quota", 3).acquire()?;
-    /// permit.check()?;
-    /// # Ok(()) }
-    /// ```
-    pub fn check(&self) -> Result<()> {
-        self.0.check()
-    }
-
-    /// A channel that receives the [`LostReason`] once, if the permit is lost.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
-    /// let permit = client.semaphore("api-quota", 3).acquire()?;
-    /// assert!(permit.lost().recv_timeout(Duration::from_millis(10)).is_err());
-    /// # Ok(()) }
-    /// ```
-    pub fn lost(&self) -> &Receiver<LostReason> {
-        self.0.lost()
-    }
-
-    /// Until when the permit is surely ours.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # fn main() -> Result<(), redbaton::Error> {
-    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
-    /// let permit = client.semaphore("api-quota", 3).acquire()?;
-    /// assert!(permit.valid_until() > std::time::Instant::now());
-    /// # Ok(()) }
-    /// ```
-    pub fn valid_until(&self) -> Instant {
-        self.0.valid_until()
     }
 }
