@@ -29,7 +29,11 @@ impl LockClient {
     /// let catalog = client.rwlock("catalog");
     /// let r1 = catalog.read()?;
     /// let r2 = catalog.read()?; // readers share
-    /// assert!(catalog.try_write().unwrap_err().is_would_block());
+    /// std::thread::scope(|s| {
+    ///     // Another thread may not write while they read.
+    ///     let busy = s.spawn(|| catalog.try_write().unwrap_err().is_would_block());
+    ///     assert!(busy.join().unwrap());
+    /// });
     /// drop((r1, r2));
     /// let w = catalog.write()?;
     /// # Ok(()) }
@@ -124,7 +128,10 @@ impl RwLock {
     /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
     /// let rw = client.rwlock("catalog");
     /// let w = rw.write()?;
-    /// assert!(rw.try_read().unwrap_err().is_would_block());
+    /// std::thread::scope(|s| {
+    ///     let busy = s.spawn(|| rw.try_read().unwrap_err().is_would_block());
+    ///     assert!(busy.join().unwrap());
+    /// });
     /// # Ok(()) }
     /// ```
     pub fn try_read(&self) -> Result<ReadGuard> {
