@@ -59,7 +59,8 @@ pub enum Error {
     #[error("redis: {0}")]
     Redis(#[source] redis::RedisError),
     /// The name is held in Redis as another kind of lock (a plain lock, a read-write lock
-    /// or a semaphore) than the one asked for: one name, one kind at a time.
+    /// or a semaphore) than the one asked for, or its key holds a value of a type this
+    /// library does not write: one name, one kind at a time.
     #[error("the name is held as another kind of lock")]
     WrongKind,
     /// A semaphore was opened with another permit count than the one its current holders
