@@ -67,6 +67,24 @@ pub enum Error {
     /// A Redis or I/O error; the `redis` error is the source.
     #[error("redis: {0}")]
     Redis(#[source] redis::RedisError),
+    /// The name is held in Redis as another kind of lock (a plain lock, a read-write lock
+    /// or a semaphore) than the one asked for, or its key holds a value of a type this
+    /// library does not write: one name, one kind at a time.
+    #[error("the name is held as another kind of lock")]
+    WrongKind,
+    /// A semaphore was opened with another permit count than the one its current holders
+    /// use.
+    #[error("semaphore has {stored} permits in redis, {asked} asked")]
+    PermitsMismatch {
+        /// The permit count of the semaphore's current holders.
+        stored: u32,
+        /// The permit count this call asked for.
+        asked: u32,
+    },
+    /// The operation is not available on this client's topology (read-write locks and
+    /// semaphores need a single node; Redlock is not supported for them).
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
 }
 
 impl Error {
@@ -127,6 +145,49 @@ impl Error {
     /// ```
     pub fn is_invalid_input(&self) -> bool {
         matches!(self, Error::InvalidConfig(_) | Error::InvalidName(_))
+    }
+
+    /// The name is held as another kind of lock than the one asked for.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let guard = client.lock("report")?;
+    /// let err = client.rwlock("report").try_read().unwrap_err();
+    /// assert!(err.is_wrong_kind());
+    /// # Ok(()) }
+    /// ```
+    pub fn is_wrong_kind(&self) -> bool {
+        matches!(self, Error::WrongKind)
+    }
+
+    /// A semaphore was opened with another permit count than the stored one.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let permit = client.semaphore("quota", 3).acquire()?;
+    /// let err = client.semaphore("quota", 5).try_acquire().unwrap_err();
+    /// assert!(err.is_permits_mismatch());
+    /// # Ok(()) }
+    /// ```
+    pub fn is_permits_mismatch(&self) -> bool {
+        matches!(self, Error::PermitsMismatch { .. })
+    }
+
+    /// The operation is not available on this client's topology.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// assert!(redbaton::Error::Unsupported("redlock").is_unsupported());
+    /// ```
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, Error::Unsupported(_))
     }
 
     /// A network-level failure talking to Redis: refused, reset, timed out, or the pool

@@ -85,6 +85,8 @@ mod worker;
 pub use api::builder::Builder;
 pub use api::client::LockClient;
 pub use api::guard::LockGuard;
+pub use api::rwlock::{ReadGuard, RwLock, WriteGuard};
+pub use api::semaphore::{Permit, Semaphore};
 pub use config::Wakeup;
 pub use error::{Error, LostReason, Result, Unlocked};
 pub use proto::keys::MAX_NAME_LEN;

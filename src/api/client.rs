@@ -230,6 +230,11 @@ impl LockClient {
         }
     }
 
+    /// The engine behind the client (for the other primitives' handles).
+    pub(crate) fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
     fn acquire(&self, name: &[u8], wait: Wait) -> Result<LockGuard> {
         let (remote, seq) = self.engine.acquire(name, wait)?;
         Ok(LockGuard::new(self.engine.clone(), remote, seq))

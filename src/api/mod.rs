@@ -3,3 +3,5 @@
 pub(crate) mod builder;
 pub(crate) mod client;
 pub(crate) mod guard;
+pub(crate) mod rwlock;
+pub(crate) mod semaphore;

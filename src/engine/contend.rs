@@ -4,10 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::Wakeup;
-use crate::engine::clock::{after, earliest};
 use crate::engine::state::Engine;
-use crate::engine::waiter::{Pending, Waiter, Woken};
+use crate::engine::waiter::{Pending, Waiter};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, RemoteLock};
@@ -129,37 +127,9 @@ impl Engine {
                 }
                 return Err(short(unacked, Error::Timeout));
             }
-            let woken = match self.cfg.wakeup {
-                Wakeup::Polling(every) => {
-                    let until = earliest(after(every), deadline);
-                    std::thread::sleep(until.saturating_duration_since(Instant::now()));
-                    Counters::inc(&self.counters.wakeups_poll);
-                    continue;
-                }
-                Wakeup::Notifications => {
-                    if !waiter.watching() {
-                        // Subscribe, and have Redis confirm it, before the attempt whose
-                        // failure makes us wait: then no release after it goes unseen.
-                        waiter.watch(keys, self, &route, deadline);
-                        continue;
-                    }
-                    match before {
-                        Some(before) => {
-                            waiter.arm(keys, self, &route, marked, deadline);
-                            waiter.wait_change(&before, hint, deadline, self)
-                        }
-                        None => waiter.wait_degraded(hint, deadline, keys, self),
-                    }
-                }
-            };
-            let c = &self.counters;
-            match woken {
-                Woken::Event => Counters::inc(&c.wakeups_event),
-                Woken::Lease => Counters::inc(&c.wakeups_lease),
-                Woken::Recheck => Counters::inc(&c.wakeups_recheck),
-                Woken::Reconnected => Counters::inc(&c.wakeups_reconnect),
-                Woken::Deadline => {}
-            }
+            waiter.sleep(keys, self, &route, before, hint, deadline, |w| {
+                w.arm(keys, self, &route, marked, deadline);
+            });
         }
     }
 

@@ -6,6 +6,7 @@ pub(crate) mod clock;
 pub(crate) mod contend;
 mod probe;
 pub(crate) mod release;
+pub(crate) mod shared_hold;
 pub(crate) mod state;
 pub(crate) mod waiter;
 pub(crate) mod watchdog;

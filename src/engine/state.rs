@@ -7,6 +7,7 @@ use std::time::Instant;
 use crate::config::{Config, Wakeup};
 use crate::engine::watchdog::Watchdog;
 use crate::error::{Result, thread_error};
+use crate::local::shares::ReadShares;
 use crate::local::table::Table;
 use crate::proto::node::{Node, Retry};
 use crate::stats::Counters;
@@ -24,6 +25,8 @@ pub(crate) struct Engine {
     pub table: Table,
     pub counters: Arc<Counters>,
     pub watchdog: Option<Watchdog>,
+    /// Read holds shared by this process's readers.
+    pub shares: ReadShares,
 }
 
 impl Engine {
@@ -92,6 +95,7 @@ impl Engine {
             table: Table::default(),
             counters,
             watchdog: Some(watchdog),
+            shares: ReadShares::default(),
         })
     }
 

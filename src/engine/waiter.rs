@@ -5,10 +5,12 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use redis::Cmd;
 
+use crate::config::Wakeup;
 use crate::engine::clock::{YIELD, after, earliest};
 use crate::engine::state::Engine;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Marks, new_token};
+use crate::stats::Counters;
 use crate::topology::Route;
 use crate::wake::early::{Armed, Shot};
 use crate::wake::events::Snapshot;
@@ -155,6 +157,53 @@ impl Waiter {
         let snaps: Vec<Snapshot> = self.watches.iter().map(Watch::snapshot).collect();
         let confirmed = snaps.iter().filter(|s| s.confirmed).count();
         (confirmed >= snaps.len().div_ceil(2).max(1)).then_some(snaps)
+    }
+
+    /// Sleeps between two attempts as the client's wake-up mode says, and counts why it
+    /// woke. The first time, it only subscribes (and has Redis confirm it) and returns: the
+    /// attempt whose failure makes the caller wait must come after that, so that no release
+    /// after it goes unseen. `before`: the counters read before the failed attempt;
+    /// `arm`: run just before sleeping on events (to leave an early attempt).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sleep(
+        &mut self,
+        keys: &Keys,
+        client: &Engine,
+        route: &Route,
+        before: Option<Vec<Snapshot>>,
+        hint: Option<Duration>,
+        deadline: Option<Instant>,
+        arm: impl FnOnce(&mut Self),
+    ) {
+        let c = &client.counters;
+        let woken = match client.cfg.wakeup {
+            Wakeup::Polling(every) => {
+                let until = earliest(after(every), deadline);
+                std::thread::sleep(until.saturating_duration_since(Instant::now()));
+                Counters::inc(&c.wakeups_poll);
+                return;
+            }
+            Wakeup::Notifications => {
+                if !self.watching() {
+                    self.watch(keys, client, route, deadline);
+                    return;
+                }
+                match before {
+                    Some(before) => {
+                        arm(self);
+                        self.wait_change(&before, hint, deadline, client)
+                    }
+                    None => self.wait_degraded(hint, deadline, keys, client),
+                }
+            }
+        };
+        match woken {
+            Woken::Event => Counters::inc(&c.wakeups_event),
+            Woken::Lease => Counters::inc(&c.wakeups_lease),
+            Woken::Recheck => Counters::inc(&c.wakeups_recheck),
+            Woken::Reconnected => Counters::inc(&c.wakeups_reconnect),
+            Woken::Deadline => {}
+        }
     }
 
     /// Sleeps until the key may be free: an event on any node, the holder's lease (plus a

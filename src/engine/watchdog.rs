@@ -13,7 +13,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use crate::config::Config;
-use crate::local::held::{Due, RemoteLock};
+use crate::local::held::{Due, HoldKind, RemoteLock};
 use crate::proto::node::ExtendReply;
 use crate::stats::Counters;
 use crate::topology::Topology;
@@ -220,22 +220,27 @@ fn extend_on_nodes(
         .cloned()
         .collect();
     let per_node = topology.fan_out(&nodes, move |node| {
-        // Group this node's locks by lease: one script call per (lease, batch).
-        let mut by_lease: HashMap<Duration, Vec<usize>> = HashMap::new();
+        // Group this node's locks by lease and kind: one script call per (lease, kind,
+        // batch), the script chosen by how the locks are held.
+        let mut by_lease: HashMap<(Duration, HoldKind), Vec<usize>> = HashMap::new();
         for (i, (lock, lease)) in jobs.iter().enumerate() {
             if lock.nodes.contains(&node.id) {
-                by_lease.entry(*lease).or_default().push(i);
+                by_lease.entry((*lease, lock.kind)).or_default().push(i);
             }
         }
         let mut replies: Vec<(usize, Option<ExtendReply>)> = Vec::new();
-        for (lease, idxs) in by_lease {
+        for ((lease, kind), idxs) in by_lease {
             for chunk in idxs.chunks(BATCH) {
                 let batch: Vec<(&[u8], &str)> = chunk
                     .iter()
                     .map(|&i| (jobs[i].0.keys.lock(), jobs[i].0.token.as_str()))
                     .collect();
                 Counters::add(&counters.renewals_sent, batch.len() as u64);
-                match node.extend(&batch, lease) {
+                let extended = match kind {
+                    HoldKind::Lock => node.extend(&batch, lease),
+                    HoldKind::Shared => node.extend_shared(&batch, lease),
+                };
+                match extended {
                     Ok(r) => replies.extend(chunk.iter().copied().zip(r.into_iter().map(Some))),
                     Err(e) => {
                         log::debug!("node {}: renewal failed: {e}", node.id);

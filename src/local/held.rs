@@ -27,6 +27,8 @@ pub(crate) struct RemoteLock {
     pub acquired_at: Instant,
     /// Renewed by the watchdog (else only watched until it expires).
     renews: bool,
+    /// How it is held in Redis, which says how it is renewed.
+    pub kind: HoldKind,
     state: Mutex<State>,
     renew_done: Condvar,
 }
@@ -42,6 +44,18 @@ struct State {
     lost: Option<LostReason>,
     /// The current holder's lost channel.
     listener: Option<Sender<LostReason>>,
+    /// The lost channels of holders that share the lock at once (local readers), by id.
+    sharers: Vec<(u64, Sender<LostReason>)>,
+}
+
+/// How a lock is held in Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum HoldKind {
+    /// A plain lock: the key holds the token.
+    Lock,
+    /// A hold among others in a sorted set (read-write lock, semaphore): the token is the
+    /// hold's member.
+    Shared,
 }
 
 /// What the watchdog should do with a lock now.
@@ -85,6 +99,7 @@ impl RemoteLock {
             nodes,
             acquired_at: started,
             renews: renew_every.is_some(),
+            kind: HoldKind::Lock,
             state: Mutex::new(State {
                 lease,
                 valid_until: started + lease - drift,
@@ -94,9 +109,16 @@ impl RemoteLock {
                 released: false,
                 lost: None,
                 listener: None,
+                sharers: Vec::new(),
             }),
             renew_done: Condvar::new(),
         }
+    }
+
+    /// The same lock, held as `kind`.
+    pub fn with_kind(mut self, kind: HoldKind) -> Self {
+        self.kind = kind;
+        self
     }
 
     /// When the watchdog should look at this lock next.
@@ -138,6 +160,25 @@ impl RemoteLock {
         if let Some(tx) = st.listener.take() {
             let _ = tx.try_send(reason);
         }
+        for (_, tx) in st.sharers.drain(..) {
+            let _ = tx.try_send(reason);
+        }
+    }
+
+    /// Adds the lost channel of one of the holders that share the lock at once.
+    pub fn add_sharer(&self, id: u64, tx: Sender<LostReason>) {
+        let mut st = self.state.lock();
+        match st.lost {
+            Some(reason) => {
+                let _ = tx.try_send(reason);
+            }
+            None => st.sharers.push((id, tx)),
+        }
+    }
+
+    /// Removes a sharing holder's lost channel (it let go).
+    pub fn remove_sharer(&self, id: u64) {
+        self.state.lock().sharers.retain(|(i, _)| *i != id);
     }
 
     /// Installs the lost channel of a new holder (first acquisition or handoff).
@@ -166,6 +207,7 @@ impl RemoteLock {
             Self::set_lost(&mut st, LostReason::Expired, counters);
         }
         st.listener = None;
+        st.sharers.clear();
         st.lost
     }
 

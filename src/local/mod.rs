@@ -3,5 +3,6 @@
 
 pub(crate) mod held;
 pub(crate) mod mailbox;
+pub(crate) mod shares;
 pub(crate) mod spin_choice;
 pub(crate) mod table;

@@ -4,4 +4,5 @@ pub(crate) mod connect;
 pub(crate) mod keys;
 pub(crate) mod node;
 pub(crate) mod pool;
+pub(crate) mod rw_scripts;
 pub(crate) mod scripts;

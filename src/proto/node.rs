@@ -10,7 +10,7 @@ use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
 use crate::proto::pool::Pool;
-use crate::proto::scripts::{self, ACQUIRE, EXTEND, RAISE_FENCE, RELEASE, UNMARK};
+use crate::proto::scripts::{self, ACQUIRE, EXTEND, Lua, RAISE_FENCE, RELEASE, UNMARK};
 use crate::stats::Counters;
 
 /// The reply to one acquire attempt on one node.
@@ -321,8 +321,14 @@ impl Node {
                     pttl: u64::try_from(pttl).ok().map(Duration::from_millis),
                 })
             }
+            (2, _) => Err(Error::WrongKind),
             other => Err(Error::Protocol(format!("acquire replied {other:?}"))),
         }
+    }
+
+    /// The client's counters.
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.counters
     }
 
     /// Whether another client failed to get `keys` lately (its mark is alive).
@@ -357,10 +363,20 @@ impl Node {
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
         let mut call = RELEASE.call(1);
         call.arg(keys.lock()).arg(token).arg(keys.channel());
+        self.release_by(&RELEASE, &call, retry)
+    }
+
+    /// Runs a release `call` of `script` (1 released, 0 gone, -1 another owner).
+    pub(crate) fn release_by(
+        &self,
+        script: &Lua,
+        call: &Cmd,
+        retry: Retry,
+    ) -> Result<ReleaseReply> {
         let mut attempts = 0;
         let reply = self.run(retry, |c| {
             attempts += 1;
-            RELEASE.run::<i64>(&call, c)
+            script.run::<i64>(call, c)
         })?;
         match reply {
             1 => Ok(ReleaseReply::Released),
@@ -373,8 +389,19 @@ impl Node {
 
     /// Compare-and-extend many locks of this node in one round trip.
     pub fn extend(&self, locks: &[(&[u8], &str)], lease: Duration) -> Result<Vec<ExtendReply>> {
+        self.extend_by(&EXTEND, locks, lease)
+    }
+
+    /// Runs the batch renewal `script` (KEYS: the keys; ARGV: lease ms, then one token per
+    /// key; one status per key: 1 extended, 0 gone, -1 another owner).
+    pub(crate) fn extend_by(
+        &self,
+        script: &Lua,
+        locks: &[(&[u8], &str)],
+        lease: Duration,
+    ) -> Result<Vec<ExtendReply>> {
         let lease_ms = lease.as_millis().max(1) as u64;
-        let mut call = EXTEND.call(locks.len());
+        let mut call = script.call(locks.len());
         for (key, _) in locks {
             call.arg(*key);
         }
@@ -383,7 +410,7 @@ impl Node {
             call.arg(*token);
         }
         let (replies, acked) = self.run(Retry::ON_RESET, |c| {
-            let replies = EXTEND.run::<Vec<i64>>(&call, c)?;
+            let replies = script.run::<Vec<i64>>(&call, c)?;
             let acked = match self.ack {
                 Some(_) if replies.contains(&1) => Some(self.wait_replicas(c)?),
                 _ => None,

@@ -15,7 +15,7 @@ use redis::{Cmd, Connection, FromRedisValue, RedisError, RedisResult, Script};
 pub(crate) struct Lua(Script);
 
 impl Lua {
-    fn new(code: &str) -> Self {
+    pub(crate) fn new(code: &str) -> Self {
         Lua(Script::new(code))
     }
 
@@ -48,7 +48,9 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// KEYS: lock, fence, mark. ARGV: token, lease in ms, the library's channel, the client's
 /// id, the mark's TTL in ms (0: the caller will not wait, so leave no mark), `1` if this
 /// caller marked before (its mark is deleted when it wins).
-/// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when someone else holds it.
+/// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when someone else holds it,
+/// `{2, 0}` when the key is a read-write lock or a semaphore (checked on the failure path
+/// only: `SET NX` fails on any existing key, so the success path stays as it is).
 ///
 /// The common case comes first and costs two calls: `SET NX PX`, then `INCR` of the fence.
 /// A script that fails half-way is not rolled back, so an `INCR` that fails (a foreign
@@ -76,7 +78,8 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   end
   return {1, fence}
 end
-local cur = redis.call('GET', KEYS[1])
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'table' then return {2, 0} end
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
@@ -96,11 +99,13 @@ return {0, redis.call('PTTL', KEYS[1])}
 /// release. Always, even when keyspace notifications are on: waiters of another ACL user
 /// may not be allowed keyspace channels, and a server restart forgets a `CONFIG SET`. The
 /// subscriber pairs each `r` with the `del` event before it, so nobody wakes twice.
-/// Returns 1 released, 0 the key was gone, -1 another token holds it.
+/// Returns 1 released, 0 the key was gone, -1 another token (or another kind of lock)
+/// holds it.
 pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(
         r"
-local cur = redis.call('GET', KEYS[1])
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'table' then return -1 end
 if cur == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.pcall('PUBLISH', ARGV[2], 'r')
@@ -116,15 +121,19 @@ return -1
 /// due lock of a node with one call).
 ///
 /// KEYS: lock keys. ARGV: lease in ms, then one token per key.
-/// Returns one status per key: 1 extended, 0 the key was gone, -1 another token holds it.
-/// A key that is gone is never recreated: a renewal racing a release cannot revive a lock.
+/// Returns one status per key: 1 extended, 0 the key was gone, -1 another token (or
+/// another kind of lock, whose key is not a string) holds it: one such key does not fail
+/// the batch. A key that is gone is never recreated: a renewal racing a release cannot
+/// revive a lock.
 pub(crate) static EXTEND: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(
         r"
 local out = {}
 for i = 1, #KEYS do
-  local cur = redis.call('GET', KEYS[i])
-  if cur == ARGV[i + 1] then
+  local cur = redis.pcall('GET', KEYS[i])
+  if type(cur) == 'table' then
+    out[i] = -1
+  elseif cur == ARGV[i + 1] then
     redis.call('PEXPIRE', KEYS[i], ARGV[1])
     out[i] = 1
   elseif not cur then

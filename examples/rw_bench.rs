@@ -1,0 +1,173 @@
+//! rw_bench: a read-mostly workload on one name, under the read-write lock and under the
+//! exclusive lock, in one run.
+//!
+//! P processes × T threads each run S critical sections of H µs (busy, keeping the core)
+//! on one name; R% of them are reads. With `rwlock` reads take `rwlock(name).read()` and
+//! writes `.write()`; with `lock` every section takes `lock(name)`. It prints, per mode,
+//! sections per second (from the moment all workers start to the last one's end) and the
+//! Redis commands per section, counted by the server (`INFO commandstats`, after
+//! `CONFIG RESETSTAT`, minus this tool's own `INFO`): `cmds` counts every command the
+//! server ran, including those inside scripts; `sent` only what clients sent (round trips).
+//!
+//! ```text
+//! cargo run --release --example rw_bench                    # P=4 T=4 S=500 H=100 R=90
+//! cargo run --release --example rw_bench -- 4 4 500 100 90  # P T S H R
+//! REDIS_URL=redis://127.0.0.1:6379/ cargo run --release --example rw_bench
+//! ```
+//!
+//! Without `REDIS_URL` a throwaway `redis-server` is started (it must be on `PATH`). The
+//! tool re-executes itself as the worker processes; they connect, say `ready`, and all
+//! start when the parent writes `go` on their stdin.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const NAME: &str = "bench";
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--worker") {
+        return worker(&args[2..]);
+    }
+    let num = |i: usize, default: u64| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
+    let (procs, threads, sections, hold_us, read_pct) =
+        (num(1, 4), num(2, 4), num(3, 500), num(4, 100), num(5, 90));
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| redbaton_testkit::redis_url());
+    let mut admin = redis::Client::open(url.as_str())?.get_connection()?;
+    println!(
+        "{procs} processes x {threads} threads x {sections} sections of {hold_us} us, {read_pct}% reads"
+    );
+    println!(
+        "{:<8} {:>12} {:>10} {:>11} {:>11}",
+        "mode", "sections/s", "seconds", "cmds/sect", "sent/sect"
+    );
+    for mode in ["rwlock", "lock"] {
+        redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query::<()>(&mut admin)?;
+        let mut children = Vec::new();
+        for p in 0..procs {
+            let mut child = Command::new(std::env::current_exe()?)
+                .args(["--worker", mode, &url])
+                .args([threads, sections, hold_us, read_pct, p].map(|n| n.to_string()))
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()?;
+            let mut out = BufReader::new(child.stdout.take().expect("piped"));
+            let mut line = String::new();
+            out.read_line(&mut line)?;
+            assert_eq!(line.trim(), "ready", "worker said {line:?}");
+            children.push((child, out));
+        }
+        let before = commandstats(&mut admin)?;
+        let start = Instant::now();
+        for (child, _) in &mut children {
+            writeln!(child.stdin.as_mut().expect("piped"), "go")?;
+        }
+        for (child, mut out) in children {
+            let mut line = String::new();
+            out.read_line(&mut line)?;
+            assert_eq!(line.trim(), "done", "worker said {line:?}");
+            let mut child = child;
+            child.wait()?;
+        }
+        let elapsed = start.elapsed();
+        let after = commandstats(&mut admin)?;
+        let delta = |k: &str| after.get(k).unwrap_or(&0) - before.get(k).unwrap_or(&0);
+        // Our own INFO: one before the run (counted after), one now.
+        let all: u64 = after.keys().map(|k| delta(k)).sum::<u64>() - 1;
+        let sent: u64 = [
+            "evalsha",
+            "eval",
+            "script|load",
+            "subscribe",
+            "unsubscribe",
+            "ping",
+            "get",
+        ]
+        .iter()
+        .map(|k| delta(k))
+        .sum();
+        let total = (procs * threads * sections) as f64;
+        println!(
+            "{:<8} {:>12.0} {:>10.2} {:>11.2} {:>11.2}",
+            mode,
+            total / elapsed.as_secs_f64(),
+            elapsed.as_secs_f64(),
+            all as f64 / total,
+            sent as f64 / total,
+        );
+    }
+    Ok(())
+}
+
+/// Calls per command since the last `CONFIG RESETSTAT`.
+fn commandstats(conn: &mut redis::Connection) -> redis::RedisResult<HashMap<String, u64>> {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(conn)?;
+    Ok(info
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("cmdstat_")?;
+            let (name, stats) = rest.split_once(':')?;
+            let calls = stats.split(',').find_map(|f| f.strip_prefix("calls="))?;
+            Some((name.to_owned(), calls.parse().ok()?))
+        })
+        .collect())
+}
+
+fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+    let mode = args[0].clone();
+    let url = &args[1];
+    let n: Vec<u64> = args[2..].iter().map(|a| a.parse().unwrap()).collect();
+    let (threads, sections, hold, read_pct) = (n[0], n[1], Duration::from_micros(n[2]), n[3]);
+    let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    // Warm the connection pool and scripts outside the measured run.
+    client.with_lock("warmup", || ())?;
+    drop(client.rwlock("warmup").write()?);
+    println!("ready");
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go)?;
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (client, mode) = (client.clone(), mode.clone());
+            std::thread::spawn(move || -> redbaton::Result<()> {
+                let rw = client.rwlock(NAME);
+                for _ in 0..sections {
+                    let read = rand::random_range(0..100) < read_pct;
+                    match (mode.as_str(), read) {
+                        ("rwlock", true) => {
+                            let g = rw.read()?;
+                            spin(hold);
+                            drop(g);
+                        }
+                        ("rwlock", false) => {
+                            let g = rw.write()?;
+                            spin(hold);
+                            drop(g);
+                        }
+                        _ => {
+                            let g = client.lock(NAME)?;
+                            spin(hold);
+                            drop(g);
+                        }
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("worker thread")?;
+    }
+    println!("done");
+    Ok(())
+}
+
+fn spin(d: Duration) {
+    let t = Instant::now();
+    while t.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}

@@ -1,0 +1,567 @@
+//! Read-write locks: many readers across processes, or one writer.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+
+use crate::api::client::LockClient;
+use crate::engine::contend::Wait;
+use crate::engine::shared_hold::Hold;
+use crate::engine::state::Engine;
+use crate::error::{Error, LostReason, Result, Unlocked};
+use crate::fencing::{self, MAX_LOCAL_SEQ};
+
+impl LockClient {
+    /// A read-write lock named `name`: many readers (across threads and processes) or one
+    /// writer. Nothing is sent to Redis until a guard is asked for.
+    ///
+    /// The name shares its key with a plain lock and a semaphore of the same name: while
+    /// it is held as one kind, asking for it as another fails with [`Error::WrongKind`].
+    /// Not available on a Redlock client ([`Error::Unsupported`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let catalog = client.rwlock("catalog");
+    /// let r1 = catalog.read()?;
+    /// let r2 = catalog.read()?; // readers share
+    /// std::thread::scope(|s| {
+    ///     // Another thread may not write while they read.
+    ///     let busy = s.spawn(|| catalog.try_write().unwrap_err().is_would_block());
+    ///     assert!(busy.join().unwrap());
+    /// });
+    /// drop((r1, r2));
+    /// let w = catalog.write()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn rwlock(&self, name: impl AsRef<[u8]>) -> RwLock {
+        RwLock {
+            engine: self.engine().clone(),
+            name: name.as_ref().to_vec(),
+        }
+    }
+}
+
+/// A distributed read-write lock (see [`LockClient::rwlock`]).
+///
+/// * **Many readers or one writer**, across all processes. Each remote hold has its own
+///   lease, renewed by the client's watchdog: a crashed reader's hold ends by itself.
+/// * **Writer-preferring.** A writer that fails to get the lock and waits leaves a mark
+///   that stops *new* read holds in Redis until it has written (the mark lives twice the
+///   [re-check interval](crate::Builder::recheck_interval) and is renewed at each of the
+///   writer's attempts, so a crashed waiting writer holds readers back at most that long).
+///   Readers that already hold keep reading; the writer gets the lock when they are done.
+/// * **Local sharing.** The readers of one process share one remote read hold: the first
+///   takes it, later ones join it with no Redis command, the last one releases it. A new
+///   reader joins only during the hold's first
+///   [`handoff_slice`](crate::Builder::handoff_slice) and
+///   [`max_handoffs`](crate::Builder::max_handoffs) joins (or when its thread already
+///   reads); after that it asks Redis, where a waiting writer stops it. So local sharing
+///   delays a waiting writer by at most that slice plus the sections already running.
+/// * Waiters sleep until a release event (no polling), as for the plain lock.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let rw = client.rwlock("catalog");
+/// {
+///     let r = rw.read()?;
+///     let _token = r.fencing_token();
+/// }
+/// let w = rw.try_write_for(Duration::from_secs(1))?;
+/// w.unlock()?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RwLock {
+    engine: Arc<Engine>,
+    name: Vec<u8>,
+}
+
+impl std::fmt::Debug for RwLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RwLock")
+            .field("name", &String::from_utf8_lossy(&self.name))
+            .finish_non_exhaustive()
+    }
+}
+
+impl RwLock {
+    /// Waits until a read hold is ours.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`]; [`Error::WouldDeadlock`] if this thread holds the write
+    /// lock; [`Error::WrongKind`] if the name is held as a plain lock or a semaphore;
+    /// [`Error::Unsupported`] on a Redlock client; Redis errors.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let r = client.rwlock("catalog").read()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn read(&self) -> Result<ReadGuard> {
+        self.read_with(Wait::Until(None))
+    }
+
+    /// A read hold if one can be had right now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WouldBlock`] when a writer holds the lock or waits for it; otherwise as
+    /// [`read`](Self::read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("catalog");
+    /// let w = rw.write()?;
+    /// std::thread::scope(|s| {
+    ///     let busy = s.spawn(|| rw.try_read().unwrap_err().is_would_block());
+    ///     assert!(busy.join().unwrap());
+    /// });
+    /// # Ok(()) }
+    /// ```
+    pub fn try_read(&self) -> Result<ReadGuard> {
+        self.read_with(Wait::No)
+    }
+
+    /// Waits at most `timeout` for a read hold.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when none could be had in time; otherwise as [`read`](Self::read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let r = client.rwlock("catalog").try_read_for(Duration::from_secs(1))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_read_for(&self, timeout: Duration) -> Result<ReadGuard> {
+        self.read_with(Wait::Until(Instant::now().checked_add(timeout)))
+    }
+
+    /// Waits until `deadline` at most for a read hold.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when none could be had by `deadline`; otherwise as
+    /// [`read`](Self::read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let deadline = Instant::now() + Duration::from_secs(1);
+    /// let r = client.rwlock("catalog").try_read_until(deadline)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_read_until(&self, deadline: Instant) -> Result<ReadGuard> {
+        self.read_with(Wait::Until(Some(deadline)))
+    }
+
+    /// Waits until the write hold is ours.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`]; [`Error::WouldDeadlock`] if this thread holds the lock
+    /// (for reading or writing); [`Error::WrongKind`] if the name is held as a plain lock
+    /// or a semaphore; [`Error::Unsupported`] on a Redlock client; Redis errors.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let w = client.rwlock("catalog").write()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn write(&self) -> Result<WriteGuard> {
+        self.write_with(Wait::Until(None))
+    }
+
+    /// The write hold if it can be had right now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WouldBlock`] when anyone holds the lock; otherwise as
+    /// [`write`](Self::write).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("catalog");
+    /// let w = rw.try_write()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_write(&self) -> Result<WriteGuard> {
+        self.write_with(Wait::No)
+    }
+
+    /// Waits at most `timeout` for the write hold.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when it could not be had in time; otherwise as
+    /// [`write`](Self::write).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let w = client.rwlock("catalog").try_write_for(Duration::from_secs(1))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_write_for(&self, timeout: Duration) -> Result<WriteGuard> {
+        self.write_with(Wait::Until(Instant::now().checked_add(timeout)))
+    }
+
+    /// Waits until `deadline` at most for the write hold.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when it could not be had by `deadline`; otherwise as
+    /// [`write`](Self::write).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let deadline = Instant::now() + Duration::from_secs(1);
+    /// let w = client.rwlock("catalog").try_write_until(deadline)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_write_until(&self, deadline: Instant) -> Result<WriteGuard> {
+        self.write_with(Wait::Until(Some(deadline)))
+    }
+
+    fn read_with(&self, wait: Wait) -> Result<ReadGuard> {
+        let hold = self.engine.read(&self.name, wait)?;
+        Ok(ReadGuard(SharedGuard::new(
+            self.engine.clone(),
+            hold,
+            Kind::Read,
+        )))
+    }
+
+    fn write_with(&self, wait: Wait) -> Result<WriteGuard> {
+        let hold = self.engine.write(&self.name, wait)?;
+        Ok(WriteGuard(SharedGuard::new(
+            self.engine.clone(),
+            hold,
+            Kind::Write,
+        )))
+    }
+}
+
+/// The methods every shared-hold guard has (`check`, `lost`, `valid_until`), documented
+/// with `$what` naming what the guard holds and `$get` the example's way to get one.
+macro_rules! shared_guard_methods {
+    ($what:literal, $get:literal) => {
+        #[doc = concat!("`Ok(())` while the ", $what, " is ours, [`Error::Lost`](crate::Error::Lost) once it is known lost.")]
+        ///
+        /// # Errors
+        ///
+        #[doc = concat!("[`Error::Lost`](crate::Error::Lost) with the reason, once the ", $what, " is known lost.")]
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # fn main() -> Result<(), redbaton::Error> {
+        /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+        #[doc = concat!("let guard = ", $get, "?;")]
+        /// guard.check()?;
+        /// # Ok(()) }
+        /// ```
+        pub fn check(&self) -> Result<()> {
+            self.0.check()
+        }
+
+        #[doc = concat!("A channel that receives the [`LostReason`] once, if the ", $what, " is lost.")]
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// use std::time::Duration;
+        /// # fn main() -> Result<(), redbaton::Error> {
+        /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+        #[doc = concat!("let guard = ", $get, "?;")]
+        /// assert!(guard.lost().recv_timeout(Duration::from_millis(10)).is_err());
+        /// # Ok(()) }
+        /// ```
+        pub fn lost(&self) -> &Receiver<LostReason> {
+            self.0.lost()
+        }
+
+        #[doc = concat!("Until when the ", $what, " is surely ours: its acquisition or last renewal, plus the lease, minus a drift margin (lease × 1% + 2 ms).")]
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # fn main() -> Result<(), redbaton::Error> {
+        /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+        #[doc = concat!("let guard = ", $get, "?;")]
+        /// assert!(guard.valid_until() > std::time::Instant::now());
+        /// # Ok(()) }
+        /// ```
+        pub fn valid_until(&self) -> Instant {
+            self.0.valid_until()
+        }
+    };
+}
+pub(crate) use shared_guard_methods;
+
+/// What a [`SharedGuard`] holds, which says how it is released.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Read,
+    Write,
+    Permit,
+}
+
+/// The state behind every shared-hold guard (read, write, permit): the hold, its lost
+/// channel, release on drop.
+pub(crate) struct SharedGuard {
+    engine: Arc<Engine>,
+    hold: Hold,
+    kind: Kind,
+    lost_rx: Receiver<LostReason>,
+    released: bool,
+    /// Not `Send`: a hold belongs to the thread that took it (see `LockGuard`).
+    _not_send: PhantomData<*const ()>,
+}
+
+impl SharedGuard {
+    pub(crate) fn new(engine: Arc<Engine>, hold: Hold, kind: Kind) -> Self {
+        let (tx, lost_rx) = crossbeam_channel::bounded(1);
+        if kind == Kind::Read {
+            hold.remote.add_sharer(hold.sharer, tx);
+        } else {
+            hold.remote.set_listener(tx);
+        }
+        SharedGuard {
+            engine,
+            hold,
+            kind,
+            lost_rx,
+            released: false,
+            _not_send: PhantomData,
+        }
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        match self.hold.remote.lost(&self.engine.counters) {
+            Some(reason) => Err(Error::Lost(reason)),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn lost(&self) -> &Receiver<LostReason> {
+        &self.lost_rx
+    }
+
+    pub(crate) fn valid_until(&self) -> Instant {
+        self.hold.remote.valid_until()
+    }
+
+    pub(crate) fn fence(&self) -> u64 {
+        self.hold.remote.fence
+    }
+
+    pub(crate) fn name(&self) -> &[u8] {
+        self.hold.remote.keys.name()
+    }
+
+    pub(crate) fn unlock(mut self) -> Result<Unlocked> {
+        self.released = true;
+        self.release()
+    }
+
+    fn release(&self) -> Result<Unlocked> {
+        match self.kind {
+            Kind::Read => self.engine.release_read(&self.hold),
+            Kind::Write => self.engine.release_write(&self.hold),
+            Kind::Permit => self.engine.release_shared(&self.hold.remote),
+        }
+    }
+}
+
+impl Drop for SharedGuard {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        let name = self.hold.remote.keys.display();
+        match self.release() {
+            Ok(outcome) if outcome.was_held() => {}
+            Ok(outcome) => log::warn!("{name:?} dropped but it was not held: {outcome}"),
+            Err(e) => {
+                log::warn!("{name:?}: release on drop failed (it expires with its lease): {e}")
+            }
+        }
+    }
+}
+
+/// Proof that this thread reads a [`RwLock`]. Dropping it lets go (best effort, never
+/// panicking); [`unlock`](ReadGuard::unlock) does the same and says what happened. Not
+/// `Send`, like [`LockGuard`](crate::LockGuard).
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let r = client.rwlock("catalog").read()?;
+/// r.check()?;
+/// r.unlock()?;
+/// # Ok(()) }
+/// ```
+#[must_use = "the read hold is released as soon as the guard is dropped"]
+pub struct ReadGuard(SharedGuard);
+
+/// Proof that this thread writes a [`RwLock`]: nobody else reads or writes it. Dropping it
+/// lets go (best effort, never panicking); [`unlock`](WriteGuard::unlock) does the same
+/// and says what happened. Not `Send`, like [`LockGuard`](crate::LockGuard).
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let w = client.rwlock("catalog").write()?;
+/// w.check()?;
+/// w.unlock()?;
+/// # Ok(()) }
+/// ```
+#[must_use = "the write hold is released as soon as the guard is dropped"]
+pub struct WriteGuard(SharedGuard);
+
+impl std::fmt::Debug for ReadGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadGuard")
+            .field("name", &String::from_utf8_lossy(self.0.name()))
+            .field("fencing_token", &self.fencing_token())
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for WriteGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteGuard")
+            .field("name", &String::from_utf8_lossy(self.0.name()))
+            .field("fencing_token", &self.fencing_token())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReadGuard {
+    shared_guard_methods!("read hold", "client.rwlock(\"catalog\").read()");
+
+    /// Lets go of the read hold (the process's last reader releases it in Redis) and says
+    /// what happened.
+    ///
+    /// # Errors
+    ///
+    /// Redis errors when the release could not be confirmed (the hold then expires with
+    /// its lease).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let r = client.rwlock("catalog").read()?;
+    /// assert!(r.unlock()?.was_held());
+    /// # Ok(()) }
+    /// ```
+    pub fn unlock(self) -> Result<Unlocked> {
+        self.0.unlock()
+    }
+
+    /// The read's fencing token: `(f << 20) | (2^20 − 1)`, where `f` is the name's fence
+    /// counter when the read hold began. It is above the token of every write that began
+    /// before the read hold did, and below the token of every write that begins after it
+    /// (writes take `f' << 20` with `f' > f`). Readers that share a hold share its token.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("catalog");
+    /// let w = rw.write()?.fencing_token();
+    /// let r = rw.read()?.fencing_token();
+    /// assert!(r > w);
+    /// assert!(rw.write()?.fencing_token() > r);
+    /// # Ok(()) }
+    /// ```
+    pub fn fencing_token(&self) -> u64 {
+        fencing::token(self.0.fence(), MAX_LOCAL_SEQ)
+    }
+}
+
+impl WriteGuard {
+    shared_guard_methods!("write hold", "client.rwlock(\"catalog\").write()");
+
+    /// Releases the write hold in Redis and says what happened.
+    ///
+    /// # Errors
+    ///
+    /// Redis errors when the release could not be confirmed (the hold then expires with
+    /// its lease).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let w = client.rwlock("catalog").write()?;
+    /// assert!(w.unlock()?.was_held());
+    /// # Ok(()) }
+    /// ```
+    pub fn unlock(self) -> Result<Unlocked> {
+        self.0.unlock()
+    }
+
+    /// The write's fencing token: `f << 20`, where `f` is the name's fence counter, which
+    /// the write hold incremented. Strictly increasing across writers, and laid out like a
+    /// plain lock's token of the same name, so both compare.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("catalog");
+    /// let first = rw.write()?.fencing_token();
+    /// assert!(rw.write()?.fencing_token() > first);
+    /// # Ok(()) }
+    /// ```
+    pub fn fencing_token(&self) -> u64 {
+        fencing::token(self.0.fence(), 0)
+    }
+}

@@ -1,0 +1,456 @@
+//! Read-write locks against a real redis-server: exclusion across processes (intervals
+//! recorded by every section, compared on one system-wide monotonic clock), writer
+//! preference, a SIGKILLed reader's hold expiring alone, one name one kind, and the cost of
+//! idle waiters.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redbaton::{Builder, LockClient, Unlocked};
+use redbaton_testkit::child;
+use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{init_log, ms};
+
+const PREFIX: &str = "rw:";
+
+fn builder(url: &str) -> Builder {
+    LockClient::builder().node(url).key_prefix(PREFIX)
+}
+
+fn client(url: &str) -> LockClient {
+    builder(url).build().expect("client")
+}
+
+fn spin(d: Duration) {
+    let t = Instant::now();
+    while t.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
+/// One critical section: its mode and interval in the system-wide monotonic clock (ns).
+#[derive(Debug, Clone, Copy)]
+struct Section {
+    write: bool,
+    start: u64,
+    end: u64,
+}
+
+fn overlaps(a: &Section, b: &Section) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+fn sections_of(stdout: &str) -> Vec<Section> {
+    child::parse_results(stdout)
+        .into_iter()
+        .filter_map(|r| {
+            Some(Section {
+                write: r.get("m")? == "w",
+                start: r.get("s")?.parse().ok()?,
+                end: r.get("e")?.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn smoke() {
+    init_log();
+    let srv = RedisServer::start();
+    let c = client(&srv.url());
+    let rw = c.rwlock("smoke");
+    let r1 = rw.read().expect("read");
+    let r2 = rw.try_read().expect("second reader");
+    let other = client(&srv.url()).rwlock("smoke");
+    assert!(other.try_write().unwrap_err().is_would_block());
+    r1.check().expect("held");
+    let rt = r2.fencing_token();
+    assert_eq!(r1.unlock().expect("unlock"), Unlocked::Released);
+    assert_eq!(r2.unlock().expect("unlock"), Unlocked::Released);
+    let w = rw.try_write().expect("write");
+    assert!(w.fencing_token() > rt);
+    assert!(other.try_read().unwrap_err().is_would_block());
+    assert_eq!(w.unlock().expect("unlock"), Unlocked::Released);
+    assert!(srv.keys("rw:*").iter().all(|k| k.ends_with(b":fence")));
+}
+
+#[test]
+fn one_name_one_kind() {
+    init_log();
+    let srv = RedisServer::start();
+    let c = client(&srv.url());
+    let plain = c.lock("k").expect("lock");
+    assert!(c.rwlock("k").try_read().unwrap_err().is_wrong_kind());
+    assert!(c.rwlock("k").try_write().unwrap_err().is_wrong_kind());
+    assert!(
+        c.semaphore("k", 2)
+            .try_acquire()
+            .unwrap_err()
+            .is_wrong_kind()
+    );
+    drop(plain);
+    let r = c.rwlock("k").read().expect("free again");
+    assert!(c.try_lock("k").unwrap_err().is_wrong_kind());
+    assert!(
+        c.semaphore("k", 2)
+            .try_acquire()
+            .unwrap_err()
+            .is_wrong_kind()
+    );
+    drop(r);
+    let p = c.semaphore("k", 2).acquire().expect("permit");
+    assert!(c.try_lock("k").unwrap_err().is_wrong_kind());
+    assert!(c.rwlock("k").try_write().unwrap_err().is_wrong_kind());
+    drop(p);
+    c.lock("k").expect("plain again").unlock().expect("unlock");
+}
+
+#[test]
+fn a_thread_never_waits_for_itself() {
+    init_log();
+    let srv = RedisServer::start();
+    let c = client(&srv.url());
+    let rw = c.rwlock("self");
+    let r = rw.read().expect("read");
+    assert!(matches!(
+        rw.try_write_for(ms(100)),
+        Err(redbaton::Error::WouldDeadlock)
+    ));
+    let again = rw.read().expect("a reader reads again");
+    drop((r, again));
+    let w = rw.write().expect("write");
+    assert!(matches!(rw.read(), Err(redbaton::Error::WouldDeadlock)));
+    drop(w);
+}
+
+#[test]
+fn a_waiting_writer_stops_new_readers() {
+    init_log();
+    let srv = RedisServer::start();
+    let (a, b) = (client(&srv.url()), client(&srv.url()));
+    let r = a.rwlock("pref").read().expect("read");
+    let writer = thread::spawn(move || {
+        let t = Instant::now();
+        let w = b
+            .rwlock("pref")
+            .try_write_for(Duration::from_secs(20))
+            .expect("write");
+        (t.elapsed(), w.fencing_token())
+    });
+    // Until the writer has failed once and marked itself waiting.
+    let mut conn = srv.conn();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis::cmd("EXISTS")
+        .arg("rw:{pref}:ww")
+        .query::<i64>(&mut conn)
+        .unwrap()
+        == 0
+    {
+        assert!(Instant::now() < deadline, "the writer never marked itself");
+        thread::sleep(ms(5));
+    }
+    let c = client(&srv.url());
+    assert!(c.rwlock("pref").try_read().unwrap_err().is_would_block());
+    thread::sleep(ms(200));
+    r.unlock().expect("unlock");
+    let (waited, _) = writer.join().unwrap();
+    eprintln!("writer waited {waited:?}");
+    assert!(waited < Duration::from_secs(10));
+}
+
+/// A child of the exclusion test: `THREADS` threads, 80% reads, each section printed.
+#[test]
+fn child_mixed() {
+    if !child::is_child() {
+        return;
+    }
+    let c = client(&child::env("REDIS_URL"));
+    let iters: usize = child::env("ITERS").parse().unwrap();
+    let counter = child::env("COUNTER");
+    let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let (c, counter, lines) = (c.clone(), counter.clone(), lines.clone());
+            thread::spawn(move || {
+                let rw = c.rwlock("mixed");
+                let mut conn = redis::Client::open(child::env("REDIS_URL"))
+                    .unwrap()
+                    .get_connection()
+                    .unwrap();
+                for _ in 0..iters {
+                    let write = rand::random_range(0..10) < 2;
+                    let s;
+                    let e;
+                    if write {
+                        let g = rw.write().expect("write");
+                        s = mono_ns();
+                        let v: i64 = redis::cmd("GET")
+                            .arg(&counter)
+                            .query::<Option<i64>>(&mut conn)
+                            .unwrap()
+                            .unwrap_or(0);
+                        spin(Duration::from_micros(300));
+                        redis::cmd("SET")
+                            .arg(&counter)
+                            .arg(v + 1)
+                            .query::<()>(&mut conn)
+                            .unwrap();
+                        e = mono_ns();
+                        g.check().expect("held");
+                        drop(g);
+                    } else {
+                        let g = rw.read().expect("read");
+                        s = mono_ns();
+                        spin(Duration::from_micros(rand::random_range(200..=1500)));
+                        e = mono_ns();
+                        g.check().expect("held");
+                        drop(g);
+                    }
+                    lines.lock().unwrap().push((write, s, e));
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    for (w, s, e) in lines.lock().unwrap().iter() {
+        child::print_result(&[
+            ("m", (if *w { "w" } else { "r" }).to_owned()),
+            ("s", s.to_string()),
+            ("e", e.to_string()),
+        ]);
+    }
+}
+
+#[test]
+fn readers_share_and_writers_exclude_across_processes() {
+    init_log();
+    let srv = RedisServer::start();
+    let envs = [
+        ("REDIS_URL", srv.url()),
+        ("ITERS", "40".to_owned()),
+        ("COUNTER", "counter".to_owned()),
+    ];
+    let children: Vec<_> = (0..4)
+        .map(|_| child::spawn_self("child_mixed", &envs))
+        .collect();
+    let mut all = Vec::new();
+    for c in children {
+        all.extend(sections_of(&child::wait_ok(c, Duration::from_secs(120))));
+    }
+    assert_eq!(all.len(), 4 * 4 * 40);
+    let writes = all.iter().filter(|s| s.write).count();
+    let mut reader_overlaps = 0;
+    for (i, a) in all.iter().enumerate() {
+        for b in &all[i + 1..] {
+            if overlaps(a, b) {
+                assert!(!a.write && !b.write, "a writer overlapped: {a:?} {b:?}");
+                reader_overlaps += 1;
+            }
+        }
+    }
+    let counter: i64 = redis::cmd("GET")
+        .arg("counter")
+        .query(&mut srv.conn())
+        .unwrap();
+    eprintln!("{writes} writes, {reader_overlaps} overlapping reader pairs");
+    assert_eq!(
+        counter as usize, writes,
+        "a write was lost: writers overlapped"
+    );
+    assert!(reader_overlaps > 0, "readers never overlapped");
+}
+
+/// A child of the starvation test: 4 threads reading back to back until `STOP` is set.
+#[test]
+fn child_readers() {
+    if !child::is_child() {
+        return;
+    }
+    let url = child::env("REDIS_URL");
+    let c = client(&url);
+    let reads = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let (c, url, reads) = (c.clone(), url.clone(), reads.clone());
+            thread::spawn(move || {
+                let mut conn = redis::Client::open(url).unwrap().get_connection().unwrap();
+                let rw = c.rwlock("busy");
+                loop {
+                    let g = rw.read().expect("read");
+                    spin(ms(2));
+                    drop(g);
+                    reads.fetch_add(1, SeqCst);
+                    if reads.load(SeqCst) % 16 == 0
+                        && redis::cmd("EXISTS")
+                            .arg("stop")
+                            .query::<i64>(&mut conn)
+                            .unwrap()
+                            == 1
+                    {
+                        return;
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    child::print_result(&[("reads", reads.load(SeqCst).to_string())]);
+}
+
+/// A child of the starvation test: one write, timed.
+#[test]
+fn child_writer() {
+    if !child::is_child() {
+        return;
+    }
+    let c = client(&child::env("REDIS_URL"));
+    let t = Instant::now();
+    let w = c
+        .rwlock("busy")
+        .try_write_for(Duration::from_secs(30))
+        .expect("write");
+    let waited = t.elapsed();
+    drop(w);
+    child::print_result(&[("waited_ms", waited.as_millis().to_string())]);
+}
+
+/// Documented bound: a waiting writer gets the lock once the read holds already granted
+/// end: each process's shared read hold takes new local readers for at most
+/// `handoff_slice` (10 ms) after which they ask Redis and meet the writer's mark; so the
+/// wait is about that slice plus a section plus a few round trips. Asserted with a
+/// generous liveness bound (5 s); the figure is printed.
+#[test]
+fn a_writer_is_not_starved_by_busy_readers() {
+    init_log();
+    let srv = RedisServer::start();
+    let envs = [("REDIS_URL", srv.url())];
+    let readers: Vec<_> = (0..2)
+        .map(|_| child::spawn_self("child_readers", &envs))
+        .collect();
+    // Let the readers get going.
+    let mut conn = srv.conn();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while redis::cmd("EXISTS")
+        .arg("rw:{busy}")
+        .query::<i64>(&mut conn)
+        .unwrap()
+        == 0
+    {
+        assert!(Instant::now() < deadline, "readers never started");
+        thread::sleep(ms(10));
+    }
+    thread::sleep(ms(500));
+    let out = child::wait_ok(
+        child::spawn_self("child_writer", &envs),
+        Duration::from_secs(60),
+    );
+    let waited: u64 = child::parse_results(&out)[0]["waited_ms"].parse().unwrap();
+    redis::cmd("SET")
+        .arg("stop")
+        .arg(1)
+        .query::<()>(&mut conn)
+        .unwrap();
+    let mut reads = 0;
+    for r in readers {
+        let out = child::wait_ok(r, Duration::from_secs(60));
+        reads += child::parse_results(&out)[0]["reads"]
+            .parse::<u64>()
+            .unwrap();
+    }
+    eprintln!("writer waited {waited} ms among {reads} reads");
+    assert!(waited < 5000, "writer waited {waited} ms");
+}
+
+/// A child that takes a read hold, says so, and holds it until killed.
+#[test]
+fn child_reader_holds() {
+    if !child::is_child() {
+        return;
+    }
+    let c = builder(&child::env("REDIS_URL"))
+        .lease(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let _r = c.rwlock("crash").read().expect("read");
+    child::print_result(&[("held", "1".to_owned())]);
+    thread::sleep(Duration::from_secs(120));
+}
+
+#[test]
+fn a_killed_readers_hold_expires_alone() {
+    init_log();
+    let srv = RedisServer::start();
+    let lease = Duration::from_secs(2);
+    let mut reader = child::spawn_self("child_reader_holds", &[("REDIS_URL", srv.url())]);
+    child::wait_for_line(&mut reader, "held=1", Duration::from_secs(30));
+    let other = builder(&srv.url()).lease(lease).build().unwrap();
+    let r = other.rwlock("crash").read().expect("another reader");
+    child::kill_child(&mut reader, libc::SIGKILL);
+    let killed = Instant::now();
+    let _ = child::wait_output(reader, Duration::from_secs(10));
+    let url = srv.url();
+    let writer = thread::spawn(move || {
+        let c = builder(&url).lease(lease).build().unwrap();
+        let w = c
+            .rwlock("crash")
+            .try_write_for(Duration::from_secs(30))
+            .expect("write");
+        let at = Instant::now();
+        drop(w);
+        at
+    });
+    // The surviving reader keeps its hold past the killed reader's lease.
+    thread::sleep(lease + ms(300));
+    r.check().expect("the other reader's hold is unaffected");
+    let joined = other.rwlock("crash").try_read();
+    assert!(joined.is_ok() || joined.as_ref().unwrap_err().is_would_block());
+    drop(joined);
+    assert_eq!(r.unlock().unwrap(), Unlocked::Released);
+    let got = writer.join().unwrap();
+    let after = got.duration_since(killed);
+    eprintln!("writer got the lock {after:?} after the reader was killed");
+    assert!(after <= lease + Duration::from_secs(1), "{after:?}");
+}
+
+/// 20 idle waiters (10 readers, 10 writers) behind a writer cost Redis almost nothing.
+#[test]
+fn idle_waiters_cost_almost_no_commands() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let w = holder.rwlock("idle").write().expect("write");
+    let waiters = client(&srv.url());
+    let handles: Vec<_> = (0..20)
+        .map(|i| {
+            let c = waiters.clone();
+            thread::spawn(move || {
+                let rw = c.rwlock("idle");
+                let t = Duration::from_secs(8);
+                if i % 2 == 0 {
+                    rw.try_read_for(t).map(drop)
+                } else {
+                    rw.try_write_for(t).map(drop)
+                }
+            })
+        })
+        .collect();
+    thread::sleep(Duration::from_secs(1));
+    let before = srv.total_commands();
+    thread::sleep(Duration::from_secs(3));
+    let spent = srv.total_commands() - before;
+    eprintln!("20 idle waiters: {spent} commands in 3 s");
+    assert!(spent < 10, "{spent} commands: {:?}", srv.commandstats());
+    drop(w);
+    for h in handles {
+        h.join()
+            .unwrap()
+            .expect("every waiter got in once the writer left");
+    }
+}

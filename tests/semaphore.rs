@@ -1,0 +1,203 @@
+//! Semaphores against a real redis-server: never more holders than permits across
+//! processes (intervals on one system-wide monotonic clock), a SIGKILLed holder's permit
+//! returning after its lease, the permit count rule, and the cost of idle waiters.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redbaton::{Builder, LockClient, Unlocked};
+use redbaton_testkit::child;
+use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{init_log, ms};
+
+const PREFIX: &str = "sem:";
+
+fn builder(url: &str) -> Builder {
+    LockClient::builder().node(url).key_prefix(PREFIX)
+}
+
+fn client(url: &str) -> LockClient {
+    builder(url).build().expect("client")
+}
+
+#[test]
+fn smoke() {
+    init_log();
+    let srv = RedisServer::start();
+    let c = client(&srv.url());
+    let sem = c.semaphore("smoke", 2);
+    let a = sem.acquire().expect("first");
+    let b = sem.try_acquire().expect("second");
+    assert!(sem.try_acquire().unwrap_err().is_would_block());
+    a.check().expect("held");
+    assert_eq!(a.unlock().expect("unlock"), Unlocked::Released);
+    let c2 = sem.try_acquire().expect("a permit came back");
+    drop((b, c2));
+    assert!(srv.keys("sem:*").is_empty(), "{:?}", srv.keys("sem:*"));
+}
+
+#[test]
+fn permit_count_must_match_while_held() {
+    init_log();
+    let srv = RedisServer::start();
+    let c = client(&srv.url());
+    let p = c.semaphore("count", 3).acquire().expect("permit");
+    let err = c.semaphore("count", 4).try_acquire().unwrap_err();
+    assert!(err.is_permits_mismatch(), "{err}");
+    assert!(
+        c.semaphore("count", 0)
+            .try_acquire()
+            .unwrap_err()
+            .is_invalid_input()
+    );
+    drop(p);
+    // Nobody holds it: the next holder's count is the one.
+    let p = c.semaphore("count", 4).acquire().expect("new count");
+    drop(p);
+}
+
+/// A child of the bound test: 4 threads taking a permit over and over, sections printed.
+#[test]
+fn child_permits() {
+    if !child::is_child() {
+        return;
+    }
+    let c = client(&child::env("REDIS_URL"));
+    let iters: usize = child::env("ITERS").parse().unwrap();
+    let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let (c, lines) = (c.clone(), lines.clone());
+            thread::spawn(move || {
+                let sem = c.semaphore("bound", 3);
+                for _ in 0..iters {
+                    let p = sem.acquire().expect("permit");
+                    let s = mono_ns();
+                    thread::sleep(Duration::from_micros(rand::random_range(200..=2000)));
+                    let e = mono_ns();
+                    p.check().expect("held");
+                    drop(p);
+                    lines.lock().unwrap().push((s, e));
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    for (s, e) in lines.lock().unwrap().iter() {
+        child::print_result(&[("s", s.to_string()), ("e", e.to_string())]);
+    }
+}
+
+#[test]
+fn never_more_holders_than_permits_across_processes() {
+    init_log();
+    let srv = RedisServer::start();
+    let envs = [("REDIS_URL", srv.url()), ("ITERS", "30".to_owned())];
+    let children: Vec<_> = (0..4)
+        .map(|_| child::spawn_self("child_permits", &envs))
+        .collect();
+    let mut events = Vec::new();
+    for c in children {
+        let out = child::wait_ok(c, Duration::from_secs(120));
+        for r in child::parse_results(&out) {
+            events.push((r["s"].parse::<u64>().unwrap(), 1i32));
+            events.push((r["e"].parse::<u64>().unwrap(), -1i32));
+        }
+    }
+    assert_eq!(events.len(), 2 * 4 * 4 * 30);
+    // Ends before starts at the same instant.
+    events.sort();
+    let (mut now, mut most) = (0, 0);
+    for (_, d) in events {
+        now += d;
+        most = most.max(now);
+    }
+    eprintln!("at most {most} holders at once");
+    assert!(most <= 3, "{most} holders at once");
+    assert!(most >= 2, "permits were never held together");
+}
+
+/// A child that takes a permit, says so, and holds it until killed.
+#[test]
+fn child_permit_holds() {
+    if !child::is_child() {
+        return;
+    }
+    let c = builder(&child::env("REDIS_URL"))
+        .lease(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let _p = c.semaphore("crash", 3).acquire().expect("permit");
+    child::print_result(&[("held", "1".to_owned())]);
+    thread::sleep(Duration::from_secs(120));
+}
+
+#[test]
+fn a_killed_holders_permit_returns_after_its_lease() {
+    init_log();
+    let srv = RedisServer::start();
+    let lease = Duration::from_secs(2);
+    let mut holder = child::spawn_self("child_permit_holds", &[("REDIS_URL", srv.url())]);
+    child::wait_for_line(&mut holder, "held=1", Duration::from_secs(30));
+    let c = builder(&srv.url()).lease(lease).build().unwrap();
+    let sem = c.semaphore("crash", 3);
+    let a = sem.acquire().expect("second permit");
+    let url = srv.url();
+    let b = thread::spawn(move || {
+        let c = builder(&url).lease(lease).build().unwrap();
+        let p = c.semaphore("crash", 3).acquire().expect("third permit");
+        // Held past the killed holder's lease: renewed, unaffected.
+        thread::sleep(lease + ms(500));
+        p.check().expect("held");
+        p.unlock().unwrap()
+    });
+    thread::sleep(ms(100));
+    child::kill_child(&mut holder, libc::SIGKILL);
+    let killed = Instant::now();
+    let _ = child::wait_output(holder, Duration::from_secs(10));
+    let p = sem
+        .try_acquire_for(Duration::from_secs(30))
+        .expect("the killed holder's permit");
+    let after = killed.elapsed();
+    eprintln!("permit back {after:?} after the holder was killed");
+    assert!(after <= lease + Duration::from_secs(1), "{after:?}");
+    a.check().expect("held");
+    assert_eq!(b.join().unwrap(), Unlocked::Released);
+    drop((a, p));
+}
+
+/// 20 idle waiters on a full semaphore cost Redis almost nothing.
+#[test]
+fn idle_waiters_cost_almost_no_commands() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let p = holder.semaphore("idle", 1).acquire().expect("permit");
+    let waiters = client(&srv.url());
+    let handles: Vec<_> = (0..20)
+        .map(|_| {
+            let c = waiters.clone();
+            thread::spawn(move || {
+                c.semaphore("idle", 1)
+                    .try_acquire_for(Duration::from_secs(20))
+                    .map(drop)
+            })
+        })
+        .collect();
+    thread::sleep(Duration::from_secs(1));
+    let before = srv.total_commands();
+    thread::sleep(Duration::from_secs(3));
+    let spent = srv.total_commands() - before;
+    eprintln!("20 idle waiters: {spent} commands in 3 s");
+    assert!(spent < 10, "{spent} commands: {:?}", srv.commandstats());
+    drop(p);
+    for h in handles {
+        h.join()
+            .unwrap()
+            .expect("every waiter got a permit in turn");
+    }
+}
