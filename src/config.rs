@@ -48,6 +48,8 @@ pub(crate) struct Config {
     pub replica_ack: Option<(usize, Duration)>,
     /// A Sentinel-managed master instead of `nodes`.
     pub sentinel: Option<SentinelConfig>,
+    /// Waiting processes queue in Redis, and a release grants the lock to the first.
+    pub fair: bool,
 }
 
 /// Where the sentinels are and how to reach the master they name.

@@ -72,6 +72,12 @@ counters! {
     timeouts,
     /// Sentinel: times the master moved to another server and the client followed it.
     failovers,
+    /// Fair queue: locks this client was granted by another process's release.
+    grants_received,
+    /// Fair queue: locks this client's releases granted to the next process in the queue.
+    grants_passed,
+    /// Fair queue: waits that ended without the lock and left the queue.
+    queue_departures,
 }
 
 impl Counters {

@@ -2,7 +2,8 @@
 //! acquire attempt the moment the key is freed. These tests drive each of its branches
 //! against a real `redis-server`: the plain case, a server that forgot the script, a lost
 //! reply, and a waiter that gave up before the release (its armed attempt must never go
-//! out). Bounds are generous liveness bounds.
+//! out). Bounds are generous liveness bounds. The fair queue is off here: with it, a
+//! release grants the lock to the waiter directly and there is nothing to send early.
 
 use std::thread;
 
@@ -19,6 +20,7 @@ fn client(url: &str) -> LockClient {
     LockClient::builder()
         .node(url)
         .lease(secs(30))
+        .fair(false)
         .build()
         .expect("build")
 }

@@ -32,6 +32,7 @@ const MIN_LEASE: Duration = Duration::from_millis(10);
 /// | [`max_handoffs`](Builder::max_handoffs) | 16 consecutive handoffs while another process waits |
 /// | [`handoff_slice`](Builder::handoff_slice) | 10 ms while another process waits |
 /// | [`sentinel`](Builder::sentinel) | none: the node(s) given |
+/// | [`fair`](Builder::fair) | `true`: processes take turns in arrival order (not for Redlock) |
 /// | [`replica_ack`](Builder::replica_ack) | none: an acquisition does not wait for replicas |
 /// | [`tls_ca_cert`](Builder::tls_ca_cert), [`tls_client_identity`](Builder::tls_client_identity) | the system's trust store, no client certificate |
 ///
@@ -81,6 +82,7 @@ pub struct Builder {
     tls: Tls,
     replica_ack: Option<(usize, Duration)>,
     sentinel: Option<SentinelConfig>,
+    fair: bool,
 }
 
 /// Node URLs may carry a password: `Debug` shows them with it replaced by `***`.
@@ -109,6 +111,7 @@ impl std::fmt::Debug for Builder {
             .field("tls_ca_cert", &self.tls.ca.is_some())
             .field("tls_client_identity", &self.tls.identity.is_some())
             .field("replica_ack", &self.replica_ack)
+            .field("fair", &self.fair)
             .field(
                 "sentinel",
                 &self.sentinel.as_ref().map(|sc| {
@@ -159,6 +162,7 @@ impl Default for Builder {
             tls: Tls::default(),
             replica_ack: None,
             sentinel: None,
+            fair: true,
         }
     }
 }
@@ -567,6 +571,39 @@ impl Builder {
         self
     }
 
+    /// Whether waiting processes take turns in the order they came (default `true`).
+    ///
+    /// On: a process that fails to get the lock and waits is queued in Redis beside the
+    /// lock (one entry per process and name: its other threads queue locally behind it),
+    /// and a release grants the lock to the first process in the queue, in the same
+    /// script call, telling it on the lock's channel. That process owns the lock when it
+    /// reads the message: a turn passes between processes with one script call and one
+    /// message, with no acquire round trip and no stampede of waiters. A free lock goes
+    /// only to the head of the queue. The local fairness budget
+    /// ([`max_handoffs`](Self::max_handoffs), [`handoff_slice`](Self::handoff_slice)) then
+    /// hands the lock to the next process, and this one queues again at the tail.
+    ///
+    /// Bounds: a queued process that dies is dropped when its entry expires (two
+    /// [`recheck_interval`](Self::recheck_interval)s, 10 s by default, without an attempt);
+    /// one granted the lock while dead or stopped holds it for the grant lease (1 s, or the
+    /// lease if shorter) before the next process gets it. A waiting process costs one
+    /// attempt per re-check interval (12 commands a minute by default) while it waits.
+    ///
+    /// Off: the behaviour of most Redis locks, for comparison: whoever reaches Redis first
+    /// after a release wins. Redlock never queues: independent masters cannot agree on one
+    /// queue without a consensus protocol.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let b = redbaton::LockClient::builder().fair(false);
+    /// # let _ = b;
+    /// ```
+    pub fn fair(mut self, on: bool) -> Self {
+        self.fair = on;
+        self
+    }
+
     /// After each acquisition and each renewal, waits (Redis `WAIT`) up to `timeout` for
     /// `replicas` replicas of the master to acknowledge it. An acquisition that fewer
     /// replicas acknowledged is undone and retried until the caller's deadline, which then
@@ -721,6 +758,7 @@ impl Builder {
             tls: self.tls,
             replica_ack: self.replica_ack,
             sentinel: self.sentinel,
+            fair: self.fair,
         })
     }
 }

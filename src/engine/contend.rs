@@ -52,6 +52,12 @@ impl Engine {
     ) -> Result<Arc<RemoteLock>> {
         let route = self.topology.route(keys);
         let mut waiter = Waiter::new();
+        // Fair queue: one token for the whole wait, so that our place in the queue, and a
+        // grant to it, survive from one attempt to the next.
+        let token = route.sole().and_then(|n| n.fair()).map(|_| new_token());
+        if let Some(t) = &token {
+            waiter.await_grant(t);
+        }
         if !self.subs.is_empty() {
             let asked: Vec<Option<(Instant, u64)>> = self
                 .subs_for(&route)
@@ -72,6 +78,9 @@ impl Engine {
             None => otherwise,
         };
         loop {
+            if let Some((fence, at)) = waiter.take_grant() {
+                return self.granted(keys, &route, token, fence, at);
+            }
             // An attempt that will wait if it fails marks contention for the holder. The
             // script deletes our mark when we win; when we leave without the lock, we take
             // it with us, so that no holder keeps yielding to nobody.
@@ -95,7 +104,7 @@ impl Engine {
                     (
                         before,
                         marks,
-                        self.round(keys, &route, marks, wait.deadline()),
+                        self.round(keys, &route, marks, wait.deadline(), token.as_deref()),
                     )
                 }
             };
@@ -111,9 +120,7 @@ impl Engine {
                     Some(Duration::ZERO)
                 }
                 Err(e) => {
-                    if marked {
-                        self.unmark(keys, &route);
-                    }
+                    self.leave_queue(keys, &route, token.as_deref(), marked);
                     return Err(e);
                 }
             };
@@ -122,9 +129,10 @@ impl Engine {
                 Wait::Until(d) => d,
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                if marked {
-                    self.unmark(keys, &route);
+                if let Some((fence, at)) = waiter.take_grant() {
+                    return self.granted(keys, &route, token, fence, at);
                 }
+                self.leave_queue(keys, &route, token.as_deref(), marked);
                 return Err(short(unacked, Error::Timeout));
             }
             waiter.sleep(keys, self, &route, before, hint, deadline, |w| {
@@ -140,8 +148,9 @@ impl Engine {
         route: &Route,
         marks: Marks,
         deadline: Option<Instant>,
+        token: Option<&str>,
     ) -> Result<Round> {
-        let token = new_token();
+        let token = token.map_or_else(new_token, str::to_owned);
         let lease = self.cfg.lease;
         let started = Instant::now();
         let retry = route.retry();
@@ -249,6 +258,12 @@ impl Engine {
         if undo.is_empty() {
             return;
         }
+        if route.sole().and_then(|n| n.fair()).is_some() {
+            // Fair queue: the same token is used again by the next attempt (which finds it
+            // in the key if it is ours) or by the leave when the wait ends: only a lock
+            // taken without enough replicas is given back now.
+            undo.unknown.clear();
+        }
         if !undo.granted.is_empty() && deadline.is_none_or(|d| Instant::now() < d) {
             self.release_on(keys, route, &token, &undo.granted);
             undo.granted.clear();
@@ -256,6 +271,71 @@ impl Engine {
         undo.unknown.append(&mut undo.granted);
         if !undo.unknown.is_empty() {
             self.release_in_background(keys, route, token, undo.unknown);
+        }
+    }
+
+    /// Fair queue: a release granted us the lock (heard at `at`). It is ours with the
+    /// grant's short lease, which the watchdog's first renewal, due at once, lengthens.
+    fn granted(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: &Route,
+        token: Option<String>,
+        fence: u64,
+        at: Instant,
+    ) -> Result<Arc<RemoteLock>> {
+        let (Some(token), Some(node)) = (token, route.sole()) else {
+            return Err(Error::Protocol("a grant without a fair queue".to_owned()));
+        };
+        if fence > MAX_FENCE {
+            self.release_on(keys, route, &token, &[node.id.clone()]);
+            return Err(Error::Protocol(format!(
+                "fence counter {fence} exceeds {MAX_FENCE}"
+            )));
+        }
+        let grant_lease = node.fair().map_or(self.cfg.lease, |f| f.grant_lease);
+        let lock = Arc::new(RemoteLock::granted(
+            Acquisition {
+                keys: keys.clone(),
+                token,
+                fence,
+                nodes: vec![node.id.clone()],
+                started: at,
+            },
+            self.cfg.lease,
+            grant_lease,
+            self.cfg.drift(grant_lease),
+            self.cfg.auto_renew,
+        ));
+        Counters::inc(&self.counters.remote_acquisitions);
+        Counters::inc(&self.counters.grants_received);
+        if !self.cfg.auto_renew {
+            // Nobody will renew it: give it its full lease now.
+            self.extend(&lock, self.cfg.lease)?;
+        }
+        Ok(lock)
+    }
+
+    /// The wait ends without the lock: leave the fair queue (passing on a grant that
+    /// raced us), or take our contention mark with us.
+    fn leave_queue(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: &Route,
+        token: Option<&str>,
+        marked: bool,
+    ) {
+        match (token, route.sole()) {
+            (Some(token), Some(node)) if marked => {
+                Counters::inc(&self.counters.queue_departures);
+                match node.leave(keys, token) {
+                    Ok(true) => Counters::inc(&self.counters.grants_passed),
+                    Ok(false) => {}
+                    Err(e) => log::debug!("leaving the queue failed (the entry expires): {e}"),
+                }
+            }
+            _ if marked => self.unmark(keys, route),
+            _ => {}
         }
     }
 

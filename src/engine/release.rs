@@ -35,7 +35,15 @@ impl Engine {
                 let route = self.topology.route(&lock.keys);
                 let every: Vec<NodeId> = route.nodes().iter().map(|n| n.id.clone()).collect();
                 let replies = self.release_on(&lock.keys, &route, &lock.token, &every);
-                if contended {
+                let passed = replies
+                    .iter()
+                    .any(|r| matches!(r, Ok(ReleaseReply::Passed)));
+                if passed {
+                    Counters::inc(&self.counters.grants_passed);
+                }
+                // With the fair queue the next process already has it: nobody to yield to.
+                let fair = route.sole().and_then(|n| n.fair()).is_some();
+                if contended && !fair {
                     // A thread that releases and locks again would otherwise win every time:
                     // its attempt reaches Redis before the waiters have heard of the release.
                     let until = after(YIELD);

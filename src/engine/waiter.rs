@@ -23,6 +23,8 @@ pub(crate) enum Woken {
     Recheck,
     Deadline,
     Reconnected,
+    /// Fair queue: a release granted us the lock.
+    Granted,
 }
 
 /// A contender's subscriptions (one per node) and the channel that pokes it. Both are made
@@ -38,6 +40,8 @@ pub(crate) struct Waiter {
     /// the route's nodes), and how many of its subscribers can confirm at all.
     needed: usize,
     usable: usize,
+    /// Fair queue: the contender's token for this wait, whose grant the watches keep.
+    grant_token: Option<String>,
 }
 
 /// An armed attempt, as the contender needs it when it reads the reply.
@@ -56,6 +60,7 @@ impl Waiter {
             pending: None,
             needed: 0,
             usable: 0,
+            grant_token: None,
         }
     }
 
@@ -78,7 +83,7 @@ impl Waiter {
         let [watch] = self.watches.as_slice() else {
             return;
         };
-        let token = new_token();
+        let token = self.grant_token.clone().unwrap_or_else(new_token);
         // We wait, so a failure marks contention; and clears our mark if we win.
         let marks = Marks {
             leave: true,
@@ -115,7 +120,26 @@ impl Waiter {
             .collect();
         self.needed = route.quorum().min(self.watches.len());
         self.usable = subs.iter().filter(|s| s.usable()).count();
+        if let Some(token) = &self.grant_token {
+            for w in &self.watches {
+                w.expect_grant(token);
+            }
+        }
         self.confirm(client, deadline);
+    }
+
+    /// Fair queue: waits with `token`, and keeps a grant to it.
+    pub fn await_grant(&mut self, token: &str) {
+        self.grant_token = Some(token.to_owned());
+        for w in &self.watches {
+            w.expect_grant(token);
+        }
+    }
+
+    /// A grant to this waiter, if one was heard: its fence and when.
+    pub fn take_grant(&self) -> Option<(u64, Instant)> {
+        self.grant_token.as_ref()?;
+        self.watches.iter().find_map(Watch::take_grant)
     }
 
     pub fn watching(&self) -> bool {
@@ -202,6 +226,7 @@ impl Waiter {
             Woken::Lease => Counters::inc(&c.wakeups_lease),
             Woken::Recheck => Counters::inc(&c.wakeups_recheck),
             Woken::Reconnected => Counters::inc(&c.wakeups_reconnect),
+            Woken::Granted => Counters::inc(&c.wakeups_event),
             Woken::Deadline => {}
         }
     }
@@ -224,6 +249,9 @@ impl Waiter {
         }
         let until = earliest(until, deadline);
         loop {
+            if self.grant_token.is_some() && self.watches.iter().any(Watch::has_grant) {
+                return Woken::Granted;
+            }
             for (w, b) in self.watches.iter().zip(before) {
                 let s = w.snapshot();
                 if s.generation != b.generation || (b.confirmed && !s.confirmed) {

@@ -121,6 +121,25 @@ impl RemoteLock {
         self
     }
 
+    /// A lock granted by another process's release: valid for the grant's short lease
+    /// from when the grant was heard, with its first renewal (to `lease`) due at once.
+    pub fn granted(
+        acquisition: Acquisition,
+        lease: Duration,
+        grant_lease: Duration,
+        drift: Duration,
+        renews: bool,
+    ) -> Self {
+        let started = acquisition.started;
+        let lock = Self::new(acquisition, lease, drift, renews.then_some(Duration::ZERO));
+        {
+            let mut st = lock.state.lock();
+            st.valid_until = started + grant_lease.saturating_sub(drift);
+            st.next_renew = started;
+        }
+        lock
+    }
+
     /// When the watchdog should look at this lock next.
     pub fn next_due(&self) -> Instant {
         let st = self.state.lock();

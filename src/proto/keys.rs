@@ -40,6 +40,9 @@ pub(crate) struct KeyBytes {
     /// The library's own channel: `r` on release (when keyspace events are off) and `c`
     /// when an acquire attempt failed (a remote process wants the lock).
     channel: Vec<u8>,
+    /// The fair queue: waiting contenders by arrival, and when their entries expire.
+    queue: Vec<u8>,
+    queue_expiry: Vec<u8>,
 }
 
 impl Keys {
@@ -60,12 +63,18 @@ impl Keys {
         let mut mark = lock.clone();
         mark.extend_from_slice(b":w");
         let channel = channel_of_lock(&lock);
+        let mut queue = lock.clone();
+        queue.extend_from_slice(b":q");
+        let mut queue_expiry = lock.clone();
+        queue_expiry.extend_from_slice(b":qx");
         Ok(Keys(std::sync::Arc::new(KeyBytes {
             name: name.to_vec(),
             lock,
             fence,
             mark,
             channel,
+            queue,
+            queue_expiry,
         })))
     }
 
@@ -87,6 +96,14 @@ impl Keys {
 
     pub fn channel(&self) -> &[u8] {
         &self.0.channel
+    }
+
+    pub fn queue(&self) -> &[u8] {
+        &self.0.queue
+    }
+
+    pub fn queue_expiry(&self) -> &[u8] {
+        &self.0.queue_expiry
     }
 
     /// The name for log lines.

@@ -1,6 +1,7 @@
 //! The Redis protocol: key layout, scripts, connections and one node's operations.
 
 pub(crate) mod connect;
+pub(crate) mod fair_scripts;
 pub(crate) mod keys;
 pub(crate) mod node;
 pub(crate) mod pool;

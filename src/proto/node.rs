@@ -8,6 +8,7 @@ use redis::{Cmd, Connection, RedisResult, Value};
 use crate::config::Config;
 use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
+use crate::proto::fair_scripts::{FAIR_ACQUIRE, FAIR_LEAVE, FAIR_RELEASE};
 use crate::proto::keys::Keys;
 use crate::proto::pool::Pool;
 use crate::proto::scripts::{self, ACQUIRE, EXTEND, Lua, RAISE_FENCE, RELEASE, UNMARK};
@@ -29,6 +30,8 @@ pub(crate) enum Attempt {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ReleaseReply {
     Released,
+    /// Released by granting it to the next process in the fair queue.
+    Passed,
     Gone,
     /// Gone, but only a retry saw it: the first attempt, whose reply was lost, may have
     /// been the one that deleted it.
@@ -114,6 +117,28 @@ pub(crate) struct Node {
     /// `replica_ack`: replicas that must acknowledge an acquisition or renewal, and how
     /// long to wait for them.
     ack: Option<(usize, Duration)>,
+    /// The fair queue, when on: how long a waiter's entry lives unless its next attempt
+    /// refreshes it, and the lease a grant gives until the grantee renews.
+    fair: Option<Fair>,
+}
+
+/// The fair queue's timings (see `fair_scripts`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fair {
+    pub entry_ttl: Duration,
+    pub grant_lease: Duration,
+}
+
+impl Fair {
+    /// The timings for `cfg`, or `None` when the queue is off. A waiter attempts at least
+    /// every re-check interval, so its entry outlives two of them; a grant's lease is
+    /// short (one second, or the lease if shorter): it is what a dead grantee costs.
+    pub fn of(cfg: &Config) -> Option<Fair> {
+        cfg.fair.then(|| Fair {
+            entry_ttl: cfg.recheck_interval.saturating_mul(2),
+            grant_lease: cfg.lease.min(Duration::from_secs(1)),
+        })
+    }
 }
 
 impl Node {
@@ -150,6 +175,7 @@ impl Node {
             client_id,
             mark_ttl: cfg.recheck_interval * 2,
             ack: cfg.replica_ack,
+            fair: Fair::of(cfg),
         }
     }
 
@@ -226,7 +252,7 @@ impl Node {
     ) -> Result<Attempt> {
         let call = self.acquire_call(keys, token, lease, marks);
         let reply = self.run_until(retry, deadline, |c| {
-            let reply: (i64, i64) = ACQUIRE.run(&call, c)?;
+            let reply: (i64, i64) = self.acquire_script().run(&call, c)?;
             // WAIT counts the writes of this connection: it must follow on the same one.
             let acked = match (reply.0, self.ack) {
                 (1, Some(_)) => Some(self.wait_replicas(c)?),
@@ -268,17 +294,69 @@ impl Node {
         } else {
             0
         };
-        let mut call = ACQUIRE.call(3);
+        let clear = if marks.clear { "1" } else { "0" };
+        let Some(fair) = self.fair else {
+            let mut call = ACQUIRE.call(3);
+            call.arg(keys.lock())
+                .arg(keys.fence())
+                .arg(keys.mark())
+                .arg(token)
+                .arg(lease_ms)
+                .arg(keys.channel())
+                .arg(&*self.client_id)
+                .arg(mark_ms)
+                .arg(clear);
+            return call;
+        };
+        let mut call = FAIR_ACQUIRE.call(4);
         call.arg(keys.lock())
             .arg(keys.fence())
-            .arg(keys.mark())
+            .arg(keys.queue())
+            .arg(keys.queue_expiry())
             .arg(token)
             .arg(lease_ms)
             .arg(keys.channel())
             .arg(&*self.client_id)
-            .arg(mark_ms)
-            .arg(if marks.clear { "1" } else { "0" });
+            .arg(if marks.leave {
+                millis(fair.entry_ttl)
+            } else {
+                0
+            })
+            .arg(millis(fair.grant_lease));
         call
+    }
+
+    /// The acquire script this node's calls use.
+    fn acquire_script(&self) -> &'static Lua {
+        if self.fair.is_some() {
+            &FAIR_ACQUIRE
+        } else {
+            &ACQUIRE
+        }
+    }
+
+    /// The fair queue's timings, when it is on.
+    pub fn fair(&self) -> Option<Fair> {
+        self.fair
+    }
+
+    /// A waiter with `token` stops waiting: out of the queue, its mark removed, and a grant
+    /// that raced its leaving passed on. Whether it passed one on. Fair queue only.
+    pub fn leave(&self, keys: &Keys, token: &str) -> Result<bool> {
+        let Some(fair) = self.fair else {
+            self.unmark(keys)?;
+            return Ok(false);
+        };
+        let mut call = FAIR_LEAVE.call(4);
+        call.arg(keys.lock())
+            .arg(keys.fence())
+            .arg(keys.queue())
+            .arg(keys.queue_expiry())
+            .arg(token)
+            .arg(keys.channel())
+            .arg(millis(fair.grant_lease));
+        let passed: i64 = self.run(Retry::ON_RESET, |c| FAIR_LEAVE.run(&call, c))?;
+        Ok(passed == 2)
     }
 
     /// The outcome of an acquire the subscriber thread made early (see `early`), from its
@@ -303,7 +381,8 @@ impl Node {
                     self.pool.clear_idle();
                 }
                 log::debug!("node {}: early attempt failed: {e}; retrying", self.id);
-                self.attempt_of(self.run_until(retry, deadline, |c| ACQUIRE.run(call, c))?)
+                let script = self.acquire_script();
+                self.attempt_of(self.run_until(retry, deadline, |c| script.run(call, c))?)
             }
             Err(e) => Err(Error::Redis(e)),
         }
@@ -333,6 +412,14 @@ impl Node {
 
     /// Whether another client failed to get `keys` lately (its mark is alive).
     pub fn foreign_mark(&self, keys: &Keys) -> Result<bool> {
+        if self.fair.is_some() {
+            // The queue is the mark: whoever is in it waits (this process's contender is
+            // not, while it holds the lock).
+            let queued: u64 = self.run(Retry::ON_RESET, |c| {
+                redis::cmd("ZCARD").arg(keys.queue()).query(c)
+            })?;
+            return Ok(queued > 0);
+        }
         let mark: Option<Vec<u8>> = self.run(Retry::ON_RESET, |c| {
             redis::cmd("GET").arg(keys.mark()).query(c)
         })?;
@@ -361,9 +448,20 @@ impl Node {
     /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
     /// deleted.
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
-        let mut call = RELEASE.call(1);
-        call.arg(keys.lock()).arg(token).arg(keys.channel());
-        self.release_by(&RELEASE, &call, retry)
+        let Some(fair) = self.fair else {
+            let mut call = RELEASE.call(1);
+            call.arg(keys.lock()).arg(token).arg(keys.channel());
+            return self.release_by(&RELEASE, &call, retry);
+        };
+        let mut call = FAIR_RELEASE.call(4);
+        call.arg(keys.lock())
+            .arg(keys.fence())
+            .arg(keys.queue())
+            .arg(keys.queue_expiry())
+            .arg(token)
+            .arg(keys.channel())
+            .arg(millis(fair.grant_lease));
+        self.release_by(&FAIR_RELEASE, &call, retry)
     }
 
     /// Runs a release `call` of `script` (1 released, 0 gone, -1 another owner).
@@ -380,6 +478,7 @@ impl Node {
         })?;
         match reply {
             1 => Ok(ReleaseReply::Released),
+            2 => Ok(ReleaseReply::Passed),
             0 if attempts > 1 => Ok(ReleaseReply::GoneAfterRetry),
             0 => Ok(ReleaseReply::Gone),
             -1 => Ok(ReleaseReply::Other),
@@ -476,6 +575,11 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
         Error::Redis(e) => !e.is_connection_refusal(),
         _ => true,
     }
+}
+
+/// A duration in whole milliseconds, at least 1, for a script argument.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// A fresh owner token: a random UUID v4, from the thread-local CSPRNG (seeded by the OS)

@@ -98,6 +98,17 @@ impl Topology {
                 sc, cfg, counters, client_id,
             )?));
         }
+        // Redlock never queues: independent masters cannot agree on one queue.
+        let redlock_cfg;
+        let cfg = if cfg.nodes.len() > 1 && cfg.fair {
+            redlock_cfg = Config {
+                fair: false,
+                ..cfg.clone()
+            };
+            &redlock_cfg
+        } else {
+            cfg
+        };
         let nodes = cfg
             .nodes
             .iter()

@@ -151,9 +151,13 @@ pub(crate) fn tally_release(
             .count()
     };
     let released = if was_valid {
-        count(&[ReleaseReply::Released, ReleaseReply::GoneAfterRetry])
+        count(&[
+            ReleaseReply::Released,
+            ReleaseReply::Passed,
+            ReleaseReply::GoneAfterRetry,
+        ])
     } else {
-        count(&[ReleaseReply::Released])
+        count(&[ReleaseReply::Released, ReleaseReply::Passed])
     };
     let other = count(&[ReleaseReply::Other]);
     let needed = quorum.min(replies.len());

@@ -21,6 +21,14 @@ pub(crate) struct Snapshot {
     pub taken: u64,
 }
 
+/// The token and fence of a grant message (`g<token>:<fence>`).
+pub(crate) fn grant_of(payload: &[u8]) -> Option<(&[u8], u64)> {
+    let rest = payload.strip_prefix(b"g")?;
+    let colon = rest.iter().rposition(|&b| b == b':')?;
+    let fence = std::str::from_utf8(&rest[colon + 1..]).ok()?.parse().ok()?;
+    Some((&rest[..colon], fence))
+}
+
 /// What one message says about its key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Event {
@@ -34,6 +42,8 @@ pub(crate) enum Event {
     Taken,
     /// Another client failed to get the key.
     Contended,
+    /// A release granted the lock to a queued waiter (`g<token>:<fence>`).
+    Granted,
     /// Nothing a waiter cares about (a renewal, our own failed attempt, an unknown payload).
     Ignored,
 }
@@ -59,6 +69,7 @@ pub(crate) fn classify<'a>(
     let lock = lock_of_channel(channel)?;
     let event = match payload {
         b"r" => Event::Released,
+        [b'g', ..] => Event::Granted,
         // `c` + the failing client's id: our own failed attempts do not count.
         [b'c', id @ ..] if id != client_id => Event::Contended,
         _ => Event::Ignored,
@@ -100,6 +111,10 @@ mod tests {
         // Our own failed attempts are not contention.
         assert_eq!(kind(b"cme"), Some(Event::Ignored));
         assert_eq!(kind(b"?"), Some(Event::Ignored));
+        assert_eq!(kind(b"gtok:12"), Some(Event::Granted));
+        assert_eq!(grant_of(b"gtok-1:12"), Some((&b"tok-1"[..], 12)));
+        assert_eq!(grant_of(b"gtok"), None);
+        assert_eq!(grant_of(b"gtok:x"), None);
         assert_eq!(classify(ch, b"r", ME).map(|(l, _)| l), Some(&b"p:{k}"[..]));
     }
 

@@ -51,7 +51,7 @@ use crate::proto::node::NodeId;
 use crate::proto::pool::Pool;
 use crate::stats::Counters;
 use crate::wake::early::{Armed, Early, Shot};
-use crate::wake::events::{Event, Snapshot, classify};
+use crate::wake::events::{Event, Snapshot, classify, grant_of};
 
 /// How long a subscription outlives its last waiter, so that a key locked again and again
 /// does not pay a `SUBSCRIBE` each time.
@@ -85,6 +85,10 @@ struct KeySub {
     /// them (or this instant) before its first attempt.
     yield_until: Option<(Instant, u64)>,
     listeners: Vec<(u64, Sender<()>)>,
+    /// Fair queue: the contender token each listener waits to be granted, and the grants
+    /// heard for them (fence, when heard).
+    awaiting: Vec<(u64, Vec<u8>)>,
+    grants: Vec<(Vec<u8>, u64, Instant)>,
     /// One contender's next attempt, to send when the key is freed (`early`).
     early: Option<(u64, Early)>,
 }
@@ -271,6 +275,8 @@ impl Subscriber {
                 last_contended: None,
                 yield_until: None,
                 listeners: Vec::new(),
+                awaiting: Vec::new(),
+                grants: Vec::new(),
                 early: None,
             });
         ks.interest += 1;
@@ -364,6 +370,10 @@ impl Drop for Interest {
             ks.interest -= 1;
             if let Some(id) = self.listener {
                 ks.listeners.retain(|(l, _)| *l != id);
+                if let Some(i) = ks.awaiting.iter().position(|(l, _)| *l == id) {
+                    let (_, token) = ks.awaiting.swap_remove(i);
+                    ks.grants.retain(|(t, ..)| *t != token);
+                }
                 if ks.early.as_ref().is_some_and(|(l, _)| *l == id) {
                     ks.early = None;
                 }
@@ -418,6 +428,41 @@ impl Watch {
                 _ => return None,
             }
         }
+    }
+
+    /// Fair queue: this waiter's contender token, so that a grant to it is kept for it.
+    pub fn expect_grant(&self, token: &str) {
+        let mut st = self.0.shared.state.lock();
+        let (Some(ks), Some(id)) = (st.keys.get_mut(&self.0.lock), self.0.listener) else {
+            return;
+        };
+        ks.awaiting.retain(|(l, _)| *l != id);
+        ks.awaiting.push((id, token.as_bytes().to_vec()));
+    }
+
+    /// Whether a grant to this waiter's token was heard.
+    pub fn has_grant(&self) -> bool {
+        let st = self.0.shared.state.lock();
+        let Some(ks) = st.keys.get(&self.0.lock) else {
+            return false;
+        };
+        ks.awaiting
+            .iter()
+            .filter(|(l, _)| Some(*l) == self.0.listener)
+            .any(|(_, t)| ks.grants.iter().any(|(g, ..)| g == t))
+    }
+
+    /// Takes a grant to this waiter's token: its fence and when it was heard.
+    pub fn take_grant(&self) -> Option<(u64, Instant)> {
+        let mut st = self.0.shared.state.lock();
+        let ks = st.keys.get_mut(&self.0.lock)?;
+        let (_, token) = ks
+            .awaiting
+            .iter()
+            .find(|(l, _)| Some(*l) == self.0.listener)?;
+        let i = ks.grants.iter().position(|(g, ..)| g == token)?;
+        let (_, fence, at) = ks.grants.swap_remove(i);
+        Some((fence, at))
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -713,6 +758,15 @@ impl Shared {
                 ks.last_contended = None;
             }
             Event::Contended => ks.last_contended = Some(Instant::now()),
+            Event::Granted => {
+                let Some((token, fence)) = grant_of(payload) else {
+                    return;
+                };
+                if !ks.awaiting.iter().any(|(_, t)| t == token) {
+                    return; // another process's turn
+                }
+                ks.grants.push((token.to_vec(), fence, Instant::now()));
+            }
             Event::Ignored => return,
         }
         let armed = match kind {

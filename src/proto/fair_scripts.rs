@@ -1,0 +1,150 @@
+//! The scripts of the fair queue: a FIFO of waiting processes beside each lock, in the
+//! lock's hash slot, and a release that grants the lock to the head of it.
+//!
+//! Keys of a lock `L` (all share its hash tag): `L` itself, its fence counter, its mark,
+//! `L:q` — a sorted set of the waiting contenders' tokens scored by arrival (server time,
+//! µs) — and `L:qx`, the same tokens scored by when their entry expires unless the
+//! waiter's next attempt refreshes it (server time, ms). A waiter's entry is its contender
+//! token, the same for every attempt of one wait.
+//!
+//! A grant is `SET L <head> PX <grant lease>`, an `INCR` of the fence and
+//! `PUBLISH <channel> g<head>:<fence>`: the head's process owns the lock when it reads the
+//! message, without an acquire round trip; the short grant lease bounds what a dead
+//! grantee costs the others, and the grantee's first renewal (at once) gives it the full
+//! lease. A lost message is recovered by the grantee's next attempt, which finds its own
+//! token in the key.
+
+use std::sync::LazyLock;
+
+use super::scripts::Lua;
+
+/// Shared Lua: the server clock, pruning of expired entries, and a grant to the head.
+/// KEYS[1] lock, KEYS[2] fence; `q`, `qx` and the channel are passed in.
+const COMMON: &str = r"
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function prune(q, qx, now_ms)
+  local dead = redis.call('ZRANGEBYSCORE', qx, '-inf', now_ms)
+  if #dead > 0 then
+    redis.call('ZREM', q, unpack(dead))
+    redis.call('ZREM', qx, unpack(dead))
+  end
+end
+local function grant(head, q, qx, channel, grant_ms)
+  redis.call('SET', KEYS[1], head, 'PX', grant_ms)
+  local fence = redis.call('INCR', KEYS[2])
+  redis.call('ZREM', q, head)
+  redis.call('ZREM', qx, head)
+  redis.pcall('PUBLISH', channel, 'g' .. head .. ':' .. fence)
+  return fence
+end
+-- Gives a lock that `token` holds to the head of the queue, or deletes it.
+-- 2: granted to the head; 1: released.
+local function pass_on(q, qx, channel, grant_ms, now_ms)
+  prune(q, qx, now_ms)
+  local head = redis.call('ZRANGE', q, 0, 0)[1]
+  if head then
+    grant(head, q, qx, channel, grant_ms)
+    return 2
+  end
+  redis.call('DEL', KEYS[1])
+  redis.pcall('PUBLISH', channel, 'r')
+  return 1
+end
+";
+
+/// Acquire, fairly and idempotently.
+///
+/// KEYS: lock, fence, queue, queue expiries. ARGV: token, lease ms, channel, client id,
+/// entry TTL ms (0: the caller will not wait, so it is not queued), grant lease ms.
+/// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when it is not (and the caller,
+/// if it waits, is queued), `{2, 0}` when the name holds another kind of lock.
+///
+/// A free lock goes to the caller only when the queue is empty or the caller is its head;
+/// a free lock with another head is granted to that head on the spot (its grant was lost,
+/// or it queued while the lock was being released). The queue is also the contention
+/// mark: a holder's process learns that another waits from `c<client id>` on the channel,
+/// or from a non-empty queue.
+pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(&format!(
+        "{COMMON}{}",
+        r"
+local now = now_us()
+local now_ms = math.floor(now / 1000)
+prune(KEYS[3], KEYS[4], now_ms)
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'table' then return {2, 0} end
+if cur == ARGV[1] then
+  -- Ours: granted to us, or a retry after a lost reply.
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+end
+if not cur then
+  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  if not head or head == ARGV[1] then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    local fence = redis.pcall('INCR', KEYS[2])
+    if type(fence) == 'table' then
+      redis.call('DEL', KEYS[1])
+      return fence
+    end
+    if head then
+      redis.call('ZREM', KEYS[3], head)
+      redis.call('ZREM', KEYS[4], head)
+    end
+    return {1, fence}
+  end
+  grant(head, KEYS[3], KEYS[4], ARGV[3], ARGV[6])
+end
+if ARGV[5] ~= '0' then
+  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
+  redis.call('ZADD', KEYS[4], now_ms + tonumber(ARGV[5]), ARGV[1])
+  redis.pcall('PUBLISH', ARGV[3], 'c' .. ARGV[4])
+end
+return {0, redis.call('PTTL', KEYS[1])}
+"
+    ))
+});
+
+/// Release: grant to the head of the queue, or delete.
+///
+/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms.
+/// Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
+/// (or another kind) holds it.
+pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(&format!(
+        "{COMMON}{}",
+        r"
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'table' then return -1 end
+if cur ~= ARGV[1] then
+  if not cur then return 0 end
+  return -1
+end
+return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
+"
+    ))
+});
+
+/// A waiter leaves: out of the queue, and a grant that raced its leaving passed on.
+///
+/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms. Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0
+/// nothing was ours.
+pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(&format!(
+        "{COMMON}{}",
+        r"
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+local cur = redis.pcall('GET', KEYS[1])
+if cur == ARGV[1] then
+  return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
+end
+return 0
+"
+    ))
+});

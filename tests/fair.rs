@@ -1,0 +1,313 @@
+//! The fair queue: processes take turns in the order they came, a release grants the lock
+//! to the next process directly, and nobody stays stuck behind a dead, stopped or
+//! departed waiter. Real `redis-server`, real child processes.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redbaton::LockClient;
+use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::wait_for;
+use redbaton_testkit::{child, init_log, ms, secs};
+
+const QUEUE: &str = "redbaton:{k}:q";
+
+fn client(url: &str) -> LockClient {
+    LockClient::builder()
+        .node(url)
+        .lease(secs(30))
+        .build()
+        .expect("build")
+}
+
+fn queued(srv: &RedisServer) -> usize {
+    redis::cmd("ZCARD")
+        .arg(QUEUE)
+        .query(&mut srv.conn())
+        .expect("ZCARD")
+}
+
+fn keys_left(srv: &RedisServer) -> Vec<String> {
+    srv.keys("redbaton:*")
+        .into_iter()
+        .map(|k| String::from_utf8_lossy(&k).into_owned())
+        .filter(|k| !k.ends_with(":fence"))
+        .collect()
+}
+
+/// Child: waits for "k" (up to `F_WAIT_MS`), prints when it got it, holds it `F_HOLD_MS`,
+/// releases. Prints `got=0` if it timed out.
+#[test]
+fn child_waiter() {
+    if !child::is_child() {
+        return;
+    }
+    let c = client(&child::env("F_URL"));
+    let wait = ms(child::env("F_WAIT_MS").parse().expect("wait"));
+    let hold = ms(child::env("F_HOLD_MS").parse().expect("hold"));
+    match c.try_lock_for("k", wait) {
+        Ok(g) => {
+            let at = mono_ns();
+            thread::sleep(hold);
+            let token = g.fencing_token();
+            g.unlock().expect("unlock");
+            let s = c.stats();
+            child::print_result(&[
+                ("got", "1".to_owned()),
+                ("at", at.to_string()),
+                ("token", token.to_string()),
+                ("grants", s.grants_received.to_string()),
+            ]);
+        }
+        Err(e) => {
+            assert!(e.is_timeout(), "{e:?}");
+            child::print_result(&[("got", "0".to_owned())]);
+        }
+    }
+}
+
+fn spawn_waiter(srv: &RedisServer, wait_ms: u64, hold_ms: u64) -> std::process::Child {
+    child::spawn_self(
+        "child_waiter",
+        &[
+            ("F_URL", srv.url()),
+            ("F_WAIT_MS", wait_ms.to_string()),
+            ("F_HOLD_MS", hold_ms.to_string()),
+        ],
+    )
+}
+
+/// Spawns a waiter and returns once it is queued behind the others.
+fn queue_waiter(srv: &RedisServer, wait_ms: u64, hold_ms: u64) -> std::process::Child {
+    let before = queued(srv);
+    let c = spawn_waiter(srv, wait_ms, hold_ms);
+    wait_for(secs(20), "the waiter to queue", || queued(srv) > before);
+    c
+}
+
+#[test]
+fn smoke() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let guard = holder.lock("k").expect("lock");
+    let waiter = queue_waiter(&srv, 20_000, 0);
+    guard.unlock().expect("unlock: granted to the waiter");
+    let out = child::wait_ok(waiter, secs(30));
+    let r = child::result_with(&out, "got");
+    assert_eq!(r["got"], "1");
+    assert_eq!(
+        r["grants"], "1",
+        "the waiter was granted the lock, no acquire"
+    );
+    assert_eq!(holder.stats().grants_passed, 1);
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// Processes get their turns in the order they queued.
+#[test]
+fn turns_follow_the_queue_order() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let guard = holder.lock("k").expect("lock");
+    let children: Vec<_> = (0..4).map(|_| queue_waiter(&srv, 30_000, 50)).collect();
+    guard.unlock().expect("unlock");
+    let ats: Vec<u64> = children
+        .into_iter()
+        .map(|c| {
+            let out = child::wait_ok(c, secs(30));
+            let r = child::result_with(&out, "got");
+            assert_eq!(r["got"], "1");
+            r["at"].parse().expect("at")
+        })
+        .collect();
+    let mut sorted = ats.clone();
+    sorted.sort_unstable();
+    assert_eq!(ats, sorted, "turns in queue order");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// A queued process killed before its turn: the others go on within the grant lease.
+#[test]
+fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let guard = holder.lock("k").expect("lock");
+    let mut dead = queue_waiter(&srv, 30_000, 0);
+    let next = queue_waiter(&srv, 30_000, 0);
+    child::kill_child(&mut dead, libc::SIGKILL);
+    let released = Instant::now();
+    guard.unlock().expect("unlock: granted to the dead process");
+    let out = child::wait_ok(next, secs(30));
+    let took = released.elapsed();
+    assert_eq!(child::result_with(&out, "got")["got"], "1");
+    eprintln!("next waiter got it {took:?} after the release");
+    // The grant lease (1 s) plus the expiry event's delay.
+    assert!(took < secs(3), "{took:?}");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// A queued process stopped past the bound: the others go on; it resumes and finishes.
+#[test]
+fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let guard = holder.lock("k").expect("lock");
+    let mut stopped = queue_waiter(&srv, 30_000, 0);
+    let next = queue_waiter(&srv, 30_000, 0);
+    child::kill_child(&mut stopped, libc::SIGSTOP);
+    let released = Instant::now();
+    guard.unlock().expect("unlock");
+    let out = child::wait_ok(next, secs(30));
+    let took = released.elapsed();
+    assert!(took < secs(3), "{took:?}");
+    assert_eq!(child::result_with(&out, "got")["got"], "1");
+    child::kill_child(&mut stopped, libc::SIGCONT);
+    let out = child::wait_ok(stopped, secs(40));
+    assert_eq!(
+        child::result_with(&out, "got")["got"],
+        "1",
+        "the stopped process gets its turn after it resumes"
+    );
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// A waiter whose deadline comes as the lock is granted to it: it either takes the grant
+/// or passes it on; the next waiter gets the lock promptly, and nothing is left behind.
+#[test]
+fn a_waiter_timing_out_as_it_is_granted_passes_the_lock_on() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    for offset_ms in [-20i64, -5, 0, 5, 20] {
+        let guard = holder.lock("k").expect("lock");
+        let wait_ms = 1500u64;
+        let started = Instant::now();
+        let racer = queue_waiter(&srv, wait_ms, 0);
+        let next = queue_waiter(&srv, 30_000, 0);
+        let at = Duration::from_millis((wait_ms as i64 + 200 + offset_ms) as u64);
+        thread::sleep(at.saturating_sub(started.elapsed()));
+        let released = Instant::now();
+        guard.unlock().expect("unlock");
+        let out = child::wait_ok(next, secs(30));
+        let took = released.elapsed();
+        let racer_got = child::result_with(&child::wait_ok(racer, secs(30)), "got")["got"].clone();
+        eprintln!("offset {offset_ms} ms: racer got={racer_got}, next waited {took:?}");
+        assert_eq!(child::result_with(&out, "got")["got"], "1");
+        assert!(took < secs(3), "{took:?}");
+        assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+    }
+}
+
+/// The grantee's subscriber connection is killed as the grant goes out: the grant
+/// message is lost, and the grantee's retry finds its own token in the key.
+#[test]
+fn a_lost_grant_message_is_recovered_by_the_retry() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let guard = holder.lock("k").expect("lock");
+    let waiter = queue_waiter(&srv, 30_000, 0);
+    // Kill every subscriber connection but the holder's own (it has none: it never waited).
+    let killed: u64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query(&mut srv.conn())
+        .expect("CLIENT KILL");
+    assert!(killed >= 1);
+    let released = Instant::now();
+    guard.unlock().expect("unlock");
+    let out = child::wait_ok(waiter, secs(30));
+    eprintln!("grantee got it {:?} after the release", released.elapsed());
+    assert_eq!(child::result_with(&out, "got")["got"], "1");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// Child: `F_THREADS` threads × `F_ITERS` sections on "k", a non-atomic counter
+/// increment inside; prints the tokens in order.
+#[test]
+fn child_counter() {
+    if !child::is_child() {
+        return;
+    }
+    let url = child::env("F_URL");
+    let c = client(&url);
+    let threads: usize = child::env("F_THREADS").parse().unwrap();
+    let iters: usize = child::env("F_ITERS").parse().unwrap();
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let (c, url) = (c.clone(), url.clone());
+            thread::spawn(move || {
+                let mut conn = redis::Client::open(url.as_str())
+                    .unwrap()
+                    .get_connection()
+                    .unwrap();
+                for _ in 0..iters {
+                    let g = c.lock("k").expect("lock");
+                    let v: u64 = redis::cmd("GET")
+                        .arg("counter")
+                        .query::<Option<u64>>(&mut conn)
+                        .unwrap()
+                        .unwrap_or(0);
+                    thread::sleep(ms(1));
+                    redis::cmd("SET")
+                        .arg("counter")
+                        .arg(v + 1)
+                        .query::<()>(&mut conn)
+                        .unwrap();
+                    g.unlock().expect("unlock");
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().expect("worker");
+    }
+    let s = c.stats();
+    child::print_result(&[
+        ("grants", s.grants_received.to_string()),
+        ("passed", s.grants_passed.to_string()),
+        ("remote", s.remote_acquisitions.to_string()),
+    ]);
+}
+
+#[test]
+fn four_processes_four_threads_counter_exact() {
+    init_log();
+    let srv = RedisServer::start();
+    let children: Vec<_> = (0..4)
+        .map(|_| {
+            child::spawn_self(
+                "child_counter",
+                &[
+                    ("F_URL", srv.url()),
+                    ("F_THREADS", "4".to_owned()),
+                    ("F_ITERS", "40".to_owned()),
+                ],
+            )
+        })
+        .collect();
+    let mut grants = 0u64;
+    for c in children {
+        let out = child::wait_ok(c, secs(120));
+        let r = child::result_with(&out, "grants");
+        eprintln!("child: {r:?}");
+        grants += r["grants"].parse::<u64>().unwrap();
+    }
+    let n: u64 = redis::cmd("GET")
+        .arg("counter")
+        .query(&mut srv.conn())
+        .unwrap();
+    assert_eq!(n, 4 * 4 * 40, "lost updates");
+    assert!(grants > 0, "processes passed the lock by grants");
+    let left: Vec<String> = keys_left(&srv)
+        .into_iter()
+        .filter(|k| k != "counter")
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
