@@ -288,7 +288,7 @@ impl Engine {
             return Err(Error::Protocol("a grant without a fair queue".to_owned()));
         };
         if fence > MAX_FENCE {
-            self.release_on(keys, route, &token, &[node.id.clone()]);
+            self.release_on(keys, route, &token, std::slice::from_ref(&node.id));
             return Err(Error::Protocol(format!(
                 "fence counter {fence} exceeds {MAX_FENCE}"
             )));
