@@ -77,6 +77,7 @@
 //! (counters, percentiles, fairness), [`results`], [`report`] (tables, JSON) and [`chart`]
 //! (`--svg`).
 
+mod blpop;
 mod chart;
 mod cli;
 mod ideal;

@@ -65,7 +65,7 @@ pub fn fmt_pct(x: f64) -> String {
 }
 
 /// Table columns after the first one(s): (title, width); the counter column follows.
-pub const COLUMNS: [(&str, usize); 10] = [
+pub const COLUMNS: [(&str, usize); 11] = [
     ("sect/s", 9),
     ("% ideal", 8),
     ("wait p50", 9),
@@ -76,6 +76,7 @@ pub const COLUMNS: [(&str, usize); 10] = [
     ("thr min-max", 12),
     ("proc min-max", 13),
     ("proc gap", 9),
+    ("1st/last", 9),
 ];
 
 pub fn table_line(first: &[(&str, usize)], cells: &[String], last: &str) -> String {
@@ -111,6 +112,7 @@ pub fn ideal_cells(i: &IdealResult) -> (Vec<String>, String) {
         dash(),
         dash(),
         dash(),
+        dash(),
     ];
     let counter = if i.counter.exact {
         format!("exact {}", i.counter.actual)
@@ -133,6 +135,10 @@ pub fn result_cells(r: &StrategyResult) -> (Vec<String>, String) {
         format!("{}-{}", f.thread_min, f.thread_max),
         format!("{}-{}", f.process_min, f.process_max),
         fmt_us(f.process_max_gap_us),
+        format!(
+            "{:.2}",
+            f.first_finish_us as f64 / (r.elapsed_s * 1e6).max(1.0)
+        ),
     ];
     let counter = if r.counter.exact {
         format!("exact {}", r.counter.actual)
@@ -155,6 +161,7 @@ sent/sect = the same, counting only the commands clients sent (round trips).
 thr/proc min-max = sections done by the slowest / fastest thread and process when the first thread
             finished its S (all reach S in the end).
 proc gap  = the longest time a process completed no section (from go to its last section).
+1st/last  = when the first thread finished ÷ when the last did (1.00: all finished together).
 counter   = every Redis counter (GET+SET under the lock) equals the sections done on its key.";
 
 pub fn ideal_note(i: &IdealResult) -> String {

@@ -22,14 +22,27 @@ pub enum Strategy {
     #[value(name = "notify+handoff")]
     #[serde(rename = "notify+handoff")]
     NotifyHandoff,
+    /// redbaton's defaults but without the fair queue: whoever reaches Redis first after
+    /// a release wins (the library's behaviour before the queue).
+    #[value(name = "unfair")]
+    #[serde(rename = "unfair")]
+    Unfair,
+    /// Not redbaton: the queue of python-redis-lock, for comparison. `SET NX PX` to take
+    /// the lock; a waiter blocks in `BLPOP` on a signal list, and a release (one script:
+    /// compare, delete, `LPUSH` the signal) wakes exactly one waiter, which retries.
+    #[value(name = "blpop-queue")]
+    #[serde(rename = "blpop-queue")]
+    BlpopQueue,
 }
 
 impl Strategy {
-    pub const ALL: [Strategy; 4] = [
+    pub const ALL: [Strategy; 6] = [
         Strategy::Poll100ms,
         Strategy::Poll1ms,
         Strategy::Notify,
         Strategy::NotifyHandoff,
+        Strategy::Unfair,
+        Strategy::BlpopQueue,
     ];
 
     pub fn name(self) -> &'static str {
@@ -38,6 +51,8 @@ impl Strategy {
             Strategy::Poll1ms => "poll-1ms",
             Strategy::Notify => "notify",
             Strategy::NotifyHandoff => "notify+handoff",
+            Strategy::Unfair => "unfair",
+            Strategy::BlpopQueue => "blpop-queue",
         }
     }
 
@@ -56,7 +71,10 @@ impl Strategy {
                 .wakeup(Wakeup::Polling(Duration::from_millis(1)))
                 .local_handoff(false),
             Strategy::Notify => b.wakeup(Wakeup::Notifications).local_handoff(false),
-            Strategy::NotifyHandoff => {
+            // The worker does not lock through the client: it only counts nothing.
+            Strategy::BlpopQueue => b.wakeup(Wakeup::Polling(Duration::from_secs(1))),
+            Strategy::Unfair | Strategy::NotifyHandoff => {
+                let b = b.fair(self == Strategy::NotifyHandoff);
                 let b = match s.max_handoffs {
                     Some(n) => b.max_handoffs(n),
                     None => b,

@@ -13,7 +13,15 @@ use crate::cli::Args;
 use crate::protocol::{ClientStats, Msg, ThreadReport, WorkerReport, send};
 use crate::server::raw_conn;
 use crate::settings::Settings;
+use crate::strategy::Strategy;
 use crate::workload::{counter_key, hold_for, lock_name, mono_us};
+
+/// A lock held by a thread.
+enum Held {
+    Guard(redbaton::LockGuard),
+    /// The BLPOP queue's key and token.
+    Blpop(String, String),
+}
 
 pub fn worker_main(args: &Args) -> Res<()> {
     let (Some(url), Some(strategy), Some(prefix)) = (&args.url, args.strategy, &args.prefix) else {
@@ -24,6 +32,14 @@ pub fn worker_main(args: &Args) -> Res<()> {
     let client = strategy.builder(url, prefix, &s).build()?;
     let conns = (0..s.threads)
         .map(|_| raw_conn(url))
+        .collect::<Res<Vec<_>>>()?;
+    // The BLPOP queue locks through a connection of each thread's own (BLPOP blocks it).
+    let mut lock_conns = (0..s.threads)
+        .map(|_| {
+            (strategy == Strategy::BlpopQueue)
+                .then(|| raw_conn(url))
+                .transpose()
+        })
         .collect::<Res<Vec<_>>>()?;
     send(&Msg::Ready);
 
@@ -57,12 +73,17 @@ pub fn worker_main(args: &Args) -> Res<()> {
     let outcomes: Vec<Res<(ThreadReport, Vec<u64>, u64)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = conns
             .into_iter()
+            .zip(lock_conns.drain(..))
             .enumerate()
-            .map(|(t, mut conn)| {
+            .map(|(t, (mut conn, lock_conn))| {
                 let (client, done, s) = (&client, &done, &s);
+                let locker = match lock_conn {
+                    Some(c) => Locker::Blpop(c, args.worker_id),
+                    None => Locker::Client(client),
+                };
                 scope.spawn(move || {
                     run_thread(
-                        client,
+                        locker,
                         &mut conn,
                         prefix,
                         s,
@@ -104,10 +125,17 @@ pub fn worker_main(args: &Args) -> Res<()> {
     Ok(())
 }
 
+/// How a thread takes its locks.
+pub enum Locker<'a> {
+    Client(&'a LockClient),
+    /// The BLPOP queue (see `blpop`): its connection, and the worker's id.
+    Blpop(redis::Connection, usize),
+}
+
 /// One thread's critical sections: lock, GET the counter, hold, SET it + 1, unlock.
 #[allow(clippy::too_many_arguments)]
 pub fn run_thread(
-    client: &LockClient,
+    mut locker: Locker<'_>,
     conn: &mut redis::Connection,
     prefix: &str,
     s: &Settings,
@@ -129,21 +157,41 @@ pub fn run_thread(
     for i in 0..sections {
         let k = (global_thread + i) % s.keys;
         let asked = Instant::now();
-        let guard = client.lock(&names[k])?;
-        let fence = guard.fencing_token();
+        let (guard, fence) = match &mut locker {
+            Locker::Client(client) => {
+                let g = client.lock(&names[k])?;
+                let fence = g.fencing_token();
+                (Held::Guard(g), fence)
+            }
+            Locker::Blpop(c, worker) => {
+                let key = format!("{prefix}{}", names[k]);
+                let (token, fence) = crate::blpop::lock(c, &key, s.lease_ms, *worker)?;
+                (Held::Blpop(key, token), fence)
+            }
+        };
         let waited = asked.elapsed();
         let n: Option<u64> = redis::cmd("GET").arg(&counters[k]).query(conn)?;
         hold_for(hold, s.spin);
-        if guard.is_lost() {
+        if let Held::Guard(g) = &guard
+            && g.is_lost()
+        {
             lost += 1;
         }
         redis::cmd("SET")
             .arg(&counters[k])
             .arg(n.unwrap_or(0) + 1)
             .query::<()>(conn)?;
-        match guard.unlock()? {
-            Unlocked::Released | Unlocked::HandedOff => {}
-            _ => lost += 1,
+        match (guard, &mut locker) {
+            (Held::Guard(g), _) => match g.unlock()? {
+                Unlocked::Released | Unlocked::HandedOff => {}
+                _ => lost += 1,
+            },
+            (Held::Blpop(key, token), Locker::Blpop(c, _)) => {
+                if !crate::blpop::unlock(c, &key, &token)? {
+                    lost += 1;
+                }
+            }
+            (Held::Blpop(..), Locker::Client(_)) => unreachable!("a BLPOP hold has its connection"),
         }
         report.waits_us.push(waited.as_micros() as u64);
         report.done_us.push(mono_us().saturating_sub(base));
