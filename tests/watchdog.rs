@@ -615,8 +615,9 @@ enum Kind {
 }
 
 /// One EVALSHA seen by MONITOR, classified by its shape: acquire's second key is the
-/// fence counter; extend's ARGV are the lease in ms (a number) then one token per key;
-/// release's first ARGV is the token.
+/// fence counter and it has six ARGV (the fair queue's release names the fence too, with
+/// three); extend's ARGV are the lease in ms (a number) then one token per key; release's
+/// first ARGV is the token.
 #[derive(Debug)]
 struct EvalCall {
     kind: Kind,
@@ -634,7 +635,7 @@ impl EvalCall {
         let numkeys: usize = args.get(2)?.parse().ok()?;
         let keys = args.get(3..3 + numkeys)?.to_vec();
         let argv = args.get(3 + numkeys..)?.to_vec();
-        let kind = if keys.get(1).is_some_and(|k| k.ends_with(":fence")) {
+        let kind = if keys.get(1).is_some_and(|k| k.ends_with(":fence")) && argv.len() >= 6 {
             Kind::Acquire
         } else if argv.first()?.parse::<u64>().is_ok() && argv.len() == keys.len() + 1 {
             Kind::Extend

@@ -32,7 +32,12 @@ static NEXT: AtomicU64 = AtomicU64::new(1);
 
 /// Takes `lock` with a fresh token (blocking); returns the token and a number unique to
 /// this acquisition (in the place of a fence, for the tool's tenure counts).
-pub fn lock(conn: &mut Connection, lock: &str, lease_ms: u64, worker: usize) -> RedisResult<(String, u64)> {
+pub fn lock(
+    conn: &mut Connection,
+    lock: &str,
+    lease_ms: u64,
+    worker: usize,
+) -> RedisResult<(String, u64)> {
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let token = format!("{worker}-{n}");
     let signal = format!("{lock}:signal");
