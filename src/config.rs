@@ -48,6 +48,8 @@ pub(crate) struct Config {
     pub replica_ack: Option<(usize, Duration)>,
     /// A Sentinel-managed master instead of `nodes`.
     pub sentinel: Option<SentinelConfig>,
+    /// Redis Cluster seed URLs instead of `nodes` (empty: not a cluster).
+    pub cluster: Vec<String>,
 }
 
 /// Where the sentinels are and how to reach the master they name.

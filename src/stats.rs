@@ -72,6 +72,10 @@ counters! {
     timeouts,
     /// Sentinel: times the master moved to another server and the client followed it.
     failovers,
+    /// Redis Cluster: `MOVED` and `ASK` replies followed to the node they named.
+    redirects,
+    /// Redis Cluster: times the slot map was read again from the cluster.
+    slot_refreshes,
 }
 
 impl Counters {

@@ -52,7 +52,7 @@ impl Engine {
         wait: Wait,
         yield_first: bool,
     ) -> Result<Arc<RemoteLock>> {
-        let route = self.topology.route(keys);
+        let mut route = self.topology.route(keys);
         let mut waiter = Waiter::new();
         if !self.subs.is_empty() {
             let asked: Vec<Option<(Instant, u64)>> = self
@@ -85,6 +85,16 @@ impl Engine {
                     self.finish_early(keys, &route, shot, pending, wait.deadline()),
                 ),
                 None => {
+                    // Redis Cluster: the key's slot moved (a reshard, a failover) since the
+                    // last attempt. Subscribe on its new master, confirmed, before the
+                    // attempt, as after a reconnect: events there were not heard.
+                    let now = self.topology.route(keys);
+                    if !now.same_nodes(&route) {
+                        route = now;
+                        if waiter.watching() {
+                            waiter.watch(keys, self, &route, wait.deadline());
+                        }
+                    }
                     let before = waiter.snapshots();
                     let waiting = match wait {
                         Wait::No => false,

@@ -7,5 +7,6 @@ pub(crate) mod contend;
 mod probe;
 pub(crate) mod release;
 pub(crate) mod state;
+pub(crate) mod subs;
 pub(crate) mod waiter;
 pub(crate) mod watchdog;

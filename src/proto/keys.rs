@@ -133,6 +133,30 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
     h
 }
 
+/// Redis Cluster's hash slot of `key`: CRC16 (XMODEM) of its hash tag (the bytes between
+/// the first `{` and the next `}`, when not empty), or of the whole key, modulo 16384.
+pub(crate) fn keyslot(key: &[u8]) -> u16 {
+    let mut hashed = key;
+    if let Some(open) = key.iter().position(|&b| b == b'{')
+        && let Some(len) = key[open + 1..].iter().position(|&b| b == b'}')
+        && len > 0
+    {
+        hashed = &key[open + 1..open + 1 + len];
+    }
+    let mut crc: u16 = 0;
+    for &b in hashed {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
 /// The library's own channel of a lock key.
 pub(crate) fn channel_of_lock(lock: &[u8]) -> Vec<u8> {
     let mut c = Vec::with_capacity(lock.len() + 3);
@@ -180,30 +204,6 @@ mod tests {
         assert!(k.lock().ends_with(&[0xff, 0x00, b'}']));
     }
 
-    /// Redis Cluster's key slot: CRC16 (XMODEM) of the hash tag, or of the whole key when
-    /// it has none, modulo 16384.
-    fn keyslot(key: &[u8]) -> u16 {
-        let mut hashed = key;
-        if let Some(open) = key.iter().position(|&b| b == b'{')
-            && let Some(len) = key[open + 1..].iter().position(|&b| b == b'}')
-            && len > 0
-        {
-            hashed = &key[open + 1..open + 1 + len];
-        }
-        let mut crc: u16 = 0;
-        for &b in hashed {
-            crc ^= u16::from(b) << 8;
-            for _ in 0..8 {
-                crc = if crc & 0x8000 != 0 {
-                    (crc << 1) ^ 0x1021
-                } else {
-                    crc << 1
-                };
-            }
-        }
-        crc % 16384
-    }
-
     #[test]
     fn keyslot_matches_redis() {
         // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
@@ -237,7 +237,17 @@ mod tests {
     fn every_key_of_a_lock_shares_its_slot() {
         let prefixes = ["", "p:", "redbaton:", "{x}", "a{", "}", "{}", "{{"];
         let names: [&[u8]; 12] = [
-            b"}x", b"}", b"}{", b"{}", b"{", b"a}b", b"x", b"{a}", b"\xff}", b"}}}", b"a{b}c",
+            b"}x",
+            b"}",
+            b"}{",
+            b"{}",
+            b"{",
+            b"a}b",
+            b"x",
+            b"{a}",
+            b"\xff}",
+            b"}}}",
+            b"a{b}c",
             &[0xff, 0xfe, b'}', 0x00],
         ];
         for prefix in prefixes {
@@ -253,7 +263,13 @@ mod tests {
     fn names_spread_over_slots_whatever_the_prefix() {
         for prefix in ["p:", "{x}", "a{"] {
             let slots: std::collections::HashSet<u16> = (0..1000)
-                .map(|i| keyslot(Keys::new(prefix, format!("n}}{i}").as_bytes()).unwrap().lock()))
+                .map(|i| {
+                    keyslot(
+                        Keys::new(prefix, format!("n}}{i}").as_bytes())
+                            .unwrap()
+                            .lock(),
+                    )
+                })
                 .collect();
             assert!(slots.len() > 900, "{prefix:?}: {} slots", slots.len());
         }
@@ -262,11 +278,17 @@ mod tests {
     #[test]
     fn escaped_keys_are_distinct_from_plain_ones() {
         let escaped = Keys::new("", b"}").unwrap();
-        assert_eq!(escaped.lock(), format!("{{{:016x}}}}}", fnv1a64(b"}")).as_bytes());
+        assert_eq!(
+            escaped.lock(),
+            format!("{{{:016x}}}}}", fnv1a64(b"}")).as_bytes()
+        );
         let tag = format!("{:016x}", fnv1a64(b"}"));
         let plain = Keys::new("", tag.as_bytes()).unwrap();
         assert_ne!(escaped.lock(), plain.lock());
-        assert_ne!(Keys::new("{", b"a").unwrap().lock(), Keys::new("{", b"b").unwrap().lock());
+        assert_ne!(
+            Keys::new("{", b"a").unwrap().lock(),
+            Keys::new("{", b"b").unwrap().lock()
+        );
     }
 
     #[test]
