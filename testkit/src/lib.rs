@@ -5,6 +5,7 @@
 //! * [`server`]: a throwaway `redis-server` per test ([`server::RedisServer`]).
 //! * [`proxy`]: a fault-injecting TCP proxy (delays, lost replies, partitions).
 //! * [`child`]: real child processes contending for locks.
+//! * [`cluster`]: a Redis Cluster of three masters and three replicas.
 //! * [`clock`]: clocks whose readings can be compared between processes.
 //! * [`keys`]: the Redis keys and fencing-token layout of the lock protocol, as the
 //!   tests observe them from outside.
@@ -28,6 +29,7 @@ use parking_lot::Mutex;
 
 pub mod child;
 pub mod clock;
+pub mod cluster;
 pub mod keys;
 pub mod proxy;
 pub mod sentinel;
