@@ -11,6 +11,7 @@ use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::sections;
 use redbaton_testkit::{child, init_log, ms, secs};
 
 const KEYS: Keys = Keys::DEFAULT;
@@ -138,7 +139,10 @@ fn child_cluster_worker() {
     if !child::is_child() {
         return;
     }
-    let seeds: Vec<String> = child::env("C_SEEDS").split(',').map(str::to_owned).collect();
+    let seeds: Vec<String> = child::env("C_SEEDS")
+        .split(',')
+        .map(str::to_owned)
+        .collect();
     let threads: usize = child::env("C_THREADS").parse().expect("threads");
     let rounds: usize = child::env("C_ROUNDS").parse().expect("rounds");
     let names: usize = child::env("C_NAMES").parse().expect("names");
@@ -248,25 +252,7 @@ fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> 
 
 /// Per name: pairs of sections that overlapped in time where neither holder was told.
 fn unexplained_overlaps(sections: &[Section]) -> Vec<(Section, Section)> {
-    let mut by_name: HashMap<&str, Vec<&Section>> = HashMap::new();
-    for s in sections {
-        by_name.entry(&s.name).or_default().push(s);
-    }
-    let mut bad = Vec::new();
-    for list in by_name.values_mut() {
-        list.sort_by_key(|s| s.start);
-        for (i, a) in list.iter().enumerate() {
-            for b in &list[i + 1..] {
-                if b.start >= a.end {
-                    break;
-                }
-                if !a.told && !b.told {
-                    bad.push(((*a).clone(), (*b).clone()));
-                }
-            }
-        }
-    }
-    bad
+    sections::unexplained_overlaps(sections, |s| (&s.name, s.start, s.end, s.told))
 }
 
 /// 4 processes × 4 threads on 64 names over every master: the counters are exact and
@@ -368,7 +354,10 @@ fn waiters_follow_a_resharded_slot() {
         .renew_interval(ms(500))
         .build()
         .expect("holder");
-    let guards: Vec<_> = names.iter().map(|n| holder.lock(n).expect("hold")).collect();
+    let guards: Vec<_> = names
+        .iter()
+        .map(|n| holder.lock(n).expect("hold"))
+        .collect();
     let waiters: Vec<LockClient> = (0..2)
         .map(|_| builder(cluster.seed_urls()).build().expect("waiter"))
         .collect();
@@ -379,7 +368,9 @@ fn waiters_follow_a_resharded_slot() {
             for _ in 0..2 {
                 let (client, name, tx) = (client.clone(), name.clone(), tx.clone());
                 threads.push(thread::spawn(move || {
-                    let g = client.try_lock_for(&name, WAIT).expect("waiter gets the lock");
+                    let g = client
+                        .try_lock_for(&name, WAIT)
+                        .expect("waiter gets the lock");
                     tx.send(Instant::now()).unwrap();
                     thread::sleep(ms(5));
                     g.unlock().expect("waiter unlock");
@@ -399,7 +390,10 @@ fn waiters_follow_a_resharded_slot() {
             .arg(KEYS.lock(name))
             .query(&mut conn)
             .expect("PTTL");
-        assert!(pttl > 8000, "{name}: renewed on the new master (pttl {pttl})");
+        assert!(
+            pttl > 8000,
+            "{name}: renewed on the new master (pttl {pttl})"
+        );
     }
     assert!(holder.stats().renewals_sent > renewed_before);
     let released = Instant::now();
@@ -414,16 +408,24 @@ fn waiters_follow_a_resharded_slot() {
         t.join().expect("waiter thread");
     }
     let last = got.iter().max().expect("some").duration_since(released);
-    assert!(last < secs(5), "all waiters done {last:?} after the release");
+    assert!(
+        last < secs(5),
+        "all waiters done {last:?} after the release"
+    );
     for w in &waiters {
         let s = w.stats();
         eprintln!("waiter stats: {s:?}");
         assert_eq!(s.wakeups_lease, 0, "woken by events, not the lease: {s:?}");
     }
     eprintln!("holder stats: {:?}", holder.stats());
-    assert!(holder.stats().redirects + waiters[0].stats().redirects + waiters[1].stats().redirects > 0);
+    assert!(
+        holder.stats().redirects + waiters[0].stats().redirects + waiters[1].stats().redirects > 0
+    );
     for name in &names {
-        assert!(!exists(&cluster, &KEYS.lock_bytes(name.as_bytes())), "{name}: no key left");
+        assert!(
+            !exists(&cluster, &KEYS.lock_bytes(name.as_bytes())),
+            "{name}: no key left"
+        );
     }
 }
 
@@ -448,7 +450,12 @@ fn failover_under_load() {
         let new = cluster.failover(m);
         eprintln!("failover: {m} -> {new}");
         thread::sleep(ms(1000));
-        let m = cluster.masters().iter().map(|s| s.port()).find(|p| *p != new).expect("m");
+        let m = cluster
+            .masters()
+            .iter()
+            .map(|s| s.port())
+            .find(|p| *p != new)
+            .expect("m");
         let new = cluster.kill_master(m);
         eprintln!("master {m} killed; new master {new}");
     });
@@ -467,8 +474,14 @@ fn child_idle_waiter() {
     if !child::is_child() {
         return;
     }
-    let seeds: Vec<String> = child::env("I_SEEDS").split(',').map(str::to_owned).collect();
-    let names: Vec<String> = child::env("I_NAMES").split(',').map(str::to_owned).collect();
+    let seeds: Vec<String> = child::env("I_SEEDS")
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    let names: Vec<String> = child::env("I_NAMES")
+        .split(',')
+        .map(str::to_owned)
+        .collect();
     let client = builder(seeds)
         .recheck_interval(secs(60))
         .build()
@@ -478,7 +491,9 @@ fn child_idle_waiter() {
         .map(|name| {
             let client = client.clone();
             thread::spawn(move || {
-                let g = client.try_lock_for(&name, secs(60)).expect("lock once freed");
+                let g = client
+                    .try_lock_for(&name, secs(60))
+                    .expect("lock once freed");
                 g.unlock().expect("unlock");
             })
         })

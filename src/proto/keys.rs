@@ -207,10 +207,9 @@ mod tests {
     #[test]
     fn keyslot_matches_redis() {
         // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
-        assert_eq!(keyslot(b"123456789"), 0x31c3 % 16384);
+        assert_eq!(keyslot(b"123456789"), 0x31c3);
         assert_eq!(keyslot(b"foo"), 12182);
         assert_eq!(keyslot(b"{user1000}.following"), keyslot(b"user1000"));
-        assert_eq!(keyslot(b"foo{}{bar}"), keyslot(b"foo{}{bar}"));
         assert_eq!(keyslot(b"foo{{bar}}zap"), keyslot(b"{bar"));
     }
 

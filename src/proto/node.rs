@@ -168,6 +168,11 @@ impl Node {
         self
     }
 
+    /// Who follows this node's redirects, while the topology lives.
+    fn hook(&self) -> Option<Arc<dyn Redirect>> {
+        self.redirect.as_ref().and_then(std::sync::Weak::upgrade)
+    }
+
     /// A node named `id` whose connections go through `client` (a role, such as a
     /// Sentinel-managed master, whose address may change: see [`Pool::repoint`]).
     pub fn with_client(
@@ -246,11 +251,7 @@ impl Node {
                     drop(conn);
                     let (addr, slot) = e.redirect_node().expect("checked above");
                     let moved = e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Moved);
-                    let target = self
-                        .redirect
-                        .as_ref()
-                        .and_then(std::sync::Weak::upgrade)
-                        .and_then(|hook| hook.follow(slot, addr, moved));
+                    let target = self.hook().and_then(|hook| hook.follow(slot, addr, moved));
                     match target {
                         Some(node) if hops < MAX_HOPS => {
                             Counters::inc(&self.counters.redirects);
@@ -264,7 +265,7 @@ impl Node {
                     // The command did not run: a slot is half-way through a migration, or
                     // the cluster is electing a new master. Wait a little and send it again.
                     drop(conn);
-                    if let Some(hook) = self.redirect.as_ref().and_then(std::sync::Weak::upgrade) {
+                    if let Some(hook) = self.hook() {
                         hook.fault();
                     }
                     let pause = Duration::from_millis(rand::random_range(10..=40));
@@ -278,7 +279,7 @@ impl Node {
                     drop(conn);
                     self.pool.clear_idle();
                     self.pool.note_fault();
-                    if let Some(hook) = self.redirect.as_ref().and_then(std::sync::Weak::upgrade) {
+                    if let Some(hook) = self.hook() {
                         hook.fault();
                     }
                     let late = deadline.is_some_and(|d| Instant::now() >= d);

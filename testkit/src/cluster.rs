@@ -91,9 +91,7 @@ impl Cluster {
     /// The running masters that serve slots, as their servers.
     pub fn masters(&self) -> Vec<&RedisServer> {
         self.running()
-            .filter(|s| {
-                info(s, "replication").contains("role:master") && owns_slots(s)
-            })
+            .filter(|s| info(s, "replication").contains("role:master") && owns_slots(s))
             .collect()
     }
 
@@ -253,7 +251,9 @@ fn slot_owners(s: &RedisServer) -> Vec<(u16, u16, u16)> {
     let mut out: Vec<(u16, u16, u16)> = v
         .into_iter()
         .filter_map(|r| {
-            let redis::Value::Array(r) = r else { return None };
+            let redis::Value::Array(r) = r else {
+                return None;
+            };
             let a: u16 = redis::from_redis_value(r.first()?.clone()).ok()?;
             let b: u16 = redis::from_redis_value(r.get(1)?.clone()).ok()?;
             let redis::Value::Array(m) = r.get(2)? else {

@@ -9,6 +9,7 @@
 //! * [`clock`]: clocks whose readings can be compared between processes.
 //! * [`keys`]: the Redis keys and fencing-token layout of the lock protocol, as the
 //!   tests observe them from outside.
+//! * [`sections`]: checking critical sections for overlaps nobody was told of.
 //! * [`wait`]: polling and joining with a deadline, so a broken test fails instead of
 //!   hanging.
 //!
@@ -32,6 +33,7 @@ pub mod clock;
 pub mod cluster;
 pub mod keys;
 pub mod proxy;
+pub mod sections;
 pub mod sentinel;
 pub mod server;
 pub mod tls;
