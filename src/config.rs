@@ -50,6 +50,8 @@ pub(crate) struct Config {
     pub sentinel: Option<SentinelConfig>,
     /// Waiting processes queue in Redis, and a release grants the lock to the first.
     pub fair: bool,
+    /// Redis Cluster seed URLs instead of `nodes` (empty: not a cluster).
+    pub cluster: Vec<String>,
 }
 
 /// Where the sentinels are and how to reach the master they name.

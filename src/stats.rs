@@ -78,6 +78,10 @@ counters! {
     grants_passed,
     /// Fair queue: waits that ended without the lock and left the queue.
     queue_departures,
+    /// Redis Cluster: `MOVED` and `ASK` replies followed to the node they named.
+    redirects,
+    /// Redis Cluster: times the slot map was read again from the cluster.
+    slot_refreshes,
 }
 
 impl Counters {

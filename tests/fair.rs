@@ -212,6 +212,11 @@ fn a_lost_grant_message_is_recovered_by_the_retry() {
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let waiter = queue_waiter(&srv, 30_000, 0);
+    wait_for(secs(20), "the waiter's subscription", || {
+        srv.client_list()
+            .iter()
+            .any(|c| c.get("sub").is_some_and(|n| n != "0"))
+    });
     // Kill every subscriber connection but the holder's own (it has none: it never waited).
     let killed: u64 = redis::cmd("CLIENT")
         .arg("KILL")

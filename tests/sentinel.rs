@@ -208,20 +208,7 @@ fn run_with_fault(group: &SentinelGroup, ack: Option<usize>, fault: impl FnOnce(
 
 /// Pairs of sections that overlapped in time, where neither holder was told.
 fn unexplained_overlaps(sections: &[Section]) -> Vec<(Section, Section)> {
-    let mut sorted = sections.to_vec();
-    sorted.sort_by_key(|s| s.start);
-    let mut bad = Vec::new();
-    for (i, a) in sorted.iter().enumerate() {
-        for b in &sorted[i + 1..] {
-            if b.start >= a.end {
-                break;
-            }
-            if !a.told && !b.told {
-                bad.push((*a, *b));
-            }
-        }
-    }
-    bad
+    redbaton_testkit::sections::unexplained_overlaps(sections, |s| ("k", s.start, s.end, s.told))
 }
 
 fn check_run(run: &Run) {

@@ -33,6 +33,7 @@ const MIN_LEASE: Duration = Duration::from_millis(10);
 /// | [`handoff_slice`](Builder::handoff_slice) | 10 ms while another process waits |
 /// | [`sentinel`](Builder::sentinel) | none: the node(s) given |
 /// | [`fair`](Builder::fair) | `true`: processes take turns in arrival order (not for Redlock) |
+/// | [`cluster`](Builder::cluster) | none: the node(s) given |
 /// | [`replica_ack`](Builder::replica_ack) | none: an acquisition does not wait for replicas |
 /// | [`tls_ca_cert`](Builder::tls_ca_cert), [`tls_client_identity`](Builder::tls_client_identity) | the system's trust store, no client certificate |
 ///
@@ -83,6 +84,7 @@ pub struct Builder {
     replica_ack: Option<(usize, Duration)>,
     sentinel: Option<SentinelConfig>,
     fair: bool,
+    cluster: Vec<String>,
 }
 
 /// Node URLs may carry a password: `Debug` shows them with it replaced by `***`.
@@ -120,6 +122,10 @@ impl std::fmt::Debug for Builder {
                         sc.sentinels.iter().map(|u| redact(u)).collect::<Vec<_>>(),
                     )
                 }),
+            )
+            .field(
+                "cluster",
+                &self.cluster.iter().map(|u| redact(u)).collect::<Vec<_>>(),
             )
             .finish()
     }
@@ -163,6 +169,7 @@ impl Default for Builder {
             replica_ack: None,
             sentinel: None,
             fair: true,
+            cluster: Vec::new(),
         }
     }
 }
@@ -265,6 +272,41 @@ impl Builder {
         let sc = self.sentinel.get_or_insert_with(SentinelConfig::default);
         sc.master = master_name.into();
         sc.sentinels = sentinel_urls.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Locks live in the Redis Cluster that `seed_urls` belong to (instead of
+    /// [`node`](Self::node)): each on the master serving its key's hash slot. One seed that
+    /// answers is enough; the client reads the slot map from it and talks to every master.
+    /// Credentials, TLS (`rediss://`, with [`tls_ca_cert`](Self::tls_ca_cert) and
+    /// [`tls_client_identity`](Self::tls_client_identity)) and timeouts apply to every
+    /// node; cluster nodes only have database 0.
+    ///
+    /// `MOVED`, `ASK`, `TRYAGAIN` and `CLUSTERDOWN` replies are followed or waited out,
+    /// never returned. Waiters are woken by the master that serves their key (keyspace
+    /// notifications are per node): the client keeps one subscriber connection per master
+    /// it waits on, and a waiter whose key moved (a reshard, a failover) subscribes on the
+    /// new master and tries again. A lock survives a failover only if the promoted
+    /// replica had it ([`replica_ack`](Self::replica_ack) narrows the window); otherwise
+    /// its holder's lost signal fires at the next renewal.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// let client = redbaton::LockClient::builder()
+    ///     .cluster(["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"])
+    ///     .build()?;
+    /// let guard = client.lock("orders:42")?;
+    /// # drop(guard);
+    /// # Ok(()) }
+    /// ```
+    pub fn cluster<I, S>(mut self, seed_urls: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.cluster = seed_urls.into_iter().map(Into::into).collect();
         self
     }
 
@@ -664,7 +706,14 @@ impl Builder {
     pub(crate) fn validate(self) -> Result<Config> {
         let bad = |msg: String| Err(Error::InvalidConfig(msg));
         let mut nodes = self.nodes;
-        if let Some(sc) = &self.sentinel {
+        if !self.cluster.is_empty() {
+            if !nodes.is_empty() || self.sentinel.is_some() {
+                return bad("cluster, sentinel and node(s) are exclusive: choose one".to_owned());
+            }
+            for (i, url) in self.cluster.iter().enumerate() {
+                open_client(&format!("cluster seed {i}"), url, &self.tls)?;
+            }
+        } else if let Some(sc) = &self.sentinel {
             if !nodes.is_empty() {
                 return bad("sentinel and node(s) are exclusive: choose one".to_owned());
             }
@@ -759,6 +808,7 @@ impl Builder {
             replica_ack: self.replica_ack,
             sentinel: self.sentinel,
             fair: self.fair,
+            cluster: self.cluster,
         })
     }
 }

@@ -19,9 +19,10 @@ impl Engine {
     pub fn acquire(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<(Arc<RemoteLock>, u32)> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         let waits = matches!(wait, Wait::Until(_));
+        let subs = self.subs_for(&self.topology.route(&keys));
         let role = self
             .table
-            .enter(&keys, waits, self.cfg.local_handoff, &self.subs)?;
+            .enter(&keys, waits, self.cfg.local_handoff, &subs)?;
         match role {
             Role::Contend => Ok((self.contend_for_table(&keys, wait, false)?, 0)),
             Role::Queued { slot, check_marks } => {
@@ -83,7 +84,7 @@ impl Engine {
         let route = self.topology.route(keys);
         let (poke_tx, poke) = crossbeam_channel::bounded(1);
         for node in route.nodes() {
-            let Some(sub) = self.subs.iter().find(|s| *s.node() == node.id) else {
+            let Some(sub) = self.subs.find(&node.id) else {
                 continue;
             };
             let watch = sub.watch(keys, poke_tx.clone());

@@ -50,7 +50,7 @@ impl Engine {
         wait: Wait,
         yield_first: bool,
     ) -> Result<Arc<RemoteLock>> {
-        let route = self.topology.route(keys);
+        let mut route = self.topology.route(keys);
         let mut waiter = Waiter::new();
         // Fair queue: one token for the whole wait, so that our place in the queue, and a
         // grant to it, survive from one attempt to the next.
@@ -92,6 +92,16 @@ impl Engine {
                     self.finish_early(keys, &route, shot, pending, wait.deadline()),
                 ),
                 None => {
+                    // Redis Cluster: the key's slot moved (a reshard, a failover) since the
+                    // last attempt. Subscribe on its new master, confirmed, before the
+                    // attempt, as after a reconnect: events there were not heard.
+                    let now = self.topology.route(keys);
+                    if !now.same_nodes(&route) {
+                        route = now;
+                        if waiter.watching() {
+                            waiter.watch(keys, self, &route, wait.deadline());
+                        }
+                    }
                     let before = waiter.snapshots();
                     let waiting = match wait {
                         Wait::No => false,

@@ -8,5 +8,6 @@ mod probe;
 pub(crate) mod release;
 pub(crate) mod shared_hold;
 pub(crate) mod state;
+pub(crate) mod subs;
 pub(crate) mod waiter;
 pub(crate) mod watchdog;

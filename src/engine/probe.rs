@@ -1,5 +1,6 @@
 //! How the local table hears of remote contention: through the node's subscriber.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::local::table::Probe;
@@ -7,7 +8,7 @@ use crate::proto::keys::Keys;
 use crate::proto::node::NodeId;
 use crate::wake::subscriber::Subscriber;
 
-impl Probe for Subscriber {
+impl Probe for Arc<Subscriber> {
     fn node(&self) -> &NodeId {
         Subscriber::node(self)
     }

@@ -18,7 +18,8 @@ impl Engine {
     /// A holder is done: hand the lock on locally, or release it in Redis.
     pub fn release(self: &Arc<Self>, lock: &Arc<RemoteLock>) -> Result<Unlocked> {
         let lost = lock.lost(&self.counters).is_some();
-        match self.table.release(lock, lost, &self.cfg, &self.subs) {
+        let subs = self.subs_for(&self.topology.route(&lock.keys));
+        match self.table.release(lock, lost, &self.cfg, &subs) {
             Step::HandedOff => Ok(Unlocked::HandedOff),
             Step::Remote { forced, contended } => {
                 if forced {
@@ -47,7 +48,7 @@ impl Engine {
                     // A thread that releases and locks again would otherwise win every time:
                     // its attempt reaches Redis before the waiters have heard of the release.
                     let until = after(YIELD);
-                    for s in self.subs_for(&route) {
+                    for s in self.subs_for(&route).iter() {
                         s.ask_to_yield(&lock.keys, until);
                     }
                 }
@@ -65,7 +66,7 @@ impl Engine {
         lock.begin_extend();
         let started = Instant::now();
         let route = self.topology.route(&lock.keys);
-        let holders = route.among(&lock.nodes);
+        let holders = route.holders(&lock.nodes);
         let l = lock.clone();
         let replies = self.topology.fan_out(&holders, move |node| {
             node.extend(&[(l.keys.lock(), l.token.as_str())], lease)

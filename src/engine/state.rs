@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::{Config, Wakeup};
+use crate::engine::subs::{Subs, Template};
 use crate::engine::watchdog::Watchdog;
 use crate::error::{Result, thread_error};
 use crate::local::shares::ReadShares;
@@ -13,15 +14,16 @@ use crate::proto::node::{Node, Retry};
 use crate::stats::Counters;
 use crate::topology::{Route, Topology};
 use crate::wake::notify::{self, Mode};
-use crate::wake::subscriber::{Connector, Setup, Subscriber};
+use crate::wake::subscriber::Subscriber;
 
 /// Everything a lock operation needs. Guards hold it too, so that a guard can always
 /// release.
 pub(crate) struct Engine {
     pub cfg: Config,
     pub topology: Arc<Topology>,
-    /// One per node with `Wakeup::Notifications`; none when polling.
-    pub subs: Vec<Subscriber>,
+    /// One per node with `Wakeup::Notifications` (Redis Cluster: per master, started as
+    /// waiters need them); none when polling.
+    pub subs: Subs,
     pub table: Table,
     pub counters: Arc<Counters>,
     pub watchdog: Option<Watchdog>,
@@ -36,9 +38,10 @@ impl Engine {
         let client_id: Arc<str> = uuid::Uuid::new_v4().simple().to_string().into();
         let topology = Arc::new(Topology::open(&cfg, &counters, &client_id)?);
         let notifications = cfg.wakeup == Wakeup::Notifications;
-        let mut modes = Vec::with_capacity(topology.nodes().len());
+        let nodes = topology.nodes();
+        let mut modes = Vec::with_capacity(nodes.len());
         let mut first_error = None;
-        for node in topology.nodes() {
+        for node in nodes.iter() {
             match check_node(node, notifications, cfg.configure_notifications) {
                 Ok(mode) => modes.push(Some(mode)),
                 Err(e) => {
@@ -52,8 +55,15 @@ impl Engine {
         if reachable < topology.quorum() {
             return Err(first_error.expect("an unreachable node left its error"));
         }
-        let mut subs = Vec::new();
-        for (node, mode) in topology.nodes().iter().zip(&modes) {
+        let subs = Subs::new(
+            notifications.then(|| Template {
+                configure: cfg.configure_notifications,
+                prefix: cfg.key_prefix.clone(),
+                client_id: client_id.to_string(),
+            }),
+            counters.clone(),
+        );
+        for (node, mode) in nodes.iter().zip(&modes) {
             let keyspace = match mode {
                 Some(Mode::Keyspace) => true,
                 Some(Mode::Fallback(why)) => {
@@ -68,21 +78,7 @@ impl Engine {
                 None => true,
             };
             if notifications {
-                let setup = Setup {
-                    node: node.id.clone(),
-                    db: node.db,
-                    keyspace,
-                    configure: cfg.configure_notifications,
-                    prefix: cfg.key_prefix.clone(),
-                    client_id: client_id.to_string(),
-                    connector: Connector {
-                        pool: node.pool.clone(),
-                    },
-                };
-                subs.push(
-                    Subscriber::start(setup, counters.clone())
-                        .map_err(|e| thread_error("subscriber", e))?,
-                );
+                subs.start(node, keyspace)?;
             }
         }
         // Also with renewals off: it tells holders when their lease runs out.
@@ -99,22 +95,15 @@ impl Engine {
         })
     }
 
-    /// The subscribers of the nodes of `route`.
-    pub fn subs_for<'a>(&'a self, route: &Route) -> Vec<&'a Subscriber> {
-        route
-            .nodes()
-            .iter()
-            .filter_map(|n| self.subs.iter().find(|s| *s.node() == n.id))
-            .collect()
+    /// The subscribers of the nodes of `route` (started now for a node that has none).
+    pub fn subs_for(&self, route: &Route) -> Arc<[Arc<Subscriber>]> {
+        self.subs.for_route(route)
     }
 
     /// Stops the background threads and waits for them until `deadline`; `false` if one
     /// is still running then.
     pub fn shutdown(&self, deadline: Instant) -> bool {
-        let mut all = true;
-        for s in &self.subs {
-            all &= s.shutdown(deadline);
-        }
+        let mut all = self.subs.shutdown(deadline);
         if let Some(w) = &self.watchdog {
             all &= w.shutdown(deadline);
         }

@@ -14,7 +14,8 @@ use parking_lot::Mutex;
 
 use crate::config::Config;
 use crate::local::held::{Due, HoldKind, RemoteLock};
-use crate::proto::node::ExtendReply;
+use crate::proto::keys::keyslot;
+use crate::proto::node::{ExtendReply, Node, NodeId};
 use crate::stats::Counters;
 use crate::topology::Topology;
 use crate::topology::verdict::Renewal;
@@ -210,26 +211,51 @@ fn extend_on_nodes(
     topology: &Topology,
     due: &[(Arc<RemoteLock>, Duration)],
 ) -> Vec<(usize, usize, usize)> {
-    let jobs: Arc<Vec<(Arc<RemoteLock>, Duration)>> = Arc::new(due.to_vec());
     let counters = cx.counters.clone();
-    // The nodes that hold any of the due locks.
-    let nodes: Vec<_> = topology
-        .nodes()
-        .iter()
-        .filter(|n| due.iter().any(|(lock, _)| lock.nodes.contains(&n.id)))
-        .cloned()
-        .collect();
-    let per_node = topology.fan_out(&nodes, move |node| {
-        // Group this node's locks by lease and kind: one script call per (lease, kind,
-        // batch), the script chosen by how the locks are held.
-        let mut by_lease: HashMap<(Duration, HoldKind), Vec<usize>> = HashMap::new();
-        for (i, (lock, lease)) in jobs.iter().enumerate() {
-            if lock.nodes.contains(&node.id) {
-                by_lease.entry((*lease, lock.kind)).or_default().push(i);
+    // The nodes that hold the due locks (Redis Cluster: the master serving each lock's
+    // slot now), and per node the indexes of its locks.
+    let mut nodes: Vec<Arc<Node>> = Vec::new();
+    let mut held_by: Vec<Vec<usize>> = Vec::new();
+    for (i, (lock, _)) in due.iter().enumerate() {
+        for node in topology.route(&lock.keys).holders(&lock.nodes) {
+            match nodes.iter().position(|n| n.id == node.id) {
+                Some(k) => held_by[k].push(i),
+                None => {
+                    nodes.push(node);
+                    held_by.push(vec![i]);
+                }
             }
         }
+    }
+    // Redis Cluster refuses one script call over keys of several slots: batch per slot.
+    let by_slot = topology.batches_by_slot();
+    let jobs: Arc<Vec<(Arc<RemoteLock>, Duration, u16)>> = Arc::new(
+        due.iter()
+            .map(|(lock, lease)| {
+                let slot = if by_slot {
+                    keyslot(lock.keys.lock())
+                } else {
+                    0
+                };
+                (lock.clone(), *lease, slot)
+            })
+            .collect(),
+    );
+    let held_by: Arc<HashMap<NodeId, Vec<usize>>> =
+        Arc::new(nodes.iter().map(|n| n.id.clone()).zip(held_by).collect());
+    let per_node = topology.fan_out(&nodes, move |node| {
+        // Group this node's locks by lease, slot and kind: one script call per group and
+        // batch, the script chosen by how the locks are held.
+        let mut by_lease: HashMap<(Duration, u16, HoldKind), Vec<usize>> = HashMap::new();
+        for &i in held_by.get(&node.id).map(Vec::as_slice).unwrap_or_default() {
+            let (lock, lease, slot) = &jobs[i];
+            by_lease
+                .entry((*lease, *slot, lock.kind))
+                .or_default()
+                .push(i);
+        }
         let mut replies: Vec<(usize, Option<ExtendReply>)> = Vec::new();
-        for ((lease, kind), idxs) in by_lease {
+        for ((lease, _, kind), idxs) in by_lease {
             for chunk in idxs.chunks(BATCH) {
                 let batch: Vec<(&[u8], &str)> = chunk
                     .iter()

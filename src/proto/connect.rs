@@ -13,8 +13,44 @@ pub(crate) fn open_client(label: &str, url: &str, tls: &Tls) -> Result<redis::Cl
             "{label}: rediss:// needs redbaton's `tls` feature"
         )));
     }
+    let info = connection_info(label, url)?;
+    client_of(label, info, tls)
+}
+
+/// A client for the server at `host:port` with everything else (credentials, database,
+/// TLS) as `url` says: a Redis Cluster master found through a seed URL.
+pub(crate) fn open_client_at(
+    label: &str,
+    url: &str,
+    tls: &Tls,
+    host: &str,
+    port: u16,
+) -> Result<redis::Client> {
+    let info = connection_info(label, url)?;
+    let addr = match info.addr() {
+        redis::ConnectionAddr::TcpTls {
+            insecure,
+            tls_params,
+            ..
+        } => redis::ConnectionAddr::TcpTls {
+            host: host.to_owned(),
+            port,
+            insecure: *insecure,
+            tls_params: tls_params.clone(),
+        },
+        _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+    };
+    client_of(label, info.set_addr(addr), tls)
+}
+
+fn connection_info(label: &str, url: &str) -> Result<redis::ConnectionInfo> {
+    redis::IntoConnectionInfo::into_connection_info(url)
+        .map_err(|_| Error::InvalidConfig(format!("{label}: unparsable redis url")))
+}
+
+fn client_of(label: &str, info: redis::ConnectionInfo, tls: &Tls) -> Result<redis::Client> {
+    let wants_tls = matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. });
     let bad_url = || Error::InvalidConfig(format!("{label}: unparsable redis url"));
-    let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(|_| bad_url())?;
     // No `CLIENT SETINFO` pipeline at connect: against a hung server each of its replies
     // would wait a full timeout.
     let settings = info.redis_settings().clone().set_skip_set_lib_name();

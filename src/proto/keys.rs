@@ -21,8 +21,22 @@ pub(crate) const MAX_PREFIX_LEN: usize = 1024;
 /// The keys and channels of one lock name.
 ///
 /// Names are arbitrary non-empty bytes (Redis keys are binary): UTF-8 or not, spaces,
-/// braces, anything. The name sits between braces so that a Redis Cluster port keeps the
-/// lock key and its fencing counter in one slot: the first `{...}` of both keys is the same.
+/// braces, anything. Every key of one lock starts with the same Redis Cluster hash tag (the
+/// first `{...}`), so they share one hash slot whatever the name and the prefix, and
+/// different names spread over slots:
+///
+/// - **plain form**, when the prefix has no `{` and the name no `}`: the lock key is
+///   `prefix{name}`; the tag is the name itself;
+/// - **escaped form**, otherwise: `{h}prefix name`, where `h` is the 16 lower-case hex
+///   digits of the name's FNV-1a-64 hash. In the plain form a `}` in the name would end the
+///   tag early (`}x`: an empty tag, so the whole key is hashed and the lock and its counter
+///   land in different slots), and a `{x}` in the prefix would be the tag of every lock.
+///   The full name follows the tag, so escaped keys are unique; they never equal a plain
+///   key, whose tag, when it starts the key, is followed by nothing but a suffix without
+///   braces.
+///
+/// The other keys are the lock key plus a suffix (`:fence`, `:w`, and `:ev` for the
+/// channel).
 ///
 /// Shared behind an `Arc`: the keys travel with the lock (guard, watchdog, fan-out jobs),
 /// and a clone must not copy five buffers on every acquisition.
@@ -53,11 +67,7 @@ impl Keys {
         if name.len() > MAX_NAME_LEN {
             return Err(Error::InvalidName("longer than 4096 bytes"));
         }
-        let mut lock = Vec::with_capacity(prefix.len() + name.len() + 2);
-        lock.extend_from_slice(prefix.as_bytes());
-        lock.push(b'{');
-        lock.extend_from_slice(name);
-        lock.push(b'}');
+        let lock = lock_key(prefix.as_bytes(), name);
         let mut fence = lock.clone();
         fence.extend_from_slice(b":fence");
         let mut mark = lock.clone();
@@ -112,6 +122,58 @@ impl Keys {
     }
 }
 
+/// The lock key of `name` under `prefix` (see [`Keys`] for the two forms).
+pub(crate) fn lock_key(prefix: &[u8], name: &[u8]) -> Vec<u8> {
+    let plain = !prefix.contains(&b'{') && !name.contains(&b'}');
+    let mut lock = Vec::with_capacity(prefix.len() + name.len() + 18);
+    if plain {
+        lock.extend_from_slice(prefix);
+        lock.push(b'{');
+        lock.extend_from_slice(name);
+        lock.push(b'}');
+    } else {
+        lock.extend_from_slice(format!("{{{:016x}}}", fnv1a64(name)).as_bytes());
+        lock.extend_from_slice(prefix);
+        lock.extend_from_slice(name);
+    }
+    lock
+}
+
+/// The 64-bit FNV-1a hash: small, stable across versions and platforms, and spread well
+/// enough to scatter names over hash slots.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Redis Cluster's hash slot of `key`: CRC16 (XMODEM) of its hash tag (the bytes between
+/// the first `{` and the next `}`, when not empty), or of the whole key, modulo 16384.
+pub(crate) fn keyslot(key: &[u8]) -> u16 {
+    let mut hashed = key;
+    if let Some(open) = key.iter().position(|&b| b == b'{')
+        && let Some(len) = key[open + 1..].iter().position(|&b| b == b'}')
+        && len > 0
+    {
+        hashed = &key[open + 1..open + 1 + len];
+    }
+    let mut crc: u16 = 0;
+    for &b in hashed {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
 /// The library's own channel of a lock key.
 pub(crate) fn channel_of_lock(lock: &[u8]) -> Vec<u8> {
     let mut c = Vec::with_capacity(lock.len() + 3);
@@ -153,8 +215,96 @@ mod tests {
 
     #[test]
     fn binary_names_are_kept_exactly() {
+        let k = Keys::new("", &[0xff, 0x00, b'{']).unwrap();
+        assert_eq!(k.lock(), &[b'{', 0xff, 0x00, b'{', b'}']);
         let k = Keys::new("", &[0xff, 0x00, b'}']).unwrap();
-        assert_eq!(k.lock(), &[b'{', 0xff, 0x00, b'}', b'}']);
+        assert!(k.lock().ends_with(&[0xff, 0x00, b'}']));
+    }
+
+    #[test]
+    fn keyslot_matches_redis() {
+        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(keyslot(b"123456789"), 0x31c3);
+        assert_eq!(keyslot(b"foo"), 12182);
+        assert_eq!(keyslot(b"{user1000}.following"), keyslot(b"user1000"));
+        assert_eq!(keyslot(b"foo{{bar}}zap"), keyslot(b"{bar"));
+    }
+
+    fn slots_of(k: &Keys) -> [u16; 4] {
+        [
+            keyslot(k.lock()),
+            keyslot(k.fence()),
+            keyslot(k.mark()),
+            keyslot(k.channel()),
+        ]
+    }
+
+    #[test]
+    fn plain_layout_is_unchanged() {
+        let k = Keys::new("redbaton:", b"a{b").unwrap();
+        assert_eq!(k.lock(), b"redbaton:{a{b}");
+        assert_eq!(k.mark(), b"redbaton:{a{b}:w");
+        assert_eq!(k.channel(), b"redbaton:{a{b}:ev");
+        let k = Keys::new("x}", b"n").unwrap();
+        assert_eq!(k.lock(), b"x}{n}");
+    }
+
+    #[test]
+    fn every_key_of_a_lock_shares_its_slot() {
+        let prefixes = ["", "p:", "redbaton:", "{x}", "a{", "}", "{}", "{{"];
+        let names: [&[u8]; 12] = [
+            b"}x",
+            b"}",
+            b"}{",
+            b"{}",
+            b"{",
+            b"a}b",
+            b"x",
+            b"{a}",
+            b"\xff}",
+            b"}}}",
+            b"a{b}c",
+            &[0xff, 0xfe, b'}', 0x00],
+        ];
+        for prefix in prefixes {
+            for name in names {
+                let k = Keys::new(prefix, name).unwrap();
+                let s = slots_of(&k);
+                assert!(s.iter().all(|x| *x == s[0]), "{prefix:?} {name:?}: {s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn names_spread_over_slots_whatever_the_prefix() {
+        for prefix in ["p:", "{x}", "a{"] {
+            let slots: std::collections::HashSet<u16> = (0..1000)
+                .map(|i| {
+                    keyslot(
+                        Keys::new(prefix, format!("n}}{i}").as_bytes())
+                            .unwrap()
+                            .lock(),
+                    )
+                })
+                .collect();
+            assert!(slots.len() > 900, "{prefix:?}: {} slots", slots.len());
+        }
+    }
+
+    #[test]
+    fn escaped_keys_are_distinct_from_plain_ones() {
+        let escaped = Keys::new("", b"}").unwrap();
+        assert_eq!(
+            escaped.lock(),
+            format!("{{{:016x}}}}}", fnv1a64(b"}")).as_bytes()
+        );
+        let tag = format!("{:016x}", fnv1a64(b"}"));
+        let plain = Keys::new("", tag.as_bytes()).unwrap();
+        assert_ne!(escaped.lock(), plain.lock());
+        assert_ne!(
+            Keys::new("{", b"a").unwrap().lock(),
+            Keys::new("{", b"b").unwrap().lock()
+        );
     }
 
     #[test]

@@ -104,6 +104,24 @@ impl std::fmt::Display for NodeId {
     }
 }
 
+/// Where a node sends a command that its server redirected (Redis Cluster `MOVED` and
+/// `ASK`), and whom it tells of a failure that may mean the cluster's layout changed. The
+/// topology implements it; a node holds it weakly (the topology holds the nodes).
+pub(crate) trait Redirect: Send + Sync {
+    /// The node at `addr` (`host:port`) that a redirect for `slot` names; `moved`: the
+    /// slot now belongs to it (`MOVED`), rather than for this one command (`ASK`).
+    fn follow(&self, slot: u16, addr: &str, moved: bool) -> Option<Arc<Node>>;
+    /// A command failed in a way that may mean a master moved (a network error,
+    /// `CLUSTERDOWN`): look at the layout again soon.
+    fn fault(&self);
+}
+
+/// Most redirects one command follows: a slot moves at most a few times in a row.
+const MAX_HOPS: u32 = 5;
+/// How long `TRYAGAIN` (keys of one command half-way through a slot migration) and
+/// `CLUSTERDOWN` (a failover in progress) are retried when the caller set no deadline.
+const CLUSTER_SETTLE: Duration = Duration::from_secs(2);
+
 pub(crate) struct Node {
     pub id: NodeId,
     pub pool: Arc<Pool>,
@@ -120,6 +138,8 @@ pub(crate) struct Node {
     /// The fair queue, when on: how long a waiter's entry lives unless its next attempt
     /// refreshes it, and the lease a grant gives until the grantee renews.
     fair: Option<Fair>,
+    /// Redis Cluster: who follows this node's redirects.
+    redirect: Option<std::sync::Weak<dyn Redirect>>,
 }
 
 /// The fair queue's timings (see `fair_scripts`).
@@ -151,10 +171,31 @@ impl Node {
         client_id: Arc<str>,
     ) -> Result<Self> {
         let client = open_client(label, url, &cfg.tls)?;
+        Ok(Self::at(client, cfg, counters, client_id))
+    }
+
+    /// A node named by the address and database of `client`.
+    pub fn at(
+        client: redis::Client,
+        cfg: &Config,
+        counters: Arc<Counters>,
+        client_id: Arc<str>,
+    ) -> Self {
         let info = client.get_connection_info();
         let db = info.redis_settings().db();
         let id = NodeId::new(format!("{}/{db}", info.addr()));
-        Ok(Self::with_client(id, client, cfg, counters, client_id))
+        Self::with_client(id, client, cfg, counters, client_id)
+    }
+
+    /// This node, with its redirects followed by `hook` (Redis Cluster).
+    pub fn with_redirect(mut self, hook: std::sync::Weak<dyn Redirect>) -> Self {
+        self.redirect = Some(hook);
+        self
+    }
+
+    /// Who follows this node's redirects, while the topology lives.
+    fn hook(&self) -> Option<Arc<dyn Redirect>> {
+        self.redirect.as_ref().and_then(std::sync::Weak::upgrade)
     }
 
     /// A node named `id` whose connections go through `client` (a role, such as a
@@ -176,6 +217,7 @@ impl Node {
             mark_ttl: cfg.recheck_interval * 2,
             ack: cfg.replica_ack,
             fair: Fair::of(cfg),
+            redirect: None,
         }
     }
 
@@ -194,24 +236,78 @@ impl Node {
     /// [`run`](Self::run), within the caller's `deadline`: each read waits at most until
     /// the deadline (but [`MIN_ATTEMPT`] at least, so an attempt has a chance), and
     /// nothing is retried once it has passed.
+    ///
+    /// In a Redis Cluster, a `MOVED` or `ASK` reply sends the command to the node it names
+    /// (after `ASKING` for `ASK`): the command did not run, so it is safe to send again.
+    /// `TRYAGAIN` and `CLUSTERDOWN` are retried after a pause, within the deadline.
     pub fn run_until<T>(
         &self,
         retry: Retry,
         deadline: Option<Instant>,
         mut f: impl FnMut(&mut Connection) -> RedisResult<T>,
     ) -> Result<T> {
+        self.run_hop(retry, deadline, false, 0, &mut f)
+    }
+
+    /// [`run_until`](Self::run_until) on this node, the `hops`-th redirect of a command;
+    /// `asking`: the redirect was an `ASK`.
+    fn run_hop<T>(
+        &self,
+        retry: Retry,
+        deadline: Option<Instant>,
+        asking: bool,
+        hops: u32,
+        f: &mut dyn FnMut(&mut Connection) -> RedisResult<T>,
+    ) -> Result<T> {
         let (_, read_timeout, _) = self.pool.timeouts();
         let mut tries = 0;
+        let settle_until = deadline.unwrap_or_else(|| Instant::now() + CLUSTER_SETTLE);
         loop {
             let mut conn = self.pool.get()?;
             Counters::inc(&self.counters.commands);
-            match within_deadline(&mut conn, deadline, read_timeout, &mut f) {
+            let reply = within_deadline(&mut conn, deadline, read_timeout, |c| {
+                if asking {
+                    redis::cmd("ASKING").query::<()>(c)?;
+                }
+                f(c)
+            });
+            match reply {
                 Ok(v) => return Ok(v),
+                Err(e) if e.redirect_node().is_some() && self.redirect.is_some() => {
+                    drop(conn);
+                    let (addr, slot) = e.redirect_node().expect("checked above");
+                    let moved = e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Moved);
+                    let target = self.hook().and_then(|hook| hook.follow(slot, addr, moved));
+                    match target {
+                        Some(node) if hops < MAX_HOPS => {
+                            Counters::inc(&self.counters.redirects);
+                            log::debug!("node {}: {e}; following to {}", self.id, node.id);
+                            return node.run_hop(retry, deadline, !moved, hops + 1, f);
+                        }
+                        _ => return Err(Error::Redis(e)),
+                    }
+                }
+                Err(e) if is_settling(&e) && self.redirect.is_some() => {
+                    // The command did not run: a slot is half-way through a migration, or
+                    // the cluster is electing a new master. Wait a little and send it again.
+                    drop(conn);
+                    if let Some(hook) = self.hook() {
+                        hook.fault();
+                    }
+                    let pause = Duration::from_millis(rand::random_range(10..=40));
+                    if Instant::now() + pause >= settle_until {
+                        return Err(Error::Redis(e));
+                    }
+                    std::thread::sleep(pause);
+                }
                 Err(e) if is_network_error(&e) => {
                     conn.discard();
                     drop(conn);
                     self.pool.clear_idle();
                     self.pool.note_fault();
+                    if let Some(hook) = self.hook() {
+                        hook.fault();
+                    }
                     let late = deadline.is_some_and(|d| Instant::now() >= d);
                     if tries >= retry.times || (e.is_timeout() && !retry.after_timeout) || late {
                         return Err(Error::Redis(e));
@@ -376,7 +472,12 @@ impl Node {
             .and_then(|v| Ok(redis::from_redis_value::<(i64, i64)>(v)?));
         match parsed {
             Ok(v) => self.attempt_of(v),
-            Err(e) if is_network_error(&e) || scripts::is_noscript(&e) => {
+            Err(e)
+                if is_network_error(&e)
+                    || scripts::is_noscript(&e)
+                    || (self.redirect.is_some()
+                        && (e.redirect_node().is_some() || is_settling(&e))) =>
+            {
                 if is_network_error(&e) {
                     self.pool.clear_idle();
                 }
@@ -471,15 +572,20 @@ impl Node {
         call: &Cmd,
         retry: Retry,
     ) -> Result<ReleaseReply> {
-        let mut attempts = 0;
+        // Whether an earlier attempt's reply was lost (it may have deleted the key); a
+        // redirected attempt did not run.
+        let mut lost_reply = false;
+        let mut retried = false;
         let reply = self.run(retry, |c| {
-            attempts += 1;
-            script.run::<i64>(call, c)
+            retried |= lost_reply;
+            let reply = script.run::<i64>(call, c);
+            lost_reply |= reply.as_ref().is_err_and(is_network_error);
+            reply
         })?;
         match reply {
             1 => Ok(ReleaseReply::Released),
             2 => Ok(ReleaseReply::Passed),
-            0 if attempts > 1 => Ok(ReleaseReply::GoneAfterRetry),
+            0 if retried => Ok(ReleaseReply::GoneAfterRetry),
             0 => Ok(ReleaseReply::Gone),
             -1 => Ok(ReleaseReply::Other),
             n => Err(Error::Protocol(format!("release replied {n}"))),
@@ -566,6 +672,17 @@ pub(crate) fn within_deadline<T>(
     // Also after an error reply: the connection goes back to the pool.
     conn.set_read_timeout(Some(read_timeout))?;
     result
+}
+
+/// A Redis Cluster reply saying the command did not run and may be sent again shortly:
+/// `TRYAGAIN` (its keys are half-way through a slot migration) or `CLUSTERDOWN`.
+fn is_settling(e: &redis::RedisError) -> bool {
+    matches!(
+        e.kind(),
+        redis::ErrorKind::Server(
+            redis::ServerErrorKind::TryAgain | redis::ServerErrorKind::ClusterDown
+        )
+    )
 }
 
 /// Whether a failed command may have reached Redis (and so may have taken effect).

@@ -1,17 +1,20 @@
 //! Which node(s) serve a lock's keys, and how many of them must agree.
 //!
 //! [`Topology`] is the one place that knows how the client's Redis is laid out. It is an
-//! enum of flavors, each in its own file: a single node ([`single`]) and Redlock over
-//! independent masters ([`redlock`]). The contend loop, the watchdog and the release path
+//! enum of flavors, each in its own file: a single node ([`single`]), Redlock over
+//! independent masters ([`redlock`]), a Sentinel-managed master ([`sentinel`]) and Redis
+//! Cluster ([`cluster`]). The contend loop, the watchdog and the release path
 //! ask it for a lock's [`Route`] and for verdicts on the nodes' replies ([`verdict`]), and
 //! never count nodes themselves. Nodes are named by a stable [`NodeId`] (their address),
 //! never by position, so a flavor whose set of nodes changes while locks are held fits
 //! behind the same questions.
 
+mod cluster;
 mod fanout;
 mod redlock;
 mod sentinel;
 mod single;
+mod slots;
 pub(crate) mod verdict;
 
 use std::sync::Arc;
@@ -22,6 +25,7 @@ use crate::proto::keys::Keys;
 use crate::proto::node::{Node, NodeId, Retry};
 use crate::stats::Counters;
 
+use cluster::Cluster;
 use redlock::Redlock;
 use sentinel::Sentinel;
 use single::Single;
@@ -34,6 +38,9 @@ pub(crate) enum Topology {
     Redlock(Redlock),
     /// A master the sentinels name; it may move to another server while locks are held.
     Sentinel(Sentinel),
+    /// Redis Cluster: the master serving the lock key's hash slot decides alone; masters
+    /// and slots move while locks are held.
+    Cluster(Cluster),
 }
 
 /// The node(s) that serve one lock's keys, and how many of them must agree.
@@ -41,12 +48,33 @@ pub(crate) enum Topology {
 pub(crate) struct Route {
     nodes: Arc<[Arc<Node>]>,
     quorum: usize,
+    /// The lock lives wherever the route points now, not on the nodes that granted it
+    /// (Redis Cluster: its slot may move to another master while it is held).
+    follows: bool,
 }
 
 impl Route {
     fn new(nodes: Arc<[Arc<Node>]>) -> Self {
         let quorum = nodes.len() / 2 + 1;
-        Route { nodes, quorum }
+        Route::every(nodes, quorum)
+    }
+
+    /// `nodes`, of which `quorum` must agree.
+    fn every(nodes: Arc<[Arc<Node>]>, quorum: usize) -> Self {
+        Route {
+            nodes,
+            quorum,
+            follows: false,
+        }
+    }
+
+    /// One node that serves the lock for now (a Redis Cluster slot's master).
+    fn following(node: Arc<Node>) -> Self {
+        Route {
+            nodes: Arc::from(vec![node]),
+            quorum: 1,
+            follows: true,
+        }
     }
 
     /// Every node of the route.
@@ -80,6 +108,25 @@ impl Route {
         }
     }
 
+    /// Whether `other` names the same nodes, in the same order.
+    pub fn same_nodes(&self, other: &Route) -> bool {
+        self.nodes.len() == other.nodes.len()
+            && self
+                .nodes
+                .iter()
+                .zip(other.nodes.iter())
+                .all(|(a, b)| a.id == b.id)
+    }
+
+    /// The nodes holding a lock that the nodes `granted` granted: those among them, or,
+    /// when the lock follows its route (Redis Cluster), the route's nodes now.
+    pub fn holders(&self, granted: &[NodeId]) -> Vec<Arc<Node>> {
+        if self.follows {
+            return self.nodes.to_vec();
+        }
+        self.among(granted)
+    }
+
     /// The nodes of the route among `ids`.
     pub fn among(&self, ids: &[NodeId]) -> Vec<Arc<Node>> {
         self.nodes
@@ -93,6 +140,14 @@ impl Route {
 impl Topology {
     /// Opens the nodes `cfg` names (no connection is made yet).
     pub fn open(cfg: &Config, counters: &Arc<Counters>, client_id: &Arc<str>) -> Result<Self> {
+        if !cfg.cluster.is_empty() {
+            return Ok(Topology::Cluster(Cluster::open(
+                &cfg.cluster,
+                cfg,
+                counters,
+                client_id,
+            )?));
+        }
         if let Some(sc) = &cfg.sentinel {
             return Ok(Topology::Sentinel(Sentinel::open(
                 sc, cfg, counters, client_id,
@@ -130,8 +185,8 @@ impl Topology {
         })
     }
 
-    /// Every node the client talks to now.
-    pub fn nodes(&self) -> &[Arc<Node>] {
+    /// Every node the client talks to now (Redis Cluster: the masters; the set changes).
+    pub fn nodes(&self) -> Arc<[Arc<Node>]> {
         self.any_route().nodes
     }
 
@@ -141,19 +196,27 @@ impl Topology {
     }
 
     /// The nodes that serve the lock `keys`.
-    pub fn route(&self, _keys: &Keys) -> Route {
+    pub fn route(&self, keys: &Keys) -> Route {
         match self {
             Topology::Single(t) => t.route(),
             Topology::Redlock(t) => t.route(),
             Topology::Sentinel(t) => t.route(),
+            Topology::Cluster(t) => t.route(keys),
         }
     }
 
-    fn any_route(&self) -> RouteRef<'_> {
+    /// Whether one call may renew several locks of a node only when their keys share a
+    /// hash slot (Redis Cluster refuses a script whose keys are in different slots).
+    pub fn batches_by_slot(&self) -> bool {
+        matches!(self, Topology::Cluster(_))
+    }
+
+    fn any_route(&self) -> Route {
         match self {
-            Topology::Single(t) => t.route_ref(),
-            Topology::Redlock(t) => t.route_ref(),
-            Topology::Sentinel(t) => t.route_ref(),
+            Topology::Single(t) => t.route(),
+            Topology::Redlock(t) => t.route(),
+            Topology::Sentinel(t) => t.route(),
+            Topology::Cluster(t) => t.all(),
         }
     }
 
@@ -179,10 +242,4 @@ impl Topology {
             _ => true,
         }
     }
-}
-
-/// A borrowed view of a flavor's nodes.
-struct RouteRef<'a> {
-    nodes: &'a [Arc<Node>],
-    quorum: usize,
 }

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
+use super::Route;
 use super::fanout::Fanout;
-use super::{Route, RouteRef};
 use crate::error::{Result, thread_error};
 use crate::proto::node::Node;
 
@@ -24,13 +24,6 @@ impl Redlock {
 
     pub fn route(&self) -> Route {
         self.route.clone()
-    }
-
-    pub(super) fn route_ref(&self) -> RouteRef<'_> {
-        RouteRef {
-            nodes: &self.route.nodes,
-            quorum: self.route.quorum,
-        }
     }
 
     pub fn fan_out<T, F>(&self, nodes: &[Arc<Node>], f: F) -> Vec<T>

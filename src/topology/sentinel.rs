@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 
-use super::{Route, RouteRef};
+use super::Route;
 use crate::config::{Config, SentinelConfig};
 use crate::error::{Error, Result, thread_error};
 use crate::proto::connect::is_tls_url;
@@ -102,13 +102,6 @@ impl Sentinel {
 
     pub fn route(&self) -> Route {
         self.route.clone()
-    }
-
-    pub(super) fn route_ref(&self) -> RouteRef<'_> {
-        RouteRef {
-            nodes: &self.route.nodes,
-            quorum: self.route.quorum,
-        }
     }
 
     /// Stops the watcher and waits for it until `deadline`; `false` if it still runs.

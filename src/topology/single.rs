@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::{Route, RouteRef};
+use super::Route;
 use crate::proto::node::Node;
 
 pub(crate) struct Single {
@@ -18,12 +18,5 @@ impl Single {
 
     pub fn route(&self) -> Route {
         self.route.clone()
-    }
-
-    pub(super) fn route_ref(&self) -> RouteRef<'_> {
-        RouteRef {
-            nodes: &self.route.nodes,
-            quorum: self.route.quorum,
-        }
     }
 }

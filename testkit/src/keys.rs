@@ -3,6 +3,9 @@
 //!
 //! The lock of name `n` is the key `{prefix}{n}` (the name between braces, byte for byte)
 //! holding the holder's random token, and its fencing counter is `{prefix}{n}:fence`.
+//! When the prefix holds a `{` or the name a `}` (either would break the Redis Cluster
+//! hash tag), the lock key is `{h}{prefix}{n}` instead, `h` being the 16 lower-case hex
+//! digits of the name's FNV-1a-64 hash, so that all of a lock's keys share one slot.
 //! A fencing token is the counter's value shifted left by [`HANDOFF_BITS`], plus the number
 //! of local handoffs since the lock was last taken from Redis.
 
@@ -58,9 +61,10 @@ impl Keys {
         self.prefix
     }
 
-    /// The key holding lock `name`'s owner token: `{prefix}{name}`.
+    /// The key holding lock `name`'s owner token: `{prefix}{name}` (or the escaped form,
+    /// see the module docs).
     pub fn lock(&self, name: &str) -> String {
-        format!("{}{{{name}}}", self.prefix)
+        String::from_utf8(self.lock_bytes(name.as_bytes())).expect("UTF-8 in, UTF-8 out")
     }
 
     /// The fencing counter of lock `name`: `{prefix}{name}:fence`.
@@ -69,12 +73,30 @@ impl Keys {
     }
 
     /// [`Keys::lock`] for a name that may not be UTF-8.
+    ///
+    /// ```
+    /// use redbaton_testkit::keys::Keys;
+    ///
+    /// assert_eq!(Keys::new("p:").lock_bytes(b"}x"), b"{08e04207b57f61d0}p:}x");
+    /// ```
     pub fn lock_bytes(&self, name: &[u8]) -> Vec<u8> {
-        let mut k = Vec::with_capacity(self.prefix.len() + name.len() + 2);
-        k.extend_from_slice(self.prefix.as_bytes());
-        k.push(b'{');
-        k.extend_from_slice(name);
-        k.push(b'}');
+        let prefix = self.prefix.as_bytes();
+        let mut k = Vec::with_capacity(prefix.len() + name.len() + 18);
+        if !prefix.contains(&b'{') && !name.contains(&b'}') {
+            k.extend_from_slice(prefix);
+            k.push(b'{');
+            k.extend_from_slice(name);
+            k.push(b'}');
+        } else {
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            for &b in name {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+            k.extend_from_slice(format!("{{{h:016x}}}").as_bytes());
+            k.extend_from_slice(prefix);
+            k.extend_from_slice(name);
+        }
         k
     }
 
@@ -85,7 +107,8 @@ impl Keys {
         k
     }
 
-    /// A `SCAN`/`KEYS` glob matching every lock key of this prefix (not the counters).
+    /// A `SCAN`/`KEYS` glob matching every plain-form lock key of this prefix (not the
+    /// counters, nor escaped-form keys).
     pub fn lock_pattern(&self) -> String {
         format!("{}{{*}}", self.prefix)
     }

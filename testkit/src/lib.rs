@@ -5,9 +5,11 @@
 //! * [`server`]: a throwaway `redis-server` per test ([`server::RedisServer`]).
 //! * [`proxy`]: a fault-injecting TCP proxy (delays, lost replies, partitions).
 //! * [`child`]: real child processes contending for locks.
+//! * [`cluster`]: a Redis Cluster of three masters and three replicas.
 //! * [`clock`]: clocks whose readings can be compared between processes.
 //! * [`keys`]: the Redis keys and fencing-token layout of the lock protocol, as the
 //!   tests observe them from outside.
+//! * [`sections`]: checking critical sections for overlaps nobody was told of.
 //! * [`wait`]: polling and joining with a deadline, so a broken test fails instead of
 //!   hanging.
 //!
@@ -28,8 +30,10 @@ use parking_lot::Mutex;
 
 pub mod child;
 pub mod clock;
+pub mod cluster;
 pub mod keys;
 pub mod proxy;
+pub mod sections;
 pub mod sentinel;
 pub mod server;
 pub mod tls;

@@ -1,0 +1,274 @@
+//! Redis Cluster: each lock lives on the master that serves its key's hash slot, and the
+//! masters and their slots change while locks are held (resharding, failover).
+//!
+//! The slot map is read from the seeds at start (`CLUSTER SHARDS`, see [`slots`]) and kept
+//! behind a lock; a lock's [`Route`] is the one master owning the slot of its lock key
+//! (all of a lock's keys share that slot, see `proto::keys`). A node per master, named by
+//! its address, keeps its pool across map refreshes.
+//!
+//! Redirects never reach users. Every command goes through `Node::run_until`, which
+//! follows a `MOVED` (the map records the slot's new owner and is read again at the next
+//! route) or an `ASK` (`ASKING`, then the command, on the named node, once) through this
+//! topology's [`Redirect`] hook, and waits out `TRYAGAIN` and `CLUSTERDOWN`. A redirected
+//! command had not run, so resending it is safe; an acquire keeps its token across the
+//! redirect, and the script recognises its own token if an earlier attempt's reply was
+//! lost. A network error marks the map stale too: after a failover the next route asks
+//! the cluster who serves the slot now.
+//!
+//! [`slots`]: super::slots
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+
+use super::Route;
+use super::slots::{self, SLOTS, Shard};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::proto::connect::{is_tls_url, open_client, open_client_at};
+use crate::proto::keys::{Keys, keyslot};
+use crate::proto::node::{Node, Redirect, Retry};
+use crate::stats::Counters;
+
+/// The shortest time between two reads of the slot map: a burst of redirects or errors
+/// after a failover reads it once.
+const MIN_REFRESH: Duration = Duration::from_millis(100);
+/// No master serves the slot (yet).
+const NONE: u16 = u16::MAX;
+
+pub(crate) struct Cluster {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    seeds: Vec<String>,
+    cfg: Config,
+    counters: Arc<Counters>,
+    client_id: Arc<str>,
+    map: RwLock<Map>,
+    /// A redirect or a fault says the map may be out of date.
+    stale: AtomicBool,
+    /// When the map was last read; held while reading it (one reader at a time).
+    refreshed: Mutex<Option<Instant>>,
+    me: Weak<Shared>,
+}
+
+struct Map {
+    /// Per slot: the index in `routes` of its master.
+    owner: Vec<u16>,
+    /// One route per master: that master alone.
+    routes: Vec<Route>,
+    /// Every master.
+    all: Route,
+    /// Every node made so far, by `host:port`: a master that comes back keeps its node
+    /// (and the locks recorded on it).
+    known: HashMap<String, Arc<Node>>,
+}
+
+impl Cluster {
+    /// Reads the slot map through the first seed that answers.
+    pub fn open(
+        seeds: &[String],
+        cfg: &Config,
+        counters: &Arc<Counters>,
+        client_id: &Arc<str>,
+    ) -> Result<Self> {
+        let shared = Arc::new_cyclic(|me| Shared {
+            seeds: seeds.to_vec(),
+            cfg: cfg.clone(),
+            counters: counters.clone(),
+            client_id: client_id.clone(),
+            map: RwLock::new(Map {
+                owner: vec![NONE; SLOTS],
+                routes: Vec::new(),
+                all: Route::every(Arc::from(Vec::new()), 1),
+                known: HashMap::new(),
+            }),
+            stale: AtomicBool::new(false),
+            refreshed: Mutex::new(None),
+            me: me.clone(),
+        });
+        shared.refresh(true)?;
+        Ok(Cluster { shared })
+    }
+
+    /// The master serving the slot of `keys`' lock key.
+    pub fn route(&self, keys: &Keys) -> Route {
+        let shared = &self.shared;
+        if shared.stale.load(Ordering::Relaxed) {
+            let _ = shared.refresh(false);
+        }
+        let slot = keyslot(keys.lock());
+        let map = shared.map.read();
+        match map.owner[usize::from(slot)] {
+            // Nobody serves it in our map: any master answers MOVED or CLUSTERDOWN.
+            NONE => map
+                .routes
+                .first()
+                .cloned()
+                .unwrap_or_else(|| map.all.clone()),
+            i => map.routes[usize::from(i)].clone(),
+        }
+    }
+
+    /// Every master.
+    pub fn all(&self) -> Route {
+        self.shared.map.read().all.clone()
+    }
+}
+
+impl Shared {
+    /// Reads the slot map again, unless another thread is reading it or it was read less
+    /// than [`MIN_REFRESH`] ago (`force`: at start). Asks the known masters first, then
+    /// the seeds.
+    fn refresh(&self, force: bool) -> Result<()> {
+        let Some(mut last) = self.refreshed.try_lock() else {
+            return Ok(());
+        };
+        if !force && last.is_some_and(|t| t.elapsed() < MIN_REFRESH) {
+            return Ok(());
+        }
+        self.stale.store(false, Ordering::Relaxed);
+        *last = Some(Instant::now());
+        let tls = self.seeds.iter().any(|u| is_tls_url(u));
+        let masters: Vec<Arc<Node>> = self.map.read().all.nodes().to_vec();
+        let mut first_error = None;
+        let mut found = None;
+        for node in &masters {
+            match node.run(Retry::NEVER, |c| slots::read(c, tls)) {
+                Ok(shards) if !shards.is_empty() => {
+                    found = Some(shards);
+                    break;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if found.is_none() {
+            for (i, url) in self.seeds.iter().enumerate() {
+                match self.read_seed(i, url, tls) {
+                    Ok(shards) if !shards.is_empty() => {
+                        found = Some(shards);
+                        break;
+                    }
+                    Ok(_) => {
+                        first_error.get_or_insert(Error::InvalidConfig(format!(
+                            "cluster seed {i}: no slot is served (is it a cluster node?)"
+                        )));
+                    }
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        let Some(shards) = found else {
+            // Look again at the next route.
+            self.stale.store(true, Ordering::Relaxed);
+            return Err(
+                first_error.unwrap_or_else(|| Error::InvalidConfig("cluster: no seed".to_owned()))
+            );
+        };
+        Counters::inc(&self.counters.slot_refreshes);
+        self.install(&shards)
+    }
+
+    fn read_seed(&self, i: usize, url: &str, tls: bool) -> Result<Vec<Shard>> {
+        let client = open_client(&format!("cluster seed {i}"), url, &self.cfg.tls)?;
+        let mut conn = crate::proto::pool::open_connection(
+            &client,
+            self.cfg.connect_timeout,
+            self.cfg.read_timeout,
+            self.cfg.write_timeout,
+            "redbaton",
+        )
+        .map_err(Error::Redis)?;
+        Counters::inc(&self.counters.commands);
+        slots::read(&mut conn, tls).map_err(Error::Redis)
+    }
+
+    /// Makes `shards` the map.
+    fn install(&self, shards: &[Shard]) -> Result<()> {
+        let mut nodes = Vec::with_capacity(shards.len());
+        for shard in shards {
+            nodes.push(self.node(&shard.host, shard.port)?);
+        }
+        let mut map = self.map.write();
+        let mut owner = vec![NONE; SLOTS];
+        for (i, shard) in shards.iter().enumerate() {
+            for &(start, end) in &shard.ranges {
+                for slot in start..=end.min(SLOTS as u16 - 1) {
+                    owner[usize::from(slot)] = i as u16;
+                }
+            }
+        }
+        map.owner = owner;
+        map.routes = nodes.iter().map(|n| Route::following(n.clone())).collect();
+        map.all = Route::every(Arc::from(nodes), 1);
+        Ok(())
+    }
+
+    /// The node at `host:port`, made on first use.
+    fn node(&self, host: &str, port: u16) -> Result<Arc<Node>> {
+        let addr = format!("{host}:{port}");
+        if let Some(n) = self.map.read().known.get(&addr) {
+            return Ok(n.clone());
+        }
+        let seed = self.seeds.first().map(String::as_str).unwrap_or("redis://");
+        let client = open_client_at(
+            &format!("cluster node {addr}"),
+            seed,
+            &self.cfg.tls,
+            host,
+            port,
+        )?;
+        let hook: Weak<dyn Redirect> = self.me.clone();
+        let node = Arc::new(
+            Node::at(
+                client,
+                &self.cfg,
+                self.counters.clone(),
+                self.client_id.clone(),
+            )
+            .with_redirect(hook),
+        );
+        let mut map = self.map.write();
+        Ok(map.known.entry(addr).or_insert(node).clone())
+    }
+}
+
+impl Redirect for Shared {
+    fn follow(&self, slot: u16, addr: &str, moved: bool) -> Option<Arc<Node>> {
+        let (host, port) = addr.rsplit_once(':')?;
+        let node = self.node(host, port.parse().ok()?).ok()?;
+        if moved {
+            // Route the slot there at once; read the whole map again soon (one moved slot
+            // usually means more: a reshard, a failover).
+            let mut map = self.map.write();
+            let i = match map.routes.iter().position(|r| r.nodes()[0].id == node.id) {
+                Some(i) => i,
+                None => {
+                    map.routes.push(Route::following(node.clone()));
+                    let mut all = map.all.nodes().to_vec();
+                    all.push(node.clone());
+                    map.all = Route::every(Arc::from(all), 1);
+                    map.routes.len() - 1
+                }
+            };
+            if let Some(o) = map.owner.get_mut(usize::from(slot)) {
+                *o = i as u16;
+            }
+            self.stale.store(true, Ordering::Relaxed);
+        }
+        Some(node)
+    }
+
+    fn fault(&self) {
+        self.stale.store(true, Ordering::Relaxed);
+    }
+}

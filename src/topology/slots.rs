@@ -1,0 +1,224 @@
+//! Reading a Redis Cluster's slot map: which master serves which hash slots.
+//!
+//! `CLUSTER SHARDS` (Redis 7) is asked first; servers that do not know it answer
+//! `CLUSTER SLOTS` (deprecated in Redis 7, but the only choice before).
+
+use redis::{Connection, RedisResult, Value};
+
+/// Hash slots in a Redis Cluster.
+pub(crate) const SLOTS: usize = 16384;
+
+/// One master and the slot ranges it serves (inclusive).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Shard {
+    pub host: String,
+    pub port: u16,
+    pub ranges: Vec<(u16, u16)>,
+}
+
+/// The masters of the cluster that `conn` belongs to. `tls`: the client connects with
+/// TLS, so a master's TLS port is the one to use when the server tells it apart.
+pub(crate) fn read(conn: &mut Connection, tls: bool) -> RedisResult<Vec<Shard>> {
+    match redis::cmd("CLUSTER").arg("SHARDS").query::<Value>(conn) {
+        Ok(v) => Ok(from_shards(&v, tls)),
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
+            let v = redis::cmd("CLUSTER").arg("SLOTS").query::<Value>(conn)?;
+            Ok(from_slots(&v))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The items of an array (RESP2) or the flattened pairs of a map (RESP3).
+fn items(v: &Value) -> Vec<&Value> {
+    match v {
+        Value::Array(a) | Value::Set(a) => a.iter().collect(),
+        Value::Map(m) => m.iter().flat_map(|(k, v)| [k, v]).collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::VerbatimString { text, .. } => Some(text.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        other => text(other)?.parse().ok(),
+    }
+}
+
+/// A flat key-value list as (key, value) pairs.
+fn pairs(v: &Value) -> Vec<(String, &Value)> {
+    let items = items(v);
+    items
+        .chunks(2)
+        .filter_map(|kv| match kv {
+            [k, v] => Some((text(k)?, *v)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn from_shards(v: &Value, tls: bool) -> Vec<Shard> {
+    let mut out = Vec::new();
+    for shard in items(v) {
+        let fields = pairs(shard);
+        let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| *v);
+        let ranges: Vec<(u16, u16)> = get("slots")
+            .map(items)
+            .unwrap_or_default()
+            .chunks(2)
+            .filter_map(|r| match r {
+                [a, b] => Some((int(a)? as u16, int(b)? as u16)),
+                _ => None,
+            })
+            .collect();
+        if ranges.is_empty() {
+            continue;
+        }
+        let masters = get("nodes").map(items).unwrap_or_default();
+        let mut best: Option<(bool, String, u16)> = None;
+        for node in masters {
+            let f = pairs(node);
+            let field = |name: &str| f.iter().find(|(k, _)| k == name).map(|(_, v)| *v);
+            if field("role").and_then(text).as_deref() != Some("master") {
+                continue;
+            }
+            let online = field("health").and_then(text).as_deref() == Some("online");
+            let host = field("endpoint")
+                .and_then(text)
+                .filter(|h| !h.is_empty() && h != "?")
+                .or_else(|| field("ip").and_then(text));
+            let port = tls
+                .then(|| field("tls-port").and_then(int))
+                .flatten()
+                .or_else(|| field("port").and_then(int));
+            if let (Some(host), Some(port)) = (host, port)
+                && best
+                    .as_ref()
+                    .is_none_or(|(was_online, ..)| online && !was_online)
+            {
+                best = Some((online, host, port as u16));
+            }
+        }
+        if let Some((_, host, port)) = best {
+            out.push(Shard { host, port, ranges });
+        }
+    }
+    out
+}
+
+fn from_slots(v: &Value) -> Vec<Shard> {
+    let mut out: Vec<Shard> = Vec::new();
+    for range in items(v) {
+        let r = items(range);
+        let (Some(start), Some(end), Some(master)) = (
+            r.first().and_then(|v| int(v)),
+            r.get(1).and_then(|v| int(v)),
+            r.get(2),
+        ) else {
+            continue;
+        };
+        let m = items(master);
+        let (Some(host), Some(port)) = (
+            m.first().and_then(|v| text(v)),
+            m.get(1).and_then(|v| int(v)),
+        ) else {
+            continue;
+        };
+        let range = (start as u16, end as u16);
+        match out
+            .iter_mut()
+            .find(|s| s.host == host && s.port == port as u16)
+        {
+            Some(s) => s.ranges.push(range),
+            None => out.push(Shard {
+                host,
+                port: port as u16,
+                ranges: vec![range],
+            }),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(x: &str) -> Value {
+        Value::BulkString(x.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn shards_reply() {
+        let node = |role: &str, port: i64, health: &str| {
+            Value::Array(vec![
+                s("id"),
+                s("abc"),
+                s("port"),
+                Value::Int(port),
+                s("ip"),
+                s("127.0.0.1"),
+                s("endpoint"),
+                s("127.0.0.1"),
+                s("role"),
+                s(role),
+                s("health"),
+                s(health),
+            ])
+        };
+        let shard = Value::Array(vec![
+            s("slots"),
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(5460),
+                Value::Int(6000),
+                Value::Int(6001),
+            ]),
+            s("nodes"),
+            Value::Array(vec![
+                node("replica", 7004, "online"),
+                node("master", 7000, "online"),
+            ]),
+        ]);
+        let shards = from_shards(&Value::Array(vec![shard]), false);
+        assert_eq!(
+            shards,
+            vec![Shard {
+                host: "127.0.0.1".into(),
+                port: 7000,
+                ranges: vec![(0, 5460), (6000, 6001)],
+            }]
+        );
+    }
+
+    #[test]
+    fn slots_reply() {
+        let range = |a: i64, b: i64, port: i64| {
+            Value::Array(vec![
+                Value::Int(a),
+                Value::Int(b),
+                Value::Array(vec![s("127.0.0.1"), Value::Int(port), s("id")]),
+                Value::Array(vec![s("127.0.0.1"), Value::Int(port + 3), s("id2")]),
+            ])
+        };
+        let v = Value::Array(vec![
+            range(0, 10, 7000),
+            range(11, 20, 7001),
+            range(21, 30, 7000),
+        ]);
+        let shards = from_slots(&v);
+        assert_eq!(shards.len(), 2);
+        assert_eq!(shards[0].ranges, vec![(0, 10), (21, 30)]);
+        assert_eq!(shards[1].port, 7001);
+    }
+}
