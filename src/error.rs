@@ -4,9 +4,10 @@ use std::fmt;
 
 /// Everything that can go wrong when taking, holding or releasing a lock.
 ///
-/// Messages are short and lowercase; the underlying `redis` error, when there is one, is
-/// kept as the [`source`](std::error::Error::source). Use the `is_*` predicates rather than
-/// matching when you only need to classify.
+/// Messages are short and lowercase and never repeat their cause: the underlying `redis`
+/// or I/O error, when there is one, is the [`source`](std::error::Error::source), so that
+/// printing the chain (`anyhow`'s `{:#}`, say) shows each cause once. Use the `is_*`
+/// predicates rather than matching when you only need to classify.
 ///
 /// # Examples
 ///
@@ -46,18 +47,33 @@ pub enum Error {
     /// The lock name is not acceptable (empty or too long).
     #[error("invalid lock name: {0}")]
     InvalidName(&'static str),
-    /// A builder setting is invalid; the message says which.
+    /// A builder setting is invalid; the message says which, and its accepted range.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// An argument of a call is out of range (a zero lease given to
+    /// [`LockGuard::extend`](crate::LockGuard::extend), say); the message says which.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
     /// Every pooled connection stayed busy for longer than the connect timeout.
     #[error("connection pool exhausted")]
     PoolExhausted,
     /// Redis answered something this library does not expect (a bug or a foreign value).
     #[error("unexpected reply from redis: {0}")]
     Protocol(String),
-    /// A Redis or I/O error; the `redis` error is the source.
-    #[error("redis: {0}")]
+    /// A Redis or I/O error; the `redis` error is the source (see
+    /// [`redis_error`](Error::redis_error)).
+    #[error("redis request failed")]
     Redis(#[source] redis::RedisError),
+    /// The operating system refused to start one of the client's threads; the I/O error is
+    /// the source.
+    #[error("cannot start the {what} thread")]
+    Thread {
+        /// Which thread: `subscriber`, `watchdog`, `fanout` or `cleanup`.
+        what: &'static str,
+        /// Why it could not start.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Error {
@@ -108,7 +124,7 @@ impl Error {
         matches!(self, Error::NoQuorum { .. })
     }
 
-    /// Bad configuration or a bad lock name: retrying will not help.
+    /// Bad configuration, a bad argument or a bad lock name: retrying will not help.
     ///
     /// # Examples
     ///
@@ -117,7 +133,10 @@ impl Error {
     /// assert!(e.is_invalid_input());
     /// ```
     pub fn is_invalid_input(&self) -> bool {
-        matches!(self, Error::InvalidConfig(_) | Error::InvalidName(_))
+        matches!(
+            self,
+            Error::InvalidConfig(_) | Error::InvalidName(_) | Error::InvalidArgument(_)
+        )
     }
 
     /// A network-level failure talking to Redis: refused, reset, timed out, or the pool
@@ -191,6 +210,9 @@ pub enum LostReason {
     HoldLimit,
     /// Redlock: fewer than a majority of nodes still hold the lock.
     NoQuorum,
+    /// The watchdog thread kept failing, so renewals stopped; the lock lives until its
+    /// lease runs out, and this holder is told at once rather than then.
+    WatchdogFailed,
 }
 
 impl fmt::Display for LostReason {
@@ -201,6 +223,7 @@ impl fmt::Display for LostReason {
             LostReason::Stolen => "held by another owner",
             LostReason::HoldLimit => "hold-time limit reached",
             LostReason::NoQuorum => "held on fewer than a majority of nodes",
+            LostReason::WatchdogFailed => "renewals stopped: the watchdog thread failed",
         })
     }
 }

@@ -68,13 +68,17 @@
 //!   (`appendfsync always`) or a consensus system.
 
 mod api;
+mod clock;
 mod config;
 mod engine;
 mod error;
+#[doc(hidden)]
+pub mod fault;
 mod fencing;
 mod local;
 mod proto;
 mod stats;
+mod supervise;
 mod topology;
 mod wake;
 

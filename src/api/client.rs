@@ -548,9 +548,6 @@ fn check_node(node: &Node, notifications: bool, configure: bool) -> Result<Mode>
     }
 }
 
-fn thread_error(what: &str, e: std::io::Error) -> Error {
-    Error::Redis(redis::RedisError::from(std::io::Error::new(
-        e.kind(),
-        format!("cannot start the {what} thread: {e}"),
-    )))
+fn thread_error(what: &'static str, source: std::io::Error) -> Error {
+    Error::Thread { what, source }
 }

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
+use crate::api::builder::{MAX_LEASE, MIN_LEASE};
 use crate::api::client::Inner;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing;
@@ -201,7 +202,17 @@ impl LockGuard {
     }
 
     /// Sets the lock's remaining lease to `lease` now (the watchdog then keeps renewing at a
-    /// third of it). Fails with [`Error::Lost`] if the lock is no longer ours.
+    /// third of it).
+    ///
+    /// `lease` must be within the range the builder's [`lease`](crate::Builder::lease)
+    /// accepts, 10 ms to 24 h: shorter could not be renewed in time, longer is taken for a
+    /// mistake (`Duration::MAX` meant as "forever").
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a lease outside 10 ms ..= 24 h (nothing is sent),
+    /// [`Error::Lost`] if the lock is no longer ours, [`Error::Redis`] (or
+    /// [`Error::PoolExhausted`]) when too few nodes answered to tell.
     ///
     /// # Examples
     ///
@@ -214,16 +225,21 @@ impl LockGuard {
     /// # Ok(()) }
     /// ```
     pub fn extend(&self, lease: Duration) -> Result<()> {
-        if lease.is_zero() {
-            return Err(Error::InvalidConfig(
-                "extend: lease must be positive".to_owned(),
-            ));
+        if !(MIN_LEASE..=MAX_LEASE).contains(&lease) {
+            return Err(Error::InvalidArgument(format!(
+                "extend: lease {lease:?} outside {MIN_LEASE:?}..={MAX_LEASE:?}"
+            )));
         }
         self.client.extend(&self.remote, lease)
     }
 
     /// Releases the lock — to the next waiting thread of this process when the baton
     /// allows, else in Redis — and says what happened.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Redis`] (or [`Error::PoolExhausted`]) when too few nodes answered the
+    /// release to tell what happened; the lock then expires with its lease.
     ///
     /// # Examples
     ///

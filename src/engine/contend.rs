@@ -119,7 +119,7 @@ impl Inner {
             }
             let woken = match self.cfg.wakeup {
                 Wakeup::Polling(every) => {
-                    let until = earliest(Instant::now() + every, deadline);
+                    let until = earliest(crate::clock::from_now(every), deadline);
                     std::thread::sleep(until.saturating_duration_since(Instant::now()));
                     Counters::inc(&self.counters.wakeups_poll);
                     continue;
@@ -507,8 +507,10 @@ impl Waiter {
         client: &Inner,
     ) -> Woken {
         let now = Instant::now();
-        let recheck = now + client.cfg.recheck_interval;
-        let lease_end = hint.map(|p| now + p + p / 100 + Duration::from_millis(2));
+        let recheck = crate::clock::after(now, client.cfg.recheck_interval);
+        let lease_end = hint.map(|p| {
+            crate::clock::after(now, p.saturating_add(p / 100 + Duration::from_millis(2)))
+        });
         let mut until = recheck;
         if let Some(t) = lease_end {
             until = until.min(t);

@@ -114,7 +114,7 @@ impl Node {
             db,
             counters,
             client_id,
-            mark_ttl: cfg.recheck_interval * 2,
+            mark_ttl: cfg.recheck_interval.saturating_mul(2),
         })
     }
 
@@ -182,9 +182,9 @@ impl Node {
 
     /// The `EVALSHA` of one acquire attempt.
     pub fn acquire_call(&self, keys: &Keys, token: &str, lease: Duration, marks: Marks) -> Cmd {
-        let lease_ms = lease.as_millis().max(1) as u64;
+        let lease_ms = crate::clock::millis(lease).max(1);
         let mark_ms = if marks.leave {
-            self.mark_ttl.as_millis().max(1) as u64
+            crate::clock::millis(self.mark_ttl).max(1)
         } else {
             0
         };
@@ -293,7 +293,7 @@ impl Node {
 
     /// Compare-and-extend many locks of this node in one round trip.
     pub fn extend(&self, locks: &[(&[u8], &str)], lease: Duration) -> Result<Vec<ExtendReply>> {
-        let lease_ms = lease.as_millis().max(1) as u64;
+        let lease_ms = crate::clock::millis(lease).max(1);
         let mut call = EXTEND.call(locks.len());
         for (key, _) in locks {
             call.arg(*key);
