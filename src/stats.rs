@@ -70,6 +70,9 @@ counters! {
     locks_lost,
     /// Calls that returned `Error::Timeout`.
     timeouts,
+    /// Background releases (after an acquire whose outcome was unknown) dropped because the
+    /// cleanup queue was full: those keys expire with their lease instead.
+    cleanup_dropped,
 }
 
 impl Counters {

@@ -6,11 +6,13 @@ use std::time::{Duration, Instant};
 use crate::api::builder::Builder;
 use crate::api::guard::LockGuard;
 use crate::config::{Config, Wakeup};
+use crate::engine::cleanup::Cleanup;
 use crate::engine::contend::{Wait, YIELD};
 use crate::engine::watchdog::Watchdog;
 use crate::error::{Error, Result, Unlocked};
 use crate::local::held::RemoteLock;
 use crate::local::table::{Grant, Role, Step, Table};
+use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{ExtendReply, Node, ReleaseReply, Renewal, Retry};
 use crate::stats::{Counters, Stats};
@@ -71,6 +73,7 @@ pub(crate) struct Inner {
     pub counters: Arc<Counters>,
     watchdog: Option<Watchdog>,
     fanout: Option<Fanout>,
+    pub cleanup: Cleanup,
 }
 
 impl LockClient {
@@ -174,6 +177,7 @@ impl LockClient {
                 counters,
                 watchdog,
                 fanout,
+                cleanup: Cleanup::new(weak.clone()),
             }
         });
         match spawn_error {
@@ -310,10 +314,13 @@ impl LockClient {
                     Wait::Until(d) => d,
                     Wait::No => None,
                 };
+                let undo = OnUnwind::new(|| inner.abandon_queued(&keys, &slot));
                 if check_marks {
                     inner.check_marks(&keys, deadline);
                 }
-                match inner.table.wait_queued(&keys, &slot, deadline) {
+                let granted = inner.table.wait_queued(&keys, &slot, deadline);
+                undo.disarm();
+                match granted {
                     Ok(Grant::Baton { remote, seq }) => {
                         Counters::inc(&inner.counters.local_handoffs);
                         (remote, seq)
@@ -342,7 +349,10 @@ impl Inner {
         wait: Wait,
         yield_first: bool,
     ) -> Result<Arc<RemoteLock>> {
-        match self.contend(keys, wait, yield_first) {
+        let undo = OnUnwind::new(|| self.table.contend_failed(keys));
+        let contended = self.contend(keys, wait, yield_first);
+        undo.disarm();
+        match contended {
             Ok(lock) => {
                 self.table.acquired(keys);
                 if let Some(w) = &self.watchdog {
@@ -418,6 +428,8 @@ impl Inner {
         match self.table.release(lock, lost, &self.cfg, &self.subs) {
             Step::HandedOff => Ok(Unlocked::HandedOff),
             Step::Remote { forced, contended } => {
+                let undo = OnUnwind::new(|| self.table.released(&lock.keys, false));
+                crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Release);
                 if forced {
                     Counters::inc(&self.counters.budget_releases);
                 }
@@ -439,6 +451,7 @@ impl Inner {
                         s.ask_to_yield(&lock.keys, until);
                     }
                 }
+                undo.disarm();
                 self.table.released(&lock.keys, forced && contended);
                 self.tally_release(replies, lost.is_none())
             }
@@ -488,6 +501,7 @@ impl Inner {
             return Err(Error::Lost(reason));
         }
         lock.begin_extend();
+        let undo = OnUnwind::new(|| lock.end_extend(None));
         let started = Instant::now();
         let (client, l) = (self.clone(), lock.clone());
         let replies = self.map_nodes(move |n| {
@@ -510,6 +524,7 @@ impl Inner {
             count(ExtendReply::Other),
         );
         let verdict = Renewal::judge(tally, replies.len(), self.quorum(), self.nodes.len() > 1);
+        undo.disarm();
         lock.end_extend((verdict == Renewal::Renewed).then(|| {
             (
                 lease,

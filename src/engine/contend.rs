@@ -117,6 +117,7 @@ impl Inner {
                 }
                 return Err(Error::Timeout);
             }
+            crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Contend);
             let woken = match self.cfg.wakeup {
                 Wakeup::Polling(every) => {
                     let until = earliest(crate::clock::from_now(every), deadline);
@@ -154,18 +155,8 @@ impl Inner {
     /// A compare-and-delete the caller does not wait for (after an ambiguous failure, so
     /// that the deadline is kept and no stray key outlives the call by long).
     fn release_in_background(self: &Arc<Self>, keys: &Keys, token: String, nodes: Vec<usize>) {
-        let (client, k) = (self.clone(), keys.clone());
-        let cleanup = move || {
-            for r in client.release_on(&k, &token, nodes) {
-                if let Err(e) = r {
-                    log::debug!("cleanup release failed (the key expires with its lease): {e}");
-                }
-            }
-        };
-        // Rare (a failed attempt): a thread of its own is cheaper than keeping one around.
-        let _ = std::thread::Builder::new()
-            .name("redbaton-cleanup".to_owned())
-            .spawn(cleanup);
+        // One bounded worker per client (see `cleanup`), never a thread per failure.
+        self.release_later(keys, token, nodes);
     }
 
     /// Redlock: raises the fencing counter of the granting nodes that are behind to

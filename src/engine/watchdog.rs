@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 
 use crate::api::client::Inner;
 use crate::local::held::{Due, RemoteLock};
+use crate::local::undo::OnUnwind;
 use crate::proto::node::{ExtendReply, Renewal};
 use crate::stats::Counters;
 
@@ -153,9 +154,16 @@ fn renew_due(inner: &Arc<Inner>, held: &Mutex<Held>) -> Instant {
     if due.is_empty() {
         return next;
     }
+    let retry = (cfg.renew_interval / 4).min(Duration::from_millis(200));
+    // A panic below must not leave these locks `renewing`: an unlock would wait for ever.
+    let undo = OnUnwind::new(|| {
+        for (lock, _) in &due {
+            lock.end_renew(Err(None), now + retry, counters);
+        }
+    });
+    crate::fault::hit(&cfg.key_prefix, crate::fault::Point::Watchdog);
     // Per lock: (extended, gone, other owner) node counts.
     let tallies = extend_on_nodes(inner, &due);
-    let retry = (cfg.renew_interval / 4).min(Duration::from_millis(200));
     let quorum = inner.quorum();
     for ((lock, lease), (ok, gone, other)) in due.iter().zip(tallies) {
         let redlock = inner.nodes.len() > 1;
@@ -173,6 +181,7 @@ fn renew_due(inner: &Arc<Inner>, held: &Mutex<Held>) -> Instant {
         lock.end_renew(outcome, now + retry, counters);
         next = next.min(now + retry);
     }
+    undo.disarm();
     next
 }
 

@@ -5,3 +5,4 @@ pub(crate) mod held;
 pub(crate) mod mailbox;
 pub(crate) mod spin_choice;
 pub(crate) mod table;
+pub(crate) mod undo;
