@@ -13,6 +13,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use crate::api::client::Inner;
+use crate::error::LostReason;
 use crate::local::held::{Due, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::node::{ExtendReply, Renewal};
@@ -42,10 +43,16 @@ impl Watchdog {
         let held = Arc::new(Mutex::new(Held::default()));
         let (kick, kicked) = crossbeam_channel::bounded(1);
         let shutdown = Arc::new(AtomicBool::new(false));
-        let (h, s) = (held.clone(), shutdown.clone());
+        let (h, s, k) = (held.clone(), shutdown.clone(), kick.clone());
         let thread = std::thread::Builder::new()
             .name("redbaton-watchdog".to_owned())
-            .spawn(move || run(client, h, kicked, s))?;
+            .spawn(move || {
+                crate::supervise::supervise(
+                    "watchdog",
+                    || run(client.clone(), h.clone(), kicked.clone(), s.clone()),
+                    |in_a_row| crashed(&client, &h, &k, in_a_row),
+                );
+            })?;
         Ok(Watchdog {
             held,
             kick,
@@ -91,6 +98,32 @@ impl Drop for Watchdog {
             let _ = t.join();
         }
     }
+}
+
+/// Panics in a row after which renewals are taken to be impossible: every watched lock's
+/// holder is told ([`LostReason::WatchdogFailed`]) rather than left to find out when its
+/// lease runs out.
+const GIVE_UP_AFTER: u32 = 3;
+
+/// The thread panicked (the locks it was renewing were put back by `renew_due`). Returns
+/// whether to run again.
+fn crashed(client: &Weak<Inner>, held: &Mutex<Held>, kick: &Sender<()>, in_a_row: u32) -> bool {
+    let Some(inner) = client.upgrade() else {
+        return false;
+    };
+    if in_a_row >= GIVE_UP_AFTER {
+        let locks: Vec<Arc<RemoteLock>> = held.lock().locks.drain().map(|(_, l)| l).collect();
+        log::error!(
+            "watchdog: {in_a_row} panics in a row; telling the holders of {} locks they are lost",
+            locks.len()
+        );
+        for lock in locks {
+            lock.mark_lost(LostReason::WatchdogFailed, &inner.counters);
+        }
+    }
+    // The restarted loop must not wait for a registration before its first pass.
+    let _ = kick.try_send(());
+    true
 }
 
 fn run(
