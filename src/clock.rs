@@ -34,7 +34,10 @@ mod tests {
     fn never_panics() {
         let now = Instant::now();
         assert!(after(now, Duration::MAX) > now);
-        assert_eq!(after(now, Duration::from_secs(1)), now + Duration::from_secs(1));
+        assert_eq!(
+            after(now, Duration::from_secs(1)),
+            now + Duration::from_secs(1)
+        );
         let far = from_now(Duration::MAX);
         assert!(after(far, Duration::MAX) >= far);
         assert_eq!(millis(Duration::MAX), u64::MAX);

@@ -13,11 +13,7 @@ const STABLE: Duration = Duration::from_secs(10);
 
 /// Runs `body` until it returns; after each panic calls `crashed(crashes in a row)`, which
 /// repairs the shared state and says whether to run again.
-pub(crate) fn supervise(
-    name: &str,
-    mut body: impl FnMut(),
-    mut crashed: impl FnMut(u32) -> bool,
-) {
+pub(crate) fn supervise(name: &str, mut body: impl FnMut(), mut crashed: impl FnMut(u32) -> bool) {
     let mut in_a_row = 0u32;
     let mut backoff = FIRST_BACKOFF;
     loop {

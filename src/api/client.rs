@@ -159,7 +159,7 @@ impl LockClient {
             }
         }
         let fanout = if nodes.len() > 1 {
-            Some(Fanout::start(2 * (nodes.len() - 1)).map_err(|e| thread_error("fanout", e))?)
+            Some(Fanout::start(nodes.len()).map_err(|e| thread_error("fanout", e))?)
         } else {
             None
         };

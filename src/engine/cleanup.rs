@@ -60,7 +60,9 @@ impl Cleanup {
             match self.start() {
                 Ok(w) => *worker = Some(w),
                 Err(e) => {
-                    log::warn!("cannot start the cleanup thread ({e}); the key expires with its lease");
+                    log::warn!(
+                        "cannot start the cleanup thread ({e}); the key expires with its lease"
+                    );
                     Counters::inc(&counters.cleanup_dropped);
                     return;
                 }
@@ -102,7 +104,9 @@ impl Cleanup {
                                 );
                             }
                         }
-                        Err(_) => log::error!("cleanup release panicked; the key expires with its lease"),
+                        Err(_) => {
+                            log::error!("cleanup release panicked; the key expires with its lease")
+                        }
                     }
                 }
             })?;

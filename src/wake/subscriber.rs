@@ -222,7 +222,14 @@ impl Subscriber {
                 let sh = &thread_shared;
                 crate::supervise::supervise(
                     "subscriber",
-                    || run(sh.clone(), kicked.clone(), connector.clone(), counters.clone()),
+                    || {
+                        run(
+                            sh.clone(),
+                            kicked.clone(),
+                            connector.clone(),
+                            counters.clone(),
+                        )
+                    },
                     |_| {
                         sh.crashed();
                         true
