@@ -15,7 +15,7 @@ pub enum Point {
     Subscriber,
     /// In the watchdog thread, while it renews the locks that are due.
     Watchdog,
-    /// In a release, after the local table marked the key as releasing.
+    /// In a release to Redis, after renewals stopped and before the compare-and-delete.
     Release,
 }
 

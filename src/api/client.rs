@@ -428,8 +428,7 @@ impl Inner {
         match self.table.release(lock, lost, &self.cfg, &self.subs) {
             Step::HandedOff => Ok(Unlocked::HandedOff),
             Step::Remote { forced, contended } => {
-                let undo = OnUnwind::new(|| self.table.released(&lock.keys, false));
-                crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Release);
+                let undo = OnUnwind::new(|| self.abandon_release(lock));
                 if forced {
                     Counters::inc(&self.counters.budget_releases);
                 }
@@ -439,6 +438,7 @@ impl Inner {
                 if let Some(w) = &self.watchdog {
                     w.unregister(lock);
                 }
+                crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Release);
                 // Redlock: on every node, not only those that granted: a node whose grant
                 // came too late to count may hold our token too.
                 let every: Vec<usize> = (0..self.nodes.len()).collect();

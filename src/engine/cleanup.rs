@@ -17,6 +17,7 @@ use crossbeam_channel::{Sender, TrySendError};
 use parking_lot::Mutex;
 
 use crate::api::client::Inner;
+use crate::local::held::RemoteLock;
 use crate::local::mailbox::Slot;
 use crate::local::table::Grant;
 use crate::proto::keys::Keys;
@@ -141,6 +142,15 @@ impl Inner {
             nodes,
         };
         self.cleanup.submit(job, &self.counters);
+    }
+
+    /// A release is unwinding after the table marked the key as releasing: stop renewals,
+    /// leave the compare-and-delete to the cleanup thread, and let the next local waiter
+    /// contend.
+    pub(crate) fn abandon_release(&self, lock: &RemoteLock) {
+        lock.begin_release(&self.counters);
+        self.release_later(&lock.keys, lock.token.clone(), (0..self.nodes.len()).collect());
+        self.table.released(&lock.keys, false);
     }
 
     /// A queued waiter is unwinding: leave the queue, and pass on whatever reached it
