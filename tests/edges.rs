@@ -43,7 +43,10 @@ fn check<T>(what: &str, expect: Expect, run: impl FnOnce() -> Result<T, Error>) 
             eprintln!("{what}: accepted, then {e}");
             None
         }
-        (Expect::Invalid(needle), Err(e @ (Error::InvalidConfig(_) | Error::InvalidArgument(_)))) => {
+        (
+            Expect::Invalid(needle),
+            Err(e @ (Error::InvalidConfig(_) | Error::InvalidArgument(_))),
+        ) => {
             assert!(e.to_string().contains(needle), "{what}: {e}");
             None
         }
@@ -81,7 +84,11 @@ fn every_builder_setting_at_its_edges() {
             (
                 "connect timeout",
                 |b, d| b.connect_timeout(d),
-                [Invalid("connect timeout"), Valid, Invalid("connect timeout")],
+                [
+                    Invalid("connect timeout"),
+                    Valid,
+                    Invalid("connect timeout"),
+                ],
             ),
             (
                 "read timeout",
@@ -96,7 +103,11 @@ fn every_builder_setting_at_its_edges() {
             (
                 "recheck interval",
                 |b, d| b.recheck_interval(d),
-                [Invalid("recheck interval"), Valid, Invalid("recheck interval")],
+                [
+                    Invalid("recheck interval"),
+                    Valid,
+                    Invalid("recheck interval"),
+                ],
             ),
             (
                 "renew interval",
@@ -118,7 +129,11 @@ fn every_builder_setting_at_its_edges() {
             (
                 "polling interval",
                 |b, d| b.wakeup(Wakeup::Polling(d)),
-                [Invalid("polling interval"), Valid, Invalid("polling interval")],
+                [
+                    Invalid("polling interval"),
+                    Valid,
+                    Invalid("polling interval"),
+                ],
             ),
         ]
     };
@@ -133,9 +148,11 @@ fn every_builder_setting_at_its_edges() {
             };
             // The accepted client must survive a contended wait and a free lock.
             let held = holder.lock(&name).unwrap();
-            let waited = check(&format!("{what}: contended try_lock_for"), Expect::Valid, || {
-                client.try_lock_for(&name, ms(100)).map(drop)
-            });
+            let waited = check(
+                &format!("{what}: contended try_lock_for"),
+                Expect::Valid,
+                || client.try_lock_for(&name, ms(100)).map(drop),
+            );
             assert!(waited.is_none(), "{what}: got a lock that was held");
             drop(held);
             check(&format!("{what}: free try_lock_for"), Expect::Valid, || {
@@ -189,7 +206,9 @@ fn every_method_taking_a_duration_or_instant_at_its_edges() {
     drop(held);
     type Wait = fn(&LockClient, Instant) -> Result<(), Error>;
     let endless: [(&str, Wait); 2] = [
-        ("try_lock_for(MAX)", |c, _| c.try_lock_for("held", MAX).map(drop)),
+        ("try_lock_for(MAX)", |c, _| {
+            c.try_lock_for("held", MAX).map(drop)
+        }),
         ("try_lock_until(far future)", |c, far| {
             c.try_lock_until("held", far).map(drop)
         }),
@@ -202,7 +221,10 @@ fn every_method_taking_a_duration_or_instant_at_its_edges() {
         drop(held);
         let until = Instant::now() + Duration::from_secs(10);
         while !t.is_finished() {
-            assert!(Instant::now() < until, "{what}: never woke after the release");
+            assert!(
+                Instant::now() < until,
+                "{what}: never woke after the release"
+            );
             thread::sleep(ms(10));
         }
         t.join()
@@ -217,12 +239,17 @@ fn every_method_taking_a_duration_or_instant_at_its_edges() {
         (ZERO, Expect::Invalid("lease")),
         (NS, Expect::Invalid("lease")),
         (ms(9), Expect::Invalid("lease")),
-        (Duration::from_secs(24 * 3600) + NS, Expect::Invalid("lease")),
+        (
+            Duration::from_secs(24 * 3600) + NS,
+            Expect::Invalid("lease"),
+        ),
         (MAX, Expect::Invalid("lease")),
         (ms(10), Expect::Valid),
         (Duration::from_secs(24 * 3600), Expect::Valid),
     ] {
-        check(&format!("extend({value:?})"), expect, || guard.extend(value));
+        check(&format!("extend({value:?})"), expect, || {
+            guard.extend(value)
+        });
     }
     let e = guard.extend(MAX).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
@@ -231,7 +258,10 @@ fn every_method_taking_a_duration_or_instant_at_its_edges() {
         .arg(format!("{PREFIX}{{extend}}"))
         .query(&mut srv.conn())
         .unwrap();
-    assert!(pttl > 23 * 3600 * 1000, "the last valid extend holds: {pttl}");
+    assert!(
+        pttl > 23 * 3600 * 1000,
+        "the last valid extend holds: {pttl}"
+    );
     guard.unlock().unwrap();
 }
 

@@ -133,7 +133,10 @@ fn queued_waiters_survive_their_contender_panicking() {
     for w in waiters {
         w.join().unwrap().expect("a queued waiter gets the lock");
     }
-    eprintln!("queued waiters served {:?} after the release", released.elapsed());
+    eprintln!(
+        "queued waiters served {:?} after the release",
+        released.elapsed()
+    );
     assert!(released.elapsed() < Duration::from_secs(8));
 }
 
@@ -156,7 +159,10 @@ fn panicking_critical_section_passes_the_lock_on() {
     let c3 = c.clone();
     let waiter = thread::spawn(move || c3.try_lock_for("k", Duration::from_secs(5)).map(drop));
     assert!(holder.join().is_err());
-    waiter.join().unwrap().expect("the queued waiter gets the lock");
+    waiter
+        .join()
+        .unwrap()
+        .expect("the queued waiter gets the lock");
     c.try_lock("k").expect("free again").unlock().unwrap();
 }
 
@@ -244,7 +250,9 @@ fn watchdog_panic_is_survived() {
     });
     let checked = rx.recv_timeout(Duration::from_secs(10)).expect("checked");
     assert_eq!(checked, "Ok(())", "still held: renewals went on");
-    let unlocked = rx.recv_timeout(Duration::from_secs(5)).expect("unlock returns");
+    let unlocked = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("unlock returns");
     assert_eq!(unlocked, "Ok(Released)");
     eprintln!("unlocked in {}", rx.recv().unwrap());
 }
@@ -277,7 +285,10 @@ fn watchdog_that_keeps_failing_tells_the_holder() {
         let _ = tx.send(format!("{:?}", guard.unlock()));
     });
     let reason = rx.recv_timeout(Duration::from_secs(10)).expect("told");
-    assert_eq!(reason, format!("{:?}", Ok::<_, ()>(LostReason::WatchdogFailed)));
+    assert_eq!(
+        reason,
+        format!("{:?}", Ok::<_, ()>(LostReason::WatchdogFailed))
+    );
     let outcome = rx
         .recv_timeout(Duration::from_secs(5))
         .expect("unlock returns");
@@ -290,5 +301,8 @@ fn watchdog_that_keeps_failing_tells_the_holder() {
         .arg(format!("{P}{{k}}"))
         .query(&mut srv.conn())
         .unwrap();
-    assert!(pttl > 8500, "renewed by the restarted watchdog: {pttl} ms left");
+    assert!(
+        pttl > 8500,
+        "renewed by the restarted watchdog: {pttl} ms left"
+    );
 }

@@ -159,7 +159,10 @@ impl LockClient {
             }
         }
         let fanout = if nodes.len() > 1 {
-            Some(Fanout::start(nodes.len()).map_err(|e| thread_error("fanout", e))?)
+            Some(
+                Fanout::start(nodes.len(), cfg.read_timeout)
+                    .map_err(|e| thread_error("fanout", e))?,
+            )
         } else {
             None
         };

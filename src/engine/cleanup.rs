@@ -156,7 +156,11 @@ impl Inner {
     /// contend.
     pub(crate) fn abandon_release(&self, lock: &RemoteLock) {
         lock.begin_release(&self.counters);
-        self.release_later(&lock.keys, lock.token.clone(), (0..self.nodes.len()).collect());
+        self.release_later(
+            &lock.keys,
+            lock.token.clone(),
+            (0..self.nodes.len()).collect(),
+        );
         self.table.released(&lock.keys, false);
     }
 

@@ -4,3 +4,4 @@ pub(crate) mod keys;
 pub(crate) mod node;
 pub(crate) mod pool;
 pub(crate) mod scripts;
+pub(crate) mod skip;

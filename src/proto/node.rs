@@ -139,6 +139,9 @@ impl Node {
         deadline: Option<Instant>,
         mut f: impl FnMut(&mut Connection) -> RedisResult<T>,
     ) -> Result<T> {
+        if let Some(e) = crate::proto::skip::skipped() {
+            return Err(Error::Redis(e));
+        }
         let (_, read_timeout, _) = self.pool.timeouts();
         let mut tries = 0;
         loop {

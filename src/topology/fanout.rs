@@ -4,16 +4,23 @@
 //! cost more than a loopback round trip).
 //!
 //! One bounded queue per node: a hung node's calls (each waits out its timeout) occupy
-//! only that node's workers, never the workers of the healthy nodes, so a round decided
-//! by the healthy majority is not queued behind the hung node's backlog. When a node's
-//! queue is full, the caller runs that node's call itself (backpressure: memory stays
-//! bounded, and no call is lost).
+//! only that node's workers, never the workers of the healthy nodes. And a round does not
+//! queue behind a hung node's backlog either: when every worker of a node is busy and
+//! none has finished a call for half a read timeout, the node is *stalled*, and the call
+//! is made on the caller's thread in skipping mode (it fails at once, as a timeout would;
+//! see `proto::skip`), so the healthy majority decides the round at once. When a node's
+//! queue is full, the caller makes that node's call itself (backpressure).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Sender, TrySendError};
+use parking_lot::Mutex;
+
+use crate::proto::skip::skipping;
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -22,38 +29,72 @@ const WORKERS_PER_NODE: usize = 2;
 /// Calls waiting for a node's workers, at most.
 const QUEUE_PER_NODE: usize = 64;
 
+/// One node's queue, and how its workers are doing.
+struct Lane {
+    jobs: Sender<Job>,
+    state: Arc<LaneState>,
+}
+
+/// Shared with the node's workers (which must not hold the sender: dropping it ends them).
+struct LaneState {
+    /// Calls queued or running.
+    pending: AtomicUsize,
+    /// When a worker last finished a call (or the lane started).
+    progress: Mutex<Instant>,
+}
+
+impl LaneState {
+    /// Every worker is busy and none has finished anything for `stall`.
+    fn stalled(&self, stall: Duration) -> bool {
+        self.pending.load(Ordering::Acquire) >= WORKERS_PER_NODE
+            && self.progress.lock().elapsed() >= stall
+    }
+}
+
 pub(crate) struct Fanout {
     /// Per node; node 0's is `None`: the caller runs it.
-    queues: Vec<Option<Sender<Job>>>,
+    lanes: Vec<Option<Lane>>,
+    stall: Duration,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl Fanout {
-    /// Workers for nodes `1..nodes`.
-    pub fn start(nodes: usize) -> std::io::Result<Self> {
-        let mut queues = Vec::with_capacity(nodes);
+    /// Workers for nodes `1..nodes`; a node is skipped while stalled for half of
+    /// `read_timeout`.
+    pub fn start(nodes: usize, read_timeout: Duration) -> std::io::Result<Self> {
+        let mut lanes = Vec::with_capacity(nodes);
         let mut threads = Vec::with_capacity(nodes.saturating_sub(1) * WORKERS_PER_NODE);
-        queues.push(None);
+        lanes.push(None);
         for node in 1..nodes {
-            let (tx, rx) = crossbeam_channel::bounded::<Job>(QUEUE_PER_NODE);
+            let (jobs, rx) = crossbeam_channel::bounded::<Job>(QUEUE_PER_NODE);
+            let state = Arc::new(LaneState {
+                pending: AtomicUsize::new(0),
+                progress: Mutex::new(Instant::now()),
+            });
             for w in 0..WORKERS_PER_NODE {
-                let rx = rx.clone();
+                let (rx, lane) = (rx.clone(), state.clone());
                 threads.push(
                     std::thread::Builder::new()
                         .name(format!("redbaton-fan-{node}.{w}"))
                         .spawn(move || {
-                            // Ends when the client drops the sender. A panicking call is
+                            // Ends when the client drops the lanes. A panicking call is
                             // the caller's to see (its reply never comes); the worker
                             // goes on.
                             for job in rx {
                                 let _ = catch_unwind(AssertUnwindSafe(job));
+                                *lane.progress.lock() = Instant::now();
+                                lane.pending.fetch_sub(1, Ordering::AcqRel);
                             }
                         })?,
                 );
             }
-            queues.push(Some(tx));
+            lanes.push(Some(Lane { jobs, state }));
         }
-        Ok(Fanout { queues, threads })
+        Ok(Fanout {
+            lanes,
+            stall: read_timeout / 2,
+            threads,
+        })
     }
 
     /// `f(i)` for every `i` in `0..n`, in parallel; results in index order.
@@ -68,25 +109,35 @@ impl Fanout {
     {
         let (tx, rx) = crossbeam_channel::bounded(n);
         let mut inline = Vec::new();
+        let mut skipped = Vec::new();
         for i in 1..n {
             let (f, tx) = (f.clone(), tx.clone());
             let job: Job = Box::new(move || {
                 let _ = tx.send((i, f(i)));
             });
-            match self.queues.get(i).and_then(Option::as_ref) {
-                Some(queue) => match queue.try_send(job) {
-                    Ok(()) => {}
-                    // Backlogged, or workers gone (shutting down): run it here.
-                    Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => {
-                        inline.push(job)
-                    }
-                },
-                None => inline.push(job),
+            let Some(lane) = self.lanes.get(i).and_then(Option::as_ref) else {
+                inline.push(job);
+                continue;
+            };
+            if lane.state.stalled(self.stall) {
+                skipped.push(job);
+                continue;
+            }
+            lane.state.pending.fetch_add(1, Ordering::AcqRel);
+            if let Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) =
+                lane.jobs.try_send(job)
+            {
+                // Backlogged, or workers gone (shutting down): run it here.
+                lane.state.pending.fetch_sub(1, Ordering::AcqRel);
+                inline.push(job);
             }
         }
         let mut out: Vec<Option<T>> = (0..n).map(|_| None).collect();
         if n > 0 {
             out[0] = Some(f(0));
+        }
+        for job in skipped {
+            skipping(job);
         }
         for job in inline {
             job();
@@ -103,7 +154,7 @@ impl Fanout {
 
 impl Drop for Fanout {
     fn drop(&mut self) {
-        self.queues.clear();
+        self.lanes.clear();
         let me = std::thread::current().id();
         for t in self.threads.drain(..) {
             if t.thread().id() != me {
