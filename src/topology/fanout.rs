@@ -5,10 +5,12 @@
 //!
 //! One bounded queue per node: a hung node's calls (each waits out its timeout) occupy
 //! only that node's workers, never the workers of the healthy nodes. And a round does not
-//! queue behind a hung node's backlog either: when every worker of a node is busy and
-//! none has finished a call for half a read timeout, the node is *stalled*, and the call
-//! is made on the caller's thread in skipping mode (it fails at once, as a timeout would;
-//! see `proto::skip`), so the healthy majority decides the round at once. When a node's
+//! queue behind a hung node's backlog either: while a node's last call took half a read
+//! timeout or more and another call to it is under way (or every worker is busy and none
+//! has finished a call for that long), the node is *stalled*, and the call is made on the
+//! caller's thread in skipping mode (it fails at once, as a timeout would; see
+//! `proto::skip`), so the healthy majority decides the round at once. The call under way
+//! is the probe: once the node answers quickly again, it is used again. When a node's
 //! queue is full, the caller makes that node's call itself (backpressure).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -39,15 +41,19 @@ struct Lane {
 struct LaneState {
     /// Calls queued or running.
     pending: AtomicUsize,
-    /// When a worker last finished a call (or the lane started).
-    progress: Mutex<Instant>,
+    /// When a worker last finished a call (or the lane started), and how long that
+    /// call took.
+    progress: Mutex<(Instant, Duration)>,
 }
 
 impl LaneState {
-    /// Every worker is busy and none has finished anything for `stall`.
+    /// The node is not keeping up: its last call took `stall` or more and another is
+    /// still under way (it probes the node: one round waits for it, the others do not),
+    /// or every worker is busy and none has finished anything for `stall`.
     fn stalled(&self, stall: Duration) -> bool {
-        self.pending.load(Ordering::Acquire) >= WORKERS_PER_NODE
-            && self.progress.lock().elapsed() >= stall
+        let pending = self.pending.load(Ordering::Acquire);
+        let (at, took) = *self.progress.lock();
+        (pending >= 1 && took >= stall) || (pending >= WORKERS_PER_NODE && at.elapsed() >= stall)
     }
 }
 
@@ -69,7 +75,7 @@ impl Fanout {
             let (jobs, rx) = crossbeam_channel::bounded::<Job>(QUEUE_PER_NODE);
             let state = Arc::new(LaneState {
                 pending: AtomicUsize::new(0),
-                progress: Mutex::new(Instant::now()),
+                progress: Mutex::new((Instant::now(), Duration::ZERO)),
             });
             for w in 0..WORKERS_PER_NODE {
                 let (rx, lane) = (rx.clone(), state.clone());
@@ -81,8 +87,9 @@ impl Fanout {
                             // the caller's to see (its reply never comes); the worker
                             // goes on.
                             for job in rx {
+                                let started = Instant::now();
                                 let _ = catch_unwind(AssertUnwindSafe(job));
-                                *lane.progress.lock() = Instant::now();
+                                *lane.progress.lock() = (Instant::now(), started.elapsed());
                                 lane.pending.fetch_sub(1, Ordering::AcqRel);
                             }
                         })?,
