@@ -52,6 +52,17 @@ pub enum Error {
     InvalidConfig(String),
     /// An argument of a call is out of range (a zero lease given to
     /// [`LockGuard::extend`](crate::LockGuard::extend), say); the message says which.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let guard = client.lock("k")?;
+    /// let e = guard.extend(Duration::ZERO).unwrap_err();
+    /// assert!(matches!(e, redbaton::Error::InvalidArgument(_)));
+    /// assert!(e.is_invalid_input());
+    /// # Ok(()) }
+    /// ```
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// Every pooled connection stayed busy for longer than the connect timeout.
@@ -65,7 +76,17 @@ pub enum Error {
     #[error("redis request failed")]
     Redis(#[source] redis::RedisError),
     /// The operating system refused to start one of the client's threads; the I/O error is
-    /// the source.
+    /// the source. Not a connection error: retrying soon rarely helps.
+    ///
+    /// ```
+    /// let e = redbaton::Error::Thread {
+    ///     what: "watchdog",
+    ///     source: std::io::Error::other("resource temporarily unavailable"),
+    /// };
+    /// assert_eq!(e.to_string(), "cannot start the watchdog thread");
+    /// assert!(!e.is_connection());
+    /// assert!(std::error::Error::source(&e).is_some());
+    /// ```
     #[error("cannot start the {what} thread")]
     Thread {
         /// Which thread: `subscriber`, `watchdog`, `fanout` or `cleanup`.
@@ -212,6 +233,11 @@ pub enum LostReason {
     NoQuorum,
     /// The watchdog thread kept failing, so renewals stopped; the lock lives until its
     /// lease runs out, and this holder is told at once rather than then.
+    ///
+    /// ```
+    /// let r = redbaton::LostReason::WatchdogFailed;
+    /// assert_eq!(r.to_string(), "renewals stopped: the watchdog thread failed");
+    /// ```
     WatchdogFailed,
 }
 

@@ -6,6 +6,10 @@
 //! the feature every hook compiles to nothing.
 
 /// Where a fault can be injected.
+///
+/// ```
+/// let _ = redbaton::fault::Point::Watchdog;
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Point {
