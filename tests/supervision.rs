@@ -66,6 +66,21 @@ fn bounce_elsewhere(srv: &RedisServer, prefix: &str, name: &str) {
         .unwrap();
 }
 
+/// A thread of `c` waiting (up to 20 s) for `name`, which another process holds; returns
+/// once it sleeps in its wait.
+fn waiter_behind_foreign(
+    srv: &RedisServer,
+    c: &LockClient,
+    prefix: &str,
+    name: &'static str,
+) -> thread::JoinHandle<Result<(), redbaton::Error>> {
+    hold_elsewhere(srv, prefix, name);
+    let c = c.clone();
+    let waiter = thread::spawn(move || c.try_lock_for(name, Duration::from_secs(20)).map(drop));
+    thread::sleep(ms(300));
+    waiter
+}
+
 fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;
     while !cond() {
@@ -108,10 +123,7 @@ fn queued_waiters_survive_their_contender_panicking() {
     const P: &str = "sv-queue:";
     let srv = RedisServer::start();
     let c = client(&srv, P);
-    hold_elsewhere(&srv, P, "k");
-    let c2 = c.clone();
-    let contender = thread::spawn(move || c2.try_lock_for("k", Duration::from_secs(20)).map(drop));
-    thread::sleep(ms(300));
+    let contender = waiter_behind_foreign(&srv, &c, P, "k");
     let waiters: Vec<_> = (0..3)
         .map(|_| {
             let c = c.clone();
@@ -196,10 +208,7 @@ fn subscriber_panic_is_survived() {
     const P: &str = "sv-sub:";
     let srv = RedisServer::start();
     let c = client(&srv, P);
-    hold_elsewhere(&srv, P, "k");
-    let c2 = c.clone();
-    let waiter = thread::spawn(move || c2.try_lock_for("k", Duration::from_secs(20)).map(drop));
-    thread::sleep(ms(300));
+    let waiter = waiter_behind_foreign(&srv, &c, P, "k");
     fault::arm(P, Point::Subscriber, 1);
     thread::sleep(ms(500)); // it fires within a poll interval; the thread restarts
     fault::disarm(P, Point::Subscriber);
@@ -213,10 +222,7 @@ fn subscriber_panic_is_survived() {
     eprintln!("woken {:?} after the release", released.elapsed());
 
     // A new waiter after the restart is woken by events too.
-    hold_elsewhere(&srv, P, "k2");
-    let c3 = c.clone();
-    let waiter = thread::spawn(move || c3.try_lock_for("k2", Duration::from_secs(20)).map(drop));
-    thread::sleep(ms(300));
+    let waiter = waiter_behind_foreign(&srv, &c, P, "k2");
     release_elsewhere(&srv, P, "k2");
     assert!(wait_until(Duration::from_secs(5), || waiter.is_finished()));
     waiter.join().unwrap().expect("acquired after the release");
