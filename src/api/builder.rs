@@ -437,8 +437,10 @@ impl Builder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for a bad setting, [`Error::Redis`] when a node cannot be
-    /// reached within the connect timeout (for Redlock: when fewer than a majority can).
+    /// [`Error::InvalidConfig`] for a bad setting (the message names it and its accepted
+    /// range), [`Error::Redis`] when a node cannot be reached within the connect timeout
+    /// (for Redlock: when fewer than a majority can), [`Error::Thread`] when the operating
+    /// system refuses to start one of the client's threads.
     ///
     /// # Examples
     ///

@@ -24,9 +24,12 @@ use crate::wake::subscriber::{Connector, Setup, Subscriber};
 /// (Redlock).
 ///
 /// Cheap to clone (an `Arc`), `Send + Sync`: build one per process and share it. It owns
-/// one subscriber thread per node (waking waiters), one watchdog thread (renewing leases)
-/// and, for Redlock, a few threads that talk to the nodes in parallel. They stop, and are
-/// joined, when the last clone and the last guard are dropped.
+/// one subscriber thread per node (waking waiters), one watchdog thread (renewing leases),
+/// for Redlock two threads per node beyond the first that talk to the nodes in parallel,
+/// and, from the first acquire whose outcome was unknown, one cleanup thread (releasing
+/// what such attempts may have left). A subscriber or watchdog thread that panics is
+/// restarted (and logged at `error`). They stop, and are joined, when the last clone and
+/// the last guard are dropped.
 ///
 /// # Examples
 ///
