@@ -2,6 +2,11 @@
 
 use std::time::Duration;
 
+/// The longest lease accepted (by the builder and by an explicit extend).
+pub(crate) const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
+/// The shortest lease accepted: shorter could not be renewed in time.
+pub(crate) const MIN_LEASE: Duration = Duration::from_millis(10);
+
 /// How a waiter learns that a held lock may have become free.
 ///
 /// # Examples

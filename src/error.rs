@@ -4,9 +4,10 @@ use std::fmt;
 
 /// Everything that can go wrong when taking, holding or releasing a lock.
 ///
-/// Messages are short and lowercase; the underlying `redis` error, when there is one, is
-/// kept as the [`source`](std::error::Error::source). Use the `is_*` predicates rather than
-/// matching when you only need to classify.
+/// Messages are short and lowercase and never repeat their cause: the underlying `redis`
+/// or I/O error, when there is one, is the [`source`](std::error::Error::source), so that
+/// printing the chain (`anyhow`'s `{:#}`, say) shows each cause once. Use the `is_*`
+/// predicates rather than matching when you only need to classify.
 ///
 /// # Examples
 ///
@@ -55,17 +56,33 @@ pub enum Error {
     /// The lock name is not acceptable (empty or too long).
     #[error("invalid lock name: {0}")]
     InvalidName(&'static str),
-    /// A builder setting is invalid; the message says which.
+    /// A builder setting is invalid; the message says which, and its accepted range.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// An argument of a call is out of range (a zero lease given to
+    /// [`LockGuard::extend`](crate::LockGuard::extend), say); the message says which.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let guard = client.lock("k")?;
+    /// let e = guard.extend(Duration::ZERO).unwrap_err();
+    /// assert!(matches!(e, redbaton::Error::InvalidArgument(_)));
+    /// assert!(e.is_invalid_input());
+    /// # Ok(()) }
+    /// ```
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
     /// Every pooled connection stayed busy for longer than the connect timeout.
     #[error("connection pool exhausted")]
     PoolExhausted,
     /// Redis answered something this library does not expect (a bug or a foreign value).
     #[error("unexpected reply from redis: {0}")]
     Protocol(String),
-    /// A Redis or I/O error; the `redis` error is the source.
-    #[error("redis: {0}")]
+    /// A Redis or I/O error; the `redis` error is the source (see
+    /// [`redis_error`](Error::redis_error)).
+    #[error("redis request failed")]
     Redis(#[source] redis::RedisError),
     /// The name is held in Redis as another kind of lock (a plain lock, a read-write lock
     /// or a semaphore) than the one asked for, or its key holds a value of a type this
@@ -85,6 +102,26 @@ pub enum Error {
     /// semaphores need a single node; Redlock is not supported for them).
     #[error("not supported: {0}")]
     Unsupported(&'static str),
+    /// The operating system refused to start one of the client's threads; the I/O error is
+    /// the source. Not a connection error: retrying soon rarely helps.
+    ///
+    /// ```
+    /// let e = redbaton::Error::Thread {
+    ///     what: "watchdog",
+    ///     source: std::io::Error::other("resource temporarily unavailable"),
+    /// };
+    /// assert_eq!(e.to_string(), "cannot start the watchdog thread");
+    /// assert!(!e.is_connection());
+    /// assert!(std::error::Error::source(&e).is_some());
+    /// ```
+    #[error("cannot start the {what} thread")]
+    Thread {
+        /// Which thread: `subscriber`, `watchdog`, `fanout` or `cleanup`.
+        what: &'static str,
+        /// Why it could not start.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Error {
@@ -135,7 +172,7 @@ impl Error {
         matches!(self, Error::NoQuorum { .. })
     }
 
-    /// Bad configuration or a bad lock name: retrying will not help.
+    /// Bad configuration, a bad argument or a bad lock name: retrying will not help.
     ///
     /// # Examples
     ///
@@ -144,7 +181,10 @@ impl Error {
     /// assert!(e.is_invalid_input());
     /// ```
     pub fn is_invalid_input(&self) -> bool {
-        matches!(self, Error::InvalidConfig(_) | Error::InvalidName(_))
+        matches!(
+            self,
+            Error::InvalidConfig(_) | Error::InvalidName(_) | Error::InvalidArgument(_)
+        )
     }
 
     /// The name is held as another kind of lock than the one asked for.
@@ -346,6 +386,14 @@ pub enum LostReason {
     HoldLimit,
     /// Redlock: fewer than a majority of nodes still hold the lock.
     NoQuorum,
+    /// The watchdog thread kept failing, so renewals stopped; the lock lives until its
+    /// lease runs out, and this holder is told at once rather than then.
+    ///
+    /// ```
+    /// let r = redbaton::LostReason::WatchdogFailed;
+    /// assert_eq!(r.to_string(), "renewals stopped: the watchdog thread failed");
+    /// ```
+    WatchdogFailed,
 }
 
 impl fmt::Display for LostReason {
@@ -356,6 +404,7 @@ impl fmt::Display for LostReason {
             LostReason::Stolen => "held by another owner",
             LostReason::HoldLimit => "hold-time limit reached",
             LostReason::NoQuorum => "held on fewer than a majority of nodes",
+            LostReason::WatchdogFailed => "renewals stopped: the watchdog thread failed",
         })
     }
 }
@@ -428,9 +477,6 @@ impl fmt::Display for Unlocked {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The error for a library thread that could not be started.
-pub(crate) fn thread_error(what: &str, e: std::io::Error) -> Error {
-    Error::Redis(redis::RedisError::from(std::io::Error::new(
-        e.kind(),
-        format!("cannot start the {what} thread: {e}"),
-    )))
+pub(crate) fn thread_error(what: &'static str, source: std::io::Error) -> Error {
+    Error::Thread { what, source }
 }

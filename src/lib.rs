@@ -71,13 +71,17 @@
 #![warn(missing_docs, clippy::missing_errors_doc)]
 
 mod api;
+mod clock;
 mod config;
 mod engine;
 mod error;
+#[doc(hidden)]
+pub mod fault;
 mod fencing;
 mod local;
 mod proto;
 mod stats;
+mod supervise;
 mod topology;
 mod wake;
 mod worker;

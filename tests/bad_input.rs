@@ -82,6 +82,19 @@ fn event_only_client(url: &str) -> LockClient {
         .expect("build")
 }
 
+/// The error's message and its sources', as `anyhow`'s `{:#}` prints them: a message no
+/// longer repeats its cause, which is its source.
+fn chain(e: &Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 /// `err` must be `InvalidConfig` and its message must mention `needle`.
 fn assert_invalid_config(result: Result<LockClient, Error>, needle: &str) {
     match result {
@@ -538,7 +551,7 @@ fn wrong_password_is_a_typed_redis_error() {
             .expect_err("wrong password");
         assert!(matches!(e, Error::Redis(_)), "{url}: {e:?}");
         assert!(!e.is_invalid_input(), "{url}: {e:?}");
-        let text = e.to_string().to_lowercase();
+        let text = chain(&e).to_lowercase();
         assert!(
             text.contains("auth") || text.contains("password"),
             "{url}: {text}"
@@ -556,7 +569,7 @@ fn wrong_password_is_a_typed_redis_error() {
         .build()
         .expect_err("NOAUTH");
     assert!(matches!(e, Error::Redis(_)), "{e:?}");
-    assert!(e.to_string().to_lowercase().contains("auth"), "{e}");
+    assert!(chain(&e).to_lowercase().contains("auth"), "{e}");
 
     // The right password works.
     let c = LockClient::builder()
@@ -578,7 +591,7 @@ fn missing_password_is_refused_at_build() {
         .build()
         .expect_err("the server requires a password: build() must say so");
     assert!(matches!(e, Error::Redis(_)), "{e:?}");
-    assert!(e.to_string().to_lowercase().contains("auth"), "{e}");
+    assert!(chain(&e).to_lowercase().contains("auth"), "{e}");
 }
 
 // --- the server --------------------------------------------------------------------------
@@ -708,7 +721,7 @@ fn exercise_acl_user(srv: &RedisServer) -> Duration {
         .expect("build");
     let e = other.try_lock("acl").expect_err("outside ~redbaton:*");
     assert!(matches!(e, Error::Redis(_)) && !e.is_connection(), "{e:?}");
-    assert!(e.to_string().to_lowercase().contains("perm"), "{e}");
+    assert!(chain(&e).to_lowercase().contains("perm"), "{e}");
     assert!(srv.keys("elsewhere:*").is_empty());
     latency
 }
@@ -850,7 +863,7 @@ fn fence_key_of_the_wrong_type_leaves_nothing() {
         .unwrap();
     let e = c.try_lock("wf").expect_err("the counter is not a number");
     assert!(matches!(e, Error::Redis(_)) && !e.is_connection(), "{e:?}");
-    assert!(e.to_string().contains("WRONGTYPE"), "{e}");
+    assert!(chain(&e).contains("WRONGTYPE"), "{e}");
     assert!(
         !exists(&mut srv.conn(), KEYS.lock_bytes(b"wf")),
         "a failed acquire left the lock key behind"

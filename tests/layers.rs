@@ -8,7 +8,19 @@ use std::path::{Path, PathBuf};
 
 /// The layers, lowest first. A file may name files of its own layer or of lower ones.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("leaves", &["error", "config", "fencing", "stats", "worker"]),
+    (
+        "leaves",
+        &[
+            "error",
+            "config",
+            "fencing",
+            "stats",
+            "worker",
+            "clock",
+            "fault",
+            "supervise",
+        ],
+    ),
     ("proto", &["proto"]),
     ("local, wake, topology", &["local", "wake", "topology"]),
     ("engine", &["engine"]),

@@ -3,14 +3,15 @@
 use std::time::Duration;
 
 use crate::api::client::LockClient;
-use crate::config::{Config, SentinelConfig, Tls, Wakeup};
+use crate::config::{Config, MAX_LEASE, MIN_LEASE, SentinelConfig, Tls, Wakeup};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_LOCAL_SEQ;
 use crate::proto::connect::open_client;
 use crate::proto::keys::MAX_PREFIX_LEN;
 
-const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
-const MIN_LEASE: Duration = Duration::from_millis(10);
+/// The longest timeout or interval accepted: longer ones are taken for mistakes (a
+/// `Duration::MAX` meant as "never") rather than silently capped.
+const MAX_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 
 /// Builds a [`LockClient`]. Every setting has a default; [`build`](Builder::build) checks
 /// them all and connects.
@@ -361,7 +362,8 @@ impl Builder {
         self
     }
 
-    /// How long a lock lives in Redis without renewal (10 ms to 24 h).
+    /// How long a lock lives in Redis without renewal (10 ms to 24 h; outside that range
+    /// [`build`](Builder::build) fails with [`Error::InvalidConfig`]).
     ///
     /// # Examples
     ///
@@ -376,7 +378,9 @@ impl Builder {
     }
 
     /// Timeout for opening a connection; also bounds how long a caller waits for a free
-    /// pooled connection.
+    /// pooled connection. Accepted range: above zero, at most 24 h (a client always has a
+    /// timeout: an unbounded one would hang on an unresponsive node); outside it
+    /// [`build`](Builder::build) fails with [`Error::InvalidConfig`].
     ///
     /// # Examples
     ///
@@ -391,6 +395,8 @@ impl Builder {
     }
 
     /// Timeout for reading each reply. A connection whose read timed out is discarded.
+    /// Accepted range: above zero, at most 24 h; outside it [`build`](Builder::build) fails
+    /// with [`Error::InvalidConfig`].
     ///
     /// # Examples
     ///
@@ -404,7 +410,8 @@ impl Builder {
         self
     }
 
-    /// Timeout for writing each command.
+    /// Timeout for writing each command. Accepted range: above zero, at most 24 h; outside
+    /// it [`build`](Builder::build) fails with [`Error::InvalidConfig`].
     ///
     /// # Examples
     ///
@@ -432,7 +439,9 @@ impl Builder {
         self
     }
 
-    /// How waiters learn that a lock may be free; see [`Wakeup`].
+    /// How waiters learn that a lock may be free; see [`Wakeup`]. A polling interval must
+    /// be above zero and at most 24 h, else [`build`](Builder::build) fails with
+    /// [`Error::InvalidConfig`].
     ///
     /// # Examples
     ///
@@ -465,6 +474,9 @@ impl Builder {
     }
 
     /// Safety net: a waiter re-tries at least this often even if no event arrives.
+    /// Accepted range: above zero, at most 24 h; outside it [`build`](Builder::build) fails
+    /// with [`Error::InvalidConfig`]. (It also sets how long a waiter's contention mark
+    /// lives in Redis: twice this.)
     ///
     /// # Examples
     ///
@@ -493,7 +505,8 @@ impl Builder {
         self
     }
 
-    /// How often the watchdog renews a held lock; must be shorter than the lease.
+    /// How often the watchdog renews a held lock; must be above zero and shorter than the
+    /// lease, else [`build`](Builder::build) fails with [`Error::InvalidConfig`].
     /// Defaults to a third of the lease.
     ///
     /// # Examples
@@ -512,6 +525,8 @@ impl Builder {
 
     /// A cap on how long one lock may be held: after it, renewals stop and the holder is
     /// told the lock is lost ([`LostReason::HoldLimit`](crate::LostReason::HoldLimit)).
+    /// Must be above zero ([`Error::InvalidConfig`] otherwise); `Duration::MAX` means no
+    /// cap, the default.
     ///
     /// # Examples
     ///
@@ -556,7 +571,9 @@ impl Builder {
     }
 
     /// Fairness budget: how long one process may keep handing a lock around locally while
-    /// another process waits.
+    /// another process waits. Must be above zero ([`Error::InvalidConfig`] otherwise);
+    /// `Duration::MAX` means no time slice: only [`max_handoffs`](Builder::max_handoffs)
+    /// then bounds the run.
     ///
     /// # Examples
     ///
@@ -682,8 +699,10 @@ impl Builder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for a bad setting, [`Error::Redis`] when a node cannot be
-    /// reached within the connect timeout (for Redlock: when fewer than a majority can).
+    /// [`Error::InvalidConfig`] for a bad setting (the message names it and its accepted
+    /// range), [`Error::Redis`] when a node cannot be reached within the connect timeout
+    /// (for Redlock: when fewer than a majority can), [`Error::Thread`] when the operating
+    /// system refuses to start one of the client's threads.
     ///
     /// # Examples
     ///
@@ -745,21 +764,24 @@ impl Builder {
                 self.lease
             ));
         }
-        for (what, d) in [
+        let mut bounded = vec![
             ("connect timeout", self.connect_timeout),
             ("read timeout", self.read_timeout),
             ("write timeout", self.write_timeout),
             ("recheck interval", self.recheck_interval),
-            ("handoff slice", self.handoff_slice),
-        ] {
-            if d.is_zero() {
-                return bad(format!("{what} must be positive"));
+        ];
+        if let Wakeup::Polling(d) = self.wakeup {
+            bounded.push(("polling interval", d));
+        }
+        for (what, d) in bounded {
+            if d.is_zero() || d > MAX_INTERVAL {
+                return bad(format!(
+                    "{what} {d:?} must be positive and at most {MAX_INTERVAL:?}"
+                ));
             }
         }
-        if let Wakeup::Polling(d) = self.wakeup
-            && d.is_zero()
-        {
-            return bad("polling interval must be positive".to_owned());
+        if self.handoff_slice.is_zero() {
+            return bad("handoff slice must be positive".to_owned());
         }
         if !(1..=1024).contains(&self.pool_size) {
             return bad(format!("pool size {} outside 1..=1024", self.pool_size));

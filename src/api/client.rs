@@ -104,7 +104,9 @@ impl LockClient {
         self.acquire(name.as_ref(), Wait::No)
     }
 
-    /// Waits at most `timeout`; [`Error::Timeout`] after. A zero timeout makes one attempt.
+    /// Waits at most `timeout`; [`Error::Timeout`] after. A zero timeout makes one attempt;
+    /// a timeout too long to add to the current time (`Duration::MAX`) waits without a
+    /// deadline, like [`lock`](LockClient::lock).
     ///
     /// # Errors
     ///
@@ -132,7 +134,7 @@ impl LockClient {
     }
 
     /// Waits until `deadline` at most; [`Error::Timeout`] after. A deadline in the past
-    /// makes one attempt.
+    /// makes one attempt; any deadline is accepted, however far in the future.
     ///
     /// # Errors
     ///

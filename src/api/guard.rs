@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
+use crate::config::{MAX_LEASE, MIN_LEASE};
 use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing;
@@ -205,7 +206,17 @@ impl LockGuard {
     }
 
     /// Sets the lock's remaining lease to `lease` now (the watchdog then keeps renewing at a
-    /// third of it). Fails with [`Error::Lost`] if the lock is no longer ours.
+    /// third of it).
+    ///
+    /// `lease` must be within the range the builder's [`lease`](crate::Builder::lease)
+    /// accepts, 10 ms to 24 h: shorter could not be renewed in time, longer is taken for a
+    /// mistake (`Duration::MAX` meant as "forever").
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a lease outside 10 ms ..= 24 h (nothing is sent),
+    /// [`Error::Lost`] if the lock is no longer ours, [`Error::Redis`] (or
+    /// [`Error::PoolExhausted`]) when too few nodes answered to tell.
     ///
     /// # Errors
     ///
@@ -223,10 +234,10 @@ impl LockGuard {
     /// # Ok(()) }
     /// ```
     pub fn extend(&self, lease: Duration) -> Result<()> {
-        if lease.is_zero() {
-            return Err(Error::InvalidConfig(
-                "extend: lease must be positive".to_owned(),
-            ));
+        if !(MIN_LEASE..=MAX_LEASE).contains(&lease) {
+            return Err(Error::InvalidArgument(format!(
+                "extend: lease {lease:?} outside {MIN_LEASE:?}..={MAX_LEASE:?}"
+            )));
         }
         self.client.extend(&self.remote, lease)
     }

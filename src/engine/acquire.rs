@@ -10,6 +10,7 @@ use crate::error::Result;
 use crate::local::held::RemoteLock;
 use crate::local::mailbox::Grant;
 use crate::local::table::Role;
+use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::stats::Counters;
 
@@ -27,10 +28,14 @@ impl Engine {
             Role::Contend => Ok((self.contend_for_table(&keys, wait, false)?, 0)),
             Role::Queued { slot, check_marks } => {
                 let deadline = wait.deadline();
+                // A panic while queued must not strand the key (see `cleanup`).
+                let undo = OnUnwind::new(|| self.abandon_queued(&keys, &slot));
                 if check_marks {
                     self.check_marks(&keys, deadline);
                 }
-                match self.table.wait_queued(&keys, &slot, deadline) {
+                let granted = self.table.wait_queued(&keys, &slot, deadline);
+                undo.disarm();
+                match granted {
                     Ok(Grant::Baton { remote, seq }) => {
                         Counters::inc(&self.counters.local_handoffs);
                         Ok((remote, seq))
@@ -56,7 +61,11 @@ impl Engine {
         wait: Wait,
         yield_first: bool,
     ) -> Result<Arc<RemoteLock>> {
-        match self.contend(keys, wait, yield_first) {
+        // A contender that panics gives up its turn, so that the next local waiter contends.
+        let undo = OnUnwind::new(|| self.table.contend_failed(keys));
+        let contended = self.contend(keys, wait, yield_first);
+        undo.disarm();
+        match contended {
             Ok(lock) => {
                 self.table.acquired(keys);
                 if let Some(w) = &self.watchdog {

@@ -6,12 +6,9 @@ use std::time::{Duration, Instant};
 /// waiters go first (it is woken sooner by their acquisition's `set` event).
 pub(crate) const YIELD: Duration = Duration::from_millis(10);
 
-/// `d` from now, or far in the future when that cannot be represented.
+/// `d` from now, saturating (see `crate::clock`).
 pub(crate) fn after(d: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(d)
-        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
-        .unwrap_or(now)
+    crate::clock::from_now(d)
 }
 
 /// The earlier of `t` and the caller's deadline.

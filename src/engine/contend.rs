@@ -9,6 +9,7 @@ use crate::engine::waiter::{Pending, Waiter};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, RemoteLock};
+use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Attempt, Marks, NodeId, new_token};
 use crate::stats::Counters;
@@ -58,6 +59,19 @@ impl Engine {
         if let Some(t) = &token {
             waiter.await_grant(t);
         }
+        // A panic in this loop must not leave our entry in the queue, nor a grant to it.
+        // (Every normal way out leaves the queue itself, or holds the lock.)
+        let queued = token.clone();
+        let _unwinding = OnUnwind::new(move || {
+            if !std::thread::panicking() {
+                return;
+            }
+            if let (Some(t), Some(node)) = (&queued, self.topology.route(keys).sole())
+                && let Err(e) = node.leave(keys, t)
+            {
+                log::debug!("leaving the queue after a panic failed (the entry expires): {e}");
+            }
+        });
         if !self.subs.is_empty() {
             let asked: Vec<Option<(Instant, u64)>> = self
                 .subs_for(&route)
@@ -145,6 +159,7 @@ impl Engine {
                 self.leave_queue(keys, &route, token.as_deref(), marked);
                 return Err(short(unacked, Error::Timeout));
             }
+            crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Contend);
             waiter.sleep(keys, self, &route, before, hint, deadline, |w| {
                 w.arm(keys, self, &route, marked, deadline);
             });

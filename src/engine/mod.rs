@@ -1,7 +1,9 @@
 //! The engine: the acquire path and contend loop, a contender's wait, the release path and
 //! the watchdog, over the shared [`state::Engine`].
 
+mod abandon;
 pub(crate) mod acquire;
+pub(crate) mod cleanup;
 pub(crate) mod clock;
 pub(crate) mod contend;
 mod probe;

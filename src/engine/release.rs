@@ -3,11 +3,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::engine::cleanup::release_on;
 use crate::engine::clock::{YIELD, after};
 use crate::engine::state::Engine;
 use crate::error::{Error, Result, Unlocked};
 use crate::local::held::RemoteLock;
 use crate::local::table::Step;
+use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{ExtendReply, NodeId, ReleaseReply};
 use crate::stats::Counters;
@@ -22,6 +24,8 @@ impl Engine {
         match self.table.release(lock, lost, &self.cfg, &subs) {
             Step::HandedOff => Ok(Unlocked::HandedOff),
             Step::Remote { forced, contended } => {
+                // A panic from here on must not leave the key marked as releasing.
+                let undo = OnUnwind::new(|| self.abandon_release(lock));
                 if forced {
                     Counters::inc(&self.counters.budget_releases);
                 }
@@ -31,6 +35,7 @@ impl Engine {
                 if let Some(w) = &self.watchdog {
                     w.unregister(lock);
                 }
+                crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Release);
                 // Redlock: on every node, not only those that granted: a node whose grant
                 // came too late to count may hold our token too.
                 let route = self.topology.route(&lock.keys);
@@ -52,6 +57,7 @@ impl Engine {
                         s.ask_to_yield(&lock.keys, until);
                     }
                 }
+                undo.disarm();
                 self.table.released(&lock.keys, forced && contended);
                 tally_release(replies, lost.is_none(), route.quorum())
             }
@@ -64,6 +70,7 @@ impl Engine {
             return Err(Error::Lost(reason));
         }
         lock.begin_extend();
+        let undo = OnUnwind::new(|| lock.end_extend(None));
         let started = Instant::now();
         let route = self.topology.route(&lock.keys);
         let holders = route.holders(&lock.nodes);
@@ -83,6 +90,7 @@ impl Engine {
             count(ExtendReply::Other),
         );
         let verdict = Renewal::judge(tally, replies.len(), route.quorum(), route.sole().is_none());
+        undo.disarm();
         lock.end_extend((verdict == Renewal::Renewed).then(|| {
             (
                 lease,
@@ -117,37 +125,20 @@ impl Engine {
         token: &str,
         ids: &[NodeId],
     ) -> Vec<Result<ReleaseReply>> {
-        let retry = route.retry();
-        let nodes = route.among(ids);
-        if let [node] = nodes.as_slice() {
-            return vec![node.release(keys, token, retry)];
-        }
-        let (k, t) = (keys.clone(), token.to_owned());
-        self.topology
-            .fan_out(&nodes, move |node| node.release(&k, &t, retry))
+        release_on(&self.topology, keys, route, token, ids)
     }
 
     /// A compare-and-delete the caller does not wait for (after an ambiguous failure, so
-    /// that the deadline is kept and no stray key outlives the call by long).
+    /// that the deadline is kept and no stray key outlives the call by long): one bounded
+    /// worker per client (see `cleanup`), never a thread per failure.
     pub(crate) fn release_in_background(
         self: &Arc<Self>,
         keys: &Keys,
-        route: &Route,
+        _route: &Route,
         token: String,
         nodes: Vec<NodeId>,
     ) {
-        let (client, k, route) = (self.clone(), keys.clone(), route.clone());
-        let cleanup = move || {
-            for r in client.release_on(&k, &route, &token, &nodes) {
-                if let Err(e) = r {
-                    log::debug!("cleanup release failed (the key expires with its lease): {e}");
-                }
-            }
-        };
-        // Rare (a failed attempt): a thread of its own is cheaper than keeping one around.
-        let _ = std::thread::Builder::new()
-            .name("redbaton-cleanup".to_owned())
-            .spawn(cleanup);
+        self.cleanup.release_later(keys, token, nodes);
     }
 
     /// Redlock: raises the fencing counter of the granting nodes that are behind to

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::{Config, Wakeup};
+use crate::engine::cleanup::Cleanup;
 use crate::engine::subs::{Subs, Template};
 use crate::engine::watchdog::Watchdog;
 use crate::error::{Result, thread_error};
@@ -29,6 +30,8 @@ pub(crate) struct Engine {
     pub watchdog: Option<Watchdog>,
     /// Read holds shared by this process's readers.
     pub shares: ReadShares,
+    /// Releases nobody waits for (after an ambiguous failure, or a panic).
+    pub cleanup: Cleanup,
 }
 
 impl Engine {
@@ -84,7 +87,9 @@ impl Engine {
         // Also with renewals off: it tells holders when their lease runs out.
         let watchdog = Watchdog::start(cfg.clone(), Arc::downgrade(&topology), counters.clone())
             .map_err(|e| thread_error("watchdog", e))?;
+        let cleanup = Cleanup::new(Arc::downgrade(&topology), counters.clone(), cfg.lease);
         Ok(Engine {
+            cleanup,
             cfg,
             topology,
             subs,

@@ -13,7 +13,9 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use crate::config::Config;
+use crate::error::LostReason;
 use crate::local::held::{Due, HoldKind, RemoteLock};
+use crate::local::undo::OnUnwind;
 use crate::proto::keys::keyslot;
 use crate::proto::node::{ExtendReply, Node, NodeId};
 use crate::stats::Counters;
@@ -56,7 +58,7 @@ impl Watchdog {
         let held = Arc::new(Mutex::new(Held::default()));
         let (kick, kicked) = crossbeam_channel::bounded(1);
         let shutdown = Arc::new(AtomicBool::new(false));
-        let (h, s) = (held.clone(), shutdown.clone());
+        let (h, s, k) = (held.clone(), shutdown.clone(), kick.clone());
         let cx = Context {
             cfg,
             topology,
@@ -64,7 +66,13 @@ impl Watchdog {
         };
         let thread = std::thread::Builder::new()
             .name("redbaton-watchdog".to_owned())
-            .spawn(move || run(cx, h, kicked, s))?;
+            .spawn(move || {
+                crate::supervise::supervise(
+                    "watchdog",
+                    || run(&cx, &h, &kicked, &s),
+                    |in_a_row| crashed(&cx, &h, &k, in_a_row),
+                );
+            })?;
         Ok(Watchdog {
             held,
             kick,
@@ -127,7 +135,33 @@ impl Drop for Watchdog {
     }
 }
 
-fn run(cx: Context, held: Arc<Mutex<Held>>, kicked: Receiver<()>, shutdown: Arc<AtomicBool>) {
+/// Panics in a row after which renewals are taken to be impossible: every watched lock's
+/// holder is told ([`LostReason::WatchdogFailed`]) rather than left to find out when its
+/// lease runs out.
+const GIVE_UP_AFTER: u32 = 3;
+
+/// The thread panicked (the locks it was renewing were put back by `renew_due`). Returns
+/// whether to run again.
+fn crashed(cx: &Context, held: &Mutex<Held>, kick: &Sender<()>, in_a_row: u32) -> bool {
+    if cx.topology.strong_count() == 0 {
+        return false; // the client is gone
+    }
+    if in_a_row >= GIVE_UP_AFTER {
+        let locks: Vec<Arc<RemoteLock>> = held.lock().locks.drain().map(|(_, l)| l).collect();
+        log::error!(
+            "watchdog: {in_a_row} panics in a row; telling the holders of {} locks they are lost",
+            locks.len()
+        );
+        for lock in locks {
+            lock.mark_lost(LostReason::WatchdogFailed, &cx.counters);
+        }
+    }
+    // The restarted loop must not wait for a registration before its first pass.
+    let _ = kick.try_send(());
+    true
+}
+
+fn run(cx: &Context, held: &Arc<Mutex<Held>>, kicked: &Receiver<()>, shutdown: &AtomicBool) {
     // Nothing to do before the first registration.
     if kicked.recv().is_err() {
         return;
@@ -135,7 +169,7 @@ fn run(cx: Context, held: Arc<Mutex<Held>>, kicked: Receiver<()>, shutdown: Arc<
     while !shutdown.load(Ordering::Relaxed) {
         // Hold the nodes only while working, so that dropping the client ends us.
         let next = match cx.topology.upgrade() {
-            Some(topology) => renew_due(&cx, &topology, &held),
+            Some(topology) => renew_due(cx, &topology, held),
             None => return, // registrations come from a live client: it is gone now
         };
         let next = next.min(Instant::now() + MAX_SLEEP);
@@ -182,9 +216,17 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
     if due.is_empty() {
         return next;
     }
+    let retry = (cfg.renew_interval / 4).min(Duration::from_millis(200));
+    // A panic below must not leave these locks `renewing`: an unlock would wait for ever.
+    let undo = OnUnwind::new(|| {
+        for (lock, _) in &due {
+            lock.end_renew(Err(None), now + retry, counters);
+        }
+    });
+    crate::fault::hit(&cfg.key_prefix, crate::fault::Point::Watchdog);
     // Per lock: (extended, gone, other owner) node counts.
     let tallies = extend_on_nodes(cx, topology, &due);
-    let retry = (cfg.renew_interval / 4).min(Duration::from_millis(200));
+    undo.disarm();
     for ((lock, lease), (ok, gone, other)) in due.iter().zip(tallies) {
         let route = topology.route(&lock.keys);
         let (quorum, redlock) = (route.quorum(), route.sole().is_none());

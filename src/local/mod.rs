@@ -6,3 +6,4 @@ pub(crate) mod mailbox;
 pub(crate) mod shares;
 pub(crate) mod spin_choice;
 pub(crate) mod table;
+pub(crate) mod undo;

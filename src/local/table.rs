@@ -363,6 +363,21 @@ impl Table {
             map.remove(keys.lock());
         }
     }
+
+    /// A queued waiter leaves without waiting to the end (it is unwinding): takes its slot
+    /// out of the queue, and returns the grant that reached it first, if any, for the
+    /// caller to pass on.
+    pub fn abandon(&self, keys: &Keys, slot: &Slot) -> Option<Grant> {
+        let mut map = self.map.lock();
+        let grant = slot.take();
+        if let Some(entry) = map.get_mut(keys.lock()) {
+            entry.queue.retain(|s| !std::ptr::eq(&**s, slot));
+            if grant.is_none() && entry.idle() {
+                map.remove(keys.lock());
+            }
+        }
+        grant
+    }
 }
 
 /// How long after a remote process's failed attempt it still counts as waiting: a waiter

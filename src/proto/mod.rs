@@ -7,3 +7,4 @@ pub(crate) mod node;
 pub(crate) mod pool;
 pub(crate) mod rw_scripts;
 pub(crate) mod scripts;
+pub(crate) mod skip;

@@ -214,7 +214,7 @@ impl Node {
             db,
             counters,
             client_id,
-            mark_ttl: cfg.recheck_interval * 2,
+            mark_ttl: cfg.recheck_interval.saturating_mul(2),
             ack: cfg.replica_ack,
             fair: Fair::of(cfg),
             redirect: None,
@@ -246,6 +246,9 @@ impl Node {
         deadline: Option<Instant>,
         mut f: impl FnMut(&mut Connection) -> RedisResult<T>,
     ) -> Result<T> {
+        if let Some(e) = crate::proto::skip::skipped() {
+            return Err(Error::Redis(e));
+        }
         self.run_hop(retry, deadline, false, 0, &mut f)
     }
 
@@ -384,9 +387,9 @@ impl Node {
 
     /// The `EVALSHA` of one acquire attempt.
     pub fn acquire_call(&self, keys: &Keys, token: &str, lease: Duration, marks: Marks) -> Cmd {
-        let lease_ms = lease.as_millis().max(1) as u64;
+        let lease_ms = crate::clock::millis(lease).max(1);
         let mark_ms = if marks.leave {
-            self.mark_ttl.as_millis().max(1) as u64
+            crate::clock::millis(self.mark_ttl).max(1)
         } else {
             0
         };
@@ -605,7 +608,7 @@ impl Node {
         locks: &[(&[u8], &str)],
         lease: Duration,
     ) -> Result<Vec<ExtendReply>> {
-        let lease_ms = lease.as_millis().max(1) as u64;
+        let lease_ms = crate::clock::millis(lease).max(1);
         let mut call = script.call(locks.len());
         for (key, _) in locks {
             call.arg(*key);
@@ -696,7 +699,7 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
 
 /// A duration in whole milliseconds, at least 1, for a script argument.
 fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+    crate::clock::millis(d).max(1)
 }
 
 /// A fresh owner token: a random UUID v4, from the thread-local CSPRNG (seeded by the OS)

@@ -8,7 +8,7 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 use redis::{Connection, ConnectionLike, RedisResult};
@@ -90,7 +90,7 @@ impl Pool {
 
     /// A connection, reused or new; waits up to the connect timeout for one to be free.
     pub fn get(&self) -> Result<PooledConn<'_>> {
-        let deadline = Instant::now() + self.connect_timeout;
+        let deadline = crate::clock::from_now(self.connect_timeout);
         let mut st = self.state.lock();
         loop {
             if let Some(conn) = st.idle.pop() {

@@ -1,81 +1,167 @@
 //! Runs one operation on every Redlock node at once, so that a round costs about the
-//! slowest node's round trip, not the sum. The calling thread takes node 0 itself; a few
-//! long-lived worker threads take the others (spawning threads per call would cost more
-//! than a loopback round trip).
+//! slowest node's round trip, not the sum. The calling thread takes node 0 itself; every
+//! other node has long-lived worker threads of its own (spawning threads per call would
+//! cost more than a loopback round trip).
+//!
+//! One bounded queue per node: a hung node's calls (each waits out its timeout) occupy
+//! only that node's workers, never the workers of the healthy nodes. And a round does not
+//! queue behind a hung node's backlog either: while a node's last call took half a read
+//! timeout or more and another call to it is under way (or every worker is busy and none
+//! has finished a call for that long), the node is *stalled*, and the call is made on the
+//! caller's thread in skipping mode (it fails at once, as a timeout would; see
+//! `proto::skip`), so the healthy majority decides the round at once. The call under way
+//! is the probe: once the node answers quickly again, it is used again. When a node's
+//! queue is full, the caller makes that node's call itself (backpressure).
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Sender, TrySendError};
+use parking_lot::Mutex;
+
+use crate::proto::skip::skipping;
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// Worker threads per node (calls to one node in flight at once from this client).
+const WORKERS_PER_NODE: usize = 2;
+/// Calls waiting for a node's workers, at most.
+const QUEUE_PER_NODE: usize = 64;
+
+/// One node's queue, and how its workers are doing.
+struct Lane {
+    jobs: Sender<Job>,
+    state: Arc<LaneState>,
+}
+
+/// Shared with the node's workers (which must not hold the sender: dropping it ends them).
+struct LaneState {
+    /// Calls queued or running.
+    pending: AtomicUsize,
+    /// When a worker last finished a call (or the lane started), and how long that
+    /// call took.
+    progress: Mutex<(Instant, Duration)>,
+}
+
+impl LaneState {
+    /// The node is not keeping up: its last call took `stall` or more and another is
+    /// still under way (it probes the node: one round waits for it, the others do not),
+    /// or every worker is busy and none has finished anything for `stall`.
+    fn stalled(&self, stall: Duration) -> bool {
+        let pending = self.pending.load(Ordering::Acquire);
+        let (at, took) = *self.progress.lock();
+        (pending >= 1 && took >= stall) || (pending >= WORKERS_PER_NODE && at.elapsed() >= stall)
+    }
+}
+
 pub(crate) struct Fanout {
-    jobs: Option<Sender<Job>>,
+    /// Per node; node 0's is `None`: the caller runs it.
+    lanes: Vec<Option<Lane>>,
+    stall: Duration,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl Fanout {
-    pub fn start(workers: usize) -> std::io::Result<Self> {
-        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
-        let mut threads = Vec::with_capacity(workers);
-        for i in 0..workers {
-            let rx = rx.clone();
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("redbaton-fanout-{i}"))
-                    .spawn(move || {
-                        // Ends when the client drops the sender.
-                        for job in rx {
-                            job();
-                        }
-                    })?,
-            );
+    /// Workers for nodes `1..nodes`; a node is skipped while stalled for half of
+    /// `read_timeout`.
+    pub fn start(nodes: usize, read_timeout: Duration) -> std::io::Result<Self> {
+        let mut lanes = Vec::with_capacity(nodes);
+        let mut threads = Vec::with_capacity(nodes.saturating_sub(1) * WORKERS_PER_NODE);
+        lanes.push(None);
+        for node in 1..nodes {
+            let (jobs, rx) = crossbeam_channel::bounded::<Job>(QUEUE_PER_NODE);
+            let state = Arc::new(LaneState {
+                pending: AtomicUsize::new(0),
+                progress: Mutex::new((Instant::now(), Duration::ZERO)),
+            });
+            for w in 0..WORKERS_PER_NODE {
+                let (rx, lane) = (rx.clone(), state.clone());
+                threads.push(
+                    std::thread::Builder::new()
+                        .name(format!("redbaton-fan-{node}.{w}"))
+                        .spawn(move || {
+                            // Ends when the client drops the lanes. A panicking call is
+                            // the caller's to see (its reply never comes); the worker
+                            // goes on.
+                            for job in rx {
+                                let started = Instant::now();
+                                let _ = catch_unwind(AssertUnwindSafe(job));
+                                *lane.progress.lock() = (Instant::now(), started.elapsed());
+                                lane.pending.fetch_sub(1, Ordering::AcqRel);
+                            }
+                        })?,
+                );
+            }
+            lanes.push(Some(Lane { jobs, state }));
         }
         Ok(Fanout {
-            jobs: Some(tx),
+            lanes,
+            stall: read_timeout / 2,
             threads,
         })
     }
 
     /// `f(i)` for every `i` in `0..n`, in parallel; results in index order.
+    ///
+    /// # Panics
+    ///
+    /// When `f` panicked for some node (after every other node's call ended).
     pub fn map<T, F>(&self, n: usize, f: Arc<F>) -> Vec<T>
     where
         T: Send + 'static,
         F: Fn(usize) -> T + Send + Sync + 'static,
     {
         let (tx, rx) = crossbeam_channel::bounded(n);
-        let jobs = self
-            .jobs
-            .as_ref()
-            .expect("fanout alive while its client is");
+        let mut inline = Vec::new();
+        let mut skipped = Vec::new();
         for i in 1..n {
             let (f, tx) = (f.clone(), tx.clone());
             let job: Job = Box::new(move || {
                 let _ = tx.send((i, f(i)));
             });
-            if let Err(e) = jobs.send(job) {
-                // Workers gone (shutting down): run it here.
-                (e.into_inner())();
+            let Some(lane) = self.lanes.get(i).and_then(Option::as_ref) else {
+                inline.push(job);
+                continue;
+            };
+            if lane.state.stalled(self.stall) {
+                skipped.push(job);
+                continue;
+            }
+            lane.state.pending.fetch_add(1, Ordering::AcqRel);
+            if let Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) =
+                lane.jobs.try_send(job)
+            {
+                // Backlogged, or workers gone (shutting down): run it here.
+                lane.state.pending.fetch_sub(1, Ordering::AcqRel);
+                inline.push(job);
             }
         }
         let mut out: Vec<Option<T>> = (0..n).map(|_| None).collect();
         if n > 0 {
             out[0] = Some(f(0));
         }
+        for job in skipped {
+            skipping(job);
+        }
+        for job in inline {
+            job();
+        }
         drop(tx);
         for (i, v) in rx.iter().take(n.saturating_sub(1)) {
             out[i] = Some(v);
         }
         out.into_iter()
-            .map(|v| v.expect("every node answers: each call has its own timeout"))
+            .map(|v| v.expect("a node's call panicked"))
             .collect()
     }
 }
 
 impl Drop for Fanout {
     fn drop(&mut self) {
-        self.jobs.take();
+        self.lanes.clear();
         let me = std::thread::current().id();
         for t in self.threads.drain(..) {
             if t.thread().id() != me {

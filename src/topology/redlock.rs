@@ -14,8 +14,9 @@ pub(crate) struct Redlock {
 }
 
 impl Redlock {
-    pub fn new(nodes: Vec<Arc<Node>>) -> Result<Self> {
-        let fanout = Fanout::start(2 * (nodes.len() - 1)).map_err(|e| thread_error("fanout", e))?;
+    pub fn new(nodes: Vec<Arc<Node>>, read_timeout: std::time::Duration) -> Result<Self> {
+        let fanout =
+            Fanout::start(nodes.len(), read_timeout).map_err(|e| thread_error("fanout", e))?;
         Ok(Redlock {
             route: Route::new(Arc::from(nodes)),
             fanout,

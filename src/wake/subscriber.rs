@@ -168,6 +168,7 @@ pub(crate) struct Subscriber {
 
 /// How the thread opens its connection: to wherever the node's pool points now (it moves
 /// on a Sentinel failover), with the pool's timeouts.
+#[derive(Clone)]
 pub(crate) struct Connector {
     pub pool: Arc<Pool>,
 }
@@ -205,7 +206,24 @@ impl Subscriber {
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("redbaton-sub".to_owned())
-            .spawn(move || run(thread_shared, kicked, connector, counters))?;
+            .spawn(move || {
+                let sh = &thread_shared;
+                crate::supervise::supervise(
+                    "subscriber",
+                    || {
+                        run(
+                            sh.clone(),
+                            kicked.clone(),
+                            connector.clone(),
+                            counters.clone(),
+                        )
+                    },
+                    |_| {
+                        sh.crashed();
+                        true
+                    },
+                );
+            })?;
         Ok(Subscriber {
             shared,
             thread: Mutex::new(Some(thread)),
@@ -604,6 +622,7 @@ fn serve(
                 "the node moved to a new address",
             )));
         }
+        crate::fault::hit(&shared.prefix, crate::fault::Point::Subscriber);
         let active = sync_subscriptions(shared, &mut ps, read_timeout, counters)?;
         if !active {
             // Nothing subscribed: sleep on the kick channel rather than the socket.
@@ -703,6 +722,21 @@ fn sync_subscriptions(
 }
 
 impl Shared {
+    /// The thread panicked: whatever it was doing is abandoned. A contender waiting for an
+    /// early attempt in flight makes its own, and every waiter re-waits for the
+    /// re-subscription and retries once, as after a lost connection.
+    fn crashed(&self) {
+        let mut st = self.state.lock();
+        for ks in st.keys.values_mut() {
+            if matches!(ks.early, Some((_, Early::Sending))) {
+                ks.early = None;
+            }
+        }
+        drop(st);
+        self.sent.notify_all();
+        self.lost_connection();
+    }
+
     fn wants_connection(&self) -> bool {
         let st = self.state.lock();
         st.keys.values().any(|k| k.interest > 0)

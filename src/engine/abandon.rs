@@ -1,0 +1,40 @@
+//! What a panicking holder or waiter leaves behind, put right: the lock passed on or
+//! released (by the cleanup thread), and the key usable again at once.
+
+use std::sync::Arc;
+
+use crate::engine::state::Engine;
+use crate::local::held::RemoteLock;
+use crate::local::mailbox::{Grant, Slot};
+use crate::proto::keys::Keys;
+
+impl Engine {
+    /// A release is unwinding after the table marked the key as releasing: stop renewals,
+    /// leave the compare-and-delete to the cleanup thread, and let the next local waiter
+    /// contend.
+    pub(crate) fn abandon_release(&self, lock: &RemoteLock) {
+        lock.begin_release(&self.counters);
+        let route = self.topology.route(&lock.keys);
+        let every = route.nodes().iter().map(|n| n.id.clone()).collect();
+        self.cleanup
+            .release_later(&lock.keys, lock.token.clone(), every);
+        self.table.released(&lock.keys, false);
+    }
+
+    /// A queued waiter is unwinding: leave the queue, and pass on whatever reached it
+    /// meanwhile (the duty to contend, or the lock itself), so that the key stays usable.
+    pub(crate) fn abandon_queued(self: &Arc<Self>, keys: &Keys, slot: &Slot) {
+        match self.table.abandon(keys, slot) {
+            None => {}
+            Some(Grant::Contend { .. }) => self.table.contend_failed(keys),
+            Some(Grant::Baton { remote, .. }) => {
+                if let Err(e) = self.release(&remote) {
+                    log::warn!(
+                        "lock {:?}: release after a panic failed (it expires with its lease): {e}",
+                        keys.display()
+                    );
+                }
+            }
+        }
+    }
+}

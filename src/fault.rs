@@ -1,0 +1,99 @@
+//! Fault injection for this crate's own tests: make a library thread panic at a chosen
+//! point, to show that a panic never strands a lock or silences a worker.
+//!
+//! **Unstable, not part of the API.** It exists only with the `fault-injection` feature,
+//! which the crate's tests turn on through a dev-dependency on the crate itself; without
+//! the feature every hook compiles to nothing.
+
+/// Where a fault can be injected.
+///
+/// ```
+/// let _ = redbaton::fault::Point::Watchdog;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Point {
+    /// In the contend loop, after an attempt found the lock held and before the wait.
+    Contend,
+    /// In the subscriber thread, while it serves its connection.
+    Subscriber,
+    /// In the watchdog thread, while it renews the locks that are due.
+    Watchdog,
+    /// In a release to Redis, after renewals stopped and before the compare-and-delete.
+    Release,
+}
+
+#[cfg(feature = "fault-injection")]
+mod imp {
+    use super::Point;
+    use parking_lot::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static ANY: AtomicBool = AtomicBool::new(false);
+    static ARMED: Mutex<Vec<(String, Point, u32)>> = Mutex::new(Vec::new());
+
+    /// Makes the next `times` passes through `point`, in clients whose key prefix is
+    /// `prefix`, panic (`u32::MAX`: every pass until [`disarm`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use redbaton::fault::{self, Point};
+    /// fault::arm("doc-fault:", Point::Contend, 1);
+    /// fault::disarm("doc-fault:", Point::Contend);
+    /// ```
+    pub fn arm(prefix: &str, point: Point, times: u32) {
+        let mut armed = ARMED.lock();
+        armed.retain(|(p, q, _)| !(p == prefix && *q == point));
+        armed.push((prefix.to_owned(), point, times));
+        ANY.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops injecting at `point` for `prefix`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// redbaton::fault::disarm("doc-fault:", redbaton::fault::Point::Watchdog);
+    /// ```
+    pub fn disarm(prefix: &str, point: Point) {
+        ARMED
+            .lock()
+            .retain(|(p, q, _)| !(p == prefix && *q == point));
+    }
+
+    pub(crate) fn hit(prefix: &str, point: Point) {
+        if !ANY.load(Ordering::Relaxed) {
+            return;
+        }
+        let fire = {
+            let mut armed = ARMED.lock();
+            match armed
+                .iter_mut()
+                .find(|(p, q, n)| p == prefix && *q == point && *n > 0)
+            {
+                Some((_, _, n)) => {
+                    if *n != u32::MAX {
+                        *n -= 1;
+                    }
+                    true
+                }
+                None => false,
+            }
+        };
+        if fire {
+            panic!("injected fault at {point:?}");
+        }
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+pub use imp::{arm, disarm};
+
+#[cfg(feature = "fault-injection")]
+pub(crate) use imp::hit;
+
+/// Without the `fault-injection` feature: nothing.
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+pub(crate) fn hit(_prefix: &str, _point: Point) {}

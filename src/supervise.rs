@@ -1,0 +1,42 @@
+//! Keeps a client's worker thread alive: a panic in its body is caught, logged at `error`,
+//! and the body runs again after a short backoff, so that a bug in one pass cannot leave
+//! waiters unwoken or leases unrenewed for the rest of the process.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::{Duration, Instant};
+
+/// Backoff after the first crash; doubled per crash in a row, up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(10);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// A body that ran this long before crashing starts again from the first backoff.
+const STABLE: Duration = Duration::from_secs(10);
+
+/// Runs `body` until it returns; after each panic calls `crashed(crashes in a row)`, which
+/// repairs the shared state and says whether to run again.
+pub(crate) fn supervise(name: &str, mut body: impl FnMut(), mut crashed: impl FnMut(u32) -> bool) {
+    let mut in_a_row = 0u32;
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let started = Instant::now();
+        let Err(panic) = catch_unwind(AssertUnwindSafe(&mut body)) else {
+            return;
+        };
+        if started.elapsed() >= STABLE {
+            in_a_row = 0;
+            backoff = FIRST_BACKOFF;
+        }
+        in_a_row = in_a_row.saturating_add(1);
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_owned());
+        log::error!("{name} thread panicked ({what}); restarting it");
+        if !catch_unwind(AssertUnwindSafe(|| crashed(in_a_row))).unwrap_or(false) {
+            log::error!("{name} thread stopped after {in_a_row} panics in a row");
+            return;
+        }
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
