@@ -26,3 +26,33 @@ pub(crate) fn join(handle: JoinHandle<()>) {
         let _ = handle.join();
     }
 }
+
+/// A background thread's handle, joinable from `&self`: by a user's shutdown with a
+/// deadline, or by the owner's `Drop`.
+pub(crate) struct Thread(parking_lot::Mutex<Option<JoinHandle<()>>>);
+
+impl Thread {
+    pub fn new(handle: JoinHandle<()>) -> Self {
+        Thread(parking_lot::Mutex::new(Some(handle)))
+    }
+
+    /// Waits for the thread (told to stop by the caller) until `deadline`; `false` if it
+    /// still runs then.
+    pub fn join_until(&self, deadline: Instant) -> bool {
+        let mut thread = self.0.lock();
+        match thread.take().map(|t| join_until(t, deadline)) {
+            Some(Err(t)) => {
+                *thread = Some(t);
+                false
+            }
+            _ => true,
+        }
+    }
+
+    /// Joins the thread (told to stop by the caller) unless it is the current one.
+    pub fn join_now(&mut self) {
+        if let Some(t) = self.0.get_mut().take() {
+            join(t);
+        }
+    }
+}

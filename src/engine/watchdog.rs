@@ -6,7 +6,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -38,7 +37,7 @@ pub(crate) struct Watchdog {
     held: Arc<Mutex<Held>>,
     kick: Sender<()>,
     shutdown: Arc<AtomicBool>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    thread: crate::worker::Thread,
 }
 
 /// What the thread works with: the settings, the nodes (weakly: the thread must not keep
@@ -77,7 +76,7 @@ impl Watchdog {
             held,
             kick,
             shutdown,
-            thread: Mutex::new(Some(thread)),
+            thread: crate::worker::Thread::new(thread),
         })
     }
 
@@ -85,17 +84,7 @@ impl Watchdog {
     pub fn shutdown(&self, deadline: Instant) -> bool {
         self.shutdown.store(true, Ordering::Relaxed);
         let _ = self.kick.try_send(());
-        let mut thread = self.thread.lock();
-        match thread
-            .take()
-            .map(|t| crate::worker::join_until(t, deadline))
-        {
-            Some(Err(t)) => {
-                *thread = Some(t);
-                false
-            }
-            _ => true,
-        }
+        self.thread.join_until(deadline)
     }
 
     /// Starts watching `lock` (renewing it, or with renewals off, telling its holder when
@@ -129,9 +118,7 @@ impl Drop for Watchdog {
     fn drop(&mut self) {
         self.shutdown.store(true, Ordering::Relaxed);
         let _ = self.kick.try_send(());
-        if let Some(t) = self.thread.get_mut().take() {
-            crate::worker::join(t);
-        }
+        self.thread.join_now();
     }
 }
 

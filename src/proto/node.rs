@@ -446,14 +446,7 @@ impl Node {
             self.unmark(keys)?;
             return Ok(false);
         };
-        let mut call = FAIR_LEAVE.call(4);
-        call.arg(keys.lock())
-            .arg(keys.fence())
-            .arg(keys.queue())
-            .arg(keys.queue_expiry())
-            .arg(token)
-            .arg(keys.channel())
-            .arg(millis(fair.grant_lease));
+        let call = fair_call(&FAIR_LEAVE, keys, token, fair);
         let passed: i64 = self.run(Retry::ON_RESET, |c| FAIR_LEAVE.run(&call, c))?;
         Ok(passed == 2)
     }
@@ -557,14 +550,7 @@ impl Node {
             call.arg(keys.lock()).arg(token).arg(keys.channel());
             return self.release_by(&RELEASE, &call, retry);
         };
-        let mut call = FAIR_RELEASE.call(4);
-        call.arg(keys.lock())
-            .arg(keys.fence())
-            .arg(keys.queue())
-            .arg(keys.queue_expiry())
-            .arg(token)
-            .arg(keys.channel())
-            .arg(millis(fair.grant_lease));
+        let call = fair_call(&FAIR_RELEASE, keys, token, fair);
         self.release_by(&FAIR_RELEASE, &call, retry)
     }
 
@@ -695,6 +681,19 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
         Error::Redis(e) => !e.is_connection_refusal(),
         _ => true,
     }
+}
+
+/// A call of the fair queue's release or leave script: the same keys and arguments.
+fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair) -> Cmd {
+    let mut call = script.call(4);
+    call.arg(keys.lock())
+        .arg(keys.fence())
+        .arg(keys.queue())
+        .arg(keys.queue_expiry())
+        .arg(token)
+        .arg(keys.channel())
+        .arg(millis(fair.grant_lease));
+    call
 }
 
 /// A duration in whole milliseconds, at least 1, for a script argument.

@@ -14,10 +14,8 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 
 use super::Route;
@@ -35,7 +33,7 @@ const POLL: Duration = Duration::from_millis(100);
 pub(crate) struct Sentinel {
     route: Route,
     stop: Arc<AtomicBool>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    thread: crate::worker::Thread,
 }
 
 /// What the watcher needs.
@@ -96,7 +94,7 @@ impl Sentinel {
         Ok(Sentinel {
             route: Route::new(Arc::from(vec![node])),
             stop,
-            thread: Mutex::new(Some(thread)),
+            thread: crate::worker::Thread::new(thread),
         })
     }
 
@@ -107,26 +105,14 @@ impl Sentinel {
     /// Stops the watcher and waits for it until `deadline`; `false` if it still runs.
     pub fn shutdown(&self, deadline: Instant) -> bool {
         self.stop.store(true, Ordering::Relaxed);
-        let mut thread = self.thread.lock();
-        match thread
-            .take()
-            .map(|t| crate::worker::join_until(t, deadline))
-        {
-            Some(Err(t)) => {
-                *thread = Some(t);
-                false
-            }
-            _ => true,
-        }
+        self.thread.join_until(deadline)
     }
 }
 
 impl Drop for Sentinel {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.get_mut().take() {
-            crate::worker::join(t);
-        }
+        self.thread.join_now();
     }
 }
 

@@ -39,7 +39,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -163,7 +162,7 @@ pub(crate) struct Setup {
 /// The subscriber of one node: the handle callers use, and the thread.
 pub(crate) struct Subscriber {
     shared: Arc<Shared>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    thread: crate::worker::Thread,
 }
 
 /// How the thread opens its connection: to wherever the node's pool points now (it moves
@@ -226,7 +225,7 @@ impl Subscriber {
             })?;
         Ok(Subscriber {
             shared,
-            thread: Mutex::new(Some(thread)),
+            thread: crate::worker::Thread::new(thread),
         })
     }
 
@@ -239,17 +238,7 @@ impl Subscriber {
     pub fn shutdown(&self, deadline: Instant) -> bool {
         self.shared.shutdown.store(true, Ordering::Relaxed);
         let _ = self.shared.kick.try_send(());
-        let mut thread = self.thread.lock();
-        match thread
-            .take()
-            .map(|t| crate::worker::join_until(t, deadline))
-        {
-            Some(Err(t)) => {
-                *thread = Some(t);
-                false
-            }
-            _ => true,
-        }
+        self.thread.join_until(deadline)
     }
 
     /// Keeps `keys` subscribed (for the holder's process to hear of remote contention);
@@ -368,9 +357,7 @@ impl Drop for Subscriber {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Relaxed);
         let _ = self.shared.kick.try_send(());
-        if let Some(t) = self.thread.get_mut().take() {
-            crate::worker::join(t);
-        }
+        self.thread.join_now();
     }
 }
 
