@@ -71,6 +71,17 @@ pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{COMMON}{}",
         r"
+-- The common case first: nobody queued and the lock free (three calls, as without the
+-- queue but for the EXISTS).
+if redis.call('EXISTS', KEYS[3]) == 0
+  and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local fence = redis.pcall('INCR', KEYS[2])
+  if type(fence) == 'table' then
+    redis.call('DEL', KEYS[1])
+    return fence
+  end
+  return {1, fence}
+end
 local now = now_us()
 local now_ms = math.floor(now / 1000)
 prune(KEYS[3], KEYS[4], now_ms)
@@ -124,6 +135,11 @@ if type(cur) == 'table' then return -1 end
 if cur ~= ARGV[1] then
   if not cur then return 0 end
   return -1
+end
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('DEL', KEYS[1])
+  redis.pcall('PUBLISH', ARGV[2], 'r')
+  return 1
 end
 return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
 "
