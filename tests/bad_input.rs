@@ -39,7 +39,7 @@ const KEYS: Keys = Keys::DEFAULT;
 ///   (acquire and release fail without them), `+pexpire` (renewals: without it every lock
 ///   is lost after one lease), `+publish` (the release message that wakes waiters;
 ///   without it, and without keyspace events, waiters sleep until the re-check interval)
-///   and, for the fair queue, `+time +zadd +zrem +zrange +zrangebyscore +zcard`;
+///   and, for the fair queue, `+exists +time +zadd +zrem +zrange +zrangebyscore +zcard`;
 /// * the subscriber: `+subscribe +unsubscribe` and the channel `&redbaton:*` (the library's
 ///   channel `redbaton:{name}:ev`); without them locks still work but waiters fall back to
 ///   retrying with a backoff (about 1.6 s to notice a release here);
@@ -56,7 +56,7 @@ const KEYS: Keys = Keys::DEFAULT;
 /// (one warning), which `acl_minimal_user_without_config` shows working.
 const MINIMAL_ACL: &str = "resetkeys ~redbaton:* resetchannels &redbaton:* &__keyspace@* \
      -@all +evalsha +script|load +get +set +del +pexpire +pttl +incr +publish \
-     +time +zadd +zrem +zrange +zrangebyscore +zcard \
+     +exists +time +zadd +zrem +zrange +zrangebyscore +zcard \
      +subscribe +unsubscribe +ping +client|setname";
 
 fn builder(srv: &RedisServer) -> redbaton::Builder {

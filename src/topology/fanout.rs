@@ -1,21 +1,23 @@
 //! Runs one operation on every Redlock node at once, so that a round costs about the
-//! slowest node's round trip, not the sum. The calling thread takes node 0 itself; every
-//! other node has long-lived worker threads of its own (spawning threads per call would
-//! cost more than a loopback round trip).
+//! slowest node's round trip, not the sum. Every node has long-lived worker threads of its
+//! own (spawning threads per call would cost more than a loopback round trip), the first
+//! one included: a caller that made one node's call itself would wait out that node's
+//! timeout whenever it hangs.
 //!
 //! One bounded queue per node: a hung node's calls (each waits out its timeout) occupy
-//! only that node's workers, never the workers of the healthy nodes. And a round does not
-//! queue behind a hung node's backlog either: while a node's last call took half a read
-//! timeout or more and another call to it is under way (or every worker is busy and none
-//! has finished a call for that long), the node is *stalled*, and the call is made on the
-//! caller's thread in skipping mode (it fails at once, as a timeout would; see
-//! `proto::skip`), so the healthy majority decides the round at once. The call under way
-//! is the probe: once the node answers quickly again, it is used again. When a node's
-//! queue is full, the caller makes that node's call itself (backpressure).
+//! only that node's workers, never the workers of the healthy nodes. And no round waits
+//! for a hung node either: once a node's last call took half a read timeout or more (or
+//! every worker is busy and none has finished a call for that long), the node is
+//! *stalled*, and calls to it are made on the caller's thread in skipping mode (they fail
+//! at once, as a timeout would; see `proto::skip`), so the healthy majority decides every
+//! round at once. Meanwhile one probe at a time (a `PING`) goes to the node on its own
+//! workers, which no caller waits for: once the node answers quickly again, it is used
+//! again. When a node's queue is full, the caller makes that node's call itself
+//! (backpressure).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -41,40 +43,44 @@ struct Lane {
 struct LaneState {
     /// Calls queued or running.
     pending: AtomicUsize,
+    /// A probe of a stalled node is queued or running.
+    probing: AtomicBool,
     /// When a worker last finished a call (or the lane started), and how long that
     /// call took.
     progress: Mutex<(Instant, Duration)>,
 }
 
 impl LaneState {
-    /// The node is not keeping up: its last call took `stall` or more and another is
-    /// still under way (it probes the node: one round waits for it, the others do not),
-    /// or every worker is busy and none has finished anything for `stall`.
+    /// The node is not keeping up: its last call (or probe) took `stall` or more, or every
+    /// worker is busy and none has finished anything for `stall`.
     fn stalled(&self, stall: Duration) -> bool {
         let pending = self.pending.load(Ordering::Acquire);
         let (at, took) = *self.progress.lock();
-        (pending >= 1 && took >= stall) || (pending >= WORKERS_PER_NODE && at.elapsed() >= stall)
+        took >= stall || (pending >= WORKERS_PER_NODE && at.elapsed() >= stall)
     }
 }
 
+/// A probe of node `i`: a cheap command whose only use is its duration.
+pub(crate) type Probe = Arc<dyn Fn(usize) + Send + Sync>;
+
 pub(crate) struct Fanout {
-    /// Per node; node 0's is `None`: the caller runs it.
+    /// Per node (`None` only if a lane could not be made: the caller then runs the call).
     lanes: Vec<Option<Lane>>,
     stall: Duration,
+    probe: Probe,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl Fanout {
-    /// Workers for nodes `1..nodes`; a node is skipped while stalled for half of
-    /// `read_timeout`.
-    pub fn start(nodes: usize, read_timeout: Duration) -> std::io::Result<Self> {
+    /// Workers for every node; a node is skipped while stalled for half of `read_timeout`.
+    pub fn start(nodes: usize, read_timeout: Duration, probe: Probe) -> std::io::Result<Self> {
         let mut lanes = Vec::with_capacity(nodes);
-        let mut threads = Vec::with_capacity(nodes.saturating_sub(1) * WORKERS_PER_NODE);
-        lanes.push(None);
-        for node in 1..nodes {
+        let mut threads = Vec::with_capacity(nodes * WORKERS_PER_NODE);
+        for node in 0..nodes {
             let (jobs, rx) = crossbeam_channel::bounded::<Job>(QUEUE_PER_NODE);
             let state = Arc::new(LaneState {
                 pending: AtomicUsize::new(0),
+                probing: AtomicBool::new(false),
                 progress: Mutex::new((Instant::now(), Duration::ZERO)),
             });
             for w in 0..WORKERS_PER_NODE {
@@ -100,33 +106,37 @@ impl Fanout {
         Ok(Fanout {
             lanes,
             stall: read_timeout / 2,
+            probe,
             threads,
         })
     }
 
-    /// `f(i)` for every `i` in `0..n`, in parallel; results in index order.
+    /// `f(i)` for every position `i` of `nodes` (each the index of a node), in parallel,
+    /// each on its node's lane; results in the order of `nodes`.
     ///
     /// # Panics
     ///
     /// When `f` panicked for some node (after every other node's call ended).
-    pub fn map<T, F>(&self, n: usize, f: Arc<F>) -> Vec<T>
+    pub fn map<T, F>(&self, nodes: &[usize], f: Arc<F>) -> Vec<T>
     where
         T: Send + 'static,
         F: Fn(usize) -> T + Send + Sync + 'static,
     {
+        let n = nodes.len();
         let (tx, rx) = crossbeam_channel::bounded(n);
         let mut inline = Vec::new();
         let mut skipped = Vec::new();
-        for i in 1..n {
+        for (i, &node) in nodes.iter().enumerate() {
             let (f, tx) = (f.clone(), tx.clone());
             let job: Job = Box::new(move || {
                 let _ = tx.send((i, f(i)));
             });
-            let Some(lane) = self.lanes.get(i).and_then(Option::as_ref) else {
+            let Some(lane) = self.lanes.get(node).and_then(Option::as_ref) else {
                 inline.push(job);
                 continue;
             };
             if lane.state.stalled(self.stall) {
+                self.probe(node, lane);
                 skipped.push(job);
                 continue;
             }
@@ -140,9 +150,6 @@ impl Fanout {
             }
         }
         let mut out: Vec<Option<T>> = (0..n).map(|_| None).collect();
-        if n > 0 {
-            out[0] = Some(f(0));
-        }
         for job in skipped {
             skipping(job);
         }
@@ -150,12 +157,32 @@ impl Fanout {
             job();
         }
         drop(tx);
-        for (i, v) in rx.iter().take(n.saturating_sub(1)) {
+        for (i, v) in rx.iter().take(n) {
             out[i] = Some(v);
         }
         out.into_iter()
             .map(|v| v.expect("a node's call panicked"))
             .collect()
+    }
+}
+
+impl Fanout {
+    /// Sends one probe to a stalled node's lane (if none is on its way): when it comes
+    /// back quickly, the node is no longer stalled. No caller waits for it.
+    fn probe(&self, node: usize, lane: &Lane) {
+        if lane.state.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (probe, state) = (self.probe.clone(), lane.state.clone());
+        let job: Job = Box::new(move || {
+            probe(node);
+            state.probing.store(false, Ordering::Release);
+        });
+        lane.state.pending.fetch_add(1, Ordering::AcqRel);
+        if lane.jobs.try_send(job).is_err() {
+            lane.state.pending.fetch_sub(1, Ordering::AcqRel);
+            lane.state.probing.store(false, Ordering::Release);
+        }
     }
 }
 

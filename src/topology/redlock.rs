@@ -1,12 +1,12 @@
 //! Redlock: N independent masters serve every key; a majority decides. Operations go to
 //! all nodes at once through the fan-out workers.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use super::Route;
-use super::fanout::Fanout;
+use super::fanout::{Fanout, Probe};
 use crate::error::{Result, thread_error};
-use crate::proto::node::Node;
+use crate::proto::node::{Node, Retry};
 
 pub(crate) struct Redlock {
     route: Route,
@@ -15,8 +15,16 @@ pub(crate) struct Redlock {
 
 impl Redlock {
     pub fn new(nodes: Vec<Arc<Node>>, read_timeout: std::time::Duration) -> Result<Self> {
-        let fanout =
-            Fanout::start(nodes.len(), read_timeout).map_err(|e| thread_error("fanout", e))?;
+        // A stalled node is probed with a PING; the nodes are held weakly (the fan-out's
+        // workers must not keep the client's connections alive).
+        let weak: Vec<Weak<Node>> = nodes.iter().map(Arc::downgrade).collect();
+        let probe: Probe = Arc::new(move |i: usize| {
+            if let Some(node) = weak.get(i).and_then(Weak::upgrade) {
+                let _ = node.run(Retry::NEVER, |c| redis::cmd("PING").query::<()>(c));
+            }
+        });
+        let fanout = Fanout::start(nodes.len(), read_timeout, probe)
+            .map_err(|e| thread_error("fanout", e))?;
         Ok(Redlock {
             route: Route::new(Arc::from(nodes)),
             fanout,
@@ -32,8 +40,19 @@ impl Redlock {
         T: Send + 'static,
         F: Fn(&Node) -> T + Send + Sync + 'static,
     {
+        // Each call goes to its node's own lane, whichever nodes this call names.
+        let lanes: Vec<usize> = nodes
+            .iter()
+            .map(|n| {
+                self.route
+                    .nodes()
+                    .iter()
+                    .position(|m| m.id == n.id)
+                    .unwrap_or(0)
+            })
+            .collect();
         let nodes: Arc<[Arc<Node>]> = Arc::from(nodes);
-        let n = nodes.len();
-        self.fanout.map(n, Arc::new(move |i: usize| f(&nodes[i])))
+        self.fanout
+            .map(&lanes, Arc::new(move |i: usize| f(&nodes[i])))
     }
 }
