@@ -26,7 +26,7 @@ pub struct MatrixOutput<'a> {
     pub target: Option<Target>,
 }
 
-/// The target: 1 process × 8 threads, notify+handoff.
+/// The baton's target: 1 process × 8 threads, notify+handoff, at least 80% of ideal.
 #[derive(Serialize, Debug)]
 pub struct Target {
     pub pct_ideal: f64,
