@@ -84,8 +84,9 @@
 //!
 //! The code, one job per module: [`cli`] (flags), [`settings`] (resolved parameters),
 //! [`strategy`] (the client each strategy builds), [`workload`] (keys, hold, clock),
-//! [`server`] (the Redis measured, node or cluster, and the admin connections), [`protocol`] (worker ↔ parent
-//! messages), [`worker`] (a worker process), [`workers`] (starting and reading them),
+//! [`server`] (the Redis measured, node or cluster, and the admin connections),
+//! [`protocol`] (worker ↔ parent messages), [`worker`] (a worker process), [`workers`]
+//! (starting and reading them),
 //! [`ideal`] (the lock-free reference row), [`run`] (one configuration), [`measure`]
 //! (counters, percentiles, fairness), [`results`], [`report`] (tables, JSON) and [`chart`]
 //! (`--svg`).

@@ -36,6 +36,10 @@ pub struct Ratio {
     pub cluster_lock_per_section: f64,
     /// cluster ÷ one node.
     pub lock_ratio: f64,
+    /// The cluster's masters only (what the replicas re-run of their masters' writes
+    /// left out), and its ratio to one node.
+    pub cluster_masters_lock_per_section: f64,
+    pub masters_lock_ratio: f64,
     pub node_wait_p50_us: u64,
     pub cluster_wait_p50_us: u64,
     pub wait_p50_ratio: f64,
@@ -49,7 +53,11 @@ pub fn compare_ratios(node: &ConfigResult, cluster: &ConfigResult) -> Vec<Ratio>
         .iter()
         .filter_map(|n| {
             let c = cluster.results.iter().find(|c| c.strategy == n.strategy)?;
+            let masters = (c.commands.lock - c.commands.on_replicas.unwrap_or(0)) as f64
+                / c.sections.max(1) as f64;
             Some(Ratio {
+                cluster_masters_lock_per_section: masters,
+                masters_lock_ratio: masters / n.commands.lock_per_section.max(1e-9),
                 strategy: n.strategy,
                 node_lock_per_section: n.commands.lock_per_section,
                 cluster_lock_per_section: c.commands.lock_per_section,
@@ -80,6 +88,13 @@ pub fn print_ratios(ratios: &[Ratio]) {
             r.node_lock_per_section,
             r.lock_ratio,
             mark(r.lock_ratio),
+        );
+        println!(
+            "{}: the same, the cluster's masters only (without what replicas re-run): {:.2} ÷ {:.2} = {:.2}",
+            r.strategy.name(),
+            r.cluster_masters_lock_per_section,
+            r.node_lock_per_section,
+            r.masters_lock_ratio,
         );
         println!(
             "{}: wait p50, cluster ÷ one node: {} ÷ {} = {:.2} (target ≤ {COMPARE_TARGET}: {})",
