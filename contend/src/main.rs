@@ -67,7 +67,7 @@
 //!   It ends with the target check for 1 × 8: notify+handoff at 80% of ideal or more and
 //!   fewer than 0.2 Redis commands per section.
 //! * `--cluster`: the locks live in a Redis Cluster the tool starts on loopback (3 masters
-//!   + 3 replicas, `redbaton_testkit::cluster`); workers build their clients with
+//!   and 3 replicas, `redbaton_testkit::cluster`); workers build their clients with
 //!   `.cluster([seed])`. The counters (data the lock protects: it can live anywhere) and
 //!   the `ideal` row go to a separate throwaway `redis-server`. Commands are then summed
 //!   over every cluster node, replicas included, without `REPLCONF`, `PING`, `CLUSTER`,
