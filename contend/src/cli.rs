@@ -12,12 +12,22 @@ use crate::strategy::Strategy;
     name = "contend",
     about = "Measure redbaton's wakeup strategies under contention: P processes × T threads × S critical sections of H µs on K keys.",
     after_help = "--quick = -p 2 -t 4 -s 100 --hold-us 100 -k 1 and poll-100ms with S/5 sections; explicit flags override it.\n\
-                  --matrix = 1×2, 1×8, 1×32 and 4×8 (processes × threads) with notify and notify+handoff, H=100µs, S=500 (--quick: S=60)."
+                  --matrix = 1×2, 1×8, 1×32 and 4×8 (processes × threads) with notify and notify+handoff, H=100µs, S=500 (--quick: S=60).\n\
+                  --compare-cluster = -p 4 -t 4 -s 200 --hold-us 1000 -k 8 --strategies notify+handoff, against one node and then a cluster; explicit flags override it."
 )]
 pub struct Args {
     /// Redis to use; without it a throwaway redis-server is started.
     #[arg(long)]
     pub url: Option<String>,
+    /// Lock in a Redis Cluster: start one on loopback (3 masters + 3 replicas) and build
+    /// the clients with `.cluster([seed])`; the counters live on a separate redis-server.
+    /// Not with --url.
+    #[arg(long)]
+    pub cluster: bool,
+    /// Run the same configuration against one node and against a Redis Cluster, print
+    /// both tables and their ratios (see below).
+    #[arg(long, conflicts_with_all = ["cluster", "url", "matrix", "svg"])]
+    pub compare_cluster: bool,
     /// Worker processes [default: 4; --quick: 2].
     #[arg(short = 'p', long)]
     pub processes: Option<usize>,
@@ -83,4 +93,7 @@ pub struct Args {
     pub strategy: Option<Strategy>,
     #[arg(long, hide = true)]
     pub prefix: Option<String>,
+    /// Where the counters live when not on `--url` (cluster mode, comparison).
+    #[arg(long, hide = true)]
+    pub counter_url: Option<String>,
 }

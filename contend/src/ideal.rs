@@ -5,10 +5,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::Res;
-use crate::measure::{net_commands, percentile};
+use crate::measure::percentile;
 use crate::results::{Commands, Counter, IdealResult};
 use crate::run::Ctx;
-use crate::server::{cleanup, commandstats, raw_conn};
+use crate::server::{cleanup, raw_conn};
 use crate::settings::Settings;
 use crate::workload::{counter_key, hold_for};
 
@@ -37,14 +37,12 @@ pub fn run_ideal_part(ctx: &mut Ctx, s: &Settings, run_id: &str, n: usize) -> Re
             .arg(0)
             .query::<()>(&mut ctx.admin)?;
     }
-    let mut conn = raw_conn(ctx.url)?;
+    let mut conn = raw_conn(ctx.counter_url())?;
     let hold = Duration::from_micros(s.hold_us);
     let mut times = Vec::with_capacity(n);
 
-    let _ = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query::<()>(&mut ctx.admin);
-    let before = commandstats(&mut ctx.admin)?;
+    ctx.lab.meter.reset(&mut ctx.admin);
+    let before = ctx.lab.meter.read(&mut ctx.admin)?;
     let started = Instant::now();
     for i in 0..n {
         let k = i % s.keys;
@@ -58,7 +56,7 @@ pub fn run_ideal_part(ctx: &mut Ctx, s: &Settings, run_id: &str, n: usize) -> Re
         times.push(t0.elapsed().as_micros() as u64);
     }
     let measured = started.elapsed();
-    let after = commandstats(&mut ctx.admin)?;
+    let after = ctx.lab.meter.read(&mut ctx.admin)?;
     drop(conn);
 
     let mut actual = Vec::with_capacity(s.keys);
@@ -70,7 +68,7 @@ pub fn run_ideal_part(ctx: &mut Ctx, s: &Settings, run_id: &str, n: usize) -> Re
     Ok(IdealPart {
         measured,
         times,
-        commands: net_commands(&before, &after, n as u64),
+        commands: ctx.lab.meter.net(&before, &after, n as u64),
         actual,
         expected: (0..s.keys)
             .map(|k| (0..n).filter(|i| i % s.keys == k).count() as u64)
@@ -116,6 +114,10 @@ pub fn ideal_result(s: &Settings, parts: &[IdealPart]) -> IdealResult {
             lock_per_section: per(lock),
             sent,
             sent_per_section: per(sent),
+            on_replicas: parts
+                .iter()
+                .map(|p| p.commands.on_replicas)
+                .sum::<Option<u64>>(),
             by_command,
         },
         counter: Counter {

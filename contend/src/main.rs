@@ -19,6 +19,7 @@
 //! cargo run --release -p redbaton-contend -- --url redis://127.0.0.1:6379/ --strategies notify,notify+handoff
 //! cargo run --release -p redbaton-contend -- -p 4 -t 8 --strategies notify+handoff --max-handoffs 64 --slice-ms 2.5
 //! cargo run --release -p redbaton-contend -- --matrix
+//! cargo run --release -p redbaton-contend -- --compare-cluster
 //! ```
 //!
 //! * Each critical section locks key `(thread + i) mod K`, reads that key's counter with
@@ -65,14 +66,27 @@
 //!   `--max-handoffs` and `--slice-ms` still apply; `-p`, `-t` and `--strategies` do not.
 //!   It ends with the target check for 1 × 8: notify+handoff at 80% of ideal or more and
 //!   fewer than 0.2 Redis commands per section.
+//! * `--cluster`: the locks live in a Redis Cluster the tool starts on loopback (3 masters
+//!   and 3 replicas, `redbaton_testkit::cluster`); workers build their clients with
+//!   `.cluster([seed])`. The counters (data the lock protects: it can live anywhere) and
+//!   the `ideal` row go to a separate throwaway `redis-server`. Commands are then summed
+//!   over every cluster node, replicas included, without `REPLCONF`, `PING`, `CLUSTER`,
+//!   `INFO` and `CLIENT` (replication and housekeeping, not lock traffic); `sent/sect`
+//!   counts the masters only. Not with `--url`; `blpop-queue` does not run on a cluster.
+//! * `--compare-cluster`: the same configuration against one lock-only node, then against
+//!   a cluster (counters on their own server for both, counted alike), both tables, and
+//!   per strategy two ratios, cluster ÷ one node: lock commands per section and wait p50
+//!   (target: ≤ 1.2 each). Defaults: P=4, T=4, S=200, H=1000 µs, K=8 (two processes
+//!   contend for each key, and the keys spread over the masters), `notify+handoff` only.
 //! * Without `--url` the tool starts its own `redis-server` (no persistence, temp dir, free
 //!   127.0.0.1 port) and stops it at the end. Unix only (it reads `CLOCK_MONOTONIC`, which
 //!   all processes of a machine share).
 //!
 //! The code, one job per module: [`cli`] (flags), [`settings`] (resolved parameters),
 //! [`strategy`] (the client each strategy builds), [`workload`] (keys, hold, clock),
-//! [`server`] (the Redis measured and the admin connection), [`protocol`] (worker ↔ parent
-//! messages), [`worker`] (a worker process), [`workers`] (starting and reading them),
+//! [`server`] (the Redis measured, node or cluster, and the admin connections),
+//! [`protocol`] (worker ↔ parent messages), [`worker`] (a worker process), [`workers`]
+//! (starting and reading them),
 //! [`ideal`] (the lock-free reference row), [`run`] (one configuration), [`measure`]
 //! (counters, percentiles, fairness), [`results`], [`report`] (tables, JSON) and [`chart`]
 //! (`--svg`).

@@ -49,6 +49,57 @@ pub fn net_commands(
         lock_per_section: per(lock),
         sent,
         sent_per_section: per(sent),
+        on_replicas: None,
+        by_command,
+    }
+}
+
+/// Not lock traffic, left out when counting over lock-only servers: replication
+/// (`REPLCONF`), health checks (`PING`), the cluster's topology (`CLUSTER …`), the tool's
+/// own `INFO`, and connection set-up (`CLIENT …`).
+pub const HOUSEKEEPING: [&str; 5] = ["replconf", "ping", "cluster", "info", "client"];
+
+/// The window's net calls per command summed over lock-only servers (readings `before`
+/// and `after`, one map per server; `replica` tells which are replicas), without
+/// [`HOUSEKEEPING`]. The counters live elsewhere, so nothing is subtracted for them.
+/// `sent` counts the masters' calls only: what a replica runs came from its master, not
+/// from a client.
+pub fn net_commands_nodes(
+    before: &[HashMap<String, u64>],
+    after: &[HashMap<String, u64>],
+    replica: &[bool],
+    sections: u64,
+) -> Commands {
+    let mut by_command: HashMap<String, u64> = HashMap::new();
+    let (mut on_replicas, mut sent) = (0u64, 0u64);
+    for ((b, a), &is_replica) in before.iter().zip(after).zip(replica) {
+        for (name, &calls) in a {
+            let base = name.split('|').next().unwrap_or(name);
+            if HOUSEKEEPING.contains(&base) {
+                continue;
+            }
+            let net = calls.saturating_sub(b.get(name).copied().unwrap_or(0));
+            if net == 0 {
+                continue;
+            }
+            *by_command.entry(name.clone()).or_default() += net;
+            if is_replica {
+                on_replicas += net;
+            } else if !IN_SCRIPT.contains(&name.as_str()) {
+                sent += net;
+            }
+        }
+    }
+    let lock: u64 = by_command.values().sum();
+    let per = |n: u64| n as f64 / sections.max(1) as f64;
+    Commands {
+        server_total: lock,
+        counter: 0,
+        lock,
+        lock_per_section: per(lock),
+        sent,
+        sent_per_section: per(sent),
+        on_replicas: Some(on_replicas),
         by_command,
     }
 }

@@ -17,6 +17,96 @@ pub struct Output<'a> {
     pub config: &'a ConfigResult,
 }
 
+/// `--json` of `--compare-cluster`.
+#[derive(Serialize)]
+pub struct CompareOutput<'a> {
+    pub node: Output<'a>,
+    pub cluster: Output<'a>,
+    pub ratios: &'a [Ratio],
+}
+
+/// `--compare-cluster`'s target for both ratios (cluster ÷ one node).
+pub const COMPARE_TARGET: f64 = 1.2;
+
+/// One strategy on a cluster against one node.
+#[derive(Serialize, Debug)]
+pub struct Ratio {
+    pub strategy: Strategy,
+    pub node_lock_per_section: f64,
+    pub cluster_lock_per_section: f64,
+    /// cluster ÷ one node.
+    pub lock_ratio: f64,
+    /// The cluster's masters only (what the replicas re-run of their masters' writes
+    /// left out), and its ratio to one node.
+    pub cluster_masters_lock_per_section: f64,
+    pub masters_lock_ratio: f64,
+    pub node_wait_p50_us: u64,
+    pub cluster_wait_p50_us: u64,
+    pub wait_p50_ratio: f64,
+    pub node_sections_per_s: f64,
+    pub cluster_sections_per_s: f64,
+}
+
+/// The ratios of every strategy that ran against both.
+pub fn compare_ratios(node: &ConfigResult, cluster: &ConfigResult) -> Vec<Ratio> {
+    node.results
+        .iter()
+        .filter_map(|n| {
+            let c = cluster.results.iter().find(|c| c.strategy == n.strategy)?;
+            let masters = (c.commands.lock - c.commands.on_replicas.unwrap_or(0)) as f64
+                / c.sections.max(1) as f64;
+            Some(Ratio {
+                cluster_masters_lock_per_section: masters,
+                masters_lock_ratio: masters / n.commands.lock_per_section.max(1e-9),
+                strategy: n.strategy,
+                node_lock_per_section: n.commands.lock_per_section,
+                cluster_lock_per_section: c.commands.lock_per_section,
+                lock_ratio: c.commands.lock_per_section / n.commands.lock_per_section.max(1e-9),
+                node_wait_p50_us: n.wait.p50_us,
+                cluster_wait_p50_us: c.wait.p50_us,
+                wait_p50_ratio: c.wait.p50_us as f64 / n.wait.p50_us.max(1) as f64,
+                node_sections_per_s: n.sections_per_s,
+                cluster_sections_per_s: c.sections_per_s,
+            })
+        })
+        .collect()
+}
+
+pub fn print_ratios(ratios: &[Ratio]) {
+    let mark = |x: f64| {
+        if x <= COMPARE_TARGET {
+            "met"
+        } else {
+            "NOT met"
+        }
+    };
+    for r in ratios {
+        println!(
+            "{}: Redis lock commands per section, cluster ÷ one node: {:.2} ÷ {:.2} = {:.2} (target ≤ {COMPARE_TARGET}: {})",
+            r.strategy.name(),
+            r.cluster_lock_per_section,
+            r.node_lock_per_section,
+            r.lock_ratio,
+            mark(r.lock_ratio),
+        );
+        println!(
+            "{}: the same, the cluster's masters only (without what replicas re-run): {:.2} ÷ {:.2} = {:.2}",
+            r.strategy.name(),
+            r.cluster_masters_lock_per_section,
+            r.node_lock_per_section,
+            r.masters_lock_ratio,
+        );
+        println!(
+            "{}: wait p50, cluster ÷ one node: {} ÷ {} = {:.2} (target ≤ {COMPARE_TARGET}: {})",
+            r.strategy.name(),
+            fmt_us(r.cluster_wait_p50_us),
+            fmt_us(r.node_wait_p50_us),
+            r.wait_p50_ratio,
+            mark(r.wait_p50_ratio),
+        );
+    }
+}
+
 #[derive(Serialize)]
 pub struct MatrixOutput<'a> {
     pub redis_url: &'a str,
@@ -208,6 +298,31 @@ pub fn print_table(url: &str, c: &ConfigResult) {
         println!(
             "{}",
             table_line(&[(r.strategy.name(), 15)], &cells, &counter)
+        );
+    }
+    print_split(c);
+}
+
+/// Over lock-only servers (`--cluster`, `--compare-cluster`): what the command columns
+/// count, and how much of it replicas ran.
+fn print_split(c: &ConfigResult) {
+    if c.ideal.commands.on_replicas.is_none() {
+        return;
+    }
+    println!(
+        "cmds/sect here: every call on the lock servers (replicas included), counters apart, without replconf, ping, cluster, info and client; sent/sect: masters only."
+    );
+    for r in &c.results {
+        let Some(rep) = r.commands.on_replicas else {
+            continue;
+        };
+        let per = |n: u64| n as f64 / r.sections.max(1) as f64;
+        println!(
+            "{}: cmds/sect {:.2} = masters {:.2} + replicas {:.2}",
+            r.strategy.name(),
+            r.commands.lock_per_section,
+            per(r.commands.lock - rep),
+            per(rep),
         );
     }
 }

@@ -28,6 +28,9 @@ pub struct Commands {
     /// Commands the lock's clients sent (round trips): `lock` without in-script calls.
     pub sent: u64,
     pub sent_per_section: f64,
+    /// Of `lock`, the calls counted on replicas (lock-only servers; absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub on_replicas: Option<u64>,
     /// Net calls per command name (INFO commandstats), counter included.
     pub by_command: HashMap<String, u64>,
 }

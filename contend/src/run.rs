@@ -9,22 +9,32 @@ use redbaton_testkit::keys::{fence_of, handoff_of};
 
 use crate::Res;
 use crate::ideal::{IDEAL_CAP, ideal_result, run_ideal_part};
-use crate::measure::{fairness, net_commands, waits};
+use crate::measure::{fairness, waits};
 use crate::protocol::{ClientStats, Msg, WorkerReport};
 use crate::results::{ConfigResult, Counter, StrategyResult};
-use crate::server::{cleanup, commandstats};
+use crate::server::{Lab, cleanup};
 use crate::settings::Settings;
 use crate::strategy::Strategy;
 use crate::workers::{EXIT_TIMEOUT, READY_TIMEOUT, next_msg, spawn_workers};
 use crate::workload::{counter_key, mono_us};
 
-pub struct Ctx<'a> {
-    pub url: &'a str,
+pub struct Ctx {
+    /// Where the locks and the counters live, and how commands are counted.
+    pub lab: Lab,
+    /// To the counters' server (the locks' too, unless they live apart).
     pub admin: redis::Connection,
     pub bar: ProgressBar,
     pub stall: Duration,
     /// `--sections-csv`: one line per critical section.
     pub csv: Option<std::io::BufWriter<std::fs::File>>,
+    /// Put before the config in `--sections-csv` lines (`node:`, `cluster:` when comparing).
+    pub csv_tag: &'static str,
+}
+
+impl Ctx {
+    pub fn counter_url(&self) -> &str {
+        self.lab.counter_url.as_deref().unwrap_or(&self.lab.url)
+    }
 }
 
 pub fn run_strategy(
@@ -43,7 +53,14 @@ pub fn run_strategy(
             .query::<()>(&mut ctx.admin)?;
     }
     ctx.bar.set_message(format!("{label}{}", strategy.name()));
-    let (mut workers, rx) = spawn_workers(ctx.url, &prefix, strategy, s)?;
+    let (mut workers, rx) = spawn_workers(
+        &ctx.lab.url,
+        ctx.lab.cluster,
+        ctx.lab.counter_url.as_deref(),
+        &prefix,
+        strategy,
+        s,
+    )?;
     for _ in 0..s.processes {
         match next_msg(&rx, READY_TIMEOUT, "starting")? {
             (_, Msg::Ready) => {}
@@ -52,10 +69,8 @@ pub fn run_strategy(
     }
 
     // Window opens: fresh server counters, then a baseline reading.
-    let _ = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query::<()>(&mut ctx.admin);
-    let before = commandstats(&mut ctx.admin)?;
+    ctx.lab.meter.reset(&mut ctx.admin);
+    let before = ctx.lab.meter.read(&mut ctx.admin)?;
     let base = mono_us();
     let started = Instant::now();
     for stdin in workers.stdins.iter_mut().flatten() {
@@ -78,7 +93,7 @@ pub fn run_strategy(
         ctx.bar.set_position(offset + progress.iter().sum::<u64>());
     }
     let wall = started.elapsed();
-    let after = commandstats(&mut ctx.admin)?;
+    let after = ctx.lab.meter.read(&mut ctx.admin)?;
     // Window closed: let the workers go.
     workers.stdins.clear();
     let deadline = Instant::now() + EXIT_TIMEOUT;
@@ -91,7 +106,7 @@ pub fn run_strategy(
 
     let reports: Vec<WorkerReport> = reports.into_iter().flatten().collect();
     if let Some(csv) = &mut ctx.csv {
-        write_sections_csv(csv, s, strategy, &reports)?;
+        write_sections_csv(csv, ctx.csv_tag, s, strategy, &reports)?;
         csv.flush()?;
     }
     let mut counters = Vec::with_capacity(s.keys);
@@ -102,6 +117,7 @@ pub fn run_strategy(
         counters.push(n.unwrap_or(0));
     }
     cleanup(&mut ctx.admin, &prefix)?;
+    ctx.lab.meter.cleanup(&prefix)?;
 
     // Sections, waits, fairness. The run lasts from `go` to the last section's end (the
     // workers' reports arrive a little later).
@@ -124,7 +140,7 @@ pub fn run_strategy(
     let wait = waits(&reports);
     let fairness = fairness(&reports, s);
 
-    let commands = net_commands(&before, &after, sections);
+    let commands = ctx.lab.meter.net(&before, &after, sections);
 
     // The counters in Redis must match the sections done on each key, across processes.
     let mut per_key = vec![0u64; s.keys];
@@ -166,11 +182,12 @@ pub fn run_strategy(
 /// Appends one `--sections-csv` line per critical section of `reports`.
 fn write_sections_csv(
     csv: &mut impl Write,
+    tag: &str,
     s: &Settings,
     strategy: Strategy,
     reports: &[WorkerReport],
 ) -> Res<()> {
-    let config = format!("{}x{}", s.processes, s.threads);
+    let config = format!("{tag}{}x{}", s.processes, s.threads);
     for r in reports {
         for (t, th) in r.threads.iter().enumerate() {
             let global = r.worker * s.threads + t;

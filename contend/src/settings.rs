@@ -28,7 +28,11 @@ pub struct Settings {
 
 impl Settings {
     pub fn from_args(a: &Args) -> Res<Settings> {
-        let (p, t, s, h, k) = if a.quick {
+        let (p, t, s, h, k) = if a.compare_cluster {
+            // Two processes contend for each of 8 keys (threads g and g + 8 share a key,
+            // in processes w and w + 2), and the 8 keys spread over the 3 masters.
+            (4, 4, 200, 1000, 8)
+        } else if a.quick {
             (2, 4, 100, 100, 1)
         } else {
             (4, 8, 200, 100, 1)

@@ -56,9 +56,22 @@ impl Strategy {
         }
     }
 
-    pub fn builder(self, url: &str, prefix: &str, s: &Settings) -> redbaton::Builder {
-        let b = LockClient::builder()
-            .node(url)
+    /// The client of this strategy on the Redis at `url`, or on the Redis Cluster that
+    /// `url` is a seed of when `cluster`.
+    pub fn builder(
+        self,
+        url: &str,
+        cluster: bool,
+        prefix: &str,
+        s: &Settings,
+    ) -> redbaton::Builder {
+        let b = LockClient::builder();
+        let b = if cluster {
+            b.cluster([url])
+        } else {
+            b.node(url)
+        };
+        let b = b
             .key_prefix(prefix)
             .lease(Duration::from_millis(s.lease_ms))
             // Enough connections that threads never queue for one (8 is the default).

@@ -29,9 +29,14 @@ pub fn worker_main(args: &Args) -> Res<()> {
     };
     let s = Settings::from_args(args)?;
     let sections = s.sections_for(strategy);
-    let client = strategy.builder(url, prefix, &s).build()?;
+    if args.cluster && strategy == Strategy::BlpopQueue {
+        return Err("blpop-queue does not run on a cluster".into());
+    }
+    let client = strategy.builder(url, args.cluster, prefix, &s).build()?;
+    // The counters: on the locks' Redis, or on a server of their own.
+    let counter_url = args.counter_url.as_deref().unwrap_or(url);
     let conns = (0..s.threads)
-        .map(|_| raw_conn(url))
+        .map(|_| raw_conn(counter_url))
         .collect::<Res<Vec<_>>>()?;
     // The BLPOP queue locks through a connection of each thread's own (BLPOP blocks it).
     let mut lock_conns = (0..s.threads)

@@ -41,8 +41,12 @@ pub enum Event {
     Eof(usize),
 }
 
+/// `url` is where the locks live (a cluster's seed when `cluster`); `counter_url`, where
+/// the counters do when not there.
 pub fn spawn_workers(
     url: &str,
+    cluster: bool,
+    counter_url: Option<&str>,
     prefix: &str,
     strategy: Strategy,
     s: &Settings,
@@ -58,6 +62,8 @@ pub fn spawn_workers(
             .arg("--worker")
             .args(["--worker-id", &id.to_string()])
             .args(["--url", url])
+            .args(cluster.then_some("--cluster"))
+            .args(counter_url.iter().flat_map(|u| ["--counter-url", u]))
             .args(["--prefix", prefix])
             .args(["--strategy", strategy.name()])
             .args(["--processes", &s.processes.to_string()])
