@@ -300,7 +300,7 @@ impl Engine {
     }
 
     /// Fair queue: a release granted us the lock (heard at `at`). It is ours with the
-    /// grant's short lease, which the watchdog's first renewal, due at once, lengthens.
+    /// grant's short lease, which the watchdog's first renewal, at a third of it, lengthens.
     fn granted(
         self: &Arc<Self>,
         keys: &Keys,

@@ -122,7 +122,9 @@ impl RemoteLock {
     }
 
     /// A lock granted by another process's release: valid for the grant's short lease
-    /// from when the grant was heard, with its first renewal (to `lease`) due at once.
+    /// from when the grant was heard, with its first renewal (to the full `lease`) due at a
+    /// third of the grant's lease, like any renewal: a hold shorter than that costs no
+    /// renewal at all.
     pub fn granted(
         acquisition: Acquisition,
         lease: Duration,
@@ -135,7 +137,7 @@ impl RemoteLock {
         {
             let mut st = lock.state.lock();
             st.valid_until = started + grant_lease.saturating_sub(drift);
-            st.next_renew = started;
+            st.next_renew = started + grant_lease / 3;
         }
         lock
     }

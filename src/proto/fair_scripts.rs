@@ -10,7 +10,7 @@
 //! A grant is `SET L <head> PX <grant lease>`, an `INCR` of the fence and
 //! `PUBLISH <channel> g<head>:<fence>`: the head's process owns the lock when it reads the
 //! message, without an acquire round trip; the short grant lease bounds what a dead
-//! grantee costs the others, and the grantee's first renewal (at once) gives it the full
+//! grantee costs the others, and the grantee's first renewal (at a third of it) gives it the full
 //! lease. A lost message is recovered by the grantee's next attempt, which finds its own
 //! token in the key.
 
