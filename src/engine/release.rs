@@ -60,7 +60,8 @@ impl Engine {
                 undo.disarm();
                 // With the fair queue the next process already has the lock (or will get it
                 // at its next attempt): our next contender queues at once, without a pause.
-                self.table.released(&lock.keys, forced && contended && !fair);
+                self.table
+                    .released(&lock.keys, forced && contended && !fair);
                 tally_release(replies, lost.is_none(), route.quorum())
             }
         }
