@@ -188,6 +188,17 @@ pub fn commandstats(admin: &mut redis::Connection) -> Res<HashMap<String, u64>> 
 /// Deletes every key under `prefix` on a cluster node, one `DEL` per key (keys of
 /// different slots cannot share one).
 fn cleanup_each(conn: &mut redis::Connection, prefix: &str) -> Res<()> {
+    delete_matching(conn, prefix, true)
+}
+
+/// Deletes every key under `prefix` (counters, fence counters).
+pub fn cleanup(admin: &mut redis::Connection, prefix: &str) -> Res<()> {
+    delete_matching(admin, prefix, false)
+}
+
+/// `SCAN`s for the keys under `prefix` and deletes them, a batch per `DEL` or, when
+/// `one_by_one`, a `DEL` per key.
+fn delete_matching(conn: &mut redis::Connection, prefix: &str, one_by_one: bool) -> Res<()> {
     let pattern = format!("{prefix}*");
     let mut cursor = 0u64;
     loop {
@@ -198,30 +209,12 @@ fn cleanup_each(conn: &mut redis::Connection, prefix: &str) -> Res<()> {
             .arg("COUNT")
             .arg(1000)
             .query(conn)?;
-        for key in keys {
-            redis::cmd("DEL").arg(key).query::<()>(conn)?;
-        }
-        if next == 0 {
-            return Ok(());
-        }
-        cursor = next;
-    }
-}
-
-/// Deletes every key under `prefix` (counters, fence counters).
-pub fn cleanup(admin: &mut redis::Connection, prefix: &str) -> Res<()> {
-    let pattern = format!("{prefix}*");
-    let mut cursor = 0u64;
-    loop {
-        let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query(admin)?;
-        if !keys.is_empty() {
-            redis::cmd("DEL").arg(keys).query::<()>(admin)?;
+        if one_by_one {
+            for key in keys {
+                redis::cmd("DEL").arg(key).query::<()>(conn)?;
+            }
+        } else if !keys.is_empty() {
+            redis::cmd("DEL").arg(keys).query::<()>(conn)?;
         }
         if next == 0 {
             return Ok(());

@@ -87,8 +87,7 @@ impl Engine {
     /// key's subscription is confirmed, read the mark key, so that a remote waiter whose
     /// live mark came before the subscription is known too. One `GET` per node and episode.
     fn check_marks(self: &Arc<Self>, keys: &Keys, deadline: Option<Instant>) {
-        let now = Instant::now();
-        let soon = now.checked_add(self.cfg.read_timeout).unwrap_or(now);
+        let soon = crate::clock::from_now(self.cfg.read_timeout);
         let until = deadline.map_or(soon, |d| d.min(soon));
         let route = self.topology.route(keys);
         let (poke_tx, poke) = crossbeam_channel::bounded(1);

@@ -61,12 +61,11 @@ impl Engine {
         }
         // A panic in this loop must not leave our entry in the queue, nor a grant to it.
         // (Every normal way out leaves the queue itself, or holds the lock.)
-        let queued = token.clone();
-        let _unwinding = OnUnwind::new(move || {
+        let _unwinding = OnUnwind::new(|| {
             if !std::thread::panicking() {
                 return;
             }
-            if let (Some(t), Some(node)) = (&queued, self.topology.route(keys).sole())
+            if let (Some(t), Some(node)) = (&token, self.topology.route(keys).sole())
                 && let Err(e) = node.leave(keys, t)
             {
                 log::debug!("leaving the queue after a panic failed (the entry expires): {e}");
@@ -93,7 +92,7 @@ impl Engine {
         };
         loop {
             if let Some((fence, at)) = waiter.take_grant() {
-                return self.granted(keys, &route, token, fence, at);
+                return self.granted(keys, &route, token.as_deref(), fence, at);
             }
             // An attempt that will wait if it fails marks contention for the holder. The
             // script deletes our mark when we win; when we leave without the lock, we take
@@ -154,7 +153,7 @@ impl Engine {
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 if let Some((fence, at)) = waiter.take_grant() {
-                    return self.granted(keys, &route, token, fence, at);
+                    return self.granted(keys, &route, token.as_deref(), fence, at);
                 }
                 self.leave_queue(keys, &route, token.as_deref(), marked);
                 return Err(short(unacked, Error::Timeout));
@@ -295,7 +294,8 @@ impl Engine {
         }
         undo.unknown.append(&mut undo.granted);
         if !undo.unknown.is_empty() {
-            self.release_in_background(keys, route, token, undo.unknown);
+            // Not waited for: one bounded worker per client (see `cleanup`).
+            self.cleanup.release_later(keys, token, undo.unknown);
         }
     }
 
@@ -305,7 +305,7 @@ impl Engine {
         self: &Arc<Self>,
         keys: &Keys,
         route: &Route,
-        token: Option<String>,
+        token: Option<&str>,
         fence: u64,
         at: Instant,
     ) -> Result<Arc<RemoteLock>> {
@@ -313,7 +313,7 @@ impl Engine {
             return Err(Error::Protocol("a grant without a fair queue".to_owned()));
         };
         if fence > MAX_FENCE {
-            self.release_on(keys, route, &token, std::slice::from_ref(&node.id));
+            self.release_on(keys, route, token, std::slice::from_ref(&node.id));
             return Err(Error::Protocol(format!(
                 "fence counter {fence} exceeds {MAX_FENCE}"
             )));
@@ -322,7 +322,7 @@ impl Engine {
         let lock = Arc::new(RemoteLock::granted(
             Acquisition {
                 keys: keys.clone(),
-                token,
+                token: token.to_owned(),
                 fence,
                 nodes: vec![node.id.clone()],
                 started: at,

@@ -3,8 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::clock::from_now;
 use crate::engine::cleanup::release_on;
-use crate::engine::clock::{YIELD, after};
+use crate::engine::clock::YIELD;
 use crate::engine::state::Engine;
 use crate::error::{Error, Result, Unlocked};
 use crate::local::held::RemoteLock;
@@ -52,7 +53,7 @@ impl Engine {
                 if contended && !fair {
                     // A thread that releases and locks again would otherwise win every time:
                     // its attempt reaches Redis before the waiters have heard of the release.
-                    let until = after(YIELD);
+                    let until = from_now(YIELD);
                     for s in self.subs_for(&route).iter() {
                         s.ask_to_yield(&lock.keys, until);
                     }
@@ -129,19 +130,6 @@ impl Engine {
         ids: &[NodeId],
     ) -> Vec<Result<ReleaseReply>> {
         release_on(&self.topology, keys, route, token, ids)
-    }
-
-    /// A compare-and-delete the caller does not wait for (after an ambiguous failure, so
-    /// that the deadline is kept and no stray key outlives the call by long): one bounded
-    /// worker per client (see `cleanup`), never a thread per failure.
-    pub(crate) fn release_in_background(
-        self: &Arc<Self>,
-        keys: &Keys,
-        _route: &Route,
-        token: String,
-        nodes: Vec<NodeId>,
-    ) {
-        self.cleanup.release_later(keys, token, nodes);
     }
 
     /// Redlock: raises the fencing counter of the granting nodes that are behind to

@@ -5,8 +5,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use redis::Cmd;
 
+use crate::clock::from_now;
 use crate::config::Wakeup;
-use crate::engine::clock::{YIELD, after, earliest};
+use crate::engine::clock::{YIELD, earliest};
 use crate::engine::state::Engine;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Marks, new_token};
@@ -147,7 +148,7 @@ impl Waiter {
     }
 
     fn confirm(&self, client: &Engine, deadline: Option<Instant>) -> bool {
-        let until = earliest(after(client.cfg.read_timeout), deadline);
+        let until = earliest(from_now(client.cfg.read_timeout), deadline);
         let needed = self.needed;
         if self.usable < needed {
             return false;
@@ -202,7 +203,7 @@ impl Waiter {
         let c = &client.counters;
         let woken = match client.cfg.wakeup {
             Wakeup::Polling(every) => {
-                let until = earliest(after(every), deadline);
+                let until = earliest(from_now(every), deadline);
                 std::thread::sleep(until.saturating_duration_since(Instant::now()));
                 Counters::inc(&c.wakeups_poll);
                 return;
@@ -241,8 +242,9 @@ impl Waiter {
         deadline: Option<Instant>,
         client: &Engine,
     ) -> Woken {
-        let recheck = after(client.cfg.recheck_interval);
-        let lease_end = hint.map(|p| after(p.saturating_add(p / 100 + Duration::from_millis(2))));
+        let recheck = from_now(client.cfg.recheck_interval);
+        let lease_end =
+            hint.map(|p| from_now(p.saturating_add(p / 100 + Duration::from_millis(2))));
         let mut until = recheck;
         if let Some(t) = lease_end {
             until = until.min(t);
@@ -293,7 +295,7 @@ impl Waiter {
             sleep = sleep.min(p);
         }
         self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
-        let until = earliest(after(sleep), deadline);
+        let until = earliest(from_now(sleep), deadline);
         log::debug!(
             "waiting for {} without confirmed subscription",
             keys.display()
@@ -328,7 +330,7 @@ impl Waiter {
             .flatten()
             .map(|&(until, _)| until)
             .min()
-            .unwrap_or_else(|| after(YIELD));
+            .unwrap_or_else(|| from_now(YIELD));
         let until = earliest(pause_end, deadline);
         loop {
             // Only another owner's `set` ends the pause early: our own release's `del`/`r`
