@@ -1,8 +1,10 @@
 //! rw_bench: a read-mostly workload on one name, under the read-write lock and under the
 //! exclusive lock, in one run.
 //!
-//! P processes × T threads each run S critical sections of H µs (busy, keeping the core)
-//! on one name; R% of them are reads. With `rwlock` reads take `rwlock(name).read()` and
+//! P processes × T threads each run S critical sections of H µs on one name; R% of them
+//! are reads. A section keeps its core busy (CPU-bound work: on a machine with few cores
+//! this caps how many readers can run at once), or with `--sleep` it sleeps (I/O-bound
+//! work, such as reading a remote resource, where readers overlap freely). With `rwlock` reads take `rwlock(name).read()` and
 //! writes `.write()`; with `lock` every section takes `lock(name)`. It prints, per mode,
 //! sections per second (from the moment all workers start to the last one's end) and the
 //! Redis commands per section, counted by the server (`INFO commandstats`, after
@@ -12,6 +14,8 @@
 //! ```text
 //! cargo run --release --example rw_bench                    # P=4 T=4 S=500 H=100 R=90
 //! cargo run --release --example rw_bench -- 4 4 500 100 90  # P T S H R
+//! cargo run --release --example rw_bench -- --sleep          # sleeping sections
+//! cargo run --release --example rw_bench -- --only rwlock    # one mode
 //! REDIS_URL=redis://127.0.0.1:6379/ cargo run --release --example rw_bench
 //! ```
 //!
@@ -27,23 +31,29 @@ use std::time::{Duration, Instant};
 const NAME: &str = "bench";
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
+    let mut args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--worker") {
         return worker(&args[2..]);
     }
+    let sleep = take_flag(&mut args, "--sleep");
+    let only = take_option(&mut args, "--only");
     let num = |i: usize, default: u64| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
     let (procs, threads, sections, hold_us, read_pct) =
         (num(1, 4), num(2, 4), num(3, 500), num(4, 100), num(5, 90));
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| redbaton_testkit::redis_url());
     let mut admin = redis::Client::open(url.as_str())?.get_connection()?;
+    let kind = if sleep { "sleeping" } else { "busy" };
     println!(
-        "{procs} processes x {threads} threads x {sections} sections of {hold_us} us, {read_pct}% reads"
+        "{procs} processes x {threads} threads x {sections} {kind} sections of {hold_us} us, {read_pct}% reads"
     );
     println!(
         "{:<8} {:>12} {:>10} {:>11} {:>11}",
         "mode", "sections/s", "seconds", "cmds/sect", "sent/sect"
     );
     for mode in ["rwlock", "lock"] {
+        if only.as_deref().is_some_and(|o| o != mode) {
+            continue;
+        }
         redis::cmd("CONFIG")
             .arg("RESETSTAT")
             .query::<()>(&mut admin)?;
@@ -52,6 +62,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut child = Command::new(std::env::current_exe()?)
                 .args(["--worker", mode, &url])
                 .args([threads, sections, hold_us, read_pct, p].map(|n| n.to_string()))
+                .arg(if sleep { "sleep" } else { "busy" })
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .spawn()?;
@@ -120,8 +131,9 @@ fn commandstats(conn: &mut redis::Connection) -> redis::RedisResult<HashMap<Stri
 fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     let mode = args[0].clone();
     let url = &args[1];
-    let n: Vec<u64> = args[2..].iter().map(|a| a.parse().unwrap()).collect();
+    let n: Vec<u64> = args[2..7].iter().map(|a| a.parse().unwrap()).collect();
     let (threads, sections, hold, read_pct) = (n[0], n[1], Duration::from_micros(n[2]), n[3]);
+    let sleep = args.get(7).map(String::as_str) == Some("sleep");
     let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
     // Warm the connection pool and scripts outside the measured run.
     client.with_lock("warmup", || ())?;
@@ -139,17 +151,17 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
                     match (mode.as_str(), read) {
                         ("rwlock", true) => {
                             let g = rw.read()?;
-                            spin(hold);
+                            section(hold, sleep);
                             drop(g);
                         }
                         ("rwlock", false) => {
                             let g = rw.write()?;
-                            spin(hold);
+                            section(hold, sleep);
                             drop(g);
                         }
                         _ => {
                             let g = client.lock(NAME)?;
-                            spin(hold);
+                            section(hold, sleep);
                             drop(g);
                         }
                     }
@@ -165,7 +177,27 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn spin(d: Duration) {
+/// Removes `flag` from the arguments; whether it was there.
+fn take_flag(args: &mut Vec<String>, flag: &str) -> bool {
+    let before = args.len();
+    args.retain(|a| a != flag);
+    args.len() != before
+}
+
+/// Removes `option` and its value from the arguments; the value.
+fn take_option(args: &mut Vec<String>, option: &str) -> Option<String> {
+    let i = args.iter().position(|a| a == option)?;
+    let value = args.get(i + 1).cloned();
+    args.drain(i..(i + 2).min(args.len()));
+    value
+}
+
+/// One critical section: `d` of busy work, or of sleep.
+fn section(d: Duration, sleep: bool) {
+    if sleep {
+        std::thread::sleep(d);
+        return;
+    }
     let t = Instant::now();
     while t.elapsed() < d {
         std::hint::spin_loop();

@@ -11,7 +11,7 @@ use crate::engine::contend::Wait;
 use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
-use crate::fencing::{self, MAX_LOCAL_SEQ};
+use crate::local::shares::Mode;
 
 impl LockClient {
     /// A read-write lock named `name`: many readers (across threads and processes) or one
@@ -55,13 +55,18 @@ impl LockClient {
 ///   [re-check interval](crate::Builder::recheck_interval) and is renewed at each of the
 ///   writer's attempts, so a crashed waiting writer holds readers back at most that long).
 ///   Readers that already hold keep reading; the writer gets the lock when they are done.
-/// * **Local sharing.** The readers of one process share one remote read hold: the first
-///   takes it, later ones join it with no Redis command, the last one releases it. A new
-///   reader joins only during the hold's first
-///   [`handoff_slice`](crate::Builder::handoff_slice) and
-///   [`max_handoffs`](crate::Builder::max_handoffs) joins (or when its thread already
-///   reads); after that it asks Redis, where a waiting writer stops it. So local sharing
-///   delays a waiting writer by at most that slice plus the sections already running.
+/// * **Local turns.** One process holds at most one remote hold of a name and lets its
+///   threads take turns on it with no Redis command: local readers share a remote read
+///   hold; under the remote write hold, local writers write one after another (like the
+///   plain lock's baton) and local readers may read between them. Local writers are
+///   preferred too: while one waits, new local readers wait, and a read hold is given
+///   back as soon as its readers are done so the writer can ask for the write hold.
+///   A remote hold serves at most [`handoff_slice`](crate::Builder::handoff_slice) and
+///   [`max_handoffs`](crate::Builder::max_handoffs) local turns; then the process asks
+///   Redis (one cheap script) whether another process waits (a writer, for a read hold;
+///   anyone, for the write hold). If one does, nobody new is admitted and the hold is given
+///   back when the turns already running end. So a waiting writer of another process
+///   waits at most that slice plus the sections already running, then the readers' release.
 /// * Waiters sleep until a release event (no polling), as for the plain lock.
 ///
 /// # Examples
@@ -358,10 +363,12 @@ pub(crate) struct SharedGuard {
 impl SharedGuard {
     pub(crate) fn new(engine: Arc<Engine>, hold: Hold, kind: Kind) -> Self {
         let (tx, lost_rx) = crossbeam_channel::bounded(1);
-        if kind == Kind::Read {
-            hold.remote.add_sharer(hold.sharer, tx);
-        } else {
+        // Local readers and writers may take turns on one remote hold: each is told
+        // when it is lost.
+        if kind == Kind::Permit {
             hold.remote.set_listener(tx);
+        } else {
+            hold.remote.add_sharer(hold.sharer, tx);
         }
         SharedGuard {
             engine,
@@ -388,8 +395,8 @@ impl SharedGuard {
         self.hold.remote.valid_until()
     }
 
-    pub(crate) fn fence(&self) -> u64 {
-        self.hold.remote.fence
+    pub(crate) fn token(&self) -> u64 {
+        self.hold.token
     }
 
     pub(crate) fn name(&self) -> &[u8] {
@@ -403,8 +410,8 @@ impl SharedGuard {
 
     fn release(&self) -> Result<Unlocked> {
         match self.kind {
-            Kind::Read => self.engine.release_read(&self.hold),
-            Kind::Write => self.engine.release_write(&self.hold),
+            Kind::Read => self.engine.leave_turn(&self.hold, Mode::Read),
+            Kind::Write => self.engine.leave_turn(&self.hold, Mode::Write),
             Kind::Permit => self.engine.release_shared(&self.hold.remote),
         }
     }
@@ -502,10 +509,12 @@ impl ReadGuard {
         self.0.unlock()
     }
 
-    /// The read's fencing token: `(f << 20) | (2^20 − 1)`, where `f` is the name's fence
-    /// counter when the read hold began. It is above the token of every write that began
-    /// before the read hold did, and below the token of every write that begins after it
-    /// (writes take `f' << 20` with `f' > f`). Readers that share a hold share its token.
+    /// The read's fencing token. Under a remote read hold it is `(f << 20) | (2^20 − 1)`,
+    /// where `f` is the name's fence counter when the hold began; under this process's
+    /// write hold, the token of the last local write before the read. Either way it is at
+    /// least the token of every write that ended before the read began, and below the
+    /// token of every write that begins after it. Readers that share a hold may share a
+    /// token.
     ///
     /// # Examples
     ///
@@ -520,7 +529,7 @@ impl ReadGuard {
     /// # Ok(()) }
     /// ```
     pub fn fencing_token(&self) -> u64 {
-        fencing::token(self.0.fence(), MAX_LOCAL_SEQ)
+        self.0.token()
     }
 }
 
@@ -547,9 +556,10 @@ impl WriteGuard {
         self.0.unlock()
     }
 
-    /// The write's fencing token: `f << 20`, where `f` is the name's fence counter, which
-    /// the write hold incremented. Strictly increasing across writers, and laid out like a
-    /// plain lock's token of the same name, so both compare.
+    /// The write's fencing token: `(f << 20) | k`, where `f` is the name's fence counter,
+    /// which the remote write hold incremented, and `k` numbers the local writes that took
+    /// turns on that hold. Strictly increasing across writers, and laid out like a plain
+    /// lock's token of the same name, so both compare.
     ///
     /// # Examples
     ///
@@ -562,6 +572,6 @@ impl WriteGuard {
     /// # Ok(()) }
     /// ```
     pub fn fencing_token(&self) -> u64 {
-        fencing::token(self.0.fence(), 0)
+        self.0.token()
     }
 }

@@ -1,19 +1,22 @@
 //! Read-write locks and semaphores: taking a shared hold in Redis (the same wait as the
 //! lock's: subscribe before the attempt that makes us wait, then sleep until an event, the
-//! obstacle's lease, the re-check ceiling or the deadline), sharing one process's read
-//! hold among its readers, and giving holds back.
+//! obstacle's lease, the re-check ceiling or the deadline), letting one process's threads
+//! take turns on its remote read or write hold (the rules are in `local::shares`), and
+//! giving holds back.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use parking_lot::MutexGuard;
+
 use crate::engine::contend::Wait;
 use crate::engine::state::Engine;
 use crate::engine::waiter::Waiter;
 use crate::error::{Error, Result, Unlocked};
-use crate::fencing::MAX_FENCE;
+use crate::fencing::{self, MAX_FENCE, MAX_LOCAL_SEQ};
 use crate::local::held::{Acquisition, HoldKind, RemoteLock};
-use crate::local::shares::{Current, Mine};
+use crate::local::shares::{Budget, Mine, Mode, Next, SharesState};
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, may_have_run, new_token};
 use crate::proto::rw_scripts::{SharedAttempt, Want};
@@ -23,176 +26,238 @@ use crate::topology::verdict::tally_release;
 
 static NEXT_SHARER: AtomicU64 = AtomicU64::new(1);
 
-/// A hold as a guard keeps it: the remote hold, and the guard's id among the readers who
-/// share it (0 for a hold of its own).
+/// A hold as a guard keeps it: the remote hold (maybe shared with other local threads),
+/// the guard's id among its users, and the guard's fencing token.
 pub(crate) struct Hold {
     pub remote: Arc<RemoteLock>,
     pub sharer: u64,
+    pub token: u64,
 }
 
 impl Engine {
-    /// Takes a read hold of `name`: joins this process's current read hold when it is
-    /// young enough (see [`joinable`]) or this thread already reads it, else takes one in
-    /// Redis.
+    /// Takes a read hold of `name`: the process's remote hold when the turn rules admit
+    /// this thread, else one asked of Redis for the process.
     pub(crate) fn read(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
+        self.take_turn(name, Mode::Read, wait)
+    }
+
+    /// Takes the write hold of `name` (or a turn on this process's write hold).
+    pub(crate) fn write(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
+        self.take_turn(name, Mode::Write, wait)
+    }
+
+    fn take_turn(self: &Arc<Self>, name: &[u8], mode: Mode, wait: Wait) -> Result<Hold> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         let me = std::thread::current().id();
-        let mut guard = self.shares.state.lock();
-        loop {
-            let st = &mut *guard;
-            let joined = match st.threads.get_mut(&(keys.clone(), me)) {
-                Some(Mine::Write) => return Err(Error::WouldDeadlock),
-                // A thread that reads already joins its own hold: a new remote read could
-                // queue behind a waiting writer, which waits for this thread's read.
-                Some(Mine::Read(remote, n)) => {
-                    *n += 1;
-                    Some(remote.clone())
-                }
-                None => match st.current.get_mut(&keys) {
-                    Some(cur) if self.joinable(cur) => {
-                        cur.joins += 1;
-                        st.threads
-                            .insert((keys.clone(), me), Mine::Read(cur.remote.clone(), 1));
-                        Some(cur.remote.clone())
-                    }
-                    _ => None,
-                },
-            };
-            if let Some(remote) = joined {
-                *st.readers.entry(remote.id).or_default() += 1;
-                Counters::inc(&self.counters.local_handoffs);
-                return Ok(self.sharer(remote));
-            }
-            // Another local reader is asking Redis: wait for its hold and join it.
-            let deadline = match wait {
-                Wait::Until(d) if self.cfg.local_handoff && st.acquiring.contains(&keys) => d,
-                _ => break,
-            };
-            match deadline {
-                Some(d) => {
-                    if self.shares.attempted.wait_until(&mut guard, d).timed_out() {
-                        Counters::inc(&self.counters.timeouts);
-                        return Err(Error::Timeout);
-                    }
-                }
-                None => self.shares.attempted.wait(&mut guard),
-            }
-        }
-        // A `try_read` next to a local contender tries on its own, and leaves the flag to it.
-        let flagged = guard.acquiring.insert(keys.clone());
-        drop(guard);
-        let acquired = self.acquire_shared(&keys, Want::Read, wait);
         let mut st = self.shares.state.lock();
-        if flagged {
-            st.acquiring.remove(&keys);
-            self.shares.attempted.notify_all();
+        match st.threads.get_mut(&(keys.clone(), me)) {
+            Some(Mine::Write) => return Err(Error::WouldDeadlock),
+            Some(Mine::Read(..)) if mode == Mode::Write => return Err(Error::WouldDeadlock),
+            // A thread that reads already joins its own hold: asking again could wait
+            // behind a writer who waits for this thread.
+            Some(Mine::Read(remote, token, n)) => {
+                *n += 1;
+                let (remote, token) = (remote.clone(), *token);
+                if let Some(turn) = st.turns.get_mut(&keys) {
+                    turn.readers += 1;
+                }
+                Counters::inc(&self.counters.local_handoffs);
+                return Ok(self.sharer(remote, token));
+            }
+            None => {}
         }
-        let remote = acquired?;
-        st.readers.insert(remote.id, 1);
-        if self.cfg.local_handoff {
-            st.current.insert(
-                keys.clone(),
-                Current {
-                    remote: remote.clone(),
-                    since: Instant::now(),
-                    joins: 0,
+        if !self.cfg.local_handoff {
+            drop(st);
+            let remote = self.acquire_shared(&keys, want(mode), wait)?;
+            let token = first_token(&remote, mode);
+            self.shares
+                .state
+                .lock()
+                .threads
+                .insert((keys, me), mine(mode, &remote, token));
+            return Ok(self.sharer(remote, token));
+        }
+        let write = mode == Mode::Write;
+        let waiting = |st: &mut SharesState, by: isize| {
+            let turn = st.turns.entry(keys.clone()).or_default();
+            let count = if write {
+                &mut turn.waiting_writers
+            } else {
+                &mut turn.waiting_readers
+            };
+            *count = count.saturating_add_signed(by);
+        };
+        waiting(&mut st, 1);
+        let taken = self.turn_loop(&mut st, &keys, mode, wait);
+        waiting(&mut st, -1);
+        if let Ok((remote, token)) = &taken {
+            st.threads
+                .insert((keys.clone(), me), mine(mode, remote, *token));
+        }
+        let back = st.turns.get_mut(&keys).and_then(|t| t.give_back_if_idle());
+        self.settle(st, &keys, back);
+        taken.map(|(remote, token)| self.sharer(remote, token))
+    }
+
+    /// Asks the turn what to do until this thread is admitted (or contends and wins), the
+    /// wait policy says stop, or an error.
+    fn turn_loop(
+        self: &Arc<Self>,
+        st: &mut MutexGuard<'_, SharesState>,
+        keys: &Keys,
+        mode: Mode,
+        wait: Wait,
+    ) -> Result<(Arc<RemoteLock>, u64)> {
+        let write = mode == Mode::Write;
+        let budget = Budget {
+            slice: self.cfg.handoff_slice,
+            uses: self.cfg.max_handoffs,
+        };
+        loop {
+            let turn = st.turns.entry(keys.clone()).or_default();
+            let lost = turn
+                .remote
+                .as_ref()
+                .is_some_and(|(r, _)| r.lost(&self.counters).is_some());
+            match turn.next(write, budget, lost) {
+                Next::Admit => {
+                    let (remote, held) = turn.remote.as_ref().expect("admitted to a hold");
+                    let token = turn_token(remote, *held, turn.writes);
+                    Counters::inc(&self.counters.local_handoffs);
+                    return Ok((remote.clone(), token));
+                }
+                Next::Contend => {
+                    let got =
+                        MutexGuard::unlocked(st, || self.acquire_shared(keys, want(mode), wait));
+                    let turn = st.turns.entry(keys.clone()).or_default();
+                    self.shares.changed.notify_all();
+                    return match got {
+                        Ok(remote) => {
+                            turn.acquired(remote.clone(), mode);
+                            Ok((remote.clone(), first_token(&remote, mode)))
+                        }
+                        Err(e) => {
+                            turn.released();
+                            Err(e)
+                        }
+                    };
+                }
+                Next::Check => {
+                    let remote = turn.remote.clone();
+                    let keep = remote.is_some_and(|(r, held)| {
+                        MutexGuard::unlocked(st, || self.keep_turns(&r, held))
+                    });
+                    let turn = st.turns.entry(keys.clone()).or_default();
+                    turn.released();
+                    if keep {
+                        turn.renew_budget();
+                    } else {
+                        turn.draining = true;
+                    }
+                    self.shares.changed.notify_all();
+                }
+                Next::GiveBack(remote) => {
+                    MutexGuard::unlocked(st, || self.give_back(&remote));
+                    st.turns.entry(keys.clone()).or_default().released();
+                    self.shares.changed.notify_all();
+                }
+                Next::Wait => match wait {
+                    Wait::No => return Err(Error::WouldBlock),
+                    Wait::Until(None) => self.shares.changed.wait(st),
+                    Wait::Until(Some(d)) => {
+                        if self.shares.changed.wait_until(st, d).timed_out() && Instant::now() >= d
+                        {
+                            Counters::inc(&self.counters.timeouts);
+                            return Err(Error::Timeout);
+                        }
+                    }
                 },
-            );
+            }
         }
-        st.threads.insert((keys, me), Mine::Read(remote.clone(), 1));
-        drop(st);
-        Ok(self.sharer(remote))
     }
 
-    /// Whether a new local reader may join `cur` without asking Redis: within the first
-    /// `handoff_slice` and `max_handoffs` joins of the hold, while it is not lost. After
-    /// that, a new reader asks Redis, where a waiting writer stops it: local sharing
-    /// delays a waiting writer by at most that slice plus the readers' sections.
-    fn joinable(&self, cur: &Current) -> bool {
-        cur.since.elapsed() < self.cfg.handoff_slice
-            && cur.joins < self.cfg.max_handoffs
-            && cur.remote.lost(&self.counters).is_none()
+    /// Whether the process may go on taking turns on `remote`, held as `mode` (the hold is
+    /// live and nobody else waits for it). An error counts as no: the hold drains and is
+    /// asked for again.
+    fn keep_turns(&self, remote: &RemoteLock, mode: Mode) -> bool {
+        let route = self.topology.route(&remote.keys);
+        let Ok(node) = sole(&route) else {
+            return false;
+        };
+        match node.keep_turns(&remote.keys, &remote.token, mode == Mode::Write) {
+            Ok(keep) => keep,
+            Err(e) => {
+                log::debug!("checking for waiting writers failed: {e}");
+                false
+            }
+        }
     }
 
-    fn sharer(&self, remote: Arc<RemoteLock>) -> Hold {
+    /// Gives a remote hold back on behalf of the process (nobody waits for the outcome).
+    fn give_back(self: &Arc<Self>, remote: &Arc<RemoteLock>) {
+        if let Err(e) = self.release_shared(remote) {
+            log::debug!("giving a hold back failed (it expires with its lease): {e}");
+        }
+    }
+
+    /// After a change: gives `back` back in Redis if it must go, and forgets the name's
+    /// turn when nobody uses it any more.
+    fn settle(
+        self: &Arc<Self>,
+        mut st: MutexGuard<'_, SharesState>,
+        keys: &Keys,
+        back: Option<Arc<RemoteLock>>,
+    ) -> Option<Result<Unlocked>> {
+        let outcome = back.map(|remote| {
+            let r = MutexGuard::unlocked(&mut st, || self.release_shared(&remote));
+            if let Some(turn) = st.turns.get_mut(keys) {
+                turn.released();
+            }
+            r
+        });
+        if st.turns.get(keys).is_some_and(|t| t.unused()) {
+            st.turns.remove(keys);
+        }
+        self.shares.changed.notify_all();
+        outcome
+    }
+
+    fn sharer(&self, remote: Arc<RemoteLock>, token: u64) -> Hold {
         Hold {
             remote,
             sharer: NEXT_SHARER.fetch_add(1, Ordering::Relaxed),
+            token,
         }
     }
 
-    /// A local reader lets go: the last reader of a remote read hold releases it in Redis.
-    pub(crate) fn release_read(self: &Arc<Self>, hold: &Hold) -> Result<Unlocked> {
+    /// A local reader or writer lets go; the last user of a remote hold that must go
+    /// gives it back in Redis.
+    pub(crate) fn leave_turn(self: &Arc<Self>, hold: &Hold, mode: Mode) -> Result<Unlocked> {
         let remote = &hold.remote;
         remote.remove_sharer(hold.sharer);
         let me = std::thread::current().id();
-        let last = {
-            let mut st = self.shares.state.lock();
-            let key = (remote.keys.clone(), me);
-            if let Some(Mine::Read(_, n)) = st.threads.get_mut(&key) {
-                *n -= 1;
-                if *n == 0 {
-                    st.threads.remove(&key);
-                }
+        let mut st = self.shares.state.lock();
+        let key = (remote.keys.clone(), me);
+        match st.threads.get_mut(&key) {
+            Some(Mine::Read(_, _, n)) if *n > 1 => *n -= 1,
+            _ => {
+                st.threads.remove(&key);
             }
-            let left = st.readers.get_mut(&remote.id).map(|n| {
-                *n -= 1;
-                *n
-            });
-            if left.unwrap_or(0) == 0 {
-                st.readers.remove(&remote.id);
-                if st
-                    .current
-                    .get(&remote.keys)
-                    .is_some_and(|c| c.remote.id == remote.id)
-                {
-                    st.current.remove(&remote.keys);
-                }
-                true
-            } else {
-                false
-            }
-        };
-        if last {
+        }
+        if !self.cfg.local_handoff {
+            drop(st);
             return self.release_shared(remote);
         }
-        Ok(match remote.lost(&self.counters) {
-            None => Unlocked::Released,
-            Some(_) => Unlocked::Expired,
-        })
-    }
-
-    /// Takes the write hold of `name`.
-    pub(crate) fn write(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
-        let keys = Keys::new(&self.cfg.key_prefix, name)?;
-        let me = std::thread::current().id();
-        if self
-            .shares
-            .state
-            .lock()
-            .threads
-            .contains_key(&(keys.clone(), me))
-        {
-            return Err(Error::WouldDeadlock);
+        let back = st
+            .turns
+            .get_mut(&remote.keys)
+            .and_then(|t| t.leave(mode == Mode::Write));
+        let lost = remote.lost(&self.counters);
+        match self.settle(st, &remote.keys, back) {
+            Some(outcome) => outcome,
+            None if lost.is_some() => Ok(Unlocked::Expired),
+            None => Ok(Unlocked::Released),
         }
-        let remote = self.acquire_shared(&keys, Want::Write, wait)?;
-        self.shares
-            .state
-            .lock()
-            .threads
-            .insert((keys, me), Mine::Write);
-        Ok(Hold { remote, sharer: 0 })
-    }
-
-    /// The writer lets go.
-    pub(crate) fn release_write(self: &Arc<Self>, hold: &Hold) -> Result<Unlocked> {
-        let me = std::thread::current().id();
-        self.shares
-            .state
-            .lock()
-            .threads
-            .remove(&(hold.remote.keys.clone(), me));
-        self.release_shared(&hold.remote)
     }
 
     /// Takes one permit of the semaphore `name` of `permits` permits.
@@ -204,7 +269,11 @@ impl Engine {
             ));
         }
         let remote = self.acquire_shared(&keys, Want::Permit(permits), wait)?;
-        Ok(Hold { remote, sharer: 0 })
+        Ok(Hold {
+            remote,
+            sharer: 0,
+            token: 0,
+        })
     }
 
     /// Ends a shared hold in Redis. No renewal is sent once this returns.
@@ -238,7 +307,8 @@ impl Engine {
             let before = waiter.snapshots();
             let deadline = wait.deadline();
             let waiting = matches!(wait, Wait::Until(d) if d.is_none_or(|d| Instant::now() < d));
-            let mark_ttl = (waiting && want == Want::Write).then(|| self.cfg.recheck_interval * 2);
+            let marks = matches!(want, Want::Read | Want::Write);
+            let mark_ttl = (waiting && marks).then(|| self.cfg.recheck_interval * 2);
             let started = Instant::now();
             let reply = node.acquire_shared(
                 keys,
@@ -275,10 +345,11 @@ impl Engine {
         }
     }
 
-    /// A contender leaves without the hold: its writer mark goes (waking the readers it
-    /// held back), and a hold an ambiguous attempt may have taken is released.
+    /// A contender leaves without the hold: its waiting mark goes (a writer's wakes the
+    /// readers it held back), and a hold an ambiguous attempt may have taken is released.
     fn give_up(&self, node: &Node, keys: &Keys, member: &str, marked: bool, may_hold: bool) {
-        if marked && let Err(e) = node.unmark_writer(keys, member) {
+        let write = member.starts_with(Want::Write.tag());
+        if marked && let Err(e) = node.unmark_waiter(keys, member, write) {
             log::debug!("removing a writer mark failed (it expires by itself): {e}");
         }
         if may_hold
@@ -326,6 +397,37 @@ impl Engine {
         }
         Ok(remote)
     }
+}
+
+fn want(mode: Mode) -> Want {
+    match mode {
+        Mode::Read => Want::Read,
+        Mode::Write => Want::Write,
+    }
+}
+
+fn mine(mode: Mode, remote: &Arc<RemoteLock>, token: u64) -> Mine {
+    match mode {
+        Mode::Read => Mine::Read(remote.clone(), token, 1),
+        Mode::Write => Mine::Write,
+    }
+}
+
+/// The token of the first user of a fresh remote hold.
+fn first_token(remote: &RemoteLock, mode: Mode) -> u64 {
+    turn_token(remote, mode, 1)
+}
+
+/// A user's fencing token on `remote` (held as `held`), `writes` writes into it (counting
+/// the user's own, if it writes). A write's token numbers it within the remote write hold; a read
+/// under a read hold takes the highest number of its fence (above every write of that
+/// fence), and under this process's write hold the number of the last write before it.
+fn turn_token(remote: &RemoteLock, held: Mode, writes: u32) -> u64 {
+    let seq = match held {
+        Mode::Read => MAX_LOCAL_SEQ,
+        Mode::Write => writes.saturating_sub(1),
+    };
+    fencing::token(remote.fence, seq)
 }
 
 /// The one node that serves a shared hold: read-write locks and semaphores are not

@@ -1,47 +1,370 @@
-//! The read holds of one process: which remote read hold new local readers may join, how
-//! many local readers share each, and what each thread holds, so that local readers share
-//! one remote read hold and a thread never waits for itself.
+//! Whose turn it is on a read-write lock inside one process.
+//!
+//! A process holds at most one remote hold per read-write lock, a *read* hold or the
+//! *write* hold, and lets its own threads use it:
+//!
+//! * under a remote **read** hold, local readers share it;
+//! * under the remote **write** hold, local writers take turns (one at a time, like the
+//!   plain lock's baton), and local readers may read between them: the process owns the
+//!   name alone, so its own readers exclude only its own writers.
+//!
+//! Local writers are preferred: while one waits, no new local reader is admitted, and a
+//! remote read hold is given back as soon as its readers are done, so the writer can ask
+//! Redis for the write hold. A remote hold serves at most
+//! [`handoff_slice`](crate::Builder::handoff_slice) and
+//! [`max_handoffs`](crate::Builder::max_handoffs) admissions (its *budget*); after that
+//! the process asks Redis whether another process waits (one cheap command): a writer,
+//! for a read hold; anyone, for the write hold. If none does, a new budget begins; else
+//! nobody new is admitted and the last local user gives the hold back.
+//!
+//! This module only decides ([`Turn::next`], [`Turn::leave`]); the engine talks to Redis.
+//! One thread at a time talks to Redis for a name ([`Turn::busy`]): the others wait for
+//! what it brings back.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::ThreadId;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 use crate::local::held::RemoteLock;
 use crate::proto::keys::Keys;
 
-/// The read holds of one process and who holds what, so that local readers share one
-/// remote read hold and a thread never waits for itself.
+/// The read-write locks of one process and who holds what.
 #[derive(Default)]
 pub(crate) struct ReadShares {
     pub state: Mutex<SharesState>,
-    /// Notified when a local reader's attempt in Redis ends.
-    pub attempted: Condvar,
+    /// Notified whenever a turn changes: a holder left, a remote hold came or went.
+    pub changed: Condvar,
 }
 
 #[derive(Default)]
 pub(crate) struct SharesState {
-    /// Per name: the remote read hold that new local readers may join.
-    pub current: HashMap<Keys, Current>,
-    /// Per remote read hold (by id): how many local readers hold it.
-    pub readers: HashMap<u64, usize>,
-    /// What each thread holds, per name.
+    /// Per name: this process's turn state. An entry exists while a local thread holds
+    /// or waits for the name.
+    pub turns: HashMap<Keys, Turn>,
+    /// What each thread holds, per name: a thread never waits for itself.
     pub threads: HashMap<(Keys, ThreadId), Mine>,
-    /// Names for which a local reader is taking a read hold in Redis: other local readers
-    /// wait for it and join its hold rather than contend too (singleflight).
-    pub acquiring: HashSet<Keys>,
-}
-
-pub(crate) struct Current {
-    pub remote: Arc<RemoteLock>,
-    pub since: Instant,
-    pub joins: u32,
 }
 
 pub(crate) enum Mine {
-    /// This many read guards of the thread on this remote read hold.
-    Read(Arc<RemoteLock>, usize),
+    /// This many read guards of the thread, sharing this remote hold and token.
+    Read(Arc<RemoteLock>, u64, usize),
     Write,
+}
+
+/// Which remote hold a process has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Read,
+    Write,
+}
+
+/// What a local thread that wants the name should do now.
+pub(crate) enum Next {
+    /// Use the process's remote hold (already counted as a holder).
+    Admit,
+    /// Ask Redis for a hold of its own kind (the turn is now busy with it).
+    Contend,
+    /// The hold's budget is spent: ask Redis whether another process waits (busy with it).
+    Check,
+    /// Wait for the turn to change.
+    Wait,
+    /// Give this remote hold back in Redis first (nobody uses it and it must go; the turn
+    /// is busy until [`Turn::released`]), then look again.
+    GiveBack(Arc<RemoteLock>),
+}
+
+/// One name's turn state in one process.
+#[derive(Default)]
+pub(crate) struct Turn {
+    pub remote: Option<(Arc<RemoteLock>, Mode)>,
+    /// When the current budget began, and admissions since.
+    since: Option<Instant>,
+    uses: u32,
+    pub readers: usize,
+    pub writing: bool,
+    /// Writes served by the current remote hold: the next write's local sequence number.
+    pub writes: u32,
+    /// Local threads waiting for a turn (readers, writers).
+    pub waiting_readers: usize,
+    pub waiting_writers: usize,
+    /// A local thread talks to Redis for this name (contends, checks or releases).
+    pub busy: bool,
+    /// No new holder on the current remote hold: the last one out gives it back.
+    pub draining: bool,
+}
+
+/// The budget of one remote hold.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Budget {
+    pub slice: Duration,
+    pub uses: u32,
+}
+
+impl Turn {
+    /// What a thread that wants the name (to write if `write`) should do; admits it when
+    /// it may use the remote hold, and marks the turn busy when it must talk to Redis.
+    /// The caller counts itself among the waiting threads while it asks.
+    pub fn next(&mut self, write: bool, budget: Budget, lost: bool) -> Next {
+        if self.busy {
+            return Next::Wait;
+        }
+        let Some((_, mode)) = &self.remote else {
+            // A reader lets a waiting local writer ask first.
+            if !write && self.waiting_writers > 0 {
+                return Next::Wait;
+            }
+            self.busy = true;
+            return Next::Contend;
+        };
+        let mode = *mode;
+        if lost || (mode == Mode::Read && self.waiting_writers > 0) {
+            self.draining = true;
+        }
+        let blocked = self.draining
+            || self.writing
+            || (write && (mode == Mode::Read || self.readers > 0))
+            || (!write && mode == Mode::Write && self.waiting_writers > 0);
+        if blocked {
+            return self.wait_or_give_back();
+        }
+        let fresh =
+            self.since.is_some_and(|s| s.elapsed() < budget.slice) && self.uses < budget.uses;
+        if !fresh {
+            self.busy = true;
+            return Next::Check;
+        }
+        self.admit(write);
+        Next::Admit
+    }
+
+    fn wait_or_give_back(&mut self) -> Next {
+        match self.give_back_if_idle() {
+            Some(remote) => Next::GiveBack(remote),
+            None => Next::Wait,
+        }
+    }
+
+    fn admit(&mut self, write: bool) {
+        self.uses += 1;
+        if write {
+            self.writing = true;
+            self.writes += 1;
+        } else {
+            self.readers += 1;
+        }
+    }
+
+    /// A contender came back with a remote hold of `mode`: it is the first holder.
+    pub fn acquired(&mut self, remote: Arc<RemoteLock>, mode: Mode) {
+        self.remote = Some((remote, mode));
+        self.busy = false;
+        self.draining = false;
+        self.writes = 0;
+        self.renew_budget();
+        self.admit(mode == Mode::Write);
+    }
+
+    /// A check said no writer of another process waits: a new budget.
+    pub fn renew_budget(&mut self) {
+        self.since = Some(Instant::now());
+        self.uses = 0;
+    }
+
+    /// A local holder leaves. Returns the remote hold when it must now be given back
+    /// (the turn is then busy until [`Turn::released`]).
+    pub fn leave(&mut self, write: bool) -> Option<Arc<RemoteLock>> {
+        if write {
+            self.writing = false;
+        } else {
+            self.readers = self.readers.saturating_sub(1);
+        }
+        self.give_back_if_idle()
+    }
+
+    /// Gives the remote hold back when nobody uses it and it must go: it drains, a local
+    /// writer waits behind a read hold, or no local thread waits for it. A remote hold
+    /// never stays with no local user and nobody waiting: it would block other processes.
+    pub fn give_back_if_idle(&mut self) -> Option<Arc<RemoteLock>> {
+        if self.busy || self.readers > 0 || self.writing {
+            return None;
+        }
+        let idle = self.waiting_readers == 0 && self.waiting_writers == 0;
+        let (_, mode) = self.remote.as_ref()?;
+        let writer_behind_reads = *mode == Mode::Read && self.waiting_writers > 0;
+        if !(idle || self.draining || writer_behind_reads) {
+            return None;
+        }
+        self.busy = true;
+        self.draining = false;
+        self.remote.take().map(|(r, _)| r)
+    }
+
+    /// The remote hold is given back (or the attempt, the check ended): others may go.
+    pub fn released(&mut self) {
+        self.busy = false;
+    }
+
+    /// Nobody holds or waits: the entry can go.
+    pub fn unused(&self) -> bool {
+        self.remote.is_none()
+            && !self.busy
+            && self.readers == 0
+            && !self.writing
+            && self.waiting_readers == 0
+            && self.waiting_writers == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BUDGET: Budget = Budget {
+        slice: Duration::from_secs(60),
+        uses: 3,
+    };
+
+    fn hold() -> Arc<RemoteLock> {
+        let acquisition = crate::local::held::Acquisition {
+            keys: Keys::new("t:", b"n").unwrap(),
+            token: "r1".to_owned(),
+            fence: 1,
+            nodes: Vec::new(),
+            started: Instant::now(),
+        };
+        let lease = Duration::from_secs(30);
+        Arc::new(RemoteLock::new(acquisition, lease, Duration::ZERO, None))
+    }
+
+    impl PartialEq for Next {
+        fn eq(&self, other: &Next) -> bool {
+            std::mem::discriminant(self) == std::mem::discriminant(other)
+        }
+    }
+
+    impl std::fmt::Debug for Next {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(match self {
+                Next::Admit => "Admit",
+                Next::Contend => "Contend",
+                Next::Check => "Check",
+                Next::Wait => "Wait",
+                Next::GiveBack(_) => "GiveBack",
+            })
+        }
+    }
+
+    fn waiting(readers: usize, writers: usize) -> Turn {
+        Turn {
+            waiting_readers: readers,
+            waiting_writers: writers,
+            ..Turn::default()
+        }
+    }
+
+    fn give_back() -> Next {
+        Next::GiveBack(hold())
+    }
+
+    #[test]
+    fn smoke() {
+        let mut t = waiting(2, 0);
+        assert_eq!(t.next(false, BUDGET, false), Next::Contend);
+        assert_eq!(t.next(false, BUDGET, false), Next::Wait, "one contender");
+        t.acquired(hold(), Mode::Read);
+        assert_eq!(t.next(false, BUDGET, false), Next::Admit);
+        assert_eq!(t.readers, 2);
+        t.waiting_readers = 0;
+        assert!(t.leave(false).is_none());
+        assert!(t.leave(false).is_some(), "the last one out, nobody waiting");
+        t.released();
+        assert!(t.unused());
+    }
+
+    #[test]
+    fn waiting_writer_drains_reads_and_gets_the_next_turn() {
+        let mut t = Turn::default();
+        t.next(false, BUDGET, false);
+        t.acquired(hold(), Mode::Read);
+        t.waiting_writers = 1;
+        t.waiting_readers = 1;
+        assert_eq!(t.next(true, BUDGET, false), Next::Wait);
+        assert_eq!(t.next(false, BUDGET, false), Next::Wait, "readers stop");
+        let back = t.leave(false);
+        assert!(back.is_some(), "the last reader gives the read hold back");
+        assert_eq!(
+            t.next(true, BUDGET, false),
+            Next::Wait,
+            "while it is given back"
+        );
+        t.released();
+        assert_eq!(
+            t.next(false, BUDGET, false),
+            Next::Wait,
+            "the writer asks first"
+        );
+        assert_eq!(t.next(true, BUDGET, false), Next::Contend);
+        t.waiting_writers = 0;
+        t.acquired(hold(), Mode::Write);
+        assert!(t.writing);
+        assert_eq!(t.writes, 1);
+    }
+
+    #[test]
+    fn write_hold_serves_local_readers_and_writers_in_turn() {
+        let mut t = waiting(1, 1);
+        t.next(true, BUDGET, false);
+        t.acquired(hold(), Mode::Write);
+        t.waiting_writers = 0;
+        assert_eq!(
+            t.next(false, BUDGET, false),
+            Next::Wait,
+            "the writer writes"
+        );
+        assert!(t.leave(true).is_none(), "kept for the waiting threads");
+        assert_eq!(t.next(false, BUDGET, false), Next::Admit);
+        assert_eq!(t.next(true, BUDGET, false), Next::Wait, "a reader reads");
+        t.leave(false);
+        assert_eq!(t.next(true, BUDGET, false), Next::Admit);
+        assert_eq!(t.writes, 2);
+        t.leave(true);
+        // Three uses: the budget is spent; Redis says another process waits.
+        assert_eq!(t.next(false, BUDGET, false), Next::Check);
+        t.draining = true;
+        t.released();
+        assert_eq!(t.next(false, BUDGET, false), give_back());
+    }
+
+    #[test]
+    fn read_budget_asks_redis_once() {
+        let mut t = waiting(1, 0);
+        t.next(false, BUDGET, false);
+        t.acquired(hold(), Mode::Read);
+        t.next(false, BUDGET, false);
+        t.next(false, BUDGET, false);
+        assert_eq!(t.next(false, BUDGET, false), Next::Check);
+        assert_eq!(
+            t.next(false, BUDGET, false),
+            Next::Wait,
+            "one check at a time"
+        );
+        t.released();
+        t.renew_budget();
+        assert_eq!(t.next(false, BUDGET, false), Next::Admit);
+    }
+
+    #[test]
+    fn lost_hold_admits_nobody() {
+        let mut t = waiting(1, 0);
+        t.next(false, BUDGET, false);
+        t.acquired(hold(), Mode::Read);
+        assert_eq!(t.next(false, BUDGET, true), Next::Wait);
+        assert!(
+            t.leave(false).is_some(),
+            "the last reader gives the lost hold back"
+        );
+    }
 }

@@ -14,7 +14,9 @@
 //!
 //! `p{n}:ww` is a sorted set of the writers waiting for a read-write lock, scored by when
 //! their mark expires (each failed write attempt that will wait renews its mark). While it
-//! has a live member, no new read hold is granted: writers are preferred. The fence counter
+//! has a live member, no new read hold is granted: writers are preferred. `p{n}:wr` holds
+//! the same marks for waiting readers: they hold nobody back, but tell a process that
+//! keeps its hold for its own threads that another process waits. The fence counter
 //! `p{n}:fence` is the plain lock's: a write hold increments it.
 
 use std::sync::LazyLock;
@@ -91,13 +93,14 @@ fn lua(body: &str) -> Lua {
 
 /// Read or write hold, idempotently (a retry with the same member refreshes its lease).
 ///
-/// KEYS: lock, fence, waiting writers. ARGV: `r` or `w`, member, lease ms, writer mark TTL
-/// ms (0: the caller will not wait). Returns `{1, fence}`, `{0, ms until the earliest
+/// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r` or `w`, member, lease
+/// ms, waiting mark TTL ms (0: the caller will not wait). Returns `{1, fence}`, `{0, ms until the earliest
 /// obstacle ends}` (−1: unknown), or `{2, 0}` when the key is another kind of lock.
 ///
 /// A read is granted when no write hold exists and no writer waits; a write when no hold
 /// exists (waiting writers race among themselves). A write attempt that fails and will wait
-/// marks the writer as waiting until the mark's TTL, which it renews at each attempt.
+/// marks the writer as waiting until the mark's TTL, which it renews at each attempt; a
+/// read attempt that fails and will wait marks a waiting reader the same way.
 static RW_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
@@ -105,10 +108,16 @@ local k = kind(KEYS[1])
 if k ~= 'none' and k ~= 'rw' then return {2, 0} end
 local n = settle(KEYS[1], now)
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local function mark(set)
+  redis.call('ZADD', set, now + tonumber(ARGV[4]), ARGV[2])
+  local last = redis.call('ZRANGE', set, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIREAT', set, last[2])
+end
 local function hold()
   if n == 0 then redis.call('ZADD', KEYS[1], -1, '#rw') end
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
   settle(KEYS[1], now)
+  if ARGV[1] == 'r' and ARGV[4] ~= '0' then redis.call('ZREM', KEYS[4], ARGV[2]) end
 end
 if n > 0 and redis.call('ZSCORE', KEYS[1], ARGV[2]) then
   hold()
@@ -128,10 +137,9 @@ elseif n == 0 then
   redis.call('ZREM', KEYS[3], ARGV[2])
   return {1, fence}
 elseif ARGV[4] ~= '0' then
-  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[2])
-  local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
-  redis.call('PEXPIREAT', KEYS[3], last[2])
+  mark(KEYS[3])
 end
+if ARGV[1] == 'r' and ARGV[4] ~= '0' then mark(KEYS[4]) end
 local until_ = nil
 if first then until_ = tonumber(first[2]) end
 if ARGV[1] == 'r' then
@@ -216,10 +224,29 @@ return out
 ")
 });
 
-/// A waiting writer gives up: removes its mark, and wakes the readers it held back.
+/// May a process go on letting its own threads take turns on its hold? Yes (1) while the
+/// hold is live and nobody else waits: no writer for a read hold, no writer or reader for
+/// the write hold; no (0) otherwise. Cheap on purpose: a process asks once per budget of
+/// local turns.
 ///
-/// KEYS: waiting writers. ARGV: member, the library's channel.
-static WRITER_UNMARK: LazyLock<Lua> = LazyLock::new(|| {
+/// KEYS: lock, waiting writers, waiting readers. ARGV: member, `r` or `w`.
+static RW_KEEP: LazyLock<Lua> = LazyLock::new(|| {
+    lua(r"
+local now = now_ms()
+local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not s or tonumber(s) <= now then return 0 end
+if redis.call('ZRANGEBYSCORE', KEYS[2], now + 1, '+inf', 'LIMIT', 0, 1)[1] then return 0 end
+if ARGV[2] == 'w' and redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'LIMIT', 0, 1)[1] then
+  return 0
+end
+return 1
+")
+});
+
+/// A waiter gives up: removes its mark, and (a writer's) wakes the readers it held back.
+///
+/// KEYS: waiting writers or readers. ARGV: member, the library's channel.
+static WAITER_UNMARK: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(
         r"
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then redis.pcall('PUBLISH', ARGV[2], 'r') end
@@ -230,15 +257,24 @@ return 0
 
 /// The key of the writers waiting for the read-write lock `keys`.
 fn writers_key(keys: &Keys) -> Vec<u8> {
+    marks_key(keys, b":ww")
+}
+
+/// The key of the readers waiting for the read-write lock `keys`.
+fn readers_key(keys: &Keys) -> Vec<u8> {
+    marks_key(keys, b":wr")
+}
+
+fn marks_key(keys: &Keys, suffix: &[u8]) -> Vec<u8> {
     let mut k = keys.lock().to_vec();
-    k.extend_from_slice(b":ww");
+    k.extend_from_slice(suffix);
     k
 }
 
 impl Node {
     /// One attempt at a shared hold with `member` (the hold's tag and token), retried with
     /// the same member after an ambiguous failure. `mark_ttl`: the caller will wait, so a
-    /// failed write attempt marks a waiting writer for that long.
+    /// failed attempt marks a waiting writer or reader for that long.
     #[allow(clippy::too_many_arguments)]
     pub fn acquire_shared(
         &self,
@@ -254,10 +290,11 @@ impl Node {
         let (script, call) = match want {
             Want::Read | Want::Write => {
                 let mark_ms = mark_ttl.map_or(0, |t| t.as_millis().max(1) as u64);
-                let mut call = RW_ACQUIRE.call(3);
+                let mut call = RW_ACQUIRE.call(4);
                 call.arg(keys.lock())
                     .arg(keys.fence())
                     .arg(writers_key(keys))
+                    .arg(readers_key(keys))
                     .arg(if want == Want::Read { "r" } else { "w" })
                     .arg(member)
                     .arg(lease_ms)
@@ -310,11 +347,29 @@ impl Node {
         self.extend_by(&SHARED_EXTEND, holds, lease)
     }
 
-    /// Removes a waiting writer's mark (it stops waiting without the lock).
-    pub fn unmark_writer(&self, keys: &Keys, member: &str) -> Result<()> {
-        let mut call = WRITER_UNMARK.call(1);
-        call.arg(writers_key(keys)).arg(member).arg(keys.channel());
-        self.run(Retry::ON_RESET, |c| WRITER_UNMARK.run::<i64>(&call, c))?;
+    /// Whether the hold `member` (the write hold if `write`) is live and nobody else
+    /// waits for it (see `RW_KEEP`).
+    pub fn keep_turns(&self, keys: &Keys, member: &str, write: bool) -> Result<bool> {
+        let mut call = RW_KEEP.call(3);
+        call.arg(keys.lock())
+            .arg(writers_key(keys))
+            .arg(readers_key(keys))
+            .arg(member)
+            .arg(if write { "w" } else { "r" });
+        let keep: i64 = self.run(Retry::ON_RESET, |c| RW_KEEP.run(&call, c))?;
+        Ok(keep == 1)
+    }
+
+    /// Removes a waiting writer's (or reader's) mark: it stops waiting without the lock.
+    pub fn unmark_waiter(&self, keys: &Keys, member: &str, write: bool) -> Result<()> {
+        let set = if write {
+            writers_key(keys)
+        } else {
+            readers_key(keys)
+        };
+        let mut call = WAITER_UNMARK.call(1);
+        call.arg(set).arg(member).arg(keys.channel());
+        self.run(Retry::ON_RESET, |c| WAITER_UNMARK.run::<i64>(&call, c))?;
         Ok(())
     }
 }
