@@ -8,9 +8,10 @@
 //! * one member per hold, scored by the hold's expiry in server milliseconds (`TIME`):
 //!   `r<token>` a read hold, `w<token>` the write hold, `p<token>` a permit.
 //!
-//! Every script drops the expired holds first (so a crashed holder's hold ends by itself),
-//! deletes the key when only the kind member is left, and otherwise sets the key's expiry
-//! to the latest hold's, so that the whole key goes when every holder has gone.
+//! Every script that reads the holds drops the expired ones first (so a crashed holder's
+//! hold ends by itself) and deletes the key when only the kind member is left; a new or
+//! renewed hold raises the key's expiry to its own when it is shorter, so that the whole
+//! key goes at the latest when every holder has gone.
 //!
 //! `p{n}:ww` is a sorted set of the writers waiting for a read-write lock, scored by when
 //! their mark expires (each failed write attempt that will wait renews its mark). While it
@@ -59,31 +60,43 @@ pub(crate) enum SharedAttempt {
     Held { hint: Option<Duration> },
 }
 
-/// Functions every shared-hold script starts with.
+/// Functions every shared-hold script starts with. They keep the command count low: each
+/// call below is one Redis command, and scripts run on the server's one thread.
 const PRELUDE: &str = r"
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function kind(key)
-  local t = redis.call('TYPE', key)['ok']
-  if t == 'none' then return 'none', 0 end
-  if t ~= 'zset' then return 'other', 0 end
-  local meta = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-  if meta[1] == '#rw' then return 'rw', 0 end
-  if meta[1] == '#sem' then return 'sem', -tonumber(meta[2]) end
-  return 'other', 0
-end
-local function settle(key, now)
-  redis.call('ZREMRANGEBYSCORE', key, 0, now)
-  local n = redis.call('ZCARD', key) - 1
-  if n <= 0 then
-    redis.call('DEL', key)
-    return 0
+-- Drops the expired holds of `key` and reads what is left: its kind ('none', 'rw', 'sem'
+-- or 'other'), the stored permit count, and the first live hold (member), if any. A key
+-- with no live hold left is deleted.
+local function load(key, now)
+  local dropped = redis.pcall('ZREMRANGEBYSCORE', key, 0, now)
+  if type(dropped) == 'table' and dropped.err then return 'other', 0, nil end
+  local head = redis.call('ZRANGE', key, 0, 1, 'WITHSCORES')
+  if #head == 0 then return 'none', 0, nil end
+  local k, stored = 'other', 0
+  if head[1] == '#rw' then k = 'rw' elseif head[1] == '#sem' then
+    k = 'sem'
+    stored = -tonumber(head[2])
+  else
+    return 'other', 0, nil
   end
-  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  redis.call('PEXPIREAT', key, last[2])
-  return n
+  if #head == 2 then
+    redis.call('DEL', key)
+    return 'none', 0, nil
+  end
+  return k, stored, head[3]
+end
+-- Holds `member` until `now + lease`, and keeps the key at least that long (holds all but
+-- never outlive the key; a key outliving its holds is harmless: every script drops them).
+local function hold(key, member, now, lease)
+  redis.call('ZADD', key, now + lease, member)
+  if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, lease) end
+end
+-- Whether `set` (waiting marks scored by expiry) has a live member.
+local function marked(set, now)
+  return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'LIMIT', 0, 1)[1] ~= nil
 end
 ";
 
@@ -94,8 +107,9 @@ fn lua(body: &str) -> Lua {
 /// Read or write hold, idempotently (a retry with the same member refreshes its lease).
 ///
 /// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r` or `w`, member, lease
-/// ms, waiting mark TTL ms (0: the caller will not wait). Returns `{1, fence}`, `{0, ms until the earliest
-/// obstacle ends}` (−1: unknown), or `{2, 0}` when the key is another kind of lock.
+/// ms, waiting mark TTL ms (0: the caller will not wait). Returns `{1, fence}`, `{0, ms
+/// until the earliest obstacle ends}` (−1: unknown), or `{2, 0}` when the key is another
+/// kind of lock.
 ///
 /// A read is granted when no write hold exists and no writer waits; a write when no hold
 /// exists (waiting writers race among themselves). A write attempt that fails and will wait
@@ -104,47 +118,43 @@ fn lua(body: &str) -> Lua {
 static RW_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
-local k = kind(KEYS[1])
+local k, _, first = load(KEYS[1], now)
 if k ~= 'none' and k ~= 'rw' then return {2, 0} end
-local n = settle(KEYS[1], now)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local lease = tonumber(ARGV[3])
+local waits = ARGV[4] ~= '0'
+local function take()
+  if k == 'none' then redis.call('ZADD', KEYS[1], -1, '#rw') end
+  hold(KEYS[1], ARGV[2], now, lease)
+end
 local function mark(set)
   redis.call('ZADD', set, now + tonumber(ARGV[4]), ARGV[2])
-  local last = redis.call('ZRANGE', set, -1, -1, 'WITHSCORES')
-  redis.call('PEXPIREAT', set, last[2])
+  if redis.call('PTTL', set) < tonumber(ARGV[4]) then redis.call('PEXPIRE', set, ARGV[4]) end
 end
-local function hold()
-  if n == 0 then redis.call('ZADD', KEYS[1], -1, '#rw') end
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
-  settle(KEYS[1], now)
-  if ARGV[1] == 'r' and ARGV[4] ~= '0' then redis.call('ZREM', KEYS[4], ARGV[2]) end
-end
-if n > 0 and redis.call('ZSCORE', KEYS[1], ARGV[2]) then
-  hold()
+if first and redis.call('ZSCORE', KEYS[1], ARGV[2]) then
+  take()
   return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
 end
-local first = nil
-if n > 0 then first = redis.call('ZRANGE', KEYS[1], 1, 1, 'WITHSCORES') end
 if ARGV[1] == 'r' then
-  if (n == 0 or string.sub(first[1], 1, 1) == 'r') and redis.call('EXISTS', KEYS[3]) == 0 then
-    hold()
+  if (not first or string.sub(first, 1, 1) == 'r') and not marked(KEYS[3], now) then
+    take()
+    redis.call('ZREM', KEYS[4], ARGV[2])
     return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
   end
-elseif n == 0 then
+  if waits then mark(KEYS[4]) end
+elseif not first then
   local fence = redis.pcall('INCR', KEYS[2])
   if type(fence) == 'table' then return fence end
-  hold()
+  take()
   redis.call('ZREM', KEYS[3], ARGV[2])
   return {1, fence}
-elseif ARGV[4] ~= '0' then
+elseif waits then
   mark(KEYS[3])
 end
-if ARGV[1] == 'r' and ARGV[4] ~= '0' then mark(KEYS[4]) end
 local until_ = nil
-if first then until_ = tonumber(first[2]) end
+if first then until_ = tonumber(redis.call('ZSCORE', KEYS[1], first)) end
 if ARGV[1] == 'r' then
-  local mark = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-  if mark[2] and (not until_ or tonumber(mark[2]) < until_) then until_ = tonumber(mark[2]) end
+  local m = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if m[2] and (not until_ or tonumber(m[2]) < until_) then until_ = tonumber(m[2]) end
 end
 if not until_ then return {0, -1} end
 return {0, until_ - now}
@@ -159,19 +169,18 @@ return {0, until_ - now}
 static SEM_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
-local k, stored = kind(KEYS[1])
+local k, stored, first = load(KEYS[1], now)
 if k ~= 'none' and k ~= 'sem' then return {2, 0} end
 local permits = tonumber(ARGV[3])
-local n = settle(KEYS[1], now)
-if n > 0 and stored ~= permits then return {3, stored} end
-if n < permits or (n > 0 and redis.call('ZSCORE', KEYS[1], ARGV[1])) then
-  if n == 0 then redis.call('ZADD', KEYS[1], -permits, '#sem') end
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-  settle(KEYS[1], now)
+if first and stored ~= permits then return {3, stored} end
+local n = 0
+if first then n = redis.call('ZCARD', KEYS[1]) - 1 end
+if n < permits or (first and redis.call('ZSCORE', KEYS[1], ARGV[1])) then
+  if not first then redis.call('ZADD', KEYS[1], -permits, '#sem') end
+  hold(KEYS[1], ARGV[1], now, tonumber(ARGV[2]))
   return {1, 0}
 end
-local first = redis.call('ZRANGE', KEYS[1], 1, 1, 'WITHSCORES')
-return {0, tonumber(first[2]) - now}
+return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 ")
 });
 
@@ -182,14 +191,13 @@ return {0, tonumber(first[2]) - now}
 /// now get in: a permit was freed, or the last hold of a read-write lock ended.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
-local k = kind(KEYS[1])
-if k == 'none' then return 0 end
-if k == 'other' then return -1 end
+local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
+if type(s) == 'table' and s.err then return -1 end
 local now = now_ms()
-local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if s then redis.call('ZREM', KEYS[1], ARGV[1]) end
-local n = settle(KEYS[1], now)
-if s and (n == 0 or k == 'sem') then redis.pcall('PUBLISH', ARGV[2], 'r') end
+local k, _, first = load(KEYS[1], now)
+if k == 'other' then return -1 end
+if s and (not first or k == 'sem') then redis.pcall('PUBLISH', ARGV[2], 'r') end
 if s and tonumber(s) > now then return 1 end
 return 0
 ")
@@ -202,22 +210,17 @@ return 0
 static SHARED_EXTEND: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
+local lease = tonumber(ARGV[1])
 local out = {}
 for i = 1, #KEYS do
-  local k = kind(KEYS[i])
-  if k == 'none' then
-    out[i] = 0
-  elseif k == 'other' then
+  local s = redis.pcall('ZSCORE', KEYS[i], ARGV[i + 1])
+  if type(s) == 'table' and s.err then
     out[i] = -1
+  elseif s and tonumber(s) > now then
+    hold(KEYS[i], ARGV[i + 1], now, lease)
+    out[i] = 1
   else
-    local s = redis.call('ZSCORE', KEYS[i], ARGV[i + 1])
-    if s and tonumber(s) > now then
-      redis.call('ZADD', KEYS[i], 'XX', now + tonumber(ARGV[1]), ARGV[i + 1])
-      out[i] = 1
-    else
-      out[i] = 0
-    end
-    settle(KEYS[i], now)
+    out[i] = 0
   end
 end
 return out
@@ -235,10 +238,7 @@ static RW_KEEP: LazyLock<Lua> = LazyLock::new(|| {
 local now = now_ms()
 local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not s or tonumber(s) <= now then return 0 end
-if redis.call('ZRANGEBYSCORE', KEYS[2], now + 1, '+inf', 'LIMIT', 0, 1)[1] then return 0 end
-if ARGV[2] == 'w' and redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'LIMIT', 0, 1)[1] then
-  return 0
-end
+if marked(KEYS[2], now) or (ARGV[2] == 'w' and marked(KEYS[3], now)) then return 0 end
 return 1
 ")
 });
