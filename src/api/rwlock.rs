@@ -61,8 +61,10 @@ impl LockClient {
 ///   plain lock's baton) and local readers may read between them. Local writers are
 ///   preferred too: while one waits, new local readers wait, and a read hold is given
 ///   back as soon as its readers are done so the writer can ask for the write hold.
-///   A remote hold serves at most [`handoff_slice`](crate::Builder::handoff_slice) and
-///   [`max_handoffs`](crate::Builder::max_handoffs) local turns; then the process asks
+///   A remote hold serves local turns for at most
+///   [`handoff_slice`](crate::Builder::handoff_slice) and
+///   [`max_handoffs`](crate::Builder::max_handoffs) local writes (reads run side by side
+///   and are bounded by the slice alone); then the process asks
 ///   Redis (one cheap script) whether another process waits (a writer, for a read hold;
 ///   anyone, for the write hold). If one does, nobody new is admitted and the hold is given
 ///   back when the turns already running end. So a waiting writer of another process

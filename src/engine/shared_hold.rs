@@ -147,13 +147,7 @@ impl Engine {
                     let keep = remote.is_some_and(|(r, held)| {
                         MutexGuard::unlocked(st, || self.keep_turns(&r, held))
                     });
-                    let turn = st.turns.entry(keys.clone()).or_default();
-                    turn.released();
-                    if keep {
-                        turn.renew_budget();
-                    } else {
-                        turn.draining = true;
-                    }
+                    st.turns.entry(keys.clone()).or_default().checked(keep);
                     self.shares.changed.notify_all();
                 }
                 Next::GiveBack(remote) => {

@@ -10,15 +10,17 @@
 //!
 //! Local writers are preferred: while one waits, no new local reader is admitted, and a
 //! remote read hold is given back as soon as its readers are done, so the writer can ask
-//! Redis for the write hold. A remote hold serves at most
+//! Redis for the write hold. A remote hold serves local turns for at most
 //! [`handoff_slice`](crate::Builder::handoff_slice) and
-//! [`max_handoffs`](crate::Builder::max_handoffs) admissions (its *budget*); after that
+//! [`max_handoffs`](crate::Builder::max_handoffs) local writes (its *budget*; reads run
+//! side by side, so the slice alone bounds them); after that
 //! the process asks Redis whether another process waits (one cheap command): a writer,
 //! for a read hold; anyone, for the write hold. If none does, a new budget begins; else
 //! nobody new is admitted and the last local user gives the hold back.
 //!
 //! This module only decides ([`Turn::next`], [`Turn::leave`]); the engine talks to Redis.
-//! One thread at a time talks to Redis for a name ([`Turn::busy`]): the others wait for
+//! One thread at a time contends or gives the hold back for a name ([`Turn::busy`]), and
+//! one at a time asks for a new budget while the others go on; the others wait for
 //! what it brings back.
 
 use std::collections::HashMap;
@@ -67,7 +69,8 @@ pub(crate) enum Next {
     Admit,
     /// Ask Redis for a hold of its own kind (the turn is now busy with it).
     Contend,
-    /// The hold's budget is spent: ask Redis whether another process waits (busy with it).
+    /// The hold's budget is spent: ask Redis whether another process waits, then report
+    /// with [`Turn::checked`]. Meanwhile other threads keep taking turns on the hold.
     Check,
     /// Wait for the turn to change.
     Wait,
@@ -80,7 +83,7 @@ pub(crate) enum Next {
 #[derive(Default)]
 pub(crate) struct Turn {
     pub remote: Option<(Arc<RemoteLock>, Mode)>,
-    /// When the current budget began, and admissions since.
+    /// When the current budget began, and local writes since.
     since: Option<Instant>,
     uses: u32,
     pub readers: usize,
@@ -90,8 +93,10 @@ pub(crate) struct Turn {
     /// Local threads waiting for a turn (readers, writers).
     pub waiting_readers: usize,
     pub waiting_writers: usize,
-    /// A local thread talks to Redis for this name (contends, checks or releases).
+    /// A local thread talks to Redis for this name (contends or gives the hold back).
     pub busy: bool,
+    /// A local thread asks Redis whether the budget may be renewed.
+    checking: bool,
     /// No new holder on the current remote hold: the last one out gives it back.
     pub draining: bool,
 }
@@ -132,8 +137,8 @@ impl Turn {
         }
         let fresh =
             self.since.is_some_and(|s| s.elapsed() < budget.slice) && self.uses < budget.uses;
-        if !fresh {
-            self.busy = true;
+        if !fresh && !self.checking {
+            self.checking = true;
             return Next::Check;
         }
         self.admit(write);
@@ -148,8 +153,10 @@ impl Turn {
     }
 
     fn admit(&mut self, write: bool) {
-        self.uses += 1;
         if write {
+            // Only exclusive turns count against `max_handoffs`: readers run side by
+            // side, so the time slice alone bounds them.
+            self.uses += 1;
             self.writing = true;
             self.writes += 1;
         } else {
@@ -167,8 +174,18 @@ impl Turn {
         self.admit(mode == Mode::Write);
     }
 
-    /// A check said no writer of another process waits: a new budget.
-    pub fn renew_budget(&mut self) {
+    /// The budget check came back: a new budget if nobody else waits (`keep`), else the
+    /// hold drains.
+    pub fn checked(&mut self, keep: bool) {
+        self.checking = false;
+        if keep {
+            self.renew_budget();
+        } else {
+            self.draining = true;
+        }
+    }
+
+    fn renew_budget(&mut self) {
         self.since = Some(Instant::now());
         self.uses = 0;
     }
@@ -329,30 +346,40 @@ mod tests {
         assert_eq!(t.next(true, BUDGET, false), Next::Wait, "a reader reads");
         t.leave(false);
         assert_eq!(t.next(true, BUDGET, false), Next::Admit);
-        assert_eq!(t.writes, 2);
         t.leave(true);
-        // Three uses: the budget is spent; Redis says another process waits.
+        assert_eq!(t.next(true, BUDGET, false), Next::Admit);
+        assert_eq!(t.writes, 3);
+        t.leave(true);
+        // Three writes (reads do not count): the budget is spent; Redis says another
+        // process waits.
         assert_eq!(t.next(false, BUDGET, false), Next::Check);
-        t.draining = true;
-        t.released();
+        t.checked(false);
         assert_eq!(t.next(false, BUDGET, false), give_back());
     }
 
     #[test]
-    fn read_budget_asks_redis_once() {
+    fn read_budget_is_time_and_asks_redis_once() {
         let mut t = waiting(1, 0);
         t.next(false, BUDGET, false);
         t.acquired(hold(), Mode::Read);
-        t.next(false, BUDGET, false);
-        t.next(false, BUDGET, false);
-        assert_eq!(t.next(false, BUDGET, false), Next::Check);
+        for _ in 0..10 {
+            assert_eq!(
+                t.next(false, BUDGET, false),
+                Next::Admit,
+                "reads do not count"
+            );
+        }
+        let spent = Budget {
+            slice: Duration::ZERO,
+            ..BUDGET
+        };
+        assert_eq!(t.next(false, spent, false), Next::Check);
         assert_eq!(
-            t.next(false, BUDGET, false),
-            Next::Wait,
-            "one check at a time"
+            t.next(false, spent, false),
+            Next::Admit,
+            "one check at a time, and turns go on meanwhile"
         );
-        t.released();
-        t.renew_budget();
+        t.checked(true);
         assert_eq!(t.next(false, BUDGET, false), Next::Admit);
     }
 
