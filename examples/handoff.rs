@@ -5,7 +5,16 @@
 //! ```text
 //! cargo run --release --example handoff            # ~200 handoffs per strategy
 //! cargo run --release --example handoff -- --quick # a smoke run
+//! cargo run --release --example handoff -- --compare-cluster  # one node vs a cluster
 //! ```
+//!
+//! `--compare-cluster` measures only the library's waiter (`notifications`), against one
+//! throwaway node and against a throwaway Redis Cluster (3 masters + 3 replicas on
+//! loopback, started by the test support), in alternating rounds so that both sample the
+//! same conditions, and prints the ratio of their p50s from the holder's call to
+//! `unlock()` (release round trip included: with the fair queue, the release script itself
+//! grants the lock to the waiter, so the time from `unlock()` returning is close to zero
+//! and its ratio means nothing).
 //!
 //! Uses `REDIS_URL` when set; otherwise it starts a throwaway `redis-server` (no
 //! persistence, in a temp dir) and stops it at the end.
@@ -48,9 +57,16 @@ struct Cli {
     /// Internal: run as the waiting process with this strategy.
     #[arg(long, hide = true, value_enum)]
     child: Option<Strategy>,
-    /// Internal: the Redis URL of the waiting process.
+    /// The library's waiter only, against one node and against a cluster, in one run.
+    #[arg(long)]
+    compare_cluster: bool,
+    /// Internal: the Redis URL of the waiting process (with `--cluster`: the seeds,
+    /// comma-separated).
     #[arg(long, hide = true)]
     url: Option<String>,
+    /// Internal: the waiting process talks to a cluster.
+    #[arg(long, hide = true)]
+    cluster: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,7 +158,8 @@ fn main() -> Result<(), BoxError> {
     match cli.child {
         Some(Strategy::RawKeyspace) => raw_waiter(url.ok_or("--url is required")?, false),
         Some(Strategy::RawScript) => raw_waiter(url.ok_or("--url is required")?, true),
-        Some(strategy) => waiter(strategy, url.ok_or("--url is required")?),
+        Some(strategy) => waiter(strategy, url.ok_or("--url is required")?, cli.cluster),
+        None if cli.compare_cluster => compare_cluster(cli.quick),
         None => holder(cli.quick),
     }
 }
@@ -155,11 +172,19 @@ fn mono_ns() -> i64 {
 // ---------------------------------------------------------------------------------------
 // The waiting process.
 
+/// A client builder for one node, or for a cluster given its comma-separated seeds.
+fn builder(url: &str, cluster: bool) -> redbaton::Builder {
+    if cluster {
+        LockClient::builder().cluster(url.split(','))
+    } else {
+        LockClient::builder().node(url)
+    }
+}
+
 /// Reads `go` lines; for each one takes the lock (blocking), notes the time, releases it,
 /// and answers `acquired <t_ns> <failed attempts> <event wakeups> <poll wakeups> <other>`.
-fn waiter(strategy: Strategy, url: &str) -> Result<(), BoxError> {
-    let client = LockClient::builder()
-        .node(url)
+fn waiter(strategy: Strategy, url: &str, cluster: bool) -> Result<(), BoxError> {
+    let client = builder(url, cluster)
         .key_prefix(PREFIX)
         .wakeup(strategy.wakeup())
         .build()?;
@@ -295,6 +320,19 @@ struct Row {
     other_wakeups: u64,
 }
 
+impl Row {
+    /// Adds another run's handoffs of the same strategy.
+    fn absorb(&mut self, other: Row) {
+        self.latencies.extend(other.latencies);
+        self.from_call.extend(other.from_call);
+        self.not_blocked += other.not_blocked;
+        self.attempts += other.attempts;
+        self.event_wakeups += other.event_wakeups;
+        self.poll_wakeups += other.poll_wakeups;
+        self.other_wakeups += other.other_wakeups;
+    }
+}
+
 fn holder(quick: bool) -> Result<(), BoxError> {
     let (url, _server) = match std::env::var("REDIS_URL") {
         Ok(url) => (url, None),
@@ -321,10 +359,76 @@ fn holder(quick: bool) -> Result<(), BoxError> {
         idle_pings.extend(pings_after_idle(&mut ping_conn, idle / STRATEGIES.len())?);
         let n = strategy.iterations(quick);
         eprintln!("{}: {n} handoffs...", strategy.name());
-        rows.push(run_strategy(&holder, &url, strategy, n)?);
+        rows.push(run_strategy(&holder, &url, false, strategy, n)?);
     }
     pings.extend(ping_round_trips(&mut ping_conn, PINGS / STRATEGIES.len())?);
     print_table(&pings, &idle_pings, &rows, started.elapsed());
+    Ok(())
+}
+
+/// `--compare-cluster`: the library's waiter against one node and against a cluster, in
+/// alternating rounds.
+fn compare_cluster(quick: bool) -> Result<(), BoxError> {
+    const ROUNDS: usize = 4;
+    let node = server::RedisServer::start();
+    let cluster = redbaton_testkit::cluster::Cluster::start();
+    let seeds = cluster.seed_urls().join(",");
+    let targets = [(node.url(), false), (seeds, true)];
+    let holders = targets
+        .iter()
+        .map(|(url, on_cluster)| builder(url, *on_cluster).key_prefix(PREFIX).build())
+        .collect::<Result<Vec<_>, _>>()?;
+    let strategy = Strategy::Notifications;
+    let per_round = strategy.iterations(quick).div_ceil(ROUNDS);
+    let mut rows: Vec<Row> = Vec::new();
+    for round in 0..ROUNDS {
+        for (i, (url, on_cluster)) in targets.iter().enumerate() {
+            eprintln!(
+                "round {}/{ROUNDS}, {}: {per_round} handoffs...",
+                round + 1,
+                if *on_cluster { "cluster" } else { "one node" }
+            );
+            let r = run_strategy(&holders[i], url, *on_cluster, strategy, per_round)?;
+            match rows.get_mut(i) {
+                Some(row) => row.absorb(r),
+                None => rows.push(r),
+            }
+        }
+    }
+    println!();
+    println!(
+        "handoff latency, two processes, library waiter (notifications): holder calls unlock() -> waiter's lock() returned"
+    );
+    println!(
+        "{:<10} {:>5} {:>10} {:>10} {:>16}",
+        "target", "n", "p50 (us)", "p99 (us)", "p50 after return"
+    );
+    let mut p50s = Vec::new();
+    for (row, name) in rows.iter().zip(["one node", "cluster"]) {
+        let mut c = row.from_call.clone();
+        c.sort_unstable();
+        let mut l = row.latencies.clone();
+        l.sort_unstable();
+        p50s.push(percentile(&c, 0.50));
+        println!(
+            "{:<10} {:>5} {:>10.1} {:>10.1} {:>16.1}",
+            name,
+            c.len(),
+            us(percentile(&c, 0.50)),
+            us(percentile(&c, 0.99)),
+            us(percentile(&l, 0.50)),
+        );
+    }
+    let ratio = p50s[1] as f64 / p50s[0].max(1) as f64;
+    println!();
+    println!(
+        "handoff p50, cluster / one node = {ratio:.2}  (target <= 1.2){}",
+        if ratio <= 1.2 { "" } else { "  NOT MET" }
+    );
+    println!(
+        "(p50 after return: from the holder's unlock() returning; the fair queue grants the \
+         lock inside the release, so it can be negative.)"
+    );
     Ok(())
 }
 
@@ -363,9 +467,10 @@ struct WaiterProcess {
 }
 
 impl WaiterProcess {
-    fn spawn(strategy: Strategy, url: &str) -> Result<Self, BoxError> {
+    fn spawn(strategy: Strategy, url: &str, cluster: bool) -> Result<Self, BoxError> {
         let mut child = Command::new(std::env::current_exe()?)
             .args(["--child", strategy.name(), "--url", url])
+            .args(cluster.then_some("--cluster"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -441,11 +546,12 @@ impl Drop for WaiterProcess {
 fn run_strategy(
     holder: &LockClient,
     url: &str,
+    cluster: bool,
     strategy: Strategy,
     n: usize,
 ) -> Result<Row, BoxError> {
     let key = strategy.key();
-    let mut waiter = WaiterProcess::spawn(strategy, url)?;
+    let mut waiter = WaiterProcess::spawn(strategy, url, cluster)?;
     let mut row = Row {
         strategy,
         latencies: Vec::with_capacity(n),
