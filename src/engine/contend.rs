@@ -12,7 +12,7 @@ use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
-use crate::proto::node::{Attempt, Marks, NodeId, new_token};
+use crate::proto::node::{Attempt, Marks, NodeId, may_have_run, new_token};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::verdict::{Rules, Undo, Vote, vote};
@@ -165,6 +165,9 @@ impl Engine {
                     token: tried,
                     undo,
                 }) => {
+                    // An attempt whose reply was lost may have left our mark (or queue
+                    // entry): take it with us if we leave.
+                    marked |= marks.leave && may_have_run(&error);
                     // A wait rides through a failover (`try_lock` does not wait); the next
                     // attempt reads the route again, and watches there if it moved.
                     if matches!(wait, Wait::Until(_)) && ride.again(&error, wait.deadline()) {
