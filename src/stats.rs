@@ -82,6 +82,9 @@ counters! {
     redirects,
     /// Redis Cluster: times the slot map was read again from the cluster.
     slot_refreshes,
+    /// Redis Cluster: calls (acquire, release, extend) retried after their master could
+    /// not be reached or the cluster was failing over, once the slot map was read again.
+    failover_retries,
     /// Background releases (after an acquire whose outcome was unknown) dropped because the
     /// cleanup queue was full: those keys expire with their lease instead.
     cleanup_dropped,

@@ -156,7 +156,9 @@ fn child_cluster_worker() {
             let (client, dir) = (client.clone(), dir.clone());
             thread::spawn(move || {
                 let mut sections = Vec::new();
-                let (mut errors, mut longest) = (0u64, Duration::ZERO);
+                // Failed calls: timeouts, connection errors, anything else.
+                let mut errors = [0u64; 3];
+                let mut longest = Duration::ZERO;
                 let mut x = (std::process::id() as usize) * 31 + t * 7919;
                 while sections.len() < rounds && Instant::now() < until {
                     x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
@@ -167,8 +169,15 @@ fn child_cluster_worker() {
                     let guard = match r {
                         Ok(g) => g,
                         Err(e) => {
-                            eprintln!("child: {name}: {e}");
-                            errors += 1;
+                            eprintln!("child: {name}: {e:?}");
+                            let kind = if e.is_timeout() {
+                                0
+                            } else if e.is_connection() {
+                                1
+                            } else {
+                                2
+                            };
+                            errors[kind] += 1;
                             thread::sleep(ms(20));
                             continue;
                         }
@@ -199,7 +208,9 @@ fn child_cluster_worker() {
         let (sections, errors, longest) = w.join().expect("worker");
         child::print_result(&[
             ("sections", sections.join(",")),
-            ("errors", errors.to_string()),
+            ("timeouts", errors[0].to_string()),
+            ("conn_errors", errors[1].to_string()),
+            ("other_errors", errors[2].to_string()),
             ("longest_ms", longest.as_millis().to_string()),
         ]);
     }
@@ -209,6 +220,7 @@ fn child_cluster_worker() {
         ("wake_lease", s.wakeups_lease.to_string()),
         ("redirects", s.redirects.to_string()),
         ("refreshes", s.slot_refreshes.to_string()),
+        ("failover_retries", s.failover_retries.to_string()),
         ("lost", s.locks_lost.to_string()),
     ]);
 }
@@ -216,7 +228,21 @@ fn child_cluster_worker() {
 struct Run {
     sections: Vec<Section>,
     threads: usize,
+    /// Failed calls of every thread: timeouts, connection errors, anything else.
+    timeouts: u64,
+    conn_errors: u64,
+    other_errors: u64,
     stats: Vec<HashMap<String, String>>,
+}
+
+impl Run {
+    /// The sum of one counter over the children.
+    fn stat(&self, name: &str) -> u64 {
+        self.stats
+            .iter()
+            .map(|r| r[name].parse::<u64>().expect("a count"))
+            .sum()
+    }
 }
 
 fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> Run {
@@ -227,6 +253,9 @@ fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> 
     let mut run = Run {
         sections: Vec::new(),
         threads: 0,
+        timeouts: 0,
+        conn_errors: 0,
+        other_errors: 0,
         stats: Vec::new(),
     };
     for c in children {
@@ -240,7 +269,14 @@ fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> 
                     Duration::from_millis(longest) <= WAIT + MARGIN,
                     "a call took {longest} ms, past its deadline"
                 );
-                eprintln!("thread: errors {} longest {longest} ms", r["errors"]);
+                let count = |k: &str| r[k].parse::<u64>().expect("a count");
+                run.timeouts += count("timeouts");
+                run.conn_errors += count("conn_errors");
+                run.other_errors += count("other_errors");
+                eprintln!(
+                    "thread: timeouts {} connection errors {} other errors {} longest {longest} ms",
+                    r["timeouts"], r["conn_errors"], r["other_errors"]
+                );
             } else {
                 eprintln!("child stats: {r:?}");
                 run.stats.push(r);
@@ -431,19 +467,25 @@ fn waiters_follow_a_resharded_slot() {
 
 /// A forced failover, then a master killed, while 4 processes × 4 threads lock names on
 /// every master: every thread finishes, no call outlives its deadline, and every overlap
-/// of two sections had a holder who was told.
+/// of two sections had a holder who was told. While the killed master awaits its
+/// replacement, calls for its names ride through (the slot map read again, the call
+/// retried until its deadline): they get their lock once the replica is promoted, or a
+/// timeout, never a connection error.
 #[test]
 fn failover_under_load() {
     init_log();
     let cluster = Cluster::start();
+    let names = 12;
     let envs = [
         ("C_SEEDS", cluster.seed_urls().join(",")),
         ("C_THREADS", "4".to_owned()),
         ("C_ROUNDS", "1000000".to_owned()),
-        ("C_NAMES", "12".to_owned()),
+        ("C_NAMES", names.to_string()),
         ("C_RUN_MS", "16000".to_owned()),
         ("C_LEASE_MS", "2000".to_owned()),
     ];
+    // The names of the killed master, when it died, and when its replica had taken over.
+    let mut killed: Option<(HashSet<String>, u64, u64)> = None;
     let run = run_children(4, &envs, || {
         thread::sleep(ms(2000));
         let m = cluster.masters()[0].port();
@@ -456,15 +498,131 @@ fn failover_under_load() {
             .map(|s| s.port())
             .find(|p| *p != new)
             .expect("m");
+        let there: HashSet<String> = (0..names)
+            .map(|i| format!("n{i}"))
+            .filter(|n| cluster.master_of(&KEYS.lock_bytes(n.as_bytes())).port() == m)
+            .collect();
+        let at = mono_ns();
         let new = cluster.kill_master(m);
-        eprintln!("master {m} killed; new master {new}");
+        let back = mono_ns();
+        eprintln!(
+            "master {m} killed; new master {new} after {} ms; its names {there:?}",
+            (back - at) / 1_000_000
+        );
+        killed = Some((there, at, back));
     });
     assert_eq!(run.threads, 16, "every thread reported");
     let bad = unexplained_overlaps(&run.sections);
     assert!(bad.is_empty(), "overlaps nobody was told of: {bad:?}");
     let told = run.sections.iter().filter(|s| s.told).count();
-    eprintln!("sections {} told {told}", run.sections.len());
+    eprintln!(
+        "sections {} told {told}; timeouts {} connection errors {} other errors {}; failover retries {}",
+        run.sections.len(),
+        run.timeouts,
+        run.conn_errors,
+        run.other_errors,
+        run.stat("failover_retries")
+    );
     assert!(run.sections.len() > 100);
+    assert_eq!(run.conn_errors, 0, "calls rode through the failover");
+    assert_eq!(run.other_errors, 0, "only locks or timeouts");
+    assert!(
+        run.stat("failover_retries") > 0,
+        "calls met the dead master"
+    );
+    let (there, _, back) = killed.expect("the master was killed");
+    assert!(!there.is_empty(), "the killed master served some names");
+    let after = run
+        .sections
+        .iter()
+        .filter(|s| there.contains(&s.name) && s.start > back)
+        .count();
+    assert!(after > 0, "its names were locked again on the new master");
+}
+
+/// A master killed twice. First its replica takes over: a lock held there survives
+/// (the watchdog keeps renewing, then renews on the new master) and can be extended and
+/// released there. Then the new master is killed too, and nothing can replace it:
+/// `try_lock` does not wait; `try_lock_for` rides through until its deadline and times
+/// out; `lock()`, with no deadline, gives up after one lease (the bound a failover must
+/// meet for held locks to survive it) with the cluster's error. A lock held there is lost
+/// when its lease runs out (its holder is told), and its release does not wait.
+#[test]
+fn a_master_replaced_then_lost_for_good() {
+    init_log();
+    let cluster = Cluster::start();
+    let m = cluster.masters()[0].port();
+    let names: Vec<String> = (0..)
+        .map(|i| format!("gone-{i}"))
+        .filter(|n| cluster.master_of(&KEYS.lock_bytes(n.as_bytes())).port() == m)
+        .take(5)
+        .collect();
+    let key = |n: &str| KEYS.lock_bytes(n.as_bytes());
+
+    // 1. Replaced: the lock outlives the failover.
+    let keeper = builder(cluster.seed_urls())
+        .lease(secs(10))
+        .build()
+        .expect("build");
+    let kept = keeper.lock(&names[4]).expect("hold");
+    let mut replica = cluster.replica_of(m).conn();
+    redis::cmd("READONLY")
+        .query::<()>(&mut replica)
+        .expect("READONLY");
+    redbaton_testkit::wait::wait_for(secs(10), "the lock replicated", || {
+        redbaton_testkit::exists(&mut replica, key(&names[4]))
+    });
+    let n = cluster.kill_master(m);
+    let mut conn = cluster.server(n).conn();
+    redbaton_testkit::wait::wait_for(secs(10), "a renewal on the new master", || {
+        redbaton_testkit::pttl(&mut conn, key(&names[4])) > 8000
+    });
+    assert!(!kept.is_lost());
+    kept.extend(secs(20)).expect("extend on the new master");
+    assert!(redbaton_testkit::pttl(&mut conn, key(&names[4])) > 15_000);
+    assert_eq!(kept.unlock().expect("unlock"), Unlocked::Released);
+    eprintln!("keeper stats: {:?}", keeper.stats());
+
+    // 2. Lost for good: no replica is left to take over.
+    let lease = secs(2);
+    let client = builder(cluster.seed_urls())
+        .lease(lease)
+        .build()
+        .expect("build");
+    let held = client.lock(&names[0]).expect("hold");
+    cluster.server(n).kill();
+
+    let t = Instant::now();
+    let e = client.try_lock(&names[1]).expect_err("nobody serves it");
+    assert!(e.is_connection(), "{e:?}");
+    assert!(
+        t.elapsed() < secs(1),
+        "try_lock does not wait: {:?}",
+        t.elapsed()
+    );
+
+    let t = Instant::now();
+    let e = client
+        .try_lock_for(&names[2], ms(1500))
+        .expect_err("nobody serves it");
+    assert!(e.is_timeout(), "{e:?}");
+    assert!(t.elapsed() >= ms(1500) && t.elapsed() < ms(1500) + MARGIN);
+
+    let t = Instant::now();
+    let e = client.lock(&names[3]).expect_err("nobody serves it");
+    eprintln!("lock() gave up after {:?}: {e:?}", t.elapsed());
+    assert!(!e.is_timeout() && e.redis_error().is_some(), "{e:?}");
+    assert!(t.elapsed() >= lease && t.elapsed() < lease + MARGIN);
+    assert!(client.stats().failover_retries > 0);
+
+    assert!(held.is_lost(), "its lease ran out unrenewed");
+    let t = Instant::now();
+    assert!(held.unlock().is_err(), "nobody to release it");
+    assert!(
+        t.elapsed() < secs(3),
+        "no retries past the lease: {:?}",
+        t.elapsed()
+    );
 }
 
 /// Child: `I_THREADS` threads each wait for one of `I_NAMES` (held elsewhere) until the

@@ -6,7 +6,7 @@ use crate::api::client::LockClient;
 use crate::config::{Config, MAX_LEASE, MIN_LEASE, SentinelConfig, Tls, Wakeup};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_LOCAL_SEQ;
-use crate::proto::connect::open_client;
+use crate::proto::connect::{access, open_client};
 use crate::proto::keys::MAX_PREFIX_LEN;
 
 /// The longest timeout or interval accepted: longer ones are taken for mistakes (a
@@ -279,17 +279,31 @@ impl Builder {
     /// Locks live in the Redis Cluster that `seed_urls` belong to (instead of
     /// [`node`](Self::node)): each on the master serving its key's hash slot. One seed that
     /// answers is enough; the client reads the slot map from it and talks to every master.
-    /// Credentials, TLS (`rediss://`, with [`tls_ca_cert`](Self::tls_ca_cert) and
-    /// [`tls_client_identity`](Self::tls_client_identity)) and timeouts apply to every
-    /// node; cluster nodes only have database 0.
+    /// The seeds' credentials and TLS (`rediss://`, with [`tls_ca_cert`](Self::tls_ca_cert)
+    /// and [`tls_client_identity`](Self::tls_client_identity)), and the timeouts, apply to
+    /// every master found in the map, so every seed must give the same TLS and
+    /// credentials; cluster nodes only have database 0. Over TLS the masters' TLS ports
+    /// are used (`tls-cluster yes` makes the cluster name them).
     ///
     /// `MOVED`, `ASK`, `TRYAGAIN` and `CLUSTERDOWN` replies are followed or waited out,
     /// never returned. Waiters are woken by the master that serves their key (keyspace
     /// notifications are per node): the client keeps one subscriber connection per master
     /// it waits on, and a waiter whose key moved (a reshard, a failover) subscribes on the
-    /// new master and tries again. A lock survives a failover only if the promoted
-    /// replica had it ([`replica_ack`](Self::replica_ack) narrows the window); otherwise
-    /// its holder's lost signal fires at the next renewal.
+    /// new master and tries again.
+    ///
+    /// **Failover.** While a master is down and not yet replaced (the cluster promotes its
+    /// replica after `cluster-node-timeout`), calls for its slots ride through: the slot
+    /// map is read again and the call retried after a short pause, until the call's
+    /// deadline ([`try_lock_for`](crate::LockClient::try_lock_for) then returns
+    /// [`Error::Timeout`](crate::Error::Timeout)); a [`lock`](crate::LockClient::lock)
+    /// without a deadline retries for one [`lease`](Self::lease) from the first failure,
+    /// then returns the error: a failover slower than a lease loses every lock of that
+    /// master anyway. [`unlock`](crate::LockGuard::unlock) and
+    /// [`extend`](crate::LockGuard::extend) retry while the lock's lease lasts, and the
+    /// watchdog keeps renewing until it runs out. [`try_lock`](crate::LockClient::try_lock)
+    /// does not wait. A lock survives a failover only if the promoted replica had it
+    /// ([`replica_ack`](Self::replica_ack) narrows the window) and the failover took less
+    /// than its lease; otherwise its holder's lost signal fires.
     ///
     /// # Examples
     ///
@@ -729,8 +743,21 @@ impl Builder {
             if !nodes.is_empty() || self.sentinel.is_some() {
                 return bad("cluster, sentinel and node(s) are exclusive: choose one".to_owned());
             }
+            // The masters found in the slot map are reached as seed 0 says (TLS,
+            // credentials): every seed must say the same.
+            let first = access("cluster seed 0", &self.cluster[0])?;
             for (i, url) in self.cluster.iter().enumerate() {
-                open_client(&format!("cluster seed {i}"), url, &self.tls)?;
+                let label = format!("cluster seed {i}");
+                open_client(&label, url, &self.tls)?;
+                let seed = access(&label, url)?;
+                if seed.db != 0 {
+                    return bad(format!("{label}: cluster nodes only have database 0"));
+                }
+                if seed != first {
+                    return bad(format!(
+                        "{label}: TLS and credentials differ from seed 0's; every seed must reach the cluster the same way"
+                    ));
+                }
             }
         } else if let Some(sc) = &self.sentinel {
             if !nodes.is_empty() {
@@ -847,5 +874,31 @@ mod tests {
         assert_eq!(redact("not a url"), "not a url");
         let b = crate::LockClient::builder().node("redis://a:s3cret@h/");
         assert!(!format!("{b:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn cluster_seeds_must_agree_on_tls_and_credentials() {
+        let check = |seeds: &[&str]| {
+            crate::LockClient::builder()
+                .cluster(seeds.iter().copied())
+                .validate()
+                .map(|_| ())
+        };
+        assert!(check(&["rediss://u:s3cret@a:1/", "rediss://u:s3cret@b:2/"]).is_ok());
+        for seeds in [
+            ["redis://a:1/", "rediss://b:2/"],
+            ["rediss://u:s3cret@a:1/", "rediss://u:other@b:2/"],
+            ["rediss://u:s3cret@a:1/", "rediss://v:s3cret@b:2/"],
+            ["rediss://u:s3cret@a:1/", "rediss://b:2/"],
+            ["redis://a:1/", "redis://b:2/3"],
+        ] {
+            let e = check(&seeds).unwrap_err();
+            let msg = format!("{e} {e:?}");
+            assert!(
+                e.is_invalid_input() && msg.contains("cluster seed 1"),
+                "{msg}"
+            );
+            assert!(!msg.contains("s3cret") && !msg.contains("other"), "{msg}");
+        }
     }
 }

@@ -65,7 +65,9 @@ impl LockClient {
     /// # Errors
     ///
     /// [`Error::InvalidName`], [`Error::WouldDeadlock`] if this thread already holds it,
-    /// Redis errors, [`Error::NoQuorum`] for Redlock.
+    /// Redis errors, [`Error::NoQuorum`] for Redlock. Redis Cluster: a master being
+    /// replaced is waited for up to one lease before its error is returned (see
+    /// [`Builder::cluster`](crate::Builder::cluster)).
     ///
     /// # Examples
     ///
@@ -110,8 +112,8 @@ impl LockClient {
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when the lock was not free within `timeout`; otherwise as
-    /// [`lock`](Self::lock).
+    /// [`Error::Timeout`] when the lock was not free within `timeout` (Redis Cluster: also
+    /// when its master was still being replaced then); otherwise as [`lock`](Self::lock).
     ///
     /// # Examples
     ///

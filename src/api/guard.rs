@@ -216,12 +216,8 @@ impl LockGuard {
     ///
     /// [`Error::InvalidArgument`] for a lease outside 10 ms ..= 24 h (nothing is sent),
     /// [`Error::Lost`] if the lock is no longer ours, [`Error::Redis`] (or
-    /// [`Error::PoolExhausted`]) when too few nodes answered to tell.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Lost`] when the lock is no longer ours; [`Error::InvalidConfig`] for a zero
-    /// lease; Redis errors when too few nodes answered to tell.
+    /// [`Error::PoolExhausted`]) when too few nodes answered to tell (Redis Cluster: after
+    /// retrying through a failover while the lease lasted).
     ///
     /// # Examples
     ///
@@ -248,8 +244,9 @@ impl LockGuard {
     /// # Errors
     ///
     /// Redis errors when too few nodes answered to tell whether the lock was released (it
-    /// then expires with its lease). A lock that had expired or was taken by another
-    /// owner is not an error: see [`Unlocked`].
+    /// then expires with its lease; Redis Cluster: after retrying through a failover while
+    /// the lease lasted). A lock that had expired or was taken by another owner is not an
+    /// error: see [`Unlocked`].
     ///
     /// # Examples
     ///

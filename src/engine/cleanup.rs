@@ -149,7 +149,9 @@ impl Drop for Cleanup {
     }
 }
 
-/// Compare-and-delete of `token` on the nodes `ids` of `route`, in parallel; the replies.
+/// Compare-and-delete of `token` where the nodes `ids` left it: those of them on
+/// `route`, or the route's node now when the lock follows its route (Redis Cluster: a
+/// failover or a reshard since moved it), in parallel; the replies.
 pub(crate) fn release_on(
     topology: &Topology,
     keys: &Keys,
@@ -157,8 +159,11 @@ pub(crate) fn release_on(
     token: &str,
     ids: &[NodeId],
 ) -> Vec<Result<ReleaseReply>> {
+    if ids.is_empty() {
+        return Vec::new();
+    }
     let retry = route.retry();
-    let nodes = route.among(ids);
+    let nodes = route.holders(ids);
     if let [node] = nodes.as_slice() {
         return vec![node.release(keys, token, retry)];
     }

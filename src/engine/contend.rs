@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
 use crate::engine::waiter::{Pending, Waiter};
 use crate::error::{Error, Result};
@@ -11,7 +12,7 @@ use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
-use crate::proto::node::{Attempt, Marks, NodeId, new_token};
+use crate::proto::node::{Attempt, Marks, NodeId, may_have_run, new_token};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::verdict::{Rules, Undo, Vote, vote};
@@ -25,6 +26,14 @@ enum Round {
     Held(Option<Duration>),
     /// Ours, but too few replicas acknowledged it (`replica_ack`): undone; retry.
     Unacked(usize),
+    /// The round failed with `error`; `undo` says where the attempt with `token` may have
+    /// left it. The caller either retries with the same token (riding through a failover:
+    /// the script recognises its own token) or undoes it and returns the error.
+    Failed {
+        error: Error,
+        token: String,
+        undo: Undo,
+    },
 }
 
 /// The caller's wait policy.
@@ -82,6 +91,10 @@ impl Engine {
             }
         }
         let mut marked = false;
+        // Redis Cluster: retries through a failover, and the token of a failed attempt
+        // that may have run, for the retry (one token, one lock: invariant 3).
+        let mut ride = Ride::new(&self.topology, &self.counters);
+        let mut carried: Option<String> = None;
         // The last attempt's replica acknowledgements, when too few: the error to give if
         // the caller's wait ends before one has enough.
         let mut unacked: Option<usize> = None;
@@ -124,13 +137,18 @@ impl Engine {
                         leave: waiting,
                         clear: marked,
                     };
+                    let token = token.as_deref().or(carried.as_deref());
                     (
                         before,
                         marks,
-                        self.round(keys, &route, marks, wait.deadline(), token.as_deref()),
+                        self.round(keys, &route, marks, wait.deadline(), token),
                     )
                 }
             };
+            if !matches!(outcome, Ok(Round::Failed { .. })) {
+                ride.settled();
+                carried = None;
+            }
             let hint = match outcome {
                 Ok(Round::Acquired(lock)) => return Ok(lock),
                 Ok(Round::Held(hint)) => {
@@ -141,6 +159,30 @@ impl Engine {
                     unacked = Some(acked);
                     // Our own release of it wakes us: try again at once.
                     Some(Duration::ZERO)
+                }
+                Ok(Round::Failed {
+                    error,
+                    token: tried,
+                    undo,
+                }) => {
+                    // An attempt whose reply was lost may have left our mark (or queue
+                    // entry): take it with us if we leave.
+                    marked |= marks.leave && may_have_run(&error);
+                    // A wait rides through a failover (`try_lock` does not wait); the next
+                    // attempt reads the route again, and watches there if it moved.
+                    if matches!(wait, Wait::Until(_)) && ride.again(&error, wait.deadline()) {
+                        carried = Some(tried);
+                        continue;
+                    }
+                    self.undo(keys, &route, tried, undo, wait.deadline());
+                    self.leave_queue(keys, &route, token.as_deref(), marked);
+                    // The caller's deadline passed while its master was being replaced:
+                    // that is a timeout, like a lock held until then.
+                    if ride.retried() && wait.deadline().is_some_and(|d| Instant::now() >= d) {
+                        log::debug!("deadline passed during a failover: {error:?}");
+                        return Err(Error::Timeout);
+                    }
+                    return Err(error);
                 }
                 Err(e) => {
                     self.leave_queue(keys, &route, token.as_deref(), marked);
@@ -261,10 +303,7 @@ impl Engine {
                     None => Round::Held(hint),
                 })
             }
-            Vote::Failed { error, undo } => {
-                self.undo(keys, route, token, undo, deadline);
-                Err(error)
-            }
+            Vote::Failed { error, undo } => Ok(Round::Failed { error, token, undo }),
         }
     }
 

@@ -8,6 +8,7 @@ pub(crate) mod clock;
 pub(crate) mod contend;
 mod probe;
 pub(crate) mod release;
+mod ride;
 pub(crate) mod shared_hold;
 pub(crate) mod state;
 pub(crate) mod subs;

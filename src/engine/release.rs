@@ -6,13 +6,14 @@ use std::time::{Duration, Instant};
 use crate::clock::from_now;
 use crate::engine::cleanup::release_on;
 use crate::engine::clock::YIELD;
+use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
 use crate::error::{Error, Result, Unlocked};
 use crate::local::held::RemoteLock;
 use crate::local::table::Step;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
-use crate::proto::node::{ExtendReply, NodeId, ReleaseReply};
+use crate::proto::node::{ExtendReply, NodeId, ReleaseReply, may_have_run};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::verdict::{Renewal, tally_release};
@@ -37,11 +38,7 @@ impl Engine {
                     w.unregister(lock);
                 }
                 crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Release);
-                // Redlock: on every node, not only those that granted: a node whose grant
-                // came too late to count may hold our token too.
-                let route = self.topology.route(&lock.keys);
-                let every: Vec<NodeId> = route.nodes().iter().map(|n| n.id.clone()).collect();
-                let replies = self.release_on(&lock.keys, &route, &lock.token, &every);
+                let (route, replies) = self.release_everywhere(lock);
                 let passed = replies
                     .iter()
                     .any(|r| matches!(r, Ok(ReleaseReply::Passed)));
@@ -68,32 +65,71 @@ impl Engine {
         }
     }
 
-    /// Sets the lock's lease to `lease` on its nodes now.
+    /// Compare-and-delete of `lock` on every node of its route (Redlock: not only those
+    /// that granted: a node whose grant came too late to count may hold our token too).
+    /// Redis Cluster: retried through a failover on the route read again, until the lock's
+    /// validity ends (its key is gone by then anyway); a retry that finds the key gone
+    /// after a try whose reply was lost says so (`GoneAfterRetry`): that try may have
+    /// deleted it.
+    fn release_everywhere(
+        self: &Arc<Self>,
+        lock: &RemoteLock,
+    ) -> (Route, Vec<Result<ReleaseReply>>) {
+        let mut ride = Ride::new(&self.topology, &self.counters);
+        let mut ran = false;
+        loop {
+            let route = self.topology.route(&lock.keys);
+            let every: Vec<NodeId> = route.nodes().iter().map(|n| n.id.clone()).collect();
+            let mut replies = self.release_on(&lock.keys, &route, &lock.token, &every);
+            if ran {
+                for r in &mut replies {
+                    if matches!(r, Ok(ReleaseReply::Gone)) {
+                        *r = Ok(ReleaseReply::GoneAfterRetry);
+                    }
+                }
+            }
+            match replies.as_slice() {
+                [Err(e)] if ride.again(e, Some(lock.valid_until())) => ran |= may_have_run(e),
+                _ => return (route, replies),
+            }
+        }
+    }
+
+    /// Sets the lock's lease to `lease` on its nodes now. Redis Cluster: retried through a
+    /// failover until the lock's validity ends.
     pub fn extend(self: &Arc<Self>, lock: &Arc<RemoteLock>, lease: Duration) -> Result<()> {
         if let Some(reason) = lock.lost(&self.counters) {
             return Err(Error::Lost(reason));
         }
         lock.begin_extend();
         let undo = OnUnwind::new(|| lock.end_extend(None));
-        let started = Instant::now();
-        let route = self.topology.route(&lock.keys);
-        let holders = route.holders(&lock.nodes);
-        let l = lock.clone();
-        let replies = self.topology.fan_out(&holders, move |node| {
-            node.extend(&[(l.keys.lock(), l.token.as_str())], lease)
-        });
-        let count = |want: ExtendReply| {
-            replies
-                .iter()
-                .filter(|r| matches!(r, Ok(v) if v.first() == Some(&want)))
-                .count()
+        let mut ride = Ride::new(&self.topology, &self.counters);
+        let (started, replies, verdict) = loop {
+            let started = Instant::now();
+            let route = self.topology.route(&lock.keys);
+            let holders = route.holders(&lock.nodes);
+            let l = lock.clone();
+            let replies = self.topology.fan_out(&holders, move |node| {
+                node.extend(&[(l.keys.lock(), l.token.as_str())], lease)
+            });
+            let count = |want: ExtendReply| {
+                replies
+                    .iter()
+                    .filter(|r| matches!(r, Ok(v) if v.first() == Some(&want)))
+                    .count()
+            };
+            let tally = (
+                count(ExtendReply::Extended),
+                count(ExtendReply::Gone),
+                count(ExtendReply::Other),
+            );
+            let verdict =
+                Renewal::judge(tally, replies.len(), route.quorum(), route.sole().is_none());
+            match (verdict, replies.as_slice()) {
+                (Renewal::Unknown, [Err(e)]) if ride.again(e, Some(lock.valid_until())) => {}
+                _ => break (started, replies, verdict),
+            }
         };
-        let tally = (
-            count(ExtendReply::Extended),
-            count(ExtendReply::Gone),
-            count(ExtendReply::Other),
-        );
-        let verdict = Renewal::judge(tally, replies.len(), route.quorum(), route.sole().is_none());
         undo.disarm();
         lock.end_extend((verdict == Renewal::Renewed).then(|| {
             (

@@ -43,6 +43,28 @@ pub(crate) fn open_client_at(
     client_of(label, info.set_addr(addr), tls)
 }
 
+/// How a URL reaches its server, the address aside: TLS or not, user, password, database.
+/// Never printed (it holds the password).
+#[derive(PartialEq, Eq)]
+pub(crate) struct Access {
+    tls: bool,
+    user: Option<String>,
+    password: Option<String>,
+    pub db: i64,
+}
+
+/// The [`Access`] of `url`; `label` names it in errors.
+pub(crate) fn access(label: &str, url: &str) -> Result<Access> {
+    let info = connection_info(label, url)?;
+    let settings = info.redis_settings();
+    Ok(Access {
+        tls: matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }),
+        user: settings.username().map(str::to_owned),
+        password: settings.password().map(str::to_owned),
+        db: settings.db(),
+    })
+}
+
 fn connection_info(label: &str, url: &str) -> Result<redis::ConnectionInfo> {
     redis::IntoConnectionInfo::into_connection_info(url)
         .map_err(|_| Error::InvalidConfig(format!("{label}: unparsable redis url")))

@@ -266,7 +266,19 @@ impl Node {
         let mut tries = 0;
         let settle_until = deadline.unwrap_or_else(|| Instant::now() + CLUSTER_SETTLE);
         loop {
-            let mut conn = self.pool.get()?;
+            let mut conn = match self.pool.get() {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // A node that refuses connections may have been replaced (a master
+                    // killed in a cluster): look at the layout again.
+                    if e.is_connection()
+                        && let Some(hook) = self.hook()
+                    {
+                        hook.fault();
+                    }
+                    return Err(e);
+                }
+            };
             Counters::inc(&self.counters.commands);
             let reply = within_deadline(&mut conn, deadline, read_timeout, |c| {
                 if asking {
@@ -672,6 +684,24 @@ fn is_settling(e: &redis::RedisError) -> bool {
             redis::ServerErrorKind::TryAgain | redis::ServerErrorKind::ClusterDown
         )
     )
+}
+
+/// Whether `e` is what a Redis Cluster client sees while a master fails over or a slot
+/// moves, rather than an answer about the lock: the node cannot be reached (killed, not
+/// yet replaced), it no longer takes writes (`READONLY`), the cluster is electing a new
+/// master (`CLUSTERDOWN`) or moving keys (`TRYAGAIN`), or redirects did not settle. A
+/// refused handshake or refused credentials are not: waiting does not cure them.
+pub(crate) fn is_failover_symptom(e: &Error) -> bool {
+    let Error::Redis(r) = e else {
+        return false;
+    };
+    if e.is_tls() || e.is_auth() {
+        return false;
+    }
+    is_network_error(r)
+        || is_settling(r)
+        || r.code() == Some("READONLY")
+        || r.redirect_node().is_some()
 }
 
 /// Whether a failed command may have reached Redis (and so may have taken effect).

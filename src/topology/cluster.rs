@@ -12,8 +12,13 @@
 //! topology's [`Redirect`] hook, and waits out `TRYAGAIN` and `CLUSTERDOWN`. A redirected
 //! command had not run, so resending it is safe; an acquire keeps its token across the
 //! redirect, and the script recognises its own token if an earlier attempt's reply was
-//! lost. A network error marks the map stale too: after a failover the next route asks
-//! the cluster who serves the slot now.
+//! lost. A network error (a refused connection too) marks the map stale: after a failover
+//! the next route asks the cluster who serves the slot now, and until a replica is
+//! promoted callers retry for as long as [`Cluster::failover_window`] allows (see
+//! `Topology::ride_through`).
+//!
+//! Masters found in the map are reached as the first seed says (TLS, CA, client identity,
+//! user, password; the builder makes every seed agree), on their TLS port over TLS.
 //!
 //! [`slots`]: super::slots
 
@@ -117,6 +122,16 @@ impl Cluster {
     /// Every master.
     pub fn all(&self) -> Route {
         self.shared.map.read().all.clone()
+    }
+
+    /// How long a call without a deadline rides through a failover (see
+    /// [`Topology::ride_through`](super::Topology::ride_through)): one lease. A master
+    /// that stays unreplaced for longer has lost every lock it held anyway (their holders
+    /// could not renew them), and a cluster replaces a dead master well within one with the
+    /// defaults (`cluster-node-timeout` 15 s plus an election of about a second, against
+    /// a 30 s lease).
+    pub fn failover_window(&self) -> Duration {
+        self.shared.cfg.lease
     }
 }
 

@@ -18,11 +18,12 @@ mod slots;
 pub(crate) mod verdict;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
-use crate::proto::node::{Node, NodeId, Retry};
+use crate::proto::node::{Node, NodeId, Retry, is_failover_symptom};
 use crate::stats::Counters;
 
 use cluster::Cluster;
@@ -202,6 +203,17 @@ impl Topology {
             Topology::Redlock(t) => t.route(),
             Topology::Sentinel(t) => t.route(),
             Topology::Cluster(t) => t.route(keys),
+        }
+    }
+
+    /// Whether a call that failed with `e` should read its route again and retry after a
+    /// short pause, and for how long at most when the caller set no deadline (counted from
+    /// the first failure). Redis Cluster rides through a failover this way (see
+    /// [`Cluster::failover_window`]); the other layouts return `None`: `e` is the answer.
+    pub fn ride_through(&self, e: &Error) -> Option<Duration> {
+        match self {
+            Topology::Cluster(t) if is_failover_symptom(e) => Some(t.failover_window()),
+            _ => None,
         }
     }
 

@@ -1,7 +1,12 @@
 //! Reading a Redis Cluster's slot map: which master serves which hash slots.
 //!
-//! `CLUSTER SHARDS` (Redis 7) is asked first; servers that do not know it answer
-//! `CLUSTER SLOTS` (deprecated in Redis 7, but the only choice before).
+//! `CLUSTER SHARDS` (Redis 7) is asked first; servers that do not know it, or an ACL that
+//! allows only the older command, get `CLUSTER SLOTS` (deprecated in Redis 7, but the only
+//! choice before).
+//!
+//! Over TLS (`tls-cluster yes`) a master has two ports: `CLUSTER SHARDS` gives both
+//! (`port`, `tls-port`), and `CLUSTER SLOTS` and `MOVED` give the one of the asking
+//! connection's kind, so a TLS client is always sent to TLS ports.
 
 use redis::{Connection, RedisResult, Value};
 
@@ -21,7 +26,14 @@ pub(crate) struct Shard {
 pub(crate) fn read(conn: &mut Connection, tls: bool) -> RedisResult<Vec<Shard>> {
     match redis::cmd("CLUSTER").arg("SHARDS").query::<Value>(conn) {
         Ok(v) => Ok(from_shards(&v, tls)),
-        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                redis::ErrorKind::Server(
+                    redis::ServerErrorKind::ResponseError | redis::ServerErrorKind::NoPerm
+                )
+            ) =>
+        {
             let v = redis::cmd("CLUSTER").arg("SLOTS").query::<Value>(conn)?;
             Ok(from_slots(&v))
         }
@@ -199,6 +211,32 @@ mod tests {
                 ranges: vec![(0, 5460), (6000, 6001)],
             }]
         );
+    }
+
+    /// A TLS cluster (`tls-cluster yes`) gives both ports: a TLS client takes `tls-port`.
+    #[test]
+    fn shards_reply_over_tls() {
+        let node = Value::Array(vec![
+            s("port"),
+            Value::Int(7000),
+            s("tls-port"),
+            Value::Int(7100),
+            s("endpoint"),
+            s("127.0.0.1"),
+            s("role"),
+            s("master"),
+            s("health"),
+            s("online"),
+        ]);
+        let shard = Value::Array(vec![
+            s("slots"),
+            Value::Array(vec![Value::Int(0), Value::Int(16383)]),
+            s("nodes"),
+            Value::Array(vec![node]),
+        ]);
+        let v = Value::Array(vec![shard]);
+        assert_eq!(from_shards(&v, true)[0].port, 7100);
+        assert_eq!(from_shards(&v, false)[0].port, 7000);
     }
 
     #[test]

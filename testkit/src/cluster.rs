@@ -2,11 +2,34 @@
 //! processes (`cluster-enabled yes`, the cluster's state file in each server's temp dir),
 //! joined with `redis-cli --cluster create` and stopped by PID like every other test
 //! server.
+//!
+//! [`Cluster::start`] starts an open cluster. [`Cluster::builder`] can secure it the way
+//! a production cluster is secured:
+//!
+//! * **TLS** ([`ClusterBuilder::tls`]): every node has a `tls-port` with a certificate of
+//!   the [`Certs`] CA, `tls-cluster yes` (the cluster bus speaks TLS, so the slot map and
+//!   redirects that TLS clients get name the TLS ports), `tls-replication yes` (replicas
+//!   sync over TLS) and `tls-auth-clients yes` (every client shows a certificate of the
+//!   CA; nodes show the client pair, `tls-client-cert-file`, on their own connections to
+//!   each other). The plain `port` stays open on loopback for the harness alone (its admin
+//!   connection, [`RedisServer::conn`], stats), as for [`TlsServer`](crate::tls::TlsServer):
+//!   tests check that the library never uses it ([`Cluster::tls_port`]). A production
+//!   node would have `port 0`.
+//! * **ACL** ([`ClusterBuilder::acl_user`]): `user default off` (no anonymous access), the
+//!   application's user with [`APP_ACL`] and nothing more, [`ADMIN_USER`] with every
+//!   permission for the harness and `redis-cli --cluster create`, and [`REPLICA_USER`]
+//!   with only what a replica needs to sync (`masteruser`/`masterauth`). A cluster does not
+//!   share ACLs between its nodes: every node gets the same `user` lines. The servers'
+//!   config turns on the keyspace notifications the library needs
+//!   (`notify-keyspace-events Kg$xe`), since the application user may only read the
+//!   setting, not change it.
 
+use std::net::{Ipv4Addr, TcpListener};
 use std::process::Command;
 use std::time::Duration;
 
-use crate::server::RedisServer;
+use crate::server::{RedisServer, RedisServerBuilder};
+use crate::tls::Certs;
 use crate::wait::wait_for;
 
 /// How long a master may be unreachable before the others mark it failed.
@@ -14,31 +37,103 @@ const NODE_TIMEOUT_MS: u64 = 2000;
 /// How long the cluster may take to form or to settle after a change.
 const SETTLE: Duration = Duration::from_secs(30);
 
+/// The harness's user on an ACL cluster: every permission.
+pub const ADMIN_USER: &str = "admin";
+const ADMIN_PASSWORD: &str = "admin-secret";
+/// The user replicas log in as on an ACL cluster: only what replication needs.
+pub const REPLICA_USER: &str = "replica";
+const REPLICA_PASSWORD: &str = "replica-secret";
+
+/// What a `redbaton` client (default prefix `redbaton:`) needs on a Redis 7 cluster node,
+/// and nothing more: the single-node minimum (keys and channels under the prefix, the
+/// scripts and the commands they run, the subscriber's commands, `CONFIG GET` to read the
+/// notification setting) plus the cluster's own: `CLUSTER SHARDS` (or `CLUSTER SLOTS` on
+/// older servers) to read the slot map, and `ASKING` to follow an `ASK` redirect during a
+/// slot migration. `+wait` would be needed for `replica_ack`.
+pub const APP_ACL: &str = "resetkeys ~redbaton:* resetchannels &redbaton:* &__keyspace@* \
+     -@all +evalsha +script|load +get +set +del +pexpire +pttl +incr +publish \
+     +exists +time +zadd +zrem +zrange +zrangebyscore +zcard \
+     +subscribe +unsubscribe +ping +client|setname +config|get \
+     +cluster|shards +cluster|slots +asking";
+
 /// Three masters (with the slots split evenly at start) and a replica for each.
 pub struct Cluster {
     /// Every server; the first three are the masters at start.
     pub servers: Vec<RedisServer>,
+    /// Per server (same order), its TLS port; empty without TLS.
+    tls_ports: Vec<u16>,
+    /// The certificates of a TLS cluster, kept while the servers read them.
+    certs: Option<Certs>,
+    /// The application user of an ACL cluster and its password.
+    app_user: Option<(String, String)>,
 }
 
-impl Cluster {
+/// Options of a [`Cluster`]; obtain with [`Cluster::builder`].
+#[derive(Default)]
+pub struct ClusterBuilder {
+    tls: Option<Certs>,
+    app_user: Option<(String, String)>,
+}
+
+impl ClusterBuilder {
+    /// Clients reach the cluster over TLS only, with certificates of `certs`' CA (see the
+    /// module docs).
+    pub fn tls(mut self, certs: Certs) -> Self {
+        self.tls = Some(certs);
+        self
+    }
+
+    /// `default` is off and `user` (with `password`) has [`APP_ACL`] (see the module
+    /// docs).
+    pub fn acl_user(mut self, user: &str, password: &str) -> Self {
+        self.app_user = Some((user.to_owned(), password.to_owned()));
+        self
+    }
+
     /// Starts six servers, joins them (`--cluster-replicas 1`) and waits until every node
     /// reports `cluster_state:ok` and every replica is in sync. Panics on failure.
-    pub fn start() -> Cluster {
+    pub fn start(self) -> Cluster {
+        let tls_ports: Vec<u16> = match self.tls {
+            Some(_) => (0..6).map(|_| bus_safe_port()).collect(),
+            None => Vec::new(),
+        };
         let servers: Vec<RedisServer> = (0..6)
-            .map(|_| {
-                RedisServer::builder()
+            .map(|i| {
+                let mut b = RedisServer::builder()
                     .config("cluster-enabled", "yes")
                     .config("cluster-config-file", "nodes.conf")
                     .config("cluster-node-timeout", &NODE_TIMEOUT_MS.to_string())
                     // A replica whose master is gone may be promoted however stale.
-                    .config("cluster-replica-validity-factor", "0")
-                    .start()
+                    .config("cluster-replica-validity-factor", "0");
+                if let Some(certs) = &self.tls {
+                    b = tls_config(b, certs, tls_ports[i]);
+                }
+                if let Some((user, password)) = &self.app_user {
+                    b = acl_config(b, user, password);
+                }
+                b.start()
             })
             .collect();
         let mut cmd = Command::new("redis-cli");
+        if let Some(certs) = &self.tls {
+            cmd.arg("--tls")
+                .args(["--cacert", &certs.file("ca.pem")])
+                .args(["--cert", &certs.file("client.pem")])
+                .args(["--key", &certs.file("client.key")]);
+        }
+        if self.app_user.is_some() {
+            cmd.args([
+                "--user",
+                ADMIN_USER,
+                "--pass",
+                ADMIN_PASSWORD,
+                "--no-auth-warning",
+            ]);
+        }
         cmd.arg("--cluster").arg("create");
-        for s in &servers {
-            cmd.arg(format!("127.0.0.1:{}", s.port()));
+        for (i, s) in servers.iter().enumerate() {
+            let port = tls_ports.get(i).copied().unwrap_or(s.port());
+            cmd.arg(format!("127.0.0.1:{port}"));
         }
         cmd.args(["--cluster-replicas", "1", "--cluster-yes"]);
         let out = cmd.output().expect("run redis-cli --cluster create");
@@ -48,7 +143,12 @@ impl Cluster {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        let cluster = Cluster { servers };
+        let cluster = Cluster {
+            servers,
+            tls_ports,
+            certs: self.tls,
+            app_user: self.app_user,
+        };
         cluster.wait_ok();
         wait_for(SETTLE, "replicas in sync", || {
             cluster.servers.iter().all(|s| {
@@ -60,6 +160,65 @@ impl Cluster {
             s.reset_stats();
         }
         cluster
+    }
+}
+
+/// A free port whose cluster bus port (10000 higher) exists: Redis refuses to start a
+/// cluster node on a port above 55535.
+fn bus_safe_port() -> u16 {
+    loop {
+        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .and_then(|l| l.local_addr())
+            .expect("bind 127.0.0.1:0")
+            .port();
+        if port <= 55535 {
+            return port;
+        }
+    }
+}
+
+/// A node that speaks TLS on `tls_port`, to clients, to the other nodes and to its
+/// replicas, and wants a certificate of the CA from each of them.
+fn tls_config(b: RedisServerBuilder, certs: &Certs, tls_port: u16) -> RedisServerBuilder {
+    b.config("tls-port", &tls_port.to_string())
+        .config("tls-cert-file", &certs.file("server.pem"))
+        .config("tls-key-file", &certs.file("server.key"))
+        .config("tls-ca-cert-file", &certs.file("ca.pem"))
+        .config("tls-client-cert-file", &certs.file("client.pem"))
+        .config("tls-client-key-file", &certs.file("client.key"))
+        .config("tls-auth-clients", "yes")
+        .config("tls-cluster", "yes")
+        .config("tls-replication", "yes")
+}
+
+/// No anonymous access; the application user with [`APP_ACL`], the harness's admin, and
+/// the replication user that replicas log in as.
+fn acl_config(b: RedisServerBuilder, user: &str, password: &str) -> RedisServerBuilder {
+    b.config(
+        "user",
+        &format!("{ADMIN_USER} on >{ADMIN_PASSWORD} ~* &* +@all"),
+    )
+    .config(
+        "user",
+        &format!("{REPLICA_USER} on >{REPLICA_PASSWORD} +psync +replconf +ping"),
+    )
+    .acl_user(user, password, APP_ACL)
+    .config("user", "default off")
+    .config("masteruser", REPLICA_USER)
+    .config("masterauth", REPLICA_PASSWORD)
+    .config("notify-keyspace-events", "Kg$xe")
+    .admin_auth(ADMIN_USER, ADMIN_PASSWORD)
+}
+
+impl Cluster {
+    /// Starts an open cluster (no TLS, no ACL): see [`ClusterBuilder::start`].
+    pub fn start() -> Cluster {
+        Self::builder().start()
+    }
+
+    /// Options for a secured cluster.
+    pub fn builder() -> ClusterBuilder {
+        ClusterBuilder::default()
     }
 
     /// Waits until every running node reports `cluster_state:ok` and agrees on the
@@ -83,9 +242,53 @@ impl Cluster {
         self.servers.iter().filter(|s| s.is_running())
     }
 
-    /// URLs of every node (any of them is a seed).
+    /// URLs of every node (any of them is a seed), as a client of this cluster gives
+    /// them: `rediss://` on the TLS ports of a TLS cluster, with the application user's
+    /// credentials on an ACL cluster.
     pub fn seed_urls(&self) -> Vec<String> {
-        self.servers.iter().map(RedisServer::url).collect()
+        match &self.app_user {
+            Some((user, password)) => self.seed_urls_as(user, password),
+            None => self.urls(""),
+        }
+    }
+
+    /// [`seed_urls`](Self::seed_urls) logging in as `user` with `password`.
+    pub fn seed_urls_as(&self, user: &str, password: &str) -> Vec<String> {
+        self.urls(&format!("{user}:{password}@"))
+    }
+
+    fn urls(&self, userinfo: &str) -> Vec<String> {
+        let scheme = if self.certs.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        self.servers
+            .iter()
+            .map(|s| {
+                format!(
+                    "{scheme}://{userinfo}127.0.0.1:{}/",
+                    self.client_port(s.port())
+                )
+            })
+            .collect()
+    }
+
+    /// The certificates of a TLS cluster.
+    pub fn certs(&self) -> Option<&Certs> {
+        self.certs.as_ref()
+    }
+
+    /// The TLS port of the server whose plain port is `port` (TLS cluster only).
+    pub fn tls_port(&self, port: u16) -> Option<u16> {
+        let i = self.servers.iter().position(|s| s.port() == port)?;
+        self.tls_ports.get(i).copied()
+    }
+
+    /// The port that clients, replicas and `MIGRATE` use to reach the server whose plain
+    /// port is `port`: its TLS port on a TLS cluster.
+    fn client_port(&self, port: u16) -> u16 {
+        self.tls_port(port).unwrap_or(port)
     }
 
     /// The running masters that serve slots, as their servers.
@@ -159,13 +362,18 @@ impl Cluster {
             if keys.is_empty() {
                 break;
             }
-            redis::cmd("MIGRATE")
+            let mut migrate = redis::cmd("MIGRATE");
+            migrate
                 .arg("127.0.0.1")
-                .arg(to)
+                .arg(self.client_port(to))
                 .arg("")
                 .arg(0)
                 .arg(5000)
-                .arg("REPLACE")
+                .arg("REPLACE");
+            if self.app_user.is_some() {
+                migrate.arg("AUTH2").arg(ADMIN_USER).arg(ADMIN_PASSWORD);
+            }
+            migrate
                 .arg("KEYS")
                 .arg(&keys)
                 .query::<()>(&mut sc)
@@ -211,10 +419,12 @@ impl Cluster {
 
     /// A running replica of the master on port `master`.
     pub fn replica_of(&self, master: u16) -> &RedisServer {
+        // A replica of a TLS cluster names its master's TLS port.
+        let port = self.client_port(master);
         self.running()
             .find(|s| {
                 let repl = info(s, "replication");
-                repl.contains("role:slave") && repl.contains(&format!("master_port:{master}\r"))
+                repl.contains("role:slave") && repl.contains(&format!("master_port:{port}\r"))
             })
             .unwrap_or_else(|| panic!("no replica of {master}"))
     }

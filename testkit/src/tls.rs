@@ -57,10 +57,14 @@ impl Certs {
             .tempdir()
             .expect("temp dir for certificates");
         let ca_pem = ca_cert.pem().into_bytes();
+        // The client pair too: servers of a TLS cluster present it on their own outgoing
+        // connections (cluster bus, replication) to peers that verify clients.
         for (name, pem) in [
             ("ca.pem", &ca_pem),
             ("server.pem", &server_cert),
             ("server.key", &server_key),
+            ("client.pem", &client_cert),
+            ("client.key", &client_key),
         ] {
             std::fs::write(dir.path().join(name), pem).expect("write certificate");
         }
@@ -72,7 +76,9 @@ impl Certs {
         }
     }
 
-    fn file(&self, name: &str) -> String {
+    /// The path of one of the PEM files: `ca.pem`, `server.pem`, `server.key`,
+    /// `client.pem`, `client.key`.
+    pub fn file(&self, name: &str) -> String {
         self.dir.path().join(name).to_string_lossy().into_owned()
     }
 }
