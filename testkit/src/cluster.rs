@@ -24,11 +24,10 @@
 //!   (`notify-keyspace-events Kg$xe`), since the application user may only read the
 //!   setting, not change it.
 
-use std::net::{Ipv4Addr, TcpListener};
 use std::process::Command;
 use std::time::Duration;
 
-use crate::server::{RedisServer, RedisServerBuilder};
+use crate::server::{RedisServer, RedisServerBuilder, free_port};
 use crate::tls::Certs;
 use crate::wait::wait_for;
 
@@ -94,7 +93,7 @@ impl ClusterBuilder {
     /// reports `cluster_state:ok` and every replica is in sync. Panics on failure.
     pub fn start(self) -> Cluster {
         let tls_ports: Vec<u16> = match self.tls {
-            Some(_) => (0..6).map(|_| bus_safe_port()).collect(),
+            Some(_) => (0..6).map(|_| free_port()).collect(),
             None => Vec::new(),
         };
         let servers: Vec<RedisServer> = (0..6)
@@ -160,20 +159,6 @@ impl ClusterBuilder {
             s.reset_stats();
         }
         cluster
-    }
-}
-
-/// A free port whose cluster bus port (10000 higher) exists: Redis refuses to start a
-/// cluster node on a port above 55535.
-fn bus_safe_port() -> u16 {
-    loop {
-        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .and_then(|l| l.local_addr())
-            .expect("bind 127.0.0.1:0")
-            .port();
-        if port <= 55535 {
-            return port;
-        }
     }
 }
 

@@ -693,12 +693,19 @@ fn spawn_same_port(spec: &Spec, port: u16, retry_for: Duration) -> (Child, u16) 
 }
 
 /// Asks the kernel for a free port. It is released before Redis binds it,
-/// so another process may grab it meanwhile: callers retry.
-fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .expect("bind 127.0.0.1:0")
-        .port()
+/// so another process may grab it meanwhile: callers retry. Never above 55535:
+/// a cluster node's bus listens 10000 higher, and Redis refuses to start a
+/// cluster node whose bus port would not exist.
+pub(crate) fn free_port() -> u16 {
+    loop {
+        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .and_then(|l| l.local_addr())
+            .expect("bind 127.0.0.1:0")
+            .port();
+        if port <= 55535 {
+            return port;
+        }
+    }
 }
 
 fn spawn_once(spec: &Spec, port: u16) -> Result<Child, StartError> {
