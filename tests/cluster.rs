@@ -737,3 +737,80 @@ fn idle_waiters_cost_nothing() {
         }
     }
 }
+
+/// Read-write locks and semaphores work on a cluster as on one node: on names spread over
+/// every master, readers share, a writer waits for them and is woken by the last reader's
+/// release (the lease is far longer than the wait), and a semaphore's last permit is
+/// returned to a waiter the same way.
+#[test]
+fn rwlocks_and_semaphores_on_every_master() {
+    init_log();
+    let cluster = Cluster::start();
+    let build = || {
+        builder(cluster.seed_urls())
+            .lease(secs(60))
+            .build()
+            .expect("build")
+    };
+    // Three clients, as three processes would be: one thread may not read and write the
+    // same name through one client (`WouldDeadlock`).
+    let (a, b, c) = (build(), build(), build());
+    let mut masters = HashSet::new();
+    for i in 0..9 {
+        let name = format!("rw-{i}");
+        masters.insert(cluster.master_of(&KEYS.lock_bytes(name.as_bytes())).port());
+        let r1 = a.rwlock(&name).read().expect("read");
+        let r2 = b.rwlock(&name).read().expect("readers share");
+        assert!(c.rwlock(&name).try_write().unwrap_err().is_would_block());
+        let read_token = r1.fencing_token();
+        thread::scope(|s| {
+            let writer = s.spawn(|| {
+                let t = Instant::now();
+                let w = c.rwlock(&name).try_write_for(secs(10)).expect("write");
+                assert!(w.fencing_token() > read_token);
+                t.elapsed()
+            });
+            thread::sleep(ms(100));
+            drop(r1);
+            drop(r2);
+            assert!(writer.join().unwrap() < secs(5), "woken by the release");
+        });
+        let sem = format!("sem-{i}");
+        let p1 = a.semaphore(&sem, 2).acquire().expect("permit 1");
+        let p2 = b.semaphore(&sem, 2).acquire().expect("permit 2");
+        assert!(
+            c.semaphore(&sem, 2)
+                .try_acquire()
+                .unwrap_err()
+                .is_would_block()
+        );
+        thread::scope(|s| {
+            let third = s.spawn(|| {
+                let t = Instant::now();
+                let p = c
+                    .semaphore(&sem, 2)
+                    .try_acquire_for(secs(10))
+                    .expect("permit 3");
+                drop(p);
+                t.elapsed()
+            });
+            thread::sleep(ms(100));
+            drop(p1);
+            assert!(third.join().unwrap() < secs(5), "woken by the release");
+        });
+        drop(p2);
+    }
+    assert_eq!(masters.len(), 3, "names on every master");
+    for s in cluster.masters() {
+        let left: Vec<Vec<u8>> = redis::cmd("KEYS")
+            .arg(format!("{}*", KEYS.prefix()))
+            .query(&mut s.conn())
+            .expect("KEYS");
+        let holds: Vec<_> = left
+            .iter()
+            .filter(|k| !k.ends_with(b":fence"))
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .collect();
+        assert!(holds.is_empty(), "no hold left on {}: {holds:?}", s.port());
+    }
+}
