@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::sentinel::SentinelGroup;
-use redbaton_testkit::{child, init_log, ms};
+use redbaton_testkit::{child, init_log, ms, secs};
 
 const NAME: &str = "locks";
 const PROCS: usize = 4;
@@ -329,4 +329,68 @@ fn acknowledged_locks_survive_a_failover() {
         );
     }
     assert!(client.stats().failovers >= 1);
+}
+
+/// Read-write locks and semaphores through Sentinel: they work on the master, and after a
+/// forced failover on the new one, with no hold left behind.
+#[test]
+fn rwlocks_and_semaphores_follow_the_master() {
+    init_log();
+    let group = SentinelGroup::start(NAME, 1, 3);
+    let (a, b) = (
+        builder(&group).build().expect("build"),
+        builder(&group).build().expect("build"),
+    );
+    let check = |round: &str| {
+        let r = a.rwlock("rw").read().expect("read");
+        let r2 = b.rwlock("rw").read().expect("readers share");
+        assert!(
+            LockClient::builder()
+                .sentinel(NAME, group.sentinel_urls())
+                .build()
+                .expect("build")
+                .rwlock("rw")
+                .try_write()
+                .unwrap_err()
+                .is_would_block(),
+            "{round}: a writer waits for the readers"
+        );
+        drop((r, r2));
+        drop(b.rwlock("rw").try_write_for(secs(10)).expect("write"));
+        let p = a.semaphore("sem", 1).acquire().expect("permit");
+        assert!(
+            b.semaphore("sem", 1)
+                .try_acquire()
+                .unwrap_err()
+                .is_would_block()
+        );
+        drop(p);
+        drop(
+            b.semaphore("sem", 1)
+                .try_acquire_for(secs(10))
+                .expect("permit again"),
+        );
+    };
+    check("before the failover");
+    let old = group.master_port();
+    let new = group.failover();
+    assert_ne!(old, new);
+    // The clients follow the new master; calls meanwhile may fail once.
+    let deadline = Instant::now() + secs(30);
+    while a.rwlock("probe").try_write().is_err() || b.rwlock("probe").try_write().is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "clients did not follow the new master"
+        );
+        thread::sleep(ms(100));
+    }
+    check("after the failover");
+    let left: Vec<String> = redis::cmd("KEYS")
+        .arg("redbaton:*")
+        .query(&mut group.server(new).conn())
+        .expect("KEYS");
+    assert!(
+        left.iter().all(|k| k.ends_with(":fence")),
+        "no hold left: {left:?}"
+    );
 }
