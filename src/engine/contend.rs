@@ -107,9 +107,20 @@ impl Engine {
                 None => {
                     // Redis Cluster: the key's slot moved (a reshard, a failover) since the
                     // last attempt. Subscribe on its new master, confirmed, before the
-                    // attempt, as after a reconnect: events there were not heard.
+                    // attempt, as after a reconnect: events there were not heard. The old
+                    // master may have said so (it dropped the key's shard channel) before
+                    // our slot map knows: have the map read again first.
+                    let moved = waiter.moved();
+                    if moved {
+                        route.nodes().iter().for_each(|n| n.slot_moved());
+                    }
                     let now = self.topology.route(keys);
-                    if !now.same_nodes(&route) {
+                    if moved && now.same_nodes(&route) {
+                        // The map does not know the new master yet (it is read at most
+                        // every 100 ms): this attempt's redirect will tell it. Watch there
+                        // after the attempt, before sleeping.
+                        waiter.unwatch();
+                    } else if moved || !now.same_nodes(&route) {
                         route = now;
                         if waiter.watching() {
                             waiter.watch(keys, self, &route, wait.deadline());
@@ -159,6 +170,11 @@ impl Engine {
                 return Err(short(unacked, Error::Timeout));
             }
             crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Contend);
+            if !waiter.watching() {
+                // The sleep only subscribes (and the next attempt follows): where the key
+                // is now, which the attempt's redirects may have just told.
+                route = self.topology.route(keys);
+            }
             waiter.sleep(keys, self, &route, before, hint, deadline, |w| {
                 w.arm(keys, self, &route, marked, deadline);
             });

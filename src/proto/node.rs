@@ -404,7 +404,8 @@ impl Node {
                 .arg(keys.channel())
                 .arg(&*self.client_id)
                 .arg(mark_ms)
-                .arg(clear);
+                .arg(clear)
+                .arg(self.publish_mode());
             return call;
         };
         let mut call = FAIR_ACQUIRE.call(4);
@@ -421,7 +422,8 @@ impl Node {
             } else {
                 0
             })
-            .arg(millis(fair.grant_lease));
+            .arg(millis(fair.grant_lease))
+            .arg(self.publish_mode());
         call
     }
 
@@ -446,7 +448,7 @@ impl Node {
             self.unmark(keys)?;
             return Ok(false);
         };
-        let call = fair_call(&FAIR_LEAVE, keys, token, fair);
+        let call = self.fair_call(&FAIR_LEAVE, keys, token, fair);
         let passed: i64 = self.run(Retry::ON_RESET, |c| FAIR_LEAVE.run(&call, c))?;
         Ok(passed == 2)
     }
@@ -547,10 +549,13 @@ impl Node {
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
         let Some(fair) = self.fair else {
             let mut call = RELEASE.call(1);
-            call.arg(keys.lock()).arg(token).arg(keys.channel());
+            call.arg(keys.lock())
+                .arg(token)
+                .arg(keys.channel())
+                .arg(self.publish_mode());
             return self.release_by(&RELEASE, &call, retry);
         };
-        let call = fair_call(&FAIR_RELEASE, keys, token, fair);
+        let call = self.fair_call(&FAIR_RELEASE, keys, token, fair);
         self.release_by(&FAIR_RELEASE, &call, retry)
     }
 
@@ -578,6 +583,49 @@ impl Node {
             0 => Ok(ReleaseReply::Gone),
             -1 => Ok(ReleaseReply::Other),
             n => Err(Error::Protocol(format!("release replied {n}"))),
+        }
+    }
+
+    /// A call of the fair queue's release or leave script: the same keys and arguments.
+    fn fair_call(&self, script: &Lua, keys: &Keys, token: &str, fair: Fair) -> Cmd {
+        let mut call = script.call(4);
+        call.arg(keys.lock())
+            .arg(keys.fence())
+            .arg(keys.queue())
+            .arg(keys.queue_expiry())
+            .arg(token)
+            .arg(keys.channel())
+            .arg(millis(fair.grant_lease))
+            .arg(self.publish_mode());
+        call
+    }
+
+    /// The last argument of a script that publishes on the library channel: `s` when this
+    /// node's channels are sharded (see `sharded`). Known after the first call: the first
+    /// asks the server on a pooled connection (which the command that follows then
+    /// reuses). If it cannot be asked (the node is down), classic; the next call asks
+    /// again.
+    pub fn publish_mode(&self) -> &'static str {
+        let sharded = self.pool.sharded.known().unwrap_or_else(|| {
+            let Ok(mut conn) = self.pool.get() else {
+                return false;
+            };
+            Counters::inc(&self.counters.commands);
+            self.pool.sharded.probe(&mut conn).unwrap_or_else(|e| {
+                log::debug!("node {}: SPUBLISH probe failed: {e}", self.id);
+                conn.discard();
+                false
+            })
+        });
+        if sharded { "s" } else { "c" }
+    }
+
+    /// Redis Cluster: the server dropped a shard channel of this node without being asked,
+    /// which it does when the channel's slot moves to another master. Has the topology
+    /// read the layout again at the next route.
+    pub fn slot_moved(&self) {
+        if let Some(hook) = self.hook() {
+            hook.fault();
         }
     }
 
@@ -681,19 +729,6 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
         Error::Redis(e) => !e.is_connection_refusal(),
         _ => true,
     }
-}
-
-/// A call of the fair queue's release or leave script: the same keys and arguments.
-fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair) -> Cmd {
-    let mut call = script.call(4);
-    call.arg(keys.lock())
-        .arg(keys.fence())
-        .arg(keys.queue())
-        .arg(keys.queue_expiry())
-        .arg(token)
-        .arg(keys.channel())
-        .arg(millis(fair.grant_lease));
-    call
 }
 
 /// A duration in whole milliseconds, at least 1, for a script argument.

@@ -14,6 +14,7 @@ use parking_lot::{Condvar, Mutex};
 use redis::{Connection, ConnectionLike, RedisResult};
 
 use crate::error::{Error, Result};
+use crate::proto::sharded::Sharded;
 
 pub(crate) struct Pool {
     /// Where connections go; replaced when the node's address changes (a Sentinel
@@ -23,6 +24,9 @@ pub(crate) struct Pool {
     /// A command failed in a way that may mean the node moved (a network error, a
     /// `READONLY` reply); whoever follows the node's address takes it and looks again.
     fault: AtomicBool,
+    /// Whether the node's library channels are sharded (`SPUBLISH`): asked once, and again
+    /// after the connections were dropped (the server behind the address may have changed).
+    pub sharded: Sharded,
     connect_timeout: Duration,
     read_timeout: Duration,
     write_timeout: Duration,
@@ -43,6 +47,7 @@ impl Pool {
             client: Mutex::new(client),
             epoch: AtomicU64::new(0),
             fault: AtomicBool::new(false),
+            sharded: Sharded::new(&cfg.key_prefix),
             connect_timeout: cfg.connect_timeout,
             read_timeout: cfg.read_timeout,
             write_timeout: cfg.write_timeout,
@@ -142,6 +147,7 @@ impl Pool {
 
     /// Drops every idle connection (after the server restarted, say).
     pub fn clear_idle(&self) {
+        self.sharded.forget();
         let mut st = self.state.lock();
         let n = st.idle.len();
         st.idle.clear();

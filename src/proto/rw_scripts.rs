@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::node::{ExtendReply, Node, ReleaseReply, Retry};
 use crate::proto::scripts::Lua;
+use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
 
 /// What a shared-hold attempt asks for.
@@ -86,7 +87,7 @@ end
 ";
 
 fn lua(body: &str) -> Lua {
-    Lua::new(&format!("{PRELUDE}{body}"))
+    Lua::new(&format!("{PUBLISH_FN}{PRELUDE}{body}"))
 }
 
 /// Read or write hold, idempotently (a retry with the same member refreshes its lease).
@@ -169,9 +170,10 @@ return {0, tonumber(first[2]) - now}
 
 /// Ends a hold.
 ///
-/// KEYS: lock. ARGV: member, the library's channel. Returns 1 released, 0 the hold had
-/// expired or was gone, −1 the key is another kind of lock. Publishes `r` when a waiter may
-/// now get in: a permit was freed, or the last hold of a read-write lock ended.
+/// KEYS: lock. ARGV: member, the library's channel, the publish mode. Returns 1 released,
+/// 0 the hold had expired or was gone, −1 the key is another kind of lock. Publishes `r`
+/// when a waiter may now get in: a permit was freed, or the last hold of a read-write
+/// lock ended.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local k = kind(KEYS[1])
@@ -181,7 +183,7 @@ local now = now_ms()
 local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if s then redis.call('ZREM', KEYS[1], ARGV[1]) end
 local n = settle(KEYS[1], now)
-if s and (n == 0 or k == 'sem') then redis.pcall('PUBLISH', ARGV[2], 'r') end
+if s and (n == 0 or k == 'sem') then publish(ARGV[2], 'r') end
 if s and tonumber(s) > now then return 1 end
 return 0
 ")
@@ -218,14 +220,12 @@ return out
 
 /// A waiting writer gives up: removes its mark, and wakes the readers it held back.
 ///
-/// KEYS: waiting writers. ARGV: member, the library's channel.
+/// KEYS: waiting writers. ARGV: member, the library's channel, the publish mode.
 static WRITER_UNMARK: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(
-        r"
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then redis.pcall('PUBLISH', ARGV[2], 'r') end
+    lua(r"
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then publish(ARGV[2], 'r') end
 return 0
-",
-    )
+")
 });
 
 /// The key of the writers waiting for the read-write lock `keys`.
@@ -297,7 +297,10 @@ impl Node {
     /// Ends the hold `member` of `keys`.
     pub fn release_shared(&self, keys: &Keys, member: &str, retry: Retry) -> Result<ReleaseReply> {
         let mut call = SHARED_RELEASE.call(1);
-        call.arg(keys.lock()).arg(member).arg(keys.channel());
+        call.arg(keys.lock())
+            .arg(member)
+            .arg(keys.channel())
+            .arg(self.publish_mode());
         self.release_by(&SHARED_RELEASE, &call, retry)
     }
 
@@ -313,7 +316,10 @@ impl Node {
     /// Removes a waiting writer's mark (it stops waiting without the lock).
     pub fn unmark_writer(&self, keys: &Keys, member: &str) -> Result<()> {
         let mut call = WRITER_UNMARK.call(1);
-        call.arg(writers_key(keys)).arg(member).arg(keys.channel());
+        call.arg(writers_key(keys))
+            .arg(member)
+            .arg(keys.channel())
+            .arg(self.publish_mode());
         self.run(Retry::ON_RESET, |c| WRITER_UNMARK.run::<i64>(&call, c))?;
         Ok(())
     }
