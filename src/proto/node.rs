@@ -601,21 +601,13 @@ impl Node {
     }
 
     /// The last argument of a script that publishes on the library channel: `s` when this
-    /// node's channels are sharded (see `sharded`). Known after the first call: the first
-    /// asks the server on a pooled connection (which the command that follows then
-    /// reuses). If it cannot be asked (the node is down), classic; the next call asks
-    /// again.
+    /// node's channels are sharded (see `sharded`). The pool's connections ask when they
+    /// open; before the first one, a connection is opened now (the command that follows
+    /// then uses it). If none can be (the node is down), classic: the command fails too.
     pub fn publish_mode(&self) -> &'static str {
         let sharded = self.pool.sharded.known().unwrap_or_else(|| {
-            let Ok(mut conn) = self.pool.get() else {
-                return false;
-            };
-            Counters::inc(&self.counters.commands);
-            self.pool.sharded.probe(&mut conn).unwrap_or_else(|e| {
-                log::debug!("node {}: SPUBLISH probe failed: {e}", self.id);
-                conn.discard();
-                false
-            })
+            drop(self.pool.get());
+            self.pool.sharded.known().unwrap_or(false)
         });
         if sharded { "s" } else { "c" }
     }

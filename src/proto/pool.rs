@@ -24,8 +24,9 @@ pub(crate) struct Pool {
     /// A command failed in a way that may mean the node moved (a network error, a
     /// `READONLY` reply); whoever follows the node's address takes it and looks again.
     fault: AtomicBool,
-    /// Whether the node's library channels are sharded (`SPUBLISH`): asked once, and again
-    /// after the connections were dropped (the server behind the address may have changed).
+    /// Whether the node's library channels are sharded (`SPUBLISH`): asked by the first
+    /// connection, and by the next one after the connections were dropped (the server
+    /// behind the address may have changed).
     pub sharded: Sharded,
     connect_timeout: Duration,
     read_timeout: Duration,
@@ -126,13 +127,17 @@ impl Pool {
     }
 
     fn connect(&self, name: &str) -> RedisResult<Connection> {
-        open_connection(
+        let mut conn = open_connection(
             &self.client(),
             self.connect_timeout,
             self.read_timeout,
             self.write_timeout,
             name,
-        )
+        )?;
+        if self.sharded.wanted() {
+            self.sharded.probe(&mut conn)?;
+        }
+        Ok(conn)
     }
 
     fn forget_one(&self) {

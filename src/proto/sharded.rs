@@ -14,15 +14,17 @@
 //! under the key prefix runs. Redis 6 does not know the command; an operator may have
 //! renamed it away; an ACL may refuse it. Any of these means classic, for the publishing
 //! scripts and the subscriber alike. A `MOVED` reply means sharded: the command exists and
-//! the ACL let it through (Redis checks both before it redirects). The answer is kept per
-//! node until its connections are dropped (a network error, a Sentinel failover), since the
-//! server behind the address may have changed; the subscriber asks again on each of its
-//! connections.
+//! the ACL let it through (Redis checks both before it redirects). A node asks when it
+//! opens a connection, while it has no answer or its answer may be out of date: its
+//! connections were dropped (a network error, a Sentinel failover), and the server behind
+//! the address may have changed. Meanwhile it keeps using the last answer, so that a call
+//! never waits for a probe of a server that does not answer. The subscriber asks on each
+//! of its connections.
 //!
 //! The scripts take the choice as their last argument (`Node::publish_mode`) and publish
 //! through one Lua helper ([`PUBLISH_FN`]), so one script body serves both.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use redis::{Connection, RedisResult};
 
@@ -55,6 +57,8 @@ const SHARDED: u8 = 2;
 /// What one node was found to have, and the channel it is probed with.
 pub(crate) struct Sharded {
     state: AtomicU8,
+    /// The answer may be out of date: ask again at the next connection.
+    stale: AtomicBool,
     /// The library channel of a lock no one takes, under the client's prefix (so that an
     /// ACL on the prefix covers it).
     channel: Vec<u8>,
@@ -64,6 +68,7 @@ impl Sharded {
     pub fn new(prefix: &str) -> Self {
         Sharded {
             state: AtomicU8::new(UNKNOWN),
+            stale: AtomicBool::new(false),
             channel: channel_of_lock(&probe_lock(prefix)),
         }
     }
@@ -77,9 +82,15 @@ impl Sharded {
         }
     }
 
-    /// The server behind the node may have changed: ask again on the next use.
+    /// The server behind the node may have changed: ask again at the next connection
+    /// (the answer so far stays in use until then).
     pub fn forget(&self) {
-        self.state.store(UNKNOWN, Ordering::Release);
+        self.stale.store(true, Ordering::Release);
+    }
+
+    /// Whether a new connection should ask.
+    pub fn wanted(&self) -> bool {
+        self.known().is_none() || self.stale.load(Ordering::Acquire)
     }
 
     /// Asks the server on `conn` (a plain connection, or one not yet subscribed to
@@ -95,6 +106,7 @@ impl Sharded {
             Err(e) => !lacks_command(&e),
         };
         let state = if sharded { SHARDED } else { CLASSIC };
+        self.stale.store(false, Ordering::Release);
         if self.state.swap(state, Ordering::AcqRel) != state {
             log::debug!(
                 "library channel: {}",
@@ -150,13 +162,14 @@ mod tests {
     }
 
     #[test]
-    fn unknown_until_probed_and_after_forget() {
+    fn asked_until_known_and_after_forget() {
         let s = Sharded::new("p:");
-        assert_eq!(s.known(), None);
+        assert_eq!((s.known(), s.wanted()), (None, true));
         s.state.store(SHARDED, Ordering::Release);
-        assert_eq!(s.known(), Some(true));
+        assert_eq!((s.known(), s.wanted()), (Some(true), false));
         s.forget();
-        assert_eq!(s.known(), None);
+        // Still in use until asked again.
+        assert_eq!((s.known(), s.wanted()), (Some(true), true));
         assert_eq!(s.channel, b"p:{redbaton-probe}:ev");
     }
 }
