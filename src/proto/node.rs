@@ -448,7 +448,7 @@ impl Node {
             self.unmark(keys)?;
             return Ok(false);
         };
-        let call = self.fair_call(&FAIR_LEAVE, keys, token, fair);
+        let call = fair_call(&FAIR_LEAVE, keys, token, fair, self.publish_mode());
         let passed: i64 = self.run(Retry::ON_RESET, |c| FAIR_LEAVE.run(&call, c))?;
         Ok(passed == 2)
     }
@@ -555,7 +555,7 @@ impl Node {
                 .arg(self.publish_mode());
             return self.release_by(&RELEASE, &call, retry);
         };
-        let call = self.fair_call(&FAIR_RELEASE, keys, token, fair);
+        let call = fair_call(&FAIR_RELEASE, keys, token, fair, self.publish_mode());
         self.release_by(&FAIR_RELEASE, &call, retry)
     }
 
@@ -584,20 +584,6 @@ impl Node {
             -1 => Ok(ReleaseReply::Other),
             n => Err(Error::Protocol(format!("release replied {n}"))),
         }
-    }
-
-    /// A call of the fair queue's release or leave script: the same keys and arguments.
-    fn fair_call(&self, script: &Lua, keys: &Keys, token: &str, fair: Fair) -> Cmd {
-        let mut call = script.call(4);
-        call.arg(keys.lock())
-            .arg(keys.fence())
-            .arg(keys.queue())
-            .arg(keys.queue_expiry())
-            .arg(token)
-            .arg(keys.channel())
-            .arg(millis(fair.grant_lease))
-            .arg(self.publish_mode());
-        call
     }
 
     /// The last argument of a script that publishes on the library channel: `s` when this
@@ -721,6 +707,21 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
         Error::Redis(e) => !e.is_connection_refusal(),
         _ => true,
     }
+}
+
+/// A call of the fair queue's release or leave script: the same keys and arguments
+/// (`mode`: the node's `publish_mode`).
+fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair, mode: &str) -> Cmd {
+    let mut call = script.call(4);
+    call.arg(keys.lock())
+        .arg(keys.fence())
+        .arg(keys.queue())
+        .arg(keys.queue_expiry())
+        .arg(token)
+        .arg(keys.channel())
+        .arg(millis(fair.grant_lease))
+        .arg(mode);
+    call
 }
 
 /// A duration in whole milliseconds, at least 1, for a script argument.
