@@ -60,6 +60,9 @@ counters! {
     wakeups_poll,
     /// Waits ended because the subscriber reconnected (events may have been missed).
     wakeups_reconnect,
+    /// Redis Cluster: waits ended because the key's slot moved to another master (its
+    /// shard channel was dropped): the waiter followed it and retried once.
+    wakeups_moved,
     /// Times a subscriber connection was re-established.
     reconnects,
     /// Lock renewals sent by the watchdog (one per lock per node).

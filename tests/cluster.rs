@@ -379,12 +379,7 @@ fn waiters_follow_a_resharded_slot() {
     let cluster = Cluster::start();
     let (slot, names) = names_in_one_slot(&cluster, 3);
     let from = cluster.owner(slot);
-    let to = cluster
-        .masters()
-        .iter()
-        .map(|m| m.port())
-        .find(|p| *p != from)
-        .expect("another master");
+    let to = cluster.other_master(from);
     let holder = builder(cluster.seed_urls())
         .lease(secs(10))
         .renew_interval(ms(500))

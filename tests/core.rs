@@ -491,7 +491,12 @@ fn try_lock_on_a_held_key() {
         srv.client_list()
             .iter()
             .filter(|c| c["name"] == "redbaton:sub")
-            .map(|c| c["sub"].parse::<u64>().unwrap_or(0) + c["psub"].parse::<u64>().unwrap_or(0))
+            .map(|c| {
+                ["sub", "psub", "ssub"]
+                    .iter()
+                    .map(|k| c.get(*k).and_then(|n| n.parse::<u64>().ok()).unwrap_or(0))
+                    .sum::<u64>()
+            })
             .sum::<u64>()
     };
     assert!(

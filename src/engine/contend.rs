@@ -53,6 +53,35 @@ impl Wait {
 }
 
 impl Engine {
+    /// Redis Cluster: the key's slot moved (a reshard, a failover) since the last attempt.
+    /// Subscribes on its new master, confirmed, before the attempt, as after a reconnect:
+    /// events there were not heard. The old master may have said so (it dropped the key's
+    /// shard channel) before our slot map knows: has the map read again first.
+    pub(crate) fn follow(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: &mut Route,
+        waiter: &mut Waiter,
+        deadline: Option<Instant>,
+    ) {
+        let moved = waiter.moved();
+        if moved {
+            route.nodes().iter().for_each(|n| n.slot_moved());
+        }
+        let now = self.topology.route(keys);
+        if moved && now.same_nodes(route) {
+            // The map does not know the new master yet (it is read at most every 100 ms):
+            // this attempt's redirect will tell it. Watch there after the attempt, before
+            // sleeping.
+            waiter.unwatch();
+        } else if moved || !now.same_nodes(route) {
+            *route = now;
+            if waiter.watching() {
+                waiter.watch(keys, self, route, deadline);
+            }
+        }
+    }
+
     /// Contends in Redis until the lock is ours, the wait policy says stop, or an error.
     pub(crate) fn contend(
         self: &Arc<Self>,
@@ -118,16 +147,7 @@ impl Engine {
                     self.finish_early(keys, &route, shot, pending, wait.deadline()),
                 ),
                 None => {
-                    // Redis Cluster: the key's slot moved (a reshard, a failover) since the
-                    // last attempt. Subscribe on its new master, confirmed, before the
-                    // attempt, as after a reconnect: events there were not heard.
-                    let now = self.topology.route(keys);
-                    if !now.same_nodes(&route) {
-                        route = now;
-                        if waiter.watching() {
-                            waiter.watch(keys, self, &route, wait.deadline());
-                        }
-                    }
+                    self.follow(keys, &mut route, &mut waiter, wait.deadline());
                     let before = waiter.snapshots();
                     let waiting = match wait {
                         Wait::No => false,
@@ -201,6 +221,11 @@ impl Engine {
                 return Err(short(unacked, Error::Timeout));
             }
             crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Contend);
+            if !waiter.watching() {
+                // The sleep only subscribes (and the next attempt follows): where the key
+                // is now, which the attempt's redirects may have just told.
+                route = self.topology.route(keys);
+            }
             waiter.sleep(keys, self, &route, before, hint, deadline, |w| {
                 w.arm(keys, self, &route, marked, deadline);
             });

@@ -11,6 +11,7 @@ use std::time::Instant;
 use parking_lot::MutexGuard;
 
 use crate::engine::contend::Wait;
+use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
 use crate::engine::waiter::Waiter;
 use crate::error::{Error, Result, Unlocked};
@@ -276,10 +277,17 @@ impl Engine {
         if let Some(w) = &self.watchdog {
             w.unregister(remote);
         }
-        let route = self.topology.route(&remote.keys);
-        let node = sole(&route)?;
-        let reply = node.release_shared(&remote.keys, &remote.token, route.retry());
-        tally_release(vec![reply], lost.is_none(), route.quorum())
+        // Through a failover, retried while the hold's lease lasts: after that there is
+        // nothing left to release.
+        let mut ride = Ride::new(&self.topology, &self.counters);
+        loop {
+            let route = self.topology.route(&remote.keys);
+            let node = sole(&route)?;
+            match node.release_shared(&remote.keys, &remote.token, route.retry()) {
+                Err(e) if ride.again(&e, Some(remote.valid_until())) => {}
+                reply => return tally_release(vec![reply], lost.is_none(), route.quorum()),
+            }
+        }
     }
 
     /// Contends for a shared hold until it is ours, the wait policy says stop, or an error.
@@ -291,13 +299,16 @@ impl Engine {
         want: Want,
         wait: Wait,
     ) -> Result<Arc<RemoteLock>> {
-        let route = self.topology.route(keys);
-        let node = sole(&route)?;
+        let mut route = self.topology.route(keys);
+        sole(&route)?;
         let member = format!("{}{}", want.tag(), new_token());
         let lease = self.cfg.lease;
         let mut waiter = Waiter::new();
         let mut marked = false;
+        let mut ride = Ride::new(&self.topology, &self.counters);
         loop {
+            self.follow(keys, &mut route, &mut waiter, wait.deadline());
+            let node = sole(&route)?;
             let before = waiter.snapshots();
             let deadline = wait.deadline();
             let waiting = matches!(wait, Wait::Until(d) if d.is_none_or(|d| Instant::now() < d));
@@ -315,14 +326,28 @@ impl Engine {
             );
             let hint = match reply {
                 Ok(SharedAttempt::Acquired { fence }) => {
+                    // A redirect may have told the map where the key is now.
+                    let route = self.topology.route(keys);
                     return self.held(keys, &route, member, fence, started);
                 }
                 Ok(SharedAttempt::Held { hint }) => {
+                    ride.settled();
                     marked |= mark_ttl.is_some();
                     hint
                 }
+                // A wait rides through a failover with the same member: a retry after a
+                // lost reply finds its own hold.
+                Err(e) if matches!(wait, Wait::Until(_)) && ride.again(&e, deadline) => {
+                    marked |= mark_ttl.is_some() && may_have_run(&e);
+                    continue;
+                }
                 Err(e) => {
-                    self.give_up(node, keys, &member, marked, may_have_run(&e));
+                    let node = sole(&self.topology.route(keys))?.clone();
+                    self.give_up(&node, keys, &member, marked, may_have_run(&e));
+                    if ride.retried() && deadline.is_some_and(|d| Instant::now() >= d) {
+                        log::debug!("deadline passed during a failover: {e:?}");
+                        return Err(Error::Timeout);
+                    }
                     return Err(e);
                 }
             };
@@ -334,6 +359,11 @@ impl Engine {
                 self.give_up(node, keys, &member, marked, false);
                 Counters::inc(&self.counters.timeouts);
                 return Err(Error::Timeout);
+            }
+            if !waiter.watching() {
+                // The sleep only subscribes (and the next attempt follows): where the key
+                // is now, which the attempt's redirects may have just told.
+                route = self.topology.route(keys);
             }
             waiter.sleep(keys, self, &route, before, hint, deadline, |_| {});
         }

@@ -24,6 +24,8 @@ pub(crate) enum Woken {
     Recheck,
     Deadline,
     Reconnected,
+    /// Redis Cluster: the key's slot moved to another master; its events happen there now.
+    Moved,
     /// Fair queue: a release granted us the lock.
     Granted,
 }
@@ -147,6 +149,19 @@ impl Waiter {
         !self.watches.is_empty()
     }
 
+    /// Drops the subscriptions (their node no longer serves the key): the next sleep
+    /// subscribes again first, as the first one does.
+    pub fn unwatch(&mut self) {
+        self.watches.clear();
+        self.pending = None;
+    }
+
+    /// Whether the key's slot moved away from a node watched (Redis Cluster): the waiter
+    /// must follow it before it waits again.
+    pub fn moved(&self) -> bool {
+        self.watches.iter().any(Watch::moved)
+    }
+
     fn confirm(&self, client: &Engine, deadline: Option<Instant>) -> bool {
         let until = earliest(from_now(client.cfg.read_timeout), deadline);
         let needed = self.needed;
@@ -161,6 +176,11 @@ impl Waiter {
                 .count();
             if confirmed >= needed {
                 return true;
+            }
+            // A watch whose slot moved away is never confirmed on its node.
+            let hopeless = self.watches.iter().filter(|w| w.moved()).count();
+            if self.watches.len() - hopeless < needed {
+                return false;
             }
             if self.poke.recv_deadline(until).is_err() {
                 return self
@@ -227,6 +247,7 @@ impl Waiter {
             Woken::Lease => Counters::inc(&c.wakeups_lease),
             Woken::Recheck => Counters::inc(&c.wakeups_recheck),
             Woken::Reconnected => Counters::inc(&c.wakeups_reconnect),
+            Woken::Moved => Counters::inc(&c.wakeups_moved),
             Woken::Granted => Counters::inc(&c.wakeups_event),
             Woken::Deadline => {}
         }
@@ -256,6 +277,9 @@ impl Waiter {
             }
             for (w, b) in self.watches.iter().zip(before) {
                 let s = w.snapshot();
+                if s.moved != b.moved {
+                    return Woken::Moved;
+                }
                 if s.generation != b.generation || (b.confirmed && !s.confirmed) {
                     // Events may have been lost while the subscriber was away: re-confirm,
                     // then retry once.

@@ -7,19 +7,21 @@
 //! waiter's next attempt refreshes it (server time, ms). A waiter's entry is its contender
 //! token, the same for every attempt of one wait.
 //!
-//! A grant is `SET L <head> PX <grant lease>`, an `INCR` of the fence and
-//! `PUBLISH <channel> g<head>:<fence>`: the head's process owns the lock when it reads the
-//! message, without an acquire round trip; the short grant lease bounds what a dead
-//! grantee costs the others, and the grantee's first renewal (at a third of it) gives it the full
-//! lease. A lost message is recovered by the grantee's next attempt, which finds its own
-//! token in the key.
+//! A grant is `SET L <head> PX <grant lease>`, an `INCR` of the fence and a publish of
+//! `g<head>:<fence>` on the lock's channel (sharded where the node has it, see `sharded`):
+//! the head's process owns the lock when it reads the message, without an acquire round
+//! trip; the short grant lease bounds what a dead grantee costs the others, and the
+//! grantee's first renewal (at a third of it) gives it the full lease. A lost message is
+//! recovered by the grantee's next attempt, which finds its own token in the key.
 
 use std::sync::LazyLock;
 
 use super::scripts::Lua;
+use super::sharded::PUBLISH_FN;
 
 /// Shared Lua: the server clock, pruning of expired entries, and a grant to the head.
-/// KEYS[1] lock, KEYS[2] fence; `q`, `qx` and the channel are passed in.
+/// KEYS[1] lock, KEYS[2] fence; `q`, `qx` and the channel are passed in; the publish
+/// mode is the last argument (`PUBLISH_FN`, which comes first).
 const COMMON: &str = r"
 local function now_us()
   local t = redis.call('TIME')
@@ -37,7 +39,7 @@ local function grant(head, q, qx, channel, grant_ms)
   local fence = redis.call('INCR', KEYS[2])
   redis.call('ZREM', q, head)
   redis.call('ZREM', qx, head)
-  redis.pcall('PUBLISH', channel, 'g' .. head .. ':' .. fence)
+  publish(channel, 'g' .. head .. ':' .. fence)
   return fence
 end
 -- Gives a lock that `token` holds to the head of the queue, or deletes it.
@@ -50,7 +52,7 @@ local function pass_on(q, qx, channel, grant_ms, now_ms)
     return 2
   end
   redis.call('DEL', KEYS[1])
-  redis.pcall('PUBLISH', channel, 'r')
+  publish(channel, 'r')
   return 1
 end
 ";
@@ -58,7 +60,8 @@ end
 /// Acquire, fairly and idempotently.
 ///
 /// KEYS: lock, fence, queue, queue expiries. ARGV: token, lease ms, channel, client id,
-/// entry TTL ms (0: the caller will not wait, so it is not queued), grant lease ms.
+/// entry TTL ms (0: the caller will not wait, so it is not queued), grant lease ms, publish
+/// mode.
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when it is not (and the caller,
 /// if it waits, is queued), `{2, 0}` when the name holds another kind of lock.
 ///
@@ -69,7 +72,7 @@ end
 /// or from a non-empty queue.
 pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{COMMON}{}",
+        "{PUBLISH_FN}{COMMON}{}",
         r"
 -- The common case first: nobody queued and the lock free (three calls, as without the
 -- queue but for the EXISTS).
@@ -114,7 +117,7 @@ end
 if ARGV[5] ~= '0' then
   redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
   redis.call('ZADD', KEYS[4], now_ms + tonumber(ARGV[5]), ARGV[1])
-  redis.pcall('PUBLISH', ARGV[3], 'c' .. ARGV[4])
+  publish(ARGV[3], 'c' .. ARGV[4])
 end
 return {0, redis.call('PTTL', KEYS[1])}
 "
@@ -123,12 +126,12 @@ return {0, redis.call('PTTL', KEYS[1])}
 
 /// Release: grant to the head of the queue, or delete.
 ///
-/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms.
-/// Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
+/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, publish
+/// mode. Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
 /// (or another kind) holds it.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{COMMON}{}",
+        "{PUBLISH_FN}{COMMON}{}",
         r"
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return -1 end
@@ -138,7 +141,7 @@ if cur ~= ARGV[1] then
 end
 if redis.call('EXISTS', KEYS[3]) == 0 then
   redis.call('DEL', KEYS[1])
-  redis.pcall('PUBLISH', ARGV[2], 'r')
+  publish(ARGV[2], 'r')
   return 1
 end
 return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
@@ -148,11 +151,12 @@ return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
 
 /// A waiter leaves: out of the queue, and a grant that raced its leaving passed on.
 ///
-/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms. Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0
+/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, publish
+/// mode. Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0
 /// nothing was ours.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{COMMON}{}",
+        "{PUBLISH_FN}{COMMON}{}",
         r"
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])

@@ -174,7 +174,14 @@ pub(crate) fn keyslot(key: &[u8]) -> u16 {
     crc % 16384
 }
 
-/// The library's own channel of a lock key.
+/// A lock key no lock uses, under `prefix` (so that an ACL on the prefix covers it): its
+/// channels are probed at connect, to learn what the server lets us subscribe and publish.
+pub(crate) fn probe_lock(prefix: &str) -> Vec<u8> {
+    lock_key(prefix.as_bytes(), b"redbaton-probe")
+}
+
+/// The library's own channel of a lock key. It shares the lock's hash tag, and so its
+/// slot: a sharded publish (`proto::sharded`) of it stays on the lock's shard.
 pub(crate) fn channel_of_lock(lock: &[u8]) -> Vec<u8> {
     let mut c = Vec::with_capacity(lock.len() + 3);
     c.extend_from_slice(lock);

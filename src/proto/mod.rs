@@ -7,4 +7,5 @@ pub(crate) mod node;
 pub(crate) mod pool;
 pub(crate) mod rw_scripts;
 pub(crate) mod scripts;
+pub(crate) mod sharded;
 pub(crate) mod skip;

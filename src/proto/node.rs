@@ -416,7 +416,8 @@ impl Node {
                 .arg(keys.channel())
                 .arg(&*self.client_id)
                 .arg(mark_ms)
-                .arg(clear);
+                .arg(clear)
+                .arg(self.publish_mode());
             return call;
         };
         let mut call = FAIR_ACQUIRE.call(4);
@@ -433,7 +434,8 @@ impl Node {
             } else {
                 0
             })
-            .arg(millis(fair.grant_lease));
+            .arg(millis(fair.grant_lease))
+            .arg(self.publish_mode());
         call
     }
 
@@ -458,7 +460,7 @@ impl Node {
             self.unmark(keys)?;
             return Ok(false);
         };
-        let call = fair_call(&FAIR_LEAVE, keys, token, fair);
+        let call = fair_call(&FAIR_LEAVE, keys, token, fair, self.publish_mode());
         let passed: i64 = self.run(Retry::ON_RESET, |c| FAIR_LEAVE.run(&call, c))?;
         Ok(passed == 2)
     }
@@ -559,10 +561,13 @@ impl Node {
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
         let Some(fair) = self.fair else {
             let mut call = RELEASE.call(1);
-            call.arg(keys.lock()).arg(token).arg(keys.channel());
+            call.arg(keys.lock())
+                .arg(token)
+                .arg(keys.channel())
+                .arg(self.publish_mode());
             return self.release_by(&RELEASE, &call, retry);
         };
-        let call = fair_call(&FAIR_RELEASE, keys, token, fair);
+        let call = fair_call(&FAIR_RELEASE, keys, token, fair, self.publish_mode());
         self.release_by(&FAIR_RELEASE, &call, retry)
     }
 
@@ -590,6 +595,27 @@ impl Node {
             0 => Ok(ReleaseReply::Gone),
             -1 => Ok(ReleaseReply::Other),
             n => Err(Error::Protocol(format!("release replied {n}"))),
+        }
+    }
+
+    /// The last argument of a script that publishes on the library channel: `s` when this
+    /// node's channels are sharded (see `sharded`). The pool's connections ask when they
+    /// open; before the first one, a connection is opened now (the command that follows
+    /// then uses it). If none can be (the node is down), classic: the command fails too.
+    pub fn publish_mode(&self) -> &'static str {
+        let sharded = self.pool.sharded.known().unwrap_or_else(|| {
+            drop(self.pool.get());
+            self.pool.sharded.known().unwrap_or(false)
+        });
+        if sharded { "s" } else { "c" }
+    }
+
+    /// Redis Cluster: the server dropped a shard channel of this node without being asked,
+    /// which it does when the channel's slot moves to another master. Has the topology
+    /// read the layout again at the next route.
+    pub fn slot_moved(&self) {
+        if let Some(hook) = self.hook() {
+            hook.fault();
         }
     }
 
@@ -713,8 +739,9 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
     }
 }
 
-/// A call of the fair queue's release or leave script: the same keys and arguments.
-fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair) -> Cmd {
+/// A call of the fair queue's release or leave script: the same keys and arguments
+/// (`mode`: the node's `publish_mode`).
+fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair, mode: &str) -> Cmd {
     let mut call = script.call(4);
     call.arg(keys.lock())
         .arg(keys.fence())
@@ -722,7 +749,8 @@ fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair) -> Cmd {
         .arg(keys.queue_expiry())
         .arg(token)
         .arg(keys.channel())
-        .arg(millis(fair.grant_lease));
+        .arg(millis(fair.grant_lease))
+        .arg(mode);
     call
 }
 

@@ -14,6 +14,7 @@ use parking_lot::{Condvar, Mutex};
 use redis::{Connection, ConnectionLike, RedisResult};
 
 use crate::error::{Error, Result};
+use crate::proto::sharded::Sharded;
 
 pub(crate) struct Pool {
     /// Where connections go; replaced when the node's address changes (a Sentinel
@@ -23,6 +24,10 @@ pub(crate) struct Pool {
     /// A command failed in a way that may mean the node moved (a network error, a
     /// `READONLY` reply); whoever follows the node's address takes it and looks again.
     fault: AtomicBool,
+    /// Whether the node's library channels are sharded (`SPUBLISH`): asked by the first
+    /// connection, and by the next one after the connections were dropped (the server
+    /// behind the address may have changed).
+    pub sharded: Sharded,
     connect_timeout: Duration,
     read_timeout: Duration,
     write_timeout: Duration,
@@ -43,6 +48,7 @@ impl Pool {
             client: Mutex::new(client),
             epoch: AtomicU64::new(0),
             fault: AtomicBool::new(false),
+            sharded: Sharded::new(&cfg.key_prefix),
             connect_timeout: cfg.connect_timeout,
             read_timeout: cfg.read_timeout,
             write_timeout: cfg.write_timeout,
@@ -121,13 +127,17 @@ impl Pool {
     }
 
     fn connect(&self, name: &str) -> RedisResult<Connection> {
-        open_connection(
+        let mut conn = open_connection(
             &self.client(),
             self.connect_timeout,
             self.read_timeout,
             self.write_timeout,
             name,
-        )
+        )?;
+        if self.sharded.wanted() {
+            self.sharded.probe(&mut conn)?;
+        }
+        Ok(conn)
     }
 
     fn forget_one(&self) {
@@ -142,6 +152,7 @@ impl Pool {
 
     /// Drops every idle connection (after the server restarted, say).
     pub fn clear_idle(&self) {
+        self.sharded.forget();
         let mut st = self.state.lock();
         let n = st.idle.len();
         st.idle.clear();

@@ -27,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::node::{ExtendReply, Node, ReleaseReply, Retry};
 use crate::proto::scripts::Lua;
+use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
 
 /// What a shared-hold attempt asks for.
@@ -101,7 +102,7 @@ end
 ";
 
 fn lua(body: &str) -> Lua {
-    Lua::new(&format!("{PRELUDE}{body}"))
+    Lua::new(&format!("{PUBLISH_FN}{PRELUDE}{body}"))
 }
 
 /// Read or write hold, idempotently (a retry with the same member refreshes its lease).
@@ -186,9 +187,10 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 
 /// Ends a hold.
 ///
-/// KEYS: lock. ARGV: member, the library's channel. Returns 1 released, 0 the hold had
-/// expired or was gone, −1 the key is another kind of lock. Publishes `r` when a waiter may
-/// now get in: a permit was freed, or the last hold of a read-write lock ended.
+/// KEYS: lock. ARGV: member, the library's channel, the publish mode. Returns 1 released,
+/// 0 the hold had expired or was gone, −1 the key is another kind of lock. Publishes `r`
+/// when a waiter may now get in: a permit was freed, or the last hold of a read-write
+/// lock ended.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
@@ -197,7 +199,7 @@ local now = now_ms()
 if s then redis.call('ZREM', KEYS[1], ARGV[1]) end
 local k, _, first = load(KEYS[1], now)
 if k == 'other' then return -1 end
-if s and (not first or k == 'sem') then redis.pcall('PUBLISH', ARGV[2], 'r') end
+if s and (not first or k == 'sem') then publish(ARGV[2], 'r') end
 if s and tonumber(s) > now then return 1 end
 return 0
 ")
@@ -245,14 +247,12 @@ return 1
 
 /// A waiter gives up: removes its mark, and (a writer's) wakes the readers it held back.
 ///
-/// KEYS: waiting writers or readers. ARGV: member, the library's channel.
+/// KEYS: waiting writers or readers. ARGV: member, the library's channel, the publish mode.
 static WAITER_UNMARK: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(
-        r"
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then redis.pcall('PUBLISH', ARGV[2], 'r') end
+    lua(r"
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then publish(ARGV[2], 'r') end
 return 0
-",
-    )
+")
 });
 
 /// The key of the writers waiting for the read-write lock `keys`.
@@ -334,7 +334,10 @@ impl Node {
     /// Ends the hold `member` of `keys`.
     pub fn release_shared(&self, keys: &Keys, member: &str, retry: Retry) -> Result<ReleaseReply> {
         let mut call = SHARED_RELEASE.call(1);
-        call.arg(keys.lock()).arg(member).arg(keys.channel());
+        call.arg(keys.lock())
+            .arg(member)
+            .arg(keys.channel())
+            .arg(self.publish_mode());
         self.release_by(&SHARED_RELEASE, &call, retry)
     }
 
@@ -368,7 +371,10 @@ impl Node {
             readers_key(keys)
         };
         let mut call = WAITER_UNMARK.call(1);
-        call.arg(set).arg(member).arg(keys.channel());
+        call.arg(set)
+            .arg(member)
+            .arg(keys.channel())
+            .arg(self.publish_mode());
         self.run(Retry::ON_RESET, |c| WAITER_UNMARK.run::<i64>(&call, c))?;
         Ok(())
     }

@@ -6,6 +6,8 @@ use std::sync::LazyLock;
 
 use redis::{Cmd, Connection, FromRedisValue, RedisError, RedisResult, Script};
 
+use crate::proto::sharded::PUBLISH_FN;
+
 /// A script, called by hash.
 ///
 /// The `EVALSHA` command is built directly, arguments written once into the command's
@@ -47,7 +49,8 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 ///
 /// KEYS: lock, fence, mark. ARGV: token, lease in ms, the library's channel, the client's
 /// id, the mark's TTL in ms (0: the caller will not wait, so leave no mark), `1` if this
-/// caller marked before (its mark is deleted when it wins).
+/// caller marked before (its mark is deleted when it wins), the publish mode (see
+/// `sharded`).
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when someone else holds it,
 /// `{2, 0}` when the key is a read-write lock or a semaphore (checked on the failure path
 /// only: `SET NX` fails on any existing key, so the success path stays as it is).
@@ -65,7 +68,8 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// subscribed, through the mark when it subscribed too late to hear. Marks are published
 /// with `pcall`: an ACL user without channel permissions still locks.
 pub(crate) static ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(
+    Lua::new(&format!(
+        "{PUBLISH_FN}{}",
         r"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local fence = redis.pcall('INCR', KEYS[2])
@@ -86,35 +90,37 @@ if cur == ARGV[1] then
 end
 if ARGV[5] ~= '0' then
   redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
-  redis.pcall('PUBLISH', ARGV[3], 'c' .. ARGV[4])
+  publish(ARGV[3], 'c' .. ARGV[4])
 end
 return {0, redis.call('PTTL', KEYS[1])}
-",
-    )
+"
+    ))
 });
 
 /// Compare-and-delete.
 ///
-/// KEYS: lock. ARGV: token, the library's channel, on which `r` is published after a
-/// release. Always, even when keyspace notifications are on: waiters of another ACL user
-/// may not be allowed keyspace channels, and a server restart forgets a `CONFIG SET`. The
-/// subscriber pairs each `r` with the `del` event before it, so nobody wakes twice.
+/// KEYS: lock. ARGV: token, the library's channel, the publish mode. `r` is published on
+/// the channel after a release. Always, even when keyspace notifications are on: waiters
+/// of another ACL user may not be allowed keyspace channels, and a server restart forgets
+/// a `CONFIG SET`. The subscriber pairs each `r` with the `del` event before it, so nobody
+/// wakes twice.
 /// Returns 1 released, 0 the key was gone, -1 another token (or another kind of lock)
 /// holds it.
 pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(
+    Lua::new(&format!(
+        "{PUBLISH_FN}{}",
         r"
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return -1 end
 if cur == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.pcall('PUBLISH', ARGV[2], 'r')
+  publish(ARGV[2], 'r')
   return 1
 end
 if not cur then return 0 end
 return -1
-",
-    )
+"
+    ))
 });
 
 /// Compare-and-`PEXPIRE` for a batch of locks in one round trip (the watchdog renews every

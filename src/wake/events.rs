@@ -19,6 +19,8 @@ pub(crate) struct Snapshot {
     pub freed: u64,
     /// Events where someone set the key (another process took it).
     pub taken: u64,
+    /// Times the key's slot moved away from the node (Redis Cluster, sharded channels).
+    pub moved: u64,
 }
 
 /// The token and fence of a grant message (`g<token>:<fence>`).

@@ -1,7 +1,11 @@
-//! Who decides that a waiter wakes: the subscriber of each node, the events it
-//! classifies, the attempts it sends early, and the server's notification settings.
+//! Who decides that a waiter wakes: the subscriber of each node (its state, its thread and
+//! its connection), the events it classifies, the attempts it sends early, and the
+//! server's notification settings.
 
 pub(crate) mod early;
 pub(crate) mod events;
+mod listen;
 pub(crate) mod notify;
+mod state;
+mod stream;
 pub(crate) mod subscriber;

@@ -9,6 +9,8 @@
 //! wakes waiters on every release by this library; expiries are then caught by the waiter's
 //! timed wake at the end of the holder's remaining lease.
 
+use std::collections::HashMap;
+
 use redis::Connection;
 
 use crate::error::is_network_error;
@@ -45,7 +47,8 @@ pub(crate) fn missing(flags: &str) -> String {
 /// Checks the node's flags and merges in what is missing when `allowed`.
 /// A network error is returned as such; every refusal becomes [`Mode::Fallback`].
 pub(crate) fn ensure(conn: &mut Connection, allowed: bool) -> redis::RedisResult<Mode> {
-    let current: Vec<String> = match redis::cmd("CONFIG")
+    // A map: a flat array on a RESP2 connection, a map on the subscriber's RESP3 one.
+    let current: HashMap<String, String> = match redis::cmd("CONFIG")
         .arg("GET")
         .arg("notify-keyspace-events")
         .query(conn)
@@ -54,7 +57,10 @@ pub(crate) fn ensure(conn: &mut Connection, allowed: bool) -> redis::RedisResult
         Err(e) if is_fatal(&e) => return Err(e),
         Err(e) => return Ok(Mode::Fallback(format!("CONFIG GET refused ({e})"))),
     };
-    let flags = current.get(1).cloned().unwrap_or_default();
+    let flags = current
+        .get("notify-keyspace-events")
+        .cloned()
+        .unwrap_or_default();
     let lacking = missing(&flags);
     if lacking.is_empty() {
         return Ok(Mode::Keyspace);

@@ -311,6 +311,15 @@ impl Cluster {
             .unwrap_or_else(|| panic!("nobody serves slot {slot}"))
     }
 
+    /// The port of a running master other than the one on port `not`.
+    pub fn other_master(&self, not: u16) -> u16 {
+        self.masters()
+            .iter()
+            .map(|m| m.port())
+            .find(|p| *p != not)
+            .expect("another master")
+    }
+
     /// The master serving `key`, as a server.
     pub fn master_of(&self, key: &[u8]) -> &RedisServer {
         self.server(self.owner(self.keyslot(key)))

@@ -1,0 +1,305 @@
+//! What a node's subscriber thread and the waiters of that node share: per key, its
+//! subscription's state (asked for, confirmed, moved away), its event counters and its
+//! listeners; and what each thing the server says does to them.
+//!
+//! `events` classifies each message; the thread counts it for the key's waiters and pokes
+//! them. A contender may leave its next attempt with its watch (see `early`): on an event
+//! that may free the key, the thread sends it and reads the reply before it wakes the
+//! contender.
+//!
+//! # A slot that moves
+//!
+//! In Redis Cluster the library's channel is a shard channel (`proto::sharded`). When its
+//! slot moves to another master, the old one drops the subscription and says so (a
+//! `sunsubscribe` nobody asked for). Events of the key now happen elsewhere: the key's
+//! subscription here is no longer confirmed, its `moved` count changes, and its waiters
+//! wake, follow the slot to its new master, subscribe there (confirmed) and retry once, as
+//! after a reconnect. The key is not subscribed here again until a waiter watches it anew.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use parking_lot::{Condvar, Mutex};
+
+use crate::proto::keys::{lock_of_channel, lock_of_keyspace_channel};
+use crate::proto::node::NodeId;
+use crate::proto::sharded::ChannelKind;
+use crate::wake::early::{Armed, Early};
+use crate::wake::events::{Event, Snapshot, classify, grant_of};
+use crate::wake::stream::Incoming;
+
+/// How long a subscription outlives its last waiter, so that a key locked again and again
+/// does not pay a `SUBSCRIBE` each time.
+pub(super) const LINGER: Duration = Duration::from_secs(2);
+
+/// One key's subscription on this node, and what its waiters need to know.
+pub(super) struct KeySub {
+    /// What was subscribed for this key on the current connection, and how (depends on
+    /// whether the node has keyspace notifications and sharded pub/sub, which can change
+    /// at a reconnect).
+    pub(super) channels: Vec<(ChannelKind, Vec<u8>)>,
+    pub(super) interest: usize,
+    pub(super) confirmed: bool,
+    /// When the subscription was confirmed: marks of remote contention published before
+    /// then were not heard.
+    pub(super) confirmed_at: Option<Instant>,
+    pub(super) requested: bool,
+    /// Channels asked for whose confirmation has not come yet.
+    pub(super) unconfirmed: usize,
+    /// The key's slot moved to another node (its shard channel was dropped): not
+    /// subscribed here again until a waiter watches it anew.
+    pub(super) away: bool,
+    /// How many times that happened: a waiter whose watch saw it follows the slot.
+    pub(super) moved: u64,
+    pub(super) idle_since: Option<Instant>,
+    pub(super) freed: u64,
+    pub(super) taken: u64,
+    /// Keyspace `del` events not yet followed by the library's `r` for the same release.
+    pub(super) unpaired_dels: u32,
+    pub(super) last_contended: Option<Instant>,
+    /// This process released the key while others waited: its next contender waits for
+    /// them (or this instant) before its first attempt.
+    pub(super) yield_until: Option<(Instant, u64)>,
+    pub(super) listeners: Vec<(u64, Sender<()>)>,
+    /// Fair queue: the contender token each listener waits to be granted, and the grants
+    /// heard for them (fence, when heard).
+    pub(super) awaiting: Vec<(u64, Vec<u8>)>,
+    pub(super) grants: Vec<(Vec<u8>, u64, Instant)>,
+    /// One contender's next attempt, to send when the key is freed (`early`).
+    pub(super) early: Option<(u64, Early)>,
+}
+
+impl KeySub {
+    pub(super) fn poke(&self) {
+        for (_, tx) in &self.listeners {
+            let _ = tx.try_send(());
+        }
+    }
+
+    /// The key may be free: takes the armed attempt, if any, to send (the contender waits
+    /// for it while it is [`Early::Sending`]).
+    pub(super) fn take_armed(&mut self, generation: u64) -> Option<(Armed, Snapshot)> {
+        let at = Snapshot {
+            confirmed: self.confirmed,
+            generation,
+            freed: self.freed,
+            taken: self.taken,
+            moved: self.moved,
+        };
+        match self.early.take() {
+            Some((id, Early::Armed(armed))) => {
+                self.early = Some((id, Early::Sending));
+                Some((armed, at))
+            }
+            other => {
+                self.early = other;
+                None
+            }
+        }
+    }
+}
+
+/// Every key with listeners (or lingering), behind one mutex.
+pub(super) struct State {
+    pub(super) keys: HashMap<Vec<u8>, KeySub>,
+    pub(super) generation: u64,
+    pub(super) next_listener: u64,
+    /// Some key wants subscribing: the thread should look.
+    pub(super) dirty: bool,
+}
+
+/// What the handle, the thread and the waiters of one node share.
+pub(super) struct Shared {
+    pub(super) state: Mutex<State>,
+    /// Signalled when an early attempt is done (see [`Early::Sending`]).
+    pub(super) sent: Condvar,
+    pub(super) kick: Sender<()>,
+    pub(super) shutdown: AtomicBool,
+    /// Keyspace notifications are on and their channels may be subscribed.
+    pub(super) keyspace: AtomicBool,
+    /// The library's own channels may be subscribed (contention marks are heard).
+    pub(super) own_channel: AtomicBool,
+    /// The library's own channels are shard channels on this connection.
+    pub(super) sharded: AtomicBool,
+    /// May `CONFIG SET` the notification classes.
+    pub(super) configure: bool,
+    pub(super) node: NodeId,
+    pub(super) db: i64,
+    pub(super) prefix: String,
+    pub(super) client_id: String,
+}
+
+impl Shared {
+    /// The thread panicked: whatever it was doing is abandoned. A contender waiting for an
+    /// early attempt in flight makes its own, and every waiter re-waits for the
+    /// re-subscription and retries once, as after a lost connection.
+    pub(super) fn crashed(&self) {
+        let mut st = self.state.lock();
+        for ks in st.keys.values_mut() {
+            if matches!(ks.early, Some((_, Early::Sending))) {
+                ks.early = None;
+            }
+        }
+        drop(st);
+        self.sent.notify_all();
+        self.lost_connection();
+    }
+
+    pub(super) fn wants_connection(&self) -> bool {
+        let st = self.state.lock();
+        st.keys.values().any(|k| k.interest > 0)
+    }
+
+    /// Every subscription is gone with the connection: waiters must re-wait for the
+    /// re-subscription and retry once.
+    pub(super) fn lost_connection(&self) {
+        let mut st = self.state.lock();
+        st.generation += 1;
+        st.dirty = true;
+        st.keys.retain(|_, ks| ks.interest > 0);
+        for ks in st.keys.values_mut() {
+            ks.confirmed = false;
+            ks.confirmed_at = None;
+            ks.requested = false;
+            ks.away = false;
+            ks.poke();
+        }
+    }
+
+    /// Acts on what the server said.
+    pub(super) fn incoming(&self, incoming: Incoming<'_>) {
+        match incoming {
+            Incoming::Message { channel, payload } => self.dispatch(channel, payload),
+            Incoming::Subscribed { channel } => self.confirmed(channel),
+            // Redis Cluster: the shard channel's slot is served elsewhere already.
+            Incoming::Refused { channel, error } if error.redirect_node().is_some() => {
+                self.dropped(channel);
+            }
+            Incoming::Refused { channel, error } => {
+                // The probe at connect found the channels of the prefix allowed: this one
+                // alone is refused. Its waiters are woken by their timers.
+                log::warn!(
+                    "node {}: subscribe to {} refused: {error}",
+                    self.node,
+                    String::from_utf8_lossy(channel)
+                );
+                self.confirmed(channel);
+            }
+            Incoming::Dropped { channel } => self.dropped(channel),
+        }
+    }
+
+    /// One channel of a key is confirmed; the key is, once all its channels are.
+    fn confirmed(&self, channel: &[u8]) {
+        let Some(lock) = lock_of_keyspace_channel(channel).or_else(|| lock_of_channel(channel))
+        else {
+            return;
+        };
+        let mut st = self.state.lock();
+        let Some(ks) = st.keys.get_mut(lock) else {
+            return;
+        };
+        if !ks.requested || ks.unconfirmed == 0 {
+            return; // asked for on an earlier connection, or before the key moved away
+        }
+        ks.unconfirmed -= 1;
+        if ks.unconfirmed == 0 {
+            ks.confirmed = true;
+            ks.confirmed_at = Some(Instant::now());
+            ks.requested = false;
+            ks.poke();
+        }
+    }
+
+    /// The server dropped (or refused) the shard channel of a key: its slot is served by
+    /// another node. Its waiters follow it (see the module's header).
+    fn dropped(&self, channel: &[u8]) {
+        let Some(lock) = lock_of_channel(channel) else {
+            return;
+        };
+        let mut st = self.state.lock();
+        let Some(ks) = st.keys.get_mut(lock) else {
+            return;
+        };
+        log::debug!(
+            "node {}: the slot of {} moved away; its waiters follow it",
+            self.node,
+            String::from_utf8_lossy(lock)
+        );
+        ks.confirmed = false;
+        ks.confirmed_at = None;
+        ks.requested = false;
+        ks.away = true;
+        ks.moved += 1;
+        // No longer subscribed on the server: nothing to unsubscribe later.
+        ks.channels
+            .retain(|(kind, _)| *kind != ChannelKind::Sharded);
+        ks.poke();
+    }
+
+    fn dispatch(&self, channel: &[u8], payload: &[u8]) {
+        let Some((lock, kind)) = classify(channel, payload, self.client_id.as_bytes()) else {
+            return;
+        };
+        let mut st = self.state.lock();
+        let generation = st.generation;
+        let Some(ks) = st.keys.get_mut(lock) else {
+            return;
+        };
+        match kind {
+            Event::Deleted => {
+                ks.freed += 1;
+                ks.unpaired_dels += 1;
+            }
+            // Our release script deletes, then publishes `r`: the `del` came first (same
+            // connection, same order) and already woke the waiters.
+            Event::Released if ks.unpaired_dels > 0 => {
+                ks.unpaired_dels -= 1;
+                return;
+            }
+            Event::Released | Event::Freed => ks.freed += 1,
+            Event::Taken => {
+                ks.taken += 1;
+                // A new owner: every process still waiting fails against it and marks
+                // again (Redis sends those marks after this event), so older marks say
+                // nothing about who waits now. A process left alone stops yielding.
+                ks.last_contended = None;
+            }
+            Event::Contended => ks.last_contended = Some(Instant::now()),
+            Event::Granted => {
+                let Some((token, fence)) = grant_of(payload) else {
+                    return;
+                };
+                if !ks.awaiting.iter().any(|(_, t)| t == token) {
+                    return; // another process's turn
+                }
+                ks.grants.push((token.to_vec(), fence, Instant::now()));
+            }
+            Event::Ignored => return,
+        }
+        let armed = match kind {
+            Event::Deleted | Event::Released | Event::Freed => ks.take_armed(generation),
+            _ => None,
+        };
+        let Some((armed, at)) = armed else {
+            ks.poke();
+            return;
+        };
+        drop(st);
+        // Outside the state lock: a contender woken by something else may look meanwhile.
+        // The attempt goes out before the poke: on a small machine the wake-up would
+        // otherwise delay the write (measured: the other order is slower).
+        let shot = armed.fire(at);
+        let mut st = self.state.lock();
+        if let Some(ks) = st.keys.get_mut(lock) {
+            if let Some((id, Early::Sending)) = ks.early {
+                ks.early = shot.map(|s| (id, Early::Fired(s)));
+            }
+            ks.poke();
+        }
+        drop(st);
+        self.sent.notify_all();
+    }
+}
