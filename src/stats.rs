@@ -93,6 +93,30 @@ counters! {
     cleanup_dropped,
 }
 
+/// One subscriber connection of a client (one per node waiters wait on: per master in
+/// a Redis Cluster), see [`LockClient::subscribers`](crate::LockClient::subscribers).
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// for s in client.subscribers() {
+///     println!("{}: {} reconnects, up: {}", s.node, s.reconnects, s.connected);
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SubscriberStats {
+    /// The node's address (`host:port`, never a password).
+    pub node: String,
+    /// Times the connection was re-established since the subscriber started.
+    pub reconnects: u64,
+    /// Whether the connection is up now.
+    pub connected: bool,
+}
+
 impl Counters {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Relaxed);

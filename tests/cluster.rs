@@ -796,6 +796,14 @@ fn rwlocks_and_semaphores_on_every_master() {
         drop(p2);
     }
     assert_eq!(masters.len(), 3, "names on every master");
+    // One subscriber per master, each connected once.
+    let subs = c.subscribers();
+    let nodes: HashSet<_> = subs.iter().map(|s| s.node.clone()).collect();
+    assert_eq!((subs.len(), nodes.len()), (3, 3), "{subs:?}");
+    assert!(
+        subs.iter().all(|s| s.connected && s.reconnects == 0),
+        "{subs:?}"
+    );
     for s in cluster.masters() {
         let left: Vec<Vec<u8>> = redis::cmd("KEYS")
             .arg(format!("{}*", KEYS.prefix()))

@@ -607,6 +607,9 @@ fn pubsub_kill(name: &str, wait_for_resubscribe: bool) {
         last.duration_since(released)
     );
     assert!(s.reconnects >= 1, "{s:?}");
+    let subs = c.subscribers();
+    assert_eq!(subs.len(), 1);
+    assert_eq!(subs[0].reconnects, s.reconnects, "per node, the same count");
     assert_eq!(
         s.wakeups_recheck, 0,
         "a waiter needed the safety net: {s:?}"

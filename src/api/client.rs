@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::engine::contend::Wait;
 use crate::engine::state::Engine;
 use crate::error::{Error, Result};
-use crate::stats::Stats;
+use crate::stats::{Stats, SubscriberStats};
 
 /// A distributed lock client over one Redis node, or over several independent masters
 /// (Redlock).
@@ -196,6 +196,25 @@ impl LockClient {
     /// ```
     pub fn stats(&self) -> Stats {
         self.engine.counters.snapshot()
+    }
+
+    /// The client's subscriber connections, one per node its waiters have waited on (per
+    /// master in a Redis Cluster; none with [`Wakeup::Polling`](crate::Wakeup::Polling)):
+    /// each node's address, reconnects and whether it is connected now.
+    /// [`Stats::reconnects`] is their sum.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let subs = client.subscribers();
+    /// assert_eq!(subs.len(), 1, "one node, one subscriber");
+    /// assert_eq!(subs[0].reconnects, 0);
+    /// # Ok(()) }
+    /// ```
+    pub fn subscribers(&self) -> Vec<SubscriberStats> {
+        self.engine.subs.stats()
     }
 
     /// Stops the client's background threads (the subscribers that wake waiters and the

@@ -9,7 +9,7 @@ use parking_lot::RwLock;
 
 use crate::error::{Result, thread_error};
 use crate::proto::node::{Node, NodeId};
-use crate::stats::Counters;
+use crate::stats::{Counters, SubscriberStats};
 use crate::topology::Route;
 use crate::wake::subscriber::{Connector, Setup, Subscriber};
 
@@ -99,6 +99,22 @@ impl Subs {
                     .start(n, true)
                     .inspect_err(|e| log::warn!("node {}: no subscriber: {e}", n.id))
                     .ok(),
+            })
+            .collect()
+    }
+
+    /// Each subscriber's node and connection figures.
+    pub fn stats(&self) -> Vec<SubscriberStats> {
+        self.list
+            .read()
+            .iter()
+            .map(|s| {
+                let (reconnects, connected) = s.connection();
+                SubscriberStats {
+                    node: s.node().to_string(),
+                    reconnects,
+                    connected,
+                }
             })
             .collect()
     }

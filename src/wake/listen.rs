@@ -73,14 +73,17 @@ pub(super) fn run(
                 continue;
             }
         };
+        shared.connected.store(true, Ordering::Relaxed);
         if connected_once {
             Counters::inc(&counters.reconnects);
+            Counters::inc(&shared.reconnects);
             log::info!("subscriber {node}: reconnected; waiters retry once");
         }
         connected_once = true;
         backoff = Duration::from_millis(50);
         let moved = || connector.pool.epoch() != epoch;
         let err = serve(&shared, &kicked, &mut stream, &counters, &moved);
+        shared.connected.store(false, Ordering::Relaxed);
         shared.lost_connection();
         match err {
             Ok(()) => break,

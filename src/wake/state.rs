@@ -17,7 +17,7 @@
 //! after a reconnect. The key is not subscribed here again until a waiter watches it anew.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
@@ -129,6 +129,10 @@ pub(super) struct Shared {
     pub(super) db: i64,
     pub(super) prefix: String,
     pub(super) client_id: String,
+    /// Times this subscriber's connection was re-established.
+    pub(super) reconnects: AtomicU64,
+    /// Whether its connection is up now.
+    pub(super) connected: AtomicBool,
 }
 
 impl Shared {

@@ -29,7 +29,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
@@ -91,6 +91,8 @@ impl Subscriber {
             db,
             prefix,
             client_id,
+            reconnects: AtomicU64::new(0),
+            connected: AtomicBool::new(false),
         });
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
@@ -122,6 +124,14 @@ impl Subscriber {
     /// The node this subscriber listens to.
     pub fn node(&self) -> &NodeId {
         &self.shared.node
+    }
+
+    /// Times its connection was re-established, and whether it is up now.
+    pub fn connection(&self) -> (u64, bool) {
+        (
+            self.shared.reconnects.load(Ordering::Relaxed),
+            self.shared.connected.load(Ordering::Relaxed),
+        )
     }
 
     /// Stops the thread and waits for it until `deadline`; `false` if it is still running.
