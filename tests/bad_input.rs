@@ -39,7 +39,8 @@ const KEYS: Keys = Keys::DEFAULT;
 ///   (acquire and release fail without them), `+pexpire` (renewals: without it every lock
 ///   is lost after one lease), `+publish` (the release message that wakes waiters;
 ///   without it, and without keyspace events, waiters sleep until the re-check interval)
-///   and, for the fair queue, `+exists +time +zadd +zrem +zrange +zrangebyscore +zcard`;
+///   and, for the fair queue, `+exists +time +zadd +zrem +zrange +zrangebyscore +zcard`
+///   (with `+zscore +zremrangebyscore`, also for read-write locks and semaphores);
 /// * the subscriber: `+subscribe +unsubscribe` and the channel `&redbaton:*` (the library's
 ///   channel `redbaton:{name}:ev`); without them locks still work but waiters fall back to
 ///   retrying with a backoff (about 1.6 s to notice a release here);
@@ -56,7 +57,7 @@ const KEYS: Keys = Keys::DEFAULT;
 /// (one warning), which `acl_minimal_user_without_config` shows working.
 const MINIMAL_ACL: &str = "resetkeys ~redbaton:* resetchannels &redbaton:* &__keyspace@* \
      -@all +evalsha +script|load +get +set +del +pexpire +pttl +incr +publish \
-     +exists +time +zadd +zrem +zrange +zrangebyscore +zcard \
+     +exists +time +zadd +zrem +zrange +zrangebyscore +zcard +zscore +zremrangebyscore \
      +subscribe +unsubscribe +ping +client|setname";
 
 fn builder(srv: &RedisServer) -> redbaton::Builder {
@@ -676,8 +677,8 @@ fn acl_url(srv: &RedisServer) -> String {
     srv.url_as("locker", "lockerpw")
 }
 
-/// build + lock + WouldBlock + unlock + renewals + a waiter woken by the release + a
-/// subscription dropped after its linger, all as `locker`. Returns the wake-up latency.
+/// build + lock + WouldBlock + unlock + renewals + a read-write lock and a semaphore + a
+/// waiter woken by the release + a subscription dropped after its linger, all as `locker`. Returns the wake-up latency.
 fn exercise_acl_user(srv: &RedisServer) -> Duration {
     let url = acl_url(srv);
     let holder = event_only_client(&url);
@@ -702,6 +703,38 @@ fn exercise_acl_user(srv: &RedisServer) -> Duration {
     assert!(short.stats().renewals_sent >= 2);
     assert_eq!(short.stats().renewals_failed, 0);
     assert_eq!(g.unlock().unwrap(), Unlocked::Released);
+
+    // Read-write locks and semaphores: their scripts run as the user too.
+    let r = holder.rwlock("acl-rw").read().expect("read");
+    assert!(
+        waiter
+            .rwlock("acl-rw")
+            .try_write()
+            .unwrap_err()
+            .is_would_block()
+    );
+    drop(r);
+    drop(
+        waiter
+            .rwlock("acl-rw")
+            .try_write_for(ms(2000))
+            .expect("write"),
+    );
+    let p = holder.semaphore("acl-sem", 1).acquire().expect("permit");
+    assert!(
+        waiter
+            .semaphore("acl-sem", 1)
+            .try_acquire()
+            .unwrap_err()
+            .is_would_block()
+    );
+    drop(p);
+    drop(
+        waiter
+            .semaphore("acl-sem", 1)
+            .try_acquire_for(ms(2000))
+            .expect("permit"),
+    );
 
     let latency = wake_latency(&holder, waiter.clone(), b"acl");
     assert!(latency < Duration::from_secs(5), "{latency:?}");

@@ -46,14 +46,14 @@ const REPLICA_PASSWORD: &str = "replica-secret";
 /// What a `redbaton` client (default prefix `redbaton:`) needs on a Redis 7 cluster node,
 /// and nothing more: the single-node minimum (keys and channels under the prefix, the
 /// scripts and the commands they run, the subscriber's commands, `CONFIG GET` to read the
-/// notification setting) plus the cluster's own: `CLUSTER SHARDS` (or `CLUSTER SLOTS` on
+/// notification setting, the shard channel commands of Redis 7) plus the cluster's own: `CLUSTER SHARDS` (or `CLUSTER SLOTS` on
 /// older servers) to read the slot map, and `ASKING` to follow an `ASK` redirect during a
 /// slot migration. `+wait` would be needed for `replica_ack`.
 pub const APP_ACL: &str = "resetkeys ~redbaton:* resetchannels &redbaton:* &__keyspace@* \
      -@all +evalsha +script|load +get +set +del +pexpire +pttl +incr +publish \
-     +exists +time +zadd +zrem +zrange +zrangebyscore +zcard \
+     +exists +time +zadd +zrem +zrange +zrangebyscore +zcard +zscore +zremrangebyscore \
      +subscribe +unsubscribe +ping +client|setname +config|get \
-     +cluster|shards +cluster|slots +asking";
+     +spublish +ssubscribe +sunsubscribe +cluster|shards +cluster|slots +asking";
 
 /// Three masters (with the slots split evenly at start) and a replica for each.
 pub struct Cluster {
