@@ -60,6 +60,10 @@ struct Cli {
     /// The library's waiter only, against one node and against a cluster, in one run.
     #[arg(long)]
     compare_cluster: bool,
+    /// With `--compare-cluster`: give the one node a replica, as every cluster master has
+    /// one (each write is then also streamed to a replica on the same machine).
+    #[arg(long)]
+    node_replica: bool,
     /// Internal: the Redis URL of the waiting process (with `--cluster`: the seeds,
     /// comma-separated).
     #[arg(long, hide = true)]
@@ -159,7 +163,7 @@ fn main() -> Result<(), BoxError> {
         Some(Strategy::RawKeyspace) => raw_waiter(url.ok_or("--url is required")?, false),
         Some(Strategy::RawScript) => raw_waiter(url.ok_or("--url is required")?, true),
         Some(strategy) => waiter(strategy, url.ok_or("--url is required")?, cli.cluster),
-        None if cli.compare_cluster => compare_cluster(cli.quick),
+        None if cli.compare_cluster => compare_cluster(cli.quick, cli.node_replica),
         None => holder(cli.quick),
     }
 }
@@ -368,9 +372,21 @@ fn holder(quick: bool) -> Result<(), BoxError> {
 
 /// `--compare-cluster`: the library's waiter against one node and against a cluster, in
 /// alternating rounds.
-fn compare_cluster(quick: bool) -> Result<(), BoxError> {
+fn compare_cluster(quick: bool, node_replica: bool) -> Result<(), BoxError> {
     const ROUNDS: usize = 4;
     let node = server::RedisServer::start();
+    let _replica = node_replica.then(|| {
+        let replica = server::RedisServer::builder()
+            .config("replicaof", &format!("127.0.0.1 {}", node.port()))
+            .start();
+        redbaton_testkit::wait::wait_for(Duration::from_secs(10), "the replica in sync", || {
+            redis::cmd("INFO")
+                .arg("replication")
+                .query::<String>(&mut replica.conn())
+                .is_ok_and(|i| i.contains("master_link_status:up"))
+        });
+        replica
+    });
     let cluster = redbaton_testkit::cluster::Cluster::start();
     let seeds = cluster.seed_urls().join(",");
     let targets = [(node.url(), false), (seeds, true)];
@@ -400,23 +416,32 @@ fn compare_cluster(quick: bool) -> Result<(), BoxError> {
         "handoff latency, two processes, library waiter (notifications): holder calls unlock() -> waiter's lock() returned"
     );
     println!(
-        "{:<10} {:>5} {:>10} {:>10} {:>16}",
-        "target", "n", "p50 (us)", "p99 (us)", "p50 after return"
+        "{:<16} {:>5} {:>10} {:>10} {:>16} {:>15}",
+        "target", "n", "p50 (us)", "p99 (us)", "p50 after return", "unlock() p50"
     );
     let mut p50s = Vec::new();
-    for (row, name) in rows.iter().zip(["one node", "cluster"]) {
+    let node_name = if node_replica { "one node+replica" } else { "one node" };
+    for (row, name) in rows.iter().zip([node_name, "cluster"]) {
         let mut c = row.from_call.clone();
         c.sort_unstable();
         let mut l = row.latencies.clone();
         l.sort_unstable();
+        let mut unlock: Vec<i64> = row
+            .from_call
+            .iter()
+            .zip(&row.latencies)
+            .map(|(c, l)| c - l)
+            .collect();
+        unlock.sort_unstable();
         p50s.push(percentile(&c, 0.50));
         println!(
-            "{:<10} {:>5} {:>10.1} {:>10.1} {:>16.1}",
+            "{:<16} {:>5} {:>10.1} {:>10.1} {:>16.1} {:>15.1}",
             name,
             c.len(),
             us(percentile(&c, 0.50)),
             us(percentile(&c, 0.99)),
             us(percentile(&l, 0.50)),
+            us(percentile(&unlock, 0.50)),
         );
     }
     let ratio = p50s[1] as f64 / p50s[0].max(1) as f64;
