@@ -420,7 +420,11 @@ fn compare_cluster(quick: bool, node_replica: bool) -> Result<(), BoxError> {
         "target", "n", "p50 (us)", "p99 (us)", "p50 after return", "unlock() p50"
     );
     let mut p50s = Vec::new();
-    let node_name = if node_replica { "one node+replica" } else { "one node" };
+    let node_name = if node_replica {
+        "one node+replica"
+    } else {
+        "one node"
+    };
     for (row, name) in rows.iter().zip([node_name, "cluster"]) {
         let mut c = row.from_call.clone();
         c.sort_unstable();
