@@ -16,7 +16,9 @@ use crate::error::LostReason;
 use crate::local::held::{Due, HoldKind, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::keyslot;
-use crate::proto::node::{ExtendReply, Node, NodeId};
+use crate::proto::node::{Batch, ExtendReply, Node, NodeId};
+use crate::proto::rw_scripts::SHARED_EXTEND;
+use crate::proto::scripts::{EXTEND, Lua};
 use crate::stats::Counters;
 use crate::topology::Topology;
 use crate::topology::verdict::Renewal;
@@ -234,7 +236,8 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
     next
 }
 
-/// Sends the extends, one call per node and batch, every node in parallel.
+/// Sends the extends: one round trip per node (its batches pipelined: Redis Cluster wants
+/// one script call per slot), every node in parallel.
 fn extend_on_nodes(
     cx: &Context,
     topology: &Topology,
@@ -283,25 +286,38 @@ fn extend_on_nodes(
                 .or_default()
                 .push(i);
         }
-        let mut replies: Vec<(usize, Option<ExtendReply>)> = Vec::new();
-        for ((lease, _, kind), idxs) in by_lease {
+        // Every group's batches go in one round trip to the node.
+        let mut batches: Vec<Batch<'_>> = Vec::new();
+        let mut chunks: Vec<&[usize]> = Vec::new();
+        for ((lease, _, kind), idxs) in &by_lease {
+            let script: &Lua = match kind {
+                HoldKind::Lock => &EXTEND,
+                HoldKind::Shared => &SHARED_EXTEND,
+            };
             for chunk in idxs.chunks(BATCH) {
-                let batch: Vec<(&[u8], &str)> = chunk
-                    .iter()
-                    .map(|&i| (jobs[i].0.keys.lock(), jobs[i].0.token.as_str()))
-                    .collect();
-                Counters::add(&counters.renewals_sent, batch.len() as u64);
-                let extended = match kind {
-                    HoldKind::Lock => node.extend(&batch, lease),
-                    HoldKind::Shared => node.extend_shared(&batch, lease),
-                };
-                match extended {
-                    Ok(r) => replies.extend(chunk.iter().copied().zip(r.into_iter().map(Some))),
-                    Err(e) => {
-                        log::debug!("node {}: renewal failed: {e}", node.id);
-                        replies.extend(chunk.iter().map(|&i| (i, None)));
-                    }
+                batches.push(Batch {
+                    script,
+                    locks: chunk
+                        .iter()
+                        .map(|&i| (jobs[i].0.keys.lock(), jobs[i].0.token.as_str()))
+                        .collect(),
+                    lease: *lease,
+                });
+                chunks.push(chunk);
+            }
+        }
+        let sent = chunks.iter().map(|c| c.len() as u64).sum();
+        Counters::add(&counters.renewals_sent, sent);
+        let mut replies: Vec<(usize, Option<ExtendReply>)> = Vec::new();
+        match node.extend_batches(&batches) {
+            Ok(lists) => {
+                for (chunk, list) in chunks.iter().zip(lists) {
+                    replies.extend(chunk.iter().copied().zip(list.into_iter().map(Some)));
                 }
+            }
+            Err(e) => {
+                log::debug!("node {}: renewal failed: {e}", node.id);
+                replies.extend(chunks.iter().flat_map(|c| c.iter()).map(|&i| (i, None)));
             }
         }
         replies

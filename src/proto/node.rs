@@ -632,19 +632,42 @@ impl Node {
         locks: &[(&[u8], &str)],
         lease: Duration,
     ) -> Result<Vec<ExtendReply>> {
-        let lease_ms = crate::clock::millis(lease).max(1);
-        let mut call = script.call(locks.len());
-        for (key, _) in locks {
-            call.arg(*key);
-        }
-        call.arg(lease_ms);
-        for (_, token) in locks {
-            call.arg(*token);
-        }
+        let mut replies = self.extend_batches(&[Batch {
+            script,
+            locks: locks.to_vec(),
+            lease,
+        }])?;
+        Ok(replies.pop().unwrap_or_default())
+    }
+
+    /// Runs several renewal batches (each one script call; Redis Cluster: one slot each)
+    /// in one round trip, pipelined, with one `WAIT` for all of them when replicas must
+    /// acknowledge. One status list per batch.
+    pub(crate) fn extend_batches(&self, batches: &[Batch<'_>]) -> Result<Vec<Vec<ExtendReply>>> {
+        let calls: Vec<redis::Cmd> = batches
+            .iter()
+            .map(|b| {
+                let mut call = b.script.call(b.locks.len());
+                for (key, _) in &b.locks {
+                    call.arg(*key);
+                }
+                call.arg(crate::clock::millis(b.lease).max(1));
+                for (_, token) in &b.locks {
+                    call.arg(*token);
+                }
+                call
+            })
+            .collect();
+        let scripts: Vec<&Lua> = batches.iter().map(|b| b.script).collect();
         let (replies, acked) = self.run(Retry::ON_RESET, |c| {
-            let replies = script.run::<Vec<i64>>(&call, c)?;
+            let replies: Vec<Vec<i64>> = match calls.as_slice() {
+                [one] => vec![scripts[0].run(one, c)?],
+                _ => crate::proto::scripts::run_pipelined(&scripts, &calls, c)?,
+            };
             let acked = match self.ack {
-                Some(_) if replies.contains(&1) => Some(self.wait_replicas(c)?),
+                Some(_) if replies.iter().flatten().any(|&r| r == 1) => {
+                    Some(self.wait_replicas(c)?)
+                }
                 _ => None,
             };
             Ok((replies, acked))
@@ -655,23 +678,45 @@ impl Node {
             // Not renewed as far as a failover is concerned: retried until the lease ends.
             return Err(Error::ReplicaAck { acked, wanted });
         }
-        if replies.len() != locks.len() {
+        if replies.len() != batches.len() {
             return Err(Error::Protocol(format!(
-                "extend replied {} statuses for {} keys",
+                "extend replied {} lists for {} batches",
                 replies.len(),
-                locks.len()
+                batches.len()
             )));
         }
         replies
             .into_iter()
-            .map(|r| match r {
-                1 => Ok(ExtendReply::Extended),
-                0 => Ok(ExtendReply::Gone),
-                -1 => Ok(ExtendReply::Other),
-                n => Err(Error::Protocol(format!("extend replied {n}"))),
-            })
+            .zip(batches)
+            .map(|(r, b)| extend_replies(r, b.locks.len()))
             .collect()
     }
+}
+
+/// One renewal script call: which script, the `(key, token)` pairs, the new lease.
+pub(crate) struct Batch<'a> {
+    pub script: &'a Lua,
+    pub locks: Vec<(&'a [u8], &'a str)>,
+    pub lease: Duration,
+}
+
+/// One batch's statuses, one per lock: 1 extended, 0 gone, −1 another owner.
+fn extend_replies(replies: Vec<i64>, locks: usize) -> Result<Vec<ExtendReply>> {
+    if replies.len() != locks {
+        return Err(Error::Protocol(format!(
+            "extend replied {} statuses for {locks} keys",
+            replies.len(),
+        )));
+    }
+    replies
+        .into_iter()
+        .map(|r| match r {
+            1 => Ok(ExtendReply::Extended),
+            0 => Ok(ExtendReply::Gone),
+            -1 => Ok(ExtendReply::Other),
+            n => Err(Error::Protocol(format!("extend replied {n}"))),
+        })
+        .collect()
 }
 
 /// Runs `f` on `conn` with its reads bounded by `deadline`: what remains of it, but

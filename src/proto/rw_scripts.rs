@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
-use crate::proto::node::{ExtendReply, Node, ReleaseReply, Retry};
+use crate::proto::node::{Node, ReleaseReply, Retry};
 use crate::proto::scripts::Lua;
 use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
@@ -209,7 +209,7 @@ return 0
 ///
 /// KEYS: lock keys. ARGV: lease ms, then one member per key. Returns one status per key:
 /// 1 extended, 0 the hold had expired or was gone (never revived), −1 another kind of lock.
-static SHARED_EXTEND: LazyLock<Lua> = LazyLock::new(|| {
+pub(crate) static SHARED_EXTEND: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
 local lease = tonumber(ARGV[1])
@@ -339,15 +339,6 @@ impl Node {
             .arg(keys.channel())
             .arg(self.publish_mode());
         self.release_by(&SHARED_RELEASE, &call, retry)
-    }
-
-    /// Renews many shared holds of this node in one round trip: `(key, member)` pairs.
-    pub fn extend_shared(
-        &self,
-        holds: &[(&[u8], &str)],
-        lease: Duration,
-    ) -> Result<Vec<ExtendReply>> {
-        self.extend_by(&SHARED_EXTEND, holds, lease)
     }
 
     /// Whether the hold `member` (the write hold if `write`) is live and nobody else

@@ -40,6 +40,29 @@ impl Lua {
     }
 }
 
+/// Runs `calls` (`EVALSHA`s of `scripts`, in any mix) in one round trip, one reply each;
+/// after a `NOSCRIPT` loads them all and sends them again, so `calls` must be safe to run
+/// twice (renewals are).
+pub fn run_pipelined<T: FromRedisValue>(
+    scripts: &[&Lua],
+    calls: &[Cmd],
+    conn: &mut Connection,
+) -> RedisResult<Vec<T>> {
+    let mut pipe = redis::pipe();
+    for call in calls {
+        pipe.add_command(call.clone());
+    }
+    match pipe.query(conn) {
+        Err(e) if is_noscript(&e) => {
+            for script in scripts {
+                script.0.load(conn)?;
+            }
+            pipe.query(conn)
+        }
+        other => other,
+    }
+}
+
 /// The server does not have the script (restarted, or `SCRIPT FLUSH`).
 pub(crate) fn is_noscript(e: &RedisError) -> bool {
     e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
