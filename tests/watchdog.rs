@@ -1095,3 +1095,26 @@ fn every_client_starts_a_live_watchdog() {
         "clients without a running watchdog: {dead:?}"
     );
 }
+
+/// A plain lock and a read hold renew in one pipelined round trip (two scripts); after
+/// `SCRIPT FLUSH` (as after a restart) the watchdog loads both and renews again.
+#[test]
+fn mixed_renewals_survive_a_script_flush() {
+    init_log();
+    let srv = RedisServer::start();
+    let c = client(&srv.url(), ms(600));
+    let g = c.lock("mixed").expect("lock");
+    let r = c.rwlock("mixed-rw").read().expect("read");
+    thread::sleep(ms(500));
+    redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query::<()>(&mut srv.conn())
+        .expect("SCRIPT FLUSH");
+    thread::sleep(ms(1500));
+    g.check().expect("renewed after the flush");
+    r.check().expect("renewed after the flush");
+    let s = c.stats();
+    assert_eq!((s.renewals_failed, s.locks_lost), (0, 0), "{s:?}");
+    assert_eq!(g.unlock().unwrap(), Unlocked::Released);
+    assert!(r.unlock().unwrap().was_held());
+}
