@@ -375,18 +375,7 @@ fn holder(quick: bool) -> Result<(), BoxError> {
 fn compare_cluster(quick: bool, node_replica: bool) -> Result<(), BoxError> {
     const ROUNDS: usize = 4;
     let node = server::RedisServer::start();
-    let _replica = node_replica.then(|| {
-        let replica = server::RedisServer::builder()
-            .config("replicaof", &format!("127.0.0.1 {}", node.port()))
-            .start();
-        redbaton_testkit::wait::wait_for(Duration::from_secs(10), "the replica in sync", || {
-            redis::cmd("INFO")
-                .arg("replication")
-                .query::<String>(&mut replica.conn())
-                .is_ok_and(|i| i.contains("master_link_status:up"))
-        });
-        replica
-    });
+    let _replica = node_replica.then(|| node.start_replica());
     let cluster = redbaton_testkit::cluster::Cluster::start();
     let seeds = cluster.seed_urls().join(",");
     let targets = [(node.url(), false), (seeds, true)];

@@ -25,10 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let certs = Certs::generate();
     let tls = TlsServer::start(&certs, false);
     let master = RedisServer::start();
-    let _replica = RedisServer::builder()
-        .config("replicaof", &format!("127.0.0.1 {}", master.port()))
-        .start();
-    std::thread::sleep(Duration::from_millis(500)); // the replica's first sync
+    let _replica = master.start_replica();
 
     let clients = [
         (

@@ -8,21 +8,7 @@ use redbaton_testkit::{init_log, ms};
 
 fn with_replica() -> (RedisServer, RedisServer) {
     let master = RedisServer::start();
-    let replica = RedisServer::builder()
-        .config("replicaof", &format!("127.0.0.1 {}", master.port()))
-        .start();
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query(&mut replica.conn())
-            .expect("INFO");
-        if info.contains("master_link_status:up") {
-            break;
-        }
-        assert!(Instant::now() < until, "replica never synced");
-        std::thread::sleep(ms(50));
-    }
+    let replica = master.start_replica();
     (master, replica)
 }
 

@@ -28,6 +28,10 @@ pub struct Args {
     /// both tables and their ratios (see below).
     #[arg(long, conflicts_with_all = ["cluster", "url", "matrix", "svg"])]
     pub compare_cluster: bool,
+    /// With --compare-cluster: give the one node a replica, as every cluster master has
+    /// one, so that both sides replicate their writes (and count the replicas' re-runs).
+    #[arg(long, requires = "compare_cluster")]
+    pub node_replica: bool,
     /// Worker processes [default: 4; --quick: 2].
     #[arg(short = 'p', long)]
     pub processes: Option<usize>,

@@ -75,9 +75,11 @@
 //!   counts the masters only. Not with `--url`; `blpop-queue` does not run on a cluster.
 //! * `--compare-cluster`: the same configuration against one lock-only node, then against
 //!   a cluster (counters on their own server for both, counted alike), both tables, and
-//!   per strategy two ratios, cluster ÷ one node: lock commands per section and wait p50
-//!   (target: ≤ 1.2 each). Defaults: P=4, T=4, S=200, H=1000 µs, K=8 (two processes
-//!   contend for each key, and the keys spread over the masters), `notify+handoff` only.
+//!   per strategy the ratios cluster ÷ one node: lock commands per section on the masters
+//!   (target: ≤ 1.2), the same with what replicas re-run, and wait p50 under this load.
+//!   `--node-replica` gives the one node a replica, as each cluster master has. Defaults:
+//!   P=4, T=4, S=200, H=1000 µs, K=8 (two processes contend for each key, and the keys
+//!   spread over the masters), `notify+handoff` only.
 //! * Without `--url` the tool starts its own `redis-server` (no persistence, temp dir, free
 //!   127.0.0.1 port) and stops it at the end. Unix only (it reads `CLOCK_MONOTONIC`, which
 //!   all processes of a machine share).

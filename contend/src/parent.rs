@@ -215,7 +215,7 @@ fn compare(
     let counters = RedisServer::start();
     let counter_url = counters.url();
     let mut ctx = Ctx {
-        lab: Lab::lone_node(&counter_url)?,
+        lab: Lab::lone_node(&counter_url, args.node_replica)?,
         admin: raw_conn(&counter_url)?,
         bar: bar.clone(),
         stall,

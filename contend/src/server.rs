@@ -25,6 +25,7 @@ pub struct Lab {
     pub meter: Meter,
     /// Throwaway servers, stopped when the lab is dropped.
     _server: Option<RedisServer>,
+    _replica: Option<RedisServer>,
     _cluster: Option<Cluster>,
 }
 
@@ -39,24 +40,42 @@ impl Lab {
             counter_url: None,
             meter: Meter::Shared,
             _server: server,
+            _replica: None,
             _cluster: None,
         }
     }
 
-    /// A throwaway node that holds only locks; counters on `counter_url`.
-    pub fn lone_node(counter_url: &str) -> Res<Lab> {
+    /// A throwaway node that holds only locks (with `replica`, and a replica of it, whose
+    /// commands are counted as a cluster's replicas are); counters on `counter_url`.
+    pub fn lone_node(counter_url: &str, replica: bool) -> Res<Lab> {
         let server = RedisServer::start();
         let url = server.url();
+        let mut nodes = vec![MeteredNode {
+            conn: raw_conn(&url)?,
+            replica: false,
+        }];
+        let replica = replica.then(|| server.start_replica());
+        if let Some(r) = &replica {
+            nodes.push(MeteredNode {
+                conn: raw_conn(&r.url())?,
+                replica: true,
+            });
+        }
         Ok(Lab {
-            desc: format!("one node {url} (counters on {counter_url})"),
-            meter: Meter::Nodes(vec![MeteredNode {
-                conn: raw_conn(&url)?,
-                replica: false,
-            }]),
+            desc: format!(
+                "one node {url}{} (counters on {counter_url})",
+                if replica.is_some() {
+                    " + a replica"
+                } else {
+                    ""
+                }
+            ),
+            meter: Meter::Nodes(nodes),
             url,
             cluster: false,
             counter_url: Some(counter_url.to_owned()),
             _server: Some(server),
+            _replica: replica,
             _cluster: None,
         })
     }
@@ -88,6 +107,7 @@ impl Lab {
             counter_url: Some(counter_url.to_owned()),
             meter: Meter::Nodes(nodes),
             _server: None,
+            _replica: None,
             _cluster: Some(cluster),
         })
     }

@@ -221,6 +221,21 @@ impl RedisServer {
         RedisServerBuilder::default()
     }
 
+    /// Starts a replica of this server (default config) and waits until it is in sync.
+    /// Panics if it is not within 20 s.
+    pub fn start_replica(&self) -> RedisServer {
+        let replica = Self::builder()
+            .config("replicaof", &format!("127.0.0.1 {}", self.port))
+            .start();
+        crate::wait::wait_for(Duration::from_secs(20), "the replica in sync", || {
+            redis::cmd("INFO")
+                .arg("replication")
+                .query::<String>(&mut replica.conn())
+                .is_ok_and(|i| i.contains("master_link_status:up"))
+        });
+        replica
+    }
+
     /// `redis://127.0.0.1:PORT/` (no credentials; see `url_with_auth`).
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
