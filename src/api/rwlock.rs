@@ -559,9 +559,10 @@ impl WriteGuard {
     }
 
     /// The write's fencing token: `(f << 20) | k`, where `f` is the name's fence counter,
-    /// which the remote write hold incremented, and `k` numbers the local writes that took
-    /// turns on that hold. Strictly increasing across writers, and laid out like a plain
-    /// lock's token of the same name, so both compare.
+    /// which the remote write hold incremented, and `k` = 1, 2, … numbers the local writes
+    /// that took turns on that hold (a hold serves fewer than 2^20 − 1 of them). Strictly
+    /// increasing across writers, and laid out like a plain lock's token of the same name,
+    /// so both compare.
     ///
     /// # Examples
     ///

@@ -70,7 +70,7 @@ impl Engine {
         if !self.cfg.local_handoff {
             drop(st);
             let remote = self.acquire_shared(&keys, want(mode), wait)?;
-            let token = first_token(&remote, mode);
+            let token = turn_token(&remote, mode, u32::from(mode == Mode::Write));
             self.shares
                 .state
                 .lock()
@@ -134,8 +134,9 @@ impl Engine {
                     self.shares.changed.notify_all();
                     return match got {
                         Ok(remote) => {
-                            turn.acquired(remote.clone(), mode);
-                            Ok((remote.clone(), first_token(&remote, mode)))
+                            turn.acquired(remote.clone(), mode, write);
+                            let token = turn_token(&remote, mode, turn.writes);
+                            Ok((remote, token))
                         }
                         Err(e) => {
                             turn.released();
@@ -437,19 +438,15 @@ fn mine(mode: Mode, remote: &Arc<RemoteLock>, token: u64) -> Mine {
     }
 }
 
-/// The token of the first user of a fresh remote hold.
-fn first_token(remote: &RemoteLock, mode: Mode) -> u64 {
-    turn_token(remote, mode, 1)
-}
-
 /// A user's fencing token on `remote` (held as `held`), `writes` writes into it (counting
-/// the user's own, if it writes). A write's token numbers it within the remote write hold; a read
-/// under a read hold takes the highest number of its fence (above every write of that
-/// fence), and under this process's write hold the number of the last write before it.
+/// the user's own, if it writes). A write's token numbers it within the remote write hold
+/// (1, 2, …); a read under a read hold takes the highest number of its fence (above every
+/// write of that fence), and under this process's write hold the number of the last write
+/// before it (0 before the first: below it).
 fn turn_token(remote: &RemoteLock, held: Mode, writes: u32) -> u64 {
     let seq = match held {
         Mode::Read => MAX_LOCAL_SEQ,
-        Mode::Write => writes.saturating_sub(1),
+        Mode::Write => writes,
     };
     fencing::token(remote.fence, seq)
 }

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::fencing::MAX_LOCAL_SEQ;
 use crate::local::held::RemoteLock;
 use crate::proto::keys::Keys;
 
@@ -88,7 +89,7 @@ pub(crate) struct Turn {
     uses: u32,
     pub readers: usize,
     pub writing: bool,
-    /// Writes served by the current remote hold: the next write's local sequence number.
+    /// Writes served by the current remote hold (the last one's local sequence number).
     pub writes: u32,
     /// Local threads waiting for a turn (readers, writers).
     pub waiting_readers: usize,
@@ -135,6 +136,12 @@ impl Turn {
         if blocked {
             return self.wait_or_give_back();
         }
+        // The local sequence numbers of one remote hold's writes must fit a token's low
+        // bits: a hold that served that many goes back, whatever the budget.
+        if self.writes >= MAX_LOCAL_SEQ - 1 {
+            self.draining = true;
+            return self.wait_or_give_back();
+        }
         let fresh =
             self.since.is_some_and(|s| s.elapsed() < budget.slice) && self.uses < budget.uses;
         if !fresh && !self.checking {
@@ -164,14 +171,15 @@ impl Turn {
         }
     }
 
-    /// A contender came back with a remote hold of `mode`: it is the first holder.
-    pub fn acquired(&mut self, remote: Arc<RemoteLock>, mode: Mode) {
+    /// A contender came back with a remote hold of `mode`: it is the first holder, a
+    /// writer if `write`.
+    pub fn acquired(&mut self, remote: Arc<RemoteLock>, mode: Mode, write: bool) {
         self.remote = Some((remote, mode));
         self.busy = false;
         self.draining = false;
         self.writes = 0;
         self.renew_budget();
-        self.admit(mode == Mode::Write);
+        self.admit(write);
     }
 
     /// The budget check came back: a new budget if nobody else waits (`keep`), else the
@@ -291,7 +299,7 @@ mod tests {
         let mut t = waiting(2, 0);
         assert_eq!(t.next(false, BUDGET, false), Next::Contend);
         assert_eq!(t.next(false, BUDGET, false), Next::Wait, "one contender");
-        t.acquired(hold(), Mode::Read);
+        t.acquired(hold(), Mode::Read, false);
         assert_eq!(t.next(false, BUDGET, false), Next::Admit);
         assert_eq!(t.readers, 2);
         t.waiting_readers = 0;
@@ -305,7 +313,7 @@ mod tests {
     fn waiting_writer_drains_reads_and_gets_the_next_turn() {
         let mut t = Turn::default();
         t.next(false, BUDGET, false);
-        t.acquired(hold(), Mode::Read);
+        t.acquired(hold(), Mode::Read, false);
         t.waiting_writers = 1;
         t.waiting_readers = 1;
         assert_eq!(t.next(true, BUDGET, false), Next::Wait);
@@ -325,7 +333,7 @@ mod tests {
         );
         assert_eq!(t.next(true, BUDGET, false), Next::Contend);
         t.waiting_writers = 0;
-        t.acquired(hold(), Mode::Write);
+        t.acquired(hold(), Mode::Write, true);
         assert!(t.writing);
         assert_eq!(t.writes, 1);
     }
@@ -334,7 +342,7 @@ mod tests {
     fn write_hold_serves_local_readers_and_writers_in_turn() {
         let mut t = waiting(1, 1);
         t.next(true, BUDGET, false);
-        t.acquired(hold(), Mode::Write);
+        t.acquired(hold(), Mode::Write, true);
         t.waiting_writers = 0;
         assert_eq!(
             t.next(false, BUDGET, false),
@@ -361,7 +369,7 @@ mod tests {
     fn read_budget_is_time_and_asks_redis_once() {
         let mut t = waiting(1, 0);
         t.next(false, BUDGET, false);
-        t.acquired(hold(), Mode::Read);
+        t.acquired(hold(), Mode::Read, false);
         for _ in 0..10 {
             assert_eq!(
                 t.next(false, BUDGET, false),
@@ -384,10 +392,20 @@ mod tests {
     }
 
     #[test]
+    fn a_hold_goes_back_before_its_write_numbers_run_out() {
+        let mut t = waiting(0, 1);
+        t.next(true, BUDGET, false);
+        t.acquired(hold(), Mode::Write, true);
+        assert!(t.leave(true).is_none(), "a writer still waits");
+        t.writes = MAX_LOCAL_SEQ - 1;
+        assert_eq!(t.next(true, BUDGET, false), give_back());
+    }
+
+    #[test]
     fn lost_hold_admits_nobody() {
         let mut t = waiting(1, 0);
         t.next(false, BUDGET, false);
-        t.acquired(hold(), Mode::Read);
+        t.acquired(hold(), Mode::Read, false);
         assert_eq!(t.next(false, BUDGET, true), Next::Wait);
         assert!(
             t.leave(false).is_some(),
