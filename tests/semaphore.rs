@@ -201,3 +201,43 @@ fn idle_waiters_cost_almost_no_commands() {
             .expect("every waiter got a permit in turn");
     }
 }
+
+/// The threads of one process wait for a permit one at a time in Redis: a freed permit
+/// costs one attempt per process, not one per waiting thread. Eight threads of one client
+/// take a one-permit semaphore in turn; each fails twice (its attempts before and after
+/// subscribing, while the previous one holds): 16, where waking all of them at each
+/// release failed 44 times.
+#[test]
+fn local_waiters_take_turns_for_a_permit() {
+    init_log();
+    let srv = RedisServer::start();
+    let waiters = client(&srv.url());
+    let holder = client(&srv.url());
+    let first = holder.semaphore("one", 1).acquire().expect("permit");
+    let before = waiters.stats();
+    let done: Vec<_> = (0..8)
+        .map(|_| {
+            let c = waiters.clone();
+            thread::spawn(move || {
+                let p = c
+                    .semaphore("one", 1)
+                    .try_acquire_for(Duration::from_secs(20))
+                    .expect("permit in turn");
+                thread::sleep(ms(20));
+                drop(p);
+            })
+        })
+        .collect();
+    thread::sleep(ms(200));
+    drop(first);
+    for d in done {
+        d.join().expect("waiter");
+    }
+    let s = waiters.stats();
+    let failed = s.failed_attempts - before.failed_attempts;
+    eprintln!("failed attempts: {failed}; {s:?}");
+    assert!(
+        failed <= 24,
+        "{failed} failed attempts for 8 permits in turn"
+    );
+}

@@ -18,6 +18,7 @@ use crate::error::{Error, Result, Unlocked};
 use crate::fencing::{self, MAX_FENCE, MAX_LOCAL_SEQ};
 use crate::local::held::{Acquisition, HoldKind, RemoteLock};
 use crate::local::shares::{Budget, Mine, Mode, Next, SharesState};
+use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, may_have_run, new_token};
 use crate::proto::rw_scripts::{SharedAttempt, Want};
@@ -264,9 +265,36 @@ impl Engine {
                 "a semaphore needs at least one permit".to_owned(),
             ));
         }
-        let remote = self.acquire_shared(&keys, Want::Permit(permits), wait)?;
+        // One local thread at a time waits for a permit in Redis (the others wait for it to
+        // get one): a freed permit wakes one attempt per process, not one per thread. While
+        // it waits, no permit is free, so the others lose nothing by waiting here.
+        let queued = self.cfg.local_handoff && matches!(wait, Wait::Until(_));
+        if queued {
+            let mut st = self.shares.state.lock();
+            while st.permit_contenders.contains(&keys) {
+                match wait.deadline() {
+                    None => self.shares.changed.wait(&mut st),
+                    Some(d) => {
+                        if self.shares.changed.wait_until(&mut st, d).timed_out()
+                            && Instant::now() >= d
+                        {
+                            Counters::inc(&self.counters.timeouts);
+                            return Err(Error::Timeout);
+                        }
+                    }
+                }
+            }
+            st.permit_contenders.insert(keys.clone());
+        }
+        // The next local waiter's turn, however this attempt ends (a panic included).
+        let _next = queued.then(|| {
+            OnUnwind::new(|| {
+                self.shares.state.lock().permit_contenders.remove(&keys);
+                self.shares.changed.notify_all();
+            })
+        });
         Ok(Hold {
-            remote,
+            remote: self.acquire_shared(&keys, Want::Permit(permits), wait)?,
             sharer: 0,
             token: 0,
         })

@@ -23,7 +23,7 @@
 //! one at a time asks for a new budget while the others go on; the others wait for
 //! what it brings back.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -49,6 +49,8 @@ pub(crate) struct SharesState {
     pub turns: HashMap<Keys, Turn>,
     /// What each thread holds, per name: a thread never waits for itself.
     pub threads: HashMap<(Keys, ThreadId), Mine>,
+    /// Semaphores for which a local thread waits for a permit in Redis.
+    pub permit_contenders: HashSet<Keys>,
 }
 
 pub(crate) enum Mine {
