@@ -160,17 +160,29 @@ impl Engine {
                 }
                 Next::Wait => match wait {
                     Wait::No => return Err(Error::WouldBlock),
-                    Wait::Until(None) => self.shares.changed.wait(st),
-                    Wait::Until(Some(d)) => {
-                        if self.shares.changed.wait_until(st, d).timed_out() && Instant::now() >= d
-                        {
-                            Counters::inc(&self.counters.timeouts);
-                            return Err(Error::Timeout);
-                        }
-                    }
+                    Wait::Until(deadline) => self.await_change(st, deadline)?,
                 },
             }
         }
+    }
+
+    /// Sleeps until the local turns change (or a spurious wake); [`Error::Timeout`] once
+    /// `deadline` has passed.
+    fn await_change(
+        &self,
+        st: &mut MutexGuard<'_, SharesState>,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
+        match deadline {
+            None => self.shares.changed.wait(st),
+            Some(d) => {
+                if self.shares.changed.wait_until(st, d).timed_out() && Instant::now() >= d {
+                    Counters::inc(&self.counters.timeouts);
+                    return Err(Error::Timeout);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Whether the process may go on taking turns on `remote`, held as `mode` (the hold is
@@ -272,17 +284,7 @@ impl Engine {
         if queued {
             let mut st = self.shares.state.lock();
             while st.permit_contenders.contains(&keys) {
-                match wait.deadline() {
-                    None => self.shares.changed.wait(&mut st),
-                    Some(d) => {
-                        if self.shares.changed.wait_until(&mut st, d).timed_out()
-                            && Instant::now() >= d
-                        {
-                            Counters::inc(&self.counters.timeouts);
-                            return Err(Error::Timeout);
-                        }
-                    }
-                }
+                self.await_change(&mut st, wait.deadline())?;
             }
             st.permit_contenders.insert(keys.clone());
         }
