@@ -12,5 +12,6 @@ mod ride;
 pub(crate) mod shared_hold;
 pub(crate) mod state;
 pub(crate) mod subs;
+mod turns;
 pub(crate) mod waiter;
 pub(crate) mod watchdog;

@@ -1,23 +1,18 @@
-//! Read-write locks and semaphores: taking a shared hold in Redis (the same wait as the
+//! Read-write locks and semaphores in Redis: taking a shared hold (the same wait as the
 //! lock's: subscribe before the attempt that makes us wait, then sleep until an event, the
-//! obstacle's lease, the re-check ceiling or the deadline), letting one process's threads
-//! take turns on its remote read or write hold (the rules are in `local::shares`), and
-//! giving holds back.
+//! obstacle's lease, the re-check ceiling or the deadline), semaphore permits, and giving
+//! holds back. How a process's threads share its read-write holds is in `turns`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
-
-use parking_lot::MutexGuard;
 
 use crate::engine::contend::Wait;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
 use crate::engine::waiter::Waiter;
 use crate::error::{Error, Result, Unlocked};
-use crate::fencing::{self, MAX_FENCE, MAX_LOCAL_SEQ};
+use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, HoldKind, RemoteLock};
-use crate::local::shares::{Budget, Mine, Mode, Next, SharesState};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, may_have_run, new_token};
@@ -25,8 +20,6 @@ use crate::proto::rw_scripts::{SharedAttempt, Want};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::verdict::tally_release;
-
-static NEXT_SHARER: AtomicU64 = AtomicU64::new(1);
 
 /// A hold as a guard keeps it: the remote hold (maybe shared with other local threads),
 /// the guard's id among its users, and the guard's fencing token.
@@ -37,238 +30,6 @@ pub(crate) struct Hold {
 }
 
 impl Engine {
-    /// Takes a read hold of `name`: the process's remote hold when the turn rules admit
-    /// this thread, else one asked of Redis for the process.
-    pub(crate) fn read(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
-        self.take_turn(name, Mode::Read, wait)
-    }
-
-    /// Takes the write hold of `name` (or a turn on this process's write hold).
-    pub(crate) fn write(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
-        self.take_turn(name, Mode::Write, wait)
-    }
-
-    fn take_turn(self: &Arc<Self>, name: &[u8], mode: Mode, wait: Wait) -> Result<Hold> {
-        let keys = Keys::new(&self.cfg.key_prefix, name)?;
-        let me = std::thread::current().id();
-        let mut st = self.shares.state.lock();
-        match st.threads.get_mut(&(keys.clone(), me)) {
-            Some(Mine::Write) => return Err(Error::WouldDeadlock),
-            Some(Mine::Read(..)) if mode == Mode::Write => return Err(Error::WouldDeadlock),
-            // A thread that reads already joins its own hold: asking again could wait
-            // behind a writer who waits for this thread.
-            Some(Mine::Read(remote, token, n)) => {
-                *n += 1;
-                let (remote, token) = (remote.clone(), *token);
-                if let Some(turn) = st.turns.get_mut(&keys) {
-                    turn.readers += 1;
-                }
-                Counters::inc(&self.counters.local_handoffs);
-                return Ok(self.sharer(remote, token));
-            }
-            None => {}
-        }
-        if !self.cfg.local_handoff {
-            drop(st);
-            let remote = self.acquire_shared(&keys, want(mode), wait)?;
-            let token = turn_token(&remote, mode, u32::from(mode == Mode::Write));
-            self.shares
-                .state
-                .lock()
-                .threads
-                .insert((keys, me), mine(mode, &remote, token));
-            return Ok(self.sharer(remote, token));
-        }
-        let write = mode == Mode::Write;
-        let waiting = |st: &mut SharesState, by: isize| {
-            let turn = st.turns.entry(keys.clone()).or_default();
-            let count = if write {
-                &mut turn.waiting_writers
-            } else {
-                &mut turn.waiting_readers
-            };
-            *count = count.saturating_add_signed(by);
-        };
-        waiting(&mut st, 1);
-        let taken = self.turn_loop(&mut st, &keys, mode, wait);
-        waiting(&mut st, -1);
-        if let Ok((remote, token)) = &taken {
-            st.threads
-                .insert((keys.clone(), me), mine(mode, remote, *token));
-        }
-        let back = st.turns.get_mut(&keys).and_then(|t| t.give_back_if_idle());
-        self.settle(st, &keys, back);
-        taken.map(|(remote, token)| self.sharer(remote, token))
-    }
-
-    /// Asks the turn what to do until this thread is admitted (or contends and wins), the
-    /// wait policy says stop, or an error.
-    fn turn_loop(
-        self: &Arc<Self>,
-        st: &mut MutexGuard<'_, SharesState>,
-        keys: &Keys,
-        mode: Mode,
-        wait: Wait,
-    ) -> Result<(Arc<RemoteLock>, u64)> {
-        let write = mode == Mode::Write;
-        let budget = Budget {
-            slice: self.cfg.handoff_slice,
-            uses: self.cfg.max_handoffs,
-        };
-        loop {
-            let turn = st.turns.entry(keys.clone()).or_default();
-            let lost = turn
-                .remote
-                .as_ref()
-                .is_some_and(|(r, _)| r.lost(&self.counters).is_some());
-            match turn.next(write, budget, lost) {
-                Next::Admit => {
-                    let (remote, held) = turn.remote.as_ref().expect("admitted to a hold");
-                    let token = turn_token(remote, *held, turn.writes);
-                    Counters::inc(&self.counters.local_handoffs);
-                    return Ok((remote.clone(), token));
-                }
-                Next::Contend => {
-                    let got =
-                        MutexGuard::unlocked(st, || self.acquire_shared(keys, want(mode), wait));
-                    let turn = st.turns.entry(keys.clone()).or_default();
-                    self.shares.changed.notify_all();
-                    return match got {
-                        Ok(remote) => {
-                            turn.acquired(remote.clone(), mode, write);
-                            let token = turn_token(&remote, mode, turn.writes);
-                            Ok((remote, token))
-                        }
-                        Err(e) => {
-                            turn.released();
-                            Err(e)
-                        }
-                    };
-                }
-                Next::Check => {
-                    let remote = turn.remote.clone();
-                    let keep = remote.is_some_and(|(r, held)| {
-                        MutexGuard::unlocked(st, || self.keep_turns(&r, held))
-                    });
-                    st.turns.entry(keys.clone()).or_default().checked(keep);
-                    self.shares.changed.notify_all();
-                }
-                Next::GiveBack(remote) => {
-                    MutexGuard::unlocked(st, || self.give_back(&remote));
-                    st.turns.entry(keys.clone()).or_default().released();
-                    self.shares.changed.notify_all();
-                }
-                Next::Wait => match wait {
-                    Wait::No => return Err(Error::WouldBlock),
-                    Wait::Until(deadline) => self.await_change(st, deadline)?,
-                },
-            }
-        }
-    }
-
-    /// Sleeps until the local turns change (or a spurious wake); [`Error::Timeout`] once
-    /// `deadline` has passed.
-    fn await_change(
-        &self,
-        st: &mut MutexGuard<'_, SharesState>,
-        deadline: Option<Instant>,
-    ) -> Result<()> {
-        match deadline {
-            None => self.shares.changed.wait(st),
-            Some(d) => {
-                if self.shares.changed.wait_until(st, d).timed_out() && Instant::now() >= d {
-                    Counters::inc(&self.counters.timeouts);
-                    return Err(Error::Timeout);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether the process may go on taking turns on `remote`, held as `mode` (the hold is
-    /// live and nobody else waits for it). An error counts as no: the hold drains and is
-    /// asked for again.
-    fn keep_turns(&self, remote: &RemoteLock, mode: Mode) -> bool {
-        let route = self.topology.route(&remote.keys);
-        let Ok(node) = sole(&route) else {
-            return false;
-        };
-        match node.keep_turns(&remote.keys, &remote.token, mode == Mode::Write) {
-            Ok(keep) => keep,
-            Err(e) => {
-                log::debug!("checking for waiting writers failed: {e}");
-                false
-            }
-        }
-    }
-
-    /// Gives a remote hold back on behalf of the process (nobody waits for the outcome).
-    fn give_back(self: &Arc<Self>, remote: &Arc<RemoteLock>) {
-        if let Err(e) = self.release_shared(remote) {
-            log::debug!("giving a hold back failed (it expires with its lease): {e}");
-        }
-    }
-
-    /// After a change: gives `back` back in Redis if it must go, and forgets the name's
-    /// turn when nobody uses it any more.
-    fn settle(
-        self: &Arc<Self>,
-        mut st: MutexGuard<'_, SharesState>,
-        keys: &Keys,
-        back: Option<Arc<RemoteLock>>,
-    ) -> Option<Result<Unlocked>> {
-        let outcome = back.map(|remote| {
-            let r = MutexGuard::unlocked(&mut st, || self.release_shared(&remote));
-            if let Some(turn) = st.turns.get_mut(keys) {
-                turn.released();
-            }
-            r
-        });
-        if st.turns.get(keys).is_some_and(|t| t.unused()) {
-            st.turns.remove(keys);
-        }
-        self.shares.changed.notify_all();
-        outcome
-    }
-
-    fn sharer(&self, remote: Arc<RemoteLock>, token: u64) -> Hold {
-        Hold {
-            remote,
-            sharer: NEXT_SHARER.fetch_add(1, Ordering::Relaxed),
-            token,
-        }
-    }
-
-    /// A local reader or writer lets go; the last user of a remote hold that must go
-    /// gives it back in Redis.
-    pub(crate) fn leave_turn(self: &Arc<Self>, hold: &Hold, mode: Mode) -> Result<Unlocked> {
-        let remote = &hold.remote;
-        remote.remove_sharer(hold.sharer);
-        let me = std::thread::current().id();
-        let mut st = self.shares.state.lock();
-        let key = (remote.keys.clone(), me);
-        match st.threads.get_mut(&key) {
-            Some(Mine::Read(_, _, n)) if *n > 1 => *n -= 1,
-            _ => {
-                st.threads.remove(&key);
-            }
-        }
-        if !self.cfg.local_handoff {
-            drop(st);
-            return self.release_shared(remote);
-        }
-        let back = st
-            .turns
-            .get_mut(&remote.keys)
-            .and_then(|t| t.leave(mode == Mode::Write));
-        let lost = remote.lost(&self.counters);
-        match self.settle(st, &remote.keys, back) {
-            Some(outcome) => outcome,
-            None if lost.is_some() => Ok(Unlocked::Expired),
-            None => Ok(Unlocked::Released),
-        }
-    }
-
     /// Takes one permit of the semaphore `name` of `permits` permits.
     pub(crate) fn permit(self: &Arc<Self>, name: &[u8], permits: u32, wait: Wait) -> Result<Hold> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
@@ -324,7 +85,7 @@ impl Engine {
     /// Contends for a shared hold until it is ours, the wait policy says stop, or an error.
     /// One member (tag and token) for the whole call: a retry after a lost reply, or after
     /// a wait, finds its own hold.
-    fn acquire_shared(
+    pub(crate) fn acquire_shared(
         self: &Arc<Self>,
         keys: &Keys,
         want: Want,
@@ -454,36 +215,9 @@ impl Engine {
     }
 }
 
-fn want(mode: Mode) -> Want {
-    match mode {
-        Mode::Read => Want::Read,
-        Mode::Write => Want::Write,
-    }
-}
-
-fn mine(mode: Mode, remote: &Arc<RemoteLock>, token: u64) -> Mine {
-    match mode {
-        Mode::Read => Mine::Read(remote.clone(), token, 1),
-        Mode::Write => Mine::Write,
-    }
-}
-
-/// A user's fencing token on `remote` (held as `held`), `writes` writes into it (counting
-/// the user's own, if it writes). A write's token numbers it within the remote write hold
-/// (1, 2, …); a read under a read hold takes the highest number of its fence (above every
-/// write of that fence), and under this process's write hold the number of the last write
-/// before it (0 before the first: below it).
-fn turn_token(remote: &RemoteLock, held: Mode, writes: u32) -> u64 {
-    let seq = match held {
-        Mode::Read => MAX_LOCAL_SEQ,
-        Mode::Write => writes,
-    };
-    fencing::token(remote.fence, seq)
-}
-
 /// The one node that serves a shared hold: read-write locks and semaphores are not
 /// offered over Redlock.
-fn sole(route: &Route) -> Result<&Arc<Node>> {
+pub(crate) fn sole(route: &Route) -> Result<&Arc<Node>> {
     route.sole().ok_or(Error::Unsupported(
         "read-write locks and semaphores need a single node (not Redlock)",
     ))
