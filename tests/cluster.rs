@@ -851,3 +851,41 @@ fn renewals_cover_every_slot_and_kind() {
         assert_eq!(g.unlock().expect("unlock"), Unlocked::Released);
     }
 }
+
+/// A master that stops answering (SIGSTOP) holds up renewals on the others by at most
+/// one read timeout per round: the watchdog asks the masters in parallel, and the slot
+/// map is read from masters that answer first. Locks on the healthy masters stay held
+/// with a lease of 1.5 read timeouts.
+#[test]
+fn a_hung_master_delays_renewals_elsewhere_by_one_timeout_at_most() {
+    init_log();
+    let cluster = Cluster::start();
+    let client = LockClient::builder()
+        .cluster(cluster.seed_urls())
+        .lease(secs(3))
+        .read_timeout(secs(2))
+        .build()
+        .expect("build");
+    let masters: Vec<u16> = cluster.masters().iter().map(|m| m.port()).collect();
+    let name_on = |port: u16| {
+        (0..)
+            .map(|i| format!("hung-{i}"))
+            .find(|n| cluster.master_of(&KEYS.lock_bytes(n.as_bytes())).port() == port)
+            .expect("a name")
+    };
+    let healthy: Vec<_> = masters[1..]
+        .iter()
+        .map(|&p| client.lock(name_on(p)).expect("lock"))
+        .collect();
+    let on_hung = client.lock(name_on(masters[0])).expect("lock");
+    let hung = cluster.server(masters[0]);
+    hung.pause();
+    thread::sleep(secs(5));
+    let held: Vec<bool> = healthy.iter().map(|g| g.check().is_ok()).collect();
+    hung.resume();
+    assert_eq!(held, vec![true, true], "renewed on the healthy masters");
+    drop(on_hung);
+    for g in healthy {
+        assert_eq!(g.unlock().expect("unlock"), Unlocked::Released);
+    }
+}

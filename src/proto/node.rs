@@ -140,6 +140,9 @@ pub(crate) struct Node {
     fair: Option<Fair>,
     /// Redis Cluster: who follows this node's redirects.
     redirect: Option<std::sync::Weak<dyn Redirect>>,
+    /// The last command got no reply (a network error or a timeout): asked last when
+    /// any node will do (the cluster's slot map).
+    silent: std::sync::atomic::AtomicBool,
 }
 
 /// The fair queue's timings (see `fair_scripts`).
@@ -162,6 +165,11 @@ impl Fair {
 }
 
 impl Node {
+    /// Whether the last command got a reply (see `silent`).
+    pub fn answering(&self) -> bool {
+        !self.silent.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// A node at `url`; `label` names it in errors (the URL may hold a password).
     pub fn new(
         label: &str,
@@ -218,6 +226,7 @@ impl Node {
             ack: cfg.replica_ack,
             fair: Fair::of(cfg),
             redirect: None,
+            silent: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -269,6 +278,8 @@ impl Node {
             let mut conn = match self.pool.get() {
                 Ok(conn) => conn,
                 Err(e) => {
+                    self.silent
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
                     // A node that refuses connections may have been replaced (a master
                     // killed in a cluster): look at the layout again.
                     if e.is_connection()
@@ -286,6 +297,10 @@ impl Node {
                 }
                 f(c)
             });
+            self.silent.store(
+                reply.as_ref().is_err_and(is_network_error),
+                std::sync::atomic::Ordering::Relaxed,
+            );
             match reply {
                 Ok(v) => return Ok(v),
                 Err(e) if e.redirect_node().is_some() && self.redirect.is_some() => {

@@ -149,7 +149,10 @@ impl Shared {
         self.stale.store(false, Ordering::Relaxed);
         *last = Some(Instant::now());
         let tls = self.seeds.iter().any(|u| is_tls_url(u));
-        let masters: Vec<Arc<Node>> = self.map.read().all.nodes().to_vec();
+        // Masters that answered lately first: a hung one would hold up every caller that
+        // routes while the map is read.
+        let mut masters: Vec<Arc<Node>> = self.map.read().all.nodes().to_vec();
+        masters.sort_by_key(|n| !n.answering());
         let mut first_error = None;
         let mut found = None;
         for node in &masters {

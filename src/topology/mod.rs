@@ -242,7 +242,33 @@ impl Topology {
         match (self, nodes) {
             (_, [node]) => vec![f(node)],
             (Topology::Redlock(t), _) => t.fan_out(nodes, f),
-            (_, _) => nodes.iter().map(|n| f(n)).collect(),
+            // Redis Cluster: masters come and go, so no standing lanes; a scoped thread per
+            // extra master (only the watchdog asks several at once, every few seconds), so
+            // that a hung master does not hold up the renewals on the others.
+            // A thread that cannot be spawned runs its node inline instead.
+            (_, [first, rest @ ..]) => std::thread::scope(|s| {
+                let f = &f;
+                let others: Vec<_> = rest
+                    .iter()
+                    .map(|n| {
+                        std::thread::Builder::new()
+                            .name("redbaton-fanout".to_owned())
+                            .spawn_scoped(s, move || f(n))
+                            .map_err(|_| n)
+                    })
+                    .collect();
+                let mut out = vec![f(first)];
+                out.extend(others.into_iter().map(|h| {
+                    match h {
+                        Ok(h) => h
+                            .join()
+                            .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                        Err(n) => f(n),
+                    }
+                }));
+                out
+            }),
+            (_, []) => Vec::new(),
         }
     }
 
