@@ -316,3 +316,59 @@ fn four_processes_four_threads_counter_exact() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// Child: waits for "k" (its process is queued) and prints when it got it, by the machine's
+/// monotonic clock, and whether it still held it a moment later.
+#[test]
+fn child_late_grantee() {
+    if !child::is_child() {
+        return;
+    }
+    let c = client(&child::env("F_URL"));
+    println!("waiting");
+    let g = c.try_lock_for("k", secs(20)).expect("child: lock");
+    let got = mono_ns();
+    thread::sleep(ms(50));
+    child::print_result(&[
+        ("got_ns", got.to_string()),
+        ("valid", u8::from(g.check().is_ok()).to_string()),
+        ("stats", format!("{:?}", c.stats()).replace(' ', "")),
+    ]);
+}
+
+/// A grant that reaches its grantee after its short lease ran out (here a slow network:
+/// a proxy delays everything the server sends the grantee by 1.5 s) is not taken as a
+/// lock: the grantee confirms it with a round trip first, finds it gone, and queues again.
+/// Meanwhile another client took the expired grant's key; the grantee gets the lock only
+/// after that holder lets go.
+#[test]
+fn a_grant_heard_too_late_is_not_a_lock() {
+    init_log();
+    let srv = RedisServer::start();
+    let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
+    let holder = client(&srv.url());
+    let g = holder.lock("k").expect("lock");
+    let mut late = child::spawn_self("child_late_grantee", &[("F_URL", proxy.url())]);
+    child::wait_for_line(&mut late, "waiting", secs(20));
+    wait_for(secs(10), "the child queued", || queued(&srv) == 1);
+    thread::sleep(ms(200)); // the child is asleep, subscribed
+    proxy.set_delay(ms(1500));
+    drop(g); // granted to the child, with a 1 s lease; the message takes 1.5 s
+    thread::sleep(ms(1200));
+    let other = client(&srv.url());
+    let taken = other
+        .try_lock_for("k", secs(5))
+        .expect("the expired grant's key is free");
+    thread::sleep(ms(1000)); // the grant reaches the child meanwhile
+    proxy.set_delay(Duration::ZERO);
+    let released = mono_ns();
+    drop(taken);
+    let out = child::wait_ok(late, secs(30));
+    let r = child::result_with(&out, "got_ns");
+    let got: u64 = child::field(&r, "got_ns");
+    assert!(
+        got > released,
+        "the late grantee took the lock while another held it ({got} <= {released}): {out}"
+    );
+    assert_eq!(child::field::<u8>(&r, "valid"), 1);
+}

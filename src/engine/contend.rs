@@ -133,8 +133,10 @@ impl Engine {
             None => otherwise,
         };
         loop {
-            if let Some((fence, at)) = waiter.take_grant() {
-                return self.granted(keys, &route, token.as_deref(), fence, at);
+            if let Some((fence, at)) = waiter.take_grant()
+                && let Some(lock) = self.granted(keys, &route, token.as_deref(), fence, at)?
+            {
+                return Ok(lock);
             }
             // An attempt that will wait if it fails marks contention for the holder. The
             // script deletes our mark when we win; when we leave without the lock, we take
@@ -214,8 +216,10 @@ impl Engine {
                 Wait::Until(d) => d,
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                if let Some((fence, at)) = waiter.take_grant() {
-                    return self.granted(keys, &route, token.as_deref(), fence, at);
+                if let Some((fence, at)) = waiter.take_grant()
+                    && let Some(lock) = self.granted(keys, &route, token.as_deref(), fence, at)?
+                {
+                    return Ok(lock);
                 }
                 self.leave_queue(keys, &route, token.as_deref(), marked);
                 return Err(short(unacked, Error::Timeout));
@@ -363,8 +367,9 @@ impl Engine {
         }
     }
 
-    /// Fair queue: a release granted us the lock (heard at `at`). It is ours with the
-    /// grant's short lease, which the watchdog's first renewal, at a third of it, lengthens.
+    /// Fair queue: a release granted us the lock (heard at `at`). It is ours once one
+    /// round trip confirms it and gives it the full lease; `None` when the grant had
+    /// expired before that (heard too late: the caller queues again).
     fn granted(
         self: &Arc<Self>,
         keys: &Keys,
@@ -372,7 +377,7 @@ impl Engine {
         token: Option<&str>,
         fence: u64,
         at: Instant,
-    ) -> Result<Arc<RemoteLock>> {
+    ) -> Result<Option<Arc<RemoteLock>>> {
         let (Some(token), Some(node)) = (token, route.sole()) else {
             return Err(Error::Protocol("a grant without a fair queue".to_owned()));
         };
@@ -396,13 +401,24 @@ impl Engine {
             self.cfg.drift(grant_lease),
             self.cfg.auto_renew,
         ));
+        // The message says when the grant was heard, not when it was made: a grant that
+        // sat in a socket while this process was stopped, or on a slow network, may have
+        // expired already and been passed on. Its validity counts from a round trip that
+        // confirms it (and gives it the full lease), as an acquisition's does.
+        match self.extend(&lock, self.cfg.lease) {
+            Ok(()) => {}
+            Err(Error::Lost(reason)) => {
+                log::debug!("a grant heard too late ({reason:?}): queueing again");
+                return Ok(None);
+            }
+            Err(e) => {
+                self.release_on(keys, route, token, std::slice::from_ref(&node.id));
+                return Err(e);
+            }
+        }
         Counters::inc(&self.counters.remote_acquisitions);
         Counters::inc(&self.counters.grants_received);
-        if !self.cfg.auto_renew {
-            // Nobody will renew it: give it its full lease now.
-            self.extend(&lock, self.cfg.lease)?;
-        }
-        Ok(lock)
+        Ok(Some(lock))
     }
 
     /// The wait ends without the lock: leave the fair queue (passing on a grant that

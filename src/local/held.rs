@@ -121,10 +121,10 @@ impl RemoteLock {
         self
     }
 
-    /// A lock granted by another process's release: valid for the grant's short lease
-    /// from when the grant was heard, with its first renewal (to the full `lease`) due at a
-    /// third of the grant's lease, like any renewal: a hold shorter than that costs no
-    /// renewal at all.
+    /// A lock granted by another process's release, before its grantee confirms it: the
+    /// grant's short lease counted from when it was heard (an upper bound: the message may
+    /// have been late), so the engine confirms it with a renewal before anyone uses it,
+    /// which sets the validity from that round trip.
     pub fn granted(
         acquisition: Acquisition,
         lease: Duration,
