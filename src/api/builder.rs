@@ -649,10 +649,10 @@ impl Builder {
     /// On: a process that fails to get the lock and waits is queued in Redis beside the
     /// lock (one entry per process and name: its other threads queue locally behind it),
     /// and a release grants the lock to the first process in the queue, in the same
-    /// script call, telling it on the lock's channel. That process owns the lock once one
-    /// renewal confirms the grant (its validity counts from that round trip, since the
-    /// message may have been late): a turn passes between processes with no stampede of
-    /// waiters. A free lock goes
+    /// script call, telling it on the lock's channel. That process's next attempt, sent at
+    /// once, finds its token in the key and takes the lock with the current fence (its
+    /// validity counts from that round trip, since the message may have been late): a turn
+    /// passes between processes with no stampede of waiters. A free lock goes
     /// only to the head of the queue. The local fairness budget
     /// ([`max_handoffs`](Self::max_handoffs), [`handoff_slice`](Self::handoff_slice)) then
     /// hands the lock to the next process, and this one queues again at the tail.

@@ -133,10 +133,13 @@ impl Engine {
             None => otherwise,
         };
         loop {
-            if let Some((fence, at)) = waiter.take_grant()
-                && let Some(lock) = self.granted(keys, &route, token.as_deref(), fence, at)?
-            {
-                return Ok(lock);
+            // Fair queue: a release granted us the lock. The attempt below confirms it: it
+            // finds our token in the key and returns the fence counter as it is now, its
+            // lease counted from this round trip. The message alone proves neither: it may
+            // have come after the grant's short lease ran out (a slow network, a stopped
+            // process), or be an older grant than the one the key holds now.
+            if waiter.take_grant().is_some() {
+                Counters::inc(&self.counters.grants_received);
             }
             // An attempt that will wait if it fails marks contention for the holder. The
             // script deletes our mark when we win; when we leave without the lock, we take
@@ -216,10 +219,10 @@ impl Engine {
                 Wait::Until(d) => d,
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                if let Some((fence, at)) = waiter.take_grant()
-                    && let Some(lock) = self.granted(keys, &route, token.as_deref(), fence, at)?
-                {
-                    return Ok(lock);
+                // A grant heard at the deadline: one more attempt confirms (and takes) it.
+                if waiter.take_grant().is_some() {
+                    Counters::inc(&self.counters.grants_received);
+                    continue;
                 }
                 self.leave_queue(keys, &route, token.as_deref(), marked);
                 return Err(short(unacked, Error::Timeout));
@@ -365,60 +368,6 @@ impl Engine {
             // Not waited for: one bounded worker per client (see `cleanup`).
             self.cleanup.release_later(keys, token, undo.unknown);
         }
-    }
-
-    /// Fair queue: a release granted us the lock (heard at `at`). It is ours once one
-    /// round trip confirms it and gives it the full lease; `None` when the grant had
-    /// expired before that (heard too late: the caller queues again).
-    fn granted(
-        self: &Arc<Self>,
-        keys: &Keys,
-        route: &Route,
-        token: Option<&str>,
-        fence: u64,
-        at: Instant,
-    ) -> Result<Option<Arc<RemoteLock>>> {
-        let (Some(token), Some(node)) = (token, route.sole()) else {
-            return Err(Error::Protocol("a grant without a fair queue".to_owned()));
-        };
-        if fence > MAX_FENCE {
-            self.release_on(keys, route, token, std::slice::from_ref(&node.id));
-            return Err(Error::Protocol(format!(
-                "fence counter {fence} exceeds {MAX_FENCE}"
-            )));
-        }
-        let grant_lease = node.fair().map_or(self.cfg.lease, |f| f.grant_lease);
-        let lock = Arc::new(RemoteLock::granted(
-            Acquisition {
-                keys: keys.clone(),
-                token: token.to_owned(),
-                fence,
-                nodes: vec![node.id.clone()],
-                started: at,
-            },
-            self.cfg.lease,
-            grant_lease,
-            self.cfg.drift(grant_lease),
-            self.cfg.auto_renew,
-        ));
-        // The message says when the grant was heard, not when it was made: a grant that
-        // sat in a socket while this process was stopped, or on a slow network, may have
-        // expired already and been passed on. Its validity counts from a round trip that
-        // confirms it (and gives it the full lease), as an acquisition's does.
-        match self.extend(&lock, self.cfg.lease) {
-            Ok(()) => {}
-            Err(Error::Lost(reason)) => {
-                log::debug!("a grant heard too late ({reason:?}): queueing again");
-                return Ok(None);
-            }
-            Err(e) => {
-                self.release_on(keys, route, token, std::slice::from_ref(&node.id));
-                return Err(e);
-            }
-        }
-        Counters::inc(&self.counters.remote_acquisitions);
-        Counters::inc(&self.counters.grants_received);
-        Ok(Some(lock))
     }
 
     /// The wait ends without the lock: leave the fair queue (passing on a grant that

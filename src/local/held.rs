@@ -121,27 +121,6 @@ impl RemoteLock {
         self
     }
 
-    /// A lock granted by another process's release, before its grantee confirms it: the
-    /// grant's short lease counted from when it was heard (an upper bound: the message may
-    /// have been late), so the engine confirms it with a renewal before anyone uses it,
-    /// which sets the validity from that round trip.
-    pub fn granted(
-        acquisition: Acquisition,
-        lease: Duration,
-        grant_lease: Duration,
-        drift: Duration,
-        renews: bool,
-    ) -> Self {
-        let started = acquisition.started;
-        let lock = Self::new(acquisition, lease, drift, renews.then_some(Duration::ZERO));
-        {
-            let mut st = lock.state.lock();
-            st.valid_until = started + grant_lease.saturating_sub(drift);
-            st.next_renew = started + grant_lease / 3;
-        }
-        lock
-    }
-
     /// When the watchdog should look at this lock next.
     pub fn next_due(&self) -> Instant {
         let st = self.state.lock();
