@@ -138,7 +138,7 @@ impl Engine {
             // lease counted from this round trip. The message alone proves neither: it may
             // have come after the grant's short lease ran out (a slow network, a stopped
             // process), or be an older grant than the one the key holds now.
-            if waiter.take_grant().is_some() {
+            if waiter.take_grant() {
                 Counters::inc(&self.counters.grants_received);
             }
             // An attempt that will wait if it fails marks contention for the holder. The
@@ -220,7 +220,7 @@ impl Engine {
             };
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 // A grant heard at the deadline: one more attempt confirms (and takes) it.
-                if waiter.take_grant().is_some() {
+                if waiter.take_grant() {
                     Counters::inc(&self.counters.grants_received);
                     continue;
                 }

@@ -120,7 +120,7 @@ impl Engine {
                     self.shares.changed.notify_all();
                     return match got {
                         Ok(remote) => {
-                            turn.acquired(remote.clone(), mode, write);
+                            turn.acquired(remote.clone(), mode);
                             let token = turn_token(&remote, mode, turn.writes);
                             Ok((remote, token))
                         }

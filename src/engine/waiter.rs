@@ -139,10 +139,9 @@ impl Waiter {
         }
     }
 
-    /// A grant to this waiter, if one was heard: its fence and when.
-    pub fn take_grant(&self) -> Option<(u64, Instant)> {
-        self.grant_token.as_ref()?;
-        self.watches.iter().find_map(Watch::take_grant)
+    /// Whether a grant to this waiter was heard (taken: it wakes the waiter once).
+    pub fn take_grant(&self) -> bool {
+        self.grant_token.is_some() && self.watches.iter().any(Watch::take_grant)
     }
 
     pub fn watching(&self) -> bool {

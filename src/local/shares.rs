@@ -173,15 +173,14 @@ impl Turn {
         }
     }
 
-    /// A contender came back with a remote hold of `mode`: it is the first holder, a
-    /// writer if `write`.
-    pub fn acquired(&mut self, remote: Arc<RemoteLock>, mode: Mode, write: bool) {
+    /// A contender came back with a remote hold of `mode`: it is the first holder.
+    pub fn acquired(&mut self, remote: Arc<RemoteLock>, mode: Mode) {
         self.remote = Some((remote, mode));
         self.busy = false;
         self.draining = false;
         self.writes = 0;
         self.renew_budget();
-        self.admit(write);
+        self.admit(mode == Mode::Write);
     }
 
     /// The budget check came back: a new budget if nobody else waits (`keep`), else the
@@ -301,7 +300,7 @@ mod tests {
         let mut t = waiting(2, 0);
         assert_eq!(t.next(false, BUDGET, false), Next::Contend);
         assert_eq!(t.next(false, BUDGET, false), Next::Wait, "one contender");
-        t.acquired(hold(), Mode::Read, false);
+        t.acquired(hold(), Mode::Read);
         assert_eq!(t.next(false, BUDGET, false), Next::Admit);
         assert_eq!(t.readers, 2);
         t.waiting_readers = 0;
@@ -315,7 +314,7 @@ mod tests {
     fn waiting_writer_drains_reads_and_gets_the_next_turn() {
         let mut t = Turn::default();
         t.next(false, BUDGET, false);
-        t.acquired(hold(), Mode::Read, false);
+        t.acquired(hold(), Mode::Read);
         t.waiting_writers = 1;
         t.waiting_readers = 1;
         assert_eq!(t.next(true, BUDGET, false), Next::Wait);
@@ -335,7 +334,7 @@ mod tests {
         );
         assert_eq!(t.next(true, BUDGET, false), Next::Contend);
         t.waiting_writers = 0;
-        t.acquired(hold(), Mode::Write, true);
+        t.acquired(hold(), Mode::Write);
         assert!(t.writing);
         assert_eq!(t.writes, 1);
     }
@@ -344,7 +343,7 @@ mod tests {
     fn write_hold_serves_local_readers_and_writers_in_turn() {
         let mut t = waiting(1, 1);
         t.next(true, BUDGET, false);
-        t.acquired(hold(), Mode::Write, true);
+        t.acquired(hold(), Mode::Write);
         t.waiting_writers = 0;
         assert_eq!(
             t.next(false, BUDGET, false),
@@ -371,7 +370,7 @@ mod tests {
     fn read_budget_is_time_and_asks_redis_once() {
         let mut t = waiting(1, 0);
         t.next(false, BUDGET, false);
-        t.acquired(hold(), Mode::Read, false);
+        t.acquired(hold(), Mode::Read);
         for _ in 0..10 {
             assert_eq!(
                 t.next(false, BUDGET, false),
@@ -397,7 +396,7 @@ mod tests {
     fn a_hold_goes_back_before_its_write_numbers_run_out() {
         let mut t = waiting(0, 1);
         t.next(true, BUDGET, false);
-        t.acquired(hold(), Mode::Write, true);
+        t.acquired(hold(), Mode::Write);
         assert!(t.leave(true).is_none(), "a writer still waits");
         t.writes = MAX_LOCAL_SEQ - 1;
         assert_eq!(t.next(true, BUDGET, false), give_back());
@@ -407,7 +406,7 @@ mod tests {
     fn lost_hold_admits_nobody() {
         let mut t = waiting(1, 0);
         t.next(false, BUDGET, false);
-        t.acquired(hold(), Mode::Read, false);
+        t.acquired(hold(), Mode::Read);
         assert_eq!(t.next(false, BUDGET, true), Next::Wait);
         assert!(
             t.leave(false).is_some(),

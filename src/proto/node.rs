@@ -673,7 +673,13 @@ impl Node {
                 call
             })
             .collect();
-        let scripts: Vec<&Lua> = batches.iter().map(|b| b.script).collect();
+        // Each script once, for reloading after a NOSCRIPT.
+        let mut scripts: Vec<&Lua> = Vec::new();
+        for b in batches {
+            if !scripts.iter().any(|s| std::ptr::eq(*s, b.script)) {
+                scripts.push(b.script);
+            }
+        }
         let (replies, acked) = self.run(Retry::ON_RESET, |c| {
             let replies: Vec<Vec<i64>> = match calls.as_slice() {
                 [one] => vec![scripts[0].run(one, c)?],

@@ -63,10 +63,11 @@ pub(super) struct KeySub {
     /// them (or this instant) before its first attempt.
     pub(super) yield_until: Option<(Instant, u64)>,
     pub(super) listeners: Vec<(u64, Sender<()>)>,
-    /// Fair queue: the contender token each listener waits to be granted, and the grants
-    /// heard for them (fence, when heard).
+    /// Fair queue: the contender token each listener waits to be granted, and the tokens
+    /// grants were heard for (a wake-up: the contender's next attempt confirms the grant
+    /// and reads its fence).
     pub(super) awaiting: Vec<(u64, Vec<u8>)>,
-    pub(super) grants: Vec<(Vec<u8>, u64, Instant)>,
+    pub(super) grants: Vec<Vec<u8>>,
     /// One contender's next attempt, to send when the key is freed (`early`).
     pub(super) early: Option<(u64, Early)>,
 }
@@ -273,13 +274,13 @@ impl Shared {
             }
             Event::Contended => ks.last_contended = Some(Instant::now()),
             Event::Granted => {
-                let Some((token, fence)) = grant_of(payload) else {
+                let Some((token, _)) = grant_of(payload) else {
                     return;
                 };
                 if !ks.awaiting.iter().any(|(_, t)| t == token) {
                     return; // another process's turn
                 }
-                ks.grants.push((token.to_vec(), fence, Instant::now()));
+                ks.grants.push(token.to_vec());
             }
             Event::Ignored => return,
         }

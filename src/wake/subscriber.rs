@@ -288,7 +288,7 @@ impl Drop for Interest {
                 ks.listeners.retain(|(l, _)| *l != id);
                 if let Some(i) = ks.awaiting.iter().position(|(l, _)| *l == id) {
                     let (_, token) = ks.awaiting.swap_remove(i);
-                    ks.grants.retain(|(t, ..)| *t != token);
+                    ks.grants.retain(|t| *t != token);
                 }
                 if ks.early.as_ref().is_some_and(|(l, _)| *l == id) {
                     ks.early = None;
@@ -371,20 +371,26 @@ impl Watch {
         ks.awaiting
             .iter()
             .filter(|(l, _)| Some(*l) == self.interest.listener)
-            .any(|(_, t)| ks.grants.iter().any(|(g, ..)| g == t))
+            .any(|(_, t)| ks.grants.contains(t))
     }
 
-    /// Takes a grant to this waiter's token: its fence and when it was heard.
-    pub fn take_grant(&self) -> Option<(u64, Instant)> {
+    /// Takes the grants heard for this waiter's token: whether there was one.
+    pub fn take_grant(&self) -> bool {
         let mut st = self.interest.shared.state.lock();
-        let ks = st.keys.get_mut(&self.interest.lock)?;
-        let (_, token) = ks
+        let Some(ks) = st.keys.get_mut(&self.interest.lock) else {
+            return false;
+        };
+        let Some((_, token)) = ks
             .awaiting
             .iter()
-            .find(|(l, _)| Some(*l) == self.interest.listener)?;
-        let i = ks.grants.iter().position(|(g, ..)| g == token)?;
-        let (_, fence, at) = ks.grants.swap_remove(i);
-        Some((fence, at))
+            .find(|(l, _)| Some(*l) == self.interest.listener)
+        else {
+            return false;
+        };
+        let before = ks.grants.len();
+        let token = token.clone();
+        ks.grants.retain(|g| *g != token);
+        ks.grants.len() != before
     }
 
     pub fn snapshot(&self) -> Snapshot {
