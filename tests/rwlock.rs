@@ -141,17 +141,7 @@ fn a_waiting_writer_stops_new_readers() {
         (t.elapsed(), w.fencing_token())
     });
     // Until the writer has failed once and marked itself waiting.
-    let mut conn = srv.conn();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while redis::cmd("EXISTS")
-        .arg("rw:{pref}:ww")
-        .query::<i64>(&mut conn)
-        .unwrap()
-        == 0
-    {
-        assert!(Instant::now() < deadline, "the writer never marked itself");
-        thread::sleep(ms(5));
-    }
+    await_mark(&srv, "rw:{pref}:ww");
     let c = client(&srv.url());
     assert!(c.rwlock("pref").try_read().unwrap_err().is_would_block());
     thread::sleep(ms(200));
@@ -159,6 +149,55 @@ fn a_waiting_writer_stops_new_readers() {
     let (waited, _) = writer.join().unwrap();
     eprintln!("writer waited {waited:?}");
     assert!(waited < Duration::from_secs(10));
+}
+
+/// Waits until `key` exists (a waiter has marked itself).
+fn await_mark(srv: &RedisServer, key: &str) {
+    let mut conn = srv.conn();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis::cmd("EXISTS")
+        .arg(key)
+        .query::<i64>(&mut conn)
+        .unwrap()
+        == 0
+    {
+        assert!(Instant::now() < deadline, "nobody marked {key}");
+        thread::sleep(ms(5));
+    }
+}
+
+#[test]
+fn a_release_for_writers_only_does_not_wake_readers() {
+    init_log();
+    let srv = RedisServer::start();
+    let (a, b, c) = (client(&srv.url()), client(&srv.url()), client(&srv.url()));
+    let first = a.rwlock("turns").write().expect("write");
+    let writer = thread::spawn(move || {
+        let w = b.rwlock("turns").write().expect("second write");
+        thread::sleep(ms(300));
+        w.unlock().expect("unlock");
+        b
+    });
+    await_mark(&srv, "rw:{turns}:ww");
+    let reader = thread::spawn(move || {
+        let r = c.rwlock("turns").read().expect("read");
+        drop(r);
+        c
+    });
+    await_mark(&srv, "rw:{turns}:wr");
+    // The first writer's release frees the lock for the waiting writer only: the reader
+    // sleeps through it, and wakes once, when the second writer is done.
+    first.unlock().expect("unlock");
+    let b = writer.join().unwrap();
+    let c = reader.join().unwrap();
+    let stats = c.stats();
+    eprintln!("reader: {stats:?}");
+    assert_eq!(stats.wakeups_event, 1, "woken by the second release only");
+    assert_eq!(
+        stats.failed_attempts, 2,
+        "the first attempt, and the one after subscribing"
+    );
+    assert_eq!(b.stats().remote_acquisitions, 1);
 }
 
 /// A child of the exclusion test: `THREADS` threads, 80% reads, each section printed.

@@ -67,20 +67,31 @@ impl Engine {
 
     /// Compare-and-delete of `lock` on every node of its route (Redlock: not only those
     /// that granted: a node whose grant came too late to count may hold our token too).
-    /// Redis Cluster: retried through a failover on the route read again, until the lock's
-    /// validity ends (its key is gone by then anyway); a retry that finds the key gone
-    /// after a try whose reply was lost says so (`GoneAfterRetry`): that try may have
-    /// deleted it.
     fn release_everywhere(
         self: &Arc<Self>,
         lock: &RemoteLock,
+    ) -> (Route, Vec<Result<ReleaseReply>>) {
+        self.release_riding(lock, |route| {
+            let every: Vec<NodeId> = route.nodes().iter().map(|n| n.id.clone()).collect();
+            self.release_on(&lock.keys, route, &lock.token, &every)
+        })
+    }
+
+    /// Runs `release` (one reply per node of the route it is given) on the route read
+    /// afresh each time, retried through a failover (Redis Cluster) until `lock`'s
+    /// validity ends: its key is gone by then anyway. A retry that finds the key gone
+    /// after a try whose reply was lost says so (`GoneAfterRetry`): that try may have
+    /// deleted it.
+    pub(crate) fn release_riding(
+        &self,
+        lock: &RemoteLock,
+        mut release: impl FnMut(&Route) -> Vec<Result<ReleaseReply>>,
     ) -> (Route, Vec<Result<ReleaseReply>>) {
         let mut ride = Ride::new(&self.topology, &self.counters);
         let mut ran = false;
         loop {
             let route = self.topology.route(&lock.keys);
-            let every: Vec<NodeId> = route.nodes().iter().map(|n| n.id.clone()).collect();
-            let mut replies = self.release_on(&lock.keys, &route, &lock.token, &every);
+            let mut replies = release(&route);
             if ran {
                 for r in &mut replies {
                     if matches!(r, Ok(ReleaseReply::Gone)) {

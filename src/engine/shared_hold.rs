@@ -9,7 +9,7 @@ use std::time::Instant;
 use crate::engine::contend::Wait;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
-use crate::engine::waiter::Waiter;
+use crate::engine::waiter::{Hears, Waiter};
 use crate::error::{Error, Result, Unlocked};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, HoldKind, RemoteLock};
@@ -69,17 +69,13 @@ impl Engine {
         if let Some(w) = &self.watchdog {
             w.unregister(remote);
         }
-        // Through a failover, retried while the hold's lease lasts: after that there is
-        // nothing left to release.
-        let mut ride = Ride::new(&self.topology, &self.counters);
-        loop {
-            let route = self.topology.route(&remote.keys);
-            let node = sole(&route)?;
-            match node.release_shared(&remote.keys, &remote.token, route.retry()) {
-                Err(e) if ride.again(&e, Some(remote.valid_until())) => {}
-                reply => return tally_release(vec![reply], lost.is_none(), route.quorum()),
-            }
-        }
+        let (route, replies) =
+            self.release_riding(remote, |route| {
+                vec![sole(route).and_then(|node| {
+                    node.release_shared(&remote.keys, &remote.token, route.retry())
+                })]
+            });
+        tally_release(replies, lost.is_none(), route.quorum())
     }
 
     /// Contends for a shared hold until it is ours, the wait policy says stop, or an error.
@@ -95,11 +91,18 @@ impl Engine {
         sole(&route)?;
         let member = format!("{}{}", want.tag(), new_token());
         let lease = self.cfg.lease;
-        let mut waiter = Waiter::new();
+        let mut waiter = Waiter::hearing(if want == Want::Write {
+            Hears::WriterReleases
+        } else {
+            Hears::Releases
+        });
         let mut marked = false;
         let mut ride = Ride::new(&self.topology, &self.counters);
         loop {
             self.follow(keys, &mut route, &mut waiter, wait.deadline());
+            if matches!(wait, Wait::Until(_)) {
+                waiter.watch_if_subscribed(keys, self, &route, wait.deadline());
+            }
             let node = sole(&route)?;
             let before = waiter.snapshots();
             let deadline = wait.deadline();

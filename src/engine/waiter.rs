@@ -45,6 +45,20 @@ pub(crate) struct Waiter {
     usable: usize,
     /// Fair queue: the contender's token for this wait, whose grant the watches keep.
     grant_token: Option<String>,
+    /// Which events wake it.
+    hears: Hears,
+}
+
+/// Which events wake a waiter.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hears {
+    /// A plain lock's: whatever may free the key (keyspace events, the library's `r`).
+    Key,
+    /// A read-write lock's reader or a semaphore's: the library's `r` (their holds expire
+    /// inside the key, with no keyspace event; the waiter's hint covers that).
+    Releases,
+    /// A read-write lock's writer: `r`, and `w` (free for a writer only).
+    WriterReleases,
 }
 
 /// An armed attempt, as the contender needs it when it reads the reply.
@@ -64,6 +78,15 @@ impl Waiter {
             needed: 0,
             usable: 0,
             grant_token: None,
+            hears: Hears::Key,
+        }
+    }
+
+    /// A waiter that hears only what `hears` says.
+    pub fn hearing(hears: Hears) -> Self {
+        Waiter {
+            hears,
+            ..Waiter::new()
         }
     }
 
@@ -129,6 +152,25 @@ impl Waiter {
             }
         }
         self.confirm(client, deadline);
+    }
+
+    /// Watches at once when every node's subscriber already has the key confirmed (another
+    /// local waiter's subscription, or one that lingers): no command is sent, and the first
+    /// attempt that fails can wait at once instead of subscribing and trying again.
+    pub fn watch_if_subscribed(
+        &mut self,
+        keys: &Keys,
+        client: &Engine,
+        route: &Route,
+        deadline: Option<Instant>,
+    ) {
+        if self.watching() || !matches!(client.cfg.wakeup, Wakeup::Notifications) {
+            return;
+        }
+        let subs = client.subs_for(route);
+        if !subs.is_empty() && subs.iter().all(|s| s.confirmed_at(keys).is_some()) {
+            self.watch(keys, client, route, deadline);
+        }
     }
 
     /// Fair queue: waits with `token`, and keeps a grant to it.
@@ -285,7 +327,14 @@ impl Waiter {
                     self.confirm(client, deadline);
                     return Woken::Reconnected;
                 }
-                if s.freed != b.freed {
+                let woken = match self.hears {
+                    Hears::Key => s.freed != b.freed,
+                    Hears::Releases => s.released != b.released,
+                    Hears::WriterReleases => {
+                        s.released != b.released || s.freed_for_writers != b.freed_for_writers
+                    }
+                };
+                if woken {
                     return Woken::Event;
                 }
             }

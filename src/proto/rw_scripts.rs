@@ -19,6 +19,10 @@
 //! the same marks for waiting readers: they hold nobody back, but tell a process that
 //! keeps its hold for its own threads that another process waits. The fence counter
 //! `p{n}:fence` is the plain lock's: a write hold increments it.
+//!
+//! On the library's channel a release says `r` (a waiter may get in) or, when the last
+//! hold of a read-write lock ended while writers wait, `w`: only a writer may, so the
+//! waiting readers are not woken to fail.
 
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
@@ -69,8 +73,8 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 -- Drops the expired holds of `key` and reads what is left: its kind ('none', 'rw', 'sem'
--- or 'other'), the stored permit count, and the first live hold (member), if any. A key
--- with no live hold left is deleted.
+-- or 'other'), the stored permit count, and the first live hold (member) and its expiry,
+-- if any. A key with no live hold left is deleted.
 local function load(key, now)
   local dropped = redis.pcall('ZREMRANGEBYSCORE', key, 0, now)
   if type(dropped) == 'table' and dropped.err then return 'other', 0, nil end
@@ -87,7 +91,7 @@ local function load(key, now)
     redis.call('DEL', key)
     return 'none', 0, nil
   end
-  return k, stored, head[3]
+  return k, stored, head[3], tonumber(head[4])
 end
 -- Holds `member` until `now + lease`, and keeps the key at least that long (holds all but
 -- never outlive the key; a key outliving its holds is harmless: every script drops them).
@@ -119,29 +123,38 @@ fn lua(body: &str) -> Lua {
 static RW_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
-local k, _, first = load(KEYS[1], now)
+local k, _, first, until_ = load(KEYS[1], now)
 if k ~= 'none' and k ~= 'rw' then return {2, 0} end
 local lease = tonumber(ARGV[3])
 local waits = ARGV[4] ~= '0'
 local function take()
-  if k == 'none' then redis.call('ZADD', KEYS[1], -1, '#rw') end
-  hold(KEYS[1], ARGV[2], now, lease)
+  if k == 'none' then
+    redis.call('ZADD', KEYS[1], -1, '#rw', now + lease, ARGV[2])
+    redis.call('PEXPIRE', KEYS[1], lease)
+  else
+    hold(KEYS[1], ARGV[2], now, lease)
+  end
 end
 local function mark(set)
   redis.call('ZADD', set, now + tonumber(ARGV[4]), ARGV[2])
   if redis.call('PTTL', set) < tonumber(ARGV[4]) then redis.call('PEXPIRE', set, ARGV[4]) end
 end
-if first and redis.call('ZSCORE', KEYS[1], ARGV[2]) then
+-- A retry whose earlier attempt took the hold (its reply was lost) finds it: the write
+-- hold is then the only hold; a read hold is looked for only when it could not be taken.
+if first == ARGV[2] and ARGV[1] == 'w' then
   take()
   return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
 end
 if ARGV[1] == 'r' then
-  if (not first or string.sub(first, 1, 1) == 'r') and not marked(KEYS[3], now) then
+  local w = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  local free = (not first or string.sub(first, 1, 1) == 'r') and not w[1]
+  if free or (first and redis.call('ZSCORE', KEYS[1], ARGV[2])) then
     take()
     redis.call('ZREM', KEYS[4], ARGV[2])
     return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
   end
   if waits then mark(KEYS[4]) end
+  if w[2] and (not until_ or tonumber(w[2]) < until_) then until_ = tonumber(w[2]) end
 elseif not first then
   local fence = redis.pcall('INCR', KEYS[2])
   if type(fence) == 'table' then return fence end
@@ -150,12 +163,6 @@ elseif not first then
   return {1, fence}
 elseif waits then
   mark(KEYS[3])
-end
-local until_ = nil
-if first then until_ = tonumber(redis.call('ZSCORE', KEYS[1], first)) end
-if ARGV[1] == 'r' then
-  local m = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if m[2] and (not until_ or tonumber(m[2]) < until_) then until_ = tonumber(m[2]) end
 end
 if not until_ then return {0, -1} end
 return {0, until_ - now}
@@ -187,10 +194,11 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 
 /// Ends a hold.
 ///
-/// KEYS: lock. ARGV: member, the library's channel, the publish mode. Returns 1 released,
-/// 0 the hold had expired or was gone, −1 the key is another kind of lock. Publishes `r`
-/// when a waiter may now get in: a permit was freed, or the last hold of a read-write
-/// lock ended.
+/// KEYS: lock, and for a read-write lock its waiting writers. ARGV: member, the library's
+/// channel, the publish mode. Returns 1 released, 0 the hold had expired or was gone, −1
+/// the key is another kind of lock. Publishes `r` when a waiter may now get in: a permit
+/// was freed, or the last hold of a read-write lock ended; but `w` when that last hold
+/// ended while writers wait: they go first, so the waiting readers need not wake.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
@@ -199,7 +207,11 @@ local now = now_ms()
 if s then redis.call('ZREM', KEYS[1], ARGV[1]) end
 local k, _, first = load(KEYS[1], now)
 if k == 'other' then return -1 end
-if s and (not first or k == 'sem') then publish(ARGV[2], 'r') end
+if s and not first and KEYS[2] and marked(KEYS[2], now) then
+  publish(ARGV[2], 'w')
+elseif s and (not first or k == 'sem') then
+  publish(ARGV[2], 'r')
+end
 if s and tonumber(s) > now then return 1 end
 return 0
 ")
@@ -333,9 +345,13 @@ impl Node {
 
     /// Ends the hold `member` of `keys`.
     pub fn release_shared(&self, keys: &Keys, member: &str, retry: Retry) -> Result<ReleaseReply> {
-        let mut call = SHARED_RELEASE.call(1);
-        call.arg(keys.lock())
-            .arg(member)
+        let permit = member.starts_with(Want::Permit(0).tag());
+        let mut call = SHARED_RELEASE.call(if permit { 1 } else { 2 });
+        call.arg(keys.lock());
+        if !permit {
+            call.arg(writers_key(keys));
+        }
+        call.arg(member)
             .arg(keys.channel())
             .arg(self.publish_mode());
         self.release_by(&SHARED_RELEASE, &call, retry)

@@ -184,6 +184,8 @@ impl Subscriber {
                 moved: 0,
                 idle_since: None,
                 freed: 0,
+                released: 0,
+                freed_for_writers: 0,
                 taken: 0,
                 unpaired_dels: 0,
                 last_contended: None,
@@ -400,6 +402,8 @@ impl Watch {
             confirmed: ks.is_some_and(|k| k.confirmed),
             generation: st.generation,
             freed: ks.map_or(0, |k| k.freed),
+            released: ks.map_or(0, |k| k.released),
+            freed_for_writers: ks.map_or(0, |k| k.freed_for_writers),
             taken: ks.map_or(0, |k| k.taken),
             moved: ks.map_or(self.moved, |k| k.moved),
         }
