@@ -17,6 +17,7 @@
 //! cargo run --release --example rw_bench -- --sleep          # sleeping sections
 //! cargo run --release --example rw_bench -- --only rwlock    # one mode
 //! REDIS_URL=redis://127.0.0.1:6379/ cargo run --release --example rw_bench
+//! RW_STATS=1 cargo run --release --example rw_bench  # each worker's client stats, stderr
 //! ```
 //!
 //! Without `REDIS_URL` a throwaway `redis-server` is started (it must be on `PATH`). The
@@ -172,6 +173,9 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     for h in handles {
         h.join().expect("worker thread")?;
+    }
+    if std::env::var("RW_STATS").is_ok() {
+        eprintln!("{:?}", client.stats());
     }
     println!("done");
     Ok(())

@@ -55,12 +55,18 @@ impl LockClient {
 ///   [re-check interval](crate::Builder::recheck_interval) and is renewed at each of the
 ///   writer's attempts, so a crashed waiting writer holds readers back at most that long).
 ///   Readers that already hold keep reading; the writer gets the lock when they are done.
+///   The release of the last hold wakes only the writer waiting longest; the other
+///   writers and the readers sleep on.
 /// * **Local turns.** One process holds at most one remote hold of a name and lets its
 ///   threads take turns on it with no Redis command: local readers share a remote read
 ///   hold; under the remote write hold, local writers write one after another (like the
-///   plain lock's baton) and local readers may read between them. Local writers are
-///   preferred too: while one waits, new local readers wait, and a read hold is given
-///   back as soon as its readers are done so the writer can ask for the write hold.
+///   plain lock's baton) and local readers may read between them, unless another process
+///   waited when the write hold was granted: then it serves the local writers only and
+///   goes back when none waits, so that the local readers read in the next read phase,
+///   side by side with the other processes' readers. Local writers are preferred too:
+///   while one waits, a read hold admits at most
+///   [`max_handoffs`](crate::Builder::max_handoffs) more local readers, then none, and is
+///   given back as soon as its readers are done so the writer can ask for the write hold.
 ///   A remote hold serves local turns for at most
 ///   [`handoff_slice`](crate::Builder::handoff_slice) and
 ///   [`max_handoffs`](crate::Builder::max_handoffs) local writes (reads run side by side

@@ -57,7 +57,7 @@ impl Engine {
             })
         });
         Ok(Hold {
-            remote: self.acquire_shared(&keys, Want::Permit(permits), wait)?,
+            remote: self.acquire_shared(&keys, Want::Permit(permits), wait)?.0,
             sharer: 0,
             token: 0,
         })
@@ -80,22 +80,23 @@ impl Engine {
 
     /// Contends for a shared hold until it is ours, the wait policy says stop, or an error.
     /// One member (tag and token) for the whole call: a retry after a lost reply, or after
-    /// a wait, finds its own hold.
+    /// a wait, finds its own hold. With the hold: whether another process may wait, for a
+    /// write hold.
     pub(crate) fn acquire_shared(
         self: &Arc<Self>,
         keys: &Keys,
         want: Want,
         wait: Wait,
-    ) -> Result<Arc<RemoteLock>> {
+    ) -> Result<(Arc<RemoteLock>, bool)> {
         let mut route = self.topology.route(keys);
         sole(&route)?;
         let member = format!("{}{}", want.tag(), new_token());
         let lease = self.cfg.lease;
-        let mut waiter = Waiter::hearing(if want == Want::Write {
-            Hears::WriterReleases
-        } else {
-            Hears::Releases
-        });
+        let mut waiter = Waiter::hearing(Hears::Releases);
+        if want == Want::Write {
+            // The last hold's release wakes the writer waiting longest by its member.
+            waiter.await_grant(&member);
+        }
         let mut marked = false;
         let mut ride = Ride::new(&self.topology, &self.counters);
         loop {
@@ -104,6 +105,8 @@ impl Engine {
                 waiter.watch_if_subscribed(keys, self, &route, wait.deadline());
             }
             let node = sole(&route)?;
+            // A writer's wake-up is only that: this attempt takes the lock if it is free.
+            waiter.take_grant();
             let before = waiter.snapshots();
             let deadline = wait.deadline();
             let waiting = matches!(wait, Wait::Until(d) if d.is_none_or(|d| Instant::now() < d));
@@ -120,10 +123,11 @@ impl Engine {
                 deadline,
             );
             let hint = match reply {
-                Ok(SharedAttempt::Acquired { fence }) => {
+                Ok(SharedAttempt::Acquired { fence, others_wait }) => {
                     // A redirect may have told the map where the key is now.
                     let route = self.topology.route(keys);
-                    return self.held(keys, &route, member, fence, started);
+                    let remote = self.held(keys, &route, member, fence, started)?;
+                    return Ok((remote, others_wait));
                 }
                 Ok(SharedAttempt::Held { hint }) => {
                     ride.settled();

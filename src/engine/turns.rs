@@ -55,7 +55,7 @@ impl Engine {
         }
         if !self.cfg.local_handoff {
             drop(st);
-            let remote = self.acquire_shared(&keys, want(mode), wait)?;
+            let (remote, _) = self.acquire_shared(&keys, want(mode), wait)?;
             let token = turn_token(&remote, mode, u32::from(mode == Mode::Write));
             self.shares
                 .state
@@ -119,8 +119,8 @@ impl Engine {
                     let turn = st.turns.entry(keys.clone()).or_default();
                     self.shares.changed.notify_all();
                     return match got {
-                        Ok(remote) => {
-                            turn.acquired(remote.clone(), mode);
+                        Ok((remote, others_wait)) => {
+                            turn.acquired(remote.clone(), mode, others_wait);
                             let token = turn_token(&remote, mode, turn.writes);
                             Ok((remote, token))
                         }

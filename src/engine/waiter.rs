@@ -54,11 +54,10 @@ pub(crate) struct Waiter {
 pub(crate) enum Hears {
     /// A plain lock's: whatever may free the key (keyspace events, the library's `r`).
     Key,
-    /// A read-write lock's reader or a semaphore's: the library's `r` (their holds expire
-    /// inside the key, with no keyspace event; the waiter's hint covers that).
+    /// A read-write lock's or a semaphore's: the library's `r` (their holds expire inside
+    /// the key, with no keyspace event; the waiter's hint covers that), and a writer its
+    /// own wake-up (see [`Waiter::await_grant`]).
     Releases,
-    /// A read-write lock's writer: `r`, and `w` (free for a writer only).
-    WriterReleases,
 }
 
 /// An armed attempt, as the contender needs it when it reads the reply.
@@ -330,9 +329,6 @@ impl Waiter {
                 let woken = match self.hears {
                     Hears::Key => s.freed != b.freed,
                     Hears::Releases => s.released != b.released,
-                    Hears::WriterReleases => {
-                        s.released != b.released || s.freed_for_writers != b.freed_for_writers
-                    }
                 };
                 if woken {
                     return Woken::Event;

@@ -6,17 +6,24 @@
 //! * under a remote **read** hold, local readers share it;
 //! * under the remote **write** hold, local writers take turns (one at a time, like the
 //!   plain lock's baton), and local readers may read between them: the process owns the
-//!   name alone, so its own readers exclude only its own writers.
+//!   name alone, so its own readers exclude only its own writers. But a write hold granted
+//!   while another process may wait (Redis says so with the grant) serves the local
+//!   writers only, and goes back when none waits: the local readers then read in the next
+//!   read phase, side by side with the other processes' readers, instead of one process's
+//!   readers at a time.
 //!
-//! Local writers are preferred: while one waits, no new local reader is admitted, and a
-//! remote read hold is given back as soon as its readers are done, so the writer can ask
-//! Redis for the write hold. A remote hold serves local turns for at most
-//! [`handoff_slice`](crate::Builder::handoff_slice) and
-//! [`max_handoffs`](crate::Builder::max_handoffs) local writes (its *budget*; reads run
-//! side by side, so the slice alone bounds them); after that
-//! the process asks Redis whether another process waits (one cheap command): a writer,
-//! for a read hold; anyone, for the write hold. If none does, a new budget begins; else
-//! nobody new is admitted and the last local user gives the hold back.
+//! Local writers are preferred: while one waits, a read hold admits at most
+//! [`max_handoffs`](crate::Builder::max_handoffs) more local readers (the rest of the
+//! process's read phase: giving the hold back at once would leave the threads that still
+//! read idle, and cost a Redis round trip per writer), then none; it goes back when its
+//! readers are done, so the writer can ask Redis for the write hold. Under the write hold
+//! a waiting local writer goes before new local readers. A remote hold serves local turns
+//! for at most [`handoff_slice`](crate::Builder::handoff_slice) and `max_handoffs` local
+//! writes (its *budget*; reads run side by side, so the slice alone bounds them); after
+//! that the process asks Redis whether another process waits (one cheap command): a
+//! writer, for a read hold; anyone, for the write hold. If none does, a new budget begins
+//! (and a write hold serves local readers again); else nobody new is admitted and the last
+//! local user gives the hold back.
 //!
 //! This module only decides ([`Turn::next`], [`Turn::leave`]); the engine talks to Redis.
 //! One thread at a time contends or gives the hold back for a name ([`Turn::busy`]), and
@@ -102,6 +109,13 @@ pub(crate) struct Turn {
     checking: bool,
     /// No new holder on the current remote hold: the last one out gives it back.
     pub draining: bool,
+    /// The write hold was granted while another process may have waited: it serves this
+    /// process's writers only, and goes back when none waits, so that the local readers
+    /// read in the next read phase, side by side with other processes' readers.
+    writers_only: bool,
+    /// Under a read hold, once a local writer waits: how many more local readers it admits
+    /// (the rest of this process's read phase) before it drains for the writer.
+    reads_left: Option<u32>,
 }
 
 /// The budget of one remote hold.
@@ -128,13 +142,20 @@ impl Turn {
             return Next::Contend;
         };
         let mode = *mode;
-        if lost || (mode == Mode::Read && self.waiting_writers > 0) {
+        if mode == Mode::Read && self.waiting_writers > 0 {
+            if *self.reads_left.get_or_insert(budget.uses) == 0 {
+                self.draining = true;
+            }
+        } else {
+            self.reads_left = None;
+        }
+        if lost {
             self.draining = true;
         }
         let blocked = self.draining
             || self.writing
             || (write && (mode == Mode::Read || self.readers > 0))
-            || (!write && mode == Mode::Write && self.waiting_writers > 0);
+            || (!write && mode == Mode::Write && (self.waiting_writers > 0 || self.writers_only));
         if blocked {
             return self.wait_or_give_back();
         }
@@ -170,14 +191,20 @@ impl Turn {
             self.writes += 1;
         } else {
             self.readers += 1;
+            if let Some(left) = &mut self.reads_left {
+                *left = left.saturating_sub(1);
+            }
         }
     }
 
     /// A contender came back with a remote hold of `mode`: it is the first holder.
-    pub fn acquired(&mut self, remote: Arc<RemoteLock>, mode: Mode) {
+    /// `others_wait`: another process may have waited when the write hold was granted.
+    pub fn acquired(&mut self, remote: Arc<RemoteLock>, mode: Mode, others_wait: bool) {
         self.remote = Some((remote, mode));
         self.busy = false;
         self.draining = false;
+        self.writers_only = mode == Mode::Write && others_wait;
+        self.reads_left = None;
         self.writes = 0;
         self.renew_budget();
         self.admit(mode == Mode::Write);
@@ -188,6 +215,8 @@ impl Turn {
     pub fn checked(&mut self, keep: bool) {
         self.checking = false;
         if keep {
+            // Nobody else waits: the write hold may serve local readers again.
+            self.writers_only = false;
             self.renew_budget();
         } else {
             self.draining = true;
@@ -211,16 +240,21 @@ impl Turn {
     }
 
     /// Gives the remote hold back when nobody uses it and it must go: it drains, a local
-    /// writer waits behind a read hold, or no local thread waits for it. A remote hold
-    /// never stays with no local user and nobody waiting: it would block other processes.
+    /// writer waits behind a read hold whose read phase is over (no local reader waits, or
+    /// none may come), no local writer waits for a write hold that serves writers only, or
+    /// no local thread waits for it. A remote hold never stays with no local user and
+    /// nobody waiting: it would block other processes.
     pub fn give_back_if_idle(&mut self) -> Option<Arc<RemoteLock>> {
         if self.busy || self.readers > 0 || self.writing {
             return None;
         }
         let idle = self.waiting_readers == 0 && self.waiting_writers == 0;
         let (_, mode) = self.remote.as_ref()?;
-        let writer_behind_reads = *mode == Mode::Read && self.waiting_writers > 0;
-        if !(idle || self.draining || writer_behind_reads) {
+        let writer_behind_reads = *mode == Mode::Read
+            && self.waiting_writers > 0
+            && (self.waiting_readers == 0 || self.reads_left == Some(0));
+        let writes_done = *mode == Mode::Write && self.writers_only && self.waiting_writers == 0;
+        if !(idle || self.draining || writer_behind_reads || writes_done) {
             return None;
         }
         self.busy = true;
@@ -300,7 +334,7 @@ mod tests {
         let mut t = waiting(2, 0);
         assert_eq!(t.next(false, BUDGET, false), Next::Contend);
         assert_eq!(t.next(false, BUDGET, false), Next::Wait, "one contender");
-        t.acquired(hold(), Mode::Read);
+        t.acquired(hold(), Mode::Read, false);
         assert_eq!(t.next(false, BUDGET, false), Next::Admit);
         assert_eq!(t.readers, 2);
         t.waiting_readers = 0;
@@ -311,14 +345,28 @@ mod tests {
     }
 
     #[test]
-    fn waiting_writer_drains_reads_and_gets_the_next_turn() {
+    fn a_waiting_writer_ends_the_local_read_phase() {
         let mut t = Turn::default();
         t.next(false, BUDGET, false);
-        t.acquired(hold(), Mode::Read);
+        t.acquired(hold(), Mode::Read, false);
         t.waiting_writers = 1;
         t.waiting_readers = 1;
         assert_eq!(t.next(true, BUDGET, false), Next::Wait);
-        assert_eq!(t.next(false, BUDGET, false), Next::Wait, "readers stop");
+        for _ in 0..BUDGET.uses {
+            assert_eq!(
+                t.next(false, BUDGET, false),
+                Next::Admit,
+                "the read phase goes on for a budget of reads"
+            );
+        }
+        assert_eq!(
+            t.next(false, BUDGET, false),
+            Next::Wait,
+            "then readers stop"
+        );
+        for _ in 0..BUDGET.uses {
+            assert!(t.leave(false).is_none(), "readers are still reading");
+        }
         let back = t.leave(false);
         assert!(back.is_some(), "the last reader gives the read hold back");
         assert_eq!(
@@ -334,16 +382,57 @@ mod tests {
         );
         assert_eq!(t.next(true, BUDGET, false), Next::Contend);
         t.waiting_writers = 0;
-        t.acquired(hold(), Mode::Write);
+        t.acquired(hold(), Mode::Write, false);
         assert!(t.writing);
         assert_eq!(t.writes, 1);
+    }
+
+    #[test]
+    fn a_read_hold_with_no_local_reader_left_goes_back_to_the_writer() {
+        let mut t = Turn::default();
+        t.next(false, BUDGET, false);
+        t.acquired(hold(), Mode::Read, false);
+        t.waiting_writers = 1;
+        assert!(
+            t.leave(false).is_some(),
+            "no reader waits: the read phase is over"
+        );
+    }
+
+    #[test]
+    fn a_write_hold_others_wait_for_serves_writers_only() {
+        let mut t = waiting(1, 1);
+        t.next(true, BUDGET, false);
+        t.acquired(hold(), Mode::Write, true);
+        t.waiting_writers = 1;
+        assert!(t.leave(true).is_none(), "a local writer still waits");
+        assert_eq!(t.next(false, BUDGET, false), Next::Wait, "no local reads");
+        assert_eq!(t.next(true, BUDGET, false), Next::Admit);
+        t.waiting_writers = 0;
+        assert!(
+            t.leave(true).is_some(),
+            "no writer left: the hold goes back though a reader waits"
+        );
+        t.released();
+        assert_eq!(t.next(false, BUDGET, false), Next::Contend);
+    }
+
+    #[test]
+    fn a_write_hold_nobody_else_waits_for_serves_readers_again() {
+        let mut t = waiting(1, 1);
+        t.next(true, BUDGET, false);
+        t.acquired(hold(), Mode::Write, true);
+        t.checked(true);
+        t.waiting_writers = 0;
+        assert!(t.leave(true).is_none(), "kept for the local reader");
+        assert_eq!(t.next(false, BUDGET, false), Next::Admit);
     }
 
     #[test]
     fn write_hold_serves_local_readers_and_writers_in_turn() {
         let mut t = waiting(1, 1);
         t.next(true, BUDGET, false);
-        t.acquired(hold(), Mode::Write);
+        t.acquired(hold(), Mode::Write, false);
         t.waiting_writers = 0;
         assert_eq!(
             t.next(false, BUDGET, false),
@@ -370,7 +459,7 @@ mod tests {
     fn read_budget_is_time_and_asks_redis_once() {
         let mut t = waiting(1, 0);
         t.next(false, BUDGET, false);
-        t.acquired(hold(), Mode::Read);
+        t.acquired(hold(), Mode::Read, false);
         for _ in 0..10 {
             assert_eq!(
                 t.next(false, BUDGET, false),
@@ -396,7 +485,7 @@ mod tests {
     fn a_hold_goes_back_before_its_write_numbers_run_out() {
         let mut t = waiting(0, 1);
         t.next(true, BUDGET, false);
-        t.acquired(hold(), Mode::Write);
+        t.acquired(hold(), Mode::Write, false);
         assert!(t.leave(true).is_none(), "a writer still waits");
         t.writes = MAX_LOCAL_SEQ - 1;
         assert_eq!(t.next(true, BUDGET, false), give_back());
@@ -406,7 +495,7 @@ mod tests {
     fn lost_hold_admits_nobody() {
         let mut t = waiting(1, 0);
         t.next(false, BUDGET, false);
-        t.acquired(hold(), Mode::Read);
+        t.acquired(hold(), Mode::Read, false);
         assert_eq!(t.next(false, BUDGET, true), Next::Wait);
         assert!(
             t.leave(false).is_some(),

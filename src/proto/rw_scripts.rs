@@ -21,8 +21,10 @@
 //! `p{n}:fence` is the plain lock's: a write hold increments it.
 //!
 //! On the library's channel a release says `r` (a waiter may get in) or, when the last
-//! hold of a read-write lock ended while writers wait, `w`: only a writer may, so the
-//! waiting readers are not woken to fail.
+//! hold of a read-write lock ended while writers wait, `g<member>:0`, a wake-up for the
+//! writer waiting longest alone (like the fair queue's grant, but nothing is reserved:
+//! its next attempt takes the free lock as any would). The others are not woken to fail;
+//! if that writer has gone, they try at their next re-check.
 
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
@@ -58,8 +60,9 @@ impl Want {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SharedAttempt {
     /// Held: the name's fence counter (incremented for a write hold; read as it is for a
-    /// read hold; 0 for a permit).
-    Acquired { fence: u64 },
+    /// read hold; 0 for a permit), and whether another process may wait, for a write
+    /// hold (always false for a read hold or a permit).
+    Acquired { fence: u64, others_wait: bool },
     /// Not now: wake at the latest when this much time has passed (the earliest hold or
     /// writer's mark in the way ends then, if nobody renews it).
     Held { hint: Option<Duration> },
@@ -95,9 +98,10 @@ local function load(key, now)
 end
 -- Holds `member` until `now + lease`, and keeps the key at least that long (holds all but
 -- never outlive the key; a key outliving its holds is harmless: every script drops them).
+-- A key whose expiry is too short gets twice the lease: the next holds need not extend it.
 local function hold(key, member, now, lease)
   redis.call('ZADD', key, now + lease, member)
-  if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, lease) end
+  if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, 2 * lease) end
 end
 -- Whether `set` (waiting marks scored by expiry) has a live member.
 local function marked(set, now)
@@ -112,9 +116,10 @@ fn lua(body: &str) -> Lua {
 /// Read or write hold, idempotently (a retry with the same member refreshes its lease).
 ///
 /// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r` or `w`, member, lease
-/// ms, waiting mark TTL ms (0: the caller will not wait). Returns `{1, fence}`, `{0, ms
-/// until the earliest obstacle ends}` (−1: unknown), or `{2, 0}` when the key is another
-/// kind of lock.
+/// ms, waiting mark TTL ms (0: the caller will not wait). Returns `{1, fence, others}`
+/// (`others`: for a write hold, 1 when a mark of another waiting writer or reader is left,
+/// maybe an expired one; always 0 for a read hold), `{0, ms until the earliest obstacle
+/// ends}` (−1: unknown), or `{2, 0}` when the key is another kind of lock.
 ///
 /// A read is granted when no write hold exists and no writer waits; a write when no hold
 /// exists (waiting writers race among themselves). A write attempt that fails and will wait
@@ -130,20 +135,27 @@ local waits = ARGV[4] ~= '0'
 local function take()
   if k == 'none' then
     redis.call('ZADD', KEYS[1], -1, '#rw', now + lease, ARGV[2])
-    redis.call('PEXPIRE', KEYS[1], lease)
+    redis.call('PEXPIRE', KEYS[1], 2 * lease)
   else
     hold(KEYS[1], ARGV[2], now, lease)
   end
 end
 local function mark(set)
-  redis.call('ZADD', set, now + tonumber(ARGV[4]), ARGV[2])
-  if redis.call('PTTL', set) < tonumber(ARGV[4]) then redis.call('PEXPIRE', set, ARGV[4]) end
+  local ttl = tonumber(ARGV[4])
+  redis.call('ZADD', set, now + ttl, ARGV[2])
+  if redis.call('PTTL', set) < ttl then redis.call('PEXPIRE', set, 2 * ttl) end
+end
+-- Whether somebody else may wait, asked for a write hold only (one command: a mark left
+-- by a waiter that has gone only costs its process a shorter turn).
+local function others()
+  if ARGV[1] == 'r' or redis.call('EXISTS', KEYS[3], KEYS[4]) == 0 then return 0 end
+  return 1
 end
 -- A retry whose earlier attempt took the hold (its reply was lost) finds it: the write
 -- hold is then the only hold; a read hold is looked for only when it could not be taken.
 if first == ARGV[2] and ARGV[1] == 'w' then
   take()
-  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+  return {1, tonumber(redis.call('GET', KEYS[2]) or '0'), others()}
 end
 if ARGV[1] == 'r' then
   local w = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
@@ -151,7 +163,7 @@ if ARGV[1] == 'r' then
   if free or (first and redis.call('ZSCORE', KEYS[1], ARGV[2])) then
     take()
     redis.call('ZREM', KEYS[4], ARGV[2])
-    return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+    return {1, tonumber(redis.call('GET', KEYS[2]) or '0'), 0}
   end
   if waits then mark(KEYS[4]) end
   if w[2] and (not until_ or tonumber(w[2]) < until_) then until_ = tonumber(w[2]) end
@@ -160,7 +172,7 @@ elseif not first then
   if type(fence) == 'table' then return fence end
   take()
   redis.call('ZREM', KEYS[3], ARGV[2])
-  return {1, fence}
+  return {1, fence, others()}
 elseif waits then
   mark(KEYS[3])
 end
@@ -197,22 +209,30 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 /// KEYS: lock, and for a read-write lock its waiting writers. ARGV: member, the library's
 /// channel, the publish mode. Returns 1 released, 0 the hold had expired or was gone, −1
 /// the key is another kind of lock. Publishes `r` when a waiter may now get in: a permit
-/// was freed, or the last hold of a read-write lock ended; but `w` when that last hold
-/// ended while writers wait: they go first, so the waiting readers need not wake.
+/// was freed, or the last hold of a read-write lock ended; but when that last hold ended
+/// while writers wait, `g<member>:0` for the writer waiting longest: writers go first, so
+/// the waiting readers, and the other writers, need not wake to fail.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
+if not s then return 0 end
 local now = now_ms()
-if s then redis.call('ZREM', KEYS[1], ARGV[1]) end
-local k, _, first = load(KEYS[1], now)
-if k == 'other' then return -1 end
-if s and not first and KEYS[2] and marked(KEYS[2], now) then
-  publish(ARGV[2], 'w')
-elseif s and (not first or k == 'sem') then
+redis.call('ZREM', KEYS[1], ARGV[1])
+-- The kind member's score is negative: a live hold is scored after now.
+if not redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 1)[1] then
+  redis.call('DEL', KEYS[1])
+  -- Writers go first: wake the one waiting longest (its mark is the oldest renewed).
+  local w = KEYS[2] and redis.call('ZRANGEBYSCORE', KEYS[2], now + 1, '+inf', 'LIMIT', 0, 1)[1]
+  if w then
+    publish(ARGV[2], 'g' .. w .. ':0')
+  else
+    publish(ARGV[2], 'r')
+  end
+elseif not KEYS[2] then
   publish(ARGV[2], 'r')
 end
-if s and tonumber(s) > now then return 1 end
+if tonumber(s) > now then return 1 end
 return 0
 ")
 });
@@ -319,27 +339,29 @@ impl Node {
                 (&*SEM_ACQUIRE, call)
             }
         };
-        let reply: (i64, i64) = self.run_until(retry, deadline, |c| script.run(&call, c))?;
-        match reply {
-            (1, fence) => Ok(SharedAttempt::Acquired {
+        // Two numbers, and a third (`others`) when a read-write hold is granted.
+        let reply: Vec<i64> = self.run_until(retry, deadline, |c| script.run(&call, c))?;
+        match *reply.as_slice() {
+            [1, fence, ..] => Ok(SharedAttempt::Acquired {
                 fence: u64::try_from(fence)
                     .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
+                others_wait: reply.get(2) == Some(&1),
             }),
-            (0, ms) => {
+            [0, ms] => {
                 Counters::inc(&self.counters().failed_attempts);
                 Ok(SharedAttempt::Held {
                     hint: u64::try_from(ms).ok().map(Duration::from_millis),
                 })
             }
-            (2, _) => Err(Error::WrongKind),
-            (3, stored) => Err(Error::PermitsMismatch {
+            [2, _] => Err(Error::WrongKind),
+            [3, stored] => Err(Error::PermitsMismatch {
                 stored: u32::try_from(stored).unwrap_or(u32::MAX),
                 asked: match want {
                     Want::Permit(n) => n,
                     _ => 0,
                 },
             }),
-            other => Err(Error::Protocol(format!("shared acquire replied {other:?}"))),
+            _ => Err(Error::Protocol(format!("shared acquire replied {reply:?}"))),
         }
     }
 

@@ -5,9 +5,8 @@
 //! library's `r` mean "the key may be free": every waiter of the key retries. `r` right
 //! after a `del` is the same release (the subscriber skips it). The waiters of read-write
 //! locks and semaphores hear only the library's messages (their holds expire inside the
-//! key, with no keyspace event): `r`, and `w`, "free for a writer only" (a read-write
-//! lock's last hold ended while writers wait), which wakes no waiting reader. `set` means
-//! another owner
+//! key, with no keyspace event): `r`, and a writer its own wake-up `g<member>:0`. `set`
+//! means another owner
 //! took it (it ends a yielding contender's pause). `expire` is a renewal and wakes nobody.
 //! `c<id>` from another client means it failed to get the key: the holder's process
 //! applies its fairness budget.
@@ -22,10 +21,8 @@ pub(crate) struct Snapshot {
     /// Events after which the key may be free (`del`, `expired`, the library's `r`...).
     pub freed: u64,
     /// The library's `r` messages: a shared hold ended (waiters of read-write locks and
-    /// semaphores hear only these and `w`).
+    /// semaphores hear only these, and a writer its own wake-up).
     pub released: u64,
-    /// The library's `w` messages: a read-write lock is free for a waiting writer only.
-    pub freed_for_writers: u64,
     /// Events where someone set the key (another process took it).
     pub taken: u64,
     /// Times the key's slot moved away from the node (Redis Cluster, sharded channels).
@@ -47,9 +44,6 @@ pub(crate) enum Event {
     Deleted,
     /// The library's `r`: our release script deleted the key.
     Released,
-    /// The library's `w`: a read-write lock's last hold ended, and writers wait (they go
-    /// first, so waiting readers need not try).
-    FreedForWriters,
     /// Expired, evicted, renamed away...: the key may be free.
     Freed,
     /// Someone set the key: another owner took it.
@@ -83,7 +77,6 @@ pub(crate) fn classify<'a>(
     let lock = lock_of_channel(channel)?;
     let event = match payload {
         b"r" => Event::Released,
-        b"w" => Event::FreedForWriters,
         [b'g', ..] => Event::Granted,
         // `c` + the failing client's id: our own failed attempts do not count.
         [b'c', id @ ..] if id != client_id => Event::Contended,
@@ -122,7 +115,6 @@ mod tests {
         let ch = b"p:{k}:ev";
         let kind = |payload: &[u8]| classify(ch, payload, ME).map(|(_, e)| e);
         assert_eq!(kind(b"r"), Some(Event::Released));
-        assert_eq!(kind(b"w"), Some(Event::FreedForWriters));
         assert_eq!(kind(b"cother"), Some(Event::Contended));
         // Our own failed attempts are not contention.
         assert_eq!(kind(b"cme"), Some(Event::Ignored));

@@ -56,7 +56,6 @@ pub(super) struct KeySub {
     pub(super) idle_since: Option<Instant>,
     pub(super) freed: u64,
     pub(super) released: u64,
-    pub(super) freed_for_writers: u64,
     pub(super) taken: u64,
     /// Keyspace `del` events not yet followed by the library's `r` for the same release.
     pub(super) unpaired_dels: u32,
@@ -89,7 +88,6 @@ impl KeySub {
             generation,
             freed: self.freed,
             released: self.released,
-            freed_for_writers: self.freed_for_writers,
             taken: self.taken,
             moved: self.moved,
         };
@@ -262,16 +260,12 @@ impl Shared {
                 ks.freed += 1;
                 ks.unpaired_dels += 1;
             }
-            // Our release script deletes, then publishes `r` (or `w`): the `del` came first
-            // (same connection, same order) and already woke the plain lock's waiters; the
-            // message still wakes those of read-write locks and semaphores.
-            Event::Released | Event::FreedForWriters if ks.unpaired_dels > 0 => {
+            // Our release script deletes, then publishes `r`: the `del` came first (same
+            // connection, same order) and already woke the plain lock's waiters; the `r`
+            // still wakes those of read-write locks and semaphores.
+            Event::Released if ks.unpaired_dels > 0 => {
                 ks.unpaired_dels -= 1;
-                if kind == Event::Released {
-                    ks.released += 1;
-                } else {
-                    ks.freed_for_writers += 1;
-                }
+                ks.released += 1;
                 ks.poke();
                 return;
             }
@@ -280,7 +274,6 @@ impl Shared {
                 ks.released += 1;
             }
             Event::Freed => ks.freed += 1,
-            Event::FreedForWriters => ks.freed_for_writers += 1,
             Event::Taken => {
                 ks.taken += 1;
                 // A new owner: every process still waiting fails against it and marks

@@ -185,7 +185,6 @@ impl Subscriber {
                 idle_since: None,
                 freed: 0,
                 released: 0,
-                freed_for_writers: 0,
                 taken: 0,
                 unpaired_dels: 0,
                 last_contended: None,
@@ -403,7 +402,6 @@ impl Watch {
             generation: st.generation,
             freed: ks.map_or(0, |k| k.freed),
             released: ks.map_or(0, |k| k.released),
-            freed_for_writers: ks.map_or(0, |k| k.freed_for_writers),
             taken: ks.map_or(0, |k| k.taken),
             moved: ks.map_or(self.moved, |k| k.moved),
         }
