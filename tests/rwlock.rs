@@ -200,6 +200,50 @@ fn a_release_for_writers_only_does_not_wake_readers() {
     assert_eq!(b.stats().remote_acquisitions, 1);
 }
 
+#[test]
+fn the_writer_waiting_longest_alone_is_woken() {
+    init_log();
+    let srv = RedisServer::start();
+    let (a, b, c) = (client(&srv.url()), client(&srv.url()), client(&srv.url()));
+    let first = a.rwlock("queue").write().expect("write");
+    let writer = |client: LockClient| {
+        thread::spawn(move || {
+            let w = client.rwlock("queue").write().expect("write");
+            thread::sleep(ms(300));
+            w.unlock().expect("unlock");
+            client
+        })
+    };
+    let b = writer(b);
+    await_mark(&srv, "rw:{queue}:ww");
+    // The second waiting writer marks itself later: its mark is renewed later, so it
+    // expires later and comes second.
+    thread::sleep(ms(50));
+    let c = writer(c);
+    let mut conn = srv.conn();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis::cmd("ZCARD")
+        .arg("rw:{queue}:ww")
+        .query::<i64>(&mut conn)
+        .unwrap()
+        < 2
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the second writer never marked itself"
+        );
+        thread::sleep(ms(5));
+    }
+    first.unlock().expect("unlock");
+    let (b, c) = (b.join().unwrap(), c.join().unwrap());
+    let (sb, sc) = (b.stats(), c.stats());
+    eprintln!("first waiter: {sb:?}\nsecond waiter: {sc:?}");
+    assert_eq!(sb.wakeups_event, 1, "woken once, by the first release");
+    assert_eq!(sb.failed_attempts, 2, "it did not race the other writer");
+    assert_eq!(sc.wakeups_event, 1, "woken once, by the second release");
+    assert_eq!(sc.failed_attempts, 2, "it slept through the first release");
+}
+
 /// A child of the exclusion test: `THREADS` threads, 80% reads, each section printed.
 #[test]
 fn child_mixed() {

@@ -13,6 +13,7 @@ use crate::local::table::Role;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::stats::Counters;
+use crate::wake::events::Hears;
 
 impl Engine {
     /// Takes the lock `name` for the calling thread as `wait` allows: the remote lock and
@@ -95,7 +96,7 @@ impl Engine {
             let Some(sub) = self.subs.find(&node.id) else {
                 continue;
             };
-            let watch = sub.watch(keys, poke_tx.clone());
+            let watch = sub.watch(keys, Hears::Key, poke_tx.clone());
             let confirmed_at = loop {
                 if let Some(at) = sub.confirmed_at(keys) {
                     break Some(at);

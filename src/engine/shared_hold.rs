@@ -9,7 +9,7 @@ use std::time::Instant;
 use crate::engine::contend::Wait;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
-use crate::engine::waiter::{Hears, Waiter};
+use crate::engine::waiter::Waiter;
 use crate::error::{Error, Result, Unlocked};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, HoldKind, RemoteLock};
@@ -20,6 +20,7 @@ use crate::proto::rw_scripts::{SharedAttempt, Want};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::verdict::tally_release;
+use crate::wake::events::Hears;
 
 /// A hold as a guard keeps it: the remote hold (maybe shared with other local threads),
 /// the guard's id among its users, and the guard's fencing token.

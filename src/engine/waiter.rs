@@ -14,7 +14,7 @@ use crate::proto::node::{Marks, new_token};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::wake::early::{Armed, Shot};
-use crate::wake::events::Snapshot;
+use crate::wake::events::{Hears, Snapshot};
 use crate::wake::subscriber::Watch;
 
 /// Why a wait ended.
@@ -47,17 +47,6 @@ pub(crate) struct Waiter {
     grant_token: Option<String>,
     /// Which events wake it.
     hears: Hears,
-}
-
-/// Which events wake a waiter.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Hears {
-    /// A plain lock's: whatever may free the key (keyspace events, the library's `r`).
-    Key,
-    /// A read-write lock's or a semaphore's: the library's `r` (their holds expire inside
-    /// the key, with no keyspace event; the waiter's hint covers that), and a writer its
-    /// own wake-up (see [`Waiter::await_grant`]).
-    Releases,
 }
 
 /// An armed attempt, as the contender needs it when it reads the reply.
@@ -141,7 +130,7 @@ impl Waiter {
         let subs = client.subs_for(route);
         self.watches = subs
             .iter()
-            .map(|s| s.watch(keys, poke_tx.clone()))
+            .map(|s| s.watch(keys, self.hears, poke_tx.clone()))
             .collect();
         self.needed = route.quorum().min(self.watches.len());
         self.usable = subs.iter().filter(|s| s.usable()).count();

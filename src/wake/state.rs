@@ -27,7 +27,7 @@ use crate::proto::keys::{lock_of_channel, lock_of_keyspace_channel};
 use crate::proto::node::NodeId;
 use crate::proto::sharded::ChannelKind;
 use crate::wake::early::{Armed, Early};
-use crate::wake::events::{Event, Snapshot, classify, grant_of};
+use crate::wake::events::{Event, Hears, Snapshot, classify, grant_of};
 use crate::wake::stream::Incoming;
 
 /// How long a subscription outlives its last waiter, so that a key locked again and again
@@ -63,7 +63,7 @@ pub(super) struct KeySub {
     /// This process released the key while others waited: its next contender waits for
     /// them (or this instant) before its first attempt.
     pub(super) yield_until: Option<(Instant, u64)>,
-    pub(super) listeners: Vec<(u64, Sender<()>)>,
+    pub(super) listeners: Vec<(u64, Hears, Sender<()>)>,
     /// Fair queue: the contender token each listener waits to be granted, and the tokens
     /// grants were heard for (a wake-up: the contender's next attempt confirms the grant
     /// and reads its fence).
@@ -75,7 +75,14 @@ pub(super) struct KeySub {
 
 impl KeySub {
     pub(super) fn poke(&self) {
-        for (_, tx) in &self.listeners {
+        for (_, _, tx) in &self.listeners {
+            let _ = tx.try_send(());
+        }
+    }
+
+    /// Pokes only the listeners that hear `hears`.
+    fn poke_hearing(&self, hears: Hears) {
+        for (_, _, tx) in self.listeners.iter().filter(|(_, h, _)| *h == hears) {
             let _ = tx.try_send(());
         }
     }
@@ -266,7 +273,7 @@ impl Shared {
             Event::Released if ks.unpaired_dels > 0 => {
                 ks.unpaired_dels -= 1;
                 ks.released += 1;
-                ks.poke();
+                ks.poke_hearing(Hears::Releases);
                 return;
             }
             Event::Released => {

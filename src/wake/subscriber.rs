@@ -39,7 +39,7 @@ use crate::proto::keys::Keys;
 use crate::proto::node::NodeId;
 use crate::stats::Counters;
 use crate::wake::early::{Armed, Early, Shot};
-use crate::wake::events::Snapshot;
+use crate::wake::events::{Hears, Snapshot};
 pub(crate) use crate::wake::listen::Connector;
 use crate::wake::state::{KeySub, Shared, State};
 
@@ -152,9 +152,10 @@ impl Subscriber {
         }
     }
 
-    /// An [`Interest`] that also pokes `poke` at every change of the key.
-    pub fn watch(&self, keys: &Keys, poke: Sender<()>) -> Watch {
-        let (id, moved) = self.register(keys, Some(poke));
+    /// An [`Interest`] that also pokes `poke` at every change of the key that a listener
+    /// which `hears` so cares about.
+    pub fn watch(&self, keys: &Keys, hears: Hears, poke: Sender<()>) -> Watch {
+        let (id, moved) = self.register(keys, Some((hears, poke)));
         Watch {
             interest: Interest {
                 shared: self.shared.clone(),
@@ -166,7 +167,7 @@ impl Subscriber {
     }
 
     /// Registers a listener of `keys`: its id, and how often the key had moved away.
-    fn register(&self, keys: &Keys, poke: Option<Sender<()>>) -> (u64, u64) {
+    fn register(&self, keys: &Keys, poke: Option<(Hears, Sender<()>)>) -> (u64, u64) {
         let mut st = self.shared.state.lock();
         let id = st.next_listener;
         st.next_listener += 1;
@@ -200,8 +201,8 @@ impl Subscriber {
         // before; a refusal comes back as another move.
         ks.away = false;
         let moved = ks.moved;
-        if let Some(tx) = poke {
-            ks.listeners.push((id, tx));
+        if let Some((hears, tx)) = poke {
+            ks.listeners.push((id, hears, tx));
         }
         let needs_subscribe = !ks.confirmed && !ks.requested;
         if needs_subscribe {
@@ -286,7 +287,7 @@ impl Drop for Interest {
         if let Some(ks) = st.keys.get_mut(&self.lock) {
             ks.interest -= 1;
             if let Some(id) = self.listener {
-                ks.listeners.retain(|(l, _)| *l != id);
+                ks.listeners.retain(|(l, _, _)| *l != id);
                 if let Some(i) = ks.awaiting.iter().position(|(l, _)| *l == id) {
                     let (_, token) = ks.awaiting.swap_remove(i);
                     ks.grants.retain(|t| *t != token);
