@@ -8,10 +8,10 @@
 //! * one member per hold, scored by the hold's expiry in server milliseconds (`TIME`):
 //!   `r<token>` a read hold, `w<token>` the write hold, `p<token>` a permit.
 //!
-//! Every script that reads the holds drops the expired ones first (so a crashed holder's
-//! hold ends by itself) and deletes the key when only the kind member is left; a new or
-//! renewed hold raises the key's expiry to its own when it is shorter, so that the whole
-//! key goes at the latest when every holder has gone.
+//! Every script that reads the holds drops the expired ones (so a crashed holder's hold
+//! ends by itself) and deletes the key when only the kind member is left; a new or renewed
+//! hold raises the key's expiry to twice its lease when it is shorter than the lease, so
+//! that the whole key goes at the latest a lease after every holder has gone.
 //!
 //! `p{n}:ww` is a sorted set of the writers waiting for a read-write lock, scored by when
 //! their mark expires (each failed write attempt that will wait renews its mark). While it
@@ -77,11 +77,11 @@ local function now_ms()
 end
 -- Drops the expired holds of `key` and reads what is left: its kind ('none', 'rw', 'sem'
 -- or 'other'), the stored permit count, and the first live hold (member) and its expiry,
--- if any. A key with no live hold left is deleted.
+-- if any. A key with no live hold left is deleted. The holds are read in expiry order:
+-- when the first has not expired, none has, and nothing is dropped (one command).
 local function load(key, now)
-  local dropped = redis.pcall('ZREMRANGEBYSCORE', key, 0, now)
-  if type(dropped) == 'table' and dropped.err then return 'other', 0, nil end
-  local head = redis.call('ZRANGE', key, 0, 1, 'WITHSCORES')
+  local head = redis.pcall('ZRANGE', key, 0, 1, 'WITHSCORES')
+  if head.err then return 'other', 0, nil end
   if #head == 0 then return 'none', 0, nil end
   local k, stored = 'other', 0
   if head[1] == '#rw' then k = 'rw' elseif head[1] == '#sem' then
@@ -89,6 +89,10 @@ local function load(key, now)
     stored = -tonumber(head[2])
   else
     return 'other', 0, nil
+  end
+  if head[4] and tonumber(head[4]) <= now then
+    redis.call('ZREMRANGEBYSCORE', key, 0, now)
+    head = redis.call('ZRANGE', key, 0, 1, 'WITHSCORES')
   end
   if #head == 2 then
     redis.call('DEL', key)
