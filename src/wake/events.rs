@@ -3,13 +3,14 @@
 //!
 //! Keyspace `del`, `expired`, `evicted` (anything but `set` and `expire`) and the
 //! library's `r` mean "the key may be free": every waiter of the key retries. `r` right
-//! after a `del` is the same release (the subscriber skips it). The waiters of read-write
-//! locks and semaphores hear only the library's messages (their holds expire inside the
-//! key, with no keyspace event): `r`, and a writer its own wake-up `g<member>:0`. `set`
-//! means another owner
-//! took it (it ends a yielding contender's pause). `expire` is a renewal and wakes nobody.
-//! `c<id>` from another client means it failed to get the key: the holder's process
-//! applies its fairness budget.
+//! after a `del` is the same release (the subscriber skips it for them). `set` means
+//! another owner took it (it ends a yielding contender's pause). `expire` is a renewal and
+//! wakes nobody. `c<id>` from another client means it failed to get the key: the holder's
+//! process applies its fairness budget.
+//!
+//! The waiters of read-write locks and semaphores hear only the library's messages (their
+//! holds expire inside the key, with no keyspace event): `r`, and a writer its own
+//! wake-up `g<member>:0`.
 
 use crate::proto::keys::{lock_of_channel, lock_of_keyspace_channel};
 
