@@ -31,10 +31,12 @@ fn spin(d: Duration) {
     }
 }
 
-/// One critical section: its mode and interval in the system-wide monotonic clock (ns).
+/// One critical section: its mode, its process and its interval in the system-wide
+/// monotonic clock (ns).
 #[derive(Debug, Clone, Copy)]
 struct Section {
     write: bool,
+    pid: u32,
     start: u64,
     end: u64,
 }
@@ -49,6 +51,7 @@ fn sections_of(stdout: &str) -> Vec<Section> {
         .filter_map(|r| {
             Some(Section {
                 write: r.get("m")? == "w",
+                pid: r.get("p").and_then(|p| p.parse().ok()).unwrap_or(0),
                 start: r.get("s")?.parse().ok()?,
                 end: r.get("e")?.parse().ok()?,
             })
@@ -303,6 +306,7 @@ fn child_mixed() {
     for (w, s, e) in lines.lock().unwrap().iter() {
         child::print_result(&[
             ("m", (if *w { "w" } else { "r" }).to_owned()),
+            ("p", std::process::id().to_string()),
             ("s", s.to_string()),
             ("e", e.to_string()),
         ]);
@@ -327,12 +331,13 @@ fn readers_share_and_writers_exclude_across_processes() {
     }
     assert_eq!(all.len(), 4 * 4 * 40);
     let writes = all.iter().filter(|s| s.write).count();
-    let mut reader_overlaps = 0;
+    let (mut reader_overlaps, mut across) = (0, 0);
     for (i, a) in all.iter().enumerate() {
         for b in &all[i + 1..] {
             if overlaps(a, b) {
                 assert!(!a.write && !b.write, "a writer overlapped: {a:?} {b:?}");
                 reader_overlaps += 1;
+                across += usize::from(a.pid != b.pid);
             }
         }
     }
@@ -340,12 +345,19 @@ fn readers_share_and_writers_exclude_across_processes() {
         .arg("counter")
         .query(&mut srv.conn())
         .unwrap();
-    eprintln!("{writes} writes, {reader_overlaps} overlapping reader pairs");
+    eprintln!(
+        "{writes} writes, {reader_overlaps} overlapping reader pairs, {across} of them across processes"
+    );
     assert_eq!(
         counter as usize, writes,
         "a write was lost: writers overlapped"
     );
     assert!(reader_overlaps > 0, "readers never overlapped");
+    // Read phases: readers of different processes read side by side, writers waiting or not.
+    assert!(
+        across > 0,
+        "readers of different processes never overlapped"
+    );
 }
 
 /// A child of the starvation test: 4 threads reading back to back until `STOP` is set.
