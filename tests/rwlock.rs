@@ -144,7 +144,7 @@ fn a_waiting_writer_stops_new_readers() {
         (t.elapsed(), w.fencing_token())
     });
     // Until the writer has failed once and marked itself waiting.
-    await_mark(&srv, "rw:{pref}:ww");
+    await_marks(&srv, "rw:{pref}:ww", 1);
     let c = client(&srv.url());
     assert!(c.rwlock("pref").try_read().unwrap_err().is_would_block());
     thread::sleep(ms(200));
@@ -154,19 +154,33 @@ fn a_waiting_writer_stops_new_readers() {
     assert!(waited < Duration::from_secs(10));
 }
 
-/// Waits until `key` exists (a waiter has marked itself).
-fn await_mark(srv: &RedisServer, key: &str) {
+/// Waits until the marks set `key` holds `n` waiters.
+fn await_marks(srv: &RedisServer, key: &str, n: i64) {
     let mut conn = srv.conn();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while redis::cmd("EXISTS")
+    while redis::cmd("ZCARD")
         .arg(key)
         .query::<i64>(&mut conn)
         .unwrap()
-        == 0
+        < n
     {
-        assert!(Instant::now() < deadline, "nobody marked {key}");
+        assert!(
+            Instant::now() < deadline,
+            "fewer than {n} waiters marked {key}"
+        );
         thread::sleep(ms(5));
     }
+}
+
+/// A thread that takes the write lock `name` with `client`, holds it 300 ms, and returns
+/// the client for its stats.
+fn writer_holding(client: LockClient, name: &'static str) -> thread::JoinHandle<LockClient> {
+    thread::spawn(move || {
+        let w = client.rwlock(name).write().expect("write");
+        thread::sleep(ms(300));
+        w.unlock().expect("unlock");
+        client
+    })
 }
 
 #[test]
@@ -175,19 +189,14 @@ fn a_release_for_writers_only_does_not_wake_readers() {
     let srv = RedisServer::start();
     let (a, b, c) = (client(&srv.url()), client(&srv.url()), client(&srv.url()));
     let first = a.rwlock("turns").write().expect("write");
-    let writer = thread::spawn(move || {
-        let w = b.rwlock("turns").write().expect("second write");
-        thread::sleep(ms(300));
-        w.unlock().expect("unlock");
-        b
-    });
-    await_mark(&srv, "rw:{turns}:ww");
+    let writer = writer_holding(b, "turns");
+    await_marks(&srv, "rw:{turns}:ww", 1);
     let reader = thread::spawn(move || {
         let r = c.rwlock("turns").read().expect("read");
         drop(r);
         c
     });
-    await_mark(&srv, "rw:{turns}:wr");
+    await_marks(&srv, "rw:{turns}:wr", 1);
     // The first writer's release frees the lock for the waiting writer only: the reader
     // sleeps through it, and wakes once, when the second writer is done.
     first.unlock().expect("unlock");
@@ -209,34 +218,13 @@ fn the_writer_waiting_longest_alone_is_woken() {
     let srv = RedisServer::start();
     let (a, b, c) = (client(&srv.url()), client(&srv.url()), client(&srv.url()));
     let first = a.rwlock("queue").write().expect("write");
-    let writer = |client: LockClient| {
-        thread::spawn(move || {
-            let w = client.rwlock("queue").write().expect("write");
-            thread::sleep(ms(300));
-            w.unlock().expect("unlock");
-            client
-        })
-    };
-    let b = writer(b);
-    await_mark(&srv, "rw:{queue}:ww");
+    let b = writer_holding(b, "queue");
+    await_marks(&srv, "rw:{queue}:ww", 1);
     // The second waiting writer marks itself later: its mark is renewed later, so it
     // expires later and comes second.
     thread::sleep(ms(50));
-    let c = writer(c);
-    let mut conn = srv.conn();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while redis::cmd("ZCARD")
-        .arg("rw:{queue}:ww")
-        .query::<i64>(&mut conn)
-        .unwrap()
-        < 2
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the second writer never marked itself"
-        );
-        thread::sleep(ms(5));
-    }
+    let c = writer_holding(c, "queue");
+    await_marks(&srv, "rw:{queue}:ww", 2);
     first.unlock().expect("unlock");
     let (b, c) = (b.join().unwrap(), c.join().unwrap());
     let (sb, sc) = (b.stats(), c.stats());

@@ -107,9 +107,10 @@ local function hold(key, member, now, lease)
   redis.call('ZADD', key, now + lease, member)
   if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, 2 * lease) end
 end
--- Whether `set` (waiting marks scored by expiry) has a live member.
-local function marked(set, now)
-  return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'LIMIT', 0, 1)[1] ~= nil
+-- The live member of `set` (waiting marks scored by expiry) that expires first: the one
+-- renewed least lately, so the one waiting longest; nil if none.
+local function first_waiting(set, now)
+  return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'LIMIT', 0, 1)[1]
 end
 ";
 
@@ -227,7 +228,7 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 if not redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 1)[1] then
   redis.call('DEL', KEYS[1])
   -- Writers go first: wake the one waiting longest (its mark is the oldest renewed).
-  local w = KEYS[2] and redis.call('ZRANGEBYSCORE', KEYS[2], now + 1, '+inf', 'LIMIT', 0, 1)[1]
+  local w = KEYS[2] and first_waiting(KEYS[2], now)
   if w then
     publish(ARGV[2], 'g' .. w .. ':0')
   else
@@ -276,7 +277,9 @@ static RW_KEEP: LazyLock<Lua> = LazyLock::new(|| {
 local now = now_ms()
 local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not s or tonumber(s) <= now then return 0 end
-if marked(KEYS[2], now) or (ARGV[2] == 'w' and marked(KEYS[3], now)) then return 0 end
+if first_waiting(KEYS[2], now) or (ARGV[2] == 'w' and first_waiting(KEYS[3], now)) then
+  return 0
+end
 return 1
 ")
 });
