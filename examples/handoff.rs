@@ -338,13 +338,7 @@ impl Row {
 }
 
 fn holder(quick: bool) -> Result<(), BoxError> {
-    let (url, _server) = match std::env::var("REDIS_URL") {
-        Ok(url) => (url, None),
-        Err(_) => {
-            let server = server::RedisServer::start();
-            (server.url(), Some(server))
-        }
-    };
+    let (url, _server) = redbaton_testkit::example_redis(false);
     println!("using {url}");
     let holder = LockClient::builder()
         .node(url.as_str())

@@ -10,23 +10,13 @@
 use std::time::Duration;
 
 use redbaton::LockClient;
-use redbaton_testkit::server;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
 
-    // Keep the throwaway server alive until the end of main.
-    let (url, _server) = match std::env::var("REDIS_URL") {
-        Ok(url) => (url, None),
-        Err(_) if answers("redis://127.0.0.1:6379/") => {
-            ("redis://127.0.0.1:6379/".to_owned(), None)
-        }
-        Err(_) => {
-            println!("no Redis on 127.0.0.1:6379: starting a throwaway redis-server");
-            let server = server::RedisServer::start();
-            (server.url(), Some(server))
-        }
-    };
+    // REDIS_URL, else 127.0.0.1:6379 if it answers, else a throwaway server kept alive until
+    // the end of main (or a message saying how to install one, and exit status 1).
+    let (url, _server) = redbaton_testkit::example_redis(true);
     println!("using {url}");
 
     let client = LockClient::builder()
@@ -87,11 +77,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("counter is off: mutual exclusion failed".into());
     }
     Ok(())
-}
-
-fn answers(url: &str) -> bool {
-    redis::Client::open(url)
-        .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(300)))
-        .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
-        .is_ok()
 }

@@ -41,7 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let num = |i: usize, default: u64| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
     let (procs, threads, sections, hold_us, read_pct) =
         (num(1, 4), num(2, 4), num(3, 500), num(4, 100), num(5, 90));
-    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| redbaton_testkit::redis_url());
+    let (url, _server) = redbaton_testkit::example_redis(false);
     let mut admin = redis::Client::open(url.as_str())?.get_connection()?;
     let kind = if sleep { "sleeping" } else { "busy" };
     println!(

@@ -102,7 +102,7 @@ pub fn parent_main(args: &Args) -> Res<()> {
     }
     // Keep the throwaway servers alive until the end: the counters' (cluster mode) and
     // the lab's own.
-    let counters = args.cluster.then(RedisServer::start);
+    let counters = args.cluster.then(redbaton_testkit::start_or_exit);
     let lab = match &counters {
         Some(c) => Lab::cluster(&c.url())?,
         None => Lab::shared(args.url.as_deref()),
@@ -212,7 +212,7 @@ fn compare(
     stall: Duration,
     run_id: &str,
 ) -> Res<()> {
-    let counters = RedisServer::start();
+    let counters = redbaton_testkit::start_or_exit();
     let counter_url = counters.url();
     let mut ctx = Ctx {
         lab: Lab::lone_node(&counter_url, args.node_replica)?,

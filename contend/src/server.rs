@@ -48,7 +48,7 @@ impl Lab {
     /// A throwaway node that holds only locks (with `replica`, and a replica of it, whose
     /// commands are counted as a cluster's replicas are); counters on `counter_url`.
     pub fn lone_node(counter_url: &str, replica: bool) -> Res<Lab> {
-        let server = RedisServer::start();
+        let server = redbaton_testkit::start_or_exit();
         let url = server.url();
         let mut nodes = vec![MeteredNode {
             conn: raw_conn(&url)?,
@@ -185,7 +185,7 @@ pub fn redis_for(url: Option<&str>) -> (String, Option<RedisServer>) {
     match url {
         Some(url) => (url.to_owned(), None),
         None => {
-            let server = RedisServer::start();
+            let server = redbaton_testkit::start_or_exit();
             (server.url(), Some(server))
         }
     }

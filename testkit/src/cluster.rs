@@ -113,7 +113,7 @@ impl ClusterBuilder {
                 b.start()
             })
             .collect();
-        let mut cmd = Command::new("redis-cli");
+        let mut cmd = Command::new(crate::binaries::cli_bin());
         if let Some(certs) = &self.tls {
             cmd.arg("--tls")
                 .args(["--cacert", &certs.file("ca.pem")])

@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+pub mod binaries;
 pub mod child;
 pub mod clock;
 pub mod cluster;
@@ -53,6 +54,40 @@ pub fn redis_url() -> String {
     let url = server.url();
     KEPT.lock().push(server);
     url
+}
+
+/// For programs (examples, the contention tool): a throwaway `redis-server`, or, when none
+/// can be found or started, a message saying what is missing and how to install it on
+/// standard error, and exit status 1. A first run without Redis gets a message, not a
+/// panic and a backtrace.
+pub fn start_or_exit() -> RedisServer {
+    RedisServer::try_start().unwrap_or_else(|e| {
+        eprintln!("error: cannot start a throwaway Redis: {e}");
+        std::process::exit(1)
+    })
+}
+
+/// For examples: `$REDIS_URL` when set; else, with `probe_default`, Redis on
+/// `127.0.0.1:6379` if one answers; else a throwaway server ([`start_or_exit`]), returned
+/// so that the caller keeps it running until the end.
+pub fn example_redis(probe_default: bool) -> (String, Option<RedisServer>) {
+    const DEFAULT: &str = "redis://127.0.0.1:6379/";
+    if let Ok(url) = std::env::var("REDIS_URL") {
+        return (url, None);
+    }
+    if probe_default && answers(DEFAULT) {
+        return (DEFAULT.to_owned(), None);
+    }
+    let server = start_or_exit();
+    (server.url(), Some(server))
+}
+
+/// Whether a Redis at `url` answers PING within a fraction of a second.
+fn answers(url: &str) -> bool {
+    redis::Client::open(url)
+        .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(300)))
+        .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+        .is_ok()
 }
 
 /// Shorthand for `Duration::from_millis`, to keep timing-heavy tests legible.

@@ -43,8 +43,6 @@ const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Log lines quoted in panic messages.
 const LOG_TAIL_LINES: usize = 30;
 
-const NOT_FOUND: &str = "redis-server not found on PATH: install it (Debian/Ubuntu: apt-get update && apt-get install -y redis-server; macOS: brew install redis). Tests need a real Redis; they never skip.";
-
 /// Credentials the harness (and `conn()`) use to talk to the server.
 #[derive(Clone, Debug, Default)]
 struct Auth {
@@ -107,8 +105,16 @@ impl RedisServerBuilder {
         self
     }
 
-    /// Starts the server and waits until it answers PING. Panics on failure.
+    /// Starts the server and waits until it answers PING. Panics on failure, with the
+    /// reason (an install hint when there is no server binary): tests never skip.
     pub fn start(self) -> RedisServer {
+        self.try_start().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts the server and waits until it answers PING; `Err` says why it could not
+    /// (no binary, with an install hint; a bad directive, with the log's tail).
+    pub fn try_start(self) -> Result<RedisServer, String> {
+        crate::binaries::server_version()?;
         let auth = self.resolve_auth();
         let mut config = self.config;
         if let Some(pw) = &self.password {
@@ -117,7 +123,7 @@ impl RedisServerBuilder {
         let dir = tempfile::Builder::new()
             .prefix("redbaton-redis-")
             .tempdir()
-            .expect("create temp dir for redis-server");
+            .map_err(|e| format!("create temp dir for redis-server: {e}"))?;
         let spec = Spec {
             sentinel: self.sentinel,
             conf_path: dir.path().join("redis.conf"),
@@ -126,8 +132,8 @@ impl RedisServerBuilder {
             auth,
         };
         let (child, port) = match self.port {
-            Some(port) => spawn_same_port(&spec, port, Duration::ZERO),
-            None => spawn_free_port(&spec),
+            Some(port) => spawn_same_port(&spec, port, Duration::ZERO)?,
+            None => spawn_free_port(&spec)?,
         };
         let server = RedisServer {
             spec,
@@ -138,7 +144,7 @@ impl RedisServerBuilder {
             _dir: dir,
         };
         server.reset_admin();
-        server
+        Ok(server)
     }
 
     /// Password for the harness: explicit `admin_auth`, else `password`,
@@ -215,6 +221,11 @@ impl RedisServer {
     /// Starts a server with the default config on a free port.
     pub fn start() -> RedisServer {
         Self::builder().start()
+    }
+
+    /// Starts a server with the default config on a free port, or says why it could not.
+    pub fn try_start() -> Result<RedisServer, String> {
+        Self::builder().try_start()
     }
 
     pub fn builder() -> RedisServerBuilder {
@@ -328,7 +339,8 @@ impl RedisServer {
             let mut reaper = self.reaper.lock();
             reaper.disarm();
             stop_child(&mut child);
-            let (new_child, _) = spawn_same_port(&self.spec, self.port, SAME_PORT_RETRY);
+            let (new_child, _) = spawn_same_port(&self.spec, self.port, SAME_PORT_RETRY)
+                .unwrap_or_else(|e| panic!("{e}"));
             *reaper = Reaper::arm(new_child.id(), &self.spec.dir);
             *child = new_child;
         }
@@ -618,7 +630,7 @@ fn signal(child: &mut Child, sig: libc::c_int) -> bool {
 /// child blocked reading a pipe from this process. A line written to the pipe
 /// disarms it (the harness stops the server itself); end of file means this
 /// process is gone, however it went, and the reaper kills the server and
-/// removes its temp dir. It checks that the PID is still a `redis-server`
+/// removes its temp dir. It checks that the PID is still a `redis-server` (or Valkey)
 /// where `/proc` can tell, so a reused PID is never killed.
 struct Reaper(Option<(Child, ChildStdin)>);
 
@@ -627,7 +639,7 @@ impl Reaper {
         const SCRIPT: &str = r#"
 if read _; then exit 0; fi
 comm=$(cat "/proc/$0/comm" 2>/dev/null || echo redis-server)
-case "$comm" in redis*) kill -9 "$0" 2>/dev/null ;; esac
+case "$comm" in redis*|valkey*) kill -9 "$0" 2>/dev/null ;; esac
 rm -rf "$1""#;
         let spawned = Command::new("sh")
             .arg("-c")
@@ -676,32 +688,32 @@ enum StartError {
     Fatal(String),
 }
 
-fn spawn_free_port(spec: &Spec) -> (Child, u16) {
+fn spawn_free_port(spec: &Spec) -> Result<(Child, u16), String> {
     let mut failures = Vec::new();
     for _ in 0..PORT_ATTEMPTS {
         let port = free_port();
         match spawn_once(spec, port) {
-            Ok(child) => return (child, port),
+            Ok(child) => return Ok((child, port)),
             Err(StartError::PortInUse(msg)) => failures.push(format!("port {port}: {msg}")),
-            Err(StartError::Fatal(msg)) => panic!("{msg}"),
+            Err(StartError::Fatal(msg)) => return Err(msg),
         }
     }
-    panic!(
+    Err(format!(
         "redis-server could not bind a free port in {PORT_ATTEMPTS} attempts:\n{}",
         failures.join("\n")
-    );
+    ))
 }
 
-fn spawn_same_port(spec: &Spec, port: u16, retry_for: Duration) -> (Child, u16) {
+fn spawn_same_port(spec: &Spec, port: u16, retry_for: Duration) -> Result<(Child, u16), String> {
     let deadline = Instant::now() + retry_for;
     loop {
         match spawn_once(spec, port) {
-            Ok(child) => return (child, port),
+            Ok(child) => return Ok((child, port)),
             Err(StartError::PortInUse(_)) if Instant::now() < deadline => {
                 thread::sleep(Duration::from_millis(50));
             }
             Err(StartError::PortInUse(msg)) | Err(StartError::Fatal(msg)) => {
-                panic!("redis-server on fixed port {port}: {msg}")
+                return Err(format!("redis-server on fixed port {port}: {msg}"));
             }
         }
     }
@@ -736,7 +748,8 @@ fn spawn_once(spec: &Spec, port: u16) -> Result<Child, StartError> {
     let stderr = stdio
         .try_clone()
         .map_err(|e| StartError::Fatal(format!("dup stdio.log: {e}")))?;
-    let mut command = Command::new("redis-server");
+    let bin = crate::binaries::server_bin();
+    let mut command = Command::new(&bin);
     command.arg(&spec.conf_path);
     if spec.sentinel {
         command.arg("--sentinel");
@@ -748,8 +761,11 @@ fn spawn_once(spec: &Spec, port: u16) -> Result<Child, StartError> {
         .stderr(stderr)
         .spawn()
         .map_err(|e| match e.kind() {
-            io::ErrorKind::NotFound => StartError::Fatal(NOT_FOUND.to_string()),
-            _ => StartError::Fatal(format!("spawn redis-server: {e}")),
+            io::ErrorKind::NotFound => StartError::Fatal(format!(
+                "{bin} not found: {}",
+                crate::binaries::INSTALL_HINT
+            )),
+            _ => StartError::Fatal(format!("spawn {bin}: {e}")),
         })?;
     match wait_ready(&mut child, port, spec, log_start) {
         Ok(()) => Ok(child),
@@ -831,11 +847,14 @@ fn write_config(spec: &Spec, port: u16) -> io::Result<()> {
          daemonize no\n\
          protected-mode no\n\
          save \"\"\n\
-         appendonly no\n\
-         # Lets tests use DEBUG SLEEP to simulate a busy server.\n\
-         enable-debug-command local\n\
-         # Test-specific directives:\n"
+         appendonly no\n"
     );
+    // Lets tests use DEBUG SLEEP to simulate a busy server. The directive came with Redis
+    // 7.0; before it DEBUG was always allowed, and 6.2 refuses to start on the line.
+    if crate::binaries::server_version().is_ok_and(|v| v.at_least(7, 0)) {
+        text.push_str("enable-debug-command local\n");
+    }
+    text.push_str("# Test-specific directives:\n");
     for (name, value) in &spec.config {
         let value = if value.is_empty() { "\"\"" } else { value };
         text.push_str(&format!("{name} {value}\n"));
