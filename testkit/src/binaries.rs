@@ -6,8 +6,12 @@
 //! is read once, from `--version`, and the harness writes only the `redis.conf` directives
 //! that version knows.
 
-use std::process::Command;
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
+use std::time::Duration;
+
+use parking_lot::Mutex;
 
 /// How to install a server, said whenever none can be found or started.
 pub const INSTALL_HINT: &str = "install it (Debian/Ubuntu: apt-get update && apt-get install -y redis-server; macOS: brew install redis), point REDBATON_REDIS_SERVER at a redis-server binary, or set REDIS_URL to an existing server where a program accepts one";
@@ -58,14 +62,21 @@ impl std::fmt::Display for ServerVersion {
     }
 }
 
-/// The server binary's version, read once per process. `Err` says why it could not be read
-/// (not found, with [`INSTALL_HINT`]).
-pub fn server_version() -> Result<&'static ServerVersion, String> {
-    static VERSION: OnceLock<Result<ServerVersion, String>> = OnceLock::new();
-    VERSION
-        .get_or_init(|| {
-            let bin = server_bin();
-            let out = Command::new(&bin).arg("--version").output().map_err(|e| {
+/// The server binary's version ([`server_bin`]), read once per process. `Err` says why it
+/// could not be read (not found, with [`INSTALL_HINT`]).
+pub fn server_version() -> Result<ServerVersion, String> {
+    version_of(&server_bin())
+}
+
+/// The version of the server binary `bin`, read once per process and binary.
+pub fn version_of(bin: &str) -> Result<ServerVersion, String> {
+    static VERSIONS: Mutex<BTreeMap<String, Result<ServerVersion, String>>> =
+        Mutex::new(BTreeMap::new());
+    VERSIONS
+        .lock()
+        .entry(bin.to_owned())
+        .or_insert_with(|| {
+            let out = Command::new(bin).arg("--version").output().map_err(|e| {
                 if e.kind() == std::io::ErrorKind::NotFound {
                     format!("{bin} not found: {INSTALL_HINT}")
                 } else {
@@ -76,8 +87,70 @@ pub fn server_version() -> Result<&'static ServerVersion, String> {
             ServerVersion::parse(&text)
                 .ok_or_else(|| format!("{bin} --version printed no version: {text}"))
         })
-        .as_ref()
-        .map_err(Clone::clone)
+        .clone()
+}
+
+/// The server and CLI binaries for TLS tests: [`server_bin`] and [`cli_bin`] when that
+/// server was built with TLS, else `redis-server` and `redis-cli` on `PATH` when that one
+/// was (said once on standard error: the TLS tests then check the library against that
+/// server, never skipping). Panics when no server with TLS can be found.
+pub fn tls_bins() -> (String, String) {
+    static BINS: OnceLock<Result<(String, String), String>> = OnceLock::new();
+    BINS.get_or_init(|| {
+        let (server, cli) = (server_bin(), cli_bin());
+        if has_tls(&server) {
+            return Ok((server, cli));
+        }
+        let version = version_of(&server)?;
+        let fallback = "redis-server";
+        if has_tls(fallback) {
+            eprintln!(
+                "{version} ({server}) was built without TLS: the TLS tests run on {} ({fallback})",
+                version_of(fallback)?
+            );
+            return Ok((fallback.into(), "redis-cli".into()));
+        }
+        Err(format!(
+            "{version} ({server}) was built without TLS and no redis-server on PATH has it: \
+             the TLS tests need one ({INSTALL_HINT})"
+        ))
+    })
+    .clone()
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Whether `bin` was built with TLS: a trial start with a TLS port and no certificate
+/// fails on the missing certificate with TLS, and on the directive or the missing
+/// connection type without (Redis 6.2 says "Bad directive", Valkey "Failed finding TLS
+/// support").
+fn has_tls(bin: &str) -> bool {
+    let Ok(dir) = tempfile::tempdir() else {
+        return false;
+    };
+    let log = dir.path().join("trial.log");
+    let (Ok(out), Ok(err)) = (std::fs::File::create(&log), std::fs::File::create(&log)) else {
+        return false;
+    };
+    let Ok(mut child) = Command::new(bin)
+        .args(["--port", "0", "--save", "", "--appendonly", "no"])
+        .args(["--tls-port", &crate::server::free_port().to_string()])
+        .current_dir(dir.path())
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+    else {
+        return false;
+    };
+    // Either way it exits at once; a build that somehow starts is stopped.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    !text.contains("Bad directive") && !text.contains("TLS support")
 }
 
 #[cfg(test)]

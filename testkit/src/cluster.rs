@@ -113,7 +113,11 @@ impl ClusterBuilder {
                 b.start()
             })
             .collect();
-        let mut cmd = Command::new(crate::binaries::cli_bin());
+        let cli = match &self.tls {
+            Some(_) => crate::binaries::tls_bins().1,
+            None => crate::binaries::cli_bin(),
+        };
+        let mut cmd = Command::new(cli);
         if let Some(certs) = &self.tls {
             cmd.arg("--tls")
                 .args(["--cacert", &certs.file("ca.pem")])
@@ -165,7 +169,8 @@ impl ClusterBuilder {
 /// A node that speaks TLS on `tls_port`, to clients, to the other nodes and to its
 /// replicas, and wants a certificate of the CA from each of them.
 fn tls_config(b: RedisServerBuilder, certs: &Certs, tls_port: u16) -> RedisServerBuilder {
-    b.config("tls-port", &tls_port.to_string())
+    b.tls_capable()
+        .config("tls-port", &tls_port.to_string())
         .config("tls-cert-file", &certs.file("server.pem"))
         .config("tls-key-file", &certs.file("server.key"))
         .config("tls-ca-cert-file", &certs.file("ca.pem"))

@@ -54,6 +54,7 @@ struct Auth {
 #[derive(Clone, Debug, Default)]
 pub struct RedisServerBuilder {
     config: Vec<(String, String)>,
+    binary: Option<String>,
     sentinel: bool,
     port: Option<u16>,
     password: Option<String>,
@@ -78,6 +79,13 @@ impl RedisServerBuilder {
     /// as it with [`RedisServer::url_as`].
     pub fn acl_user(self, user: &str, password: &str, rules: &str) -> Self {
         self.config("user", &format!("{user} on >{password} {rules}"))
+    }
+
+    /// Runs a server binary built with TLS (see [`crate::binaries::tls_bins`]) instead of
+    /// [`crate::binaries::server_bin`].
+    pub fn tls_capable(mut self) -> Self {
+        self.binary = Some(crate::binaries::tls_bins().0);
+        self
     }
 
     /// Runs `redis-server --sentinel`: `config` then takes `sentinel …` directives.
@@ -114,7 +122,11 @@ impl RedisServerBuilder {
     /// Starts the server and waits until it answers PING; `Err` says why it could not
     /// (no binary, with an install hint; a bad directive, with the log's tail).
     pub fn try_start(self) -> Result<RedisServer, String> {
-        crate::binaries::server_version()?;
+        let binary = self
+            .binary
+            .clone()
+            .unwrap_or_else(crate::binaries::server_bin);
+        let version = crate::binaries::version_of(&binary)?;
         let auth = self.resolve_auth();
         let mut config = self.config;
         if let Some(pw) = &self.password {
@@ -125,6 +137,8 @@ impl RedisServerBuilder {
             .tempdir()
             .map_err(|e| format!("create temp dir for redis-server: {e}"))?;
         let spec = Spec {
+            binary,
+            version,
             sentinel: self.sentinel,
             conf_path: dir.path().join("redis.conf"),
             dir: dir.path().to_path_buf(),
@@ -172,6 +186,8 @@ impl RedisServerBuilder {
 
 /// What is needed to (re)start the process.
 struct Spec {
+    binary: String,
+    version: crate::binaries::ServerVersion,
     sentinel: bool,
     dir: PathBuf,
     conf_path: PathBuf,
@@ -245,6 +261,11 @@ impl RedisServer {
                 .is_ok_and(|i| i.contains("master_link_status:up"))
         });
         replica
+    }
+
+    /// The version of this server's binary.
+    pub fn version(&self) -> &crate::binaries::ServerVersion {
+        &self.spec.version
     }
 
     /// `redis://127.0.0.1:PORT/` (no credentials; see `url_with_auth`).
@@ -393,8 +414,14 @@ impl RedisServer {
         match reset {
             Ok(()) => {
                 admin.baseline.clear();
-                // RESETSTAT itself is recorded after the reset.
-                admin.own = HashMap::from([("config|resetstat".to_string(), 1)]);
+                // RESETSTAT itself is recorded after the reset (under `config` before
+                // Redis 7, which counts subcommands apart).
+                let name = if self.spec.version.at_least(7, 0) {
+                    "config|resetstat"
+                } else {
+                    "config"
+                };
+                admin.own = HashMap::from([(name.to_string(), 1)]);
                 StatsReset::Server
             }
             Err(e) if is_transport_error(&e) => {
@@ -509,7 +536,14 @@ impl RedisServer {
     ) -> RedisResult<T> {
         let result = cmd.query(self.admin_conn(admin)?);
         match &result {
-            Ok(_) => *admin.own.entry(stat_name.into()).or_default() += 1,
+            Ok(_) => {
+                // Redis 7 counts subcommands apart (`client|list`); 6.2 only the container.
+                let name = match stat_name.split_once('|') {
+                    Some((container, _)) if !self.spec.version.at_least(7, 0) => container,
+                    _ => stat_name,
+                };
+                *admin.own.entry(name.into()).or_default() += 1
+            }
             Err(e) if is_transport_error(e) => {
                 admin.conn = None;
                 admin.conn_id = None;
@@ -748,8 +782,8 @@ fn spawn_once(spec: &Spec, port: u16) -> Result<Child, StartError> {
     let stderr = stdio
         .try_clone()
         .map_err(|e| StartError::Fatal(format!("dup stdio.log: {e}")))?;
-    let bin = crate::binaries::server_bin();
-    let mut command = Command::new(&bin);
+    let bin = &spec.binary;
+    let mut command = Command::new(bin);
     command.arg(&spec.conf_path);
     if spec.sentinel {
         command.arg("--sentinel");
@@ -851,7 +885,7 @@ fn write_config(spec: &Spec, port: u16) -> io::Result<()> {
     );
     // Lets tests use DEBUG SLEEP to simulate a busy server. The directive came with Redis
     // 7.0; before it DEBUG was always allowed, and 6.2 refuses to start on the line.
-    if crate::binaries::server_version().is_ok_and(|v| v.at_least(7, 0)) {
+    if spec.version.at_least(7, 0) {
         text.push_str("enable-debug-command local\n");
     }
     text.push_str("# Test-specific directives:\n");

@@ -97,6 +97,7 @@ impl TlsServer {
             .expect("bind 127.0.0.1:0")
             .port();
         let server = RedisServer::builder()
+            .tls_capable()
             .config("tls-port", &tls_port.to_string())
             .config("tls-cert-file", &certs.file("server.pem"))
             .config("tls-key-file", &certs.file("server.key"))
