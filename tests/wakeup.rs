@@ -1062,7 +1062,7 @@ fn acl_user_without_channel_permissions_can_still_wait() {
 #[test]
 fn acl_user_without_keyspace_channels_still_wakes_on_release() {
     let _light = HEAVY.read();
-    let (_srv, url) = acl_server("~* &redbaton:* +@all");
+    let (_srv, url) = acl_server("~* resetchannels &redbaton:* +@all");
     let holder = client(&url).lease(secs(30)).build().expect("build");
     let c = client(&url).build().expect("build");
     let (after, before) = release_latency(&holder, &c, "acl-keyspace");
