@@ -372,3 +372,126 @@ fn a_grant_heard_too_late_is_not_a_lock() {
     );
     assert_eq!(child::field::<u8>(&r, "valid"), 1);
 }
+
+const QUEUE_EXPIRY: &str = "redbaton:{k}:qx";
+
+/// Puts `n` entries into the queue of "k" whose expiries passed long ago, as a mass crash
+/// (or a partition longer than the entry TTL) leaves them.
+fn fill_expired(srv: &RedisServer, n: usize) {
+    let mut conn = srv.conn();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let mut q = redis::cmd("ZADD");
+        q.arg(QUEUE);
+        let mut qx = redis::cmd("ZADD");
+        qx.arg(QUEUE_EXPIRY);
+        for i in chunk {
+            let member = format!("dead-{i:05}");
+            q.arg(*i as u64 + 1).arg(&member);
+            qx.arg(1).arg(&member);
+        }
+        q.query::<()>(&mut conn).expect("ZADD q");
+        qx.query::<()>(&mut conn).expect("ZADD qx");
+    }
+}
+
+/// Thousands of expired entries (more than a Lua script can unpack at once) do not lock
+/// the name out: a fair client locks and unlocks it, the scripts drain the queue over a
+/// few calls, and the queue's keys carry a TTL so that an abandoned queue disappears.
+#[test]
+fn a_queue_of_thousands_of_expired_entries_does_not_lock_the_name_out() {
+    init_log();
+    let srv = RedisServer::start();
+    fill_expired(&srv, 10_000);
+    let c = client(&srv.url());
+    for round in 0..3 {
+        let guard = c
+            .try_lock_for("k", secs(10))
+            .unwrap_or_else(|e| panic!("round {round}: lock: {e:#?}"));
+        assert!(guard.unlock().expect("unlock").was_held());
+    }
+    // Some calls later (each prunes a bounded chunk), the queue is gone.
+    for _ in 0..100 {
+        if queued(&srv) == 0 {
+            break;
+        }
+        c.try_lock("k").expect("try_lock").unlock().expect("unlock");
+    }
+    assert_eq!(queued(&srv), 0, "the expired entries were pruned");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// Child: waits for "k" with a re-check interval of `F_RECHECK_MS` (its queue entry lives
+/// twice that unless refreshed), until killed.
+#[test]
+fn child_short_recheck_waiter() {
+    if !child::is_child() {
+        return;
+    }
+    let recheck = ms(child::env("F_RECHECK_MS").parse().expect("recheck"));
+    let c = LockClient::builder()
+        .node(child::env("F_URL"))
+        .lease(secs(30))
+        .recheck_interval(recheck)
+        .build()
+        .expect("build");
+    let _ = c.try_lock_for("k", secs(60));
+}
+
+fn pttl(srv: &RedisServer, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query(&mut srv.conn())
+        .expect("PTTL")
+}
+
+/// A queue whose waiters all died, on a name nobody calls any more, disappears by itself:
+/// every enqueue keeps the queue's keys for the entry's TTL plus a margin.
+#[test]
+fn an_abandoned_queue_expires() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let _guard = holder.lock("k").expect("lock");
+    let mut waiter = child::spawn_self(
+        "child_short_recheck_waiter",
+        &[("F_URL", srv.url()), ("F_RECHECK_MS", "300".to_owned())],
+    );
+    wait_for(secs(20), "the waiter to queue", || queued(&srv) == 1);
+    // The entry lives 600 ms unless refreshed; the queue, that plus a second at most.
+    for key in [QUEUE, QUEUE_EXPIRY] {
+        let t = pttl(&srv, key);
+        assert!(t > 0 && t <= 1600, "{key}: PTTL {t}");
+    }
+    child::kill_child(&mut waiter, libc::SIGKILL);
+    let _ = waiter.wait();
+    wait_for(secs(10), "the abandoned queue to expire", || {
+        srv.keys("redbaton:{k}:q*").is_empty()
+    });
+}
+
+/// A script that fails in Redis (here a queue key of the wrong type) reaches the caller
+/// as a Redis error carrying the server's own message, not a generic failure.
+#[test]
+fn a_failing_queue_script_reports_the_servers_message() {
+    init_log();
+    let srv = RedisServer::start();
+    let mut conn = srv.conn();
+    redis::cmd("ZADD")
+        .arg(QUEUE)
+        .arg(1)
+        .arg("someone")
+        .query::<()>(&mut conn)
+        .expect("ZADD");
+    redis::cmd("SET")
+        .arg(QUEUE_EXPIRY)
+        .arg("not a sorted set")
+        .query::<()>(&mut conn)
+        .expect("SET");
+    let e = client(&srv.url()).try_lock("k").unwrap_err();
+    let server = e.redis_error().expect("a redis error").to_string();
+    assert!(server.contains("WRONGTYPE"), "{server}");
+    let source = std::error::Error::source(&e)
+        .expect("the source")
+        .to_string();
+    assert!(source.contains("WRONGTYPE"), "{e}: {source}");
+}
