@@ -495,3 +495,40 @@ fn a_failing_queue_script_reports_the_servers_message() {
         .to_string();
     assert!(source.contains("WRONGTYPE"), "{e}: {source}");
 }
+
+/// A fair `try_lock` whose replies all come after the read timeout: its script ran and
+/// took the lock, but the caller got an error and will never release it. The attempt's
+/// token is released in the background, so another client gets the lock well before the
+/// lease (30 s) would have freed it.
+#[test]
+fn a_try_lock_whose_replies_are_lost_leaves_no_orphan_lock() {
+    init_log();
+    let srv = RedisServer::start();
+    let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
+    let fragile = LockClient::builder()
+        .node(proxy.url())
+        .lease(secs(30))
+        .read_timeout(ms(200))
+        .build()
+        .expect("build through the proxy");
+    // Scripts loaded, the pool connected.
+    fragile
+        .try_lock("warm-up")
+        .expect("warm-up")
+        .unlock()
+        .expect("unlock");
+    proxy.set_delay(ms(700));
+    let e = fragile
+        .try_lock("k")
+        .expect_err("every reply came too late");
+    proxy.set_delay(Duration::ZERO);
+    assert!(e.is_connection(), "{e:?}");
+    let other = client(&srv.url());
+    let asked = Instant::now();
+    let g = other
+        .try_lock_for("k", secs(8))
+        .expect("the lost attempt's lock is released, not left for its whole lease");
+    eprintln!("the other client got it after {:?}", asked.elapsed());
+    g.unlock().expect("unlock");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}

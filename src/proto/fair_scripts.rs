@@ -169,6 +169,10 @@ if redis.call('EXISTS', KEYS[3]) == 0 then
   publish(ARGV[2], 'r')
   return 1
 end
+-- A token that gives the lock back waits no more (a cleanup of a waiter that could not
+-- leave): never granted to itself.
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
 return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
 "
     ))
