@@ -532,3 +532,34 @@ fn a_try_lock_whose_replies_are_lost_leaves_no_orphan_lock() {
     g.unlock().expect("unlock");
     assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
 }
+
+/// The release that granted the lock to the next process lost its reply: the retry finds
+/// the grantee's token in the key. The lock was ours until the call and passed on as it
+/// should be, so the outcome says so, not "held by another owner".
+#[test]
+fn a_granting_release_whose_reply_is_lost_reports_released() {
+    init_log();
+    let srv = RedisServer::start();
+    let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
+    let holder = client(&proxy.url());
+    holder
+        .try_lock("warm-up")
+        .expect("warm-up")
+        .unlock()
+        .expect("unlock");
+    let guard = holder.lock("k").expect("lock");
+    let url = srv.url();
+    let next = thread::spawn(move || {
+        let c = client(&url);
+        let g = c.try_lock_for("k", secs(20)).expect("granted");
+        g.unlock().expect("unlock")
+    });
+    wait_for(secs(20), "the other client to queue", || queued(&srv) == 1);
+    proxy.drop_next_reply_matching(b"EVALSHA");
+    let outcome = guard.unlock().expect("unlock");
+    assert_eq!(proxy.replies_dropped(), 1, "the fault never fired");
+    assert!(next.join().expect("the next holder").was_held());
+    assert_eq!(outcome, redbaton::Unlocked::Released);
+    assert!(outcome.was_held());
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
