@@ -409,6 +409,30 @@ fn a_queue_of_thousands_of_expired_entries_does_not_lock_the_name_out() {
             .unwrap_or_else(|e| panic!("round {round}: lock: {e:#?}"));
         assert!(guard.unlock().expect("unlock").was_held());
     }
+    // A live waiter behind the dead entries still gets the lock as it is released.
+    let guard = c.lock("k").expect("lock");
+    let url = srv.url();
+    let waiter = thread::spawn(move || {
+        let w = client(&url);
+        let g = w.try_lock_for("k", secs(20)).expect("the waiter's turn");
+        let got = Instant::now();
+        g.unlock().expect("unlock");
+        got
+    });
+    wait_for(secs(20), "the waiter to queue", || {
+        redis::cmd("ZCOUNT")
+            .arg(QUEUE_EXPIRY)
+            .arg("(1")
+            .arg("+inf")
+            .query::<u64>(&mut srv.conn())
+            .expect("ZCOUNT")
+            == 1
+    });
+    let released = Instant::now();
+    guard.unlock().expect("unlock");
+    let took = waiter.join().expect("waiter") - released;
+    eprintln!("the waiter got the lock {took:?} after the release");
+    assert!(took < secs(3), "{took:?}");
     // Some calls later (each prunes a bounded chunk), the queue is gone.
     for _ in 0..100 {
         if queued(&srv) == 0 {
