@@ -426,7 +426,10 @@ impl fmt::Display for LostReason {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Unlocked {
-    /// Deleted in Redis: it was still ours.
+    /// Given back in Redis — deleted, or with the fair queue granted to the next waiting
+    /// process: it was still ours. Also when the reply was lost and a retry found the key
+    /// gone or held by the next owner while our lease was still running: the first
+    /// attempt did it.
     Released,
     /// Passed to a waiting thread of this process without a Redis command.
     HandedOff,

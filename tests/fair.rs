@@ -372,3 +372,218 @@ fn a_grant_heard_too_late_is_not_a_lock() {
     );
     assert_eq!(child::field::<u8>(&r, "valid"), 1);
 }
+
+const QUEUE_EXPIRY: &str = "redbaton:{k}:qx";
+
+/// Puts `n` entries into the queue of "k" whose expiries passed long ago, as a mass crash
+/// (or a partition longer than the entry TTL) leaves them.
+fn fill_expired(srv: &RedisServer, n: usize) {
+    let mut conn = srv.conn();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let mut q = redis::cmd("ZADD");
+        q.arg(QUEUE);
+        let mut qx = redis::cmd("ZADD");
+        qx.arg(QUEUE_EXPIRY);
+        for i in chunk {
+            let member = format!("dead-{i:05}");
+            q.arg(*i as u64 + 1).arg(&member);
+            qx.arg(1).arg(&member);
+        }
+        q.query::<()>(&mut conn).expect("ZADD q");
+        qx.query::<()>(&mut conn).expect("ZADD qx");
+    }
+}
+
+/// Thousands of expired entries (more than a Lua script can unpack at once) do not lock
+/// the name out: a fair client locks and unlocks it, the scripts drain the queue over a
+/// few calls, and the queue's keys carry a TTL so that an abandoned queue disappears.
+#[test]
+fn a_queue_of_thousands_of_expired_entries_does_not_lock_the_name_out() {
+    init_log();
+    let srv = RedisServer::start();
+    fill_expired(&srv, 10_000);
+    let c = client(&srv.url());
+    for round in 0..3 {
+        let guard = c
+            .try_lock_for("k", secs(10))
+            .unwrap_or_else(|e| panic!("round {round}: lock: {e:#?}"));
+        assert!(guard.unlock().expect("unlock").was_held());
+    }
+    // A live waiter behind the dead entries still gets the lock as it is released.
+    let guard = c.lock("k").expect("lock");
+    let url = srv.url();
+    let waiter = thread::spawn(move || {
+        let w = client(&url);
+        let g = w.try_lock_for("k", secs(20)).expect("the waiter's turn");
+        let got = Instant::now();
+        g.unlock().expect("unlock");
+        got
+    });
+    wait_for(secs(20), "the waiter to queue", || {
+        redis::cmd("ZCOUNT")
+            .arg(QUEUE_EXPIRY)
+            .arg("(1")
+            .arg("+inf")
+            .query::<u64>(&mut srv.conn())
+            .expect("ZCOUNT")
+            == 1
+    });
+    let released = Instant::now();
+    guard.unlock().expect("unlock");
+    let took = waiter.join().expect("waiter") - released;
+    eprintln!("the waiter got the lock {took:?} after the release");
+    assert!(took < secs(3), "{took:?}");
+    // Some calls later (each prunes a bounded chunk), the queue is gone.
+    for _ in 0..100 {
+        if queued(&srv) == 0 {
+            break;
+        }
+        c.try_lock("k").expect("try_lock").unlock().expect("unlock");
+    }
+    assert_eq!(queued(&srv), 0, "the expired entries were pruned");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// Child: waits for "k" with a re-check interval of `F_RECHECK_MS` (its queue entry lives
+/// twice that unless refreshed), until killed.
+#[test]
+fn child_short_recheck_waiter() {
+    if !child::is_child() {
+        return;
+    }
+    let recheck = ms(child::env("F_RECHECK_MS").parse().expect("recheck"));
+    let c = LockClient::builder()
+        .node(child::env("F_URL"))
+        .lease(secs(30))
+        .recheck_interval(recheck)
+        .build()
+        .expect("build");
+    let _ = c.try_lock_for("k", secs(60));
+}
+
+fn pttl(srv: &RedisServer, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query(&mut srv.conn())
+        .expect("PTTL")
+}
+
+/// A queue whose waiters all died, on a name nobody calls any more, disappears by itself:
+/// every enqueue keeps the queue's keys for the entry's TTL plus a margin.
+#[test]
+fn an_abandoned_queue_expires() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = client(&srv.url());
+    let _guard = holder.lock("k").expect("lock");
+    let mut waiter = child::spawn_self(
+        "child_short_recheck_waiter",
+        &[("F_URL", srv.url()), ("F_RECHECK_MS", "300".to_owned())],
+    );
+    wait_for(secs(20), "the waiter to queue", || queued(&srv) == 1);
+    // The entry lives 600 ms unless refreshed; the queue, that plus a second at most.
+    for key in [QUEUE, QUEUE_EXPIRY] {
+        let t = pttl(&srv, key);
+        assert!(t > 0 && t <= 1600, "{key}: PTTL {t}");
+    }
+    child::kill_child(&mut waiter, libc::SIGKILL);
+    let _ = waiter.wait();
+    wait_for(secs(10), "the abandoned queue to expire", || {
+        srv.keys("redbaton:{k}:q*").is_empty()
+    });
+}
+
+/// A script that fails in Redis (here a queue key of the wrong type) reaches the caller
+/// as a Redis error carrying the server's own message, not a generic failure.
+#[test]
+fn a_failing_queue_script_reports_the_servers_message() {
+    init_log();
+    let srv = RedisServer::start();
+    let mut conn = srv.conn();
+    redis::cmd("ZADD")
+        .arg(QUEUE)
+        .arg(1)
+        .arg("someone")
+        .query::<()>(&mut conn)
+        .expect("ZADD");
+    redis::cmd("SET")
+        .arg(QUEUE_EXPIRY)
+        .arg("not a sorted set")
+        .query::<()>(&mut conn)
+        .expect("SET");
+    let e = client(&srv.url()).try_lock("k").unwrap_err();
+    let server = e.redis_error().expect("a redis error").to_string();
+    assert!(server.contains("WRONGTYPE"), "{server}");
+    let source = std::error::Error::source(&e)
+        .expect("the source")
+        .to_string();
+    assert!(source.contains("WRONGTYPE"), "{e}: {source}");
+}
+
+/// A fair `try_lock` whose replies all come after the read timeout: its script ran and
+/// took the lock, but the caller got an error and will never release it. The attempt's
+/// token is released in the background, so another client gets the lock well before the
+/// lease (30 s) would have freed it.
+#[test]
+fn a_try_lock_whose_replies_are_lost_leaves_no_orphan_lock() {
+    init_log();
+    let srv = RedisServer::start();
+    let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
+    let fragile = LockClient::builder()
+        .node(proxy.url())
+        .lease(secs(30))
+        .read_timeout(ms(200))
+        .build()
+        .expect("build through the proxy");
+    // Scripts loaded, the pool connected.
+    fragile
+        .try_lock("warm-up")
+        .expect("warm-up")
+        .unlock()
+        .expect("unlock");
+    proxy.set_delay(ms(700));
+    let e = fragile
+        .try_lock("k")
+        .expect_err("every reply came too late");
+    proxy.set_delay(Duration::ZERO);
+    assert!(e.is_connection(), "{e:?}");
+    let other = client(&srv.url());
+    let asked = Instant::now();
+    let g = other
+        .try_lock_for("k", secs(8))
+        .expect("the lost attempt's lock is released, not left for its whole lease");
+    eprintln!("the other client got it after {:?}", asked.elapsed());
+    g.unlock().expect("unlock");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// The release that granted the lock to the next process lost its reply: the retry finds
+/// the grantee's token in the key. The lock was ours until the call and passed on as it
+/// should be, so the outcome says so, not "held by another owner".
+#[test]
+fn a_granting_release_whose_reply_is_lost_reports_released() {
+    init_log();
+    let srv = RedisServer::start();
+    let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
+    let holder = client(&proxy.url());
+    holder
+        .try_lock("warm-up")
+        .expect("warm-up")
+        .unlock()
+        .expect("unlock");
+    let guard = holder.lock("k").expect("lock");
+    let url = srv.url();
+    let next = thread::spawn(move || {
+        let c = client(&url);
+        let g = c.try_lock_for("k", secs(20)).expect("granted");
+        g.unlock().expect("unlock")
+    });
+    wait_for(secs(20), "the other client to queue", || queued(&srv) == 1);
+    proxy.drop_next_reply_matching(b"EVALSHA");
+    let outcome = guard.unlock().expect("unlock");
+    assert_eq!(proxy.replies_dropped(), 1, "the fault never fired");
+    assert!(next.join().expect("the next holder").was_held());
+    assert_eq!(outcome, redbaton::Unlocked::Released);
+    assert!(outcome.was_held());
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}

@@ -199,7 +199,10 @@ impl Engine {
                         carried = Some(tried);
                         continue;
                     }
-                    self.undo(keys, &route, tried, undo, wait.deadline());
+                    // Fair queue: the leave below frees a lock that the lost attempt may
+                    // have taken with our token; without one (the caller did not wait, so
+                    // it is not queued) the undo releases it.
+                    self.undo(keys, &route, tried, undo, wait.deadline(), marked);
                     self.leave_queue(keys, &route, token.as_deref(), marked);
                     // The caller's deadline passed while its master was being replaced:
                     // that is a timeout, like a lock held until then.
@@ -329,7 +332,8 @@ impl Engine {
                 self.acquired(keys, route, token, fence, granted, started)
             }
             Vote::Held { hint, undo } => {
-                self.undo(keys, route, token, undo, deadline);
+                // Fair queue: the next attempt, or the leave, uses the same token.
+                self.undo(keys, route, token, undo, deadline, true);
                 Ok(match unacked {
                     Some(acked) => Round::Unacked(acked),
                     None => Round::Held(hint),
@@ -341,7 +345,8 @@ impl Engine {
 
     /// Releases our token where a lost round left it: on the nodes that granted while the
     /// deadline allows, and without waiting where the outcome is unknown, so that no stray
-    /// key outlives the call by long and the caller's deadline is kept.
+    /// key outlives the call by long and the caller's deadline is kept. `reused`: a later
+    /// call of this wait uses the token again (fair queue: the next attempt, or the leave).
     fn undo(
         self: &Arc<Self>,
         keys: &Keys,
@@ -349,14 +354,16 @@ impl Engine {
         token: String,
         mut undo: Undo,
         deadline: Option<Instant>,
+        reused: bool,
     ) {
         if undo.is_empty() {
             return;
         }
-        if route.sole().and_then(|n| n.fair()).is_some() {
-            // Fair queue: the same token is used again by the next attempt (which finds it
-            // in the key if it is ours) or by the leave when the wait ends: only a lock
-            // taken without enough replicas is given back now.
+        if reused && route.sole().and_then(|n| n.fair()).is_some() {
+            // Fair queue: the next attempt finds the token in the key if it is ours, and
+            // the leave passes such a lock on: only a lock taken without enough replicas
+            // is given back now. A caller that neither attempts again nor leaves (a
+            // `try_lock`) releases it like any other.
             undo.unknown.clear();
         }
         if !undo.granted.is_empty() && deadline.is_none_or(|d| Instant::now() < d) {
@@ -385,7 +392,13 @@ impl Engine {
                 match node.leave(keys, token) {
                     Ok(true) => Counters::inc(&self.counters.grants_passed),
                     Ok(false) => {}
-                    Err(e) => log::debug!("leaving the queue failed (the entry expires): {e}"),
+                    Err(e) => {
+                        // A grant to us (or a lock a lost attempt took) may be left: the
+                        // cleanup job releases it; the entry expires.
+                        log::debug!("leaving the queue failed: {e}; released in the background");
+                        self.cleanup
+                            .release_later(keys, token.to_owned(), vec![node.id.clone()]);
+                    }
                 }
             }
             _ if marked => self.unmark(keys, route),

@@ -79,9 +79,9 @@ impl Engine {
 
     /// Runs `release` (one reply per node of the route it is given) on the route read
     /// afresh each time, retried through a failover (Redis Cluster) until `lock`'s
-    /// validity ends: its key is gone by then anyway. A retry that finds the key gone
-    /// after a try whose reply was lost says so (`GoneAfterRetry`): that try may have
-    /// deleted it.
+    /// validity ends: its key is gone by then anyway. A retry that finds the key gone, or
+    /// another token in it, after a try whose reply was lost says so (`GoneAfterRetry`,
+    /// `OtherAfterRetry`): that try may have deleted it or passed it on.
     pub(crate) fn release_riding(
         &self,
         lock: &RemoteLock,
@@ -94,8 +94,10 @@ impl Engine {
             let mut replies = release(&route);
             if ran {
                 for r in &mut replies {
-                    if matches!(r, Ok(ReleaseReply::Gone)) {
-                        *r = Ok(ReleaseReply::GoneAfterRetry);
+                    match r {
+                        Ok(ReleaseReply::Gone) => *r = Ok(ReleaseReply::GoneAfterRetry),
+                        Ok(ReleaseReply::Other) => *r = Ok(ReleaseReply::OtherAfterRetry),
+                        _ => {}
                     }
                 }
             }

@@ -8,11 +8,19 @@
 //! token, the same for every attempt of one wait.
 //!
 //! A grant is `SET L <head> PX <grant lease>`, an `INCR` of the fence and a publish of
-//! `g<head>:<fence>` on the lock's channel (sharded where the node has it, see `sharded`):
-//! the head's process owns the lock when it reads the message, without an acquire round
-//! trip; the short grant lease bounds what a dead grantee costs the others, and the
-//! grantee's first renewal (at a third of it) gives it the full lease. A lost message is
-//! recovered by the grantee's next attempt, which finds its own token in the key.
+//! `g<head>:<fence>` on the lock's channel (sharded where the node has it, see `sharded`).
+//! The message is only a wake-up: the grantee's next attempt confirms the grant (it finds
+//! its own token in the key, sets the full lease and reads the fence as it is then). The
+//! message alone proves nothing about now — it may be read after the grant's short lease
+//! ran out, or be an older grant than the key's. The short grant lease bounds what a dead
+//! grantee costs the others; a lost message is recovered by the grantee's next attempt.
+//!
+//! Bounds, so that no queue can stop the scripts: each call drops at most `PRUNE_CHUNK`
+//! expired entries (a mass crash leaves thousands; they drain over the calls that follow,
+//! and while some are left the lock goes to whoever comes, as without the queue), and
+//! every enqueue keeps `L:q` and `L:qx` alive for at least its entry's TTL plus
+//! `QUEUE_MARGIN_MS`: the queue's keys outlive every live entry, and a queue whose waiters
+//! are all gone expires by itself.
 
 use std::sync::LazyLock;
 
@@ -23,15 +31,29 @@ use super::sharded::PUBLISH_FN;
 /// KEYS[1] lock, KEYS[2] fence; `q`, `qx` and the channel are passed in; the publish
 /// mode is the last argument (`PUBLISH_FN`, which comes first).
 const COMMON: &str = r"
+local PRUNE_CHUNK = 256
+local QUEUE_MARGIN_MS = 1000
 local function now_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
+-- Drops expired entries, at most PRUNE_CHUNK of them: a script does bounded work (and
+-- Lua unpacks at most a few thousand values) however many waiters crashed; the queue
+-- drains over the calls that follow. True when no expired entry is left, so that the
+-- head is a live waiter; false when some may be (the caller then grants to nobody).
 local function prune(q, qx, now_ms)
-  local dead = redis.call('ZRANGEBYSCORE', qx, '-inf', now_ms)
+  local dead = redis.call('ZRANGEBYSCORE', qx, '-inf', now_ms, 'LIMIT', 0, PRUNE_CHUNK)
   if #dead > 0 then
     redis.call('ZREM', q, unpack(dead))
     redis.call('ZREM', qx, unpack(dead))
+  end
+  return #dead < PRUNE_CHUNK
+end
+-- Keeps `key` for at least `ms`: a queue lives as long as its longest-lived entry, and an
+-- abandoned one (its waiters all gone) disappears with it.
+local function keep_for(key, ms)
+  if redis.call('PTTL', key) < ms then
+    redis.call('PEXPIRE', key, ms)
   end
 end
 local function grant(head, q, qx, channel, grant_ms)
@@ -44,9 +66,10 @@ local function grant(head, q, qx, channel, grant_ms)
 end
 -- Gives a lock that `token` holds to the head of the queue, or deletes it.
 -- 2: granted to the head; 1: released.
+-- A queue with expired entries left after the prune has no head anybody knows is alive:
+-- the lock is freed for whoever comes next.
 local function pass_on(q, qx, channel, grant_ms, now_ms)
-  prune(q, qx, now_ms)
-  local head = redis.call('ZRANGE', q, 0, 0)[1]
+  local head = prune(q, qx, now_ms) and redis.call('ZRANGE', q, 0, 0)[1]
   if head then
     grant(head, q, qx, channel, grant_ms)
     return 2
@@ -60,8 +83,8 @@ end
 /// Acquire, fairly and idempotently.
 ///
 /// KEYS: lock, fence, queue, queue expiries. ARGV: token, lease ms, channel, client id,
-/// entry TTL ms (0: the caller will not wait, so it is not queued), grant lease ms, publish
-/// mode.
+/// entry TTL ms (0: the caller will not wait, so it is not queued; otherwise also the
+/// least TTL, plus a margin, that the queue's keys get), grant lease ms, publish mode.
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when it is not (and the caller,
 /// if it waits, is queued), `{2, 0}` when the name holds another kind of lock.
 ///
@@ -87,7 +110,7 @@ if redis.call('EXISTS', KEYS[3]) == 0
 end
 local now = now_us()
 local now_ms = math.floor(now / 1000)
-prune(KEYS[3], KEYS[4], now_ms)
+local clean = prune(KEYS[3], KEYS[4], now_ms)
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return {2, 0} end
 if cur == ARGV[1] then
@@ -98,7 +121,8 @@ if cur == ARGV[1] then
   return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
 end
 if not cur then
-  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  -- Expired entries left over (see prune): no known live head, the lock goes to us.
+  local head = clean and redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   if not head or head == ARGV[1] then
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
     local fence = redis.pcall('INCR', KEYS[2])
@@ -106,17 +130,18 @@ if not cur then
       redis.call('DEL', KEYS[1])
       return fence
     end
-    if head then
-      redis.call('ZREM', KEYS[3], head)
-      redis.call('ZREM', KEYS[4], head)
-    end
+    redis.call('ZREM', KEYS[3], ARGV[1])
+    redis.call('ZREM', KEYS[4], ARGV[1])
     return {1, fence}
   end
   grant(head, KEYS[3], KEYS[4], ARGV[3], ARGV[6])
 end
 if ARGV[5] ~= '0' then
+  local entry_ms = tonumber(ARGV[5])
   redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
-  redis.call('ZADD', KEYS[4], now_ms + tonumber(ARGV[5]), ARGV[1])
+  redis.call('ZADD', KEYS[4], now_ms + entry_ms, ARGV[1])
+  keep_for(KEYS[3], entry_ms + QUEUE_MARGIN_MS)
+  keep_for(KEYS[4], entry_ms + QUEUE_MARGIN_MS)
   publish(ARGV[3], 'c' .. ARGV[4])
 end
 return {0, redis.call('PTTL', KEYS[1])}
@@ -144,6 +169,10 @@ if redis.call('EXISTS', KEYS[3]) == 0 then
   publish(ARGV[2], 'r')
   return 1
 end
+-- A token that gives the lock back waits no more (a cleanup of a waiter that could not
+-- leave): never granted to itself.
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
 return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
 "
     ))

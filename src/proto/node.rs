@@ -37,6 +37,10 @@ pub(crate) enum ReleaseReply {
     /// been the one that deleted it.
     GoneAfterRetry,
     Other,
+    /// Another token holds it, but only a retry saw it: the first attempt, whose reply was
+    /// lost, may have released it (with the fair queue: granted it to the next waiter,
+    /// whose token the retry finds) and the next holder have it since.
+    OtherAfterRetry,
 }
 
 /// What a compare-and-extend found for one key.
@@ -572,7 +576,7 @@ impl Node {
 
     /// Compare-and-delete. `retries` may be non-zero: a repeated release is harmless, and
     /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
-    /// deleted.
+    /// deleted ([`ReleaseReply::OtherAfterRetry`]: passed on, or deleted and taken since).
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
         let Some(fair) = self.fair else {
             let mut call = RELEASE.call(1);
@@ -608,6 +612,7 @@ impl Node {
             2 => Ok(ReleaseReply::Passed),
             0 if retried => Ok(ReleaseReply::GoneAfterRetry),
             0 => Ok(ReleaseReply::Gone),
+            -1 if retried => Ok(ReleaseReply::OtherAfterRetry),
             -1 => Ok(ReleaseReply::Other),
             n => Err(Error::Protocol(format!("release replied {n}"))),
         }

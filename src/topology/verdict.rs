@@ -138,7 +138,9 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
 
 /// One outcome of a release from the nodes' replies. `was_valid`: the lease had not run
 /// out when the release began, so a key that only a retry found gone was deleted by our
-/// first attempt.
+/// first attempt, and one that a retry found held by another token was given up by it
+/// (deleted and taken since, or granted to the next waiter of the fair queue): nobody
+/// else could have taken it while our lease lasted.
 pub(crate) fn tally_release(
     replies: Vec<Result<ReleaseReply>>,
     was_valid: bool,
@@ -155,11 +157,12 @@ pub(crate) fn tally_release(
             ReleaseReply::Released,
             ReleaseReply::Passed,
             ReleaseReply::GoneAfterRetry,
+            ReleaseReply::OtherAfterRetry,
         ])
     } else {
         count(&[ReleaseReply::Released, ReleaseReply::Passed])
     };
-    let other = count(&[ReleaseReply::Other]);
+    let other = count(&[ReleaseReply::Other, ReleaseReply::OtherAfterRetry]);
     let needed = quorum.min(replies.len());
     if released >= needed {
         return Ok(Unlocked::Released);
@@ -386,6 +389,16 @@ mod tests {
         );
         assert_eq!(
             tally_release(vec![ok(Other)], true, 1).unwrap(),
+            Unlocked::HeldByOther
+        );
+        // A retry that found another token: our first attempt released it (or, with the
+        // fair queue, granted it to the next waiter) while the lease was still running.
+        assert_eq!(
+            tally_release(vec![ok(OtherAfterRetry)], true, 1).unwrap(),
+            Unlocked::Released
+        );
+        assert_eq!(
+            tally_release(vec![ok(OtherAfterRetry)], false, 1).unwrap(),
             Unlocked::HeldByOther
         );
         assert_eq!(
