@@ -260,3 +260,49 @@ fn eviction_policy_that_can_evict_lock_keys_warns_at_build() {
         drop(c);
     }
 }
+
+/// The fair queue's grant message carries the whole fence (16 digits since counters start
+/// at the server's clock in µs): the queued waiter of another client takes the lock from
+/// the message, the fence right after the holder's, without waiting for a re-check.
+#[test]
+fn a_grant_carries_the_whole_fence() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = short_fence(&srv.url()).build().expect("client");
+    let waiter = Arc::new(
+        short_fence(&srv.url())
+            .recheck_interval(secs(30))
+            .build()
+            .expect("client"),
+    );
+    let held = holder.try_lock("grant").expect("free");
+    let queued = {
+        let waiter = waiter.clone();
+        thread::spawn(move || {
+            let g = waiter.try_lock_for("grant", secs(20)).expect("granted");
+            (std::time::Instant::now(), g.fencing_token())
+        })
+    };
+    let mut conn = srv.conn();
+    let queue = format!("{}:q", KEYS.lock("grant"));
+    wait_for(secs(30), "the waiter queued", || {
+        redis::cmd("ZCARD")
+            .arg(&queue)
+            .query::<u64>(&mut conn)
+            .unwrap()
+            == 1
+    });
+    let fence = held.fencing_token() >> redbaton_testkit::keys::HANDOFF_BITS;
+    let released = std::time::Instant::now();
+    held.unlock().expect("unlock");
+    let (got_at, token) = join_within(vec![queued], secs(30), "the waiter").remove(0);
+    assert_eq!(
+        token,
+        (fence + 1) << redbaton_testkit::keys::HANDOFF_BITS,
+        "the grant's fence"
+    );
+    // Liveness, generous: a waiter that missed the message would wait for its re-check
+    // (30 s) or the grant's lease.
+    let waited = got_at.duration_since(released);
+    assert!(waited < secs(10), "granted after {waited:?}");
+}

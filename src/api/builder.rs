@@ -581,7 +581,7 @@ impl Builder {
     }
 
     /// Fairness budget: consecutive local handoffs allowed while another process waits
-    /// (1 to 1,048,575). A process alone on a key is not limited.
+    /// (1 to 4,095: a token's low 12 bits number them). A process alone on a key is not limited.
     ///
     /// # Examples
     ///

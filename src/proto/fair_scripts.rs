@@ -16,7 +16,7 @@
 
 use std::sync::LazyLock;
 
-use super::scripts::Lua;
+use super::scripts::{FENCE_FN, Lua};
 use super::sharded::PUBLISH_FN;
 
 /// Shared Lua: the server clock, pruning of expired entries, and a grant to the head.
@@ -36,7 +36,11 @@ local function prune(q, qx, now_ms)
 end
 local function grant(head, q, qx, channel, grant_ms)
   redis.call('SET', KEYS[1], head, 'PX', grant_ms)
-  local fence = redis.call('INCR', KEYS[2])
+  -- The fence counter's TTL is the argument before the publish mode, in every script.
+  local fence = next_fence(KEYS[2], ARGV[#ARGV - 1])
+  if type(fence) == 'table' then error(fence.err) end
+  -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
+  fence = string.format('%.0f', fence)
   redis.call('ZREM', q, head)
   redis.call('ZREM', qx, head)
   publish(channel, 'g' .. head .. ':' .. fence)
@@ -60,8 +64,8 @@ end
 /// Acquire, fairly and idempotently.
 ///
 /// KEYS: lock, fence, queue, queue expiries. ARGV: token, lease ms, channel, client id,
-/// entry TTL ms (0: the caller will not wait, so it is not queued), grant lease ms, publish
-/// mode.
+/// entry TTL ms (0: the caller will not wait, so it is not queued), grant lease ms, fence
+/// counter TTL ms (see `FENCE_FN`), publish mode.
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when it is not (and the caller,
 /// if it waits, is queued), `{2, 0}` when the name holds another kind of lock.
 ///
@@ -72,13 +76,13 @@ end
 /// or from a non-empty queue.
 pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
         r"
 -- The common case first: nobody queued and the lock free (three calls, as without the
 -- queue but for the EXISTS).
 if redis.call('EXISTS', KEYS[3]) == 0
   and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local fence = redis.pcall('INCR', KEYS[2])
+  local fence = next_fence(KEYS[2], ARGV[#ARGV - 1])
   if type(fence) == 'table' then
     redis.call('DEL', KEYS[1])
     return fence
@@ -101,7 +105,7 @@ if not cur then
   local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   if not head or head == ARGV[1] then
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    local fence = redis.pcall('INCR', KEYS[2])
+    local fence = next_fence(KEYS[2], ARGV[#ARGV - 1])
     if type(fence) == 'table' then
       redis.call('DEL', KEYS[1])
       return fence
@@ -126,12 +130,12 @@ return {0, redis.call('PTTL', KEYS[1])}
 
 /// Release: grant to the head of the queue, or delete.
 ///
-/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, publish
-/// mode. Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
+/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, fence
+/// counter TTL ms, publish mode. Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
 /// (or another kind) holds it.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
         r"
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return -1 end
@@ -151,12 +155,12 @@ return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
 
 /// A waiter leaves: out of the queue, and a grant that raced its leaving passed on.
 ///
-/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, publish
-/// mode. Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0
+/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, fence
+/// counter TTL ms, publish mode. Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0
 /// nothing was ours.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
         r"
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])

@@ -68,17 +68,65 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
     e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
+/// The Lua helpers every script that issues or reads a fencing counter starts with.
+///
+/// `next_fence(key, ttl)` increments the counter `key` and keeps it `ttl` ms more, so that
+/// the counter of a name nobody locks any more expires. A counter that did not exist (the
+/// `INCR` gave 1) starts at the server's clock in microseconds (`TIME`) instead: tokens
+/// then strictly increase across an expiry, an eviction or a deletion of the counter.
+/// Why: acquisitions of one name are scripts on one key, which the server runs one at a
+/// time, each taking more than a microsecond; so by induction a counter seeded from the
+/// clock never runs ahead of it (after the i-th increment at server time `t_i`, the value
+/// `c_i ≤ t_i`: `c_{i+1} = c_i + 1 ≤ t_i + 1 ≤ t_{i+1}`). A new seed `t_new`, taken after
+/// the last increment, is then above it: `t_new > t_last ≥ c_last`. This rests on the
+/// server's clock not stepping back (across restarts and failovers) by more than the
+/// counter was idle, at least the TTL for an expired one; and on fewer than one fence per
+/// microsecond on one name, on average (a burst above that puts the counter ahead of the
+/// clock by at most the burst's excess, which a TTL of seconds, millions of
+/// microseconds, absorbs). The value is written with `%.0f`: Lua numbers are doubles,
+/// exact to 2^53, and a token keeps 52 bits for it (`fencing::MAX_FENCE`).
+///
+/// Returns the new value, or the error table of a failed `INCR` (a foreign value in the
+/// key, an ACL without `incr`): the caller undoes what it did first.
+///
+/// `current_fence(key)` is the counter as it is, for a holder that does not increment it
+/// (a read hold, a retry finding its own acquisition): when the counter is gone, the
+/// server's clock, which the next `next_fence` will exceed.
+pub(crate) const FENCE_FN: &str = r"
+local function clock_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function next_fence(key, ttl)
+  local fence = redis.pcall('INCR', key)
+  if type(fence) == 'table' then return fence end
+  if fence == 1 then
+    fence = clock_us()
+    redis.call('SET', key, string.format('%.0f', fence), 'PX', ttl)
+  else
+    redis.call('PEXPIRE', key, ttl)
+  end
+  return fence
+end
+local function current_fence(key)
+  local fence = redis.call('GET', key)
+  if fence then return tonumber(fence) end
+  return clock_us()
+end
+";
+
 /// Acquire in one round trip, idempotently.
 ///
 /// KEYS: lock, fence, mark. ARGV: token, lease in ms, the library's channel, the client's
 /// id, the mark's TTL in ms (0: the caller will not wait, so leave no mark), `1` if this
-/// caller marked before (its mark is deleted when it wins), the publish mode (see
-/// `sharded`).
+/// caller marked before (its mark is deleted when it wins), the fence counter's TTL in ms
+/// (see [`FENCE_FN`]), the publish mode (see `sharded`).
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when someone else holds it,
 /// `{2, 0}` when the key is a read-write lock or a semaphore (checked on the failure path
 /// only: `SET NX` fails on any existing key, so the success path stays as it is).
 ///
-/// The common case comes first and costs two calls: `SET NX PX`, then `INCR` of the fence.
+/// The common case comes first and costs three calls: `SET NX PX`, then `INCR` of the
+/// fence and its `PEXPIRE` (see [`FENCE_FN`]).
 /// A script that fails half-way is not rolled back, so an `INCR` that fails (a foreign
 /// value in the counter key, an ACL without `incr`) deletes the key it just set: no lock is
 /// left behind.
@@ -92,10 +140,10 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// with `pcall`: an ACL user without channel permissions still locks.
 pub(crate) static ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{}",
+        "{PUBLISH_FN}{FENCE_FN}{}",
         r"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local fence = redis.pcall('INCR', KEYS[2])
+  local fence = next_fence(KEYS[2], ARGV[7])
   if type(fence) == 'table' then
     redis.call('DEL', KEYS[1])
     return fence
@@ -109,7 +157,7 @@ local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return {2, 0} end
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+  return {1, current_fence(KEYS[2])}
 end
 if ARGV[5] ~= '0' then
   redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
@@ -189,14 +237,16 @@ return 0
 });
 
 /// Raises a fencing counter to at least a value (Redlock: the highest counter of the
-/// granting majority).
+/// granting majority), and keeps it for the counter's TTL, as an increment would.
 ///
-/// KEYS: fence. ARGV: the value.
+/// KEYS: fence. ARGV: the value, the counter's TTL in ms.
 pub(crate) static RAISE_FENCE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(
         r"
 if (tonumber(redis.call('GET', KEYS[1]) or '0')) < tonumber(ARGV[1]) then
-  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
 ",

@@ -14,7 +14,7 @@ pub const DEFAULT_PREFIX: &str = "redbaton:";
 
 /// Low bits of a fencing token that number local handoffs (`redbaton` keeps the same
 /// layout; its tests pin it down).
-pub const HANDOFF_BITS: u32 = 20;
+pub const HANDOFF_BITS: u32 = 12;
 
 /// The largest `Builder::max_handoffs` accepted: a handoff count must fit in
 /// [`HANDOFF_BITS`].
