@@ -760,6 +760,13 @@ impl Builder {
     /// Checks every setting, connects to the node(s), checks keyspace notifications and
     /// starts the client's threads.
     ///
+    /// It also reads each node's `maxmemory` and `maxmemory-policy` (in the same
+    /// `CONFIG GET` as the notification flags, where `CONFIG GET` is allowed) and logs one
+    /// warning per node when Redis may evict lock keys: with `maxmemory` set, a
+    /// `volatile-*` policy can evict a held lock's key (it has a TTL), so another client
+    /// takes the lock while its holder still believes in it, and an `allkeys-*` policy
+    /// can evict fence counters too. Only `noeviction` keeps them.
+    ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] for a bad setting (the message names it and its accepted

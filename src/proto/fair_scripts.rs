@@ -78,7 +78,7 @@ pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
         r"
--- The common case first: nobody queued and the lock free (three calls, as without the
+-- The common case first: nobody queued and the lock free (four calls, as without the
 -- queue but for the EXISTS).
 if redis.call('EXISTS', KEYS[3]) == 0
   and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
