@@ -131,8 +131,8 @@ return {0, redis.call('PTTL', KEYS[1])}
 /// Release: grant to the head of the queue, or delete.
 ///
 /// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, fence
-/// counter TTL ms, publish mode. Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
-/// (or another kind) holds it.
+/// counter TTL ms, publish mode. Returns 2 granted to the next waiter, 1 released, 0 the
+/// key was gone, -1 another token (or another kind) holds it.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
@@ -156,8 +156,8 @@ return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
 /// A waiter leaves: out of the queue, and a grant that raced its leaving passed on.
 ///
 /// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, fence
-/// counter TTL ms, publish mode. Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0
-/// nothing was ours.
+/// counter TTL ms, publish mode. Returns 2 a grant to us was passed to the next waiter, 1
+/// it was released, 0 nothing was ours.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",

@@ -124,10 +124,10 @@ fn lua(body: &str) -> Lua {
 ///
 /// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r` or `w`, member, lease
 /// ms, waiting mark TTL ms (0: the caller will not wait), the fence counter's TTL ms.
-/// Returns `{1, fence, others}`
-/// (`others`: for a write hold, 1 when a mark of another waiting writer or reader is left,
-/// maybe an expired one; always 0 for a read hold), `{0, ms until the earliest obstacle
-/// ends}` (−1: unknown), or `{2, 0}` when the key is another kind of lock.
+/// Returns `{1, fence, others}` (`others`: for a write hold, 1 when a mark of another
+/// waiting writer or reader is left, maybe an expired one; always 0 for a read hold),
+/// `{0, ms until the earliest obstacle ends}` (−1: unknown), or `{2, 0}` when the key is
+/// another kind of lock.
 ///
 /// A read is granted when no write hold exists and no writer waits; a write when no hold
 /// exists (waiting writers race among themselves). A write attempt that fails and will wait
