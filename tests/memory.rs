@@ -23,11 +23,14 @@ const KEYS: Keys = Keys::new(PREFIX);
 /// for the builder to accept it.
 const FENCE_TTL: Duration = Duration::from_millis(1500);
 
-/// A client whose idle counters expire after [`FENCE_TTL`].
+/// A client of `url` whose idle counters expire after [`FENCE_TTL`].
 fn short_fence(url: &str) -> Builder {
-    LockClient::builder()
-        .node(url)
-        .key_prefix(PREFIX)
+    with_short_fence(LockClient::builder().node(url))
+}
+
+/// `b`, with idle counters expiring after [`FENCE_TTL`].
+fn with_short_fence(b: Builder) -> Builder {
+    b.key_prefix(PREFIX)
         .lease(ms(600))
         .read_timeout(ms(375))
         .fence_ttl(FENCE_TTL)
@@ -305,4 +308,33 @@ fn a_grant_carries_the_whole_fence() {
     // (30 s) or the grant's lease.
     let waited = got_at.duration_since(released);
     assert!(waited < secs(10), "granted after {waited:?}");
+}
+
+/// Redlock: the counters a round raises to the majority's highest keep a TTL too, so a
+/// name leaves nothing on any node once `fence_ttl` has passed.
+#[test]
+fn redlock_raised_counters_expire() {
+    init_log();
+    let servers = redbaton_testkit::server::start_many(3);
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let c = with_short_fence(LockClient::builder().nodes(urls))
+        .build()
+        .expect("redlock client");
+    // The first round creates the nodes' counters at their clocks, some µs apart, and
+    // raises the lagging ones to the highest (later rounds find them equal).
+    c.try_lock("r").expect("free").unlock().expect("unlock");
+    for s in &servers {
+        let ttl = pttl(&mut s.conn(), &KEYS.fence("r"));
+        assert!(
+            ttl > 0 && ttl <= FENCE_TTL.as_millis() as i64,
+            "node {}: counter PTTL {ttl}",
+            s.port()
+        );
+    }
+    for s in &servers {
+        let mut conn = s.conn();
+        wait_for(secs(30), "the node's keys expired", || {
+            dbsize(&mut conn) == 0
+        });
+    }
 }
