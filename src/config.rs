@@ -57,6 +57,8 @@ pub(crate) struct Config {
     pub fair: bool,
     /// Redis Cluster seed URLs instead of `nodes` (empty: not a cluster).
     pub cluster: Vec<String>,
+    /// How long an idle fencing counter lives (every increment refreshes it).
+    pub fence_ttl: Duration,
 }
 
 /// Where the sentinels are and how to reach the master they name.

@@ -55,11 +55,16 @@
 //!
 //! What is promised, and what is not:
 //!
-//! * Promised: on one node, strictly increasing tokens while the `…:fence` key survives.
-//!   On Redlock, increasing tokens across holders while no node restarts empty (or fails
-//!   over to a replica that missed the counter) and the write-back reached the overlap.
-//! * Not promised: after a majority of nodes lose their data, counters start again from
-//!   zero and tokens go backwards. Martin Kleppmann ("How to do distributed locking")
+//! * Promised: on one node, strictly increasing tokens, also when the `…:fence` key
+//!   expires ([`Builder::fence_ttl`]), is evicted, or is lost in a restart: a new counter
+//!   starts at the server's clock in microseconds, above every token the old one issued
+//!   (`fence_ttl` says what this rests on: mainly a server clock that does not step back).
+//!   On Redlock, increasing tokens across holders while no node fails over to a replica
+//!   that missed the counter, the nodes' clocks agree within `fence_ttl`, and the
+//!   write-back reached the overlap.
+//! * Not promised: after a failover to a replica that missed the latest increments, the
+//!   counter goes on from the replica's older value and tokens can go backwards (on one
+//!   node as on a majority). Martin Kleppmann ("How to do distributed locking")
 //!   argues that a lock whose tokens are not strictly monotonic cannot make a paused holder
 //!   safe, and that Redlock's timing assumptions do not hold in an asynchronous network;
 //!   antirez ("Is Redlock safe?") answers that the storage can check the unique random

@@ -100,11 +100,18 @@ fn smoke() {
     let client = builder(&srv.url()).build().expect("build");
     let guard = client.lock("smoke").expect("lock");
     assert_eq!(guard.name(), b"smoke");
+    // A first remote acquisition: the counter it created (at the server's clock in µs), no
+    // local handoff.
+    let fence: u64 = redis::cmd("GET")
+        .arg(KEYS.fence("smoke"))
+        .query(&mut srv.conn())
+        .unwrap();
     assert_eq!(
         fence_of(guard.fencing_token()),
-        1,
+        fence,
         "first remote acquisition"
     );
+    assert_eq!(handoff_of(guard.fencing_token()), 0);
     assert!(exists(&mut srv.conn(), KEYS.lock("smoke")));
     assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
     assert!(!exists(&mut srv.conn(), KEYS.lock("smoke")));

@@ -615,8 +615,8 @@ enum Kind {
 }
 
 /// One EVALSHA seen by MONITOR, classified by its shape: acquire's second key is the
-/// fence counter and it has six ARGV (the fair queue's release names the fence too, with
-/// three); extend's ARGV are the lease in ms (a number) then one token per key; release's
+/// fence counter and it has eight ARGV (the fair queue's release names the fence too, with
+/// five); extend's ARGV are the lease in ms (a number) then one token per key; release's
 /// first ARGV is the token.
 #[derive(Debug)]
 struct EvalCall {

@@ -6,6 +6,7 @@
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use redbaton_testkit::keys::HANDOFF_BITS;
 use redis::{Connection, RedisResult, Script};
 
 /// python-redis-lock's unlock script: compare, then signal one waiter and delete.
@@ -50,7 +51,7 @@ pub fn lock(
             .arg(lease_ms)
             .query(conn)?;
         if got.is_some() {
-            return Ok((token, ((worker as u64) << 40 | n) << 20));
+            return Ok((token, ((worker as u64) << 40 | n) << HANDOFF_BITS));
         }
         // python-redis-lock blocks for the lock's expiry at most, then retries.
         let _: Option<(String, String)> = redis::cmd("BLPOP")

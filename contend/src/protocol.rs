@@ -28,7 +28,7 @@ pub struct ThreadReport {
     pub waits_us: Vec<u64>,
     /// When each section ended, µs after the parent's `go` (CLOCK_MONOTONIC).
     pub done_us: Vec<u64>,
-    /// Each section's fencing token (remote fence << 20 | local handoff number).
+    /// Each section's fencing token (remote fence << 12 | local handoff number).
     pub fences: Vec<u64>,
 }
 

@@ -13,6 +13,13 @@ use crate::proto::keys::MAX_PREFIX_LEN;
 /// `Duration::MAX` meant as "never") rather than silently capped.
 const MAX_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 
+/// How long an idle fencing counter lives by default (see [`Builder::fence_ttl`]).
+const DEFAULT_FENCE_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The shortest `fence_ttl` accepted, whatever the lease and timeouts.
+const MIN_FENCE_TTL: Duration = Duration::from_secs(1);
+/// The longest `fence_ttl` accepted: longer is taken for a mistake.
+const MAX_FENCE_TTL: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
 /// Builds a [`LockClient`]. Every setting has a default; [`build`](Builder::build) checks
 /// them all and connects.
 ///
@@ -36,6 +43,7 @@ const MAX_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 /// | [`fair`](Builder::fair) | `true`: processes take turns in arrival order (not for Redlock) |
 /// | [`cluster`](Builder::cluster) | none: the node(s) given |
 /// | [`replica_ack`](Builder::replica_ack) | none: an acquisition does not wait for replicas |
+/// | [`fence_ttl`](Builder::fence_ttl) | 7 days: a name's fencing counter outlives its last acquisition by a week |
 /// | [`tls_ca_cert`](Builder::tls_ca_cert), [`tls_client_identity`](Builder::tls_client_identity) | the system's trust store, no client certificate |
 ///
 /// # Examples
@@ -86,6 +94,7 @@ pub struct Builder {
     sentinel: Option<SentinelConfig>,
     fair: bool,
     cluster: Vec<String>,
+    fence_ttl: Duration,
 }
 
 /// Node URLs may carry a password: `Debug` shows them with it replaced by `***`.
@@ -115,6 +124,7 @@ impl std::fmt::Debug for Builder {
             .field("tls_client_identity", &self.tls.identity.is_some())
             .field("replica_ack", &self.replica_ack)
             .field("fair", &self.fair)
+            .field("fence_ttl", &self.fence_ttl)
             .field(
                 "sentinel",
                 &self.sentinel.as_ref().map(|sc| {
@@ -171,6 +181,7 @@ impl Default for Builder {
             sentinel: None,
             fair: true,
             cluster: Vec::new(),
+            fence_ttl: DEFAULT_FENCE_TTL,
         }
     }
 }
@@ -570,7 +581,7 @@ impl Builder {
     }
 
     /// Fairness budget: consecutive local handoffs allowed while another process waits
-    /// (1 to 1,048,575). A process alone on a key is not limited.
+    /// (1 to 4,095: a token's low 12 bits number them). A process alone on a key is not limited.
     ///
     /// # Examples
     ///
@@ -709,8 +720,52 @@ impl Builder {
         self
     }
 
+    /// How long a name's fencing counter (`{prefix}{name}:fence`) outlives the last
+    /// acquisition that used it (default 7 days). Every acquisition refreshes it; a counter
+    /// idle this long expires, so Redis keeps no key for a name nobody locked lately.
+    ///
+    /// Tokens still strictly increase across an expiry: a counter that does not exist is
+    /// created at the server's clock in microseconds (`TIME`), not at 1, and then counts up
+    /// by one per acquisition. A counter seeded so never runs ahead of the server's clock
+    /// (acquisitions on one name are serialized and each takes more than a microsecond of
+    /// server time), so a new seed, taken later, is above every token the old counter
+    /// issued, even when the counter was evicted or deleted. What this rests on:
+    ///
+    /// * the server's clock does not step back, across restarts and failovers, by more
+    ///   than the counter was idle (at least `fence_ttl` when it expired);
+    /// * fewer than one acquisition per microsecond on one name, on average;
+    /// * with Redlock, the nodes' clocks agree within `fence_ttl` (a counter is raised to
+    ///   the majority's highest value, which another node's clock may have seeded);
+    /// * every client of the prefix creates counters this way (a client of an older version
+    ///   restarts an expired counter at 1).
+    ///
+    /// A retry after a lost reply reads the counter back, so it must outlive the retries:
+    /// `fence_ttl` must be at least 1 s, twice the lease and four read timeouts, and at
+    /// most 10 years.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// // Names come and go (one per job): forget a counter a day after its last use.
+    /// let b = redbaton::LockClient::builder().fence_ttl(Duration::from_secs(24 * 3600));
+    /// # let _ = b;
+    /// ```
+    pub fn fence_ttl(mut self, ttl: Duration) -> Self {
+        self.fence_ttl = ttl;
+        self
+    }
+
     /// Checks every setting, connects to the node(s), checks keyspace notifications and
     /// starts the client's threads.
+    ///
+    /// It also reads each node's `maxmemory` and `maxmemory-policy` (in the same
+    /// `CONFIG GET` as the notification flags, where `CONFIG GET` is allowed) and logs one
+    /// warning per node when Redis may evict lock keys: with `maxmemory` set, a
+    /// `volatile-*` policy can evict a held lock's key (it has a TTL), so another client
+    /// takes the lock while its holder still believes in it, and an `allkeys-*` policy
+    /// can evict fence counters too. Only `noeviction` keeps them.
     ///
     /// # Errors
     ///
@@ -837,6 +892,15 @@ impl Builder {
         if !(1..=MAX_LOCAL_SEQ).contains(&self.max_handoffs) {
             return bad(format!("max handoffs outside 1..={MAX_LOCAL_SEQ}"));
         }
+        let min_fence_ttl = MIN_FENCE_TTL
+            .max(self.lease.saturating_mul(2))
+            .max(self.read_timeout.saturating_mul(4));
+        if self.fence_ttl < min_fence_ttl || self.fence_ttl > MAX_FENCE_TTL {
+            return bad(format!(
+                "fence ttl {:?} outside {min_fence_ttl:?}..={MAX_FENCE_TTL:?} (at least 1 s, twice the lease and four read timeouts: a retry reads the counter back)",
+                self.fence_ttl
+            ));
+        }
         Ok(Config {
             nodes,
             key_prefix: self.key_prefix,
@@ -859,6 +923,7 @@ impl Builder {
             sentinel: self.sentinel,
             fair: self.fair,
             cluster: self.cluster,
+            fence_ttl: self.fence_ttl,
         })
     }
 }

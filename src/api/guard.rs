@@ -109,11 +109,13 @@ impl LockGuard {
     /// A number that grows with every holder of this name, for the protected resource to
     /// refuse writes from an older holder (one whose lease ran out while it was paused).
     ///
-    /// It is `(fence << 20) | handoff`, where `fence` comes from a Redis counter incremented
+    /// It is `(fence << 12) | handoff`, where `fence` comes from a Redis counter incremented
     /// by every acquisition in Redis, and `handoff` numbers the local handoffs of that
-    /// acquisition (at most 2^20 - 1 of them before the lock goes back through Redis). On one
-    /// node it strictly increases across all holders, local and remote, as long as the
-    /// counter key is not deleted. For Redlock it is the highest counter of the granting
+    /// acquisition (at most 2^12 - 1 of them before the lock goes back through Redis). On one
+    /// node it strictly increases across all holders, local and remote, also when the
+    /// counter expires or is evicted: a new counter starts at the server's clock in
+    /// microseconds (see [`Builder::fence_ttl`](crate::Builder::fence_ttl) for what this
+    /// rests on). For Redlock it is the highest counter of the granting
     /// nodes, written back to them; it keeps increasing unless a majority of nodes lose
     /// their data (see the crate docs).
     ///

@@ -517,7 +517,7 @@ impl ReadGuard {
         self.0.unlock()
     }
 
-    /// The read's fencing token. Under a remote read hold it is `(f << 20) | (2^20 − 1)`,
+    /// The read's fencing token. Under a remote read hold it is `(f << 12) | (2^12 − 1)`,
     /// where `f` is the name's fence counter when the hold began; under this process's
     /// write hold, the token of the last local write before the read. Either way it is at
     /// least the token of every write that ended before the read began, and below the
@@ -564,9 +564,9 @@ impl WriteGuard {
         self.0.unlock()
     }
 
-    /// The write's fencing token: `(f << 20) | k`, where `f` is the name's fence counter,
+    /// The write's fencing token: `(f << 12) | k`, where `f` is the name's fence counter,
     /// which the remote write hold incremented, and `k` = 1, 2, … numbers the local writes
-    /// that took turns on that hold (a hold serves fewer than 2^20 − 1 of them). Strictly
+    /// that took turns on that hold (a hold serves fewer than 2^12 − 1 of them). Strictly
     /// increasing across writers, and laid out like a plain lock's token of the same name,
     /// so both compare.
     ///

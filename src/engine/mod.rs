@@ -6,6 +6,7 @@ pub(crate) mod acquire;
 pub(crate) mod cleanup;
 pub(crate) mod clock;
 pub(crate) mod contend;
+mod eviction;
 mod probe;
 pub(crate) mod release;
 mod ride;

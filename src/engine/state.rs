@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use crate::config::{Config, Wakeup};
 use crate::engine::cleanup::Cleanup;
+use crate::engine::eviction;
 use crate::engine::subs::{Subs, Template};
 use crate::engine::watchdog::Watchdog;
 use crate::error::{Result, thread_error};
@@ -118,12 +119,18 @@ impl Engine {
 }
 
 /// Connects to a node once at start: proves it reachable and, when waiters are to be woken
-/// by notifications, checks (and maybe turns on) the node's keyspace notifications.
+/// by notifications, checks (and maybe turns on) the node's keyspace notifications. Warns
+/// when the node may evict lock keys (read in the same `CONFIG GET` when it can be).
 fn check_node(node: &Node, notifications: bool, configure: bool) -> Result<Mode> {
-    if notifications {
-        node.run(Retry::NEVER, |conn| notify::ensure(conn, configure))
+    let (mode, memory) = if notifications {
+        node.run(Retry::NEVER, |conn| {
+            notify::ensure_reading(conn, configure, &eviction::SETTINGS)
+        })?
     } else {
         node.run(Retry::NEVER, |conn| redis::cmd("PING").query::<()>(conn))?;
-        Ok(Mode::Keyspace)
-    }
+        let memory = node.run(Retry::NEVER, |conn| Ok(eviction::read(&node.id, conn)));
+        (Mode::Keyspace, memory.unwrap_or_default())
+    };
+    eviction::warn_if_risky(&node.id, &memory);
+    Ok(mode)
 }

@@ -24,7 +24,7 @@
 
 use std::sync::LazyLock;
 
-use super::scripts::Lua;
+use super::scripts::{FENCE_FN, Lua};
 use super::sharded::PUBLISH_FN;
 
 /// Shared Lua: the server clock, pruning of expired entries, and a grant to the head.
@@ -33,10 +33,6 @@ use super::sharded::PUBLISH_FN;
 const COMMON: &str = r"
 local PRUNE_CHUNK = 256
 local QUEUE_MARGIN_MS = 1000
-local function now_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
 -- Drops expired entries, at most PRUNE_CHUNK of them: a script does bounded work (and
 -- Lua unpacks at most a few thousand values) however many waiters crashed; the queue
 -- drains over the calls that follow. True when no expired entry is left, so that the
@@ -58,7 +54,11 @@ local function keep_for(key, ms)
 end
 local function grant(head, q, qx, channel, grant_ms)
   redis.call('SET', KEYS[1], head, 'PX', grant_ms)
-  local fence = redis.call('INCR', KEYS[2])
+  -- The fence counter's TTL is the argument before the publish mode, in every script.
+  local fence = next_fence(KEYS[2], ARGV[#ARGV - 1])
+  if type(fence) == 'table' then error(fence.err) end
+  -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
+  fence = string.format('%.0f', fence)
   redis.call('ZREM', q, head)
   redis.call('ZREM', qx, head)
   publish(channel, 'g' .. head .. ':' .. fence)
@@ -84,7 +84,8 @@ end
 ///
 /// KEYS: lock, fence, queue, queue expiries. ARGV: token, lease ms, channel, client id,
 /// entry TTL ms (0: the caller will not wait, so it is not queued; otherwise also the
-/// least TTL, plus a margin, that the queue's keys get), grant lease ms, publish mode.
+/// least TTL, plus a margin, that the queue's keys get), grant lease ms, fence counter TTL
+/// ms (see `FENCE_FN`), publish mode.
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when it is not (and the caller,
 /// if it waits, is queued), `{2, 0}` when the name holds another kind of lock.
 ///
@@ -95,20 +96,20 @@ end
 /// or from a non-empty queue.
 pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
         r"
--- The common case first: nobody queued and the lock free (three calls, as without the
+-- The common case first: nobody queued and the lock free (four calls, as without the
 -- queue but for the EXISTS).
 if redis.call('EXISTS', KEYS[3]) == 0
   and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local fence = redis.pcall('INCR', KEYS[2])
+  local fence = next_fence(KEYS[2], ARGV[#ARGV - 1])
   if type(fence) == 'table' then
     redis.call('DEL', KEYS[1])
     return fence
   end
   return {1, fence}
 end
-local now = now_us()
+local now = clock_us()
 local now_ms = math.floor(now / 1000)
 local clean = prune(KEYS[3], KEYS[4], now_ms)
 local cur = redis.pcall('GET', KEYS[1])
@@ -118,14 +119,14 @@ if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
-  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+  return {1, current_fence(KEYS[2])}
 end
 if not cur then
   -- Expired entries left over (see prune): no known live head, the lock goes to us.
   local head = clean and redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   if not head or head == ARGV[1] then
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    local fence = redis.pcall('INCR', KEYS[2])
+    local fence = next_fence(KEYS[2], ARGV[#ARGV - 1])
     if type(fence) == 'table' then
       redis.call('DEL', KEYS[1])
       return fence
@@ -151,12 +152,12 @@ return {0, redis.call('PTTL', KEYS[1])}
 
 /// Release: grant to the head of the queue, or delete.
 ///
-/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, publish
-/// mode. Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
-/// (or another kind) holds it.
+/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, fence
+/// counter TTL ms, publish mode. Returns 2 granted to the next waiter, 1 released, 0 the
+/// key was gone, -1 another token (or another kind) holds it.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
         r"
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return -1 end
@@ -173,25 +174,25 @@ end
 -- leave): never granted to itself.
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
-return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
+return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000))
 "
     ))
 });
 
 /// A waiter leaves: out of the queue, and a grant that raced its leaving passed on.
 ///
-/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, publish
-/// mode. Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0
-/// nothing was ours.
+/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, fence
+/// counter TTL ms, publish mode. Returns 2 a grant to us was passed to the next waiter, 1
+/// it was released, 0 nothing was ours.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
         r"
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 local cur = redis.pcall('GET', KEYS[1])
 if cur == ARGV[1] then
-  return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(now_us() / 1000))
+  return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000))
 end
 return 0
 "

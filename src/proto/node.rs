@@ -136,6 +136,8 @@ pub(crate) struct Node {
     client_id: Arc<str>,
     /// How long a failed attempt's mark lives: a waiter re-marks at least this often.
     mark_ttl: Duration,
+    /// How long an idle fencing counter lives, in ms (a script argument).
+    fence_ttl_ms: u64,
     /// `replica_ack`: replicas that must acknowledge an acquisition or renewal, and how
     /// long to wait for them.
     ack: Option<(usize, Duration)>,
@@ -227,6 +229,7 @@ impl Node {
             counters,
             client_id,
             mark_ttl: cfg.recheck_interval.saturating_mul(2),
+            fence_ttl_ms: millis(cfg.fence_ttl),
             ack: cfg.replica_ack,
             fair: Fair::of(cfg),
             redirect: None,
@@ -436,6 +439,7 @@ impl Node {
                 .arg(&*self.client_id)
                 .arg(mark_ms)
                 .arg(clear)
+                .arg(self.fence_ttl_ms)
                 .arg(self.publish_mode());
             return call;
         };
@@ -454,6 +458,7 @@ impl Node {
                 0
             })
             .arg(millis(fair.grant_lease))
+            .arg(self.fence_ttl_ms)
             .arg(self.publish_mode());
         call
     }
@@ -465,6 +470,11 @@ impl Node {
         } else {
             &ACQUIRE
         }
+    }
+
+    /// How long an idle fencing counter lives, in ms.
+    pub fn fence_ttl_ms(&self) -> u64 {
+        self.fence_ttl_ms
     }
 
     /// The fair queue's timings, when it is on.
@@ -479,7 +489,7 @@ impl Node {
             self.unmark(keys)?;
             return Ok(false);
         };
-        let call = fair_call(&FAIR_LEAVE, keys, token, fair, self.publish_mode());
+        let call = fair_call(&FAIR_LEAVE, keys, token, fair, self);
         let passed: i64 = self.run(Retry::ON_RESET, |c| FAIR_LEAVE.run(&call, c))?;
         Ok(passed == 2)
     }
@@ -560,7 +570,7 @@ impl Node {
     pub fn raise_fence(&self, keys: &Keys, fence: u64) -> Result<()> {
         self.run(Retry::ON_RESET, |c| {
             let mut call = RAISE_FENCE.call(1);
-            call.arg(keys.fence()).arg(fence);
+            call.arg(keys.fence()).arg(fence).arg(self.fence_ttl_ms);
             RAISE_FENCE.run::<i64>(&call, c)
         })?;
         Ok(())
@@ -586,7 +596,7 @@ impl Node {
                 .arg(self.publish_mode());
             return self.release_by(&RELEASE, &call, retry);
         };
-        let call = fair_call(&FAIR_RELEASE, keys, token, fair, self.publish_mode());
+        let call = fair_call(&FAIR_RELEASE, keys, token, fair, self);
         self.release_by(&FAIR_RELEASE, &call, retry)
     }
 
@@ -811,8 +821,8 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
 }
 
 /// A call of the fair queue's release or leave script: the same keys and arguments
-/// (`mode`: the node's `publish_mode`).
-fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair, mode: &str) -> Cmd {
+/// (the fence counter's TTL and the publish mode are `node`'s).
+fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair, node: &Node) -> Cmd {
     let mut call = script.call(4);
     call.arg(keys.lock())
         .arg(keys.fence())
@@ -821,7 +831,8 @@ fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair, mode: &str) -> 
         .arg(token)
         .arg(keys.channel())
         .arg(millis(fair.grant_lease))
-        .arg(mode);
+        .arg(node.fence_ttl_ms)
+        .arg(node.publish_mode());
     call
 }
 

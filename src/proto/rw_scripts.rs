@@ -14,11 +14,13 @@
 //! that the whole key goes at the latest a lease after every holder has gone.
 //!
 //! `p{n}:ww` is a sorted set of the writers waiting for a read-write lock, scored by when
-//! their mark expires (each failed write attempt that will wait renews its mark). While it
-//! has a live member, no new read hold is granted: writers are preferred. `p{n}:wr` holds
+//! their mark expires (each failed write attempt that will wait renews its mark, and drops
+//! the marks that expired: those of waiters that crashed or gave up without a word). While
+//! it has a live member, no new read hold is granted: writers are preferred. `p{n}:wr` holds
 //! the same marks for waiting readers: they hold nobody back, but tell a process that
-//! keeps its hold for its own threads that another process waits. The fence counter
-//! `p{n}:fence` is the plain lock's: a write hold increments it.
+//! keeps its hold for its own threads that another process waits. Both sets expire at the
+//! latest twice a mark's TTL after the last mark. The fence counter `p{n}:fence` is the
+//! plain lock's: a write hold increments it (and refreshes its TTL, see `FENCE_FN`).
 //!
 //! On the library's channel a release says `r` (a waiter may get in) or, when the last
 //! hold of a read-write lock ended while writers wait, `g<member>:0`, a wake-up for the
@@ -32,7 +34,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, ReleaseReply, Retry};
-use crate::proto::scripts::Lua;
+use crate::proto::scripts::{FENCE_FN, Lua};
 use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
 
@@ -115,16 +117,17 @@ end
 ";
 
 fn lua(body: &str) -> Lua {
-    Lua::new(&format!("{PUBLISH_FN}{PRELUDE}{body}"))
+    Lua::new(&format!("{PUBLISH_FN}{FENCE_FN}{PRELUDE}{body}"))
 }
 
 /// Read or write hold, idempotently (a retry with the same member refreshes its lease).
 ///
 /// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r` or `w`, member, lease
-/// ms, waiting mark TTL ms (0: the caller will not wait). Returns `{1, fence, others}`
-/// (`others`: for a write hold, 1 when a mark of another waiting writer or reader is left,
-/// maybe an expired one; always 0 for a read hold), `{0, ms until the earliest obstacle
-/// ends}` (−1: unknown), or `{2, 0}` when the key is another kind of lock.
+/// ms, waiting mark TTL ms (0: the caller will not wait), the fence counter's TTL ms.
+/// Returns `{1, fence, others}` (`others`: for a write hold, 1 when a mark of another
+/// waiting writer or reader is left, maybe an expired one; always 0 for a read hold),
+/// `{0, ms until the earliest obstacle ends}` (−1: unknown), or `{2, 0}` when the key is
+/// another kind of lock.
 ///
 /// A read is granted when no write hold exists and no writer waits; a write when no hold
 /// exists (waiting writers race among themselves). A write attempt that fails and will wait
@@ -145,8 +148,11 @@ local function take()
     hold(KEYS[1], ARGV[2], now, lease)
   end
 end
+-- Marks the caller waiting, and drops the marks that expired (their waiters crashed or
+-- gave up unheard): as many as were added, so one call each, amortized.
 local function mark(set)
   local ttl = tonumber(ARGV[4])
+  redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
   redis.call('ZADD', set, now + ttl, ARGV[2])
   if redis.call('PTTL', set) < ttl then redis.call('PEXPIRE', set, 2 * ttl) end
 end
@@ -160,7 +166,7 @@ end
 -- hold is then the only hold; a read hold is looked for only when it could not be taken.
 if first == ARGV[2] and ARGV[1] == 'w' then
   take()
-  return {1, tonumber(redis.call('GET', KEYS[2]) or '0'), others()}
+  return {1, current_fence(KEYS[2]), others()}
 end
 if ARGV[1] == 'r' then
   local w = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
@@ -168,12 +174,12 @@ if ARGV[1] == 'r' then
   if free or (first and redis.call('ZSCORE', KEYS[1], ARGV[2])) then
     take()
     redis.call('ZREM', KEYS[4], ARGV[2])
-    return {1, tonumber(redis.call('GET', KEYS[2]) or '0'), 0}
+    return {1, current_fence(KEYS[2]), 0}
   end
   if waits then mark(KEYS[4]) end
   if w[2] and (not until_ or tonumber(w[2]) < until_) then until_ = tonumber(w[2]) end
 elseif not first then
-  local fence = redis.pcall('INCR', KEYS[2])
+  local fence = next_fence(KEYS[2], ARGV[5])
   if type(fence) == 'table' then return fence end
   take()
   redis.call('ZREM', KEYS[3], ARGV[2])
@@ -337,7 +343,8 @@ impl Node {
                     .arg(if want == Want::Read { "r" } else { "w" })
                     .arg(member)
                     .arg(lease_ms)
-                    .arg(mark_ms);
+                    .arg(mark_ms)
+                    .arg(self.fence_ttl_ms());
                 (&*RW_ACQUIRE, call)
             }
             Want::Permit(permits) => {

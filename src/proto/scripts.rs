@@ -68,17 +68,69 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
     e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
+/// The Lua helpers every script that issues or reads a fencing counter starts with.
+///
+/// `next_fence(key, ttl)` issues the next fence of the counter `key`: one more than the
+/// last, and never below the server's clock in microseconds (`TIME`); the counter is kept
+/// `ttl` ms more, so that the counter of a name nobody locks any more expires.
+///
+/// Why tokens then strictly increase, also when the counter expires, is evicted, deleted,
+/// or lost in a restart or a failover to a replica that missed the last increments: every
+/// fence is `max(last + 1, now)`, so while the counter lives it increases; and a fence is
+/// never ahead of the clock of the server that issued it (acquisitions of one name are
+/// scripts on one key, run one at a time, each taking more than a microsecond: by
+/// induction `c_i ≤ t_i`, since `c_{i+1} = max(c_i + 1, t_{i+1}) ≤ max(t_i + 1, t_{i+1}) =
+/// t_{i+1}`). A counter that starts again, from nothing or from a stale value, starts at
+/// the clock of now, above every fence issued before. This rests on the clock of the
+/// server that issues a fence not being behind the clock that issued the previous one (no
+/// step back across a restart; a promoted replica's clock in step with the old master's),
+/// and on fewer than one fence per microsecond on one name, on average (a burst above
+/// that puts the counter ahead of the clock by at most the burst's excess). The value is
+/// written with `%.0f`: Lua numbers are doubles, exact to 2^53, and a token keeps 52 bits
+/// for it (`fencing::MAX_FENCE`).
+///
+/// Returns the new value, or the error table of a failed `INCR` (a foreign value in the
+/// key, an ACL without `incr`): the caller undoes what it did first.
+///
+/// `current_fence(key)` is the counter as it is, for a holder that does not increment it
+/// (a read hold, a retry finding its own acquisition): when the counter is gone, the
+/// server's clock, which the next `next_fence` will reach or exceed.
+pub(crate) const FENCE_FN: &str = r"
+local function clock_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function next_fence(key, ttl)
+  local fence = redis.pcall('INCR', key)
+  if type(fence) == 'table' then return fence end
+  local now = clock_us()
+  if fence < now then
+    fence = now
+    redis.call('SET', key, string.format('%.0f', fence), 'PX', ttl)
+  else
+    redis.call('PEXPIRE', key, ttl)
+  end
+  return fence
+end
+local function current_fence(key)
+  local fence = redis.call('GET', key)
+  if fence then return tonumber(fence) end
+  return clock_us()
+end
+";
+
 /// Acquire in one round trip, idempotently.
 ///
 /// KEYS: lock, fence, mark. ARGV: token, lease in ms, the library's channel, the client's
 /// id, the mark's TTL in ms (0: the caller will not wait, so leave no mark), `1` if this
-/// caller marked before (its mark is deleted when it wins), the publish mode (see
-/// `sharded`).
+/// caller marked before (its mark is deleted when it wins), the fence counter's TTL in ms
+/// (see [`FENCE_FN`]), the publish mode (see `sharded`).
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when someone else holds it,
 /// `{2, 0}` when the key is a read-write lock or a semaphore (checked on the failure path
 /// only: `SET NX` fails on any existing key, so the success path stays as it is).
 ///
-/// The common case comes first and costs two calls: `SET NX PX`, then `INCR` of the fence.
+/// The common case comes first and costs four calls: `SET NX PX`, then the fence's `INCR`,
+/// `TIME` and `SET` (see [`FENCE_FN`]).
 /// A script that fails half-way is not rolled back, so an `INCR` that fails (a foreign
 /// value in the counter key, an ACL without `incr`) deletes the key it just set: no lock is
 /// left behind.
@@ -92,10 +144,10 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// with `pcall`: an ACL user without channel permissions still locks.
 pub(crate) static ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{}",
+        "{PUBLISH_FN}{FENCE_FN}{}",
         r"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local fence = redis.pcall('INCR', KEYS[2])
+  local fence = next_fence(KEYS[2], ARGV[7])
   if type(fence) == 'table' then
     redis.call('DEL', KEYS[1])
     return fence
@@ -109,7 +161,7 @@ local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return {2, 0} end
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+  return {1, current_fence(KEYS[2])}
 end
 if ARGV[5] ~= '0' then
   redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
@@ -189,14 +241,16 @@ return 0
 });
 
 /// Raises a fencing counter to at least a value (Redlock: the highest counter of the
-/// granting majority).
+/// granting majority), and keeps it for the counter's TTL, as an increment would.
 ///
-/// KEYS: fence. ARGV: the value.
+/// KEYS: fence. ARGV: the value, the counter's TTL in ms.
 pub(crate) static RAISE_FENCE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(
         r"
 if (tonumber(redis.call('GET', KEYS[1]) or '0')) < tonumber(ARGV[1]) then
-  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
 ",

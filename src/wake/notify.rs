@@ -47,16 +47,57 @@ pub(crate) fn missing(flags: &str) -> String {
 /// Checks the node's flags and merges in what is missing when `allowed`.
 /// A network error is returned as such; every refusal becomes [`Mode::Fallback`].
 pub(crate) fn ensure(conn: &mut Connection, allowed: bool) -> redis::RedisResult<Mode> {
-    // A map: a flat array on a RESP2 connection, a map on the subscriber's RESP3 one.
-    let current: HashMap<String, String> = match redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .query(conn)
-    {
+    Ok(ensure_reading(conn, allowed, &[])?.0)
+}
+
+/// [`ensure`], reading the settings `also` in the same `CONFIG GET` (several parameters in
+/// one call: Redis 7; an older server, which takes one, is asked again for the flags
+/// alone). Returns the values of `also` that were read: none when `CONFIG GET` is refused.
+pub(crate) fn ensure_reading(
+    conn: &mut Connection,
+    allowed: bool,
+    also: &[&str],
+) -> redis::RedisResult<(Mode, HashMap<String, String>)> {
+    let current = match config_get(conn, also) {
+        Err(e) if !also.is_empty() && is_arity_error(&e) => config_get(conn, &[]),
+        other => other,
+    };
+    let current = match current {
         Ok(v) => v,
         Err(e) if is_fatal(&e) => return Err(e),
-        Err(e) => return Ok(Mode::Fallback(format!("CONFIG GET refused ({e})"))),
+        Err(e) => {
+            let why = format!("CONFIG GET refused ({e})");
+            return Ok((Mode::Fallback(why), HashMap::new()));
+        }
     };
+    let read = also
+        .iter()
+        .filter_map(|&k| current.get(k).map(|v| (k.to_owned(), v.clone())))
+        .collect();
+    Ok((merge(conn, allowed, &current)?, read))
+}
+
+/// `CONFIG GET notify-keyspace-events` and `also`, as a map (a flat array on a RESP2
+/// connection, a map on the subscriber's RESP3 one).
+fn config_get(conn: &mut Connection, also: &[&str]) -> redis::RedisResult<HashMap<String, String>> {
+    redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("notify-keyspace-events")
+        .arg(also)
+        .query(conn)
+}
+
+/// A server before Redis 7 refuses a `CONFIG GET` of several parameters this way.
+fn is_arity_error(e: &redis::RedisError) -> bool {
+    e.to_string().contains("wrong number of arguments")
+}
+
+/// The flags read are `current`: merges in what is missing, when `allowed`.
+fn merge(
+    conn: &mut Connection,
+    allowed: bool,
+    current: &HashMap<String, String>,
+) -> redis::RedisResult<Mode> {
     let flags = current
         .get("notify-keyspace-events")
         .cloned()

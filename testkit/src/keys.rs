@@ -14,7 +14,7 @@ pub const DEFAULT_PREFIX: &str = "redbaton:";
 
 /// Low bits of a fencing token that number local handoffs (`redbaton` keeps the same
 /// layout; its tests pin it down).
-pub const HANDOFF_BITS: u32 = 20;
+pub const HANDOFF_BITS: u32 = 12;
 
 /// The largest `Builder::max_handoffs` accepted: a handoff count must fit in
 /// [`HANDOFF_BITS`].
@@ -22,6 +22,13 @@ pub const MAX_HANDOFFS: u32 = (1 << HANDOFF_BITS) - 1;
 
 /// How much one remote acquisition (one step of the fencing counter) adds to a token.
 pub const FENCE_STEP: u64 = 1 << HANDOFF_BITS;
+
+/// How many fences `srv` issued: each acquisition increments the name's counter with
+/// one `INCR` (the scripts' calls are counted too), and a fence is `max(last + 1, the
+/// server's clock in µs)`, so values alone cannot tell one increment from two.
+pub fn fences_issued(srv: &crate::server::RedisServer) -> u64 {
+    srv.command_count("incr")
+}
 
 /// The fencing counter's part of a token.
 pub fn fence_of(token: u64) -> u64 {

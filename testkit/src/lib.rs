@@ -9,6 +9,7 @@
 //! * [`clock`]: clocks whose readings can be compared between processes.
 //! * [`keys`]: the Redis keys and fencing-token layout of the lock protocol, as the
 //!   tests observe them from outside.
+//! * [`logs`]: the `log` records of the test process, to check what a client warned of.
 //! * [`sections`]: checking critical sections for overlaps nobody was told of.
 //! * [`wait`]: polling and joining with a deadline, so a broken test fails instead of
 //!   hanging.
@@ -33,6 +34,7 @@ pub mod child;
 pub mod clock;
 pub mod cluster;
 pub mod keys;
+pub mod logs;
 pub mod proxy;
 pub mod sections;
 pub mod sentinel;

@@ -1,0 +1,341 @@
+//! Redis memory per name, against a real redis-server: what a name leaves behind once
+//! nobody locks it (its fencing counter expires after `fence_ttl`, a crashed waiter's mark
+//! is dropped), tokens that still increase across a counter's expiry or eviction, and the
+//! warning `build()` gives for an eviction policy that can remove lock keys.
+//!
+//! Run it alone with `cargo test --test memory`.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use redbaton::{Builder, Error, LockClient};
+use redbaton_testkit::child;
+use redbaton_testkit::keys::{FENCE_STEP, Keys, fences_issued};
+use redbaton_testkit::logs;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::{join_within, wait_for};
+use redbaton_testkit::{init_log, ms, secs};
+
+const PREFIX: &str = "mem:";
+const KEYS: Keys = Keys::new(PREFIX);
+/// Short, so that the tests can wait it out; the lease and read timeout are short enough
+/// for the builder to accept it.
+const FENCE_TTL: Duration = Duration::from_millis(1500);
+
+/// A client of `url` whose idle counters expire after [`FENCE_TTL`].
+fn short_fence(url: &str) -> Builder {
+    with_short_fence(LockClient::builder().node(url))
+}
+
+/// `b`, with idle counters expiring after [`FENCE_TTL`].
+fn with_short_fence(b: Builder) -> Builder {
+    b.key_prefix(PREFIX)
+        .lease(ms(600))
+        .read_timeout(ms(375))
+        .fence_ttl(FENCE_TTL)
+}
+
+fn dbsize(conn: &mut redis::Connection) -> u64 {
+    redis::cmd("DBSIZE").query(conn).expect("DBSIZE")
+}
+
+fn exists(conn: &mut redis::Connection, key: &str) -> bool {
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query::<i64>(conn)
+        .expect("EXISTS")
+        == 1
+}
+
+fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
+}
+
+/// 10,000 names locked once and released: once `fence_ttl` has passed, Redis holds O(1)
+/// keys, not one counter per name ever locked.
+#[test]
+fn ten_thousand_names_leave_o1_keys() {
+    init_log();
+    const NAMES: usize = 10_000;
+    const THREADS: usize = 8;
+    let srv = RedisServer::start();
+    let c = Arc::new(short_fence(&srv.url()).build().expect("client"));
+    let workers = (0..THREADS)
+        .map(|t| {
+            let c = c.clone();
+            thread::spawn(move || {
+                for i in (t..NAMES).step_by(THREADS) {
+                    let g = c.try_lock(format!("n{i}")).expect("a free name");
+                    g.unlock().expect("unlock");
+                }
+            })
+        })
+        .collect();
+    join_within(workers, secs(120), "locking 10,000 names");
+    let mut conn = srv.conn();
+    // Each counter was refreshed by its acquisition and expires on its own.
+    let ttl = pttl(&mut conn, &KEYS.fence(&format!("n{}", NAMES - 1)));
+    assert!(
+        ttl > 0 && ttl <= FENCE_TTL.as_millis() as i64,
+        "the last name's counter has PTTL {ttl}"
+    );
+    // Expired keys go with the server's active expiry cycle: a generous bound.
+    wait_for(secs(30), "at most 100 keys left", || {
+        dbsize(&mut conn) <= 100
+    });
+    eprintln!("keys left: {}", dbsize(&mut conn));
+}
+
+/// Lock, release, and lock again after the name's counter is gone: by expiry (idle for
+/// `fence_ttl`) or by eviction (deleted while the server ran). The new token is higher,
+/// for the fair queue's script and the plain one.
+#[test]
+fn tokens_increase_across_counter_expiry_and_eviction() {
+    init_log();
+    let srv = RedisServer::start();
+    let mut conn = srv.conn();
+    for fair in [true, false] {
+        let c = short_fence(&srv.url()).fair(fair).build().expect("client");
+        let name = format!("t-{fair}");
+        let fence = KEYS.fence(&name);
+        let first = c.try_lock(&name).expect("free").fencing_token();
+        wait_for(secs(30), "the idle counter expired", || {
+            !exists(&mut conn, &fence)
+        });
+        let second = c.try_lock(&name).expect("free").fencing_token();
+        assert!(second > first, "fair {fair}: {second} after {first}");
+        let () = redis::cmd("DEL").arg(&fence).query(&mut conn).unwrap();
+        let third = c.try_lock(&name).expect("free").fencing_token();
+        assert!(
+            third > second,
+            "fair {fair}: {third} after eviction, {second} before"
+        );
+    }
+}
+
+/// The read-write lock: a read hold's token (the counter as it is) stays above the last
+/// write's when the counter is gone, and the next write's is above it.
+#[test]
+fn rwlock_tokens_increase_across_counter_eviction() {
+    init_log();
+    let srv = RedisServer::start();
+    let mut conn = srv.conn();
+    let c = short_fence(&srv.url()).build().expect("client");
+    let rw = c.rwlock("rw");
+    let w1 = rw.try_write().expect("free").fencing_token();
+    let () = redis::cmd("DEL")
+        .arg(KEYS.fence("rw"))
+        .query(&mut conn)
+        .unwrap();
+    let r = rw.try_read().expect("free").fencing_token();
+    assert!(r > w1, "read {r} after write {w1}");
+    let w2 = rw.try_write().expect("free").fencing_token();
+    assert!(w2 > r, "write {w2} after read {r}");
+}
+
+/// A settings check: `fence_ttl` must outlive a retry that reads the counter back.
+#[test]
+fn fence_ttl_too_short_is_invalid() {
+    init_log();
+    for (what, b) in [
+        (
+            "under 1 s",
+            LockClient::builder().lease(ms(100)).fence_ttl(ms(999)),
+        ),
+        (
+            "under twice the lease",
+            LockClient::builder().fence_ttl(secs(59)),
+        ),
+        (
+            "under four read timeouts",
+            LockClient::builder().lease(ms(100)).fence_ttl(secs(7)),
+        ),
+        ("zero", LockClient::builder().fence_ttl(Duration::ZERO)),
+    ] {
+        let e = b.build().expect_err(what);
+        assert!(matches!(e, Error::InvalidConfig(_)), "{what}: {e:?}");
+        assert!(e.to_string().contains("fence ttl"), "{what}: {e}");
+    }
+}
+
+/// Child of `crashed_waiting_writer_mark_is_dropped`: waits to write until killed.
+#[test]
+fn child_waiting_writer() {
+    if !child::is_child() {
+        return;
+    }
+    let c = marking_client(&child::env("REDIS_URL"));
+    child::print_result(&[("waiting", "1".to_owned())]);
+    let _ = c.rwlock("crash").try_write_for(secs(60));
+}
+
+/// Waiting writers re-mark at least every 200 ms; a mark lives 400 ms.
+fn marking_client(url: &str) -> LockClient {
+    LockClient::builder()
+        .node(url)
+        .key_prefix(PREFIX)
+        .recheck_interval(ms(200))
+        .build()
+        .expect("client")
+}
+
+fn writers(conn: &mut redis::Connection) -> Vec<String> {
+    redis::cmd("ZRANGE")
+        .arg(format!("{}:ww", KEYS.lock("crash")))
+        .arg(0)
+        .arg(-1)
+        .query(conn)
+        .expect("ZRANGE")
+}
+
+/// A writer's process is killed while it waits: its mark in `:ww` is dropped although the
+/// set lives on, refreshed by another writer that keeps waiting.
+#[test]
+fn crashed_waiting_writer_mark_is_dropped() {
+    init_log();
+    let srv = RedisServer::start();
+    let mut conn = srv.conn();
+    let holder = marking_client(&srv.url());
+    let held = holder.rwlock("crash").try_write().expect("free");
+    let mut crashed = child::spawn_self("child_waiting_writer", &[("REDIS_URL", srv.url())]);
+    child::wait_for_line(&mut crashed, "waiting=1", secs(30));
+    wait_for(secs(30), "the child's mark", || {
+        writers(&mut conn).len() == 1
+    });
+    let dead = writers(&mut conn).remove(0);
+    child::kill_child(&mut crashed, libc::SIGKILL);
+    child::wait_output(crashed, secs(30));
+
+    let waiter = Arc::new(marking_client(&srv.url()));
+    let live = {
+        let waiter = waiter.clone();
+        thread::spawn(move || waiter.rwlock("crash").try_write_for(secs(60)).map(drop))
+    };
+    wait_for(secs(30), "the live writer's mark", || {
+        writers(&mut conn).len() == 2
+    });
+    wait_for(secs(30), "the dead writer's mark dropped", || {
+        let left = writers(&mut conn);
+        !left.contains(&dead) && !left.is_empty()
+    });
+    let set = format!("{}:ww", KEYS.lock("crash"));
+    assert!(pttl(&mut conn, &set) > 0, "the marks expire with their set");
+    held.unlock().expect("unlock");
+    join_within(vec![live], secs(30), "the live writer")
+        .remove(0)
+        .expect("the live writer gets the lock");
+}
+
+/// `build()` warns once, naming the node, when the server may evict lock keys:
+/// `maxmemory` set and a policy other than `noeviction`.
+#[test]
+fn eviction_policy_that_can_evict_lock_keys_warns_at_build() {
+    init_log();
+    logs::capture();
+    for (policy, maxmemory, warns) in [
+        ("volatile-lru", "100mb", true),
+        ("allkeys-lfu", "100mb", true),
+        ("noeviction", "100mb", false),
+        ("volatile-lru", "0", false),
+    ] {
+        let srv = RedisServer::builder()
+            .config("maxmemory", maxmemory)
+            .config("maxmemory-policy", policy)
+            .start();
+        let c = LockClient::builder()
+            .node(srv.url())
+            .build()
+            .expect("client");
+        let node = format!(":{}/", srv.port());
+        let warned: Vec<String> = logs::lines(log::Level::Warn, &node)
+            .into_iter()
+            .filter(|l| l.contains("maxmemory-policy"))
+            .collect();
+        assert_eq!(
+            warned.len(),
+            usize::from(warns),
+            "{policy}, maxmemory {maxmemory}: {warned:?}"
+        );
+        if warns {
+            assert!(warned[0].contains(policy), "{warned:?}");
+        }
+        drop(c);
+    }
+}
+
+/// The fair queue's grant message carries the whole fence (16 digits since counters start
+/// at the server's clock in µs): the queued waiter of another client takes the lock from
+/// the message, the fence right after the holder's, without waiting for a re-check.
+#[test]
+fn a_grant_carries_the_whole_fence() {
+    init_log();
+    let srv = RedisServer::start();
+    let holder = short_fence(&srv.url()).build().expect("client");
+    let waiter = Arc::new(
+        short_fence(&srv.url())
+            .recheck_interval(secs(30))
+            .build()
+            .expect("client"),
+    );
+    let held = holder.try_lock("grant").expect("free");
+    let queued = {
+        let waiter = waiter.clone();
+        thread::spawn(move || {
+            let g = waiter.try_lock_for("grant", secs(20)).expect("granted");
+            (std::time::Instant::now(), g.fencing_token())
+        })
+    };
+    let mut conn = srv.conn();
+    let queue = format!("{}:q", KEYS.lock("grant"));
+    wait_for(secs(30), "the waiter queued", || {
+        redis::cmd("ZCARD")
+            .arg(&queue)
+            .query::<u64>(&mut conn)
+            .unwrap()
+            == 1
+    });
+    let held_token = held.fencing_token();
+    let released = std::time::Instant::now();
+    held.unlock().expect("unlock");
+    let (got_at, token) = join_within(vec![queued], secs(30), "the waiter").remove(0);
+    // The grant's fence, confirmed by the waiter's attempt: above the holder's, and the
+    // last the counter issued (one fence each; the waiter took no second one after the
+    // grant's lease ran out).
+    assert!(token > held_token, "{token:#x} after {held_token:#x}");
+    assert_eq!(token & (FENCE_STEP - 1), 0);
+    assert_eq!(fences_issued(&srv), 2, "the grant's fence");
+    // Liveness, generous: a waiter that missed the message would wait for its re-check
+    // (30 s) or the grant's lease.
+    let waited = got_at.duration_since(released);
+    assert!(waited < secs(10), "granted after {waited:?}");
+}
+
+/// Redlock: the counters a round raises to the majority's highest keep a TTL too, so a
+/// name leaves nothing on any node once `fence_ttl` has passed.
+#[test]
+fn redlock_raised_counters_expire() {
+    init_log();
+    let servers = redbaton_testkit::server::start_many(3);
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let c = with_short_fence(LockClient::builder().nodes(urls))
+        .build()
+        .expect("redlock client");
+    // The first round creates the nodes' counters at their clocks, some µs apart, and
+    // raises the lagging ones to the highest (later rounds find them equal).
+    c.try_lock("r").expect("free").unlock().expect("unlock");
+    for s in &servers {
+        let ttl = pttl(&mut s.conn(), &KEYS.fence("r"));
+        assert!(
+            ttl > 0 && ttl <= FENCE_TTL.as_millis() as i64,
+            "node {}: counter PTTL {ttl}",
+            s.port()
+        );
+    }
+    for s in &servers {
+        let mut conn = s.conn();
+        wait_for(secs(30), "the node's keys expired", || {
+            dbsize(&mut conn) == 0
+        });
+    }
+}
