@@ -114,6 +114,28 @@ fn tokens_increase_across_counter_expiry_and_eviction() {
     }
 }
 
+/// A counter that comes back stale (a failover to a replica that missed the last
+/// increments, a restart from an old snapshot): the next fence is still above every earlier
+/// one, since a fence is never below the server's clock.
+#[test]
+fn tokens_increase_when_the_counter_comes_back_stale() {
+    init_log();
+    let srv = RedisServer::start();
+    let mut conn = srv.conn();
+    for fair in [true, false] {
+        let c = short_fence(&srv.url()).fair(fair).build().expect("client");
+        let name = format!("stale-{fair}");
+        let first = c.try_lock(&name).expect("free").fencing_token();
+        let () = redis::cmd("SET")
+            .arg(KEYS.fence(&name))
+            .arg(5)
+            .query(&mut conn)
+            .unwrap();
+        let second = c.try_lock(&name).expect("free").fencing_token();
+        assert!(second > first, "fair {fair}: {second:#x} after {first:#x}");
+    }
+}
+
 /// The read-write lock: a read hold's token (the counter as it is) stays above the last
 /// write's when the counter is gone, and the next write's is above it.
 #[test]
