@@ -29,11 +29,32 @@ fn builder(seeds: Vec<String>) -> redbaton::Builder {
         .write_timeout(ms(1000))
 }
 
+/// Whether `key` exists on the master on `port`, asked the way that works on both sides
+/// of a migration: `ASKING` first (the target serves the slot then), and a source that
+/// lacks the key answers `ASK`; a master that does not serve the slot is asked for the
+/// keys it has of it.
 fn exists_on(cluster: &Cluster, port: u16, key: &[u8]) -> bool {
-    redis::cmd("EXISTS")
+    let reply: redis::RedisResult<(bool,)> = redis::pipe()
+        .cmd("ASKING")
+        .ignore()
+        .cmd("EXISTS")
         .arg(key)
-        .query(&mut cluster.server(port).conn())
-        .expect("EXISTS")
+        .query(&mut cluster.server(port).conn());
+    match reply {
+        Ok((found,)) => found,
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask) => false,
+        // Not serving the slot (any more): the keys it still has there, if any.
+        Err(e) if e.to_string().contains("Moved") => {
+            let keys: Vec<Vec<u8>> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(cluster.keyslot(key))
+                .arg(1000)
+                .query(&mut cluster.server(port).conn())
+                .expect("GETKEYSINSLOT");
+            keys.iter().any(|k| k == key)
+        }
+        Err(e) => panic!("EXISTS on {port}: {e}"),
+    }
 }
 
 /// Runs `f`, returning its result and how long it took.

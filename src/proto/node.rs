@@ -121,6 +121,12 @@ const MAX_HOPS: u32 = 5;
 /// How long `TRYAGAIN` (keys of one command half-way through a slot migration) and
 /// `CLUSTERDOWN` (a failover in progress) are retried when the caller set no deadline.
 const CLUSTER_SETTLE: Duration = Duration::from_secs(2);
+/// The first pause before a command refused with `TRYAGAIN` or `CLUSTERDOWN` is sent
+/// again; each pause doubles, up to [`MAX_SETTLE_PAUSE`]. A resharding tool moves a
+/// slot's keys in milliseconds, so the first tries come soon; one left half-way (a tool
+/// that died) costs a waiter four commands a second, not a hundred.
+const FIRST_SETTLE_PAUSE: Duration = Duration::from_millis(10);
+const MAX_SETTLE_PAUSE: Duration = Duration::from_millis(250);
 
 pub(crate) struct Node {
     pub id: NodeId,
@@ -248,7 +254,22 @@ impl Node {
     ///
     /// In a Redis Cluster, a `MOVED` or `ASK` reply sends the command to the node it names
     /// (after `ASKING` for `ASK`): the command did not run, so it is safe to send again.
-    /// `TRYAGAIN` and `CLUSTERDOWN` are retried after a pause, within the deadline.
+    /// `TRYAGAIN` and `CLUSTERDOWN` are retried after growing pauses, within the deadline
+    /// (or [`CLUSTER_SETTLE`] without one); a `TRYAGAIN` that outlasts it gives
+    /// [`Error::SlotMigrating`].
+    ///
+    /// `TRYAGAIN` is what a slot migration does to a command naming several keys
+    /// (Redis's `getNodeByQuery`, `src/cluster.c`): the source (`MIGRATING`) runs it when
+    /// all of its keys exist there, sends `ASK` when none does, and refuses it when only
+    /// some do; the target (`IMPORTING`), after `ASKING`, runs it when its keys are one,
+    /// or all exist there, and refuses it otherwise. A script's keys are its declared
+    /// `KEYS` (EVALSHA is no exception), and every command it runs is checked the same
+    /// way, so a script cannot create a key on the source either. Waiting is the only
+    /// safe answer for an acquire: the lock key of a free lock exists nowhere, its fence
+    /// counter may still be on the source, and taking the lock on the target with a
+    /// counter of its own would issue tokens that go backwards (and break the
+    /// migration of the old counter). The server never runs one lock's script on both
+    /// masters, and a refused command did not run, so sending it again is safe.
     pub fn run_until<T>(
         &self,
         retry: Retry,
@@ -274,6 +295,7 @@ impl Node {
         let (_, read_timeout, _) = self.pool.timeouts();
         let mut tries = 0;
         let settle_until = deadline.unwrap_or_else(|| Instant::now() + CLUSTER_SETTLE);
+        let mut settle_pause = FIRST_SETTLE_PAUSE;
         loop {
             let mut conn = match self.pool.get() {
                 Ok(conn) => conn,
@@ -319,16 +341,27 @@ impl Node {
                 }
                 Err(e) if is_settling(&e) && self.redirect.is_some() => {
                     // The command did not run: a slot is half-way through a migration, or
-                    // the cluster is electing a new master. Wait a little and send it again.
+                    // the cluster is electing a new master. Wait a little and send it again
+                    // (here: an `ASK` is followed again from the source, whose keys may
+                    // have moved meanwhile).
                     drop(conn);
-                    if let Some(hook) = self.hook() {
+                    let migrating = is_migrating(&e);
+                    if !migrating && let Some(hook) = self.hook() {
+                        // A migrating slot keeps its owner until it has moved (then `MOVED`
+                        // says so); an election may give it another.
                         hook.fault();
                     }
-                    let pause = Duration::from_millis(rand::random_range(10..=40));
+                    let jitter = rand::random_range(0..=settle_pause.as_millis() as u64 / 2);
+                    let pause = settle_pause + Duration::from_millis(jitter);
                     if Instant::now() + pause >= settle_until {
+                        if migrating {
+                            log::debug!("node {}: slot still migrating: {e}", self.id);
+                            return Err(Error::SlotMigrating);
+                        }
                         return Err(Error::Redis(e));
                     }
                     std::thread::sleep(pause);
+                    settle_pause = (settle_pause * 2).min(MAX_SETTLE_PAUSE);
                 }
                 Err(e) if is_network_error(&e) => {
                     conn.discard();
@@ -574,16 +607,26 @@ impl Node {
     /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
     /// deleted.
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
-        let Some(fair) = self.fair else {
+        let plain = || {
             let mut call = RELEASE.call(1);
             call.arg(keys.lock())
                 .arg(token)
                 .arg(keys.channel())
                 .arg(self.publish_mode());
-            return self.release_by(&RELEASE, &call, retry);
+            call
+        };
+        let Some(fair) = self.fair else {
+            return self.release_by(&RELEASE, &plain(), retry);
         };
         let call = fair_call(&FAIR_RELEASE, keys, token, fair, self.publish_mode());
-        self.release_by(&FAIR_RELEASE, &call, retry)
+        // Redis Cluster, the lock's slot half-way through a migration: the server refuses
+        // the fair release (`TRYAGAIN`) unless the lock, its counter and its queue all
+        // exist on one side, and an empty queue has no key. The plain compare-and-delete
+        // names the lock key alone, which the server always serves: on the source while
+        // the key is there, else (`ASK`) on the target. It is the fair release of a lock
+        // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
+        // and its head takes the lock at its next attempt once the slot has moved.
+        self.release_with(&FAIR_RELEASE, &call, retry, Some(&plain))
     }
 
     /// Runs a release `call` of `script` (1 released, 0 gone, -1 another owner).
@@ -593,16 +636,42 @@ impl Node {
         call: &Cmd,
         retry: Retry,
     ) -> Result<ReleaseReply> {
+        self.release_with(script, call, retry, None)
+    }
+
+    /// [`release_by`](Self::release_by); when the server refuses `call` because the
+    /// lock's slot is migrating (`TRYAGAIN`), the release `narrow` makes (the plain
+    /// [`RELEASE`], naming the lock key alone) is run instead, at once.
+    fn release_with(
+        &self,
+        script: &Lua,
+        call: &Cmd,
+        retry: Retry,
+        narrow: Option<&dyn Fn() -> Cmd>,
+    ) -> Result<ReleaseReply> {
         // Whether an earlier attempt's reply was lost (it may have deleted the key); a
-        // redirected attempt did not run.
+        // redirected or refused attempt did not run.
         let mut lost_reply = false;
         let mut retried = false;
-        let reply = self.run(retry, |c| {
-            retried |= lost_reply;
-            let reply = script.run::<i64>(call, c);
-            lost_reply |= reply.as_ref().is_err_and(is_network_error);
-            reply
-        })?;
+        // `None`: refused as migrating, when `narrowing`.
+        let mut attempt = |script: &Lua, call: &Cmd, narrowing: bool| {
+            self.run(retry, |c| {
+                retried |= lost_reply;
+                let reply = match script.run::<i64>(call, c) {
+                    Err(e) if narrowing && is_migrating(&e) => return Ok(None),
+                    reply => reply,
+                };
+                lost_reply |= reply.as_ref().is_err_and(is_network_error);
+                reply.map(Some)
+            })
+        };
+        let mut reply = attempt(script, call, narrow.is_some())?;
+        if let (None, Some(narrow)) = (reply, narrow) {
+            reply = attempt(&RELEASE, &narrow(), false)?;
+        }
+        let Some(reply) = reply else {
+            return Err(Error::Protocol("release refused".to_owned()));
+        };
         match reply {
             1 => Ok(ReleaseReply::Released),
             2 => Ok(ReleaseReply::Passed),
@@ -770,20 +839,25 @@ pub(crate) fn within_deadline<T>(
 /// A Redis Cluster reply saying the command did not run and may be sent again shortly:
 /// `TRYAGAIN` (its keys are half-way through a slot migration) or `CLUSTERDOWN`.
 fn is_settling(e: &redis::RedisError) -> bool {
-    matches!(
-        e.kind(),
-        redis::ErrorKind::Server(
-            redis::ServerErrorKind::TryAgain | redis::ServerErrorKind::ClusterDown
-        )
-    )
+    is_migrating(e) || e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ClusterDown)
+}
+
+/// `TRYAGAIN`: the command names several keys of a migrating slot, and the node has only
+/// some of them (see [`Node::run_until`]). It did not run.
+fn is_migrating(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain)
 }
 
 /// Whether `e` is what a Redis Cluster client sees while a master fails over or a slot
 /// moves, rather than an answer about the lock: the node cannot be reached (killed, not
 /// yet replaced), it no longer takes writes (`READONLY`), the cluster is electing a new
-/// master (`CLUSTERDOWN`) or moving keys (`TRYAGAIN`), or redirects did not settle. A
+/// master (`CLUSTERDOWN`) or moving keys (`TRYAGAIN`, and [`Error::SlotMigrating`] when
+/// a node gave up waiting it out), or redirects did not settle. A
 /// refused handshake or refused credentials are not: waiting does not cure them.
 pub(crate) fn is_failover_symptom(e: &Error) -> bool {
+    if e.is_slot_migrating() {
+        return true;
+    }
     let Error::Redis(r) = e else {
         return false;
     };
@@ -799,7 +873,8 @@ pub(crate) fn is_failover_symptom(e: &Error) -> bool {
 /// Whether a failed command may have reached Redis (and so may have taken effect).
 pub(crate) fn may_have_run(e: &Error) -> bool {
     match e {
-        Error::PoolExhausted => false,
+        // Refused before it ran (`TRYAGAIN`).
+        Error::PoolExhausted | Error::SlotMigrating => false,
         Error::Redis(e) => !e.is_connection_refusal(),
         _ => true,
     }
