@@ -301,6 +301,42 @@ impl Cluster {
             .expect("CLUSTER KEYSLOT")
     }
 
+    /// `want` names starting with `stem` whose lock keys (under `keys`' prefix) share
+    /// one slot, found by asking the server for the slots of many candidates; and the
+    /// slot.
+    pub fn names_in_one_slot(
+        &self,
+        keys: &crate::keys::Keys,
+        stem: &str,
+        want: usize,
+    ) -> (u16, Vec<String>) {
+        let first = format!("{stem}0");
+        let slot = self.keyslot(&keys.lock_bytes(first.as_bytes()));
+        let mut names = vec![first];
+        let mut conn = self.servers[0].conn();
+        let mut start = 1;
+        while names.len() < want {
+            let candidates: Vec<String> = (start..start + 50_000)
+                .map(|i| format!("{stem}{i}"))
+                .collect();
+            start += 50_000;
+            let mut pipe = redis::pipe();
+            for c in &candidates {
+                pipe.cmd("CLUSTER").arg("KEYSLOT").arg(keys.lock(c));
+            }
+            let slots: Vec<u16> = pipe.query(&mut conn).expect("KEYSLOT");
+            names.extend(
+                candidates
+                    .into_iter()
+                    .zip(slots)
+                    .filter(|(_, s)| *s == slot)
+                    .map(|(c, _)| c),
+            );
+        }
+        names.truncate(want);
+        (slot, names)
+    }
+
     /// The port of the master serving `slot`, as a running node sees it.
     pub fn owner(&self, slot: u16) -> u16 {
         let s = self.running().next().expect("a running node");
