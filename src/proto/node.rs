@@ -749,10 +749,14 @@ impl Node {
                 scripts.push(b.script);
             }
         }
-        let (replies, acked) = self.run(Retry::ON_RESET, |c| {
-            let replies: Vec<Vec<i64>> = match calls.as_slice() {
-                [one] => vec![scripts[0].run(one, c)?],
-                _ => crate::proto::scripts::run_pipelined(&scripts, &calls, c)?,
+        let outcome = self.run(Retry::ON_RESET, |c| {
+            let replies = match calls.as_slice() {
+                [one] => scripts[0].run(one, c).map(|r| vec![r]),
+                _ => crate::proto::scripts::run_pipelined(&scripts, &calls, c),
+            };
+            let replies: Vec<Vec<i64>> = match replies {
+                Err(e) if self.apart(&e, batches) => return Ok(None),
+                replies => replies?,
             };
             let acked = match self.ack {
                 Some(_) if replies.iter().flatten().any(|&r| r == 1) => {
@@ -760,8 +764,11 @@ impl Node {
                 }
                 _ => None,
             };
-            Ok((replies, acked))
+            Ok(Some((replies, acked)))
         })?;
+        let Some((replies, acked)) = outcome else {
+            return self.extend_apart(batches);
+        };
         if let (Some(acked), Some((wanted, _))) = (acked, self.ack)
             && acked < wanted
         {
@@ -779,6 +786,47 @@ impl Node {
             .into_iter()
             .zip(batches)
             .map(|(r, b)| extend_replies(r, b.locks.len()))
+            .collect()
+    }
+}
+
+impl Node {
+    /// Whether renewal `batches` that failed with `e` are to be sent again one lock per
+    /// call ([`extend_apart`](Self::extend_apart)): Redis Cluster, a slot half-way through
+    /// a migration. The server refuses a batch whose keys are not all on one side
+    /// (`TRYAGAIN`), and in a pipeline of batches `ASKING` covers only the first, so a
+    /// redirect of another one bounces between the masters. One key per call is always
+    /// served: where the key is (`ASK` to the target once it moved). Waiting instead
+    /// could outlast the leases.
+    fn apart(&self, e: &redis::RedisError, batches: &[Batch<'_>]) -> bool {
+        let locks: usize = batches.iter().map(|b| b.locks.len()).sum();
+        self.redirect.is_some()
+            && locks > 1
+            && (is_migrating(e) || (batches.len() > 1 && e.redirect_node().is_some()))
+    }
+
+    /// [`extend_batches`](Self::extend_batches), one lock per call, each following its
+    /// own redirects (see [`apart`](Self::apart)). Costs a round trip per lock, only
+    /// while a slot of this node migrates.
+    fn extend_apart(&self, batches: &[Batch<'_>]) -> Result<Vec<Vec<ExtendReply>>> {
+        batches
+            .iter()
+            .map(|b| {
+                b.locks
+                    .iter()
+                    .map(|&lock| {
+                        let one = Batch {
+                            script: b.script,
+                            locks: vec![lock],
+                            lease: b.lease,
+                        };
+                        self.extend_batches(&[one])?
+                            .pop()
+                            .and_then(|mut list| list.pop())
+                            .ok_or_else(|| Error::Protocol("extend replied nothing".to_owned()))
+                    })
+                    .collect()
+            })
             .collect()
     }
 }
