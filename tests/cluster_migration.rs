@@ -177,16 +177,28 @@ fn a_free_lock_while_its_slot_migrates() {
 /// A lock held when its slot starts migrating: its holder releases it on the source, a
 /// waiter of another client (`lock()`, no deadline) waits through the migration and gets
 /// the lock on the new master once the slot has moved, with a higher token; the first
-/// client locks it again after that. With the fair queue (the default) and without.
+/// client locks it again after that. With the fair queue (the default) and without, and
+/// with the waiter queued (or marked) before the migration starts or not: a fair release
+/// then grants the lock to it on the source, which its confirming attempt cannot take
+/// until the slot has moved (the grant's short lease runs out meanwhile).
 #[test]
 fn a_waiter_gets_the_lock_once_the_slot_has_moved() {
     init_log();
     let cluster = Cluster::start();
-    waiter_through_a_migration(&cluster, "mig-held-fair", true);
-    waiter_through_a_migration(&cluster, "mig-held-plain", false);
+    for fair in [true, false] {
+        for queued_before in [false, true] {
+            let name = format!("mig-held-{fair}-{queued_before}");
+            waiter_through_a_migration(&cluster, name.leak(), fair, queued_before);
+        }
+    }
 }
 
-fn waiter_through_a_migration(cluster: &Cluster, name: &'static str, fair: bool) {
+fn waiter_through_a_migration(
+    cluster: &Cluster,
+    name: &'static str,
+    fair: bool,
+    queued_before: bool,
+) {
     let key = KEYS.lock_bytes(name.as_bytes());
     let slot = cluster.keyslot(&key);
     let from = cluster.owner(slot);
@@ -196,7 +208,8 @@ fn waiter_through_a_migration(cluster: &Cluster, name: &'static str, fair: bool)
     let b = client().expect("b");
     let held = a.lock(name).expect("a locks");
     let token = held.fencing_token();
-    let migration = cluster.open_migration(slot, to);
+    let open = || cluster.open_migration(slot, to);
+    let migration = (!queued_before).then(open);
 
     // The waiter's guard stays on its thread: it says what it got, holds the lock until
     // told, then unlocks.
@@ -219,6 +232,7 @@ fn waiter_through_a_migration(cluster: &Cluster, name: &'static str, fair: bool)
         })
     };
     thread::sleep(ms(500));
+    let migration = migration.unwrap_or_else(open);
     let (r, took) = timed(|| held.unlock());
     eprintln!("unlock during the migration: {r:?} after {took:?}");
     assert_eq!(r.expect("unlock on the source"), Unlocked::Released);
