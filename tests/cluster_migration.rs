@@ -297,3 +297,34 @@ fn held_locks_are_renewed_while_their_slot_migrates() {
     }
     migration.finish();
 }
+
+/// A fair waiter queued before the migration starts is granted the lock by a release on
+/// the source, cannot confirm it while the slot is half-way, and gives up at its
+/// deadline: it leaves the queue without waiting the migration out, so `try_lock_for`
+/// returns by its deadline plus one read timeout (the promise of a one-node client), with
+/// `Timeout`.
+#[test]
+fn a_queued_waiter_leaves_by_its_deadline_while_the_slot_migrates() {
+    let (cluster, holder) = &started(LEASE);
+    let name = "mig-leave";
+    let slot = cluster.keyslot(&KEYS.lock_bytes(name.as_bytes()));
+    let to = cluster.other_master(cluster.owner(slot));
+    let held = holder.lock(name).expect("lock");
+    let waiter = builder(cluster.seed_urls()).build().expect("waiter");
+    let wait = secs(4);
+    let t = thread::spawn(move || timed(|| waiter.try_lock_for(name, wait).map(drop)));
+    thread::sleep(ms(500));
+    let migration = cluster.open_migration(slot, to);
+    thread::sleep(ms(500));
+    assert_eq!(held.unlock().expect("unlock"), Unlocked::Released);
+    let (r, took) = t.join().expect("waiter thread");
+    eprintln!("waiter: {r:?} after {took:?}");
+    assert!(matches!(r, Err(Error::Timeout)), "{r:?}");
+    let read_timeout = secs(1);
+    assert!(
+        took < wait + read_timeout,
+        "returned {:?} after its deadline",
+        took - wait
+    );
+    migration.finish();
+}
