@@ -509,8 +509,12 @@ impl Node {
             return Ok(false);
         };
         let call = fair_call(&FAIR_LEAVE, keys, token, fair, self.publish_mode());
-        let passed: i64 = self.run(Retry::ON_RESET, |c| FAIR_LEAVE.run(&call, c))?;
-        Ok(passed == 2)
+        // Redis Cluster, the slot half-way through a migration: refused like the fair
+        // release (see `release`), leaving is the plain compare-and-delete of our token,
+        // which gives back a grant that raced our leaving; our queue entry expires.
+        let plain = || self.release_call(keys, token);
+        let reply = self.release_with(&FAIR_LEAVE, &call, Retry::ON_RESET, Some(&plain))?;
+        Ok(reply == ReleaseReply::Passed)
     }
 
     /// The outcome of an acquire the subscriber thread made early (see `early`), from its
@@ -607,14 +611,7 @@ impl Node {
     /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
     /// deleted.
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
-        let plain = || {
-            let mut call = RELEASE.call(1);
-            call.arg(keys.lock())
-                .arg(token)
-                .arg(keys.channel())
-                .arg(self.publish_mode());
-            call
-        };
+        let plain = || self.release_call(keys, token);
         let Some(fair) = self.fair else {
             return self.release_by(&RELEASE, &plain(), retry);
         };
@@ -629,6 +626,16 @@ impl Node {
         self.release_with(&FAIR_RELEASE, &call, retry, Some(&plain))
     }
 
+    /// The plain compare-and-delete of `token`'s lock ([`RELEASE`]): its key alone.
+    fn release_call(&self, keys: &Keys, token: &str) -> Cmd {
+        let mut call = RELEASE.call(1);
+        call.arg(keys.lock())
+            .arg(token)
+            .arg(keys.channel())
+            .arg(self.publish_mode());
+        call
+    }
+
     /// Runs a release `call` of `script` (1 released, 0 gone, -1 another owner).
     pub(crate) fn release_by(
         &self,
@@ -639,9 +646,10 @@ impl Node {
         self.release_with(script, call, retry, None)
     }
 
-    /// [`release_by`](Self::release_by); when the server refuses `call` because the
-    /// lock's slot is migrating (`TRYAGAIN`), the release `narrow` makes (the plain
-    /// [`RELEASE`], naming the lock key alone) is run instead, at once.
+    /// [`release_by`](Self::release_by) (also for [`FAIR_LEAVE`]: 2 passed on, 1
+    /// released, 0 nothing ours); when the server refuses `call` because the lock's slot
+    /// is migrating (`TRYAGAIN`), the release `narrow` makes (the plain [`RELEASE`],
+    /// naming the lock key alone) is run instead, at once.
     fn release_with(
         &self,
         script: &Lua,
