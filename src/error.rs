@@ -102,6 +102,16 @@ pub enum Error {
     /// semaphores need a single node; Redlock is not supported for them).
     #[error("not supported: {0}")]
     Unsupported(&'static str),
+    /// Redis Cluster: the lock's hash slot is half-way through a migration between two
+    /// masters, and the servers refused the lock's scripts (`TRYAGAIN`) for longer than
+    /// the call could wait. While a slot migrates, Redis runs a command naming several
+    /// keys of it only where all of them exist, and a free lock has no key: it cannot be
+    /// taken until the migration ends. [`try_lock`](crate::LockClient::try_lock) gives
+    /// this after about 2 s, [`lock`](crate::LockClient::lock) after one
+    /// [`lease`](crate::Builder::lease) of retrying; a call with a deadline gets
+    /// [`Timeout`](Error::Timeout) instead. Retrying later helps.
+    #[error("the lock's hash slot is migrating between cluster masters")]
+    SlotMigrating,
     /// The operating system refused to start one of the client's threads; the I/O error is
     /// the source. Not a connection error: retrying soon rarely helps.
     ///
@@ -217,6 +227,18 @@ impl Error {
     /// ```
     pub fn is_permits_mismatch(&self) -> bool {
         matches!(self, Error::PermitsMismatch { .. })
+    }
+
+    /// Redis Cluster: the lock's slot was migrating for longer than the call could wait
+    /// ([`Error::SlotMigrating`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// assert!(redbaton::Error::SlotMigrating.is_slot_migrating());
+    /// ```
+    pub fn is_slot_migrating(&self) -> bool {
+        matches!(self, Error::SlotMigrating)
     }
 
     /// The operation is not available on this client's topology.

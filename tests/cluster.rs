@@ -343,33 +343,6 @@ fn tempfile_dir() -> String {
     dir.to_string_lossy().into_owned()
 }
 
-/// Names whose lock keys share one slot: the slot of `n0`, and more names found by asking
-/// the server for the slots of many candidates.
-fn names_in_one_slot(cluster: &Cluster, want: usize) -> (u16, Vec<String>) {
-    let slot = cluster.keyslot(&KEYS.lock_bytes(b"r0"));
-    let mut names = vec!["r0".to_owned()];
-    let mut conn = cluster.servers[0].conn();
-    let mut start = 1;
-    while names.len() < want {
-        let candidates: Vec<String> = (start..start + 50_000).map(|i| format!("r{i}")).collect();
-        start += 50_000;
-        let mut pipe = redis::pipe();
-        for c in &candidates {
-            pipe.cmd("CLUSTER").arg("KEYSLOT").arg(KEYS.lock(c));
-        }
-        let slots: Vec<u16> = pipe.query(&mut conn).expect("KEYSLOT");
-        names.extend(
-            candidates
-                .into_iter()
-                .zip(slots)
-                .filter(|(_, s)| *s == slot)
-                .map(|(c, _)| c),
-        );
-    }
-    names.truncate(want);
-    (slot, names)
-}
-
 /// While threads of two clients wait for names of one slot, the slot moves to another
 /// master: held locks keep being renewed there, and every waiter gets its lock soon after
 /// the holder lets go, woken by events rather than by the lease running out.
@@ -377,7 +350,7 @@ fn names_in_one_slot(cluster: &Cluster, want: usize) -> (u16, Vec<String>) {
 fn waiters_follow_a_resharded_slot() {
     init_log();
     let cluster = Cluster::start();
-    let (slot, names) = names_in_one_slot(&cluster, 3);
+    let (slot, names) = cluster.names_in_one_slot(&KEYS, "r", 3);
     let from = cluster.owner(slot);
     let to = cluster.other_master(from);
     let holder = builder(cluster.seed_urls())

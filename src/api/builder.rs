@@ -297,10 +297,13 @@ impl Builder {
     /// are used (`tls-cluster yes` makes the cluster name them).
     ///
     /// `MOVED`, `ASK`, `TRYAGAIN` and `CLUSTERDOWN` replies are followed or waited out,
-    /// never returned. Waiters are woken by the master that serves their key (keyspace
-    /// notifications are per node): the client keeps one subscriber connection per master
-    /// it waits on, and a waiter whose key moved (a reshard, a failover) subscribes on the
-    /// new master and tries again.
+    /// never returned, except a slot migration that outlasts the call: a free lock whose
+    /// slot is half-way between two masters cannot be taken until it has moved, and after
+    /// the bounds of a failover (below) the call returns [`Error::Timeout`] or
+    /// [`Error::SlotMigrating`]. Waiters are woken by the master that serves their key
+    /// (keyspace notifications are per node): the client keeps one subscriber connection
+    /// per master it waits on, and a waiter whose key moved (a reshard, a failover)
+    /// subscribes on the new master and tries again.
     ///
     /// **Failover.** While a master is down and not yet replaced (the cluster promotes its
     /// replica after `cluster-node-timeout`), calls for its slots ride through: the slot

@@ -125,6 +125,12 @@ const MAX_HOPS: u32 = 5;
 /// How long `TRYAGAIN` (keys of one command half-way through a slot migration) and
 /// `CLUSTERDOWN` (a failover in progress) are retried when the caller set no deadline.
 const CLUSTER_SETTLE: Duration = Duration::from_secs(2);
+/// The first pause before a command refused with `TRYAGAIN` or `CLUSTERDOWN` is sent
+/// again; each pause doubles, up to [`MAX_SETTLE_PAUSE`]. A resharding tool moves a
+/// slot's keys in milliseconds, so the first tries come soon; one left half-way (a tool
+/// that died) costs a waiter four commands a second, not a hundred.
+const FIRST_SETTLE_PAUSE: Duration = Duration::from_millis(10);
+const MAX_SETTLE_PAUSE: Duration = Duration::from_millis(250);
 
 pub(crate) struct Node {
     pub id: NodeId,
@@ -255,7 +261,22 @@ impl Node {
     ///
     /// In a Redis Cluster, a `MOVED` or `ASK` reply sends the command to the node it names
     /// (after `ASKING` for `ASK`): the command did not run, so it is safe to send again.
-    /// `TRYAGAIN` and `CLUSTERDOWN` are retried after a pause, within the deadline.
+    /// `TRYAGAIN` and `CLUSTERDOWN` are retried after growing pauses, within the deadline
+    /// (or [`CLUSTER_SETTLE`] without one); a `TRYAGAIN` that outlasts it gives
+    /// [`Error::SlotMigrating`].
+    ///
+    /// `TRYAGAIN` is what a slot migration does to a command naming several keys
+    /// (Redis's `getNodeByQuery`, `src/cluster.c`): the source (`MIGRATING`) runs it when
+    /// all of its keys exist there, sends `ASK` when none does, and refuses it when only
+    /// some do; the target (`IMPORTING`), after `ASKING`, runs it when its keys are one,
+    /// or all exist there, and refuses it otherwise. A script's keys are its declared
+    /// `KEYS` (EVALSHA is no exception), and every command it runs is checked the same
+    /// way, so a script cannot create a key on the source either. Waiting is the only
+    /// safe answer for an acquire: the lock key of a free lock exists nowhere, its fence
+    /// counter may still be on the source, and taking the lock on the target with a
+    /// counter of its own would issue tokens that go backwards (and break the
+    /// migration of the old counter). The server never runs one lock's script on both
+    /// masters, and a refused command did not run, so sending it again is safe.
     pub fn run_until<T>(
         &self,
         retry: Retry,
@@ -281,6 +302,7 @@ impl Node {
         let (_, read_timeout, _) = self.pool.timeouts();
         let mut tries = 0;
         let settle_until = deadline.unwrap_or_else(|| Instant::now() + CLUSTER_SETTLE);
+        let mut settle_pause = FIRST_SETTLE_PAUSE;
         loop {
             let mut conn = match self.pool.get() {
                 Ok(conn) => conn,
@@ -326,16 +348,27 @@ impl Node {
                 }
                 Err(e) if is_settling(&e) && self.redirect.is_some() => {
                     // The command did not run: a slot is half-way through a migration, or
-                    // the cluster is electing a new master. Wait a little and send it again.
+                    // the cluster is electing a new master. Wait a little and send it again
+                    // (here: an `ASK` is followed again from the source, whose keys may
+                    // have moved meanwhile).
                     drop(conn);
-                    if let Some(hook) = self.hook() {
+                    let migrating = is_migrating(&e);
+                    if !migrating && let Some(hook) = self.hook() {
+                        // A migrating slot keeps its owner until it has moved (then `MOVED`
+                        // says so); an election may give it another.
                         hook.fault();
                     }
-                    let pause = Duration::from_millis(rand::random_range(10..=40));
+                    let jitter = rand::random_range(0..=settle_pause.as_millis() as u64 / 2);
+                    let pause = settle_pause + Duration::from_millis(jitter);
                     if Instant::now() + pause >= settle_until {
+                        if migrating {
+                            log::debug!("node {}: slot still migrating: {e}", self.id);
+                            return Err(Error::SlotMigrating);
+                        }
                         return Err(Error::Redis(e));
                     }
                     std::thread::sleep(pause);
+                    settle_pause = (settle_pause * 2).min(MAX_SETTLE_PAUSE);
                 }
                 Err(e) if is_network_error(&e) => {
                     conn.discard();
@@ -490,8 +523,12 @@ impl Node {
             return Ok(false);
         };
         let call = fair_call(&FAIR_LEAVE, keys, token, fair, self);
-        let passed: i64 = self.run(Retry::ON_RESET, |c| FAIR_LEAVE.run(&call, c))?;
-        Ok(passed == 2)
+        // Redis Cluster, the slot half-way through a migration: refused like the fair
+        // release (see `release`), leaving is the plain compare-and-delete of our token,
+        // which gives back a grant that raced our leaving; our queue entry expires.
+        let plain = || self.release_call(keys, token);
+        let reply = self.release_with(&FAIR_LEAVE, &call, Retry::ON_RESET, Some(&plain))?;
+        Ok(reply == ReleaseReply::Passed)
     }
 
     /// The outcome of an acquire the subscriber thread made early (see `early`), from its
@@ -588,16 +625,29 @@ impl Node {
     /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
     /// deleted ([`ReleaseReply::OtherAfterRetry`]: passed on, or deleted and taken since).
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
+        let plain = || self.release_call(keys, token);
         let Some(fair) = self.fair else {
-            let mut call = RELEASE.call(1);
-            call.arg(keys.lock())
-                .arg(token)
-                .arg(keys.channel())
-                .arg(self.publish_mode());
-            return self.release_by(&RELEASE, &call, retry);
+            return self.release_by(&RELEASE, &plain(), retry);
         };
         let call = fair_call(&FAIR_RELEASE, keys, token, fair, self);
-        self.release_by(&FAIR_RELEASE, &call, retry)
+        // Redis Cluster, the lock's slot half-way through a migration: the server refuses
+        // the fair release (`TRYAGAIN`) unless the lock, its counter and its queue all
+        // exist on one side, and an empty queue has no key. The plain compare-and-delete
+        // names the lock key alone, which the server always serves: on the source while
+        // the key is there, else (`ASK`) on the target. It is the fair release of a lock
+        // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
+        // and its head takes the lock at its next attempt once the slot has moved.
+        self.release_with(&FAIR_RELEASE, &call, retry, Some(&plain))
+    }
+
+    /// The plain compare-and-delete of `token`'s lock ([`RELEASE`]): its key alone.
+    fn release_call(&self, keys: &Keys, token: &str) -> Cmd {
+        let mut call = RELEASE.call(1);
+        call.arg(keys.lock())
+            .arg(token)
+            .arg(keys.channel())
+            .arg(self.publish_mode());
+        call
     }
 
     /// Runs a release `call` of `script` (1 released, 0 gone, -1 another owner).
@@ -607,16 +657,43 @@ impl Node {
         call: &Cmd,
         retry: Retry,
     ) -> Result<ReleaseReply> {
+        self.release_with(script, call, retry, None)
+    }
+
+    /// [`release_by`](Self::release_by) (also for [`FAIR_LEAVE`]: 2 passed on, 1
+    /// released, 0 nothing ours); when the server refuses `call` because the lock's slot
+    /// is migrating (`TRYAGAIN`), the release `narrow` makes (the plain [`RELEASE`],
+    /// naming the lock key alone) is run instead, at once.
+    fn release_with(
+        &self,
+        script: &Lua,
+        call: &Cmd,
+        retry: Retry,
+        narrow: Option<&dyn Fn() -> Cmd>,
+    ) -> Result<ReleaseReply> {
         // Whether an earlier attempt's reply was lost (it may have deleted the key); a
-        // redirected attempt did not run.
+        // redirected or refused attempt did not run.
         let mut lost_reply = false;
         let mut retried = false;
-        let reply = self.run(retry, |c| {
-            retried |= lost_reply;
-            let reply = script.run::<i64>(call, c);
-            lost_reply |= reply.as_ref().is_err_and(is_network_error);
-            reply
-        })?;
+        // `None`: refused as migrating, when `narrowing`.
+        let mut attempt = |script: &Lua, call: &Cmd, narrowing: bool| {
+            self.run(retry, |c| {
+                retried |= lost_reply;
+                let reply = match script.run::<i64>(call, c) {
+                    Err(e) if narrowing && is_migrating(&e) => return Ok(None),
+                    reply => reply,
+                };
+                lost_reply |= reply.as_ref().is_err_and(is_network_error);
+                reply.map(Some)
+            })
+        };
+        let mut reply = attempt(script, call, narrow.is_some())?;
+        if let (None, Some(narrow)) = (reply, narrow) {
+            reply = attempt(&RELEASE, &narrow(), false)?;
+        }
+        let Some(reply) = reply else {
+            return Err(Error::Protocol("release refused".to_owned()));
+        };
         match reply {
             1 => Ok(ReleaseReply::Released),
             2 => Ok(ReleaseReply::Passed),
@@ -695,10 +772,14 @@ impl Node {
                 scripts.push(b.script);
             }
         }
-        let (replies, acked) = self.run(Retry::ON_RESET, |c| {
-            let replies: Vec<Vec<i64>> = match calls.as_slice() {
-                [one] => vec![scripts[0].run(one, c)?],
-                _ => crate::proto::scripts::run_pipelined(&scripts, &calls, c)?,
+        let outcome = self.run(Retry::ON_RESET, |c| {
+            let replies = match calls.as_slice() {
+                [one] => scripts[0].run(one, c).map(|r| vec![r]),
+                _ => crate::proto::scripts::run_pipelined(&scripts, &calls, c),
+            };
+            let replies: Vec<Vec<i64>> = match replies {
+                Err(e) if self.apart(&e, batches) => return Ok(None),
+                replies => replies?,
             };
             let acked = match self.ack {
                 Some(_) if replies.iter().flatten().any(|&r| r == 1) => {
@@ -706,8 +787,11 @@ impl Node {
                 }
                 _ => None,
             };
-            Ok((replies, acked))
+            Ok(Some((replies, acked)))
         })?;
+        let Some((replies, acked)) = outcome else {
+            return self.extend_apart(batches);
+        };
         if let (Some(acked), Some((wanted, _))) = (acked, self.ack)
             && acked < wanted
         {
@@ -725,6 +809,47 @@ impl Node {
             .into_iter()
             .zip(batches)
             .map(|(r, b)| extend_replies(r, b.locks.len()))
+            .collect()
+    }
+}
+
+impl Node {
+    /// Whether renewal `batches` that failed with `e` are to be sent again one lock per
+    /// call ([`extend_apart`](Self::extend_apart)): Redis Cluster, a slot half-way through
+    /// a migration. The server refuses a batch whose keys are not all on one side
+    /// (`TRYAGAIN`), and in a pipeline of batches `ASKING` covers only the first, so a
+    /// redirect of another one bounces between the masters. One key per call is always
+    /// served: where the key is (`ASK` to the target once it moved). Waiting instead
+    /// could outlast the leases.
+    fn apart(&self, e: &redis::RedisError, batches: &[Batch<'_>]) -> bool {
+        let locks: usize = batches.iter().map(|b| b.locks.len()).sum();
+        self.redirect.is_some()
+            && locks > 1
+            && (is_migrating(e) || (batches.len() > 1 && e.redirect_node().is_some()))
+    }
+
+    /// [`extend_batches`](Self::extend_batches), one lock per call, each following its
+    /// own redirects (see [`apart`](Self::apart)). Costs a round trip per lock, only
+    /// while a slot of this node migrates.
+    fn extend_apart(&self, batches: &[Batch<'_>]) -> Result<Vec<Vec<ExtendReply>>> {
+        batches
+            .iter()
+            .map(|b| {
+                b.locks
+                    .iter()
+                    .map(|&lock| {
+                        let one = Batch {
+                            script: b.script,
+                            locks: vec![lock],
+                            lease: b.lease,
+                        };
+                        self.extend_batches(&[one])?
+                            .pop()
+                            .and_then(|mut list| list.pop())
+                            .ok_or_else(|| Error::Protocol("extend replied nothing".to_owned()))
+                    })
+                    .collect()
+            })
             .collect()
     }
 }
@@ -785,20 +910,25 @@ pub(crate) fn within_deadline<T>(
 /// A Redis Cluster reply saying the command did not run and may be sent again shortly:
 /// `TRYAGAIN` (its keys are half-way through a slot migration) or `CLUSTERDOWN`.
 fn is_settling(e: &redis::RedisError) -> bool {
-    matches!(
-        e.kind(),
-        redis::ErrorKind::Server(
-            redis::ServerErrorKind::TryAgain | redis::ServerErrorKind::ClusterDown
-        )
-    )
+    is_migrating(e) || e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ClusterDown)
+}
+
+/// `TRYAGAIN`: the command names several keys of a migrating slot, and the node has only
+/// some of them (see [`Node::run_until`]). It did not run.
+fn is_migrating(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain)
 }
 
 /// Whether `e` is what a Redis Cluster client sees while a master fails over or a slot
 /// moves, rather than an answer about the lock: the node cannot be reached (killed, not
 /// yet replaced), it no longer takes writes (`READONLY`), the cluster is electing a new
-/// master (`CLUSTERDOWN`) or moving keys (`TRYAGAIN`), or redirects did not settle. A
+/// master (`CLUSTERDOWN`) or moving keys (`TRYAGAIN`, and [`Error::SlotMigrating`] when
+/// a node gave up waiting it out), or redirects did not settle. A
 /// refused handshake or refused credentials are not: waiting does not cure them.
 pub(crate) fn is_failover_symptom(e: &Error) -> bool {
+    if e.is_slot_migrating() {
+        return true;
+    }
     let Error::Redis(r) = e else {
         return false;
     };
@@ -814,7 +944,8 @@ pub(crate) fn is_failover_symptom(e: &Error) -> bool {
 /// Whether a failed command may have reached Redis (and so may have taken effect).
 pub(crate) fn may_have_run(e: &Error) -> bool {
     match e {
-        Error::PoolExhausted => false,
+        // Refused before it ran (`TRYAGAIN`).
+        Error::PoolExhausted | Error::SlotMigrating => false,
         Error::Redis(e) => !e.is_connection_refusal(),
         _ => true,
     }

@@ -9,8 +9,13 @@
 //! Redirects never reach users. Every command goes through `Node::run_until`, which
 //! follows a `MOVED` (the map records the slot's new owner and is read again at the next
 //! route) or an `ASK` (`ASKING`, then the command, on the named node, once) through this
-//! topology's [`Redirect`] hook, and waits out `TRYAGAIN` and `CLUSTERDOWN`. A redirected
-//! command had not run, so resending it is safe; an acquire keeps its token across the
+//! topology's [`Redirect`] hook, and waits out `TRYAGAIN` and `CLUSTERDOWN`. A slot
+//! migration refuses (`TRYAGAIN`) every script of a lock whose keys are not all on one
+//! side, a free lock's acquire among them: acquires wait for the slot to move, for as long
+//! as failovers are ridden through, then give `Error::SlotMigrating`; a fair release
+//! falls back to the plain one, which names the lock key alone, and a refused renewal
+//! batch is sent one lock per call (see `Node::run_until`).
+//! A redirected command had not run, so resending it is safe; an acquire keeps its token across the
 //! redirect, and the script recognises its own token if an earlier attempt's reply was
 //! lost. A network error (a refused connection too) marks the map stale: after a failover
 //! the next route asks the cluster who serves the slot now, and until a replica is

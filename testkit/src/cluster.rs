@@ -306,6 +306,42 @@ impl Cluster {
             .expect("CLUSTER KEYSLOT")
     }
 
+    /// `want` names starting with `stem` whose lock keys (under `keys`' prefix) share
+    /// one slot, found by asking the server for the slots of many candidates; and the
+    /// slot.
+    pub fn names_in_one_slot(
+        &self,
+        keys: &crate::keys::Keys,
+        stem: &str,
+        want: usize,
+    ) -> (u16, Vec<String>) {
+        let first = format!("{stem}0");
+        let slot = self.keyslot(&keys.lock_bytes(first.as_bytes()));
+        let mut names = vec![first];
+        let mut conn = self.servers[0].conn();
+        let mut start = 1;
+        while names.len() < want {
+            let candidates: Vec<String> = (start..start + 50_000)
+                .map(|i| format!("{stem}{i}"))
+                .collect();
+            start += 50_000;
+            let mut pipe = redis::pipe();
+            for c in &candidates {
+                pipe.cmd("CLUSTER").arg("KEYSLOT").arg(keys.lock(c));
+            }
+            let slots: Vec<u16> = pipe.query(&mut conn).expect("KEYSLOT");
+            names.extend(
+                candidates
+                    .into_iter()
+                    .zip(slots)
+                    .filter(|(_, s)| *s == slot)
+                    .map(|(c, _)| c),
+            );
+        }
+        names.truncate(want);
+        (slot, names)
+    }
+
     /// The port of the master serving `slot`, as a running node sees it.
     pub fn owner(&self, slot: u16) -> u16 {
         let s = self.running().next().expect("a running node");
@@ -334,58 +370,27 @@ impl Cluster {
     /// `MIGRATING` on the source, `MIGRATE` of every key, then `SETSLOT … NODE` on every
     /// master.
     pub fn move_slot(&self, slot: u16, to: u16) {
+        self.open_migration(slot, to).finish();
+    }
+
+    /// Starts moving `slot` to the master on port `to` and leaves it half-way, as a
+    /// resharding tool does between its steps: `IMPORTING` on the target, `MIGRATING` on
+    /// the source, and no key moved yet. [`Migration::migrate_keys`] moves the slot's
+    /// keys; [`Migration::finish`] moves the rest and gives the slot to the target.
+    pub fn open_migration(&self, slot: u16, to: u16) -> Migration<'_> {
         let from = self.owner(slot);
         assert_ne!(from, to, "slot {slot} is on {to} already");
-        let (src, dst) = (self.server(from), self.server(to));
-        let (src_id, dst_id) = (node_id(src), node_id(dst));
-        let mut sc = src.conn();
-        let mut dc = dst.conn();
-        let setslot = |c: &mut redis::Connection, how: &str, id: &str| {
-            redis::cmd("CLUSTER")
-                .arg("SETSLOT")
-                .arg(slot)
-                .arg(how)
-                .arg(id)
-                .query::<()>(c)
-                .unwrap_or_else(|e| panic!("CLUSTER SETSLOT {slot} {how}: {e}"));
+        let migration = Migration {
+            cluster: self,
+            slot,
+            from,
+            to,
+            src_id: node_id(self.server(from)),
+            dst_id: node_id(self.server(to)),
         };
-        setslot(&mut dc, "IMPORTING", &src_id);
-        setslot(&mut sc, "MIGRATING", &dst_id);
-        loop {
-            let keys: Vec<Vec<u8>> = redis::cmd("CLUSTER")
-                .arg("GETKEYSINSLOT")
-                .arg(slot)
-                .arg(100)
-                .query(&mut sc)
-                .expect("GETKEYSINSLOT");
-            if keys.is_empty() {
-                break;
-            }
-            let mut migrate = redis::cmd("MIGRATE");
-            migrate
-                .arg("127.0.0.1")
-                .arg(self.client_port(to))
-                .arg("")
-                .arg(0)
-                .arg(5000)
-                .arg("REPLACE");
-            if self.app_user.is_some() {
-                migrate.arg("AUTH2").arg(ADMIN_USER).arg(ADMIN_PASSWORD);
-            }
-            migrate
-                .arg("KEYS")
-                .arg(&keys)
-                .query::<()>(&mut sc)
-                .expect("MIGRATE");
-        }
-        setslot(&mut dc, "NODE", &dst_id);
-        setslot(&mut sc, "NODE", &dst_id);
-        for m in self.masters() {
-            if m.port() != from && m.port() != to {
-                setslot(&mut m.conn(), "NODE", &dst_id);
-            }
-        }
-        self.wait_ok();
+        migration.setslot(to, "IMPORTING", &migration.src_id);
+        migration.setslot(from, "MIGRATING", &migration.dst_id);
+        migration
     }
 
     /// `CLUSTER FAILOVER` on a replica of the master on port `master`; waits until it
@@ -426,6 +431,84 @@ impl Cluster {
                 repl.contains("role:slave") && repl.contains(&format!("master_port:{port}\r"))
             })
             .unwrap_or_else(|| panic!("no replica of {master}"))
+    }
+}
+
+/// A slot half-way between two masters (see [`Cluster::open_migration`]).
+pub struct Migration<'a> {
+    cluster: &'a Cluster,
+    /// The slot being moved.
+    pub slot: u16,
+    /// The port of the master that owned it.
+    pub from: u16,
+    /// The port of the master it moves to.
+    pub to: u16,
+    src_id: String,
+    dst_id: String,
+}
+
+impl Migration<'_> {
+    fn setslot(&self, port: u16, how: &str, id: &str) {
+        redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(self.slot)
+            .arg(how)
+            .arg(id)
+            .query::<()>(&mut self.cluster.server(port).conn())
+            .unwrap_or_else(|e| panic!("CLUSTER SETSLOT {} {how}: {e}", self.slot));
+    }
+
+    /// `MIGRATE`s the slot's keys still on the source to the target (every one of them,
+    /// or those named in `only`). Returns how many moved.
+    pub fn migrate_keys(&self, only: Option<&[&[u8]]>) -> usize {
+        let cluster = self.cluster;
+        let mut sc = cluster.server(self.from).conn();
+        let mut moved = 0;
+        loop {
+            let mut keys: Vec<Vec<u8>> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(self.slot)
+                .arg(100)
+                .query(&mut sc)
+                .expect("GETKEYSINSLOT");
+            if let Some(only) = only {
+                keys.retain(|k| only.contains(&k.as_slice()));
+            }
+            if keys.is_empty() {
+                return moved;
+            }
+            let mut migrate = redis::cmd("MIGRATE");
+            migrate
+                .arg("127.0.0.1")
+                .arg(cluster.client_port(self.to))
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("REPLACE");
+            if cluster.app_user.is_some() {
+                migrate.arg("AUTH2").arg(ADMIN_USER).arg(ADMIN_PASSWORD);
+            }
+            migrate
+                .arg("KEYS")
+                .arg(&keys)
+                .query::<()>(&mut sc)
+                .expect("MIGRATE");
+            moved += keys.len();
+        }
+    }
+
+    /// Moves the keys left on the source, then `SETSLOT … NODE` on the target, the source
+    /// and every other master, and waits until the cluster agrees.
+    pub fn finish(self) {
+        self.migrate_keys(None);
+        self.setslot(self.to, "NODE", &self.dst_id);
+        self.setslot(self.from, "NODE", &self.dst_id);
+        for m in self.cluster.masters() {
+            if m.port() != self.from && m.port() != self.to {
+                self.setslot(m.port(), "NODE", &self.dst_id);
+            }
+        }
+        self.cluster.wait_ok();
     }
 }
 
