@@ -13,10 +13,10 @@ use parking_lot::Mutex;
 
 use crate::config::Config;
 use crate::error::LostReason;
-use crate::local::held::{Due, HoldKind, RemoteLock};
+use crate::local::held::{Changed, Due, HoldKind, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::keyslot;
-use crate::proto::node::{Batch, ExtendReply, Node, NodeId};
+use crate::proto::node::{Batch, Change, ExtendReply, Node, NodeId};
 use crate::proto::rw_scripts::SHARED_EXTEND;
 use crate::proto::scripts::{EXTEND, Lua};
 use crate::stats::Counters;
@@ -25,8 +25,18 @@ use crate::topology::verdict::Renewal;
 
 /// Longest sleep, so that hold caps and shutdown are noticed without a kick.
 const MAX_SLEEP: Duration = Duration::from_secs(1);
-/// Keys per extend call.
+/// Locks per extend call.
 const BATCH: usize = 1000;
+
+/// A lock whose renewal is under way: its lease and the renewal's change number.
+type Renewing = (Arc<RemoteLock>, Duration, u64);
+/// A renewal as a node's job: the lock, its lease, the change's number, and its slot.
+type Job = (Arc<RemoteLock>, Duration, u64, u16);
+
+/// How soon a lease change whose outcome is unknown is tried again.
+pub(crate) fn retry_after(cfg: &Config) -> Duration {
+    (cfg.renew_interval / 4).min(Duration::from_millis(200))
+}
 
 /// The held locks, and when the thread plans to look at them next.
 #[derive(Default)]
@@ -184,7 +194,7 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
     let now = Instant::now();
     let horizon = now + cfg.renew_interval / 4;
     let mut next = now + MAX_SLEEP;
-    let mut due: Vec<(Arc<RemoteLock>, Duration)> = Vec::new();
+    let mut due: Vec<Renewing> = Vec::new();
     let mut h = held.lock();
     // Registrations during this pass must kick: the plan is being remade.
     h.planned = None;
@@ -195,8 +205,8 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
                 next = next.min(t);
                 true
             }
-            Due::Renew(lease) => {
-                due.push((lock.clone(), lease));
+            Due::Renew { lease, seq } => {
+                due.push((lock.clone(), lease, seq));
                 true
             }
         },
@@ -205,32 +215,38 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
     if due.is_empty() {
         return next;
     }
-    let retry = (cfg.renew_interval / 4).min(Duration::from_millis(200));
+    let retry = retry_after(cfg);
+    // Each renewal's outcome when there is no telling: it may have been applied (see
+    // `scripts::EXTEND`).
+    let unknown = |lease: Duration| Changed::Unknown {
+        cap: now + lease - cfg.drift(lease),
+        retry_at: now + retry,
+    };
     // A panic below must not leave these locks `renewing`: an unlock would wait for ever.
     let undo = OnUnwind::new(|| {
-        for (lock, _) in &due {
-            lock.end_renew(Err(None), now + retry, counters);
+        for (lock, lease, _) in &due {
+            lock.end_renew(unknown(*lease), counters);
         }
     });
     crate::fault::hit(&cfg.key_prefix, crate::fault::Point::Watchdog);
     // Per lock: (extended, gone, other owner) node counts.
     let tallies = extend_on_nodes(cx, topology, &due);
     undo.disarm();
-    for ((lock, lease), (ok, gone, other)) in due.iter().zip(tallies) {
+    for ((lock, lease, _), (ok, gone, other)) in due.iter().zip(tallies) {
         let route = topology.route(&lock.keys);
         let (quorum, redlock) = (route.quorum(), route.sole().is_none());
         let outcome = match Renewal::judge((ok, gone, other), lock.nodes.len(), quorum, redlock) {
-            Renewal::Renewed => {
-                let renew_every = cfg.renew_every(*lease);
-                Ok((now + *lease - cfg.drift(*lease), now + renew_every))
-            }
-            Renewal::Lost(reason) => Err(Some(reason)),
+            Renewal::Renewed => Changed::Applied {
+                valid_until: now + *lease - cfg.drift(*lease),
+                next_renew: now + cfg.renew_every(*lease),
+            },
+            Renewal::Lost(reason) => Changed::Lost(reason),
             Renewal::Unknown => {
                 Counters::inc(&counters.renewals_failed);
-                Err(None)
+                unknown(*lease)
             }
         };
-        lock.end_renew(outcome, now + retry, counters);
+        lock.end_renew(outcome, counters);
         next = next.min(now + retry);
     }
     next
@@ -241,14 +257,14 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
 fn extend_on_nodes(
     cx: &Context,
     topology: &Topology,
-    due: &[(Arc<RemoteLock>, Duration)],
+    due: &[Renewing],
 ) -> Vec<(usize, usize, usize)> {
     let counters = cx.counters.clone();
     // The nodes that hold the due locks (Redis Cluster: the master serving each lock's
     // slot now), and per node the indexes of its locks.
     let mut nodes: Vec<Arc<Node>> = Vec::new();
     let mut held_by: Vec<Vec<usize>> = Vec::new();
-    for (i, (lock, _)) in due.iter().enumerate() {
+    for (i, (lock, ..)) in due.iter().enumerate() {
         for node in topology.route(&lock.keys).holders(&lock.nodes) {
             match nodes.iter().position(|n| n.id == node.id) {
                 Some(k) => held_by[k].push(i),
@@ -261,15 +277,15 @@ fn extend_on_nodes(
     }
     // Redis Cluster refuses one script call over keys of several slots: batch per slot.
     let by_slot = topology.batches_by_slot();
-    let jobs: Arc<Vec<(Arc<RemoteLock>, Duration, u16)>> = Arc::new(
+    let jobs: Arc<Vec<Job>> = Arc::new(
         due.iter()
-            .map(|(lock, lease)| {
+            .map(|(lock, lease, seq)| {
                 let slot = if by_slot {
                     keyslot(lock.keys.lock())
                 } else {
                     0
                 };
-                (lock.clone(), *lease, slot)
+                (lock.clone(), *lease, *seq, slot)
             })
             .collect(),
     );
@@ -280,7 +296,7 @@ fn extend_on_nodes(
         // batch, the script chosen by how the locks are held.
         let mut by_lease: HashMap<(Duration, u16, HoldKind), Vec<usize>> = HashMap::new();
         for &i in held_by.get(&node.id).map(Vec::as_slice).unwrap_or_default() {
-            let (lock, lease, slot) = &jobs[i];
+            let (lock, lease, _, slot) = &jobs[i];
             by_lease
                 .entry((*lease, *slot, lock.kind))
                 .or_default()
@@ -290,18 +306,23 @@ fn extend_on_nodes(
         let mut batches: Vec<Batch<'_>> = Vec::new();
         let mut chunks: Vec<&[usize]> = Vec::new();
         for ((lease, _, kind), idxs) in &by_lease {
-            let script: &Lua = match kind {
-                HoldKind::Lock => &EXTEND,
-                HoldKind::Shared => &SHARED_EXTEND,
+            let (script, ordered): (&Lua, bool) = match kind {
+                HoldKind::Lock => (&EXTEND, true),
+                HoldKind::Shared => (&SHARED_EXTEND, false),
             };
             for chunk in idxs.chunks(BATCH) {
                 batches.push(Batch {
                     script,
                     locks: chunk
                         .iter()
-                        .map(|&i| (jobs[i].0.keys.lock(), jobs[i].0.token.as_str()))
+                        .map(|&i| Change {
+                            key: jobs[i].0.keys.lock(),
+                            token: jobs[i].0.token.as_str(),
+                            seq: jobs[i].2,
+                        })
                         .collect(),
                     lease: *lease,
+                    ordered,
                 });
                 chunks.push(chunk);
             }
@@ -328,7 +349,8 @@ fn extend_on_nodes(
             Some(ExtendReply::Extended) => tallies[i].0 += 1,
             Some(ExtendReply::Gone) => tallies[i].1 += 1,
             Some(ExtendReply::Other) => tallies[i].2 += 1,
-            None => {}
+            // Refused as stale: a newer change's own reply says how it went.
+            Some(ExtendReply::Stale) | None => {}
         }
     }
     tallies

@@ -45,6 +45,10 @@ pub(crate) enum ExtendReply {
     Extended,
     Gone,
     Other,
+    /// Ours, but a newer change of the lease was applied: this one was refused. Says
+    /// nothing the holder can use (the newer change's own reply does): counted as no
+    /// answer, never as a loss.
+    Stale,
 }
 
 /// When a command is sent again on a fresh connection after a network failure. Only
@@ -634,23 +638,14 @@ impl Node {
         }
     }
 
-    /// Compare-and-extend many locks of this node in one round trip.
-    pub fn extend(&self, locks: &[(&[u8], &str)], lease: Duration) -> Result<Vec<ExtendReply>> {
-        self.extend_by(&EXTEND, locks, lease)
-    }
-
-    /// Runs the batch renewal `script` (KEYS: the keys; ARGV: lease ms, then one token per
-    /// key; one status per key: 1 extended, 0 gone, -1 another owner).
-    pub(crate) fn extend_by(
-        &self,
-        script: &Lua,
-        locks: &[(&[u8], &str)],
-        lease: Duration,
-    ) -> Result<Vec<ExtendReply>> {
+    /// Compare-and-extend many locks of this node in one round trip, each change ordered
+    /// by its number (see `scripts::EXTEND`).
+    pub fn extend(&self, locks: &[Change<'_>], lease: Duration) -> Result<Vec<ExtendReply>> {
         let mut replies = self.extend_batches(&[Batch {
-            script,
+            script: &EXTEND,
             locks: locks.to_vec(),
             lease,
+            ordered: true,
         }])?;
         Ok(replies.pop().unwrap_or_default())
     }
@@ -659,20 +654,7 @@ impl Node {
     /// in one round trip, pipelined, with one `WAIT` for all of them when replicas must
     /// acknowledge. One status list per batch.
     pub(crate) fn extend_batches(&self, batches: &[Batch<'_>]) -> Result<Vec<Vec<ExtendReply>>> {
-        let calls: Vec<redis::Cmd> = batches
-            .iter()
-            .map(|b| {
-                let mut call = b.script.call(b.locks.len());
-                for (key, _) in &b.locks {
-                    call.arg(*key);
-                }
-                call.arg(crate::clock::millis(b.lease).max(1));
-                for (_, token) in &b.locks {
-                    call.arg(*token);
-                }
-                call
-            })
-            .collect();
+        let calls: Vec<redis::Cmd> = batches.iter().map(Batch::call).collect();
         // Each script once, for reloading after a NOSCRIPT.
         let mut scripts: Vec<&Lua> = Vec::new();
         for b in batches {
@@ -714,14 +696,59 @@ impl Node {
     }
 }
 
-/// One renewal script call: which script, the `(key, token)` pairs, the new lease.
-pub(crate) struct Batch<'a> {
-    pub script: &'a Lua,
-    pub locks: Vec<(&'a [u8], &'a str)>,
-    pub lease: Duration,
+/// One lease change of one hold: its key, its token (a shared hold's member) and the
+/// change's number in the hold's sequence (see `scripts::EXTEND`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Change<'a> {
+    pub key: &'a [u8],
+    pub token: &'a str,
+    pub seq: u64,
 }
 
-/// One batch's statuses, one per lock: 1 extended, 0 gone, −1 another owner.
+/// One renewal script call: which script, the changes, the new lease, and whether the
+/// script orders changes by their numbers (`EXTEND`: keys and lease records in pairs,
+/// then a token and a number per lock) or not (`SHARED_EXTEND`: keys, then a member per
+/// hold; its holds keep one lease for life, so a late renewal can only lengthen one).
+pub(crate) struct Batch<'a> {
+    pub script: &'a Lua,
+    pub locks: Vec<Change<'a>>,
+    pub lease: Duration,
+    pub ordered: bool,
+}
+
+impl Batch<'_> {
+    /// The `EVALSHA` of this batch.
+    fn call(&self) -> Cmd {
+        let keys = if self.ordered { 2 } else { 1 } * self.locks.len();
+        let mut call = self.script.call(keys);
+        for c in &self.locks {
+            call.arg(c.key);
+            if self.ordered {
+                call.arg(lease_key(c.key));
+            }
+        }
+        call.arg(millis(self.lease));
+        for c in &self.locks {
+            call.arg(c.token);
+            if self.ordered {
+                call.arg(c.seq);
+            }
+        }
+        call
+    }
+}
+
+/// The lease record of the lock key `lock`: the number and token of the last lease change
+/// applied (see `scripts::EXTEND`). In the lock's hash slot: it starts with the lock key.
+pub(crate) fn lease_key(lock: &[u8]) -> Vec<u8> {
+    let mut key = Vec::with_capacity(lock.len() + 6);
+    key.extend_from_slice(lock);
+    key.extend_from_slice(b":lease");
+    key
+}
+
+/// One batch's statuses, one per lock: 1 extended, 0 gone, −1 another owner, 2 refused as
+/// stale.
 fn extend_replies(replies: Vec<i64>, locks: usize) -> Result<Vec<ExtendReply>> {
     if replies.len() != locks {
         return Err(Error::Protocol(format!(
@@ -735,6 +762,7 @@ fn extend_replies(replies: Vec<i64>, locks: usize) -> Result<Vec<ExtendReply>> {
             1 => Ok(ExtendReply::Extended),
             0 => Ok(ExtendReply::Gone),
             -1 => Ok(ExtendReply::Other),
+            2 => Ok(ExtendReply::Stale),
             n => Err(Error::Protocol(format!("extend replied {n}"))),
         })
         .collect()

@@ -147,24 +147,64 @@ return -1
 });
 
 /// Compare-and-`PEXPIRE` for a batch of locks in one round trip (the watchdog renews every
-/// due lock of a node with one call).
+/// due lock of a node with one call; an explicit extend is a batch of one), each lease
+/// change ordered by its hold's change number.
 ///
-/// KEYS: lock keys. ARGV: lease in ms, then one token per key.
-/// Returns one status per key: 1 extended, 0 the key was gone, -1 another token (or
-/// another kind of lock, whose key is not a string) holds it: one such key does not fail
-/// the batch. A key that is gone is never recreated: a renewal racing a release cannot
-/// revive a lock.
+/// KEYS: per lock, its key and its lease record (`<lock>:lease`, see `node::lease_key`),
+/// in pairs. ARGV: lease in ms, then per lock its token and the change's number.
+/// Returns one status per lock: 1 extended, 0 the key was gone, -1 another token (or
+/// another kind of lock, whose key is not a string) holds it, 2 refused as stale (a newer
+/// change of this hold was applied). One such lock does not fail the batch. A key that is
+/// gone is never recreated: a renewal racing a release cannot revive a lock.
+///
+/// # The rule of lease changes
+///
+/// Every change of a hold's lease (a watchdog renewal or an explicit extend, across the
+/// local handoffs of one remote token) carries a number from a per-hold counter that only
+/// increases, and its sender notes when it sent it (`sent_at`):
+///
+/// * Redis applies a change only if no change of the same hold with a higher number was
+///   applied before: the lease record keeps `<number>:<token>` of the last applied change,
+///   with the lease it set (so it lives exactly as long as that lease, and never longer
+///   than the lock it describes, unless the lock is released first: then it expires with
+///   the lease it was given). A change with an equal number is applied again (a retry of
+///   the same change). An older one is refused (status 2): a newer, maybe longer, lease
+///   can never be cut short by a request that was delayed on the way, and the sender of
+///   the refused change learns nothing about the lock from it (neither extended nor lost).
+/// * The holder's validity after a change that was applied is `sent_at + lease - drift`
+///   (the TTL was set no earlier than `sent_at`; nothing older can overwrite it).
+/// * After a change whose outcome is unknown (no reply: a timeout, a dropped connection,
+///   too few Redlock answers; or refused as stale), the change may have been applied, so
+///   the validity becomes `min(old validity, sent_at + new lease - drift)`: a shorter
+///   lease that did land is believed, a longer one that may not have is not.
+///
+/// A lock's first lease comes from the acquire (change number 0, no record); the first
+/// change writes the record. The acquire and release scripts never read it.
 pub(crate) static EXTEND: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(
         r"
 local out = {}
-for i = 1, #KEYS do
-  local cur = redis.pcall('GET', KEYS[i])
+local lease = ARGV[1]
+for i = 1, #KEYS / 2 do
+  local lock, record = KEYS[2 * i - 1], KEYS[2 * i]
+  local token, n = ARGV[2 * i], tonumber(ARGV[2 * i + 1])
+  local cur = redis.pcall('GET', lock)
   if type(cur) == 'table' then
     out[i] = -1
-  elseif cur == ARGV[i + 1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[1])
-    out[i] = 1
+  elseif cur == token then
+    local last = redis.pcall('GET', record)
+    local applied = 0
+    if type(last) == 'string' then
+      local m, t = string.match(last, '^(%d+):(.*)$')
+      if t == token then applied = tonumber(m) end
+    end
+    if n < applied then
+      out[i] = 2
+    else
+      redis.call('PEXPIRE', lock, lease)
+      redis.call('SET', record, ARGV[2 * i + 1] .. ':' .. token, 'PX', lease)
+      out[i] = 1
+    end
   elseif not cur then
     out[i] = 0
   else

@@ -1,0 +1,147 @@
+//! Lease changes whose outcome is unknown, and leases the timeouts can eat, against a real
+//! redis-server behind the fault-injecting proxy.
+//!
+//! The property every test here checks is the lock's first promise: while another client
+//! holds the lock, this holder's `check()` is not `Ok`. Timing bounds are generous (a
+//! loaded 2-core box runs these in parallel): the proxy's delays are seconds where the
+//! client's read timeout is a few hundred milliseconds.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redbaton::LockClient;
+use redbaton_testkit::keys::Keys;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::{init_log, ms, pttl, secs};
+
+const PREFIX: &str = "lt:";
+const KEYS: Keys = Keys::new(PREFIX);
+
+/// A client's settings: `url`, `lease`, and a short read timeout, so that a delayed reply
+/// is a lost one.
+fn builder(url: &str, lease: Duration) -> redbaton::Builder {
+    LockClient::builder()
+        .node(url)
+        .key_prefix(PREFIX)
+        .lease(lease)
+        .read_timeout(ms(300))
+}
+
+fn client(url: &str, lease: Duration) -> LockClient {
+    builder(url, lease).build().expect("build client")
+}
+
+/// Polls `other` for the lock until it gets it or `within` passes.
+fn take_within(other: &LockClient, name: &str, within: Duration) -> Option<redbaton::LockGuard> {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        if let Ok(g) = other.try_lock(name) {
+            return Some(g);
+        }
+        thread::sleep(ms(20));
+    }
+    None
+}
+
+/// A holder shortens its lease with `extend`; the script runs, but its reply comes after
+/// the read timeout. The call fails, and the holder must not go on believing in the old
+/// lease: when the short one ends in Redis and another client takes the lock, the first
+/// holder's `check()` fails.
+#[test]
+fn extend_with_a_lost_reply_keeps_no_old_validity() {
+    init_log();
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    // Without renewals: the short lease is left to end (a renewal would keep it).
+    let a = builder(&proxy.url(), secs(30))
+        .auto_renew(false)
+        .build()
+        .expect("build client");
+    let b = client(&srv.url(), secs(30));
+    let guard = a.lock("x").expect("lock");
+    // Loads the script: a NOSCRIPT reply delayed too would leave it unrun.
+    guard.extend(secs(30)).expect("extend");
+
+    proxy.set_delay(secs(1));
+    let sent = Instant::now();
+    let err = guard
+        .extend(ms(500))
+        .expect_err("the reply came after the read timeout");
+    assert!(err.is_connection(), "{err:?}");
+    // The extend may have run: the holder believes in its lease no longer than that.
+    assert!(
+        guard.valid_until() <= sent + ms(500),
+        "{:?}",
+        guard.valid_until() - sent
+    );
+    proxy.heal();
+    let mut conn = srv.conn();
+    let left = pttl(&mut conn, KEYS.lock("x"));
+    assert!(left <= 500, "the extend ran in Redis: PTTL {left}");
+
+    let other = take_within(&b, "x", secs(5)).expect("the short lease ended in Redis");
+    let taken = sent.elapsed();
+    assert!(
+        guard.check().is_err(),
+        "another client holds the lock ({taken:?} after the extend), yet the first holder's \
+         check() is Ok with validity until {:?} from now",
+        guard
+            .valid_until()
+            .saturating_duration_since(Instant::now())
+    );
+    assert!(guard.valid_until() <= Instant::now());
+    drop(other);
+}
+
+/// A watchdog renewal whose request is delayed on the way (its reply times out) lands in
+/// Redis after a newer, longer `extend`. It must not shorten the key's TTL below the
+/// validity the extend gave the holder.
+#[test]
+fn a_late_renewal_cannot_undo_a_newer_extend() {
+    init_log();
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    let lease = secs(3);
+    let a = builder(&proxy.url(), lease)
+        .renew_interval(secs(1))
+        .build()
+        .expect("build client");
+    let b = client(&srv.url(), secs(30));
+    let guard = a.lock("y").expect("lock");
+    let sent_before = a.stats().renewals_sent;
+
+    // The first renewal's request takes 2 s to reach Redis: it times out at the client,
+    // then runs anyway.
+    proxy.set_delay_both(secs(2));
+    let until = Instant::now() + secs(5);
+    while a.stats().renewals_sent == sent_before {
+        assert!(Instant::now() < until, "no renewal was sent");
+        thread::sleep(ms(5));
+    }
+    // Let the proxy read (and stamp) the renewal before the delay goes.
+    thread::sleep(ms(50));
+    proxy.heal();
+    // Waits for the renewal in flight to time out, then sets a long lease.
+    guard.extend(secs(60)).expect("extend");
+    let mut conn = srv.conn();
+    assert!(pttl(&mut conn, KEYS.lock("y")) > 50_000);
+
+    // The late renewal has landed by now.
+    thread::sleep(secs(3));
+    let left = pttl(&mut conn, KEYS.lock("y"));
+    let valid = guard
+        .valid_until()
+        .saturating_duration_since(Instant::now());
+    let other = take_within(&b, "y", secs(4));
+    assert!(
+        other.is_none() || guard.check().is_err(),
+        "another client took the lock while the holder's check() is Ok (validity {valid:?}, \
+         PTTL after the late renewal {left} ms)"
+    );
+    assert!(
+        left > 50_000,
+        "the late renewal shortened the key to {left} ms under a validity of {valid:?}"
+    );
+    guard.check().expect("still held");
+}
