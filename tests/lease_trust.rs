@@ -13,7 +13,7 @@ use redbaton::LockClient;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::{init_log, ms, pttl, secs};
+use redbaton_testkit::{init_log, ms, pttl, raw_conn, secs};
 
 const PREFIX: &str = "lt:";
 const KEYS: Keys = Keys::new(PREFIX);
@@ -144,4 +144,40 @@ fn a_late_renewal_cannot_undo_a_newer_extend() {
         "the late renewal shortened the key to {left} ms under a validity of {valid:?}"
     );
     guard.check().expect("still held");
+}
+
+/// The server stalls longer than the lease while an acquire attempt waits (the first
+/// attempt times out; its retry's reply comes when the server wakes, after the lease has
+/// run out). Acquisition must not return a guard with no validity left: it gives that one
+/// back and tries again within the caller's deadline.
+#[test]
+fn a_guard_is_never_born_dead() {
+    init_log();
+    let srv = RedisServer::start();
+    let a = builder(&srv.url(), secs(1))
+        .read_timeout(ms(900))
+        .build()
+        .expect("build client");
+    // Scripts loaded, a connection pooled.
+    drop(a.lock("warm-up").expect("lock"));
+
+    let url = srv.url();
+    let staller = thread::spawn(move || {
+        let mut conn = raw_conn(&url);
+        redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg("1.5")
+            .query::<()>(&mut conn)
+    });
+    thread::sleep(ms(100));
+    let started = Instant::now();
+    let got = a.try_lock_for("z", secs(10));
+    staller.join().expect("staller").expect("DEBUG SLEEP");
+    let guard = got.expect("the lock is free: acquired within the deadline");
+    assert!(
+        guard.check().is_ok() && guard.valid_until() > Instant::now(),
+        "a guard born dead after {:?}: check {:?}",
+        started.elapsed(),
+        guard.check()
+    );
 }

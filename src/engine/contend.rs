@@ -15,7 +15,7 @@ use crate::proto::keys::Keys;
 use crate::proto::node::{Attempt, Marks, NodeId, may_have_run, new_token};
 use crate::stats::Counters;
 use crate::topology::Route;
-use crate::topology::verdict::{Rules, Undo, Vote, vote};
+use crate::topology::verdict::{Rules, Undo, Vote, lease_left, vote};
 use crate::wake::early::Shot;
 
 /// The outcome of one round of attempts.
@@ -26,6 +26,8 @@ enum Round {
     Held(Option<Duration>),
     /// Ours, but too few replicas acknowledged it (`replica_ack`): undone; retry.
     Unacked(usize),
+    /// Ours, but with no validity left when the replies came: undone; retry at once.
+    Late,
     /// The round failed with `error`; `undo` says where the attempt with `token` may have
     /// left it. The caller either retries with the same token (riding through a failover:
     /// the script recognises its own token) or undoes it and returns the error.
@@ -127,6 +129,9 @@ impl Engine {
         // The last attempt's replica acknowledgements, when too few: the error to give if
         // the caller's wait ends before one has enough.
         let mut unacked: Option<usize> = None;
+        // The last attempt won a lease that had run out by the reply: `try_lock` then
+        // says the time ran out, not that someone else holds the lock.
+        let mut late = false;
         let wanted = self.cfg.replica_ack.map_or(0, |(n, _)| n);
         let short = |acked: Option<usize>, otherwise: Error| match acked {
             Some(acked) => Error::ReplicaAck { acked, wanted },
@@ -185,6 +190,10 @@ impl Engine {
                     // Our own release of it wakes us: try again at once.
                     Some(Duration::ZERO)
                 }
+                Ok(Round::Late) => {
+                    late = true;
+                    Some(Duration::ZERO)
+                }
                 Ok(Round::Failed {
                     error,
                     token: tried,
@@ -215,6 +224,7 @@ impl Engine {
                 }
             };
             let deadline = match wait {
+                Wait::No if late => return Err(Error::Timeout),
                 Wait::No => return Err(short(unacked, Error::WouldBlock)),
                 Wait::Until(d) => d,
             };
@@ -302,9 +312,7 @@ impl Engine {
         let rules = Rules {
             quorum: route.quorum(),
             sole: route.sole().is_some(),
-            valid: lease
-                .checked_sub(started.elapsed() + self.cfg.drift(lease))
-                .is_some_and(|v| !v.is_zero()),
+            valid: lease_left(lease, started, self.cfg.drift(lease)),
             jitter: Duration::from_millis(rand::random_range(2..=25)),
         };
         let unacked = replies
@@ -336,6 +344,11 @@ impl Engine {
                 })
             }
             Vote::Failed { error, undo } => Ok(Round::Failed { error, token, undo }),
+            Vote::Late { undo } => {
+                Counters::inc(&self.counters.failed_attempts);
+                self.undo(keys, route, token, undo, deadline);
+                Ok(Round::Late)
+            }
         }
     }
 

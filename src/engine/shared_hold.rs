@@ -19,7 +19,7 @@ use crate::proto::node::{Node, may_have_run, new_token};
 use crate::proto::rw_scripts::{SharedAttempt, Want};
 use crate::stats::Counters;
 use crate::topology::Route;
-use crate::topology::verdict::tally_release;
+use crate::topology::verdict::{lease_left, tally_release};
 use crate::wake::events::Hears;
 
 /// A hold as a guard keeps it: the remote hold (maybe shared with other local threads),
@@ -124,6 +124,18 @@ impl Engine {
                 deadline,
             );
             let hint = match reply {
+                // Taken, but with no validity left by the reply (a stall longer than the
+                // lease): no guard is born dead. Given back; tried again at once.
+                Ok(SharedAttempt::Acquired { .. })
+                    if !lease_left(lease, started, self.cfg.drift(lease)) =>
+                {
+                    ride.settled();
+                    self.give_up(node, keys, &member, false, true);
+                    if matches!(wait, Wait::No) || deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(Error::Timeout);
+                    }
+                    continue;
+                }
                 Ok(SharedAttempt::Acquired { fence, others_wait }) => {
                     // A redirect may have told the map where the key is now.
                     let route = self.topology.route(keys);
