@@ -181,3 +181,30 @@ fn a_guard_is_never_born_dead() {
         guard.check()
     );
 }
+
+/// A read timeout the lease cannot outlast is refused at build: a reply the client still
+/// waits for could come after the lease it grants ended. The error names both settings.
+#[test]
+fn build_refuses_a_lease_the_read_timeout_can_eat() {
+    init_log();
+    let srv = RedisServer::start();
+    for (lease, read) in [(secs(1), secs(2)), (secs(1), secs(1)), (ms(600), ms(595))] {
+        let err = builder(&srv.url(), lease)
+            .read_timeout(read)
+            .build()
+            .expect_err("a read timeout as long as the lease");
+        let text = err.to_string();
+        assert!(err.is_invalid_input(), "{err:?}");
+        assert!(
+            text.contains("lease") && text.contains("read timeout"),
+            "the error names both settings: {text}"
+        );
+    }
+    // Shorter, with the drift margin to spare: fine.
+    drop(
+        builder(&srv.url(), secs(1))
+            .read_timeout(ms(900))
+            .build()
+            .expect("build"),
+    );
+}
