@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::clock::Stamp;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
 use crate::engine::waiter::{Pending, Waiter};
@@ -260,7 +261,8 @@ impl Engine {
     ) -> Result<Round> {
         let token = token.map_or_else(new_token, str::to_owned);
         let lease = self.cfg.lease;
-        let started = Instant::now();
+        // On the lease clock: the validity counts from here.
+        let started = Stamp::now();
         let retry = route.retry();
         let replies = match route.sole() {
             // One node: no closure to share with other threads, nothing to clone.
@@ -295,7 +297,8 @@ impl Engine {
         };
         let reply = node.finish_acquire(shot.reply, &pending.call, route.retry(), deadline);
         let replies = vec![(node.id.clone(), reply)];
-        self.judge(keys, route, pending.token, shot.sent, replies, deadline)
+        let sent = Stamp::from_instant(shot.sent);
+        self.judge(keys, route, pending.token, sent, replies, deadline)
     }
 
     /// Acts on the topology's verdict on a round's replies.
@@ -304,7 +307,7 @@ impl Engine {
         keys: &Keys,
         route: &Route,
         token: String,
-        started: Instant,
+        started: Stamp,
         replies: Vec<(NodeId, Result<Attempt>)>,
         deadline: Option<Instant>,
     ) -> Result<Round> {
@@ -413,7 +416,7 @@ impl Engine {
         token: String,
         fence: u64,
         nodes: Vec<NodeId>,
-        started: Instant,
+        started: Stamp,
     ) -> Result<Round> {
         if fence > MAX_FENCE {
             self.release_on(keys, route, &token, &nodes);

@@ -1,9 +1,9 @@
 //! Giving a lock back — to the next local waiter, or in Redis — and changing its lease.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::clock::from_now;
+use crate::clock::{Stamp, from_now};
 use crate::engine::cleanup::release_on;
 use crate::engine::clock::YIELD;
 use crate::engine::ride::Ride;
@@ -116,17 +116,18 @@ impl Engine {
             return Err(Error::Lost(reason));
         }
         let drift = self.cfg.drift(lease);
-        let began = Instant::now();
+        // Sent times are on the lease clock: the validity counts from them.
+        let began = Stamp::now();
         let seq = lock.begin_extend();
-        let unknown = |sent: Instant| Changed::Unknown {
+        let unknown = |sent: Stamp| Changed::Unknown {
             cap: sent + lease - drift,
-            retry_at: Instant::now() + retry_after(&self.cfg),
+            retry_at: Stamp::now() + retry_after(&self.cfg),
         };
         // A panic after the change was sent: it may have been applied.
         let undo = OnUnwind::new(|| lock.end_extend(lease, unknown(began), &self.counters));
         let mut ride = Ride::new(&self.topology, &self.counters);
         let (started, replies, verdict) = loop {
-            let started = Instant::now();
+            let started = Stamp::now();
             let route = self.topology.route(&lock.keys);
             let holders = route.holders(&lock.nodes);
             let l = lock.clone();

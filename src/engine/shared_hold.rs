@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::clock::Stamp;
 use crate::engine::contend::Wait;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
@@ -113,7 +114,8 @@ impl Engine {
             let waiting = matches!(wait, Wait::Until(d) if d.is_none_or(|d| Instant::now() < d));
             let marks = matches!(want, Want::Read | Want::Write);
             let mark_ttl = (waiting && marks).then(|| self.cfg.recheck_interval * 2);
-            let started = Instant::now();
+            // On the lease clock: the validity counts from here.
+            let started = Stamp::now();
             let reply = node.acquire_shared(
                 keys,
                 want,
@@ -202,7 +204,7 @@ impl Engine {
         route: &Route,
         member: String,
         fence: u64,
-        started: Instant,
+        started: Stamp,
     ) -> Result<Arc<RemoteLock>> {
         let node = sole(route)?;
         if fence > MAX_FENCE {

@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use crate::clock::Stamp;
+
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
@@ -38,11 +40,13 @@ pub(crate) fn retry_after(cfg: &Config) -> Duration {
     (cfg.renew_interval / 4).min(Duration::from_millis(200))
 }
 
-/// The held locks, and when the thread plans to look at them next.
+/// The held locks, and when the thread plans to look at them next. The watchdog's times
+/// are on the lease clock (see `clock`): after a suspend, the locks whose lease ran out
+/// meanwhile are due at once, and reported lost.
 #[derive(Default)]
 struct Held {
     locks: HashMap<u64, Arc<RemoteLock>>,
-    planned: Option<Instant>,
+    planned: Option<Stamp>,
 }
 
 pub(crate) struct Watchdog {
@@ -102,18 +106,18 @@ impl Watchdog {
     /// Starts watching `lock` (renewing it, or with renewals off, telling its holder when
     /// it expires). Wakes the thread only when the lock is due before the thread's next
     /// planned look: most acquisitions cost no context switch.
-    pub fn register(&self, lock: Arc<RemoteLock>, due: Instant) {
+    pub fn register(&self, lock: Arc<RemoteLock>, due: Stamp) {
         let mut held = self.held.lock();
         held.locks.insert(lock.id, lock);
         self.plan(held, due);
     }
 
     /// A watched lock is due at `due` now (its lease was changed by an explicit extend).
-    pub fn reschedule(&self, due: Instant) {
+    pub fn reschedule(&self, due: Stamp) {
         self.plan(self.held.lock(), due);
     }
 
-    fn plan(&self, mut held: parking_lot::MutexGuard<'_, Held>, due: Instant) {
+    fn plan(&self, mut held: parking_lot::MutexGuard<'_, Held>, due: Stamp) {
         if held.planned.is_none_or(|p| due < p) {
             held.planned = Some(due);
             drop(held);
@@ -171,7 +175,7 @@ fn run(cx: &Context, held: &Arc<Mutex<Held>>, kicked: &Receiver<()>, shutdown: &
             Some(topology) => renew_due(cx, &topology, held),
             None => return, // registrations come from a live client: it is gone now
         };
-        let next = next.min(Instant::now() + MAX_SLEEP);
+        let next = next.min(Stamp::now() + MAX_SLEEP);
         // A lock registered during the pass set `planned` (and kicked): keep the earlier.
         let next = {
             let mut h = held.lock();
@@ -179,7 +183,7 @@ fn run(cx: &Context, held: &Arc<Mutex<Held>>, kicked: &Receiver<()>, shutdown: &
             h.planned = Some(next);
             next
         };
-        let sleep = next.saturating_duration_since(Instant::now());
+        let sleep = next.since(Stamp::now());
         if let Err(RecvTimeoutError::Disconnected) = kicked.recv_timeout(sleep) {
             return;
         }
@@ -188,10 +192,10 @@ fn run(cx: &Context, held: &Arc<Mutex<Held>>, kicked: &Receiver<()>, shutdown: &
 
 /// Renews what is due (and what would be due within a quarter interval, to batch), and
 /// returns when to look again.
-fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
+fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     let cfg = &cx.cfg;
     let counters = &cx.counters;
-    let now = Instant::now();
+    let now = Stamp::now();
     let horizon = now + cfg.renew_interval / 4;
     let mut next = now + MAX_SLEEP;
     let mut due: Vec<Renewing> = Vec::new();

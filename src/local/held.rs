@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 
+use crate::clock::Stamp;
 use crate::error::LostReason;
 use crate::proto::keys::Keys;
 use crate::proto::node::NodeId;
@@ -24,7 +25,11 @@ pub(crate) struct RemoteLock {
     pub fence: u64,
     /// The nodes that granted the lock.
     pub nodes: Vec<NodeId>,
+    /// When the acquisition round began, for comparing with other `Instant`s (when a
+    /// subscription was confirmed).
     pub acquired_at: Instant,
+    /// The same, on the lease clock: the hold limit counts from here.
+    acquired: Stamp,
     /// Renewed by the watchdog (else only watched until it expires).
     renews: bool,
     /// How it is held in Redis, which says how it is renewed.
@@ -33,10 +38,11 @@ pub(crate) struct RemoteLock {
     renew_done: Condvar,
 }
 
+/// Times are on the lease clock (see `clock`): a lease is judged there.
 struct State {
     lease: Duration,
-    valid_until: Instant,
-    next_renew: Instant,
+    valid_until: Stamp,
+    next_renew: Stamp,
     renewing: bool,
     /// The holder waits to extend: the watchdog starts no renewal meanwhile.
     extend_waiting: bool,
@@ -66,8 +72,8 @@ pub(crate) enum HoldKind {
 pub(crate) enum Due {
     /// Released or lost: forget it.
     Forget,
-    /// Not yet: look again at this instant.
-    At(Instant),
+    /// Not yet: look again at this time.
+    At(Stamp),
     /// Renew now with this lease, as change number `seq`; `renewing` is set until
     /// [`RemoteLock::end_renew`].
     Renew { lease: Duration, seq: u64 },
@@ -79,15 +85,15 @@ pub(crate) enum Changed {
     /// Applied: the lock is valid until `valid_until` (sent at + lease − drift); the next
     /// renewal is due at `next_renew`.
     Applied {
-        valid_until: Instant,
-        next_renew: Instant,
+        valid_until: Stamp,
+        next_renew: Stamp,
     },
     /// The replies prove the lock gone.
     Lost(LostReason),
     /// No telling (no reply, too few answers, or refused as stale): the change may have
     /// been applied, so the lock is valid at most until `cap` (sent at + lease − drift);
     /// retry at `retry_at`.
-    Unknown { cap: Instant, retry_at: Instant },
+    Unknown { cap: Stamp, retry_at: Stamp },
 }
 
 /// What a successful acquisition round produced.
@@ -96,8 +102,9 @@ pub(crate) struct Acquisition {
     pub token: String,
     pub fence: u64,
     pub nodes: Vec<NodeId>,
-    /// When the round began: validity counts from here, not from the reply.
-    pub started: Instant,
+    /// When the round began, on the lease clock: validity counts from here, not from the
+    /// reply.
+    pub started: Stamp,
 }
 
 impl RemoteLock {
@@ -119,7 +126,8 @@ impl RemoteLock {
             token,
             fence,
             nodes,
-            acquired_at: started,
+            acquired_at: started.to_instant(),
+            acquired: started,
             renews: renew_every.is_some(),
             kind: HoldKind::Lock,
             state: Mutex::new(State {
@@ -145,7 +153,7 @@ impl RemoteLock {
     }
 
     /// When the watchdog should look at this lock next.
-    pub fn next_due(&self) -> Instant {
+    pub fn next_due(&self) -> Stamp {
         let st = self.state.lock();
         if self.renews {
             st.next_renew
@@ -154,7 +162,14 @@ impl RemoteLock {
         }
     }
 
+    /// Until when the lock is surely held, as an `Instant` (the public API's, and a bound
+    /// for waits).
     pub fn valid_until(&self) -> Instant {
+        self.validity().to_instant()
+    }
+
+    /// Until when the lock is surely held, on the lease clock.
+    pub fn validity(&self) -> Stamp {
         self.state.lock().valid_until
     }
 
@@ -162,7 +177,7 @@ impl RemoteLock {
     /// watchdog has not run (the process was paused, say).
     pub fn lost(&self, counters: &Counters) -> Option<LostReason> {
         let mut st = self.state.lock();
-        if st.lost.is_none() && !st.released && Instant::now() >= st.valid_until {
+        if st.lost.is_none() && !st.released && Stamp::now() >= st.valid_until {
             Self::set_lost(&mut st, LostReason::Expired, counters);
         }
         st.lost
@@ -226,7 +241,7 @@ impl RemoteLock {
         while st.renewing {
             self.renew_done.wait(&mut st);
         }
-        if st.lost.is_none() && Instant::now() >= st.valid_until {
+        if st.lost.is_none() && Stamp::now() >= st.valid_until {
             Self::set_lost(&mut st, LostReason::Expired, counters);
         }
         st.listener = None;
@@ -237,8 +252,8 @@ impl RemoteLock {
     /// The watchdog's question: renew now, later, or never.
     pub fn due(
         &self,
-        now: Instant,
-        horizon: Instant,
+        now: Stamp,
+        horizon: Stamp,
         max_hold: Option<Duration>,
         counters: &Counters,
     ) -> Due {
@@ -255,7 +270,7 @@ impl RemoteLock {
             return Due::Forget;
         }
         if let Some(cap) = max_hold
-            && now.duration_since(self.acquired_at) >= cap
+            && now.since(self.acquired) >= cap
         {
             Self::set_lost(&mut st, LostReason::HoldLimit, counters);
             return Due::Forget;
@@ -310,7 +325,7 @@ impl RemoteLock {
 
     /// A lease change of the holder's, still in flight, may have set the lease to end at
     /// `cap` (before it is retried): the validity ends by then at the latest.
-    pub fn cap_validity(&self, cap: Instant) {
+    pub fn cap_validity(&self, cap: Stamp) {
         let mut st = self.state.lock();
         st.valid_until = st.valid_until.min(cap);
     }

@@ -2,7 +2,9 @@
 //! functions of the replies: the contend loop, the release path and the watchdog act on
 //! the verdicts and never count nodes themselves.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::clock::Stamp;
 
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::proto::node::{Attempt, NodeId, ReleaseReply, may_have_run};
@@ -145,7 +147,8 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
 
 /// Whether a lease of `lease` granted by a round that began at `started` has time left
 /// now, after the `drift` margin: the validity counts from before the request was sent.
-pub(crate) fn lease_left(lease: Duration, started: Instant, drift: Duration) -> bool {
+/// On the lease clock (see `clock`): a suspend during the round counts.
+pub(crate) fn lease_left(lease: Duration, started: Stamp, drift: Duration) -> bool {
     lease
         .checked_sub(started.elapsed() + drift)
         .is_some_and(|v| !v.is_zero())
@@ -342,7 +345,7 @@ mod tests {
             Vote::Late { undo } => assert_eq!(undo.granted, vec![id(1)]),
             other => panic!("{other:?}"),
         }
-        let now = Instant::now();
+        let now = Stamp::now();
         assert!(lease_left(
             Duration::from_secs(1),
             now,
