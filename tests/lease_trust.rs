@@ -32,6 +32,33 @@ fn client(url: &str, lease: Duration) -> LockClient {
     builder(url, lease).build().expect("build client")
 }
 
+/// After a late request (`what`) landed: the holder of `guard` on `name`, extended to a
+/// minute, must still hold the lock in Redis with most of that minute left, and `other`
+/// must not get it while the holder's `check()` is `Ok`.
+fn assert_longer_lease_kept(
+    guard: &redbaton::LockGuard,
+    other: &LockClient,
+    srv: &RedisServer,
+    name: &str,
+    what: &str,
+) {
+    let left = pttl(&mut srv.conn(), KEYS.lock(name));
+    let valid = guard
+        .valid_until()
+        .saturating_duration_since(Instant::now());
+    let taken = take_within(other, name, secs(4));
+    assert!(
+        taken.is_none() || guard.check().is_err(),
+        "another client took the lock while the holder's check() is Ok (validity {valid:?}, \
+         PTTL after {what} {left} ms)"
+    );
+    assert!(
+        left > 50_000,
+        "{what} shortened the key to {left} ms under a validity of {valid:?}"
+    );
+    guard.check().expect("still held");
+}
+
 /// Polls `other` for the lock until it gets it or `within` passes.
 fn take_within(other: &LockClient, name: &str, within: Duration) -> Option<redbaton::LockGuard> {
     let until = Instant::now() + within;
@@ -129,21 +156,7 @@ fn a_late_renewal_cannot_undo_a_newer_extend() {
 
     // The late renewal has landed by now.
     thread::sleep(secs(3));
-    let left = pttl(&mut conn, KEYS.lock("y"));
-    let valid = guard
-        .valid_until()
-        .saturating_duration_since(Instant::now());
-    let other = take_within(&b, "y", secs(4));
-    assert!(
-        other.is_none() || guard.check().is_err(),
-        "another client took the lock while the holder's check() is Ok (validity {valid:?}, \
-         PTTL after the late renewal {left} ms)"
-    );
-    assert!(
-        left > 50_000,
-        "the late renewal shortened the key to {left} ms under a validity of {valid:?}"
-    );
-    guard.check().expect("still held");
+    assert_longer_lease_kept(&guard, &b, &srv, "y", "the late renewal");
 }
 
 /// The server stalls longer than the lease while an acquire attempt waits (the first
@@ -207,4 +220,81 @@ fn build_refuses_a_lease_the_read_timeout_can_eat() {
             .build()
             .expect("build"),
     );
+}
+
+/// An acquire attempt delayed on the way (it timed out, and its retry took the lock)
+/// lands after the holder extended to a longer lease. Finding its own token there, it
+/// must not cut the longer lease short: with the fair queue (the default) and without.
+#[test]
+fn a_late_acquire_attempt_cannot_undo_a_newer_extend() {
+    init_log();
+    for fair in [true, false] {
+        late_acquire_attempt(fair);
+    }
+}
+
+fn late_acquire_attempt(fair: bool) {
+    let srv = RedisServer::start();
+    let proxy = std::sync::Arc::new(Proxy::start(srv.addr()));
+    let a = builder(&proxy.url(), secs(3))
+        .fair(fair)
+        .build()
+        .expect("build client");
+    let b = client(&srv.url(), secs(30));
+    // Scripts loaded, a connection pooled.
+    let warm = a.lock("warm-up").expect("lock");
+    warm.extend(secs(3)).expect("extend");
+    drop(warm);
+
+    // The first attempt takes 2 s to reach Redis; its retry, 300 ms later, does not.
+    proxy.set_delay_both(secs(2));
+    let healer = {
+        let proxy = proxy.clone();
+        thread::spawn(move || {
+            thread::sleep(ms(100));
+            proxy.heal();
+        })
+    };
+    let guard = a.lock("w").expect("lock");
+    healer.join().expect("healer");
+    guard.extend(secs(60)).expect("extend");
+    let mut conn = srv.conn();
+    assert!(pttl(&mut conn, KEYS.lock("w")) > 50_000);
+
+    // The first attempt has landed by now.
+    thread::sleep(secs(3));
+    let what = format!("the late attempt (fair {fair})");
+    assert_longer_lease_kept(&guard, &b, &srv, "w", &what);
+}
+
+/// The lease record lives as long as the lease it describes, and goes with the lock's
+/// release: nothing of a hold is left but the fence counter (with the fair queue and
+/// without).
+#[test]
+fn the_lease_record_goes_with_the_lock() {
+    init_log();
+    let srv = RedisServer::start();
+    let mut conn = srv.conn();
+    for fair in [true, false] {
+        let a = builder(&srv.url(), secs(30))
+            .fair(fair)
+            .build()
+            .expect("build client");
+        let guard = a.lock("rec").expect("lock");
+        guard.extend(secs(20)).expect("extend");
+        let record = format!("{}:lease", KEYS.lock("rec"));
+        let left = pttl(&mut conn, &record);
+        assert!(left > 15_000 && left <= 20_000, "fair {fair}: PTTL {left}");
+        guard.unlock().expect("unlock");
+        let keys = srv.keys(&format!("{PREFIX}*"));
+        let names: Vec<String> = keys
+            .iter()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            [format!("{}:fence", KEYS.lock("rec"))],
+            "fair {fair}"
+        );
+    }
 }

@@ -640,7 +640,8 @@ impl EvalCall {
         let records = keys.len() % 2 == 0
             && !keys.is_empty()
             && keys.chunks(2).all(|p| p[1] == format!("{}:lease", p[0]));
-        if records && argv.len() == keys.len() + 1 {
+        let lease = argv.first().is_some_and(|a| a.parse::<u64>().is_ok());
+        if records && lease && argv.len() == keys.len() + 1 {
             keys = keys.into_iter().step_by(2).collect();
             argv = std::iter::once(argv[0].clone())
                 .chain(argv[1..].iter().step_by(2).cloned())

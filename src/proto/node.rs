@@ -579,8 +579,9 @@ impl Node {
     /// deleted.
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
         let Some(fair) = self.fair else {
-            let mut call = RELEASE.call(1);
+            let mut call = RELEASE.call(2);
             call.arg(keys.lock())
+                .arg(lease_key(keys.lock()))
                 .arg(token)
                 .arg(keys.channel())
                 .arg(self.publish_mode());
@@ -836,11 +837,12 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
 /// A call of the fair queue's release or leave script: the same keys and arguments
 /// (`mode`: the node's `publish_mode`).
 fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair, mode: &str) -> Cmd {
-    let mut call = script.call(4);
+    let mut call = script.call(5);
     call.arg(keys.lock())
         .arg(keys.fence())
         .arg(keys.queue())
         .arg(keys.queue_expiry())
+        .arg(lease_key(keys.lock()))
         .arg(token)
         .arg(keys.channel())
         .arg(millis(fair.grant_lease))

@@ -85,7 +85,10 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 ///
 /// When the key already holds *our* token (a retry after the reply to a first attempt was
 /// lost), the lease is refreshed and the fence the first attempt created is returned: one
-/// lock, one fence, no stray key. A failed attempt publishes `c<client id>` on the lock's
+/// lock, one fence, no stray key. The refresh only lengthens the lease: an attempt delayed
+/// on the way can land after a lease change of the hold it started (see [`EXTEND`]), and
+/// must not cut short a longer lease that change set (the holder's validity counts from
+/// before the first attempt, so any refresh covers it). A failed attempt publishes `c<client id>` on the lock's
 /// channel, and leaves its client id in the mark key, so that the holder's process knows
 /// another process is waiting (the fairness budget only applies then): live when it is
 /// subscribed, through the mark when it subscribed too late to hear. Marks are published
@@ -108,7 +111,7 @@ end
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return {2, 0} end
 if cur == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
   return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
 end
 if ARGV[5] ~= '0' then
@@ -122,7 +125,9 @@ return {0, redis.call('PTTL', KEYS[1])}
 
 /// Compare-and-delete.
 ///
-/// KEYS: lock. ARGV: token, the library's channel, the publish mode. `r` is published on
+/// KEYS: lock, its lease record (see [`EXTEND`]; deleted with the lock by the same `DEL`:
+/// no key of the hold outlives its release, at no extra command). ARGV: token, the
+/// library's channel, the publish mode. `r` is published on
 /// the channel after a release. Always, even when keyspace notifications are on: waiters
 /// of another ACL user may not be allowed keyspace channels, and a server restart forgets
 /// a `CONFIG SET`. The subscriber pairs each `r` with the `del` event before it, so nobody
@@ -136,7 +141,7 @@ pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| {
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return -1 end
 if cur == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1], KEYS[2])
   publish(ARGV[2], 'r')
   return 1
 end
