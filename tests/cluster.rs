@@ -800,6 +800,7 @@ fn renewals_cover_every_slot_and_kind() {
     let cluster = Cluster::start();
     let client = builder(cluster.seed_urls())
         .lease(ms(600))
+        .read_timeout(ms(500))
         .build()
         .expect("build");
     let locks: Vec<_> = (0..30)

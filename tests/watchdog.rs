@@ -633,8 +633,20 @@ impl EvalCall {
         }
         let sha = args.get(1)?.clone();
         let numkeys: usize = args.get(2)?.parse().ok()?;
-        let keys = args.get(3..3 + numkeys)?.to_vec();
-        let argv = args.get(3 + numkeys..)?.to_vec();
+        let mut keys = args.get(3..3 + numkeys)?.to_vec();
+        let mut argv = args.get(3 + numkeys..)?.to_vec();
+        // A lock's renewal names each lock with its lease record, and sends its token with
+        // the change's number: keep the locks and their tokens.
+        let records = keys.len() % 2 == 0
+            && !keys.is_empty()
+            && keys.chunks(2).all(|p| p[1] == format!("{}:lease", p[0]));
+        let lease = argv.first().is_some_and(|a| a.parse::<u64>().is_ok());
+        if records && lease && argv.len() == keys.len() + 1 {
+            keys = keys.into_iter().step_by(2).collect();
+            argv = std::iter::once(argv[0].clone())
+                .chain(argv[1..].iter().step_by(2).cloned())
+                .collect();
+        }
         let kind = if keys.get(1).is_some_and(|k| k.ends_with(":fence")) && argv.len() >= 6 {
             Kind::Acquire
         } else if argv.first()?.parse::<u64>().is_ok() && argv.len() == keys.len() + 1 {

@@ -78,6 +78,8 @@ pub struct Builder {
     lease: Duration,
     connect_timeout: Duration,
     read_timeout: Duration,
+    /// Whether the caller chose the read timeout (see [`Builder::read_timeout`]).
+    read_timeout_set: bool,
     write_timeout: Duration,
     pool_size: usize,
     wakeup: Wakeup,
@@ -165,6 +167,7 @@ impl Default for Builder {
             lease: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(2),
             read_timeout: Duration::from_secs(2),
+            read_timeout_set: false,
             write_timeout: Duration::from_secs(2),
             pool_size: 8,
             wakeup: Wakeup::Notifications,
@@ -424,7 +427,12 @@ impl Builder {
 
     /// Timeout for reading each reply. A connection whose read timed out is discarded.
     /// Accepted range: above zero, at most 24 h; outside it [`build`](Builder::build) fails
-    /// with [`Error::InvalidConfig`].
+    /// with [`Error::InvalidConfig`]. A read timeout set here must also be shorter than the
+    /// [`lease`](Builder::lease) less its drift margin (lease × 1% + 2 ms): otherwise a
+    /// reply the client still accepts could grant a lease that had already ended, and
+    /// `build` fails naming both settings. (With the default read timeout, a lease shorter
+    /// than it is accepted: an acquisition whose reply comes after the lease ended is
+    /// given back and tried again, never returned as a guard.)
     ///
     /// # Examples
     ///
@@ -435,6 +443,7 @@ impl Builder {
     /// ```
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
         self.read_timeout = timeout;
+        self.read_timeout_set = true;
         self
     }
 
@@ -904,7 +913,7 @@ impl Builder {
                 self.fence_ttl
             ));
         }
-        Ok(Config {
+        let config = Config {
             nodes,
             key_prefix: self.key_prefix,
             lease: self.lease,
@@ -927,7 +936,16 @@ impl Builder {
             fair: self.fair,
             cluster: self.cluster,
             fence_ttl: self.fence_ttl,
-        })
+        };
+        let left = config.lease.saturating_sub(config.drift(config.lease));
+        if self.read_timeout_set && config.read_timeout >= left {
+            return bad(format!(
+                "read timeout {:?} must be shorter than the lease {:?} less its drift margin \
+                 ({left:?}): a reply could come after the lease it grants ended",
+                config.read_timeout, config.lease
+            ));
+        }
+        Ok(config)
     }
 }
 

@@ -133,8 +133,16 @@ impl LockGuard {
         fencing::token(self.remote.fence, self.seq)
     }
 
-    /// Until when the lock is surely held: the last successful acquisition or renewal, plus
-    /// the lease, minus a clock-drift margin (lease × 1% + 2 ms).
+    /// Until when the lock is surely held: when the last successful acquisition or lease
+    /// change was sent, plus its lease, minus a clock-drift margin (lease × 1% + 2 ms). A
+    /// change whose outcome is unknown (an [`extend`](LockGuard::extend) that failed on a
+    /// lost reply) may have been applied: it can bring this forward, never push it back.
+    ///
+    /// The lock's validity is kept on a clock that counts while the machine is suspended
+    /// (`CLOCK_BOOTTIME` on Linux and Android, `CLOCK_MONOTONIC` on Apple platforms; on
+    /// Windows `Instant` counts through sleep already; elsewhere it is `Instant`, which may
+    /// not): a holder resumed after its lease ran out finds the lock lost. The `Instant`
+    /// returned is as far from `Instant::now()` as the validity is from now on that clock.
     ///
     /// # Examples
     ///
@@ -209,6 +217,13 @@ impl LockGuard {
 
     /// Sets the lock's remaining lease to `lease` now (the watchdog then keeps renewing at a
     /// third of it).
+    ///
+    /// Lease changes of one lock are ordered in Redis: a renewal delayed on the way cannot
+    /// land after this one and cut it short. When the outcome is unknown (an error after
+    /// the request may have reached Redis), the new lease may be in force: the validity
+    /// becomes the earlier of the old one and what this lease would give (see
+    /// [`valid_until`](LockGuard::valid_until)), and the watchdog renews with the new lease
+    /// soon after.
     ///
     /// `lease` must be within the range the builder's [`lease`](crate::Builder::lease)
     /// accepts, 10 ms to 24 h: shorter could not be renewed in time, longer is taken for a

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::clock::Stamp;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
 use crate::engine::waiter::{Pending, Waiter};
@@ -15,7 +16,7 @@ use crate::proto::keys::Keys;
 use crate::proto::node::{Attempt, Marks, NodeId, may_have_run, new_token};
 use crate::stats::Counters;
 use crate::topology::Route;
-use crate::topology::verdict::{Rules, Undo, Vote, vote};
+use crate::topology::verdict::{Rules, Undo, Vote, lease_left, vote};
 use crate::wake::early::Shot;
 
 /// The outcome of one round of attempts.
@@ -26,6 +27,8 @@ enum Round {
     Held(Option<Duration>),
     /// Ours, but too few replicas acknowledged it (`replica_ack`): undone; retry.
     Unacked(usize),
+    /// Ours, but with no validity left when the replies came: undone; retry at once.
+    Late,
     /// The round failed with `error`; `undo` says where the attempt with `token` may have
     /// left it. The caller either retries with the same token (riding through a failover:
     /// the script recognises its own token) or undoes it and returns the error.
@@ -127,6 +130,9 @@ impl Engine {
         // The last attempt's replica acknowledgements, when too few: the error to give if
         // the caller's wait ends before one has enough.
         let mut unacked: Option<usize> = None;
+        // The last attempt won a lease that had run out by the reply: `try_lock` then
+        // says the time ran out, not that someone else holds the lock.
+        let mut late = false;
         let wanted = self.cfg.replica_ack.map_or(0, |(n, _)| n);
         let short = |acked: Option<usize>, otherwise: Error| match acked {
             Some(acked) => Error::ReplicaAck { acked, wanted },
@@ -185,6 +191,10 @@ impl Engine {
                     // Our own release of it wakes us: try again at once.
                     Some(Duration::ZERO)
                 }
+                Ok(Round::Late) => {
+                    late = true;
+                    Some(Duration::ZERO)
+                }
                 Ok(Round::Failed {
                     error,
                     token: tried,
@@ -218,6 +228,7 @@ impl Engine {
                 }
             };
             let deadline = match wait {
+                Wait::No if late => return Err(Error::Timeout),
                 Wait::No => return Err(short(unacked, Error::WouldBlock)),
                 Wait::Until(d) => d,
             };
@@ -253,7 +264,8 @@ impl Engine {
     ) -> Result<Round> {
         let token = token.map_or_else(new_token, str::to_owned);
         let lease = self.cfg.lease;
-        let started = Instant::now();
+        // On the lease clock: the validity counts from here.
+        let started = Stamp::now();
         let retry = route.retry();
         let replies = match route.sole() {
             // One node: no closure to share with other threads, nothing to clone.
@@ -288,7 +300,8 @@ impl Engine {
         };
         let reply = node.finish_acquire(shot.reply, &pending.call, route.retry(), deadline);
         let replies = vec![(node.id.clone(), reply)];
-        self.judge(keys, route, pending.token, shot.sent, replies, deadline)
+        let sent = Stamp::from_instant(shot.sent);
+        self.judge(keys, route, pending.token, sent, replies, deadline)
     }
 
     /// Acts on the topology's verdict on a round's replies.
@@ -297,7 +310,7 @@ impl Engine {
         keys: &Keys,
         route: &Route,
         token: String,
-        started: Instant,
+        started: Stamp,
         replies: Vec<(NodeId, Result<Attempt>)>,
         deadline: Option<Instant>,
     ) -> Result<Round> {
@@ -305,9 +318,7 @@ impl Engine {
         let rules = Rules {
             quorum: route.quorum(),
             sole: route.sole().is_some(),
-            valid: lease
-                .checked_sub(started.elapsed() + self.cfg.drift(lease))
-                .is_some_and(|v| !v.is_zero()),
+            valid: lease_left(lease, started, self.cfg.drift(lease)),
             jitter: Duration::from_millis(rand::random_range(2..=25)),
         };
         let unacked = replies
@@ -340,6 +351,12 @@ impl Engine {
                 })
             }
             Vote::Failed { error, undo } => Ok(Round::Failed { error, token, undo }),
+            Vote::Late { undo } => {
+                Counters::inc(&self.counters.failed_attempts);
+                // Given back whatever comes next: a lock without time left is nobody's.
+                self.undo(keys, route, token, undo, deadline, false);
+                Ok(Round::Late)
+            }
         }
     }
 
@@ -413,7 +430,7 @@ impl Engine {
         token: String,
         fence: u64,
         nodes: Vec<NodeId>,
-        started: Instant,
+        started: Stamp,
     ) -> Result<Round> {
         if fence > MAX_FENCE {
             self.release_on(keys, route, &token, &nodes);

@@ -1,19 +1,20 @@
 //! Giving a lock back — to the next local waiter, or in Redis — and changing its lease.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::clock::from_now;
+use crate::clock::{Stamp, from_now};
 use crate::engine::cleanup::release_on;
 use crate::engine::clock::YIELD;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
+use crate::engine::watchdog::retry_after;
 use crate::error::{Error, Result, Unlocked};
-use crate::local::held::RemoteLock;
+use crate::local::held::{Changed, RemoteLock};
 use crate::local::table::Step;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
-use crate::proto::node::{ExtendReply, NodeId, ReleaseReply, may_have_run};
+use crate::proto::node::{Change, ExtendReply, NodeId, ReleaseReply, may_have_run};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::verdict::{Renewal, tally_release};
@@ -109,21 +110,38 @@ impl Engine {
     }
 
     /// Sets the lock's lease to `lease` on its nodes now. Redis Cluster: retried through a
-    /// failover until the lock's validity ends.
+    /// failover until the lock's validity ends. The validity follows the rule of lease
+    /// changes (see `scripts::EXTEND`): applied, `sent at + lease − drift`; unknown (an
+    /// error is returned), at most that.
     pub fn extend(self: &Arc<Self>, lock: &Arc<RemoteLock>, lease: Duration) -> Result<()> {
         if let Some(reason) = lock.lost(&self.counters) {
             return Err(Error::Lost(reason));
         }
-        lock.begin_extend();
-        let undo = OnUnwind::new(|| lock.end_extend(None));
+        let drift = self.cfg.drift(lease);
+        // Sent times are on the lease clock: the validity counts from them.
+        let began = Stamp::now();
+        let seq = lock.begin_extend();
+        let unknown = |sent: Stamp| Changed::Unknown {
+            cap: sent + lease - drift,
+            retry_at: Stamp::now() + retry_after(&self.cfg),
+        };
+        // A panic after the change was sent: it may have been applied.
+        let undo = OnUnwind::new(|| lock.end_extend(lease, unknown(began), &self.counters));
         let mut ride = Ride::new(&self.topology, &self.counters);
         let (started, replies, verdict) = loop {
-            let started = Instant::now();
+            let started = Stamp::now();
             let route = self.topology.route(&lock.keys);
             let holders = route.holders(&lock.nodes);
             let l = lock.clone();
+            // Every try is the same change (the same number): a retry of one that was
+            // applied is applied again, never refused.
             let replies = self.topology.fan_out(&holders, move |node| {
-                node.extend(&[(l.keys.lock(), l.token.as_str())], lease)
+                let change = Change {
+                    key: l.keys.lock(),
+                    token: l.token.as_str(),
+                    seq,
+                };
+                node.extend(&[change], lease)
             });
             let count = |want: ExtendReply| {
                 replies
@@ -138,35 +156,40 @@ impl Engine {
             );
             let verdict =
                 Renewal::judge(tally, replies.len(), route.quorum(), route.sole().is_none());
+            if verdict == Renewal::Unknown {
+                // The try may have landed: the retry's bound is the validity it leaves.
+                lock.cap_validity(started + lease - drift);
+            }
             match (verdict, replies.as_slice()) {
                 (Renewal::Unknown, [Err(e)]) if ride.again(e, Some(lock.valid_until())) => {}
                 _ => break (started, replies, verdict),
             }
         };
         undo.disarm();
-        lock.end_extend((verdict == Renewal::Renewed).then(|| {
-            (
-                lease,
-                started + lease - self.cfg.drift(lease),
-                started + self.cfg.renew_every(lease),
-            )
-        }));
+        let outcome = match verdict {
+            Renewal::Renewed => Changed::Applied {
+                valid_until: started + lease - drift,
+                next_renew: started + self.cfg.renew_every(lease),
+            },
+            Renewal::Lost(reason) => Changed::Lost(reason),
+            Renewal::Unknown => unknown(started),
+        };
+        lock.end_extend(lease, outcome, &self.counters);
+        if let Some(w) = &self.watchdog {
+            // Renewed: the new renew time; unknown: a renewal soon, or the lost signal when
+            // the capped validity ends first.
+            w.reschedule(lock.next_due());
+        }
         match verdict {
-            Renewal::Renewed => {
-                if let Some(w) = &self.watchdog {
-                    w.reschedule(lock.next_due());
-                }
-                return Ok(());
-            }
-            Renewal::Lost(reason) => {
-                lock.mark_lost(reason, &self.counters);
-                return Err(Error::Lost(reason));
-            }
+            Renewal::Renewed => return Ok(()),
+            Renewal::Lost(reason) => return Err(Error::Lost(reason)),
             Renewal::Unknown => {}
         }
         match replies.into_iter().find_map(|r| r.err()) {
             Some(e) => Err(e),
-            None => Err(Error::Protocol("extend: no answer".to_owned())),
+            None => Err(Error::Protocol(
+                "extend: no answer (a newer change of the lease was applied)".to_owned(),
+            )),
         }
     }
 

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::clock::Stamp;
 use crate::engine::contend::Wait;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
@@ -19,7 +20,7 @@ use crate::proto::node::{Node, may_have_run, new_token};
 use crate::proto::rw_scripts::{SharedAttempt, Want};
 use crate::stats::Counters;
 use crate::topology::Route;
-use crate::topology::verdict::tally_release;
+use crate::topology::verdict::{lease_left, tally_release};
 use crate::wake::events::Hears;
 
 /// A hold as a guard keeps it: the remote hold (maybe shared with other local threads),
@@ -113,7 +114,8 @@ impl Engine {
             let waiting = matches!(wait, Wait::Until(d) if d.is_none_or(|d| Instant::now() < d));
             let marks = matches!(want, Want::Read | Want::Write);
             let mark_ttl = (waiting && marks).then(|| self.cfg.recheck_interval * 2);
-            let started = Instant::now();
+            // On the lease clock: the validity counts from here.
+            let started = Stamp::now();
             let reply = node.acquire_shared(
                 keys,
                 want,
@@ -124,6 +126,18 @@ impl Engine {
                 deadline,
             );
             let hint = match reply {
+                // Taken, but with no validity left by the reply (a stall longer than the
+                // lease): no guard is born dead. Given back; tried again at once.
+                Ok(SharedAttempt::Acquired { .. })
+                    if !lease_left(lease, started, self.cfg.drift(lease)) =>
+                {
+                    ride.settled();
+                    self.give_up(node, keys, &member, false, true);
+                    if matches!(wait, Wait::No) || deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(Error::Timeout);
+                    }
+                    continue;
+                }
                 Ok(SharedAttempt::Acquired { fence, others_wait }) => {
                     // A redirect may have told the map where the key is now.
                     let route = self.topology.route(keys);
@@ -190,7 +204,7 @@ impl Engine {
         route: &Route,
         member: String,
         fence: u64,
-        started: Instant,
+        started: Stamp,
     ) -> Result<Arc<RemoteLock>> {
         let node = sole(route)?;
         if fence > MAX_FENCE {

@@ -8,15 +8,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use crate::clock::Stamp;
+
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use crate::config::Config;
 use crate::error::LostReason;
-use crate::local::held::{Due, HoldKind, RemoteLock};
+use crate::local::held::{Changed, Due, HoldKind, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::keyslot;
-use crate::proto::node::{Batch, ExtendReply, Node, NodeId};
+use crate::proto::node::{Batch, Change, ExtendReply, Node, NodeId};
 use crate::proto::rw_scripts::SHARED_EXTEND;
 use crate::proto::scripts::{EXTEND, Lua};
 use crate::stats::Counters;
@@ -25,14 +27,26 @@ use crate::topology::verdict::Renewal;
 
 /// Longest sleep, so that hold caps and shutdown are noticed without a kick.
 const MAX_SLEEP: Duration = Duration::from_secs(1);
-/// Keys per extend call.
+/// Locks per extend call.
 const BATCH: usize = 1000;
 
-/// The held locks, and when the thread plans to look at them next.
+/// A lock whose renewal is under way: its lease and the renewal's change number.
+type Renewing = (Arc<RemoteLock>, Duration, u64);
+/// A renewal as a node's job: the lock, its lease, the change's number, and its slot.
+type Job = (Arc<RemoteLock>, Duration, u64, u16);
+
+/// How soon a lease change whose outcome is unknown is tried again.
+pub(crate) fn retry_after(cfg: &Config) -> Duration {
+    (cfg.renew_interval / 4).min(Duration::from_millis(200))
+}
+
+/// The held locks, and when the thread plans to look at them next. The watchdog's times
+/// are on the lease clock (see `clock`): after a suspend, the locks whose lease ran out
+/// meanwhile are due at once, and reported lost.
 #[derive(Default)]
 struct Held {
     locks: HashMap<u64, Arc<RemoteLock>>,
-    planned: Option<Instant>,
+    planned: Option<Stamp>,
 }
 
 pub(crate) struct Watchdog {
@@ -92,18 +106,18 @@ impl Watchdog {
     /// Starts watching `lock` (renewing it, or with renewals off, telling its holder when
     /// it expires). Wakes the thread only when the lock is due before the thread's next
     /// planned look: most acquisitions cost no context switch.
-    pub fn register(&self, lock: Arc<RemoteLock>, due: Instant) {
+    pub fn register(&self, lock: Arc<RemoteLock>, due: Stamp) {
         let mut held = self.held.lock();
         held.locks.insert(lock.id, lock);
         self.plan(held, due);
     }
 
     /// A watched lock is due at `due` now (its lease was changed by an explicit extend).
-    pub fn reschedule(&self, due: Instant) {
+    pub fn reschedule(&self, due: Stamp) {
         self.plan(self.held.lock(), due);
     }
 
-    fn plan(&self, mut held: parking_lot::MutexGuard<'_, Held>, due: Instant) {
+    fn plan(&self, mut held: parking_lot::MutexGuard<'_, Held>, due: Stamp) {
         if held.planned.is_none_or(|p| due < p) {
             held.planned = Some(due);
             drop(held);
@@ -161,7 +175,7 @@ fn run(cx: &Context, held: &Arc<Mutex<Held>>, kicked: &Receiver<()>, shutdown: &
             Some(topology) => renew_due(cx, &topology, held),
             None => return, // registrations come from a live client: it is gone now
         };
-        let next = next.min(Instant::now() + MAX_SLEEP);
+        let next = next.min(Stamp::now() + MAX_SLEEP);
         // A lock registered during the pass set `planned` (and kicked): keep the earlier.
         let next = {
             let mut h = held.lock();
@@ -169,7 +183,7 @@ fn run(cx: &Context, held: &Arc<Mutex<Held>>, kicked: &Receiver<()>, shutdown: &
             h.planned = Some(next);
             next
         };
-        let sleep = next.saturating_duration_since(Instant::now());
+        let sleep = next.since(Stamp::now());
         if let Err(RecvTimeoutError::Disconnected) = kicked.recv_timeout(sleep) {
             return;
         }
@@ -178,13 +192,13 @@ fn run(cx: &Context, held: &Arc<Mutex<Held>>, kicked: &Receiver<()>, shutdown: &
 
 /// Renews what is due (and what would be due within a quarter interval, to batch), and
 /// returns when to look again.
-fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
+fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     let cfg = &cx.cfg;
     let counters = &cx.counters;
-    let now = Instant::now();
+    let now = Stamp::now();
     let horizon = now + cfg.renew_interval / 4;
     let mut next = now + MAX_SLEEP;
-    let mut due: Vec<(Arc<RemoteLock>, Duration)> = Vec::new();
+    let mut due: Vec<Renewing> = Vec::new();
     let mut h = held.lock();
     // Registrations during this pass must kick: the plan is being remade.
     h.planned = None;
@@ -195,8 +209,8 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
                 next = next.min(t);
                 true
             }
-            Due::Renew(lease) => {
-                due.push((lock.clone(), lease));
+            Due::Renew { lease, seq } => {
+                due.push((lock.clone(), lease, seq));
                 true
             }
         },
@@ -205,32 +219,38 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
     if due.is_empty() {
         return next;
     }
-    let retry = (cfg.renew_interval / 4).min(Duration::from_millis(200));
+    let retry = retry_after(cfg);
+    // Each renewal's outcome when there is no telling: it may have been applied (see
+    // `scripts::EXTEND`).
+    let unknown = |lease: Duration| Changed::Unknown {
+        cap: now + lease - cfg.drift(lease),
+        retry_at: now + retry,
+    };
     // A panic below must not leave these locks `renewing`: an unlock would wait for ever.
     let undo = OnUnwind::new(|| {
-        for (lock, _) in &due {
-            lock.end_renew(Err(None), now + retry, counters);
+        for (lock, lease, _) in &due {
+            lock.end_renew(unknown(*lease), counters);
         }
     });
     crate::fault::hit(&cfg.key_prefix, crate::fault::Point::Watchdog);
     // Per lock: (extended, gone, other owner) node counts.
     let tallies = extend_on_nodes(cx, topology, &due);
     undo.disarm();
-    for ((lock, lease), (ok, gone, other)) in due.iter().zip(tallies) {
+    for ((lock, lease, _), (ok, gone, other)) in due.iter().zip(tallies) {
         let route = topology.route(&lock.keys);
         let (quorum, redlock) = (route.quorum(), route.sole().is_none());
         let outcome = match Renewal::judge((ok, gone, other), lock.nodes.len(), quorum, redlock) {
-            Renewal::Renewed => {
-                let renew_every = cfg.renew_every(*lease);
-                Ok((now + *lease - cfg.drift(*lease), now + renew_every))
-            }
-            Renewal::Lost(reason) => Err(Some(reason)),
+            Renewal::Renewed => Changed::Applied {
+                valid_until: now + *lease - cfg.drift(*lease),
+                next_renew: now + cfg.renew_every(*lease),
+            },
+            Renewal::Lost(reason) => Changed::Lost(reason),
             Renewal::Unknown => {
                 Counters::inc(&counters.renewals_failed);
-                Err(None)
+                unknown(*lease)
             }
         };
-        lock.end_renew(outcome, now + retry, counters);
+        lock.end_renew(outcome, counters);
         next = next.min(now + retry);
     }
     next
@@ -241,14 +261,14 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Instant {
 fn extend_on_nodes(
     cx: &Context,
     topology: &Topology,
-    due: &[(Arc<RemoteLock>, Duration)],
+    due: &[Renewing],
 ) -> Vec<(usize, usize, usize)> {
     let counters = cx.counters.clone();
     // The nodes that hold the due locks (Redis Cluster: the master serving each lock's
     // slot now), and per node the indexes of its locks.
     let mut nodes: Vec<Arc<Node>> = Vec::new();
     let mut held_by: Vec<Vec<usize>> = Vec::new();
-    for (i, (lock, _)) in due.iter().enumerate() {
+    for (i, (lock, ..)) in due.iter().enumerate() {
         for node in topology.route(&lock.keys).holders(&lock.nodes) {
             match nodes.iter().position(|n| n.id == node.id) {
                 Some(k) => held_by[k].push(i),
@@ -261,15 +281,15 @@ fn extend_on_nodes(
     }
     // Redis Cluster refuses one script call over keys of several slots: batch per slot.
     let by_slot = topology.batches_by_slot();
-    let jobs: Arc<Vec<(Arc<RemoteLock>, Duration, u16)>> = Arc::new(
+    let jobs: Arc<Vec<Job>> = Arc::new(
         due.iter()
-            .map(|(lock, lease)| {
+            .map(|(lock, lease, seq)| {
                 let slot = if by_slot {
                     keyslot(lock.keys.lock())
                 } else {
                     0
                 };
-                (lock.clone(), *lease, slot)
+                (lock.clone(), *lease, *seq, slot)
             })
             .collect(),
     );
@@ -280,7 +300,7 @@ fn extend_on_nodes(
         // batch, the script chosen by how the locks are held.
         let mut by_lease: HashMap<(Duration, u16, HoldKind), Vec<usize>> = HashMap::new();
         for &i in held_by.get(&node.id).map(Vec::as_slice).unwrap_or_default() {
-            let (lock, lease, slot) = &jobs[i];
+            let (lock, lease, _, slot) = &jobs[i];
             by_lease
                 .entry((*lease, *slot, lock.kind))
                 .or_default()
@@ -290,18 +310,23 @@ fn extend_on_nodes(
         let mut batches: Vec<Batch<'_>> = Vec::new();
         let mut chunks: Vec<&[usize]> = Vec::new();
         for ((lease, _, kind), idxs) in &by_lease {
-            let script: &Lua = match kind {
-                HoldKind::Lock => &EXTEND,
-                HoldKind::Shared => &SHARED_EXTEND,
+            let (script, ordered): (&Lua, bool) = match kind {
+                HoldKind::Lock => (&EXTEND, true),
+                HoldKind::Shared => (&SHARED_EXTEND, false),
             };
             for chunk in idxs.chunks(BATCH) {
                 batches.push(Batch {
                     script,
                     locks: chunk
                         .iter()
-                        .map(|&i| (jobs[i].0.keys.lock(), jobs[i].0.token.as_str()))
+                        .map(|&i| Change {
+                            key: jobs[i].0.keys.lock(),
+                            token: jobs[i].0.token.as_str(),
+                            seq: jobs[i].2,
+                        })
                         .collect(),
                     lease: *lease,
+                    ordered,
                 });
                 chunks.push(chunk);
             }
@@ -328,7 +353,8 @@ fn extend_on_nodes(
             Some(ExtendReply::Extended) => tallies[i].0 += 1,
             Some(ExtendReply::Gone) => tallies[i].1 += 1,
             Some(ExtendReply::Other) => tallies[i].2 += 1,
-            None => {}
+            // Refused as stale: a newer change's own reply says how it went.
+            Some(ExtendReply::Stale) | None => {}
         }
     }
     tallies

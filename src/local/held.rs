@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 
+use crate::clock::Stamp;
 use crate::error::LostReason;
 use crate::proto::keys::Keys;
 use crate::proto::node::NodeId;
@@ -24,7 +25,11 @@ pub(crate) struct RemoteLock {
     pub fence: u64,
     /// The nodes that granted the lock.
     pub nodes: Vec<NodeId>,
+    /// When the acquisition round began, for comparing with other `Instant`s (when a
+    /// subscription was confirmed).
     pub acquired_at: Instant,
+    /// The same, on the lease clock: the hold limit counts from here.
+    acquired: Stamp,
     /// Renewed by the watchdog (else only watched until it expires).
     renews: bool,
     /// How it is held in Redis, which says how it is renewed.
@@ -33,13 +38,18 @@ pub(crate) struct RemoteLock {
     renew_done: Condvar,
 }
 
+/// Times are on the lease clock (see `clock`): a lease is judged there.
 struct State {
     lease: Duration,
-    valid_until: Instant,
-    next_renew: Instant,
+    valid_until: Stamp,
+    next_renew: Stamp,
     renewing: bool,
     /// The holder waits to extend: the watchdog starts no renewal meanwhile.
     extend_waiting: bool,
+    /// The number of the last lease change handed out (renewal or extend; 0: the
+    /// acquisition's lease). Redis refuses a change older than one it applied (see
+    /// `scripts::EXTEND`).
+    changes: u64,
     released: bool,
     lost: Option<LostReason>,
     /// The current holder's lost channel.
@@ -62,10 +72,28 @@ pub(crate) enum HoldKind {
 pub(crate) enum Due {
     /// Released or lost: forget it.
     Forget,
-    /// Not yet: look again at this instant.
-    At(Instant),
-    /// Renew now with this lease; `renewing` is set until [`RemoteLock::end_renew`].
-    Renew(Duration),
+    /// Not yet: look again at this time.
+    At(Stamp),
+    /// Renew now with this lease, as change number `seq`; `renewing` is set until
+    /// [`RemoteLock::end_renew`].
+    Renew { lease: Duration, seq: u64 },
+}
+
+/// How a lease change (a renewal or an extend) ended.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Changed {
+    /// Applied: the lock is valid until `valid_until` (sent at + lease − drift); the next
+    /// renewal is due at `next_renew`.
+    Applied {
+        valid_until: Stamp,
+        next_renew: Stamp,
+    },
+    /// The replies prove the lock gone.
+    Lost(LostReason),
+    /// No telling (no reply, too few answers, or refused as stale): the change may have
+    /// been applied, so the lock is valid at most until `cap` (sent at + lease − drift);
+    /// retry at `retry_at`.
+    Unknown { cap: Stamp, retry_at: Stamp },
 }
 
 /// What a successful acquisition round produced.
@@ -74,8 +102,9 @@ pub(crate) struct Acquisition {
     pub token: String,
     pub fence: u64,
     pub nodes: Vec<NodeId>,
-    /// When the round began: validity counts from here, not from the reply.
-    pub started: Instant,
+    /// When the round began, on the lease clock: validity counts from here, not from the
+    /// reply.
+    pub started: Stamp,
 }
 
 impl RemoteLock {
@@ -97,7 +126,8 @@ impl RemoteLock {
             token,
             fence,
             nodes,
-            acquired_at: started,
+            acquired_at: started.to_instant(),
+            acquired: started,
             renews: renew_every.is_some(),
             kind: HoldKind::Lock,
             state: Mutex::new(State {
@@ -106,6 +136,7 @@ impl RemoteLock {
                 next_renew: started + renew_every.unwrap_or(lease),
                 renewing: false,
                 extend_waiting: false,
+                changes: 0,
                 released: false,
                 lost: None,
                 listener: None,
@@ -122,7 +153,7 @@ impl RemoteLock {
     }
 
     /// When the watchdog should look at this lock next.
-    pub fn next_due(&self) -> Instant {
+    pub fn next_due(&self) -> Stamp {
         let st = self.state.lock();
         if self.renews {
             st.next_renew
@@ -131,7 +162,14 @@ impl RemoteLock {
         }
     }
 
+    /// Until when the lock is surely held, as an `Instant` (the public API's, and a bound
+    /// for waits).
     pub fn valid_until(&self) -> Instant {
+        self.validity().to_instant()
+    }
+
+    /// Until when the lock is surely held, on the lease clock.
+    pub fn validity(&self) -> Stamp {
         self.state.lock().valid_until
     }
 
@@ -139,7 +177,7 @@ impl RemoteLock {
     /// watchdog has not run (the process was paused, say).
     pub fn lost(&self, counters: &Counters) -> Option<LostReason> {
         let mut st = self.state.lock();
-        if st.lost.is_none() && !st.released && Instant::now() >= st.valid_until {
+        if st.lost.is_none() && !st.released && Stamp::now() >= st.valid_until {
             Self::set_lost(&mut st, LostReason::Expired, counters);
         }
         st.lost
@@ -203,7 +241,7 @@ impl RemoteLock {
         while st.renewing {
             self.renew_done.wait(&mut st);
         }
-        if st.lost.is_none() && Instant::now() >= st.valid_until {
+        if st.lost.is_none() && Stamp::now() >= st.valid_until {
             Self::set_lost(&mut st, LostReason::Expired, counters);
         }
         st.listener = None;
@@ -214,8 +252,8 @@ impl RemoteLock {
     /// The watchdog's question: renew now, later, or never.
     pub fn due(
         &self,
-        now: Instant,
-        horizon: Instant,
+        now: Stamp,
+        horizon: Stamp,
         max_hold: Option<Duration>,
         counters: &Counters,
     ) -> Due {
@@ -232,7 +270,7 @@ impl RemoteLock {
             return Due::Forget;
         }
         if let Some(cap) = max_hold
-            && now.duration_since(self.acquired_at) >= cap
+            && now.since(self.acquired) >= cap
         {
             Self::set_lost(&mut st, LostReason::HoldLimit, counters);
             return Due::Forget;
@@ -244,40 +282,58 @@ impl RemoteLock {
             return Due::At(st.next_renew);
         }
         st.renewing = true;
-        Due::Renew(st.lease)
+        st.changes += 1;
+        Due::Renew {
+            lease: st.lease,
+            seq: st.changes,
+        }
     }
 
-    /// Ends a renewal started by [`due`](Self::due): `Ok(valid_until)` when it succeeded,
-    /// `Err(Some(reason))` when it proved the lock lost, `Err(None)` on a network failure
-    /// (retry at `retry_at`).
-    pub fn end_renew(
-        &self,
-        outcome: Result<(Instant, Instant), Option<LostReason>>,
-        retry_at: Instant,
-        counters: &Counters,
-    ) {
+    /// Ends a renewal started by [`due`](Self::due).
+    pub fn end_renew(&self, outcome: Changed, counters: &Counters) {
         let mut st = self.state.lock();
         st.renewing = false;
-        match outcome {
-            Ok((valid_until, next_renew)) => {
-                st.valid_until = st.valid_until.max(valid_until);
-                st.next_renew = next_renew;
-            }
-            Err(Some(reason)) => {
-                if st.lost.is_none() && !st.released {
-                    Self::set_lost(&mut st, reason, counters);
-                }
-            }
-            Err(None) => st.next_renew = retry_at,
-        }
+        Self::apply(&mut st, outcome, counters);
         drop(st);
         self.renew_done.notify_all();
     }
 
+    /// What a lease change's outcome does to the lock's state (see `scripts::EXTEND` for
+    /// the rule).
+    fn apply(st: &mut State, outcome: Changed, counters: &Counters) {
+        match outcome {
+            Changed::Applied {
+                valid_until,
+                next_renew,
+            } => {
+                // Not the later of the old and the new: a shorter lease that was applied
+                // is the lease.
+                st.valid_until = valid_until;
+                st.next_renew = next_renew;
+            }
+            Changed::Lost(reason) => {
+                if st.lost.is_none() && !st.released {
+                    Self::set_lost(st, reason, counters);
+                }
+            }
+            Changed::Unknown { cap, retry_at } => {
+                st.valid_until = st.valid_until.min(cap);
+                st.next_renew = retry_at;
+            }
+        }
+    }
+
+    /// A lease change of the holder's, still in flight, may have set the lease to end at
+    /// `cap` (before it is retried): the validity ends by then at the latest.
+    pub fn cap_validity(&self, cap: Stamp) {
+        let mut st = self.state.lock();
+        st.valid_until = st.valid_until.min(cap);
+    }
+
     /// Before an explicit extend: waits for a renewal in flight and keeps the watchdog
-    /// out until [`end_extend`](Self::end_extend), so that an older, shorter lease can never
-    /// land in Redis after the holder's.
-    pub fn begin_extend(&self) {
+    /// out until [`end_extend`](Self::end_extend), so that the changes of one hold are
+    /// sent one at a time. Returns the extend's change number.
+    pub fn begin_extend(&self) -> u64 {
         let mut st = self.state.lock();
         st.extend_waiting = true;
         while st.renewing {
@@ -285,17 +341,18 @@ impl RemoteLock {
         }
         st.extend_waiting = false;
         st.renewing = true;
+        st.changes += 1;
+        st.changes
     }
 
-    /// After an explicit extend: the new lease, validity and renew time if it succeeded.
-    pub fn end_extend(&self, extended: Option<(Duration, Instant, Instant)>) {
+    /// After an explicit extend to `lease`: its outcome. The watchdog goes on with the new
+    /// lease unless the lock is lost, also when the outcome is unknown (the change may
+    /// have been applied; the next renewal, sent soon, applies it for sure).
+    pub fn end_extend(&self, lease: Duration, outcome: Changed, counters: &Counters) {
         let mut st = self.state.lock();
         st.renewing = false;
-        if let Some((lease, valid_until, next_renew)) = extended {
-            st.lease = lease;
-            st.valid_until = valid_until;
-            st.next_renew = next_renew;
-        }
+        st.lease = lease;
+        Self::apply(&mut st, outcome, counters);
         drop(st);
         self.renew_done.notify_all();
     }

@@ -293,7 +293,7 @@ mod tests {
             token: "r1".to_owned(),
             fence: 1,
             nodes: Vec::new(),
-            started: Instant::now(),
+            started: crate::clock::Stamp::now(),
         };
         let lease = Duration::from_secs(30);
         Arc::new(RemoteLock::new(acquisition, lease, Duration::ZERO, None))

@@ -444,7 +444,7 @@ mod tests {
                 token: "tok".to_owned(),
                 fence: 1,
                 nodes: vec![NodeId::new("127.0.0.1:1/0")],
-                started: Instant::now() - Duration::from_secs(60),
+                started: crate::clock::Stamp::now() - Duration::from_secs(60),
             },
             lease,
             Duration::ZERO,

@@ -115,8 +115,9 @@ local clean = prune(KEYS[3], KEYS[4], now_ms)
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return {2, 0} end
 if cur == ARGV[1] then
-  -- Ours: granted to us, or a retry after a lost reply.
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  -- Ours: granted to us, or a retry after a lost reply. Only lengthened: an attempt that
+  -- was delayed on the way must not cut short a longer lease an extend set since.
+  if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
   return {1, current_fence(KEYS[2])}
@@ -152,9 +153,10 @@ return {0, redis.call('PTTL', KEYS[1])}
 
 /// Release: grant to the head of the queue, or delete.
 ///
-/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, fence
-/// counter TTL ms, publish mode. Returns 2 granted to the next waiter, 1 released, 0 the
-/// key was gone, -1 another token (or another kind) holds it.
+/// KEYS: lock, fence, queue, queue expiries, lease record (deleted with the lock; a grant
+/// leaves it to the next holder's first lease change, or its TTL). ARGV: token, channel,
+/// grant lease ms, fence counter TTL ms, publish mode. Returns 2 granted to the next
+/// waiter, 1 released, 0 the key was gone, -1 another token (or another kind) holds it.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
@@ -166,7 +168,7 @@ if cur ~= ARGV[1] then
   return -1
 end
 if redis.call('EXISTS', KEYS[3]) == 0 then
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1], KEYS[5])
   publish(ARGV[2], 'r')
   return 1
 end
@@ -181,9 +183,10 @@ return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000)
 
 /// A waiter leaves: out of the queue, and a grant that raced its leaving passed on.
 ///
-/// KEYS: lock, fence, queue, queue expiries. ARGV: token, channel, grant lease ms, fence
-/// counter TTL ms, publish mode. Returns 2 a grant to us was passed to the next waiter, 1
-/// it was released, 0 nothing was ours.
+/// KEYS: lock, fence, queue, queue expiries, lease record (unused: the release's call
+/// shape). ARGV: token, channel, grant lease ms, fence counter TTL ms, publish mode.
+/// Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0 nothing was
+/// ours.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",

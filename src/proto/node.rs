@@ -11,7 +11,9 @@ use crate::proto::connect::open_client;
 use crate::proto::fair_scripts::{FAIR_ACQUIRE, FAIR_LEAVE, FAIR_RELEASE};
 use crate::proto::keys::Keys;
 use crate::proto::pool::Pool;
-use crate::proto::scripts::{self, ACQUIRE, EXTEND, Lua, RAISE_FENCE, RELEASE, UNMARK};
+use crate::proto::scripts::{
+    self, ACQUIRE, EXTEND, EXTEND_UNORDERED, Lua, RAISE_FENCE, RELEASE, UNMARK,
+};
 use crate::stats::Counters;
 
 /// The reply to one acquire attempt on one node.
@@ -49,6 +51,10 @@ pub(crate) enum ExtendReply {
     Extended,
     Gone,
     Other,
+    /// Ours, but a newer change of the lease was applied: this one was refused. Says
+    /// nothing the holder can use (the newer change's own reply does): counted as no
+    /// answer, never as a loss.
+    Stale,
 }
 
 /// When a command is sent again on a fresh connection after a network failure. Only
@@ -526,7 +532,7 @@ impl Node {
         // Redis Cluster, the slot half-way through a migration: refused like the fair
         // release (see `release`), leaving is the plain compare-and-delete of our token,
         // which gives back a grant that raced our leaving; our queue entry expires.
-        let plain = || self.release_call(keys, token);
+        let plain = || self.release_call(keys, token, false);
         let reply = self.release_with(&FAIR_LEAVE, &call, Retry::ON_RESET, Some(&plain))?;
         Ok(reply == ReleaseReply::Passed)
     }
@@ -625,28 +631,34 @@ impl Node {
     /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
     /// deleted ([`ReleaseReply::OtherAfterRetry`]: passed on, or deleted and taken since).
     pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
-        let plain = || self.release_call(keys, token);
+        // Redis Cluster, the lock's slot half-way through a migration: the server refuses
+        // a script whose keys are not all on one side (`TRYAGAIN`). The narrow release names
+        // the lock key alone, which the server always serves: on the source while the key
+        // is there, else (`ASK`) on the target; its lease record, if any, is left to its
+        // TTL (at most the lease).
+        let plain = || self.release_call(keys, token, false);
         let Some(fair) = self.fair else {
-            return self.release_by(&RELEASE, &plain(), retry);
+            let call = self.release_call(keys, token, true);
+            return self.release_with(&RELEASE, &call, retry, Some(&plain));
         };
         let call = fair_call(&FAIR_RELEASE, keys, token, fair, self);
-        // Redis Cluster, the lock's slot half-way through a migration: the server refuses
-        // the fair release (`TRYAGAIN`) unless the lock, its counter and its queue all
-        // exist on one side, and an empty queue has no key. The plain compare-and-delete
-        // names the lock key alone, which the server always serves: on the source while
-        // the key is there, else (`ASK`) on the target. It is the fair release of a lock
+        // The fair release names the lock, its counter and its queue, and an empty queue
+        // has no key: during a migration the narrow release is the fair release of a lock
         // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
         // and its head takes the lock at its next attempt once the slot has moved.
         self.release_with(&FAIR_RELEASE, &call, retry, Some(&plain))
     }
 
-    /// The plain compare-and-delete of `token`'s lock ([`RELEASE`]): its key alone.
-    fn release_call(&self, keys: &Keys, token: &str) -> Cmd {
-        let mut call = RELEASE.call(1);
-        call.arg(keys.lock())
-            .arg(token)
-            .arg(keys.channel())
-            .arg(self.publish_mode());
+    /// The plain compare-and-delete of `token`'s lock ([`RELEASE`]): its key and, with
+    /// `record`, its lease record (deleted with it); without, its key alone (see
+    /// `release`).
+    fn release_call(&self, keys: &Keys, token: &str, record: bool) -> Cmd {
+        let mut call = RELEASE.call(if record { 2 } else { 1 });
+        call.arg(keys.lock());
+        if record {
+            call.arg(lease_key(keys.lock()));
+        }
+        call.arg(token).arg(keys.channel()).arg(self.publish_mode());
         call
     }
 
@@ -726,23 +738,14 @@ impl Node {
         }
     }
 
-    /// Compare-and-extend many locks of this node in one round trip.
-    pub fn extend(&self, locks: &[(&[u8], &str)], lease: Duration) -> Result<Vec<ExtendReply>> {
-        self.extend_by(&EXTEND, locks, lease)
-    }
-
-    /// Runs the batch renewal `script` (KEYS: the keys; ARGV: lease ms, then one token per
-    /// key; one status per key: 1 extended, 0 gone, -1 another owner).
-    pub(crate) fn extend_by(
-        &self,
-        script: &Lua,
-        locks: &[(&[u8], &str)],
-        lease: Duration,
-    ) -> Result<Vec<ExtendReply>> {
+    /// Compare-and-extend many locks of this node in one round trip, each change ordered
+    /// by its number (see `scripts::EXTEND`).
+    pub fn extend(&self, locks: &[Change<'_>], lease: Duration) -> Result<Vec<ExtendReply>> {
         let mut replies = self.extend_batches(&[Batch {
-            script,
+            script: &EXTEND,
             locks: locks.to_vec(),
             lease,
+            ordered: true,
         }])?;
         Ok(replies.pop().unwrap_or_default())
     }
@@ -751,20 +754,16 @@ impl Node {
     /// in one round trip, pipelined, with one `WAIT` for all of them when replicas must
     /// acknowledge. One status list per batch.
     pub(crate) fn extend_batches(&self, batches: &[Batch<'_>]) -> Result<Vec<Vec<ExtendReply>>> {
-        let calls: Vec<redis::Cmd> = batches
-            .iter()
-            .map(|b| {
-                let mut call = b.script.call(b.locks.len());
-                for (key, _) in &b.locks {
-                    call.arg(*key);
-                }
-                call.arg(crate::clock::millis(b.lease).max(1));
-                for (_, token) in &b.locks {
-                    call.arg(*token);
-                }
-                call
-            })
-            .collect();
+        match self.extend_once(batches)? {
+            Some(replies) => Ok(replies),
+            None => self.extend_apart(batches),
+        }
+    }
+
+    /// [`extend_batches`](Self::extend_batches) in one round trip; `None` when the server
+    /// refused them because a slot migrates (see [`apart`](Self::apart)).
+    fn extend_once(&self, batches: &[Batch<'_>]) -> Result<Option<Vec<Vec<ExtendReply>>>> {
+        let calls: Vec<redis::Cmd> = batches.iter().map(Batch::call).collect();
         // Each script once, for reloading after a NOSCRIPT.
         let mut scripts: Vec<&Lua> = Vec::new();
         for b in batches {
@@ -790,7 +789,7 @@ impl Node {
             Ok(Some((replies, acked)))
         })?;
         let Some((replies, acked)) = outcome else {
-            return self.extend_apart(batches);
+            return Ok(None);
         };
         if let (Some(acked), Some((wanted, _))) = (acked, self.ack)
             && acked < wanted
@@ -809,7 +808,8 @@ impl Node {
             .into_iter()
             .zip(batches)
             .map(|(r, b)| extend_replies(r, b.locks.len()))
-            .collect()
+            .collect::<Result<_>>()
+            .map(Some)
     }
 }
 
@@ -821,10 +821,14 @@ impl Node {
     /// redirect of another one bounces between the masters. One key per call is always
     /// served: where the key is (`ASK` to the target once it moved). Waiting instead
     /// could outlast the leases.
+    /// A lock and its lease record count as two keys: a renewal of one ordered lock is
+    /// refused too while only one of them has moved, or while the record does not exist
+    /// yet (the lock's first lease change).
     fn apart(&self, e: &redis::RedisError, batches: &[Batch<'_>]) -> bool {
         let locks: usize = batches.iter().map(|b| b.locks.len()).sum();
+        let ordered = batches.iter().any(|b| b.ordered);
         self.redirect.is_some()
-            && locks > 1
+            && (locks > 1 || ordered)
             && (is_migrating(e) || (batches.len() > 1 && e.redirect_node().is_some()))
     }
 
@@ -842,8 +846,24 @@ impl Node {
                             script: b.script,
                             locks: vec![lock],
                             lease: b.lease,
+                            ordered: b.ordered,
                         };
-                        self.extend_batches(&[one])?
+                        let replies = match self.extend_once(&[one])? {
+                            Some(replies) => replies,
+                            // The lock and its record refused together: the lock alone,
+                            // unordered (see `EXTEND_UNORDERED`).
+                            None => {
+                                let alone = Batch {
+                                    script: &EXTEND_UNORDERED,
+                                    locks: vec![lock],
+                                    lease: b.lease,
+                                    ordered: false,
+                                };
+                                self.extend_once(&[alone])?.ok_or(Error::SlotMigrating)?
+                            }
+                        };
+                        let mut replies = replies;
+                        replies
                             .pop()
                             .and_then(|mut list| list.pop())
                             .ok_or_else(|| Error::Protocol("extend replied nothing".to_owned()))
@@ -854,14 +874,59 @@ impl Node {
     }
 }
 
-/// One renewal script call: which script, the `(key, token)` pairs, the new lease.
-pub(crate) struct Batch<'a> {
-    pub script: &'a Lua,
-    pub locks: Vec<(&'a [u8], &'a str)>,
-    pub lease: Duration,
+/// One lease change of one hold: its key, its token (a shared hold's member) and the
+/// change's number in the hold's sequence (see `scripts::EXTEND`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Change<'a> {
+    pub key: &'a [u8],
+    pub token: &'a str,
+    pub seq: u64,
 }
 
-/// One batch's statuses, one per lock: 1 extended, 0 gone, −1 another owner.
+/// One renewal script call: which script, the changes, the new lease, and whether the
+/// script orders changes by their numbers (`EXTEND`: keys and lease records in pairs,
+/// then a token and a number per lock) or not (`SHARED_EXTEND`: keys, then a member per
+/// hold; its holds keep one lease for life, so a late renewal can only lengthen one).
+pub(crate) struct Batch<'a> {
+    pub script: &'a Lua,
+    pub locks: Vec<Change<'a>>,
+    pub lease: Duration,
+    pub ordered: bool,
+}
+
+impl Batch<'_> {
+    /// The `EVALSHA` of this batch.
+    fn call(&self) -> Cmd {
+        let keys = if self.ordered { 2 } else { 1 } * self.locks.len();
+        let mut call = self.script.call(keys);
+        for c in &self.locks {
+            call.arg(c.key);
+            if self.ordered {
+                call.arg(lease_key(c.key));
+            }
+        }
+        call.arg(millis(self.lease));
+        for c in &self.locks {
+            call.arg(c.token);
+            if self.ordered {
+                call.arg(c.seq);
+            }
+        }
+        call
+    }
+}
+
+/// The lease record of the lock key `lock`: the number and token of the last lease change
+/// applied (see `scripts::EXTEND`). In the lock's hash slot: it starts with the lock key.
+pub(crate) fn lease_key(lock: &[u8]) -> Vec<u8> {
+    let mut key = Vec::with_capacity(lock.len() + 6);
+    key.extend_from_slice(lock);
+    key.extend_from_slice(b":lease");
+    key
+}
+
+/// One batch's statuses, one per lock: 1 extended, 0 gone, −1 another owner, 2 refused as
+/// stale.
 fn extend_replies(replies: Vec<i64>, locks: usize) -> Result<Vec<ExtendReply>> {
     if replies.len() != locks {
         return Err(Error::Protocol(format!(
@@ -875,6 +940,7 @@ fn extend_replies(replies: Vec<i64>, locks: usize) -> Result<Vec<ExtendReply>> {
             1 => Ok(ExtendReply::Extended),
             0 => Ok(ExtendReply::Gone),
             -1 => Ok(ExtendReply::Other),
+            2 => Ok(ExtendReply::Stale),
             n => Err(Error::Protocol(format!("extend replied {n}"))),
         })
         .collect()
@@ -954,11 +1020,12 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
 /// A call of the fair queue's release or leave script: the same keys and arguments
 /// (the fence counter's TTL and the publish mode are `node`'s).
 fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair, node: &Node) -> Cmd {
-    let mut call = script.call(4);
+    let mut call = script.call(5);
     call.arg(keys.lock())
         .arg(keys.fence())
         .arg(keys.queue())
         .arg(keys.queue_expiry())
+        .arg(lease_key(keys.lock()))
         .arg(token)
         .arg(keys.channel())
         .arg(millis(fair.grant_lease))

@@ -252,6 +252,10 @@ return 0
 ///
 /// KEYS: lock keys. ARGV: lease ms, then one member per key. Returns one status per key:
 /// 1 extended, 0 the hold had expired or was gone (never revived), −1 another kind of lock.
+///
+/// Unlike the lock's `EXTEND`, renewals are not numbered: a shared hold keeps the client's
+/// lease for life (nothing extends it to another), so a renewal delayed on the way sets a
+/// later expiry than any sent before it, never an earlier one.
 pub(crate) static SHARED_EXTEND: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()

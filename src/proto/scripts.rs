@@ -137,7 +137,10 @@ end
 ///
 /// When the key already holds *our* token (a retry after the reply to a first attempt was
 /// lost), the lease is refreshed and the fence the first attempt created is returned: one
-/// lock, one fence, no stray key. A failed attempt publishes `c<client id>` on the lock's
+/// lock, one fence, no stray key. The refresh only lengthens the lease: an attempt delayed
+/// on the way can land after a lease change of the hold it started (see [`EXTEND`]), and
+/// must not cut short a longer lease that change set (the holder's validity counts from
+/// before the first attempt, so any refresh covers it). A failed attempt publishes `c<client id>` on the lock's
 /// channel, and leaves its client id in the mark key, so that the holder's process knows
 /// another process is waiting (the fairness budget only applies then): live when it is
 /// subscribed, through the mark when it subscribed too late to hear. Marks are published
@@ -160,7 +163,7 @@ end
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return {2, 0} end
 if cur == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
   return {1, current_fence(KEYS[2])}
 end
 if ARGV[5] ~= '0' then
@@ -174,7 +177,10 @@ return {0, redis.call('PTTL', KEYS[1])}
 
 /// Compare-and-delete.
 ///
-/// KEYS: lock. ARGV: token, the library's channel, the publish mode. `r` is published on
+/// KEYS: lock, and its lease record (see [`EXTEND`]; deleted with the lock by the same
+/// `DEL`: no key of the hold outlives its release, at no extra command) except where a
+/// Redis Cluster slot migration refuses the pair (the record then ends with its TTL). ARGV: token, the
+/// library's channel, the publish mode. `r` is published on
 /// the channel after a release. Always, even when keyspace notifications are on: waiters
 /// of another ACL user may not be allowed keyspace channels, and a server restart forgets
 /// a `CONFIG SET`. The subscriber pairs each `r` with the `del` event before it, so nobody
@@ -188,7 +194,7 @@ pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| {
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return -1 end
 if cur == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', unpack(KEYS))
   publish(ARGV[2], 'r')
   return 1
 end
@@ -199,14 +205,84 @@ return -1
 });
 
 /// Compare-and-`PEXPIRE` for a batch of locks in one round trip (the watchdog renews every
-/// due lock of a node with one call).
+/// due lock of a node with one call; an explicit extend is a batch of one), each lease
+/// change ordered by its hold's change number.
 ///
-/// KEYS: lock keys. ARGV: lease in ms, then one token per key.
-/// Returns one status per key: 1 extended, 0 the key was gone, -1 another token (or
-/// another kind of lock, whose key is not a string) holds it: one such key does not fail
-/// the batch. A key that is gone is never recreated: a renewal racing a release cannot
-/// revive a lock.
+/// KEYS: per lock, its key and its lease record (`<lock>:lease`, see `node::lease_key`),
+/// in pairs. ARGV: lease in ms, then per lock its token and the change's number.
+/// Returns one status per lock: 1 extended, 0 the key was gone, -1 another token (or
+/// another kind of lock, whose key is not a string) holds it, 2 refused as stale (a newer
+/// change of this hold was applied). One such lock does not fail the batch. A key that is
+/// gone is never recreated: a renewal racing a release cannot revive a lock.
+///
+/// # The rule of lease changes
+///
+/// Every change of a hold's lease (a watchdog renewal or an explicit extend, across the
+/// local handoffs of one remote token) carries a number from a per-hold counter that only
+/// increases, and its sender notes when it sent it (`sent_at`):
+///
+/// * Redis applies a change only if no change of the same hold with a higher number was
+///   applied before: the lease record keeps `<number>:<token>` of the last applied change,
+///   with the lease it set (so it lives exactly as long as that lease, and never longer
+///   than the lock it describes, unless the lock is released first: then it expires with
+///   the lease it was given). A change with an equal number is applied again (a retry of
+///   the same change). An older one is refused (status 2): a newer, maybe longer, lease
+///   can never be cut short by a request that was delayed on the way, and the sender of
+///   the refused change learns nothing about the lock from it (neither extended nor lost).
+/// * The holder's validity after a change that was applied is `sent_at + lease - drift`
+///   (the TTL was set no earlier than `sent_at`; nothing older can overwrite it).
+/// * After a change whose outcome is unknown (no reply: a timeout, a dropped connection,
+///   too few Redlock answers; or refused as stale), the change may have been applied, so
+///   the validity becomes `min(old validity, sent_at + new lease - drift)`: a shorter
+///   lease that did land is believed, a longer one that may not have is not.
+///
+/// A lock's first lease comes from the acquire (change number 0, no record); the first
+/// change writes the record. The acquire and release scripts never read it.
 pub(crate) static EXTEND: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
+        r"
+local out = {}
+local lease = ARGV[1]
+for i = 1, #KEYS / 2 do
+  local lock, record = KEYS[2 * i - 1], KEYS[2 * i]
+  local token, n = ARGV[2 * i], tonumber(ARGV[2 * i + 1])
+  local cur = redis.pcall('GET', lock)
+  if type(cur) == 'table' then
+    out[i] = -1
+  elseif cur == token then
+    local last = redis.pcall('GET', record)
+    local applied = 0
+    if type(last) == 'string' then
+      local m, t = string.match(last, '^(%d+):(.*)$')
+      if t == token then applied = tonumber(m) end
+    end
+    if n < applied then
+      out[i] = 2
+    else
+      redis.call('PEXPIRE', lock, lease)
+      redis.call('SET', record, ARGV[2 * i + 1] .. ':' .. token, 'PX', lease)
+      out[i] = 1
+    end
+  elseif not cur then
+    out[i] = 0
+  else
+    out[i] = -1
+  end
+end
+return out
+",
+    )
+});
+
+/// Compare-and-`PEXPIRE` of locks named alone, without their lease records: how a lock is
+/// renewed while its Redis Cluster slot migrates and the server refuses a lock and its
+/// record on different sides (`TRYAGAIN`); one key per call is always served. Such a
+/// renewal is not ordered with the hold's other lease changes (see [`EXTEND`]): during a
+/// migration a renewal delayed on the way could set a lease shorter than a newer extend's.
+///
+/// KEYS: lock keys. ARGV: lease in ms, then one token per key. Returns one status per key:
+/// 1 extended, 0 gone, -1 another owner.
+pub(crate) static EXTEND_UNORDERED: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(
         r"
 local out = {}

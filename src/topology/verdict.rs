@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use crate::clock::Stamp;
+
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::proto::node::{Attempt, NodeId, ReleaseReply, may_have_run};
 
@@ -23,6 +25,10 @@ pub(crate) enum Vote {
     Held { hint: Option<Duration>, undo: Undo },
     /// The round failed: return `error`, after releasing our token on `undo`.
     Failed { error: Error, undo: Undo },
+    /// Enough nodes granted, but the lease had no time left by the time they said so (a
+    /// server or network stalled longer than the lease): no guard may be born dead, so
+    /// give our token back on `undo` and try again at once.
+    Late { undo: Undo },
 }
 
 /// Where a round that is not ours left, or may have left, our token.
@@ -46,11 +52,10 @@ impl Undo {
 pub(crate) struct Rules {
     /// How many nodes must grant.
     pub quorum: usize,
-    /// One node decides alone: its error is the round's error, and no validity check
-    /// applies (its lease counts from its own reply).
+    /// One node decides alone: its error is the round's error.
     pub sole: bool,
     /// Whether the lease has time left after the round took its time and the drift
-    /// margin: a late majority is no majority.
+    /// margin (see [`lease_left`]): a late grant, of one node or a majority, is no grant.
     pub valid: bool,
     /// The retry pause after a split vote, so that contenders fall out of lockstep.
     pub jitter: Duration,
@@ -66,7 +71,8 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
         })
         .collect();
     let total = replies.len();
-    if granted.len() >= rules.quorum && (rules.sole || rules.valid) {
+    let won = granted.len() >= rules.quorum;
+    if won && rules.valid {
         let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
         return Vote::Won {
             fence,
@@ -93,6 +99,9 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
             .map(|(n, _)| n.clone())
             .collect(),
     };
+    if won {
+        return Vote::Late { undo };
+    }
     let errors = replies.iter().filter(|(_, r)| r.is_err()).count();
     if errors > total - rules.quorum.min(total) {
         let granted = granted.len();
@@ -134,6 +143,15 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
         hint: Some(pttl.map_or(rules.jitter, |p| p.min(rules.jitter))),
         undo,
     }
+}
+
+/// Whether a lease of `lease` granted by a round that began at `started` has time left
+/// now, after the `drift` margin: the validity counts from before the request was sent.
+/// On the lease clock (see `clock`): a suspend during the round counts.
+pub(crate) fn lease_left(lease: Duration, started: Stamp, drift: Duration) -> bool {
+    lease
+        .checked_sub(started.elapsed() + drift)
+        .is_some_and(|v| !v.is_zero())
 }
 
 /// One outcome of a release from the nodes' replies. `was_valid`: the lease had not run
@@ -315,9 +333,32 @@ mod tests {
             ..rules(2, false)
         };
         match vote(replies, late) {
-            Vote::Held { undo, .. } => assert_eq!(undo.granted, vec![id(1), id(2)]),
+            Vote::Late { undo } => assert_eq!(undo.granted, vec![id(1), id(2)]),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_late_grant_of_one_node_is_no_grant() {
+        let late = Rules {
+            valid: false,
+            ..rules(1, true)
+        };
+        match vote(vec![(id(1), acquired(4))], late) {
+            Vote::Late { undo } => assert_eq!(undo.granted, vec![id(1)]),
+            other => panic!("{other:?}"),
+        }
+        let now = Stamp::now();
+        assert!(lease_left(
+            Duration::from_secs(1),
+            now,
+            Duration::from_millis(12)
+        ));
+        assert!(!lease_left(
+            Duration::from_millis(10),
+            now,
+            Duration::from_millis(12)
+        ));
     }
 
     #[test]
