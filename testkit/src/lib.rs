@@ -9,6 +9,8 @@
 //! * [`clock`]: clocks whose readings can be compared between processes.
 //! * [`keys`]: the Redis keys and fencing-token layout of the lock protocol, as the
 //!   tests observe them from outside.
+//! * [`leftover`]: every kind of key the library writes and how long each may stay.
+//! * [`history`]: seeds, histories and violations of replayable randomized tests.
 //! * [`sections`]: checking critical sections for overlaps nobody was told of.
 //! * [`wait`]: polling and joining with a deadline, so a broken test fails instead of
 //!   hanging.
@@ -31,7 +33,9 @@ use parking_lot::Mutex;
 pub mod child;
 pub mod clock;
 pub mod cluster;
+pub mod history;
 pub mod keys;
+pub mod leftover;
 pub mod proxy;
 pub mod sections;
 pub mod sentinel;

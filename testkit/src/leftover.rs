@@ -1,0 +1,257 @@
+//! The keys a lock leaves in Redis once its users have gone, and how long the library lets
+//! each kind of key stay.
+//!
+//! Every key of lock name `n` is its lock key `L` (see [`Keys`]) plus a suffix:
+//!
+//! | key | written by | how long it may stay |
+//! |---|---|---|
+//! | `L` (string) | exclusive lock, fair grant | its lease |
+//! | `L` (sorted set) | read-write lock or semaphore holds | twice the lease |
+//! | `L:fence` | every remote acquisition | see [`KeyPolicy::fence`] |
+//! | `L:w` | a failed non-fair acquire that waits (the contention mark) | the mark TTL |
+//! | `L:q`, `L:qx` | the fair queue | see [`KeyPolicy::queue`] |
+//! | `L:ww`, `L:wr` | waiting writers and readers of a read-write lock | twice the mark TTL |
+//!
+//! The mark TTL is twice the client's re-check interval (a waiter renews its mark at each
+//! attempt, and attempts at least that often); so is a fair queue entry's.
+//! `L:ev` is a channel, never a key.
+//!
+//! [`misplaced`] reports the keys that break these rules: no TTL where one is due, a TTL
+//! longer than allowed, or a suffix the table does not know (a new kind of key must be
+//! added here, with its bound).
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::keys::Keys;
+
+/// A kind of key of one lock name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum KeyKind {
+    /// `L`: the holder's token, or the holds of a read-write lock or semaphore.
+    Lock,
+    /// `L:fence`: the fencing counter.
+    Fence,
+    /// `L:w`: who last failed to get a non-fair lock and waits.
+    Mark,
+    /// `L:q`: the fair queue by arrival.
+    Queue,
+    /// `L:qx`: the fair queue's entry expiries.
+    QueueExpiry,
+    /// `L:ww`: writers waiting for a read-write lock.
+    WaitingWriters,
+    /// `L:wr`: readers waiting for a read-write lock.
+    WaitingReaders,
+}
+
+impl KeyKind {
+    /// The suffix after the lock key (empty for the lock key itself).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            KeyKind::Lock => "",
+            KeyKind::Fence => ":fence",
+            KeyKind::Mark => ":w",
+            KeyKind::Queue => ":q",
+            KeyKind::QueueExpiry => ":qx",
+            KeyKind::WaitingWriters => ":ww",
+            KeyKind::WaitingReaders => ":wr",
+        }
+    }
+
+    /// Every kind the library writes.
+    pub const ALL: [KeyKind; 7] = [
+        KeyKind::Lock,
+        KeyKind::Fence,
+        KeyKind::Mark,
+        KeyKind::Queue,
+        KeyKind::QueueExpiry,
+        KeyKind::WaitingWriters,
+        KeyKind::WaitingReaders,
+    ];
+}
+
+/// How long a kind of key may stay after its users have gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Allowed {
+    /// It may stay, with or without a TTL.
+    Forever,
+    /// It must carry a TTL of at most this.
+    Within(Duration),
+}
+
+impl fmt::Display for Allowed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Allowed::Forever => f.write_str("may stay"),
+            Allowed::Within(d) => write!(f, "TTL at most {} ms", d.as_millis()),
+        }
+    }
+}
+
+/// The bounds of one client configuration.
+#[derive(Clone, Copy, Debug)]
+pub struct KeyPolicy {
+    /// The longest lease any holder used (builder lease, or the longest `extend`).
+    pub lease: Duration,
+    /// Twice the re-check interval: the TTL of a waiting mark and of a fair queue entry.
+    pub mark_ttl: Duration,
+    /// The fence counter. [`Allowed::Forever`] today; once idle counters expire, set it to
+    /// `Allowed::Within(fence_ttl)`.
+    pub fence: Allowed,
+    /// The fair queue `L:q` / `L:qx`. By default it must expire within twice the longer
+    /// of an entry's TTL and the lease: a queue outlives its last live entry by at most
+    /// that much.
+    pub queue: Allowed,
+}
+
+impl KeyPolicy {
+    /// The bounds of clients built with `lease` and `recheck_interval`.
+    pub fn new(lease: Duration, recheck_interval: Duration) -> KeyPolicy {
+        let mark_ttl = recheck_interval * 2;
+        KeyPolicy {
+            lease,
+            mark_ttl,
+            fence: Allowed::Forever,
+            queue: Allowed::Within(mark_ttl.max(lease) * 2),
+        }
+    }
+
+    /// How long a key of `kind` may stay; `zset`: the key is a sorted set (only matters
+    /// for the lock key: read-write and semaphore holds keep their key twice the lease).
+    pub fn allowed(&self, kind: KeyKind, zset: bool) -> Allowed {
+        match kind {
+            KeyKind::Lock if zset => Allowed::Within(self.lease * 2),
+            KeyKind::Lock => Allowed::Within(self.lease),
+            KeyKind::Fence => self.fence,
+            KeyKind::Mark => Allowed::Within(self.mark_ttl),
+            KeyKind::Queue | KeyKind::QueueExpiry => self.queue,
+            KeyKind::WaitingWriters | KeyKind::WaitingReaders => Allowed::Within(self.mark_ttl * 2),
+        }
+    }
+}
+
+/// The name and kind of `key` among the keys of `names`, if it is one of them.
+pub fn kind_of<'a>(keys: Keys, names: &[&'a str], key: &[u8]) -> Option<(&'a str, KeyKind)> {
+    names.iter().find_map(|name| {
+        let lock = keys.lock_bytes(name.as_bytes());
+        let rest = key.strip_prefix(lock.as_slice())?;
+        KeyKind::ALL
+            .into_iter()
+            .find(|k| k.suffix().as_bytes() == rest)
+            .map(|k| (*name, k))
+    })
+}
+
+/// A key that breaks the rules of [`KeyPolicy`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Misplaced {
+    pub key: String,
+    /// Its kind, `None` when it is not a known key of a known name.
+    pub kind: Option<KeyKind>,
+    /// `PTTL` when checked: milliseconds, -1 without TTL.
+    pub pttl: i64,
+    pub allowed: Option<Allowed>,
+}
+
+impl fmt::Display for Misplaced {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ttl = if self.pttl < 0 {
+            "no TTL".to_owned()
+        } else {
+            format!("TTL {} ms", self.pttl)
+        };
+        match (self.kind, self.allowed) {
+            (Some(kind), Some(allowed)) => {
+                write!(f, "{} ({kind:?}): {ttl}, allowed: {allowed}", self.key)
+            }
+            _ => write!(f, "{}: unknown kind of key ({ttl})", self.key),
+        }
+    }
+}
+
+/// The keys of the server behind `conn` under `keys`' prefix that break `policy`, for
+/// locks named `names`. Call it once every client has gone: a live holder's keys are
+/// within the bounds too, but a key being written may be read between two commands.
+pub fn misplaced(
+    conn: &mut redis::Connection,
+    keys: Keys,
+    names: &[&str],
+    policy: &KeyPolicy,
+) -> Vec<Misplaced> {
+    let all: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg(format!("*{}*", keys.prefix()))
+        .query(conn)
+        .expect("KEYS");
+    let mut bad = Vec::new();
+    for key in all {
+        let pttl: i64 = redis::cmd("PTTL").arg(&key).query(conn).expect("PTTL");
+        if pttl == -2 {
+            continue; // expired since KEYS
+        }
+        let shown = String::from_utf8_lossy(&key).into_owned();
+        let Some((_, kind)) = kind_of(keys, names, &key) else {
+            bad.push(Misplaced {
+                key: shown,
+                kind: None,
+                pttl,
+                allowed: None,
+            });
+            continue;
+        };
+        let ty: String = redis::cmd("TYPE").arg(&key).query(conn).expect("TYPE");
+        let allowed = policy.allowed(kind, ty == "zset");
+        let ok = match allowed {
+            Allowed::Forever => true,
+            Allowed::Within(d) => pttl >= 0 && pttl as u128 <= d.as_millis(),
+        };
+        if !ok {
+            bad.push(Misplaced {
+                key: shown,
+                kind: Some(kind),
+                pttl,
+                allowed: Some(allowed),
+            });
+        }
+    }
+    bad
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_are_told_apart() {
+        let keys = Keys::new("p:");
+        let names = ["a", "a:q"];
+        assert_eq!(kind_of(keys, &names, b"p:{a}"), Some(("a", KeyKind::Lock)));
+        assert_eq!(
+            kind_of(keys, &names, b"p:{a}:qx"),
+            Some(("a", KeyKind::QueueExpiry))
+        );
+        assert_eq!(
+            kind_of(keys, &names, b"p:{a:q}:fence"),
+            Some(("a:q", KeyKind::Fence))
+        );
+        assert_eq!(kind_of(keys, &names, b"p:{a}:zz"), None);
+        assert_eq!(kind_of(keys, &names, b"p:{b}"), None);
+    }
+
+    #[test]
+    fn bounds_follow_the_configuration() {
+        let p = KeyPolicy::new(Duration::from_secs(1), Duration::from_secs(5));
+        assert_eq!(
+            p.allowed(KeyKind::Lock, false),
+            Allowed::Within(Duration::from_secs(1))
+        );
+        assert_eq!(
+            p.allowed(KeyKind::Lock, true),
+            Allowed::Within(Duration::from_secs(2))
+        );
+        assert_eq!(
+            p.allowed(KeyKind::Mark, false),
+            Allowed::Within(Duration::from_secs(10))
+        );
+        assert_eq!(p.allowed(KeyKind::Fence, false), Allowed::Forever);
+    }
+}
