@@ -35,7 +35,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use redbaton::{Error, LockClient, LostReason, Unlocked};
 use redbaton_testkit::child;
-use redbaton_testkit::clock::wall_us;
+use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::history::{self, History, Kind, Verdict, Violation};
 use redbaton_testkit::keys::{Keys, fence_of};
 use redbaton_testkit::leftover::{self, KeyPolicy};
@@ -473,7 +473,7 @@ fn chaos_child() {
             Err(e) => {
                 assert!(e.is_connection(), "build: {e:?}");
                 tally.add("build_errors", 1);
-                if wall_us() > end_at {
+                if mono_us() > end_at {
                     child::print_result(&[("pid", pid.to_string()), ("built", "0".into())]);
                     return;
                 }
@@ -494,7 +494,7 @@ fn chaos_child() {
         .collect();
     // Bounded joins: a hung thread is reported, not waited for.
     let join_by = Instant::now()
-        + Duration::from_micros(end_at.saturating_sub(wall_us()))
+        + Duration::from_micros(end_at.saturating_sub(mono_us()))
         + Duration::from_secs(10);
     while workers.iter().any(|w| !w.is_finished()) && Instant::now() < join_by {
         thread::sleep(ms(20));
@@ -559,10 +559,10 @@ fn chaos_worker(
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut store = Store::connect(store_url);
-    while wall_us() < end_at {
+    while mono_us() < end_at {
         let key = CHAOS_KEYS[rng.random_range(0..CHAOS_KEYS.len())];
         let wait = ms(rng.random_range(50..500));
-        let (w0, t0) = (wall_us(), Instant::now());
+        let (w0, t0) = (mono_us(), Instant::now());
         let r = client.try_lock_for(key, wait);
         let over = t0.elapsed().saturating_sub(wait);
         tally.max("max_overshoot_us", over.as_micros() as u64);
@@ -577,7 +577,7 @@ fn chaos_worker(
             // a SIGSTOP of this process.
             tally.slow.lock().unwrap().push(format!(
                 "{w0},{},{},{outcome},{holder}",
-                wall_us(),
+                mono_us(),
                 over.as_micros()
             ));
         }
@@ -585,7 +585,7 @@ fn chaos_worker(
             Ok(g) => {
                 tally.add("acquired", 1);
                 let token = g.fencing_token();
-                let s = wall_us();
+                let s = mono_us();
                 let (r1, last1) = store.write("b", key, token, holder, s, 0);
                 if rng.random_range(0..40) == 0 {
                     // A long section (past a few renewals): the watchdog meets the faults.
@@ -598,7 +598,7 @@ fn chaos_worker(
                 } else {
                     thread::sleep(Duration::from_micros(rng.random_range(0..15_000)));
                 }
-                let e = wall_us();
+                let e = mono_us();
                 // Checked after reading the end time: if the lock is still ours now, it was
                 // ours during all of [s, e].
                 let left_us = signed_us_until(g.valid_until());
@@ -669,6 +669,12 @@ fn chaos_worker(
             }
         }
     }
+}
+
+/// Microseconds of CLOCK_MONOTONIC: one clock for the parent and its children (on Linux),
+/// which an NTP step cannot move, so that sections of different processes compare.
+fn mono_us() -> u64 {
+    mono_ns() / 1000
 }
 
 /// `s` with its whitespace replaced: report lines are split on spaces.
@@ -983,7 +989,7 @@ fn chaos() {
         "chaos seed {seed}, {secs} s of faults; replay: {replay}; history: {}",
         History::path_in(&dir, "chaos", seed).display()
     );
-    let started_us = wall_us();
+    let started_us = mono_us();
     let mut hist = History::new("chaos", seed, started_us);
     hist.note(format!("replay: {replay}"));
     hist.note(format!(
@@ -1028,9 +1034,9 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     let mut store = store_srv.conn();
     let started = Instant::now();
     let chaos_end = started + chaos_for;
-    let end_at_us = wall_us() + (chaos_for + CALM).as_micros() as u64;
+    let end_at_us = mono_us() + (chaos_for + CALM).as_micros() as u64;
     hist.event(
-        wall_us(),
+        mono_us(),
         "parent",
         format!(
             "servers up: lock {} behind proxies {} and {}, store {}",
@@ -1056,7 +1062,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             ],
         );
         hist.event(
-            wall_us(),
+            mono_us(),
             "parent",
             format!(
                 "spawned child {} in slot {slot} (via proxy {proxy}, seed {child_seed})",
@@ -1121,14 +1127,14 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             Fault::ProxyReset => format!("{fault:?} proxy {}", step.proxy),
             _ => format!("{fault:?}"),
         };
-        hist.event(wall_us(), "parent", format!("fault {n}: {what}"));
+        hist.event(mono_us(), "parent", format!("fault {n}: {what}"));
         match fault {
             Fault::KillHolder => {
                 let mut c = children.slots[target].take().expect("live child");
                 child::kill_child(&mut c, libc::SIGKILL);
                 let out = child::wait_output(c, Duration::from_secs(10));
                 hist.event(
-                    wall_us(),
+                    mono_us(),
                     "parent",
                     format!("child {target_pid} killed: {}", out.status),
                 );
@@ -1136,11 +1142,11 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             }
             Fault::PauseHolder => {
                 let c = children.slots[target].as_mut().expect("live child");
-                let stop_at = wall_us();
+                let stop_at = mono_us();
                 child::kill_child(c, libc::SIGSTOP);
                 thread::sleep(LEASE + step.pause_extra);
                 child::kill_child(c, libc::SIGCONT);
-                pauses.push((target_pid, stop_at, wall_us()));
+                pauses.push((target_pid, stop_at, mono_us()));
             }
             Fault::KillSubscribers => {
                 let n: i64 = redis::cmd("CLIENT")
@@ -1187,7 +1193,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                     p.stall(false);
                 }
                 hist.event(
-                    wall_us(),
+                    mono_us(),
                     "parent",
                     format!(
                         "lock server restarted: epoch {epoch}, fence counters set to {}",
@@ -1211,7 +1217,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                 proxies[step.proxy].kill_all();
             }
         }
-        hist.event(wall_us(), "parent", format!("fault {n}: over"));
+        hist.event(mono_us(), "parent", format!("fault {n}: over"));
         thread::sleep(step.settle);
         let healed = Instant::now();
         let survived = eventually(Duration::from_secs(10), || {
@@ -1225,7 +1231,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             e.1 += 1;
         } else {
             hist.event(
-                wall_us(),
+                mono_us(),
                 "parent",
                 format!("fault {n}: no progress in 10 s"),
             );
@@ -1238,7 +1244,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     for p in &proxies {
         p.heal();
     }
-    hist.event(wall_us(), "parent", "faults over; proxies healed");
+    hist.event(mono_us(), "parent", "faults over; proxies healed");
 
     // Children stop on their own at end_at_us; bound the wait.
     let mut results: Vec<HashMap<String, String>> = Vec::new();
@@ -1248,7 +1254,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         let pid = c.id();
         let out = child::wait_output(c, CALM + Duration::from_secs(30));
         hist.event(
-            wall_us(),
+            mono_us(),
             pid.to_string(),
             format!("exited: {}", out.status),
         );
@@ -1267,7 +1273,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             } else if let Some(msg) = r.get("other_error") {
                 eprintln!("child {pid}: other error x{}: {msg}", r["n"]);
                 hist.event(
-                    wall_us(),
+                    mono_us(),
                     pid.to_string(),
                     format!("other error x{}: {msg}", r["n"]),
                 );
@@ -1281,7 +1287,8 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     // child's lock key and marks are there until their TTLs run out: that is allowed).
     let policy = KeyPolicy::new(LEASE, CHAOS_RECHECK);
     for bad in leftover::misplaced(&mut lock_srv.conn(), CHAOS_KEYSPACE, &CHAOS_KEYS, &policy) {
-        hist.event(wall_us(), "parent", format!("key left: {bad}"));
+        let held = leftover::contents(&mut lock_srv.conn(), &bad.key);
+        hist.event(mono_us(), "parent", format!("key left: {bad}; {held}"));
         violations.push(Violation::new(Kind::KeysLeft, bad.to_string()));
     }
 
@@ -1365,16 +1372,20 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         }
     }
     // Mutual exclusion: the sections whose holder still held the lock at their end never
-    // overlap (per key and epoch). Sorted by start, each must end before the next starts.
+    // overlap (per key and epoch). Sorted by start: a section overlaps the later ones
+    // that start before it ends.
     for key in CHAOS_KEYS {
         let mut valid: Vec<&Section> = sections
             .iter()
             .filter(|s| s.key == key && s.valid)
             .collect();
         valid.sort_by_key(|s| (epoch_of(s.token), s.s));
-        for w in valid.windows(2) {
-            let (a, b) = (w[0], w[1]);
-            if epoch_of(a.token) == epoch_of(b.token) && b.s < a.e {
+        // Every pair, not only neighbours: a long section may overlap several short ones.
+        for (i, a) in valid.iter().enumerate() {
+            for b in valid[i + 1..]
+                .iter()
+                .take_while(|b| epoch_of(b.token) == epoch_of(a.token) && b.s < a.e)
+            {
                 violations.push(Violation::new(
                     Kind::Overlap,
                     format!(

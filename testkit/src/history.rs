@@ -119,10 +119,10 @@ impl Kind {
 
 impl fmt::Display for Kind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let class = if self.is_safety() {
-            "safety"
-        } else {
-            "liveness"
+        let class = match self {
+            k if k.is_safety() => "safety",
+            Kind::Other => "harness or crash",
+            _ => "liveness",
         };
         write!(f, "{} ({class})", self.label())
     }
@@ -189,8 +189,9 @@ pub fn failure_message(
 
 /// Timestamped events of one run, written to a file in time order.
 ///
-/// Times are wall-clock microseconds (comparable between the processes of one machine);
-/// the file shows them as milliseconds since the run started.
+/// Times are microseconds on a clock the processes of one machine share (the caller's
+/// choice: CLOCK_MONOTONIC, or the wall clock); the file shows them as milliseconds since
+/// the run started.
 pub struct History {
     test: String,
     seed: u64,
@@ -200,7 +201,7 @@ pub struct History {
 }
 
 impl History {
-    /// An empty history of `test` run with `seed`, started at `started_us` (wall clock).
+    /// An empty history of `test` run with `seed`, started at `started_us`.
     pub fn new(test: &str, seed: u64, started_us: u64) -> History {
         History {
             test: test.to_owned(),
@@ -216,7 +217,7 @@ impl History {
         self.header.push(line.into());
     }
 
-    /// An event at `at_us` (wall clock) from `source` (`parent`, a PID, `pid.thread`).
+    /// An event at `at_us` from `source` (`parent`, a PID, `pid.thread`).
     pub fn event(&mut self, at_us: u64, source: impl Into<String>, what: impl Into<String>) {
         self.events.push((at_us, source.into(), what.into()));
     }

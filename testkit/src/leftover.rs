@@ -216,6 +216,34 @@ pub fn misplaced(
     bad
 }
 
+/// What `key` holds, in one line, for a history: a string's value, or a sorted set's first
+/// members with their scores, and the server's clock (ms) to compare expiry scores with.
+pub fn contents(conn: &mut redis::Connection, key: &str) -> String {
+    let ty: String = redis::cmd("TYPE").arg(key).query(conn).expect("TYPE");
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query(conn).expect("TIME");
+    let now_ms = secs * 1000 + micros / 1000;
+    let value = match ty.as_str() {
+        "string" => {
+            let v: Option<String> = redis::cmd("GET").arg(key).query(conn).expect("GET");
+            format!("{v:?}")
+        }
+        "zset" => {
+            let v: Vec<(String, f64)> = redis::cmd("ZRANGE")
+                .arg(key)
+                .arg(0)
+                .arg(19)
+                .arg("WITHSCORES")
+                .query(conn)
+                .expect("ZRANGE");
+            let n: u64 = redis::cmd("ZCARD").arg(key).query(conn).expect("ZCARD");
+            let shown: Vec<String> = v.iter().map(|(m, s)| format!("{m}@{s}")).collect();
+            format!("{n} members: {}", shown.join(" "))
+        }
+        other => format!("a {other}"),
+    };
+    format!("{key} = {value} (server time {now_ms} ms)")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
