@@ -41,6 +41,7 @@ use redbaton_testkit::keys::{Keys, fence_of};
 use redbaton_testkit::leftover::{self, KeyPolicy};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::stalls::{StallWatch, Stalls};
 use redbaton_testkit::wait::eventually;
 use redbaton_testkit::{init_log, ms};
 
@@ -380,9 +381,11 @@ impl Store {
             .unwrap()
             .get_connection_with_timeout(Duration::from_secs(5))
             .expect("connect to the storage");
-        conn.set_read_timeout(Some(Duration::from_secs(10)))
+        // Generous: the storage is never faulted, but a loaded machine can stall every
+        // process for tens of seconds, and a harness panic would hide the run's findings.
+        conn.set_read_timeout(Some(Duration::from_secs(60)))
             .unwrap();
-        conn.set_write_timeout(Some(Duration::from_secs(10)))
+        conn.set_write_timeout(Some(Duration::from_secs(60)))
             .unwrap();
         Store {
             conn,
@@ -492,10 +495,11 @@ fn chaos_child() {
                 .unwrap()
         })
         .collect();
-    // Bounded joins: a hung thread is reported, not waited for.
+    // Bounded joins: a hung thread is reported, not waited for. A thread may be one call
+    // (its wait plus a few network timeouts) past the end, or more on a stalled machine.
     let join_by = Instant::now()
         + Duration::from_micros(end_at.saturating_sub(mono_us()))
-        + Duration::from_secs(10);
+        + Duration::from_secs(60);
     while workers.iter().any(|w| !w.is_finished()) && Instant::now() < join_by {
         thread::sleep(ms(20));
     }
@@ -1001,14 +1005,17 @@ fn chaos() {
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         run_chaos(seed, secs, &mut hist, &mut violations)
     }));
-    if let Err(p) = ran {
+    let stalls = ran.unwrap_or_else(|p| {
         violations.push(Violation::new(
             Kind::Other,
             format!("the harness panicked: {}", panic_text(&*p)),
         ));
-    }
+        Stalls::default()
+    });
     let path = hist.write(&dir, &violations);
-    Verdict::of(seed, &path, &violations).print();
+    let mut verdict = Verdict::of(seed, &path, &violations);
+    verdict.stalled_ms = stalls.total() / 1000;
+    verdict.print();
     eprintln!(
         "{} violations; history: {}",
         violations.len(),
@@ -1021,10 +1028,13 @@ fn chaos() {
     );
 }
 
-/// One chaos scenario: events go to `hist`, findings to `violations`.
-fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Violation>) {
+/// One chaos scenario: events go to `hist`, findings to `violations`; returns when the
+/// harness itself was stalled.
+fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Violation>) -> Stalls {
     let mut schedule = Schedule::new(seed);
     let chaos_for = Duration::from_secs(secs);
+    // Liveness is judged on the time this process actually ran (see `stalls`).
+    let watch = StallWatch::start();
 
     let lock_srv = RedisServer::builder()
         .config("notify-keyspace-events", "Kg$xe")
@@ -1082,15 +1092,20 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     let mut detail: BTreeMap<&str, u64> = BTreeMap::new();
 
     // Let everyone start before the first fault.
+    let t0 = mono_us();
     if eventually(Duration::from_secs(15), || {
         (progress(&mut store) > 0).then_some(())
     })
     .is_none()
     {
-        violations.push(Violation::new(
-            Kind::NoProgress,
-            "no progress before the first fault",
-        ));
+        no_progress(
+            &watch.stalls(),
+            t0,
+            Duration::from_secs(15),
+            "before the first fault",
+            hist,
+            violations,
+        );
     }
 
     while Instant::now() < chaos_end {
@@ -1220,6 +1235,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         hist.event(mono_us(), "parent", format!("fault {n}: over"));
         thread::sleep(step.settle);
         let healed = Instant::now();
+        let healed_us = mono_us();
         let survived = eventually(Duration::from_secs(10), || {
             (progress(&mut store) > before).then_some(())
         })
@@ -1227,18 +1243,17 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         max_recovery_us = max_recovery_us.max(healed.elapsed().as_micros() as u64);
         let e = injected.entry(fault).or_default();
         e.0 += 1;
-        if survived {
+        if survived
+            || !no_progress(
+                &watch.stalls(),
+                healed_us,
+                Duration::from_secs(10),
+                &format!("after fault {n} ({what})"),
+                hist,
+                violations,
+            )
+        {
             e.1 += 1;
-        } else {
-            hist.event(
-                mono_us(),
-                "parent",
-                format!("fault {n}: no progress in 10 s"),
-            );
-            violations.push(Violation::new(
-                Kind::NoProgress,
-                format!("no progress within 10 s after fault {n} ({what})"),
-            ));
         }
     }
     for p in &proxies {
@@ -1252,7 +1267,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     for slot in children.slots.iter_mut() {
         let c = slot.take().expect("live child");
         let pid = c.id();
-        let out = child::wait_output(c, CALM + Duration::from_secs(30));
+        let out = child::wait_output(c, CALM + Duration::from_secs(90));
         hist.event(
             mono_us(),
             pid.to_string(),
@@ -1398,6 +1413,16 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     }
     // Deadlines: a call slower than wait + NET_BUDGET is a violation unless its process was
     // SIGSTOPped during it; calls over wait + OVERSHOOT_MARGIN are counted.
+    let stalls = watch.stop();
+    for &(a, b) in &stalls.gaps {
+        if b - a >= 1_000_000 {
+            hist.event(
+                a,
+                "parent",
+                format!("the harness did not run for {} ms", (b - a) / 1000),
+            );
+        }
+    }
     let mut max_excused = 0u64;
     let mut max_unexcused = 0u64;
     let mut over_margin = 0u64;
@@ -1412,16 +1437,24 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         let excused = pauses
             .iter()
             .any(|&(p, a, b)| p == *pid && w0 <= b && w1 >= a);
+        // A machine that stalled during the call made it late by that much.
+        let stalled = stalls.within(w0, w1);
         hist.event(
             w0,
             thread,
             format!(
-                "try_lock_for returned {} ms late ({}){}",
+                "try_lock_for returned {} ms late ({}){}{}",
                 over / 1000,
                 f[3],
-                if excused { ", during a SIGSTOP" } else { "" }
+                if excused { ", during a SIGSTOP" } else { "" },
+                if stalled > 0 {
+                    format!(", {} ms of it with the harness stalled", stalled / 1000)
+                } else {
+                    String::new()
+                }
             ),
         );
+        let over = over.saturating_sub(stalled);
         if excused {
             max_excused = max_excused.max(over);
         } else {
@@ -1523,6 +1556,13 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         "recovery after a fault (first new section): max {:?}",
         Duration::from_micros(max_recovery_us)
     ));
+    report.push(format!(
+        "harness stalled (not scheduled for over {:?}): {} times, {} ms in all, longest {} ms",
+        StallWatch::MIN_GAP,
+        stalls.gaps.len(),
+        stalls.total() / 1000,
+        stalls.longest() / 1000
+    ));
     for line in report {
         eprintln!("{line}");
         hist.note(line);
@@ -1548,6 +1588,42 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                 ));
             }
         }
+    }
+    stalls
+}
+
+/// Judges a progress check that saw no progress for `limit` from `from`: a violation if
+/// this process ran for `limit` of that time (returns true), else the machine stalled and
+/// the check is not judged (an event in the history; returns false).
+fn no_progress(
+    stalls: &Stalls,
+    from: u64,
+    limit: Duration,
+    when: &str,
+    hist: &mut History,
+    violations: &mut Vec<Violation>,
+) -> bool {
+    let now = mono_us();
+    let stalled = stalls.within(from, now);
+    let ran = Duration::from_micros((now - from).saturating_sub(stalled));
+    if ran >= limit {
+        hist.event(now, "parent", format!("no progress {when} in {limit:?}"));
+        violations.push(Violation::new(
+            Kind::NoProgress,
+            format!("no progress within {limit:?} {when}"),
+        ));
+        true
+    } else {
+        hist.event(
+            now,
+            "parent",
+            format!(
+                "no progress {when}, but the harness stalled {} ms of the {} ms: not judged",
+                stalled / 1000,
+                (now - from) / 1000
+            ),
+        );
+        false
     }
 }
 
@@ -1597,7 +1673,11 @@ fn soak() {
                             .collect();
                         format!("{} -> {}", kinds.join(", "), verdict.history)
                     };
-                    eprintln!("run {}/{runs} seed {seed} ({took:.0?}): {what}", i + 1);
+                    eprintln!(
+                        "run {}/{runs} seed {seed} ({took:.0?}, harness stalled {} ms): {what}",
+                        i + 1,
+                        verdict.stalled_ms
+                    );
                     verdicts.lock().unwrap().push((i, verdict, took));
                 }
             });
@@ -1638,6 +1718,19 @@ fn soak() {
             eprintln!("  first {}: {t}", k.label());
         }
     }
+    let stalled: Vec<String> = verdicts
+        .iter()
+        .filter(|v| v.1.stalled_ms >= 1000)
+        .map(|v| format!("{} ({} ms)", v.1.seed, v.1.stalled_ms))
+        .collect();
+    eprintln!(
+        "\nruns whose harness stalled 1 s or more in all (liveness judged on the time it ran): {}",
+        if stalled.is_empty() {
+            "none".to_owned()
+        } else {
+            stalled.join(", ")
+        }
+    );
     let safety = failing
         .iter()
         .filter(|v| v.counts.keys().any(|k| k.is_safety()))

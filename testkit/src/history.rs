@@ -268,6 +268,9 @@ pub struct Verdict {
     /// One line per violation kind found: the first violation's text (spaces replaced),
     /// for the soak's table.
     pub first: BTreeMap<Kind, String>,
+    /// How long the run's own process did not get the CPU (see `stalls`), in ms: the
+    /// liveness checks of a run stalled for long judged little.
+    pub stalled_ms: u64,
 }
 
 /// The `RESULT` field that marks a verdict line.
@@ -285,6 +288,7 @@ impl Verdict {
             history: history.display().to_string(),
             counts: count_by_kind(violations),
             first,
+            stalled_ms: 0,
         }
     }
 
@@ -300,6 +304,7 @@ impl Verdict {
             (VERDICT_TAG.to_owned(), "1".to_owned()),
             ("seed".to_owned(), self.seed.to_string()),
             ("history".to_owned(), squash(&self.history)),
+            ("stalled_ms".to_owned(), self.stalled_ms.to_string()),
         ];
         for (k, n) in &self.counts {
             fields.push((k.label().to_owned(), n.to_string()));
@@ -322,6 +327,10 @@ impl Verdict {
         let mut v = Verdict {
             seed: r.get("seed")?.parse().ok()?,
             history: r.get("history").cloned().unwrap_or_default(),
+            stalled_ms: r
+                .get("stalled_ms")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0),
             ..Verdict::default()
         };
         for k in Kind::ALL {

@@ -11,6 +11,8 @@
 //!   tests observe them from outside.
 //! * [`leftover`]: every kind of key the library writes and how long each may stay.
 //! * [`history`]: seeds, histories and violations of replayable randomized tests.
+//! * [`stalls`]: when the test process itself did not run (a loaded machine), so that
+//!   liveness checks do not blame the library for it.
 //! * [`sections`]: checking critical sections for overlaps nobody was told of.
 //! * [`wait`]: polling and joining with a deadline, so a broken test fails instead of
 //!   hanging.
@@ -40,6 +42,7 @@ pub mod proxy;
 pub mod sections;
 pub mod sentinel;
 pub mod server;
+pub mod stalls;
 pub mod tls;
 pub mod wait;
 
