@@ -468,6 +468,8 @@ fn chaos_child() {
     let seed: u64 = child::env("CHAOS_CHILD_SEED").parse().unwrap();
     let pid = std::process::id();
     let tally = Arc::new(Tally::default());
+    // A late call is judged on the time this process ran (see `stalls`).
+    let watch = Arc::new(StallWatch::start());
 
     // The replacement of a killed child may start in the middle of a fault.
     let client = loop {
@@ -486,12 +488,19 @@ fn chaos_child() {
     };
     let workers: Vec<_> = (0..CHAOS_THREADS)
         .map(|t| {
-            let (client, store_url, tally) = (client.clone(), store_url.clone(), tally.clone());
+            let (client, store_url, tally, watch) = (
+                client.clone(),
+                store_url.clone(),
+                tally.clone(),
+                watch.clone(),
+            );
             let holder = format!("{pid}.{t}");
             let seed = history::derive(seed, t as u64);
             thread::Builder::new()
                 .name(format!("chaos-{t}"))
-                .spawn(move || chaos_worker(&client, &store_url, end_at, seed, &holder, &tally))
+                .spawn(move || {
+                    chaos_worker(&client, &store_url, end_at, seed, &holder, &tally, &watch)
+                })
                 .unwrap()
         })
         .collect();
@@ -560,6 +569,7 @@ fn chaos_worker(
     seed: u64,
     holder: &str,
     tally: &Tally,
+    watch: &StallWatch,
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut store = Store::connect(store_url);
@@ -577,12 +587,13 @@ fn chaos_worker(
             Err(_) => "other",
         };
         if over > ms(250) {
-            // start,end,overshoot,outcome,thread — the parent excuses calls that overlapped
-            // a SIGSTOP of this process.
+            // start,end,overshoot,outcome,thread,stalled — the parent excuses calls that
+            // overlapped a SIGSTOP of this process, and the time this process did not run.
+            let w1 = mono_us();
             tally.slow.lock().unwrap().push(format!(
-                "{w0},{},{},{outcome},{holder}",
-                mono_us(),
-                over.as_micros()
+                "{w0},{w1},{},{outcome},{holder},{}",
+                over.as_micros(),
+                watch.stalls().within(w0, w1)
             ));
         }
         match r {
@@ -1437,8 +1448,10 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         let excused = pauses
             .iter()
             .any(|&(p, a, b)| p == *pid && w0 <= b && w1 >= a);
-        // A machine that stalled during the call made it late by that much.
-        let stalled = stalls.within(w0, w1);
+        // A machine that stalled during the call made it late by that much: the parent's
+        // stalls, or the child's own (a loaded machine starves some processes more).
+        let child_stalled: u64 = f.get(5).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let stalled = stalls.within(w0, w1).max(child_stalled);
         hist.event(
             w0,
             thread,
