@@ -266,6 +266,34 @@ mod tests {
     }
 
     #[test]
+    fn misplaced_keys_are_found_on_a_real_server() {
+        let srv = crate::server::RedisServer::start();
+        let mut c = srv.conn();
+        let keys = Keys::new("p:");
+        let run = |c: &mut redis::Connection, args: &[&str]| {
+            let mut cmd = redis::cmd(args[0]);
+            for a in &args[1..] {
+                cmd.arg(*a);
+            }
+            cmd.query::<redis::Value>(c).expect("command");
+        };
+        run(&mut c, &["SET", "p:{a}", "t", "PX", "900"]); // within the lease
+        run(&mut c, &["SET", "p:{a}:fence", "7"]); // may stay
+        run(&mut c, &["SET", "p:{a}:w", "id", "PX", "60000"]); // longer than the mark TTL
+        run(&mut c, &["ZADD", "p:{a}:q", "1", "x"]); // no TTL
+        run(&mut c, &["SET", "p:{a}:zz", "?"]); // unknown
+        run(&mut c, &["SET", "other", "not ours"]);
+        let policy = KeyPolicy::new(Duration::from_secs(1), Duration::from_secs(5));
+        let mut bad: Vec<String> = misplaced(&mut c, keys, &["a"], &policy)
+            .into_iter()
+            .map(|m| m.key)
+            .collect();
+        bad.sort();
+        assert_eq!(bad, ["p:{a}:q", "p:{a}:w", "p:{a}:zz"]);
+        assert!(contents(&mut c, "p:{a}:q").contains("1 members: x@1"));
+    }
+
+    #[test]
     fn bounds_follow_the_configuration() {
         let p = KeyPolicy::new(Duration::from_secs(1), Duration::from_secs(5));
         assert_eq!(
