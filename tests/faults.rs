@@ -935,6 +935,18 @@ fn current_holder_pid(store: &mut redis::Connection, key: &str) -> Option<u32> {
     h?.split('.').next()?.parse().ok()
 }
 
+/// Sets every chaos key's fence counter to `value` (no TTL: a counter may stay).
+fn set_fences(lock_srv: &RedisServer, value: u64) {
+    let mut conn = lock_srv.conn();
+    for k in CHAOS_KEYS {
+        let () = redis::cmd("SET")
+            .arg(CHAOS_KEYSPACE.fence(k))
+            .arg(value)
+            .query(&mut conn)
+            .unwrap();
+    }
+}
+
 /// A number from the environment, or `default`; panics on a value that is not one (a typo
 /// must not silently run another scenario).
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -1053,6 +1065,9 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     let store_srv = RedisServer::start();
     let proxies = [Proxy::start(lock_srv.addr()), Proxy::start(lock_srv.addr())];
     let mut store = store_srv.conn();
+    // Epoch 0's counters start at 0 as every later epoch's start at `epoch << 24`, however
+    // the library would seed a counter it finds missing.
+    set_fences(&lock_srv, 0);
     let started = Instant::now();
     let chaos_end = started + chaos_for;
     let end_at_us = mono_us() + (chaos_for + CALM).as_micros() as u64;
@@ -1207,14 +1222,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                 }
                 lock_srv.restart();
                 epoch += 1;
-                let mut conn = lock_srv.conn();
-                for k in CHAOS_KEYS {
-                    let () = redis::cmd("SET")
-                        .arg(CHAOS_KEYSPACE.fence(k))
-                        .arg(epoch << EPOCH_SHIFT)
-                        .query(&mut conn)
-                        .unwrap();
-                }
+                set_fences(&lock_srv, epoch << EPOCH_SHIFT);
                 for p in &proxies {
                     p.stall(false);
                 }
