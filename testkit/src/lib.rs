@@ -10,6 +10,10 @@
 //! * [`keys`]: the Redis keys and fencing-token layout of the lock protocol, as the
 //!   tests observe them from outside.
 //! * [`logs`]: the `log` records of the test process, to check what a client warned of.
+//! * [`leftover`]: every kind of key the library writes and how long each may stay.
+//! * [`history`]: seeds, histories and violations of replayable randomized tests.
+//! * [`stalls`]: when the test process itself did not run (a loaded machine), so that
+//!   liveness checks do not blame the library for it.
 //! * [`sections`]: checking critical sections for overlaps nobody was told of.
 //! * [`wait`]: polling and joining with a deadline, so a broken test fails instead of
 //!   hanging.
@@ -33,12 +37,15 @@ pub mod binaries;
 pub mod child;
 pub mod clock;
 pub mod cluster;
+pub mod history;
 pub mod keys;
+pub mod leftover;
 pub mod logs;
 pub mod proxy;
 pub mod sections;
 pub mod sentinel;
 pub mod server;
+pub mod stalls;
 pub mod tls;
 pub mod wait;
 
