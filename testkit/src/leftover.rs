@@ -283,7 +283,8 @@ mod tests {
             cmd.query::<redis::Value>(c).expect("command");
         };
         run(&mut c, &["SET", "p:{a}", "t", "PX", "900"]); // within the lease
-        run(&mut c, &["SET", "p:{a}:fence", "7"]); // may stay
+        run(&mut c, &["SET", "p:{a}:fence", "7", "PX", "60000"]); // within fence_ttl
+        run(&mut c, &["SET", "p:{a}:lease", "3:t", "PX", "5000"]); // longer than the lease
         run(&mut c, &["SET", "p:{a}:w", "id", "PX", "60000"]); // longer than the mark TTL
         run(&mut c, &["ZADD", "p:{a}:q", "1", "x"]); // no TTL
         run(&mut c, &["SET", "p:{a}:zz", "?"]); // unknown
@@ -294,7 +295,7 @@ mod tests {
             .map(|m| m.key)
             .collect();
         bad.sort();
-        assert_eq!(bad, ["p:{a}:q", "p:{a}:w", "p:{a}:zz"]);
+        assert_eq!(bad, ["p:{a}:lease", "p:{a}:q", "p:{a}:w", "p:{a}:zz"]);
         assert!(contents(&mut c, "p:{a}:q").contains("1 members: x@1"));
     }
 
@@ -313,6 +314,13 @@ mod tests {
             p.allowed(KeyKind::Mark, false),
             Allowed::Within(Duration::from_secs(10))
         );
-        assert_eq!(p.allowed(KeyKind::Fence, false), Allowed::Forever);
+        assert_eq!(
+            p.allowed(KeyKind::Fence, false),
+            Allowed::Within(Duration::from_secs(7 * 24 * 3600))
+        );
+        assert_eq!(
+            p.allowed(KeyKind::LeaseRecord, false),
+            Allowed::Within(Duration::from_secs(1))
+        );
     }
 }
