@@ -56,21 +56,24 @@
 //! What is promised, and what is not:
 //!
 //! * Promised: on one node, strictly increasing tokens, also when the `…:fence` key
-//!   expires ([`Builder::fence_ttl`]), is evicted, or is lost in a restart: a new counter
-//!   starts at the server's clock in microseconds, above every token the old one issued
-//!   (`fence_ttl` says what this rests on: mainly a server clock that does not step back).
-//!   On Redlock, increasing tokens across holders while no node fails over to a replica
-//!   that missed the counter, the nodes' clocks agree within `fence_ttl`, and the
-//!   write-back reached the overlap.
-//! * Not promised: after a failover to a replica that missed the latest increments, the
-//!   counter goes on from the replica's older value and tokens can go backwards (on one
-//!   node as on a majority). Martin Kleppmann ("How to do distributed locking")
+//!   expires ([`Builder::fence_ttl`]), is evicted, is lost in a restart, or comes back
+//!   stale after a failover to a replica that missed the latest increments: a fence is
+//!   `max(last + 1, the server's clock in µs)`, and never runs ahead of that clock, so a
+//!   counter that starts again starts above every token issued before. This rests on the
+//!   clock of the server that issues a fence not being behind the clock that issued the
+//!   previous one, and on fewer than one acquisition per microsecond per name. On Redlock,
+//!   increasing tokens across holders under the same condition for the nodes' clocks, and
+//!   while the write-back reached the overlap.
+//! * Not promised: tokens across a clock stepped back by more than the time since the
+//!   name's last acquisition, and mutual exclusion across a restart or failover that loses
+//!   a held lock (the old holder learns it at its next renewal; a resource that checks
+//!   tokens refuses its writes). Martin Kleppmann ("How to do distributed locking")
 //!   argues that a lock whose tokens are not strictly monotonic cannot make a paused holder
 //!   safe, and that Redlock's timing assumptions do not hold in an asynchronous network;
 //!   antirez ("Is Redlock safe?") answers that the storage can check the unique random
 //!   token instead, and that the timing assumptions are reasonable in practice. If your
-//!   resource needs strict fencing through node failures, use one node with persistence
-//!   (`appendfsync always`) or a consensus system.
+//!   resource needs strict fencing through node failures without trusting clocks, use one
+//!   node with persistence (`appendfsync always`) or a consensus system.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, clippy::missing_errors_doc)]

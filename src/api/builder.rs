@@ -736,20 +736,21 @@ impl Builder {
     /// acquisition that used it (default 7 days). Every acquisition refreshes it; a counter
     /// idle this long expires, so Redis keeps no key for a name nobody locked lately.
     ///
-    /// Tokens still strictly increase across an expiry: a counter that does not exist is
-    /// created at the server's clock in microseconds (`TIME`), not at 1, and then counts up
-    /// by one per acquisition. A counter seeded so never runs ahead of the server's clock
-    /// (acquisitions on one name are serialized and each takes more than a microsecond of
-    /// server time), so a new seed, taken later, is above every token the old counter
-    /// issued, even when the counter was evicted or deleted. What this rests on:
+    /// Tokens still strictly increase across an expiry: every fence is `max(last + 1, the
+    /// server's clock in microseconds)` (`TIME`), so a counter that does not exist, or
+    /// comes back stale (a failover to a replica that missed the last increments), starts
+    /// at the clock. A fence never runs ahead of the clock that issued it (acquisitions on
+    /// one name are serialized and each takes more than a microsecond of server time), so
+    /// one issued later is above every earlier token. What this rests on:
     ///
-    /// * the server's clock does not step back, across restarts and failovers, by more
-    ///   than the counter was idle (at least `fence_ttl` when it expired);
+    /// * the clock of the server that issues a fence is not behind the clock that issued
+    ///   the previous one (no step back across a restart; a promoted replica's clock in
+    ///   step with the old master's);
     /// * fewer than one acquisition per microsecond on one name, on average;
-    /// * with Redlock, the nodes' clocks agree within `fence_ttl` (a counter is raised to
-    ///   the majority's highest value, which another node's clock may have seeded);
-    /// * every client of the prefix creates counters this way (a client of an older version
-    ///   restarts an expired counter at 1).
+    /// * with Redlock, the nodes' clocks agree to within the time between acquisitions (a
+    ///   counter is raised to the majority's highest value, from another node's clock);
+    /// * every client of the prefix issues fences this way (a client of an older version
+    ///   counts on from the value it finds).
     ///
     /// A retry after a lost reply reads the counter back, so it must outlive the retries:
     /// `fence_ttl` must be at least 1 s, twice the lease and four read timeouts, and at
