@@ -7,13 +7,14 @@
 //! a node or changes what another relies on.
 
 use std::collections::HashSet;
-use std::sync::{Mutex, Once, OnceLock};
+use std::sync::OnceLock;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::cluster::{APP_ACL, Cluster};
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::logs;
 use redbaton_testkit::tls::Certs;
 use redbaton_testkit::{init_log, ms, secs};
 
@@ -77,36 +78,9 @@ fn exists(name: &str) -> bool {
         .expect("EXISTS")
 }
 
-/// Every log record of this process, as text.
-static LOGGED: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-struct Capture;
-
-impl log::Log for Capture {
-    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
-        true
-    }
-
-    fn log(&self, record: &log::Record<'_>) {
-        let text = format!("{} {}: {}", record.level(), record.target(), record.args());
-        LOGGED.lock().unwrap_or_else(|e| e.into_inner()).push(text);
-    }
-
-    fn flush(&self) {}
-}
-
-/// Records every log line of every crate (the `redis` crate's too) from now on.
-fn capture_logs() {
-    static INSTALL: Once = Once::new();
-    INSTALL.call_once(|| {
-        log::set_logger(&Capture).expect("no other logger in this process");
-        log::set_max_level(log::LevelFilter::Trace);
-    });
-}
-
 /// No log line so far holds `secret`; how many lines there were.
 fn assert_never_logged(secret: &str) -> usize {
-    let logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+    let logged = logs::all();
     if let Some(line) = logged.iter().find(|l| l.contains(secret)) {
         panic!("a log line holds the password: {line}");
     }
@@ -119,7 +93,7 @@ fn assert_never_logged(secret: &str) -> usize {
 #[test]
 fn smoke() {
     init_log();
-    capture_logs();
+    logs::capture();
     let c = cluster();
     let seed = first_seed_as(USER, PASSWORD);
     let holder = builder(&seed).lease(LONG_LEASE).build().expect("holder");
@@ -185,7 +159,7 @@ fn smoke() {
 #[test]
 fn wrong_credentials_are_auth_errors() {
     init_log();
-    capture_logs();
+    logs::capture();
     let wrong = "wrong-pw-91c2";
     for (what, seed) in [
         ("wrong password", first_seed_as(USER, wrong)),

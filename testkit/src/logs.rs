@@ -44,3 +44,8 @@ pub fn lines(level: log::Level, needle: &str) -> Vec<String> {
         .cloned()
         .collect()
 }
+
+/// Every record kept so far, of every level.
+pub fn all() -> Vec<String> {
+    LINES.lock().clone()
+}
