@@ -1,4 +1,5 @@
-//! The settings a client runs with, as checked by the builder.
+//! The settings a client runs with: declared, defaulted and shown here once; checked by
+//! the builder; and the timings derived from them, each named once.
 
 use std::time::Duration;
 
@@ -7,7 +8,7 @@ pub(crate) const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
 /// The shortest lease accepted: shorter could not be renewed in time.
 pub(crate) const MIN_LEASE: Duration = Duration::from_millis(10);
 
-/// How a waiter learns that a held lock may have become free.
+/// How waiters learn that a held lock may have become free.
 ///
 /// # Examples
 ///
@@ -29,9 +30,13 @@ pub enum Wakeup {
     Polling(Duration),
 }
 
-/// Settings checked by [`Builder::build`]; kept by the client.
+/// Every setting of a client. The builder holds one (its defaults are the documented
+/// ones, see `Builder`), its methods set the fields, and `Builder::build` checks it and
+/// hands it to the client.
 #[derive(Clone)]
 pub(crate) struct Config {
+    /// The node URLs: one node, or an odd number (3 or more) for Redlock. Empty until
+    /// the builder's check puts the local default there (unless Cluster or Sentinel).
     pub nodes: Vec<String>,
     pub key_prefix: String,
     pub lease: Duration,
@@ -43,7 +48,9 @@ pub(crate) struct Config {
     pub configure_notifications: bool,
     pub recheck_interval: Duration,
     pub auto_renew: bool,
-    pub renew_interval: Duration,
+    /// The renewal interval of the configured lease as set (`None`: a third of it); read
+    /// it through [`Config::renew_every`].
+    pub renew_interval: Option<Duration>,
     pub max_hold: Option<Duration>,
     pub local_handoff: bool,
     pub max_handoffs: u32,
@@ -61,6 +68,67 @@ pub(crate) struct Config {
     pub fence_ttl: Duration,
 }
 
+/// The documented defaults (the table on `Builder`).
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            nodes: Vec::new(),
+            key_prefix: "redbaton:".to_owned(),
+            lease: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(2),
+            read_timeout: Duration::from_secs(2),
+            write_timeout: Duration::from_secs(2),
+            pool_size: 8,
+            wakeup: Wakeup::Notifications,
+            configure_notifications: true,
+            recheck_interval: Duration::from_secs(5),
+            auto_renew: true,
+            renew_interval: None,
+            max_hold: None,
+            local_handoff: true,
+            max_handoffs: 16,
+            handoff_slice: Duration::from_millis(10),
+            tls: Tls::default(),
+            replica_ack: None,
+            sentinel: None,
+            fair: true,
+            cluster: Vec::new(),
+            fence_ttl: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+/// URLs may carry a password: shown with it replaced by `***`. Keys and the master's
+/// credentials are never shown (see [`Tls`] and [`SentinelConfig`]).
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("nodes", &redact_all(&self.nodes))
+            .field("key_prefix", &self.key_prefix)
+            .field("lease", &self.lease)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("read_timeout", &self.read_timeout)
+            .field("write_timeout", &self.write_timeout)
+            .field("pool_size", &self.pool_size)
+            .field("wakeup", &self.wakeup)
+            .field("configure_notifications", &self.configure_notifications)
+            .field("recheck_interval", &self.recheck_interval)
+            .field("auto_renew", &self.auto_renew)
+            .field("renew_interval", &self.renew_interval)
+            .field("max_hold", &self.max_hold)
+            .field("local_handoff", &self.local_handoff)
+            .field("max_handoffs", &self.max_handoffs)
+            .field("handoff_slice", &self.handoff_slice)
+            .field("tls", &self.tls)
+            .field("replica_ack", &self.replica_ack)
+            .field("sentinel", &self.sentinel)
+            .field("fair", &self.fair)
+            .field("cluster", &redact_all(&self.cluster))
+            .field("fence_ttl", &self.fence_ttl)
+            .finish()
+    }
+}
+
 /// Where the sentinels are and how to reach the master they name.
 #[derive(Clone, Default)]
 pub(crate) struct SentinelConfig {
@@ -76,6 +144,19 @@ pub(crate) struct SentinelConfig {
     pub db: i64,
 }
 
+/// The master's credentials are only said to be set; the sentinels' passwords are `***`.
+impl std::fmt::Debug for SentinelConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelConfig")
+            .field("master", &self.master)
+            .field("sentinels", &redact_all(&self.sentinels))
+            .field("master_auth", &self.master_auth.is_some())
+            .field("master_tls", &self.master_tls)
+            .field("db", &self.db)
+            .finish()
+    }
+}
+
 /// TLS material for `rediss://` nodes (PEM).
 #[derive(Clone, Default)]
 pub(crate) struct Tls {
@@ -85,19 +166,97 @@ pub(crate) struct Tls {
     pub identity: Option<(Vec<u8>, Vec<u8>)>,
 }
 
+/// Only whether each is set: the private key must never be printed.
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls")
+            .field("ca_cert", &self.ca.is_some())
+            .field("client_identity", &self.identity.is_some())
+            .finish()
+    }
+}
+
+/// `redis://user:secret@host/` → `redis://user:***@host/`.
+pub(crate) fn redact(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_owned();
+    };
+    let userinfo = &rest[..at];
+    let user = userinfo.split(':').next().unwrap_or("");
+    format!("{}{user}:***{}", &url[..scheme_end], &rest[at..])
+}
+
+fn redact_all(urls: &[String]) -> Vec<String> {
+    urls.iter().map(|u| redact(u)).collect()
+}
+
+/// The timings derived from the settings: every place that needs one asks here.
 impl Config {
     /// Safety margin for clock drift between this process and Redis: lease × 1% + 2 ms.
     pub fn drift(&self, lease: Duration) -> Duration {
         lease / 100 + Duration::from_millis(2)
     }
 
-    /// How often to renew a lock of this lease: the configured interval for the
-    /// configured lease, a third of any other (set by an explicit extend).
+    /// How often to renew a lock of this lease: the configured interval (a third of the
+    /// lease unless set) for the configured lease, a third of any other (set by an
+    /// explicit extend).
     pub fn renew_every(&self, lease: Duration) -> Duration {
-        if lease == self.lease {
-            self.renew_interval
-        } else {
-            lease / 3
+        match self.renew_interval {
+            Some(every) if lease == self.lease => every,
+            _ => lease / 3,
         }
+    }
+
+    /// Renewals due within this of each other go in one round trip: a quarter of the
+    /// renewal interval.
+    pub fn renew_batch(&self) -> Duration {
+        self.renew_every(self.lease) / 4
+    }
+
+    /// How soon a lease change whose outcome is unknown is tried again: a quarter of the
+    /// renewal interval, at most 200 ms.
+    pub fn renew_retry(&self) -> Duration {
+        self.renew_batch().min(Duration::from_millis(200))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Config, redact};
+    use std::time::Duration;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("redis://u:pw@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact("redis://:pw@h/"), "redis://:***@h/");
+        assert_eq!(redact("redis://h:6379/"), "redis://h:6379/");
+        assert_eq!(redact("not a url"), "not a url");
+        let b = crate::LockClient::builder().node("redis://a:s3cret@h/");
+        assert!(!format!("{b:?}").contains("s3cret"));
+    }
+
+    /// The derived timings of the defaults, as documented on the builder.
+    #[test]
+    fn derived_timings_of_the_defaults() {
+        let cfg = Config::default();
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        assert_eq!(cfg.drift(s(30)), ms(302));
+        assert_eq!(cfg.renew_every(s(30)), s(10));
+        assert_eq!(cfg.renew_every(s(9)), s(3));
+        assert_eq!(cfg.renew_batch(), ms(2500));
+        assert_eq!(cfg.renew_retry(), ms(200));
+        let short = Config {
+            lease: ms(300),
+            renew_interval: Some(ms(40)),
+            ..Config::default()
+        };
+        assert_eq!(short.renew_every(ms(300)), ms(40));
+        assert_eq!(short.renew_retry(), ms(10));
     }
 }

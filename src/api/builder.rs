@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::api::client::LockClient;
-use crate::config::{Config, MAX_LEASE, MIN_LEASE, SentinelConfig, Tls, Wakeup};
+use crate::config::{Config, MAX_LEASE, MIN_LEASE, SentinelConfig, Wakeup};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_LOCAL_SEQ;
 use crate::proto::connect::{access, open_client};
@@ -13,8 +13,6 @@ use crate::proto::keys::MAX_PREFIX_LEN;
 /// `Duration::MAX` meant as "never") rather than silently capped.
 const MAX_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 
-/// How long an idle fencing counter lives by default (see [`Builder::fence_ttl`]).
-const DEFAULT_FENCE_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 /// The shortest `fence_ttl` accepted, whatever the lease and timeouts.
 const MIN_FENCE_TTL: Duration = Duration::from_secs(1);
 /// The longest `fence_ttl` accepted: longer is taken for a mistake.
@@ -70,123 +68,13 @@ const MAX_FENCE_TTL: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 /// let err = redbaton::LockClient::builder().lease(Duration::ZERO).build().unwrap_err();
 /// assert!(err.is_invalid_input());
 /// ```
-#[derive(Clone)]
+#[derive(Clone, Debug, Default)]
 #[must_use = "a builder does nothing until build() is called"]
 pub struct Builder {
-    nodes: Vec<String>,
-    key_prefix: String,
-    lease: Duration,
-    connect_timeout: Duration,
-    read_timeout: Duration,
+    /// Every setting, with its default (its `Debug` hides passwords and keys).
+    settings: Config,
     /// Whether the caller chose the read timeout (see [`Builder::read_timeout`]).
     read_timeout_set: bool,
-    write_timeout: Duration,
-    pool_size: usize,
-    wakeup: Wakeup,
-    configure_notifications: bool,
-    recheck_interval: Duration,
-    auto_renew: bool,
-    renew_interval: Option<Duration>,
-    max_hold: Option<Duration>,
-    local_handoff: bool,
-    max_handoffs: u32,
-    handoff_slice: Duration,
-    tls: Tls,
-    replica_ack: Option<(usize, Duration)>,
-    sentinel: Option<SentinelConfig>,
-    fair: bool,
-    cluster: Vec<String>,
-    fence_ttl: Duration,
-}
-
-/// Node URLs may carry a password: `Debug` shows them with it replaced by `***`.
-impl std::fmt::Debug for Builder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Builder")
-            .field(
-                "nodes",
-                &self.nodes.iter().map(|u| redact(u)).collect::<Vec<_>>(),
-            )
-            .field("key_prefix", &self.key_prefix)
-            .field("lease", &self.lease)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("read_timeout", &self.read_timeout)
-            .field("write_timeout", &self.write_timeout)
-            .field("pool_size", &self.pool_size)
-            .field("wakeup", &self.wakeup)
-            .field("configure_notifications", &self.configure_notifications)
-            .field("recheck_interval", &self.recheck_interval)
-            .field("auto_renew", &self.auto_renew)
-            .field("renew_interval", &self.renew_interval)
-            .field("max_hold", &self.max_hold)
-            .field("local_handoff", &self.local_handoff)
-            .field("max_handoffs", &self.max_handoffs)
-            .field("handoff_slice", &self.handoff_slice)
-            .field("tls_ca_cert", &self.tls.ca.is_some())
-            .field("tls_client_identity", &self.tls.identity.is_some())
-            .field("replica_ack", &self.replica_ack)
-            .field("fair", &self.fair)
-            .field("fence_ttl", &self.fence_ttl)
-            .field(
-                "sentinel",
-                &self.sentinel.as_ref().map(|sc| {
-                    (
-                        &sc.master,
-                        sc.sentinels.iter().map(|u| redact(u)).collect::<Vec<_>>(),
-                    )
-                }),
-            )
-            .field(
-                "cluster",
-                &self.cluster.iter().map(|u| redact(u)).collect::<Vec<_>>(),
-            )
-            .finish()
-    }
-}
-
-/// `redis://user:secret@host/` → `redis://user:***@host/`.
-fn redact(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
-    };
-    let userinfo = &rest[..at];
-    let user = userinfo.split(':').next().unwrap_or("");
-    format!("{}{user}:***{}", &url[..scheme_end], &rest[at..])
-}
-
-impl Default for Builder {
-    fn default() -> Self {
-        Builder {
-            nodes: Vec::new(),
-            key_prefix: "redbaton:".to_owned(),
-            lease: Duration::from_secs(30),
-            connect_timeout: Duration::from_secs(2),
-            read_timeout: Duration::from_secs(2),
-            read_timeout_set: false,
-            write_timeout: Duration::from_secs(2),
-            pool_size: 8,
-            wakeup: Wakeup::Notifications,
-            configure_notifications: true,
-            recheck_interval: Duration::from_secs(5),
-            auto_renew: true,
-            renew_interval: None,
-            max_hold: None,
-            local_handoff: true,
-            max_handoffs: 16,
-            handoff_slice: Duration::from_millis(10),
-            tls: Tls::default(),
-            replica_ack: None,
-            sentinel: None,
-            fair: true,
-            cluster: Vec::new(),
-            fence_ttl: DEFAULT_FENCE_TTL,
-        }
-    }
 }
 
 impl LockClient {
@@ -230,7 +118,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn node(mut self, url: impl Into<String>) -> Self {
-        self.nodes.push(url.into());
+        self.settings.nodes.push(url.into());
         self
     }
 
@@ -251,7 +139,7 @@ impl Builder {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        self.nodes.extend(urls.into_iter().map(Into::into));
+        self.settings.nodes.extend(urls.into_iter().map(Into::into));
         self
     }
 
@@ -284,7 +172,10 @@ impl Builder {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        let sc = self.sentinel.get_or_insert_with(SentinelConfig::default);
+        let sc = self
+            .settings
+            .sentinel
+            .get_or_insert_with(SentinelConfig::default);
         sc.master = master_name.into();
         sc.sentinels = sentinel_urls.into_iter().map(Into::into).collect();
         self
@@ -338,7 +229,7 @@ impl Builder {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        self.cluster = seed_urls.into_iter().map(Into::into).collect();
+        self.settings.cluster = seed_urls.into_iter().map(Into::into).collect();
         self
     }
 
@@ -354,7 +245,10 @@ impl Builder {
     /// assert!(!format!("{b:?}").contains("s3cret"));
     /// ```
     pub fn sentinel_master_auth(mut self, user: Option<&str>, password: &str) -> Self {
-        let sc = self.sentinel.get_or_insert_with(SentinelConfig::default);
+        let sc = self
+            .settings
+            .sentinel
+            .get_or_insert_with(SentinelConfig::default);
         sc.master_auth = Some((user.map(str::to_owned), password.to_owned()));
         self
     }
@@ -372,7 +266,8 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn sentinel_master_tls(mut self, on: bool) -> Self {
-        self.sentinel
+        self.settings
+            .sentinel
             .get_or_insert_with(SentinelConfig::default)
             .master_tls = on;
         self
@@ -389,7 +284,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.key_prefix = prefix.into();
+        self.settings.key_prefix = prefix.into();
         self
     }
 
@@ -404,7 +299,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.settings.lease = lease;
         self
     }
 
@@ -421,7 +316,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.settings.connect_timeout = timeout;
         self
     }
 
@@ -442,7 +337,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
-        self.read_timeout = timeout;
+        self.settings.read_timeout = timeout;
         self.read_timeout_set = true;
         self
     }
@@ -458,7 +353,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn write_timeout(mut self, timeout: Duration) -> Self {
-        self.write_timeout = timeout;
+        self.settings.write_timeout = timeout;
         self
     }
 
@@ -472,7 +367,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn pool_size(mut self, size: usize) -> Self {
-        self.pool_size = size;
+        self.settings.pool_size = size;
         self
     }
 
@@ -489,7 +384,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn wakeup(mut self, wakeup: Wakeup) -> Self {
-        self.wakeup = wakeup;
+        self.settings.wakeup = wakeup;
         self
     }
 
@@ -506,7 +401,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn configure_notifications(mut self, allowed: bool) -> Self {
-        self.configure_notifications = allowed;
+        self.settings.configure_notifications = allowed;
         self
     }
 
@@ -523,7 +418,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn recheck_interval(mut self, interval: Duration) -> Self {
-        self.recheck_interval = interval;
+        self.settings.recheck_interval = interval;
         self
     }
 
@@ -538,7 +433,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn auto_renew(mut self, renew: bool) -> Self {
-        self.auto_renew = renew;
+        self.settings.auto_renew = renew;
         self
     }
 
@@ -556,7 +451,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn renew_interval(mut self, interval: Duration) -> Self {
-        self.renew_interval = Some(interval);
+        self.settings.renew_interval = Some(interval);
         self
     }
 
@@ -573,7 +468,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn max_hold(mut self, cap: Duration) -> Self {
-        self.max_hold = Some(cap);
+        self.settings.max_hold = Some(cap);
         self
     }
 
@@ -588,7 +483,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn local_handoff(mut self, on: bool) -> Self {
-        self.local_handoff = on;
+        self.settings.local_handoff = on;
         self
     }
 
@@ -603,7 +498,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn max_handoffs(mut self, n: u32) -> Self {
-        self.max_handoffs = n;
+        self.settings.max_handoffs = n;
         self
     }
 
@@ -620,7 +515,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn handoff_slice(mut self, slice: Duration) -> Self {
-        self.handoff_slice = slice;
+        self.settings.handoff_slice = slice;
         self
     }
 
@@ -639,7 +534,7 @@ impl Builder {
     /// # Ok(()) }
     /// ```
     pub fn tls_ca_cert(mut self, pem: impl Into<Vec<u8>>) -> Self {
-        self.tls.ca = Some(pem.into());
+        self.settings.tls.ca = Some(pem.into());
         self
     }
 
@@ -663,7 +558,7 @@ impl Builder {
         cert_pem: impl Into<Vec<u8>>,
         key_pem: impl Into<Vec<u8>>,
     ) -> Self {
-        self.tls.identity = Some((cert_pem.into(), key_pem.into()));
+        self.settings.tls.identity = Some((cert_pem.into(), key_pem.into()));
         self
     }
 
@@ -697,7 +592,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn fair(mut self, on: bool) -> Self {
-        self.fair = on;
+        self.settings.fair = on;
         self
     }
 
@@ -728,7 +623,7 @@ impl Builder {
     /// # Ok(()) }
     /// ```
     pub fn replica_ack(mut self, replicas: usize, timeout: Duration) -> Self {
-        self.replica_ack = Some((replicas, timeout));
+        self.settings.replica_ack = Some((replicas, timeout));
         self
     }
 
@@ -766,7 +661,7 @@ impl Builder {
     /// # let _ = b;
     /// ```
     pub fn fence_ttl(mut self, ttl: Duration) -> Self {
-        self.fence_ttl = ttl;
+        self.settings.fence_ttl = ttl;
         self
     }
 
@@ -805,19 +700,24 @@ impl Builder {
         LockClient::connect(config)
     }
 
+    /// Checks every setting (the one place they are checked) and fills in the default
+    /// node; the settings the client runs with.
     pub(crate) fn validate(self) -> Result<Config> {
         let bad = |msg: String| Err(Error::InvalidConfig(msg));
-        let mut nodes = self.nodes;
-        if !self.cluster.is_empty() {
-            if !nodes.is_empty() || self.sentinel.is_some() {
+        let Builder {
+            settings: mut cfg,
+            read_timeout_set,
+        } = self;
+        if !cfg.cluster.is_empty() {
+            if !cfg.nodes.is_empty() || cfg.sentinel.is_some() {
                 return bad("cluster, sentinel and node(s) are exclusive: choose one".to_owned());
             }
             // The masters found in the slot map are reached as seed 0 says (TLS,
             // credentials): every seed must say the same.
-            let first = access("cluster seed 0", &self.cluster[0])?;
-            for (i, url) in self.cluster.iter().enumerate() {
+            let first = access("cluster seed 0", &cfg.cluster[0])?;
+            for (i, url) in cfg.cluster.iter().enumerate() {
                 let label = format!("cluster seed {i}");
-                open_client(&label, url, &self.tls)?;
+                open_client(&label, url, &cfg.tls)?;
                 let seed = access(&label, url)?;
                 if seed.db != 0 {
                     return bad(format!("{label}: cluster nodes only have database 0"));
@@ -828,45 +728,45 @@ impl Builder {
                     ));
                 }
             }
-        } else if let Some(sc) = &self.sentinel {
-            if !nodes.is_empty() {
+        } else if let Some(sc) = &cfg.sentinel {
+            if !cfg.nodes.is_empty() {
                 return bad("sentinel and node(s) are exclusive: choose one".to_owned());
             }
             if sc.master.is_empty() || sc.sentinels.is_empty() {
                 return bad("sentinel: a master name and at least one sentinel".to_owned());
             }
             for (i, url) in sc.sentinels.iter().enumerate() {
-                open_client(&format!("sentinel {i}"), url, &self.tls)?;
+                open_client(&format!("sentinel {i}"), url, &cfg.tls)?;
             }
-        } else if nodes.is_empty() {
-            nodes.push("redis://127.0.0.1:6379/".to_owned());
+        } else if cfg.nodes.is_empty() {
+            cfg.nodes.push("redis://127.0.0.1:6379/".to_owned());
         }
-        let n = nodes.len();
+        let n = cfg.nodes.len();
         if n > 1 && (n < 3 || n.is_multiple_of(2)) {
             return bad(format!(
                 "{n} nodes: Redlock needs an odd number of nodes, at least 3"
             ));
         }
-        for (i, url) in nodes.iter().enumerate() {
+        for (i, url) in cfg.nodes.iter().enumerate() {
             // The URL may hold a password: errors name the node, not the URL.
-            open_client(&format!("node {i}"), url, &self.tls)?;
+            open_client(&format!("node {i}"), url, &cfg.tls)?;
         }
-        if self.key_prefix.len() > MAX_PREFIX_LEN {
+        if cfg.key_prefix.len() > MAX_PREFIX_LEN {
             return bad(format!("key prefix longer than {MAX_PREFIX_LEN} bytes"));
         }
-        if self.lease < MIN_LEASE || self.lease > MAX_LEASE {
+        if cfg.lease < MIN_LEASE || cfg.lease > MAX_LEASE {
             return bad(format!(
                 "lease {:?} outside {MIN_LEASE:?}..={MAX_LEASE:?}",
-                self.lease
+                cfg.lease
             ));
         }
         let mut bounded = vec![
-            ("connect timeout", self.connect_timeout),
-            ("read timeout", self.read_timeout),
-            ("write timeout", self.write_timeout),
-            ("recheck interval", self.recheck_interval),
+            ("connect timeout", cfg.connect_timeout),
+            ("read timeout", cfg.read_timeout),
+            ("write timeout", cfg.write_timeout),
+            ("recheck interval", cfg.recheck_interval),
         ];
-        if let Wakeup::Polling(d) = self.wakeup {
+        if let Wakeup::Polling(d) = cfg.wakeup {
             bounded.push(("polling interval", d));
         }
         for (what, d) in bounded {
@@ -876,94 +776,58 @@ impl Builder {
                 ));
             }
         }
-        if self.handoff_slice.is_zero() {
+        if cfg.handoff_slice.is_zero() {
             return bad("handoff slice must be positive".to_owned());
         }
-        if !(1..=1024).contains(&self.pool_size) {
-            return bad(format!("pool size {} outside 1..=1024", self.pool_size));
+        if !(1..=1024).contains(&cfg.pool_size) {
+            return bad(format!("pool size {} outside 1..=1024", cfg.pool_size));
         }
-        let renew_interval = self.renew_interval.unwrap_or(self.lease / 3);
-        if renew_interval.is_zero() || renew_interval >= self.lease {
+        let renew_interval = cfg.renew_every(cfg.lease);
+        if renew_interval.is_zero() || renew_interval >= cfg.lease {
             return bad(format!(
                 "renew interval {renew_interval:?} must be positive and shorter than the lease {:?}",
-                self.lease
+                cfg.lease
             ));
         }
-        if let Some(cap) = self.max_hold
+        if let Some(cap) = cfg.max_hold
             && cap.is_zero()
         {
             return bad("max hold must be positive".to_owned());
         }
-        if let Some((replicas, timeout)) = self.replica_ack
-            && (replicas == 0 || timeout.is_zero() || timeout >= self.read_timeout)
+        if let Some((replicas, timeout)) = cfg.replica_ack
+            && (replicas == 0 || timeout.is_zero() || timeout >= cfg.read_timeout)
         {
             return bad(format!(
                 "replica ack: at least 1 replica, and a timeout shorter than the read timeout {:?}",
-                self.read_timeout
+                cfg.read_timeout
             ));
         }
-        if !(1..=MAX_LOCAL_SEQ).contains(&self.max_handoffs) {
+        if !(1..=MAX_LOCAL_SEQ).contains(&cfg.max_handoffs) {
             return bad(format!("max handoffs outside 1..={MAX_LOCAL_SEQ}"));
         }
         let min_fence_ttl = MIN_FENCE_TTL
-            .max(self.lease.saturating_mul(2))
-            .max(self.read_timeout.saturating_mul(4));
-        if self.fence_ttl < min_fence_ttl || self.fence_ttl > MAX_FENCE_TTL {
+            .max(cfg.lease.saturating_mul(2))
+            .max(cfg.read_timeout.saturating_mul(4));
+        if cfg.fence_ttl < min_fence_ttl || cfg.fence_ttl > MAX_FENCE_TTL {
             return bad(format!(
                 "fence ttl {:?} outside {min_fence_ttl:?}..={MAX_FENCE_TTL:?} (at least 1 s, twice the lease and four read timeouts: a retry reads the counter back)",
-                self.fence_ttl
+                cfg.fence_ttl
             ));
         }
-        let config = Config {
-            nodes,
-            key_prefix: self.key_prefix,
-            lease: self.lease,
-            connect_timeout: self.connect_timeout,
-            read_timeout: self.read_timeout,
-            write_timeout: self.write_timeout,
-            pool_size: self.pool_size,
-            wakeup: self.wakeup,
-            configure_notifications: self.configure_notifications,
-            recheck_interval: self.recheck_interval,
-            auto_renew: self.auto_renew,
-            renew_interval,
-            max_hold: self.max_hold,
-            local_handoff: self.local_handoff,
-            max_handoffs: self.max_handoffs,
-            handoff_slice: self.handoff_slice,
-            tls: self.tls,
-            replica_ack: self.replica_ack,
-            sentinel: self.sentinel,
-            fair: self.fair,
-            cluster: self.cluster,
-            fence_ttl: self.fence_ttl,
-        };
-        let left = config.lease.saturating_sub(config.drift(config.lease));
-        if self.read_timeout_set && config.read_timeout >= left {
+        let left = cfg.lease.saturating_sub(cfg.drift(cfg.lease));
+        if read_timeout_set && cfg.read_timeout >= left {
             return bad(format!(
                 "read timeout {:?} must be shorter than the lease {:?} less its drift margin \
                  ({left:?}): a reply could come after the lease it grants ended",
-                config.read_timeout, config.lease
+                cfg.read_timeout, cfg.lease
             ));
         }
-        Ok(config)
+        Ok(cfg)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
-
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(redact("redis://u:pw@h:1/0"), "redis://u:***@h:1/0");
-        assert_eq!(redact("redis://:pw@h/"), "redis://:***@h/");
-        assert_eq!(redact("redis://h:6379/"), "redis://h:6379/");
-        assert_eq!(redact("not a url"), "not a url");
-        let b = crate::LockClient::builder().node("redis://a:s3cret@h/");
-        assert!(!format!("{b:?}").contains("s3cret"));
-    }
-
     #[test]
     fn cluster_seeds_must_agree_on_tls_and_credentials() {
         let check = |seeds: &[&str]| {

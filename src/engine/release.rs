@@ -8,7 +8,6 @@ use crate::engine::cleanup::release_on;
 use crate::engine::clock::YIELD;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
-use crate::engine::watchdog::retry_after;
 use crate::error::{Error, Result, Unlocked};
 use crate::local::held::{Changed, RemoteLock};
 use crate::local::table::Step;
@@ -123,7 +122,7 @@ impl Engine {
         let seq = lock.begin_extend();
         let unknown = |sent: Stamp| Changed::Unknown {
             cap: sent + lease - drift,
-            retry_at: Stamp::now() + retry_after(&self.cfg),
+            retry_at: Stamp::now() + self.cfg.renew_retry(),
         };
         // A panic after the change was sent: it may have been applied.
         let undo = OnUnwind::new(|| lock.end_extend(lease, unknown(began), &self.counters));

@@ -35,11 +35,6 @@ type Renewing = (Arc<RemoteLock>, Duration, u64);
 /// A renewal as a node's job: the lock, its lease, the change's number, and its slot.
 type Job = (Arc<RemoteLock>, Duration, u64, u16);
 
-/// How soon a lease change whose outcome is unknown is tried again.
-pub(crate) fn retry_after(cfg: &Config) -> Duration {
-    (cfg.renew_interval / 4).min(Duration::from_millis(200))
-}
-
 /// The held locks, and when the thread plans to look at them next. The watchdog's times
 /// are on the lease clock (see `clock`): after a suspend, the locks whose lease ran out
 /// meanwhile are due at once, and reported lost.
@@ -196,7 +191,7 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     let cfg = &cx.cfg;
     let counters = &cx.counters;
     let now = Stamp::now();
-    let horizon = now + cfg.renew_interval / 4;
+    let horizon = now + cfg.renew_batch();
     let mut next = now + MAX_SLEEP;
     let mut due: Vec<Renewing> = Vec::new();
     let mut h = held.lock();
@@ -219,7 +214,7 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     if due.is_empty() {
         return next;
     }
-    let retry = retry_after(cfg);
+    let retry = cfg.renew_retry();
     // Each renewal's outcome when there is no telling: it may have been applied (see
     // `scripts::EXTEND`).
     let unknown = |lease: Duration| Changed::Unknown {
