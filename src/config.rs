@@ -202,6 +202,12 @@ impl Config {
         lease / 100 + Duration::from_millis(2)
     }
 
+    /// When a holder whose key has `left` to live is surely gone: `left` plus its drift
+    /// margin, since Redis may evict an expired key late (and so say `expired` late).
+    pub fn past_expiry(&self, left: Duration) -> Duration {
+        left.saturating_add(self.drift(left))
+    }
+
     /// How often to renew a lock of this lease: the configured interval (a third of the
     /// lease unless set) for the configured lease, a third of any other (set by an
     /// explicit extend).
@@ -222,6 +228,39 @@ impl Config {
     /// renewal interval, at most 200 ms.
     pub fn renew_retry(&self) -> Duration {
         self.renew_batch().min(Duration::from_millis(200))
+    }
+
+    /// How long a waiting process's contention mark lives in Redis: a waiter attempts
+    /// (and so marks the key again) at least every re-check interval, so two of them.
+    pub fn mark_ttl(&self) -> Duration {
+        self.recheck_interval.saturating_mul(2)
+    }
+
+    /// How long a process's fair-queue entry lives without an attempt: two re-check
+    /// intervals, for the same reason as [`mark_ttl`](Self::mark_ttl). A dead waiter is
+    /// dropped from the queue after it.
+    pub fn entry_ttl(&self) -> Duration {
+        self.recheck_interval.saturating_mul(2)
+    }
+
+    /// The lease of a fair-queue grant until its process takes the lock: short (one
+    /// second, or the lease if shorter), since it is what a dead grantee costs.
+    pub fn grant_lease(&self) -> Duration {
+        self.lease.min(Duration::from_secs(1))
+    }
+
+    /// How long a Redlock node's call (or probe) may take before the node counts as
+    /// stalled and is skipped until it answers quickly again: half the read timeout, well
+    /// before its calls would time out (see `topology::fanout`).
+    pub fn stall(&self) -> Duration {
+        self.read_timeout / 2
+    }
+
+    /// How long after a remote process's failed attempt it still counts as waiting: it
+    /// retries (and so marks the key again) at least every re-check interval; half of
+    /// one more is the slack.
+    pub fn contention_window(&self) -> Duration {
+        self.recheck_interval + self.recheck_interval / 2
     }
 }
 
@@ -251,11 +290,17 @@ mod tests {
         assert_eq!(cfg.renew_every(s(9)), s(3));
         assert_eq!(cfg.renew_batch(), ms(2500));
         assert_eq!(cfg.renew_retry(), ms(200));
+        assert_eq!(cfg.mark_ttl(), s(10));
+        assert_eq!(cfg.entry_ttl(), s(10));
+        assert_eq!(cfg.grant_lease(), s(1));
+        assert_eq!(cfg.contention_window(), ms(7500));
+        assert_eq!(cfg.stall(), s(1));
         let short = Config {
             lease: ms(300),
             renew_interval: Some(ms(40)),
             ..Config::default()
         };
+        assert_eq!(short.grant_lease(), ms(300));
         assert_eq!(short.renew_every(ms(300)), ms(40));
         assert_eq!(short.renew_retry(), ms(10));
     }

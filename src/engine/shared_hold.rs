@@ -113,7 +113,7 @@ impl Engine {
             let deadline = wait.deadline();
             let waiting = matches!(wait, Wait::Until(d) if d.is_none_or(|d| Instant::now() < d));
             let marks = matches!(want, Want::Read | Want::Write);
-            let mark_ttl = (waiting && marks).then(|| self.cfg.recheck_interval * 2);
+            let mark_ttl = (waiting && marks).then(|| self.cfg.mark_ttl());
             // On the lease clock: the validity counts from here.
             let started = Stamp::now();
             let reply = node.acquire_shared(

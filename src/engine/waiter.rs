@@ -293,8 +293,7 @@ impl Waiter {
         client: &Engine,
     ) -> Woken {
         let recheck = from_now(client.cfg.recheck_interval);
-        let lease_end =
-            hint.map(|p| from_now(p.saturating_add(p / 100 + Duration::from_millis(2))));
+        let lease_end = hint.map(|p| from_now(client.cfg.past_expiry(p)));
         let mut until = recheck;
         if let Some(t) = lease_end {
             until = until.min(t);

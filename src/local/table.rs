@@ -306,7 +306,7 @@ impl Table {
             .expect("a holder's entry lives until it releases");
         entry.holder = None;
         let hold = entry.note_hold();
-        let window = contention_window(cfg);
+        let window = cfg.contention_window();
         if entry.queue.is_empty() || lost || !cfg.local_handoff {
             entry.releasing = true;
             // Someone else wants it: our next local contender should not barge ahead.
@@ -378,12 +378,6 @@ impl Table {
         }
         grant
     }
-}
-
-/// How long after a remote process's failed attempt it still counts as waiting: a waiter
-/// retries (and so marks the key again) at least every re-check interval.
-fn contention_window(cfg: &Config) -> Duration {
-    cfg.recheck_interval + cfg.recheck_interval / 2
 }
 
 #[cfg(test)]

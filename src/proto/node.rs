@@ -171,13 +171,12 @@ pub(crate) struct Fair {
 }
 
 impl Fair {
-    /// The timings for `cfg`, or `None` when the queue is off. A waiter attempts at least
-    /// every re-check interval, so its entry outlives two of them; a grant's lease is
-    /// short (one second, or the lease if shorter): it is what a dead grantee costs.
+    /// The timings for `cfg` (see [`Config::entry_ttl`] and [`Config::grant_lease`]), or
+    /// `None` when the queue is off.
     pub fn of(cfg: &Config) -> Option<Fair> {
         cfg.fair.then(|| Fair {
-            entry_ttl: cfg.recheck_interval.saturating_mul(2),
-            grant_lease: cfg.lease.min(Duration::from_secs(1)),
+            entry_ttl: cfg.entry_ttl(),
+            grant_lease: cfg.grant_lease(),
         })
     }
 }
@@ -240,7 +239,7 @@ impl Node {
             db,
             counters,
             client_id,
-            mark_ttl: cfg.recheck_interval.saturating_mul(2),
+            mark_ttl: cfg.mark_ttl(),
             fence_ttl_ms: millis(cfg.fence_ttl),
             ack: cfg.replica_ack,
             fair: Fair::of(cfg),

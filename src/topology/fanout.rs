@@ -72,8 +72,8 @@ pub(crate) struct Fanout {
 }
 
 impl Fanout {
-    /// Workers for every node; a node is skipped while stalled for half of `read_timeout`.
-    pub fn start(nodes: usize, read_timeout: Duration, probe: Probe) -> std::io::Result<Self> {
+    /// Workers for every node; a node is skipped while stalled (its calls take `stall`).
+    pub fn start(nodes: usize, stall: Duration, probe: Probe) -> std::io::Result<Self> {
         let mut lanes = Vec::with_capacity(nodes);
         let mut threads = Vec::with_capacity(nodes * WORKERS_PER_NODE);
         for node in 0..nodes {
@@ -105,7 +105,7 @@ impl Fanout {
         }
         Ok(Fanout {
             lanes,
-            stall: read_timeout / 2,
+            stall,
             probe,
             threads,
         })

@@ -182,7 +182,7 @@ impl Topology {
             .collect::<Result<Vec<_>>>()?;
         Ok(match nodes.len() {
             1 => Topology::Single(Single::new(nodes.into_iter().next().expect("one node"))),
-            _ => Topology::Redlock(Redlock::new(nodes, cfg.read_timeout)?),
+            _ => Topology::Redlock(Redlock::new(nodes, cfg.stall())?),
         })
     }
 

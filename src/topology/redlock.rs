@@ -14,7 +14,9 @@ pub(crate) struct Redlock {
 }
 
 impl Redlock {
-    pub fn new(nodes: Vec<Arc<Node>>, read_timeout: std::time::Duration) -> Result<Self> {
+    /// Redlock over `nodes`; a node whose calls take `stall` is skipped until it answers
+    /// faster (see [`Config::stall`](crate::config::Config::stall)).
+    pub fn new(nodes: Vec<Arc<Node>>, stall: std::time::Duration) -> Result<Self> {
         // A stalled node is probed with a PING; the nodes are held weakly (the fan-out's
         // workers must not keep the client's connections alive).
         let weak: Vec<Weak<Node>> = nodes.iter().map(Arc::downgrade).collect();
@@ -23,8 +25,8 @@ impl Redlock {
                 let _ = node.run(Retry::NEVER, |c| redis::cmd("PING").query::<()>(c));
             }
         });
-        let fanout = Fanout::start(nodes.len(), read_timeout, probe)
-            .map_err(|e| thread_error("fanout", e))?;
+        let fanout =
+            Fanout::start(nodes.len(), stall, probe).map_err(|e| thread_error("fanout", e))?;
         Ok(Redlock {
             route: Route::new(Arc::from(nodes)),
             fanout,
