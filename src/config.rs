@@ -279,6 +279,24 @@ mod tests {
         assert!(!format!("{b:?}").contains("s3cret"));
     }
 
+    /// No secret of any setting reaches `Debug`: URL passwords, the TLS private key, the
+    /// Sentinel master's credentials.
+    #[test]
+    fn debug_shows_no_secret() {
+        let b = crate::LockClient::builder()
+            .nodes(["redis://a:s3cret-node@h/"])
+            .cluster(["rediss://u:s3cret-seed@c:1/"])
+            .sentinel("m", ["redis://:s3cret-sentinel@s:26379/"])
+            .sentinel_master_auth(Some("locker"), "s3cret-master")
+            .tls_client_identity("CERT", "s3cret-key");
+        let shown = format!("{b:?}");
+        assert!(
+            !shown.contains("s3cret") && !shown.contains("locker"),
+            "{shown}"
+        );
+        assert!(shown.contains("client_identity: true"), "{shown}");
+    }
+
     /// The derived timings of the defaults, as documented on the builder.
     #[test]
     fn derived_timings_of_the_defaults() {
