@@ -325,6 +325,8 @@ const CHAOS_SECS: u64 = 40;
 /// The soak's runs are shorter by default: more seeds per hour.
 const SOAK_CHAOS_SECS: u64 = 10;
 const CALM: Duration = Duration::from_secs(2);
+/// Sections must start again within this after a fault has healed (liveness).
+const PROGRESS_LIMIT: Duration = Duration::from_secs(10);
 /// When each lock-server epoch began (see `chaos`), in µs of the wall clock, which is the
 /// server's `TIME` (same machine): a fence is at least the server's clock when it was
 /// issued, so a token's epoch is the number of restarts before its fence.
@@ -1248,18 +1250,32 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         thread::sleep(step.settle);
         let healed = Instant::now();
         let healed_us = mono_us();
-        let survived = eventually(Duration::from_secs(10), || {
-            (progress(&mut store) > before).then_some(())
-        })
-        .is_some();
+        // The children stop starting sections at `end_at_us`: a fault that ends less than
+        // the progress limit before that cannot be judged on it (the run ends first).
+        let window = Duration::from_micros(end_at_us.saturating_sub(healed_us));
+        let limit = PROGRESS_LIMIT.min(window);
+        let survived =
+            eventually(limit, || (progress(&mut store) > before).then_some(())).is_some();
         max_recovery_us = max_recovery_us.max(healed.elapsed().as_micros() as u64);
         let e = injected.entry(fault).or_default();
         e.0 += 1;
-        if survived
+        if !survived && limit < PROGRESS_LIMIT {
+            hist.event(
+                mono_us(),
+                "parent",
+                format!(
+                    "no progress after fault {n} ({what}) before the children's end, {} ms \
+                     later: not judged (the limit is {PROGRESS_LIMIT:?})",
+                    window.as_millis()
+                ),
+            );
+            *detail.entry("late faults not judged").or_default() += 1;
+            e.1 += 1;
+        } else if survived
             || !no_progress(
                 &watch.stalls(),
                 healed_us,
-                Duration::from_secs(10),
+                PROGRESS_LIMIT,
                 &format!("after fault {n} ({what})"),
                 hist,
                 violations,
