@@ -129,6 +129,11 @@ impl Engine {
         let mut ride = Ride::new(&self.topology, &self.counters);
         let (started, replies, verdict) = loop {
             let started = Stamp::now();
+            // The change may land as soon as it is sent: a shorter lease is believed from
+            // then on, not only once its outcome is known (the validity is shared with the
+            // watchdog while this call waits for the reply). A longer one changes nothing
+            // until it is applied.
+            lock.cap_validity(started + lease - drift);
             let route = self.topology.route(&lock.keys);
             let holders = route.holders(&lock.nodes);
             let l = lock.clone();
@@ -155,10 +160,6 @@ impl Engine {
             );
             let verdict =
                 Renewal::judge(tally, replies.len(), route.quorum(), route.sole().is_none());
-            if verdict == Renewal::Unknown {
-                // The try may have landed: the retry's bound is the validity it leaves.
-                lock.cap_validity(started + lease - drift);
-            }
             match (verdict, replies.as_slice()) {
                 (Renewal::Unknown, [Err(e)]) if ride.again(e, Some(lock.valid_until())) => {}
                 _ => break (started, replies, verdict),
