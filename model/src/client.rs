@@ -2,35 +2,37 @@
 //!
 //! What each step mirrors in the library:
 //!
-//! - [`Proc::lock`]: `LockClient::lock` → the local table (`local::table`): the first
+//! - `Proc::lock`: `LockClient::lock` → the local table (`local::table`): the first
 //!   thread that wants the key contends, the others queue behind it in the process.
-//! - [`Proc::attempt`]: one round of `engine::contend` — `FAIR_ACQUIRE` (fair: one token
+//! - `Proc::attempt`: one round of `engine::contend` — `FAIR_ACQUIRE` (fair: one token
 //!   for the whole wait) or `ACQUIRE` (plain: a new token per attempt). A won attempt's
 //!   validity counts from when it was sent (`judge`: `started + lease − drift`); a lost
 //!   one sleeps until the holder's remaining lease or the re-check ceiling, whichever
 //!   comes first, or at once if a message came since the attempt was sent (the waiter's
 //!   snapshots).
-//! - [`Proc::hear`]: the subscriber's `r` and `g<token>:<fence>`. Both only wake the
+//! - `Proc::hear`: the subscriber's `r` and `g<token>:<fence>`. Both only wake the
 //!   contender (`Waiter::take_grant` then the confirming attempt of `engine::contend`),
 //!   unless `Rules::confirm_grants` is off.
-//! - [`Proc::give_up`]: a read timeout. An attempt's makes `lock` fail (one node does not
+//! - `Proc::give_up`: a read timeout. An attempt's makes `lock` fail (one node does not
 //!   ride through errors): the thread is told, the process leaves the queue
 //!   (`FAIR_LEAVE`) or, plain, releases the token it tried (`engine::cleanup`), and the
 //!   next local waiter contends. A lease change's leaves the validity at
 //!   `min(old, sent_at + new lease − drift)` (`Rules::min_on_unknown`). A release's
 //!   leaves the key to expire.
-//! - [`Proc::renew`]: the watchdog (`engine::watchdog::renew_due`): `EXTEND` with the
+//! - `Proc::renew`: the watchdog (`engine::watchdog::renew_due`): `EXTEND` with the
 //!   current lease once a third of it has passed, while the lock is valid; validity
 //!   becomes `max(old, sent_at + lease − drift)`.
-//! - [`Proc::extend`]: `LockGuard::extend` (`engine::release::Engine::extend`): waits for
+//! - `Proc::extend`: `LockGuard::extend` (`engine::release::Engine::extend`): waits for
 //!   a renewal in flight (`RemoteLock::begin_extend`), then `EXTEND` with the new lease;
 //!   validity becomes `sent_at + lease − drift`.
-//! - [`Proc::unlock`]: `LockGuard::unlock` (`engine::release`, `Table::release`): a
+//! - `Proc::unlock`: `LockGuard::unlock` (`engine::release`, `Table::release`): a
 //!   valid lock may go to the next local waiter (token `fence << k | seq`, `seq` + 1),
 //!   else `FAIR_RELEASE`/`RELEASE` after any renewal in flight.
 //!
-//! Every lease change of a hold carries the hold's next sequence number (1, 2, …), in
-//! the order sent; see `redis::Key::seq`.
+//! Steps are taken at the start of a tick (`Proc::begin_tick`, then `Proc::act` with
+//! what the threads chose) or at once in reaction to a reply or a message (`on_reply`,
+//! `hear`). Every lease change of a hold carries the hold's next sequence number
+//! (1, 2, …), in the order sent; see `redis::Key::seq`.
 
 use crate::config::{Config, Mode};
 use crate::net::Request;
