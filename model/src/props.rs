@@ -6,8 +6,9 @@
 //!   handoff) has a fencing token (`fence << k | handoffs`) above every earlier holder's;
 //! - **no starvation** (a bounded, safety-style liveness check): a thread is not left in
 //!   `lock()` for more than `Config::starve_bound` ticks in a row while the key is free,
-//!   no other token is queued and no process is paused, counted from the last fault (a
-//!   drop, a pause or resume, a client's timeout). Faults can delay anyone as long as
+//!   no other token is queued, no process is paused and no thread of its own process
+//!   holds the guard, counted from the last fault (a loss, a late run, a pause or
+//!   resume, a client's timeout). Faults can delay anyone as long as
 //!   they go on; the bound says that once they stop, the protocol itself never leaves a
 //!   waiter behind a free lock.
 //!
@@ -68,12 +69,14 @@ pub fn believers(s: &State) -> usize {
 }
 
 /// Whether some thread waits in `lock()` while the key is free, no token but its own is
-/// queued, and nobody is paused.
+/// queued, and nobody is paused. A thread waiting behind a holder of its own process
+/// waits for that thread's unlock, which is the application's business (also when the
+/// holder's lease ran out): it does not count.
 pub fn starving(s: &State) -> bool {
     s.redis.lock.is_none()
         && s.procs.iter().all(|p| !p.paused)
         && s.procs.iter().any(|p| {
-            p.has_waiter() && {
+            p.has_waiter() && p.hold().is_none() && {
                 let own = p.contending();
                 s.redis.queue.iter().all(|e| Some(e.token) == own)
             }

@@ -109,7 +109,7 @@ fn plain_scripts_hold_every_property() {
 
 /// The long check, also `cargo run --release -p redbaton-model --example deep`.
 #[test]
-#[ignore = "minutes to hours: run with --ignored --release"]
+#[ignore = "the long check: run with --release -- --ignored"]
 fn deep_configuration_holds_every_property() {
     let report = check(Config::deep(), THREADS, false);
     println!(
