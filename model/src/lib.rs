@@ -4,7 +4,7 @@
 //! The Lua scripts are atomic steps on a Redis state with TTLs ([`redis`]); client
 //! processes of several threads are state machines that contend, queue, hear grants and
 //! confirm them, renew, extend, hand the lock on locally and release ([`client`]); an
-//! adversary runs requests, delivers, delays, reorders and drops requests, replies and
+//! adversary runs requests in any order, late or not at all, loses replies and
 //! messages, pauses processes and advances time ([`adversary`]). Breadth-first search
 //! visits every state within the bounds of a [`Config`] and checks the properties of
 //! [`props`] in each.
