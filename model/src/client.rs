@@ -1,0 +1,549 @@
+//! A client process: its threads, and the one remote token they share.
+//!
+//! What each step mirrors in the library:
+//!
+//! - `Proc::lock`: `LockClient::lock` → the local table (`local::table`): the first
+//!   thread that wants the key contends, the others queue behind it in the process.
+//! - `Proc::attempt`: one round of `engine::contend` — `FAIR_ACQUIRE` (fair: one token
+//!   for the whole wait) or `ACQUIRE` (plain: a new token per attempt). A won attempt's
+//!   validity counts from when it was sent (`judge`: `started + lease − drift`); a lost
+//!   one sleeps until the holder's remaining lease or the re-check ceiling, whichever
+//!   comes first, or at once if a message came since the attempt was sent (the waiter's
+//!   snapshots).
+//! - `Proc::hear`: the subscriber's `r` and `g<token>:<fence>`. Both only wake the
+//!   contender (`Waiter::take_grant` then the confirming attempt of `engine::contend`),
+//!   unless `Rules::confirm_grants` is off.
+//! - `Proc::give_up`: a read timeout. An attempt's makes `lock` fail (one node does not
+//!   ride through errors): the thread is told, the process leaves the queue
+//!   (`FAIR_LEAVE`) or, plain, releases the token it tried (`engine::cleanup`), and the
+//!   next local waiter contends. A lease change's leaves the validity at
+//!   `min(old, sent_at + new lease − drift)` (`Rules::min_on_unknown`). A release's
+//!   leaves the key to expire.
+//! - `Proc::renew`: the watchdog (`engine::watchdog::renew_due`): `EXTEND` with the
+//!   current lease once a third of it has passed, while the lock is valid; validity
+//!   becomes `max(old, sent_at + lease − drift)`.
+//! - `Proc::extend`: `LockGuard::extend` (`engine::release::Engine::extend`): waits for
+//!   a renewal in flight (`RemoteLock::begin_extend`), then `EXTEND` with the new lease;
+//!   validity becomes `sent_at + lease − drift`.
+//! - `Proc::unlock`: `LockGuard::unlock` (`engine::release`, `Table::release`): a
+//!   valid lock may go to the next local waiter (token `fence << k | seq`, `seq` + 1),
+//!   else `FAIR_RELEASE`/`RELEASE` after any renewal in flight.
+//!
+//! Steps are taken at the start of a tick (`Proc::begin_tick`, then `Proc::act` with
+//! what the threads chose) or at once in reaction to a reply or a message (`on_reply`,
+//! `hear`). Every lease change of a hold carries the hold's next sequence number
+//! (1, 2, …), in the order sent; see `redis::Key::seq`.
+
+use crate::config::{Config, Mode};
+use crate::net::Request;
+use crate::redis::{Answer, Op, Publish, Token};
+
+/// What a thread is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    Idle,
+    /// In `lock()`.
+    Waiting,
+    /// Returned from `lock()` with a guard, not yet unlocked.
+    Holding,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Thread {
+    pub role: Role,
+    /// Acquisitions still to make.
+    pub left: u8,
+}
+
+/// A held remote lock (`local::held::RemoteLock`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Hold {
+    pub token: Token,
+    pub fence: u8,
+    /// The lock is surely held while `now < valid_until`.
+    pub valid_until: u8,
+    /// The lease renewals set (changed by a successful `extend`).
+    pub lease: u8,
+    /// The sequence number of the last lease change sent.
+    pub seq: u8,
+    pub renew_at: u8,
+    /// Local handoffs so far: the low bits of the fencing token.
+    pub handoffs: u8,
+    /// Whether the holder already called `extend` (once per hold keeps the model small).
+    pub extended: bool,
+    /// Whether the hold began with a grant (model bookkeeping, for the vacuity checks).
+    pub granted: bool,
+}
+
+/// The process's remote side: one thing at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Remote {
+    Free,
+    /// Contending with `token`; between attempts, asleep until `wake` unless `heard`.
+    Contend {
+        token: Token,
+        wake: u8,
+        heard: bool,
+    },
+    Hold(Hold),
+    /// The remote release was sent; local waiters contend once it is answered.
+    Releasing,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Proc {
+    pub id: u8,
+    pub paused: bool,
+    pub threads: Vec<Thread>,
+    pub remote: Remote,
+    /// The one request the process awaits a reply to.
+    pub pending: Option<Request>,
+    /// Tokens used so far.
+    pub tokens: u8,
+}
+
+/// What a process's threads do at the start of a tick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Choice {
+    Nothing,
+    /// An idle thread calls `lock()` (with `Config::free_arrivals`).
+    Lock,
+    /// The holder calls `extend(lease)`.
+    Extend(u8),
+    /// The holder unlocks in Redis.
+    Unlock,
+    /// The holder unlocks, handing the lock to a local waiter.
+    HandOff,
+}
+
+/// What a client step does outside its process.
+#[derive(Default, Debug)]
+pub struct Effects {
+    /// Requests sent.
+    pub sent: Vec<Request>,
+    /// A thread began to hold the lock with this fencing token (fence, local handoffs).
+    pub began: Option<(u8, u8)>,
+    /// A request went unanswered: a fault, for the starvation count.
+    pub timed_out: bool,
+}
+
+impl Proc {
+    pub fn new(id: u8, cfg: &Config) -> Proc {
+        Proc {
+            id,
+            paused: false,
+            threads: vec![
+                Thread {
+                    role: Role::Idle,
+                    left: cfg.locks_per_thread,
+                };
+                usize::from(cfg.threads)
+            ],
+            remote: Remote::Free,
+            pending: None,
+            tokens: 0,
+        }
+    }
+
+    /// Threads are interchangeable: keeps them sorted, so that states that differ only
+    /// in which thread does what are one state.
+    pub fn sort_threads(&mut self) {
+        self.threads.sort_unstable();
+    }
+
+    fn waiting(&self) -> Option<usize> {
+        self.threads.iter().position(|t| t.role == Role::Waiting)
+    }
+
+    /// Whether a thread of this process is in `lock()`.
+    pub fn has_waiter(&self) -> bool {
+        self.waiting().is_some()
+    }
+
+    /// The token this process contends with, if it does.
+    pub fn contending(&self) -> Option<Token> {
+        match self.remote {
+            Remote::Contend { token, .. } => Some(token),
+            _ => None,
+        }
+    }
+
+    /// Whether a thread of this process believes it holds the lock now: its guard's
+    /// `check()` would say so (`now < valid_until`). A holder blocked in `extend` cannot
+    /// call `check()` (a guard is neither `Send` nor `Sync`), so it makes no claim until
+    /// the call returns.
+    pub fn believes(&self, now: u8) -> bool {
+        let extending = matches!(self.pending, Some(r)
+            if matches!(r.op, Op::Extend { renew: false, .. }));
+        self.hold().is_some_and(|h| now < h.valid_until) && !extending
+    }
+
+    /// The hold, while a thread holds a guard.
+    pub fn hold(&self) -> Option<&Hold> {
+        match &self.remote {
+            Remote::Hold(h) => Some(h),
+            _ => None,
+        }
+    }
+
+    fn new_token(&mut self) -> Token {
+        self.tokens += 1;
+        Token {
+            proc: self.id,
+            n: self.tokens,
+        }
+    }
+
+    fn send(&mut self, now: u8, op: Op, awaited: bool, fx: &mut Effects) {
+        let request = Request {
+            sent: now,
+            from: self.id,
+            op,
+        };
+        if awaited {
+            self.pending = Some(request);
+        }
+        fx.sent.push(request);
+    }
+
+    /// What the process's threads may do at the start of a tick (one thing per tick).
+    pub fn choices(&self, cfg: &Config, now: u8) -> Vec<Choice> {
+        let mut out = vec![Choice::Nothing];
+        if self.paused {
+            return out;
+        }
+        let free = |t: &Thread| t.role == Role::Idle && t.left > 0;
+        if cfg.free_arrivals && self.threads.iter().any(free) {
+            out.push(Choice::Lock);
+        }
+        if let Remote::Hold(h) = self.remote
+            && self.pending.is_none()
+        {
+            out.push(Choice::Unlock);
+            // A lock known lost is not handed on, and `extend` refuses it.
+            if now < h.valid_until {
+                if self.has_waiter() {
+                    out.push(Choice::HandOff);
+                }
+                if !h.extended {
+                    out.extend(cfg.extends.iter().map(|&e| Choice::Extend(e)));
+                }
+            }
+        }
+        out
+    }
+
+    /// The start of a tick for a running process, first: the read timeout of a request
+    /// unanswered since the last tick.
+    pub fn begin_tick(&mut self, cfg: &Config, now: u8, fx: &mut Effects) {
+        if self.timeout_due(cfg, now) {
+            self.give_up(cfg, now, fx);
+        }
+    }
+
+    /// Then what the threads chose, the watchdog's renewal and the contender's attempt,
+    /// if due.
+    pub fn act(&mut self, cfg: &Config, now: u8, choice: Choice, fx: &mut Effects) {
+        match choice {
+            Choice::Nothing => {}
+            Choice::Lock => {
+                let free = self
+                    .threads
+                    .iter()
+                    .position(|t| t.role == Role::Idle && t.left > 0);
+                if let Some(t) = free {
+                    self.lock(now, t, fx);
+                }
+            }
+            Choice::Extend(lease) => self.extend(now, lease, fx),
+            Choice::Unlock => self.unlock(cfg, now, false, fx),
+            Choice::HandOff => self.unlock(cfg, now, true, fx),
+        }
+        if self.renew_due(now) {
+            self.renew(now, fx);
+        }
+        self.react(cfg, now, fx);
+    }
+
+    /// The contender attempts as soon as it is due: at its wake-up time, or once a
+    /// message came (the waiter's snapshots), unless an attempt is in flight.
+    fn react(&mut self, cfg: &Config, now: u8, fx: &mut Effects) {
+        if self.attempt_due(now) {
+            self.attempt(cfg, now, fx);
+        }
+    }
+
+    /// A thread calls `lock()`.
+    pub fn lock(&mut self, now: u8, thread: usize, fx: &mut Effects) {
+        self.threads[thread].role = Role::Waiting;
+        if self.remote == Remote::Free {
+            self.contend(now, fx);
+        }
+    }
+
+    /// The first local waiter contends in Redis, at once.
+    fn contend(&mut self, now: u8, fx: &mut Effects) {
+        let token = self.new_token();
+        self.remote = Remote::Contend {
+            token,
+            wake: now,
+            heard: false,
+        };
+        self.send(now, Op::Acquire { token }, true, fx);
+    }
+
+    /// After the remote side is done with a hold or a wait: the next local waiter, if
+    /// any, contends.
+    fn next_contender(&mut self, now: u8, fx: &mut Effects) {
+        self.remote = Remote::Free;
+        if self.has_waiter() {
+            self.contend(now, fx);
+        }
+    }
+
+    /// Whether the contender attempts now.
+    fn attempt_due(&self, now: u8) -> bool {
+        matches!(self.remote, Remote::Contend { wake, heard, .. }
+            if self.pending.is_none() && (heard || wake <= now))
+    }
+
+    /// The contender's next attempt (the first is sent by `lock`).
+    fn attempt(&mut self, cfg: &Config, now: u8, fx: &mut Effects) {
+        // Plain: a token per attempt; fair: one per wait, so that its place in the queue
+        // and a grant to it survive.
+        let fresh = (cfg.mode == Mode::Plain).then(|| self.new_token());
+        let Remote::Contend { token, heard, .. } = &mut self.remote else {
+            return;
+        };
+        if let Some(t) = fresh {
+            *token = t;
+        }
+        *heard = false;
+        let op = Op::Acquire { token: *token };
+        self.send(now, op, true, fx);
+    }
+
+    /// Whether the watchdog renews now.
+    fn renew_due(&self, now: u8) -> bool {
+        matches!(self.remote, Remote::Hold(h)
+            if self.pending.is_none() && h.renew_at <= now && now < h.valid_until)
+    }
+
+    fn renew(&mut self, now: u8, fx: &mut Effects) {
+        let Remote::Hold(h) = &mut self.remote else {
+            return;
+        };
+        h.seq += 1;
+        let op = Op::Extend {
+            token: h.token,
+            lease: h.lease,
+            seq: h.seq,
+            renew: true,
+        };
+        self.send(now, op, true, fx);
+    }
+
+    fn extend(&mut self, now: u8, lease: u8, fx: &mut Effects) {
+        let Remote::Hold(h) = &mut self.remote else {
+            return;
+        };
+        h.seq += 1;
+        h.extended = true;
+        let op = Op::Extend {
+            token: h.token,
+            lease,
+            seq: h.seq,
+            renew: false,
+        };
+        self.send(now, op, true, fx);
+    }
+
+    fn unlock(&mut self, cfg: &Config, now: u8, handoff: bool, fx: &mut Effects) {
+        let holder = self.threads.iter().position(|t| t.role == Role::Holding);
+        let holder = holder.expect("a hold has a holder");
+        let next = self.waiting().filter(|_| handoff);
+        let Remote::Hold(h) = &mut self.remote else {
+            return;
+        };
+        match next {
+            Some(next) => {
+                self.threads[next].role = Role::Holding;
+                h.handoffs += 1;
+                fx.began = Some((h.fence, h.handoffs));
+            }
+            None => {
+                let op = Op::Release { token: h.token };
+                self.remote = Remote::Releasing;
+                self.send(now, op, true, fx);
+            }
+        }
+        let t = &mut self.threads[holder];
+        t.left -= 1;
+        t.role = Role::Idle;
+        self.again(cfg, holder);
+    }
+
+    /// Without free arrivals, a thread with locks left calls `lock()` again at once.
+    fn again(&mut self, cfg: &Config, thread: usize) {
+        let t = &mut self.threads[thread];
+        if !cfg.free_arrivals && t.left > 0 {
+            t.role = Role::Waiting;
+        }
+    }
+
+    /// Whether the pending request's timeout has come.
+    fn timeout_due(&self, cfg: &Config, now: u8) -> bool {
+        self.pending.is_some_and(|r| r.sent + cfg.timeout <= now)
+    }
+
+    /// The read timeout: no reply to the pending request.
+    fn give_up(&mut self, cfg: &Config, now: u8, fx: &mut Effects) {
+        let Some(request) = self.pending.take() else {
+            return;
+        };
+        fx.timed_out = true;
+        match (request.op, &mut self.remote) {
+            (Op::Acquire { token }, Remote::Contend { .. }) => {
+                // `lock()` fails for the contender; what the attempt may have left is
+                // cleaned up, not waited for.
+                if let Some(t) = self.waiting() {
+                    self.threads[t].role = Role::Idle;
+                    self.again(cfg, t);
+                }
+                let cleanup = match cfg.mode {
+                    Mode::Fair => Op::Leave { token },
+                    Mode::Plain => Op::Release { token },
+                };
+                self.send(now, cleanup, false, fx);
+                self.next_contender(now, fx);
+            }
+            (Op::Extend { .. }, Remote::Hold(h)) => unknown_change(h, cfg, now, &request),
+            (Op::Release { .. }, Remote::Releasing) => self.next_contender(now, fx),
+            _ => {}
+        }
+    }
+
+    /// Whether `request` is the one this process awaits.
+    pub fn awaits(&self, request: &Request) -> bool {
+        self.pending.as_ref() == Some(request)
+    }
+
+    /// The reply to the pending request arrives.
+    pub fn on_reply(
+        &mut self,
+        cfg: &Config,
+        now: u8,
+        request: Request,
+        answer: Answer,
+        fx: &mut Effects,
+    ) {
+        self.pending = None;
+        match (request.op, answer, &mut self.remote) {
+            (Op::Acquire { token }, Answer::Won { fence, fresh }, Remote::Contend { .. }) => {
+                let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
+                if valid_until <= now {
+                    // No validity left: the attempt counts as failed (a guard is never
+                    // born dead), try again.
+                    self.remote = Remote::Contend {
+                        token,
+                        wake: now,
+                        heard: false,
+                    };
+                    self.react(cfg, now, fx);
+                    return;
+                }
+                let holder = self.waiting().expect("a contender waits");
+                self.threads[holder].role = Role::Holding;
+                self.remote = Remote::Hold(Hold {
+                    token,
+                    fence,
+                    valid_until,
+                    lease: cfg.lease,
+                    seq: 0,
+                    renew_at: request.sent + cfg.renew_every(cfg.lease),
+                    handoffs: 0,
+                    extended: false,
+                    granted: !fresh,
+                });
+                fx.began = Some((fence, 0));
+            }
+            (Op::Acquire { .. }, Answer::Held { pttl }, Remote::Contend { wake, heard, .. }) => {
+                *wake = if *heard {
+                    now
+                } else {
+                    now + pttl.min(cfg.recheck)
+                };
+                self.react(cfg, now, fx);
+            }
+            (Op::Extend { lease, renew, .. }, answer, Remote::Hold(h)) => match answer {
+                Answer::Extended => {
+                    let valid_until = (request.sent + lease).saturating_sub(cfg.drift);
+                    if renew {
+                        h.valid_until = h.valid_until.max(valid_until);
+                    } else {
+                        h.valid_until = valid_until;
+                        h.lease = lease;
+                    }
+                    h.renew_at = request.sent + cfg.renew_every(h.lease);
+                }
+                Answer::Gone | Answer::Other => h.valid_until = h.valid_until.min(now),
+                // Refused as older than a change applied already: as if unknown. (Never
+                // awaited: the holder has one change in flight at a time.)
+                _ => unknown_change(h, cfg, now, &request),
+            },
+            (Op::Release { .. }, _, Remote::Releasing) => self.next_contender(now, fx),
+            _ => {}
+        }
+    }
+
+    /// A published message reaches this process.
+    pub fn hear(&mut self, cfg: &Config, now: u8, what: Publish, fx: &mut Effects) {
+        let Remote::Contend { token, heard, .. } = &mut self.remote else {
+            return;
+        };
+        match what {
+            Publish::Granted { token: to, fence } if !cfg.rules.confirm_grants && to == *token => {
+                // The unsafe variant: the message is taken for the lock, valid for the grant
+                // lease from now.
+                let token = *token;
+                let holder = self.waiting().expect("a contender waits");
+                self.threads[holder].role = Role::Holding;
+                // An attempt in flight is forgotten.
+                self.pending = None;
+                self.remote = Remote::Hold(Hold {
+                    token,
+                    fence,
+                    valid_until: (now + cfg.grant_lease).saturating_sub(cfg.drift),
+                    lease: cfg.lease,
+                    seq: 0,
+                    renew_at: now + cfg.renew_every(cfg.grant_lease),
+                    handoffs: 0,
+                    extended: false,
+                    granted: true,
+                });
+                fx.began = Some((fence, 0));
+            }
+            _ => {
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+        }
+    }
+}
+
+/// A lease change whose outcome is unknown (its reply lost or late): the lease may now
+/// be the new one, counted from any time after it was sent, so the validity can only
+/// shrink to what the new lease gives from `sent_at` (with `Rules::min_on_unknown`).
+/// The watchdog tries again shortly.
+fn unknown_change(h: &mut Hold, cfg: &Config, now: u8, request: &Request) {
+    let Op::Extend { lease, renew, .. } = request.op else {
+        return;
+    };
+    if cfg.rules.min_on_unknown {
+        let bound = (request.sent + lease).saturating_sub(cfg.drift);
+        h.valid_until = h.valid_until.min(bound);
+    }
+    if renew {
+        h.renew_at = now + cfg.renew_retry;
+    }
+}

@@ -1,0 +1,191 @@
+//! The bounds of a check and the protocol variant checked.
+//!
+//! Every duration is a whole number of ticks: a tick is the smallest time step the
+//! adversary can take. The library's durations map to ticks only in their order
+//! (timeout < lease, grant lease < lease, re-check < entry TTL): what the model proves
+//! holds for any durations in that order, as far as the bounds reach.
+
+/// Which scripts acquire and release.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// `proto::fair_scripts::{FAIR_ACQUIRE, FAIR_RELEASE, FAIR_LEAVE}`: the queue and the
+    /// grant.
+    Fair,
+    /// `proto::scripts::{ACQUIRE, RELEASE}`: first come, first served.
+    Plain,
+}
+
+/// The parts of the protocol that a variant may leave out, to show that the checker
+/// finds what each one prevents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rules {
+    /// A lease change (renewal or `extend`) whose reply is lost leaves the holder's
+    /// validity at `min(old, sent_at + new lease − drift)`. Without it, the old validity
+    /// stays (the library before the fix).
+    pub min_on_unknown: bool,
+    /// Redis applies a lease change only if its sequence number is not below the hold's
+    /// last applied one (see `redis::Key::seq`). Without it every change that finds the
+    /// token applies, in whatever order the changes arrive.
+    pub ordered_changes: bool,
+    /// An acquisition's refresh of its own token (a retry after a lost reply, the
+    /// confirmation of a grant) counts as change number 0: refused once a later change
+    /// applied. Only meaningful with `ordered_changes`.
+    pub ordered_refresh: bool,
+    /// A grant message only wakes its waiter, whose next attempt confirms the lock.
+    /// Without it the waiter owns the lock on reading the message, valid for the grant
+    /// lease from then (the library before the confirmation was added).
+    pub confirm_grants: bool,
+}
+
+impl Rules {
+    /// The protocol as the library implements it.
+    pub const FIXED: Rules = Rules {
+        min_on_unknown: true,
+        ordered_changes: true,
+        ordered_refresh: true,
+        confirm_grants: true,
+    };
+}
+
+/// What to check: the system's size, its durations, the adversary's budget and the
+/// protocol variant.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Config {
+    pub mode: Mode,
+    /// Client processes; each has one remote token at a time, shared by its threads.
+    pub procs: u8,
+    /// Threads per process.
+    pub threads: u8,
+    /// How many times each thread takes the lock.
+    pub locks_per_thread: u8,
+    /// Whether threads call `lock()` at any time. Without, every thread calls it at the
+    /// start and again as soon as it unlocks or its `lock()` fails, while it has locks
+    /// left: the contention is the same, with far fewer interleavings.
+    pub free_arrivals: bool,
+    /// The lease of an acquisition (`Builder::lease`).
+    pub lease: u8,
+    /// The lease of a grant, until the grantee's confirmation sets the full lease.
+    pub grant_lease: u8,
+    /// The leases a holder may pass to `extend` (at most once per hold).
+    pub extends: Vec<u8>,
+    /// The clock-drift margin taken off every validity. Clocks are exact in the model,
+    /// so 0 is enough for safety; a larger margin only shortens validity.
+    pub drift: u8,
+    /// A client gives a request up this long after sending it (the read timeout).
+    pub timeout: u8,
+    /// The longest the adversary keeps a request in flight before it must run or drop
+    /// it, and a message to a running process before it must deliver or drop it. From
+    /// `timeout` on, a request can run after its sender gave up.
+    pub max_delay: u8,
+    /// A waiter's longest sleep between attempts (`Builder::recheck_interval`); its
+    /// queue entry lives twice that.
+    pub recheck: u8,
+    /// The watchdog tries a renewal again this long after one whose outcome is unknown.
+    pub renew_retry: u8,
+    /// The last tick: time advances no further.
+    pub horizon: u8,
+    /// How many times the adversary may pause a process.
+    pub pauses: u8,
+    /// How many faults the adversary may cause in all: a request, reply or message
+    /// lost, a request run after its sender gave up.
+    pub faults: u8,
+    /// Liveness: the longest a thread may wait while the lock is free, nobody else is
+    /// queued and nobody is paused, counted from the last fault.
+    pub starve_bound: u8,
+    pub rules: Rules,
+}
+
+impl Config {
+    /// The configuration that `cargo test` checks: 2 processes × 2 threads, each thread
+    /// locking once, the fair queue, every fault.
+    pub fn ci() -> Config {
+        Config {
+            mode: Mode::Fair,
+            procs: 2,
+            threads: 2,
+            locks_per_thread: 1,
+            free_arrivals: false,
+            lease: 3,
+            grant_lease: 2,
+            extends: vec![1, 4],
+            drift: 0,
+            timeout: 1,
+            max_delay: 1,
+            recheck: 2,
+            renew_retry: 1,
+            horizon: 5,
+            pauses: 1,
+            faults: 2,
+            starve_bound: 2,
+            rules: Rules::FIXED,
+        }
+    }
+
+    /// The longer check: two more ticks (33 million states, about 75 s and 5 GB on two
+    /// threads; each tick roughly doubles the states, and two locks per thread outgrow
+    /// 9 GB at six ticks already).
+    pub fn deep() -> Config {
+        Config {
+            horizon: 7,
+            ..Config::ci()
+        }
+    }
+
+    /// The same bounds with the plain scripts (no queue).
+    pub fn plain(self) -> Config {
+        Config {
+            mode: Mode::Plain,
+            ..self
+        }
+    }
+
+    /// The library before the lease-change fix: a lost `extend` reply keeps the old
+    /// validity, and lease changes are not ordered.
+    pub fn without_extend_fix(self) -> Config {
+        self.with_rules(Rules {
+            min_on_unknown: false,
+            ordered_changes: false,
+            ordered_refresh: false,
+            ..Rules::FIXED
+        })
+    }
+
+    /// A grant message is taken for the lock, without a confirming attempt.
+    pub fn trusting_grants(self) -> Config {
+        self.with_rules(Rules {
+            confirm_grants: false,
+            ..Rules::FIXED
+        })
+    }
+
+    /// The same bounds with other rules.
+    pub fn with_rules(self, rules: Rules) -> Config {
+        Config { rules, ..self }
+    }
+
+    /// How often the watchdog renews a lease: a third of it, at least one tick.
+    pub fn renew_every(&self, lease: u8) -> u8 {
+        lease.div_ceil(3).max(1)
+    }
+
+    /// How long a queue entry lives without an attempt refreshing it.
+    pub fn entry_ttl(&self) -> u8 {
+        self.recheck * 2
+    }
+
+    /// Whether the durations are in the order the library's settings keep them in (the
+    /// builder refuses the rest): an acquisition's reply, accepted before the timeout,
+    /// always leaves validity.
+    pub fn is_sound(&self) -> bool {
+        self.procs >= 1
+            && self.threads >= 1
+            && self.lease > self.timeout + self.drift
+            && self.grant_lease >= 1
+            && self.grant_lease <= self.lease
+            && self.timeout >= 1
+            && self.max_delay >= 1
+            && self.recheck >= 1
+            && self.renew_retry >= 1
+            && self.extends.iter().all(|&e| e >= 1)
+    }
+}

@@ -1,0 +1,92 @@
+//! A model of redbaton's one-node lock protocol, checked exhaustively with
+//! [stateright](https://docs.rs/stateright).
+//!
+//! The Lua scripts are atomic steps on a Redis state with TTLs ([`redis`]); client
+//! processes of several threads are state machines that contend, queue, hear grants and
+//! confirm them, renew, extend, hand the lock on locally and release ([`client`]); an
+//! adversary runs requests in any order, late or not at all, loses replies and
+//! messages, pauses processes and advances time ([`adversary`]). Breadth-first search
+//! visits every state within the bounds of a [`Config`] and checks the properties of
+//! [`props`] in each.
+//!
+//! | file | job |
+//! |---|---|
+//! | `config.rs` | bounds, durations (ticks), protocol variants |
+//! | `redis.rs` | Redis state; the scripts (`proto::scripts`, `proto::fair_scripts`) |
+//! | `net.rs` | requests, replies, messages in flight |
+//! | `client.rs` | a process: threads, local handoff, contender, watchdog, extend, release |
+//! | `adversary.rs` | network, pauses, time |
+//! | `props.rs` | the properties and the history they read |
+//! | `system.rs` | the `stateright::Model` tying them together |
+//!
+//! `cargo test -p redbaton-model` checks [`Config::ci`] and the broken variants; the
+//! longer check is `cargo run --release -p redbaton-model --example deep` (see the crate
+//! README).
+
+pub mod adversary;
+pub mod client;
+pub mod config;
+pub mod net;
+pub mod props;
+pub mod redis;
+pub mod system;
+
+use std::time::{Duration, Instant};
+
+use stateright::{Checker, HasDiscoveries, Model};
+
+pub use adversary::Move;
+pub use config::{Config, Mode, Rules};
+pub use system::{LockModel, State};
+
+/// The outcome of a check.
+#[derive(Debug)]
+pub struct Report {
+    /// Distinct states visited.
+    pub states: usize,
+    /// The longest path explored, in steps.
+    pub depth: usize,
+    pub elapsed: Duration,
+    /// Violated `always` properties, each with the length (steps) of the shortest path
+    /// found to a violation, and that path.
+    pub violations: Vec<(&'static str, usize, String)>,
+    /// `sometimes` properties never met.
+    pub never: Vec<&'static str>,
+    /// Whether every state within the bounds was visited.
+    pub complete: bool,
+}
+
+/// Checks `cfg` breadth-first on `threads` threads. With `stop_at_violation`, stops at
+/// the first violation (the path is then a shortest one).
+pub fn check(cfg: Config, threads: usize, stop_at_violation: bool) -> Report {
+    let model = LockModel::new(cfg);
+    let props = model.properties();
+    let started = Instant::now();
+    let mut builder = model.checker().threads(threads);
+    if stop_at_violation {
+        builder = builder.finish_when(HasDiscoveries::AnyFailures);
+    }
+    let checker = builder.spawn_bfs().join();
+    let elapsed = started.elapsed();
+    let mut violations = Vec::new();
+    let mut never = Vec::new();
+    for p in &props {
+        let found = checker.discovery(p.name);
+        match (p.expectation.discovery_is_failure(), found) {
+            (true, Some(path)) => {
+                let steps = path.clone().into_actions().len();
+                violations.push((p.name, steps, format!("{path}")));
+            }
+            (false, None) => never.push(p.name),
+            _ => {}
+        }
+    }
+    Report {
+        states: checker.unique_state_count(),
+        depth: checker.max_depth(),
+        elapsed,
+        complete: checker.is_done(),
+        violations,
+        never,
+    }
+}

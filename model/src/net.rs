@@ -1,0 +1,62 @@
+//! What travels between the clients and Redis: requests (script calls), their replies,
+//! and the messages Redis publishes on the lock's channel.
+//!
+//! Requests, and messages to a paused process, wait in in-flight multisets (kept sorted,
+//! so that equal states compare equal) from which the adversary takes items in any
+//! order, or drops them. Requests of one process do not overtake each other on one
+//! connection in reality, but the library uses several connections (a pool, a reconnect
+//! after a timeout), so any order is possible. A reply is delivered when its script runs,
+//! or lost (see `adversary`).
+
+use crate::redis::{Answer, Op, Publish};
+
+/// A script call in flight to Redis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Request {
+    /// The tick at which the client sent it.
+    pub sent: u8,
+    pub from: u8,
+    pub op: Op,
+}
+
+/// A reply to the client that sent `request`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Reply {
+    /// The tick at which the script ran.
+    pub at: u8,
+    pub request: Request,
+    pub answer: Answer,
+}
+
+/// A published message in flight to one subscribed process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Message {
+    /// The tick at which it was published.
+    pub at: u8,
+    pub to: u8,
+    pub what: Publish,
+}
+
+/// Everything in flight.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Net {
+    pub requests: Vec<Request>,
+    pub messages: Vec<Message>,
+}
+
+/// Adds `item` to a sorted multiset.
+pub fn put<T: Ord>(items: &mut Vec<T>, item: T) {
+    let at = items.partition_point(|x| x <= &item);
+    items.insert(at, item);
+}
+
+/// Removes one `item` from a multiset; whether it was there.
+pub fn take<T: PartialEq>(items: &mut Vec<T>, item: &T) -> bool {
+    match items.iter().position(|x| x == item) {
+        Some(at) => {
+            items.remove(at);
+            true
+        }
+        None => false,
+    }
+}

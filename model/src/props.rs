@@ -1,0 +1,119 @@
+//! The properties checked, and the history they need.
+//!
+//! - **mutual exclusion**: at most one thread believes it holds the lock with validity
+//!   covering now (`now < valid_until`), a paused process's belief included;
+//! - **fencing**: each thread that begins to hold (a remote acquisition or a local
+//!   handoff) has a fencing token (`fence << k | handoffs`) above every earlier holder's;
+//! - **no starvation** (a bounded, safety-style liveness check): a thread is not left in
+//!   `lock()` for more than `Config::starve_bound` ticks in a row while the key is free,
+//!   no other token is queued, no process is paused and no thread of its own process
+//!   holds the guard, counted from the last fault (a loss, a late run, a pause or
+//!   resume, a client's timeout). Faults can delay anyone as long as
+//!   they go on; the bound says that once they stop, the protocol itself never leaves a
+//!   waiter behind a free lock.
+//!
+//! `sometimes` properties show that the paths are taken at all: a lock held, a grant
+//! confirmed (fair), a local handoff, an `extend` applied.
+
+use stateright::Property;
+
+use crate::system::{LockModel, State};
+
+/// What the properties remember of the past.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct History {
+    /// The last fencing token a holder began with.
+    pub last_token: Option<(u8, u8)>,
+    /// A holder began with a token not above the one before.
+    pub token_regressed: bool,
+    /// Ticks in a row with a starving waiter, since the last fault.
+    pub starving: u8,
+    /// Pauses the adversary may still begin.
+    pub pauses_left: u8,
+    /// Faults the adversary may still cause (see `Config::faults`).
+    pub faults_left: u8,
+}
+
+impl History {
+    /// A thread began to hold with `token`.
+    pub fn began(&mut self, token: (u8, u8)) {
+        if self.last_token.is_some_and(|last| token <= last) {
+            self.token_regressed = true;
+        }
+        self.last_token = Some(token);
+    }
+
+    pub fn fault(&mut self) {
+        self.starving = 0;
+    }
+
+    /// Something in flight was lost, or a request ran late.
+    pub fn lose(&mut self) {
+        self.faults_left -= 1;
+        self.fault();
+    }
+
+    /// Time advanced; `starving` says whether a waiter starves at the new tick.
+    pub fn tick(&mut self, starving: bool) {
+        self.starving = if starving {
+            self.starving.saturating_add(1)
+        } else {
+            0
+        };
+    }
+}
+
+/// The threads that believe they hold the lock now.
+pub fn believers(s: &State) -> usize {
+    s.procs.iter().filter(|p| p.believes(s.now)).count()
+}
+
+/// Whether some thread waits in `lock()` while the key is free, no token but its own is
+/// queued, and nobody is paused. A thread waiting behind a holder of its own process
+/// waits for that thread's unlock, which is the application's business (also when the
+/// holder's lease ran out): it does not count.
+pub fn starving(s: &State) -> bool {
+    s.redis.lock.is_none()
+        && s.procs.iter().all(|p| !p.paused)
+        && s.procs.iter().any(|p| {
+            p.has_waiter() && p.hold().is_none() && {
+                let own = p.contending();
+                s.redis.queue.iter().all(|e| Some(e.token) == own)
+            }
+        })
+}
+
+pub fn properties(model: &LockModel) -> Vec<Property<LockModel>> {
+    let mut props = vec![
+        Property::always("mutual exclusion", |_, s: &State| believers(s) <= 1),
+        Property::always("fencing tokens increase", |_, s: &State| {
+            !s.history.token_regressed
+        }),
+        Property::always(
+            "no waiter starves behind a free lock",
+            |m: &LockModel, s: &State| s.history.starving <= m.cfg.starve_bound,
+        ),
+        Property::sometimes("a lock is held", |_, s: &State| believers(s) == 1),
+        Property::sometimes("a local handoff", |_, s: &State| {
+            s.procs
+                .iter()
+                .filter_map(|p| p.hold())
+                .any(|h| h.handoffs > 0)
+        }),
+        Property::sometimes("an extend applied", |m: &LockModel, s: &State| {
+            s.procs
+                .iter()
+                .filter_map(|p| p.hold())
+                .any(|h| h.lease != m.cfg.lease && s.now < h.valid_until)
+        }),
+    ];
+    if model.cfg.mode == crate::config::Mode::Fair {
+        props.push(Property::sometimes("a grant confirmed", |_, s: &State| {
+            s.procs
+                .iter()
+                .filter_map(|p| p.hold())
+                .any(|h| h.granted && s.now < h.valid_until)
+        }));
+    }
+    props
+}

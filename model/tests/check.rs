@@ -1,0 +1,120 @@
+//! The checks `cargo test -p redbaton-model` runs: the CI configuration holds every
+//! property, and each protocol rule left out makes the checker find the violation it
+//! prevents.
+
+use redbaton_model::{Config, Rules, check};
+
+/// Checker threads: the CI machines have 2 cores.
+const THREADS: usize = 2;
+
+#[test]
+fn ci_configuration_holds_every_property() {
+    let cfg = Config::ci();
+    println!("checking {cfg:?}");
+    let report = check(cfg, THREADS, false);
+    println!(
+        "{} states, depth {}, {:.1?} on {THREADS} threads",
+        report.states, report.depth, report.elapsed
+    );
+    for (name, steps, path) in &report.violations {
+        println!("VIOLATED {name} after {steps} steps:\n{path}");
+    }
+    assert!(report.complete, "the check did not finish");
+    assert!(report.violations.is_empty(), "violations: see above");
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
+/// Checks `cfg` until the first violation and returns its property and path length.
+fn first_violation(cfg: Config) -> (&'static str, usize) {
+    let report = check(cfg, THREADS, true);
+    let (name, steps, path) = report
+        .violations
+        .first()
+        .expect("the checker finds a violation");
+    println!(
+        "{name}: a path of {steps} steps ({} states, {:.1?}):\n{path}",
+        report.states, report.elapsed
+    );
+    (name, *steps)
+}
+
+#[test]
+fn without_the_extend_fix_exclusion_breaks() {
+    let (name, steps) = first_violation(Config::ci().without_extend_fix());
+    assert_eq!(name, "mutual exclusion");
+    println!("counterexample path length: {steps}");
+}
+
+#[test]
+fn without_the_min_rule_a_lost_extend_reply_breaks_exclusion() {
+    let (name, _) = first_violation(Config::ci().with_rules(Rules {
+        min_on_unknown: false,
+        ..Rules::FIXED
+    }));
+    assert_eq!(name, "mutual exclusion");
+}
+
+#[test]
+fn without_ordered_lease_changes_a_late_renewal_breaks_exclusion() {
+    let (name, _) = first_violation(Config::ci().with_rules(Rules {
+        ordered_changes: false,
+        ..Rules::FIXED
+    }));
+    assert_eq!(name, "mutual exclusion");
+}
+
+#[test]
+fn a_grant_trusted_without_confirmation_breaks_exclusion() {
+    let (name, _) = first_violation(Config::ci().trusting_grants());
+    assert_eq!(name, "mutual exclusion");
+}
+
+/// The starvation bound is tight: one tick less and the checker finds a waiter left
+/// behind a free lock (asleep until its re-check while nobody told it), so the property
+/// is not vacuous.
+#[test]
+fn the_starvation_bound_is_tight() {
+    let cfg = Config::ci();
+    let tighter = Config {
+        starve_bound: cfg.starve_bound - 1,
+        ..cfg
+    };
+    let (name, _) = first_violation(tighter);
+    assert_eq!(name, "no waiter starves behind a free lock");
+}
+
+/// The plain scripts (no queue) under the same bounds, with a shorter horizon.
+#[test]
+fn plain_scripts_hold_every_property() {
+    let cfg = Config {
+        horizon: 4,
+        ..Config::ci().plain()
+    };
+    let report = check(cfg, THREADS, false);
+    println!("plain: {} states, {:.1?}", report.states, report.elapsed);
+    for (name, steps, path) in &report.violations {
+        println!("VIOLATED {name} after {steps} steps:\n{path}");
+    }
+    assert!(report.complete && report.violations.is_empty());
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
+/// The long check, also `cargo run --release -p redbaton-model --example deep`.
+#[test]
+#[ignore = "the long check: run with --release -- --ignored"]
+fn deep_configuration_holds_every_property() {
+    let report = check(Config::deep(), THREADS, false);
+    println!(
+        "{} states, depth {}, {:.1?}",
+        report.states, report.depth, report.elapsed
+    );
+    assert!(report.complete && report.violations.is_empty() && report.never.is_empty());
+}
