@@ -219,7 +219,7 @@ impl LockProtocol {
         match self {
             LockProtocol::Plain { .. } => {
                 let call = release_call(node, keys, token, true);
-                node.release_with(&RELEASE, &call, retry, Some(&narrow))
+                node.release_with(&RELEASE, &call, retry, Some((&RELEASE, &narrow)))
             }
             LockProtocol::Fair(fair) => {
                 // The fair release names the lock, its counter and its queue, and an empty
@@ -228,7 +228,7 @@ impl LockProtocol {
                 // of the lock) gets no grant, and its head takes the lock at its next
                 // attempt once the slot has moved.
                 let call = fair_call(&FAIR_RELEASE, node, keys, token, fair);
-                node.release_with(&FAIR_RELEASE, &call, retry, Some(&narrow))
+                node.release_with(&FAIR_RELEASE, &call, retry, Some((&RELEASE, &narrow)))
             }
         }
     }
@@ -246,7 +246,12 @@ impl LockProtocol {
         // release (see `release`), leaving is the plain compare-and-delete of our token,
         // which gives back a grant that raced our leaving; our queue entry expires.
         let narrow = || release_call(node, keys, token, false);
-        let reply = node.release_with(&FAIR_LEAVE, &call, Retry::ON_RESET, Some(&narrow))?;
+        let reply = node.release_with(
+            &FAIR_LEAVE,
+            &call,
+            Retry::ON_RESET,
+            Some((&RELEASE, &narrow)),
+        )?;
         Ok(reply == ReleaseReply::Passed)
     }
 
@@ -323,4 +328,37 @@ fn fair_call(script: &Lua, node: &Node, keys: &Keys, token: &str, fair: Fair) ->
         .arg(node.fence_ttl_ms())
         .arg(node.publish_mode());
     call
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The answers the engine acts on, for each protocol.
+    #[test]
+    fn each_protocol_answers_for_itself() {
+        let fair = LockProtocol::of(&Config::default());
+        assert!(matches!(fair, LockProtocol::Fair(_)), "fair by default");
+        assert!(fair.keeps_token_across_attempts());
+        assert!(fair.release_may_grant());
+        assert!(fair.next_call_settles_unknown());
+        assert_eq!(fair.exit(), Exit::Leave);
+        assert!(std::ptr::eq(fair.acquire_script(), &*FAIR_ACQUIRE));
+
+        let off = Config {
+            fair: false,
+            ..Config::default()
+        };
+        for plain in [
+            LockProtocol::of(&off),
+            LockProtocol::plain(&Config::default()),
+        ] {
+            assert!(matches!(plain, LockProtocol::Plain { .. }), "{plain:?}");
+            assert!(!plain.keeps_token_across_attempts());
+            assert!(!plain.release_may_grant());
+            assert!(!plain.next_call_settles_unknown());
+            assert_eq!(plain.exit(), Exit::Unmark);
+            assert!(std::ptr::eq(plain.acquire_script(), &*ACQUIRE));
+        }
+    }
 }

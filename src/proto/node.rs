@@ -12,7 +12,7 @@ use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
 use crate::proto::pool::Pool;
-use crate::proto::scripts::{self, EXTEND, EXTEND_UNORDERED, Lua, RAISE_FENCE, RELEASE};
+use crate::proto::scripts::{self, EXTEND, EXTEND_UNORDERED, Lua, RAISE_FENCE};
 use crate::stats::Counters;
 
 /// The reply to one acquire attempt on one node.
@@ -500,14 +500,14 @@ impl Node {
 
     /// [`release_by`](Self::release_by) (also for the fair queue's leave: 2 passed on,
     /// 1 released, 0 nothing ours); when the server refuses `call` because the lock's slot
-    /// is migrating (`TRYAGAIN`), the release `narrow` makes (the plain [`RELEASE`],
-    /// naming the lock key alone) is run instead, at once.
+    /// is migrating (`TRYAGAIN`), the narrow release (a script and the call it makes:
+    /// the plain compare-and-delete, naming the lock key alone) is run instead, at once.
     pub(crate) fn release_with(
         &self,
         script: &Lua,
         call: &Cmd,
         retry: Retry,
-        narrow: Option<&dyn Fn() -> Cmd>,
+        narrow: Option<(&Lua, &dyn Fn() -> Cmd)>,
     ) -> Result<ReleaseReply> {
         // Whether an earlier attempt's reply was lost (it may have deleted the key); a
         // redirected or refused attempt did not run.
@@ -526,8 +526,8 @@ impl Node {
             })
         };
         let mut reply = attempt(script, call, narrow.is_some())?;
-        if let (None, Some(narrow)) = (reply, narrow) {
-            reply = attempt(&RELEASE, &narrow(), false)?;
+        if let (None, Some((narrow, narrow_call))) = (reply, narrow) {
+            reply = attempt(narrow, &narrow_call(), false)?;
         }
         let Some(reply) = reply else {
             return Err(Error::Protocol("release refused".to_owned()));

@@ -285,3 +285,35 @@ impl Topology {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Redlock routes never queue, whatever the settings ask: independent masters cannot
+    /// agree on one queue. One node follows the settings. (No connection is made.)
+    #[test]
+    fn redlock_routes_get_the_plain_protocol() {
+        let (counters, client_id) = (Arc::new(Counters::default()), Arc::from("test"));
+        let keys = Keys::new("t", b"k").expect("keys");
+        let url = |port: u16| format!("redis://127.0.0.1:{port}");
+        let redlock = Config {
+            fair: true,
+            nodes: (1..=3).map(url).collect(),
+            ..Config::default()
+        };
+        let t = Topology::open(&redlock, &counters, &client_id).expect("redlock");
+        let protocol = t.route(&keys).protocol();
+        assert!(
+            matches!(protocol, LockProtocol::Plain { .. }),
+            "{protocol:?}"
+        );
+        let single = Config {
+            nodes: vec![url(1)],
+            ..redlock
+        };
+        let t = Topology::open(&single, &counters, &client_id).expect("single");
+        let protocol = t.route(&keys).protocol();
+        assert!(matches!(protocol, LockProtocol::Fair(_)), "{protocol:?}");
+    }
+}
