@@ -107,7 +107,7 @@ impl Engine {
             };
             drop(watch);
             let Some(at) = confirmed_at else { continue };
-            match node.foreign_mark(keys) {
+            match route.protocol().foreign_mark(node, keys) {
                 Ok(foreign) => self.table.marks_checked(keys, &node.id, at, foreign),
                 Err(e) => log::debug!("node {}: mark check failed: {e}", node.id),
             }

@@ -162,11 +162,11 @@ pub(crate) fn release_on(
     if ids.is_empty() {
         return Vec::new();
     }
-    let retry = route.retry();
+    let (retry, protocol) = (route.retry(), route.protocol());
     let nodes = route.holders(ids);
     if let [node] = nodes.as_slice() {
-        return vec![node.release(keys, token, retry)];
+        return vec![protocol.release(node, keys, token, retry)];
     }
     let (k, t) = (keys.clone(), token.to_owned());
-    topology.fan_out(&nodes, move |node| node.release(&k, &t, retry))
+    topology.fan_out(&nodes, move |node| protocol.release(node, &k, &t, retry))
 }

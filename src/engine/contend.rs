@@ -13,6 +13,7 @@ use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
+use crate::proto::lock_protocol::Exit;
 use crate::proto::node::{Attempt, Marks, NodeId, may_have_run, new_token};
 use crate::stats::Counters;
 use crate::topology::Route;
@@ -96,7 +97,10 @@ impl Engine {
         let mut waiter = Waiter::new();
         // Fair queue: one token for the whole wait, so that our place in the queue, and a
         // grant to it, survive from one attempt to the next.
-        let token = route.sole().and_then(|n| n.fair()).map(|_| new_token());
+        let token = route
+            .protocol()
+            .keeps_token_across_attempts()
+            .then(new_token);
         if let Some(t) = &token {
             waiter.await_grant(t);
         }
@@ -106,10 +110,12 @@ impl Engine {
             if !std::thread::panicking() {
                 return;
             }
-            if let (Some(t), Some(node)) = (&token, self.topology.route(keys).sole())
-                && let Err(e) = node.leave(keys, t)
-            {
-                log::debug!("leaving the queue after a panic failed (the entry expires): {e}");
+            let Some(t) = &token else { return };
+            let route = self.topology.route(keys);
+            for node in route.nodes() {
+                if let Err(e) = route.protocol().leave(node, keys, t) {
+                    log::debug!("leaving the queue after a panic failed (the entry expires): {e}");
+                }
             }
         });
         if !self.subs.is_empty() {
@@ -267,16 +273,17 @@ impl Engine {
         // On the lease clock: the validity counts from here.
         let started = Stamp::now();
         let retry = route.retry();
+        let protocol = route.protocol();
         let replies = match route.sole() {
             // One node: no closure to share with other threads, nothing to clone.
             Some(node) => vec![(
                 node.id.clone(),
-                node.acquire(keys, &token, lease, retry, marks, deadline),
+                protocol.acquire(node, keys, &token, lease, retry, marks, deadline),
             )],
             None => {
                 let (k, t) = (keys.clone(), token.clone());
                 self.topology.fan_out(route.nodes(), move |node| {
-                    let reply = node.acquire(&k, &t, lease, retry, marks, deadline);
+                    let reply = protocol.acquire(node, &k, &t, lease, retry, marks, deadline);
                     (node.id.clone(), reply)
                 })
             }
@@ -298,7 +305,13 @@ impl Engine {
                 "early attempt without a sole node".to_owned(),
             ));
         };
-        let reply = node.finish_acquire(shot.reply, &pending.call, route.retry(), deadline);
+        let reply = route.protocol().finish_acquire(
+            node,
+            shot.reply,
+            &pending.call,
+            route.retry(),
+            deadline,
+        );
         let replies = vec![(node.id.clone(), reply)];
         let sent = Stamp::from_instant(shot.sent);
         self.judge(keys, route, pending.token, sent, replies, deadline)
@@ -363,7 +376,8 @@ impl Engine {
     /// Releases our token where a lost round left it: on the nodes that granted while the
     /// deadline allows, and without waiting where the outcome is unknown, so that no stray
     /// key outlives the call by long and the caller's deadline is kept. `reused`: a later
-    /// call of this wait uses the token again (fair queue: the next attempt, or the leave).
+    /// call of this wait uses the token again (fair queue: the next attempt, or the leave),
+    /// which settles an unknown outcome when the protocol says so.
     fn undo(
         self: &Arc<Self>,
         keys: &Keys,
@@ -376,7 +390,7 @@ impl Engine {
         if undo.is_empty() {
             return;
         }
-        if reused && route.sole().and_then(|n| n.fair()).is_some() {
+        if reused && route.protocol().next_call_settles_unknown() {
             // Fair queue: the next attempt finds the token in the key if it is ours, and
             // the leave passes such a lock on: only a lock taken without enough replicas
             // is given back now. A caller that neither attempts again nor leaves (a
@@ -403,23 +417,34 @@ impl Engine {
         token: Option<&str>,
         marked: bool,
     ) {
-        match (token, route.sole()) {
-            (Some(token), Some(node)) if marked => {
+        if !marked {
+            return;
+        }
+        let protocol = route.protocol();
+        match (protocol.exit(), token) {
+            (Exit::Leave, Some(token)) => {
                 Counters::inc(&self.counters.queue_departures);
-                match node.leave(keys, token) {
-                    Ok(true) => Counters::inc(&self.counters.grants_passed),
-                    Ok(false) => {}
-                    Err(e) => {
-                        // A grant to us (or a lock a lost attempt took) may be left: the
-                        // cleanup job releases it; the entry expires.
-                        log::debug!("leaving the queue failed: {e}; released in the background");
-                        self.cleanup
-                            .release_later(keys, token.to_owned(), vec![node.id.clone()]);
+                // One node: a queue lives where one node decides alone.
+                for node in route.nodes() {
+                    match protocol.leave(node, keys, token) {
+                        Ok(true) => Counters::inc(&self.counters.grants_passed),
+                        Ok(false) => {}
+                        Err(e) => {
+                            // A grant to us (or a lock a lost attempt took) may be left: the
+                            // cleanup job releases it; the entry expires.
+                            log::debug!(
+                                "leaving the queue failed: {e}; released in the background"
+                            );
+                            self.cleanup.release_later(
+                                keys,
+                                token.to_owned(),
+                                vec![node.id.clone()],
+                            );
+                        }
                     }
                 }
             }
-            _ if marked => self.unmark(keys, route),
-            _ => {}
+            _ => self.unmark(keys, route),
         }
     }
 

@@ -46,8 +46,8 @@ impl Engine {
                     Counters::inc(&self.counters.grants_passed);
                 }
                 // With the fair queue the next process already has it: nobody to yield to.
-                let fair = route.sole().and_then(|n| n.fair()).is_some();
-                if contended && !fair {
+                let grants = route.protocol().release_may_grant();
+                if contended && !grants {
                     // A thread that releases and locks again would otherwise win every time:
                     // its attempt reaches Redis before the waiters have heard of the release.
                     let until = from_now(YIELD);
@@ -59,7 +59,7 @@ impl Engine {
                 // With the fair queue the next process already has the lock (or will get it
                 // at its next attempt): our next contender queues at once, without a pause.
                 self.table
-                    .released(&lock.keys, forced && contended && !fair);
+                    .released(&lock.keys, forced && contended && !grants);
                 tally_release(replies, lost.is_none(), route.quorum())
             }
         }
@@ -227,10 +227,10 @@ impl Engine {
 
     /// Removes our contention mark on every node of the route (best effort).
     pub(crate) fn unmark(self: &Arc<Self>, keys: &Keys, route: &Route) {
-        let k = keys.clone();
+        let (k, protocol) = (keys.clone(), route.protocol());
         for r in self
             .topology
-            .fan_out(route.nodes(), move |node| node.unmark(&k))
+            .fan_out(route.nodes(), move |node| protocol.unmark(node, &k))
         {
             if let Err(e) = r {
                 log::debug!("removing a contention mark failed: {e}");

@@ -103,7 +103,9 @@ impl Waiter {
             leave: true,
             clear: marked,
         };
-        let call = node.acquire_call(keys, &token, client.cfg.lease, marks);
+        let call = route
+            .protocol()
+            .acquire_call(node, keys, &token, client.cfg.lease, marks);
         if watch.arm(Armed::new(node.pool.clone(), &call, deadline)) {
             self.pending = Some(Pending { token, marks, call });
         }

@@ -3,6 +3,7 @@
 pub(crate) mod connect;
 pub(crate) mod fair_scripts;
 pub(crate) mod keys;
+pub(crate) mod lock_protocol;
 pub(crate) mod node;
 pub(crate) mod pool;
 pub(crate) mod rw_scripts;

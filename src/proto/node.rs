@@ -1,4 +1,6 @@
-//! One Redis node: its connection pool and the protocol's three operations on it.
+//! One Redis node: its connection pool, and running commands and scripts on it (retries,
+//! redirects, replica acknowledgements). Which lock scripts it runs, with which
+//! arguments, is the route's protocol's (see `lock_protocol`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,12 +10,9 @@ use redis::{Cmd, Connection, RedisResult, Value};
 use crate::config::Config;
 use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
-use crate::proto::fair_scripts::{FAIR_ACQUIRE, FAIR_LEAVE, FAIR_RELEASE};
 use crate::proto::keys::Keys;
 use crate::proto::pool::Pool;
-use crate::proto::scripts::{
-    self, ACQUIRE, EXTEND, EXTEND_UNORDERED, Lua, RAISE_FENCE, RELEASE, UNMARK,
-};
+use crate::proto::scripts::{self, EXTEND, EXTEND_UNORDERED, Lua, RAISE_FENCE};
 use crate::stats::Counters;
 
 /// The reply to one acquire attempt on one node.
@@ -146,39 +145,16 @@ pub(crate) struct Node {
     counters: Arc<Counters>,
     /// Sent with failed attempts, so that our own subscriber ignores our own marks.
     client_id: Arc<str>,
-    /// How long a failed attempt's mark lives: a waiter re-marks at least this often.
-    mark_ttl: Duration,
     /// How long an idle fencing counter lives, in ms (a script argument).
     fence_ttl_ms: u64,
     /// `replica_ack`: replicas that must acknowledge an acquisition or renewal, and how
     /// long to wait for them.
     ack: Option<(usize, Duration)>,
-    /// The fair queue, when on: how long a waiter's entry lives unless its next attempt
-    /// refreshes it, and the lease a grant gives until the grantee renews.
-    fair: Option<Fair>,
     /// Redis Cluster: who follows this node's redirects.
     redirect: Option<std::sync::Weak<dyn Redirect>>,
     /// The last command got no reply (a network error or a timeout): asked last when
     /// any node will do (the cluster's slot map).
     silent: std::sync::atomic::AtomicBool,
-}
-
-/// The fair queue's timings (see `fair_scripts`).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Fair {
-    pub entry_ttl: Duration,
-    pub grant_lease: Duration,
-}
-
-impl Fair {
-    /// The timings for `cfg` (see [`Config::entry_ttl`] and [`Config::grant_lease`]), or
-    /// `None` when the queue is off.
-    pub fn of(cfg: &Config) -> Option<Fair> {
-        cfg.fair.then(|| Fair {
-            entry_ttl: cfg.entry_ttl(),
-            grant_lease: cfg.grant_lease(),
-        })
-    }
 }
 
 impl Node {
@@ -239,10 +215,8 @@ impl Node {
             db,
             counters,
             client_id,
-            mark_ttl: cfg.mark_ttl(),
             fence_ttl_ms: millis(cfg.fence_ttl),
             ack: cfg.replica_ack,
-            fair: Fair::of(cfg),
             redirect: None,
             silent: std::sync::atomic::AtomicBool::new(false),
         }
@@ -408,35 +382,31 @@ impl Node {
         }
     }
 
-    /// One acquire attempt with `token`, retried with the same token after an ambiguous
-    /// failure (the script recognises its own token and returns the first fence). When the
-    /// outcome stays unknown, the caller must release with the token: the key may be ours.
-    /// `marks`: whether a failure leaves a contention mark, and whether a success clears ours.
-    pub fn acquire(
+    /// Runs an acquire `call` of `script` (its reply: 1 when it took the lock, and a
+    /// number), retried as `retry` says within `deadline`. When it took the lock and
+    /// `replica_ack` asks, `WAIT`s on the same connection (`WAIT` counts that
+    /// connection's writes); the reply, and how many replicas acknowledged when fewer
+    /// than asked.
+    pub fn run_acquire(
         &self,
-        keys: &Keys,
-        token: &str,
-        lease: Duration,
+        script: &Lua,
+        call: &Cmd,
         retry: Retry,
-        marks: Marks,
         deadline: Option<Instant>,
-    ) -> Result<Attempt> {
-        let call = self.acquire_call(keys, token, lease, marks);
-        let reply = self.run_until(retry, deadline, |c| {
-            let reply: (i64, i64) = self.acquire_script().run(&call, c)?;
-            // WAIT counts the writes of this connection: it must follow on the same one.
+    ) -> Result<((i64, i64), Option<usize>)> {
+        let (reply, acked) = self.run_until(retry, deadline, |c| {
+            let reply: (i64, i64) = script.run(call, c)?;
             let acked = match (reply.0, self.ack) {
                 (1, Some(_)) => Some(self.wait_replicas(c)?),
                 _ => None,
             };
             Ok((reply, acked))
         })?;
-        match (self.attempt_of(reply.0)?, reply.1, self.ack) {
-            (Attempt::Acquired { .. }, Some(acked), Some((wanted, _))) if acked < wanted => {
-                Ok(Attempt::Unacked { acked })
-            }
-            (attempt, ..) => Ok(attempt),
-        }
+        let unacked = match (acked, self.ack) {
+            (Some(acked), Some((wanted, _))) if acked < wanted => Some(acked),
+            _ => None,
+        };
+        Ok((reply, unacked))
     }
 
     /// `WAIT` for the replicas `replica_ack` asks for; how many acknowledged.
@@ -457,102 +427,36 @@ impl Node {
         Ok(usize::try_from(acked).unwrap_or(0))
     }
 
-    /// The `EVALSHA` of one acquire attempt.
-    pub fn acquire_call(&self, keys: &Keys, token: &str, lease: Duration, marks: Marks) -> Cmd {
-        let lease_ms = crate::clock::millis(lease).max(1);
-        let mark_ms = if marks.leave {
-            crate::clock::millis(self.mark_ttl).max(1)
-        } else {
-            0
-        };
-        let clear = if marks.clear { "1" } else { "0" };
-        let Some(fair) = self.fair else {
-            let mut call = ACQUIRE.call(3);
-            call.arg(keys.lock())
-                .arg(keys.fence())
-                .arg(keys.mark())
-                .arg(token)
-                .arg(lease_ms)
-                .arg(keys.channel())
-                .arg(&*self.client_id)
-                .arg(mark_ms)
-                .arg(clear)
-                .arg(self.fence_ttl_ms)
-                .arg(self.publish_mode());
-            return call;
-        };
-        let mut call = FAIR_ACQUIRE.call(4);
-        call.arg(keys.lock())
-            .arg(keys.fence())
-            .arg(keys.queue())
-            .arg(keys.queue_expiry())
-            .arg(token)
-            .arg(lease_ms)
-            .arg(keys.channel())
-            .arg(&*self.client_id)
-            .arg(if marks.leave {
-                millis(fair.entry_ttl)
-            } else {
-                0
-            })
-            .arg(millis(fair.grant_lease))
-            .arg(self.fence_ttl_ms)
-            .arg(self.publish_mode());
-        call
-    }
-
-    /// The acquire script this node's calls use.
-    fn acquire_script(&self) -> &'static Lua {
-        if self.fair.is_some() {
-            &FAIR_ACQUIRE
-        } else {
-            &ACQUIRE
-        }
-    }
-
     /// How long an idle fencing counter lives, in ms.
     pub fn fence_ttl_ms(&self) -> u64 {
         self.fence_ttl_ms
     }
 
-    /// The fair queue's timings, when it is on.
-    pub fn fair(&self) -> Option<Fair> {
-        self.fair
+    /// This client's id, sent with failed attempts so that our own subscriber ignores
+    /// our own marks.
+    pub fn client_id(&self) -> &str {
+        &self.client_id
     }
 
-    /// A waiter with `token` stops waiting: out of the queue, its mark removed, and a grant
-    /// that raced its leaving passed on. Whether it passed one on. Fair queue only.
-    pub fn leave(&self, keys: &Keys, token: &str) -> Result<bool> {
-        let Some(fair) = self.fair else {
-            self.unmark(keys)?;
-            return Ok(false);
-        };
-        let call = fair_call(&FAIR_LEAVE, keys, token, fair, self);
-        // Redis Cluster, the slot half-way through a migration: refused like the fair
-        // release (see `release`), leaving is the plain compare-and-delete of our token,
-        // which gives back a grant that raced our leaving; our queue entry expires.
-        let plain = || self.release_call(keys, token, false);
-        let reply = self.release_with(&FAIR_LEAVE, &call, Retry::ON_RESET, Some(&plain))?;
-        Ok(reply == ReleaseReply::Passed)
-    }
-
-    /// The outcome of an acquire the subscriber thread made early (see `early`), from its
-    /// raw reply. When the reply was lost or the server lacked the script, the attempt is
-    /// made again the usual way with the same token: the script recognises its own token.
-    pub fn finish_acquire(
+    /// The reply to a `call` of `script` the subscriber thread sent early (see `early`),
+    /// from its raw reply. When the reply was lost, the server lacked the script, or
+    /// (Redis Cluster) it redirected or refused the call, the call is made again the usual
+    /// way with the same arguments: an acquire script recognises its own token.
+    pub fn finish_early<T: redis::FromRedisValue>(
         &self,
         reply: RedisResult<Value>,
+        script: &Lua,
         call: &Cmd,
         retry: Retry,
         deadline: Option<Instant>,
-    ) -> Result<Attempt> {
+    ) -> Result<T> {
         Counters::inc(&self.counters.commands);
         Counters::inc(&self.counters.early_attempts);
         let parsed = reply
             .and_then(Value::extract_error)
-            .and_then(|v| Ok(redis::from_redis_value::<(i64, i64)>(v)?));
+            .and_then(|v| Ok(redis::from_redis_value::<T>(v)?));
         match parsed {
-            Ok(v) => self.attempt_of(v),
+            Ok(v) => Ok(v),
             Err(e)
                 if is_network_error(&e)
                     || scripts::is_noscript(&e)
@@ -563,49 +467,15 @@ impl Node {
                     self.pool.clear_idle();
                 }
                 log::debug!("node {}: early attempt failed: {e}; retrying", self.id);
-                let script = self.acquire_script();
-                self.attempt_of(self.run_until(retry, deadline, |c| script.run(call, c))?)
+                self.run_until(retry, deadline, |c| script.run(call, c))
             }
             Err(e) => Err(Error::Redis(e)),
-        }
-    }
-
-    fn attempt_of(&self, reply: (i64, i64)) -> Result<Attempt> {
-        match reply {
-            (1, fence) => Ok(Attempt::Acquired {
-                fence: u64::try_from(fence)
-                    .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
-            }),
-            (0, pttl) => {
-                Counters::inc(&self.counters.failed_attempts);
-                Ok(Attempt::Held {
-                    pttl: u64::try_from(pttl).ok().map(Duration::from_millis),
-                })
-            }
-            (2, _) => Err(Error::WrongKind),
-            other => Err(Error::Protocol(format!("acquire replied {other:?}"))),
         }
     }
 
     /// The client's counters.
     pub(crate) fn counters(&self) -> &Counters {
         &self.counters
-    }
-
-    /// Whether another client failed to get `keys` lately (its mark is alive).
-    pub fn foreign_mark(&self, keys: &Keys) -> Result<bool> {
-        if self.fair.is_some() {
-            // The queue is the mark: whoever is in it waits (this process's contender is
-            // not, while it holds the lock).
-            let queued: u64 = self.run(Retry::ON_RESET, |c| {
-                redis::cmd("ZCARD").arg(keys.queue()).query(c)
-            })?;
-            return Ok(queued > 0);
-        }
-        let mark: Option<Vec<u8>> = self.run(Retry::ON_RESET, |c| {
-            redis::cmd("GET").arg(keys.mark()).query(c)
-        })?;
-        Ok(mark.is_some_and(|m| m != self.client_id.as_bytes()))
     }
 
     /// Raises the key's fencing counter to at least `fence`.
@@ -618,49 +488,6 @@ impl Node {
         Ok(())
     }
 
-    /// Removes our own contention mark (a waiter gave up).
-    pub fn unmark(&self, keys: &Keys) -> Result<()> {
-        let mut call = UNMARK.call(1);
-        call.arg(keys.mark()).arg(&*self.client_id);
-        self.run(Retry::ON_RESET, |c| UNMARK.run::<i64>(&call, c))?;
-        Ok(())
-    }
-
-    /// Compare-and-delete. `retries` may be non-zero: a repeated release is harmless, and
-    /// reports [`ReleaseReply::GoneAfterRetry`] for a key that the first attempt may have
-    /// deleted ([`ReleaseReply::OtherAfterRetry`]: passed on, or deleted and taken since).
-    pub fn release(&self, keys: &Keys, token: &str, retry: Retry) -> Result<ReleaseReply> {
-        // Redis Cluster, the lock's slot half-way through a migration: the server refuses
-        // a script whose keys are not all on one side (`TRYAGAIN`). The narrow release names
-        // the lock key alone, which the server always serves: on the source while the key
-        // is there, else (`ASK`) on the target; its lease record, if any, is left to its
-        // TTL (at most the lease).
-        let plain = || self.release_call(keys, token, false);
-        let Some(fair) = self.fair else {
-            let call = self.release_call(keys, token, true);
-            return self.release_with(&RELEASE, &call, retry, Some(&plain));
-        };
-        let call = fair_call(&FAIR_RELEASE, keys, token, fair, self);
-        // The fair release names the lock, its counter and its queue, and an empty queue
-        // has no key: during a migration the narrow release is the fair release of a lock
-        // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
-        // and its head takes the lock at its next attempt once the slot has moved.
-        self.release_with(&FAIR_RELEASE, &call, retry, Some(&plain))
-    }
-
-    /// The plain compare-and-delete of `token`'s lock ([`RELEASE`]): its key and, with
-    /// `record`, its lease record (deleted with it); without, its key alone (see
-    /// `release`).
-    fn release_call(&self, keys: &Keys, token: &str, record: bool) -> Cmd {
-        let mut call = RELEASE.call(if record { 2 } else { 1 });
-        call.arg(keys.lock());
-        if record {
-            call.arg(lease_key(keys.lock()));
-        }
-        call.arg(token).arg(keys.channel()).arg(self.publish_mode());
-        call
-    }
-
     /// Runs a release `call` of `script` (1 released, 0 gone, -1 another owner).
     pub(crate) fn release_by(
         &self,
@@ -671,16 +498,16 @@ impl Node {
         self.release_with(script, call, retry, None)
     }
 
-    /// [`release_by`](Self::release_by) (also for [`FAIR_LEAVE`]: 2 passed on, 1
-    /// released, 0 nothing ours); when the server refuses `call` because the lock's slot
-    /// is migrating (`TRYAGAIN`), the release `narrow` makes (the plain [`RELEASE`],
-    /// naming the lock key alone) is run instead, at once.
-    fn release_with(
+    /// [`release_by`](Self::release_by) (also for the fair queue's leave: 2 passed on,
+    /// 1 released, 0 nothing ours); when the server refuses `call` because the lock's slot
+    /// is migrating (`TRYAGAIN`), the narrow release (a script and the call it makes:
+    /// the plain compare-and-delete, naming the lock key alone) is run instead, at once.
+    pub(crate) fn release_with(
         &self,
         script: &Lua,
         call: &Cmd,
         retry: Retry,
-        narrow: Option<&dyn Fn() -> Cmd>,
+        narrow: Option<(&Lua, &dyn Fn() -> Cmd)>,
     ) -> Result<ReleaseReply> {
         // Whether an earlier attempt's reply was lost (it may have deleted the key); a
         // redirected or refused attempt did not run.
@@ -699,8 +526,8 @@ impl Node {
             })
         };
         let mut reply = attempt(script, call, narrow.is_some())?;
-        if let (None, Some(narrow)) = (reply, narrow) {
-            reply = attempt(&RELEASE, &narrow(), false)?;
+        if let (None, Some((narrow, narrow_call))) = (reply, narrow) {
+            reply = attempt(narrow, &narrow_call(), false)?;
         }
         let Some(reply) = reply else {
             return Err(Error::Protocol("release refused".to_owned()));
@@ -1016,25 +843,8 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
     }
 }
 
-/// A call of the fair queue's release or leave script: the same keys and arguments
-/// (the fence counter's TTL and the publish mode are `node`'s).
-fn fair_call(script: &Lua, keys: &Keys, token: &str, fair: Fair, node: &Node) -> Cmd {
-    let mut call = script.call(5);
-    call.arg(keys.lock())
-        .arg(keys.fence())
-        .arg(keys.queue())
-        .arg(keys.queue_expiry())
-        .arg(lease_key(keys.lock()))
-        .arg(token)
-        .arg(keys.channel())
-        .arg(millis(fair.grant_lease))
-        .arg(node.fence_ttl_ms)
-        .arg(node.publish_mode());
-    call
-}
-
 /// A duration in whole milliseconds, at least 1, for a script argument.
-fn millis(d: Duration) -> u64 {
+pub(crate) fn millis(d: Duration) -> u64 {
     crate::clock::millis(d).max(1)
 }
 

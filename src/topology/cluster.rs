@@ -40,6 +40,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::connect::{is_tls_url, open_client, open_client_at};
 use crate::proto::keys::{Keys, keyslot};
+use crate::proto::lock_protocol::LockProtocol;
 use crate::proto::node::{Node, Redirect, Retry};
 use crate::stats::Counters;
 
@@ -94,7 +95,7 @@ impl Cluster {
             map: RwLock::new(Map {
                 owner: vec![NONE; SLOTS],
                 routes: Vec::new(),
-                all: Route::every(Arc::from(Vec::new()), 1),
+                all: Route::every(Arc::from(Vec::new()), 1, LockProtocol::of(cfg)),
                 known: HashMap::new(),
             }),
             stale: AtomicBool::new(false),
@@ -231,8 +232,12 @@ impl Shared {
             }
         }
         map.owner = owner;
-        map.routes = nodes.iter().map(|n| Route::following(n.clone())).collect();
-        map.all = Route::every(Arc::from(nodes), 1);
+        let protocol = LockProtocol::of(&self.cfg);
+        map.routes = nodes
+            .iter()
+            .map(|n| Route::following(n.clone(), protocol))
+            .collect();
+        map.all = Route::every(Arc::from(nodes), 1, protocol);
         Ok(())
     }
 
@@ -276,10 +281,11 @@ impl Redirect for Shared {
             let i = match map.routes.iter().position(|r| r.nodes()[0].id == node.id) {
                 Some(i) => i,
                 None => {
-                    map.routes.push(Route::following(node.clone()));
+                    let protocol = map.all.protocol();
+                    map.routes.push(Route::following(node.clone(), protocol));
                     let mut all = map.all.nodes().to_vec();
                     all.push(node.clone());
-                    map.all = Route::every(Arc::from(all), 1);
+                    map.all = Route::every(Arc::from(all), 1, protocol);
                     map.routes.len() - 1
                 }
             };

@@ -23,6 +23,7 @@ use std::time::Duration;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
+use crate::proto::lock_protocol::LockProtocol;
 use crate::proto::node::{Node, NodeId, Retry, is_failover_symptom};
 use crate::stats::Counters;
 
@@ -44,38 +45,48 @@ pub(crate) enum Topology {
     Cluster(Cluster),
 }
 
-/// The node(s) that serve one lock's keys, and how many of them must agree.
+/// The node(s) that serve one lock's keys, how many of them must agree, and the
+/// protocol the exclusive lock follows on them.
 #[derive(Clone)]
 pub(crate) struct Route {
     nodes: Arc<[Arc<Node>]>,
     quorum: usize,
+    /// Chosen when the route is built: the engine asks it, never the layout.
+    protocol: LockProtocol,
     /// The lock lives wherever the route points now, not on the nodes that granted it
     /// (Redis Cluster: its slot may move to another master while it is held).
     follows: bool,
 }
 
 impl Route {
-    fn new(nodes: Arc<[Arc<Node>]>) -> Self {
+    fn new(nodes: Arc<[Arc<Node>]>, protocol: LockProtocol) -> Self {
         let quorum = nodes.len() / 2 + 1;
-        Route::every(nodes, quorum)
+        Route::every(nodes, quorum, protocol)
     }
 
     /// `nodes`, of which `quorum` must agree.
-    fn every(nodes: Arc<[Arc<Node>]>, quorum: usize) -> Self {
+    fn every(nodes: Arc<[Arc<Node>]>, quorum: usize, protocol: LockProtocol) -> Self {
         Route {
             nodes,
             quorum,
+            protocol,
             follows: false,
         }
     }
 
     /// One node that serves the lock for now (a Redis Cluster slot's master).
-    fn following(node: Arc<Node>) -> Self {
+    fn following(node: Arc<Node>, protocol: LockProtocol) -> Self {
         Route {
             nodes: Arc::from(vec![node]),
             quorum: 1,
+            protocol,
             follows: true,
         }
+    }
+
+    /// How the exclusive lock is contended for and given back on this route.
+    pub fn protocol(&self) -> LockProtocol {
+        self.protocol
     }
 
     /// Every node of the route.
@@ -154,17 +165,6 @@ impl Topology {
                 sc, cfg, counters, client_id,
             )?));
         }
-        // Redlock never queues: independent masters cannot agree on one queue.
-        let redlock_cfg;
-        let cfg = if cfg.nodes.len() > 1 && cfg.fair {
-            redlock_cfg = Config {
-                fair: false,
-                ..cfg.clone()
-            };
-            &redlock_cfg
-        } else {
-            cfg
-        };
         let nodes = cfg
             .nodes
             .iter()
@@ -181,8 +181,12 @@ impl Topology {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(match nodes.len() {
-            1 => Topology::Single(Single::new(nodes.into_iter().next().expect("one node"))),
-            _ => Topology::Redlock(Redlock::new(nodes, cfg.stall())?),
+            1 => Topology::Single(Single::new(
+                nodes.into_iter().next().expect("one node"),
+                LockProtocol::of(cfg),
+            )),
+            // Redlock never queues: independent masters cannot agree on one queue.
+            _ => Topology::Redlock(Redlock::new(nodes, cfg.stall(), LockProtocol::plain(cfg))?),
         })
     }
 
@@ -279,5 +283,37 @@ impl Topology {
             Topology::Sentinel(t) => t.shutdown(deadline),
             _ => true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Redlock routes never queue, whatever the settings ask: independent masters cannot
+    /// agree on one queue. One node follows the settings. (No connection is made.)
+    #[test]
+    fn redlock_routes_get_the_plain_protocol() {
+        let (counters, client_id) = (Arc::new(Counters::default()), Arc::from("test"));
+        let keys = Keys::new("t", b"k").expect("keys");
+        let url = |port: u16| format!("redis://127.0.0.1:{port}");
+        let redlock = Config {
+            fair: true,
+            nodes: (1..=3).map(url).collect(),
+            ..Config::default()
+        };
+        let t = Topology::open(&redlock, &counters, &client_id).expect("redlock");
+        let protocol = t.route(&keys).protocol();
+        assert!(
+            matches!(protocol, LockProtocol::Plain { .. }),
+            "{protocol:?}"
+        );
+        let single = Config {
+            nodes: vec![url(1)],
+            ..redlock
+        };
+        let t = Topology::open(&single, &counters, &client_id).expect("single");
+        let protocol = t.route(&keys).protocol();
+        assert!(matches!(protocol, LockProtocol::Fair(_)), "{protocol:?}");
     }
 }

@@ -6,6 +6,7 @@ use std::sync::{Arc, Weak};
 use super::Route;
 use super::fanout::{Fanout, Probe};
 use crate::error::{Result, thread_error};
+use crate::proto::lock_protocol::LockProtocol;
 use crate::proto::node::{Node, Retry};
 
 pub(crate) struct Redlock {
@@ -16,7 +17,11 @@ pub(crate) struct Redlock {
 impl Redlock {
     /// Redlock over `nodes`; a node whose calls take `stall` is skipped until it answers
     /// faster (see [`Config::stall`](crate::config::Config::stall)).
-    pub fn new(nodes: Vec<Arc<Node>>, stall: std::time::Duration) -> Result<Self> {
+    pub fn new(
+        nodes: Vec<Arc<Node>>,
+        stall: std::time::Duration,
+        protocol: LockProtocol,
+    ) -> Result<Self> {
         // A stalled node is probed with a PING; the nodes are held weakly (the fan-out's
         // workers must not keep the client's connections alive).
         let weak: Vec<Weak<Node>> = nodes.iter().map(Arc::downgrade).collect();
@@ -28,7 +33,7 @@ impl Redlock {
         let fanout =
             Fanout::start(nodes.len(), stall, probe).map_err(|e| thread_error("fanout", e))?;
         Ok(Redlock {
-            route: Route::new(Arc::from(nodes)),
+            route: Route::new(Arc::from(nodes), protocol),
             fanout,
         })
     }

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use super::Route;
+use crate::proto::lock_protocol::LockProtocol;
 use crate::proto::node::Node;
 
 pub(crate) struct Single {
@@ -10,9 +11,9 @@ pub(crate) struct Single {
 }
 
 impl Single {
-    pub fn new(node: Arc<Node>) -> Self {
+    pub fn new(node: Arc<Node>, protocol: LockProtocol) -> Self {
         Single {
-            route: Route::new(Arc::from(vec![node])),
+            route: Route::new(Arc::from(vec![node]), protocol),
         }
     }
 
