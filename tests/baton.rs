@@ -17,15 +17,17 @@ use redbaton::{Builder, Error, LockClient, LostReason, Stats, Unlocked};
 use redbaton_testkit::child;
 use redbaton_testkit::exists;
 use redbaton_testkit::keys::{Keys, fence_of, handoff_of};
+use redbaton_testkit::lock_builder;
+use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
 use redbaton_testkit::wait::join_within;
-use redbaton_testkit::{init_log, ms};
 
 const PREFIX: &str = "bt:";
 const KEYS: Keys = Keys::new(PREFIX);
 
 fn builder(url: &str) -> Builder {
-    LockClient::builder().node(url).key_prefix(PREFIX)
+    lock_builder!(node(url), key_prefix(PREFIX))
 }
 
 /// Busy-waits (a critical section that keeps its core, unlike a sleep).
@@ -95,8 +97,7 @@ impl Shared {
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = builder(&srv.url()).build().expect("build");
     let guard = client.lock("smoke").expect("lock");
     assert_eq!(guard.name(), b"smoke");

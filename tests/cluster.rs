@@ -11,8 +11,9 @@ use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
-use redbaton_testkit::sections;
+use redbaton_testkit::sections::Section;
 use redbaton_testkit::{child, init_log, ms, secs};
+use redbaton_testkit::{lock_builder, lock_client};
 
 const KEYS: Keys = Keys::DEFAULT;
 /// Each call's own deadline; no call may return later than this plus [`MARGIN`].
@@ -20,11 +21,7 @@ const WAIT: Duration = Duration::from_secs(20);
 const MARGIN: Duration = Duration::from_secs(5);
 
 fn builder(seeds: Vec<String>) -> redbaton::Builder {
-    LockClient::builder()
-        .cluster(seeds)
-        .connect_timeout(ms(1000))
-        .read_timeout(ms(1000))
-        .write_timeout(ms(1000))
+    lock_builder!(cluster(seeds), io_timeouts(ms(1000)))
 }
 
 fn exists(cluster: &Cluster, key: &[u8]) -> bool {
@@ -101,34 +98,6 @@ fn every_key_of_a_lock_shares_a_slot() {
     }
 }
 
-/// One critical section as a child saw it.
-#[derive(Debug, Clone)]
-struct Section {
-    name: String,
-    start: u64,
-    end: u64,
-    token: u64,
-    /// The holder was told it did not hold the lock (`check()` error, or an unlock that
-    /// found the key gone or someone else's).
-    told: bool,
-}
-
-fn parse_sections(list: &str) -> Vec<Section> {
-    list.split(',')
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            let f: Vec<&str> = s.split(':').collect();
-            Section {
-                name: f[0].to_owned(),
-                start: f[1].parse().expect("start"),
-                end: f[2].parse().expect("end"),
-                token: f[3].parse().expect("token"),
-                told: f[4] == "1",
-            }
-        })
-        .collect()
-}
-
 const NAMES: usize = 64;
 
 /// Child: `C_THREADS` threads lock random names of `C_NAMES` until `C_RUN_MS` passed or
@@ -198,7 +167,13 @@ fn child_cluster_worker() {
                     let token = guard.fencing_token();
                     let told = lost_now
                         || !matches!(guard.unlock(), Ok(Unlocked::Released | Unlocked::HandedOff));
-                    sections.push(format!("{name}:{start}:{end}:{token}:{}", u8::from(told)));
+                    sections.push(Section {
+                        name,
+                        start,
+                        end,
+                        token,
+                        told,
+                    });
                 }
                 (sections, errors, longest)
             })
@@ -207,7 +182,7 @@ fn child_cluster_worker() {
     for w in workers {
         let (sections, errors, longest) = w.join().expect("worker");
         child::print_result(&[
-            ("sections", sections.join(",")),
+            ("sections", Section::join(&sections)),
             ("timeouts", errors[0].to_string()),
             ("conn_errors", errors[1].to_string()),
             ("other_errors", errors[2].to_string()),
@@ -263,7 +238,7 @@ fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> 
         for r in child::parse_results(&out) {
             if let Some(list) = r.get("sections") {
                 run.threads += 1;
-                run.sections.extend(parse_sections(list));
+                run.sections.extend(Section::parse_list(list));
                 let longest: u64 = r["longest_ms"].parse().expect("longest");
                 assert!(
                     Duration::from_millis(longest) <= WAIT + MARGIN,
@@ -284,11 +259,6 @@ fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> 
         }
     }
     run
-}
-
-/// Per name: pairs of sections that overlapped in time where neither holder was told.
-fn unexplained_overlaps(sections: &[Section]) -> Vec<(Section, Section)> {
-    sections::unexplained_overlaps(sections, |s| (&s.name, s.start, s.end, s.told))
 }
 
 /// 4 processes × 4 threads on 64 names over every master: the counters are exact and
@@ -480,7 +450,7 @@ fn failover_under_load() {
         killed = Some((there, at, back));
     });
     assert_eq!(run.threads, 16, "every thread reported");
-    let bad = unexplained_overlaps(&run.sections);
+    let bad = Section::unexplained(&run.sections);
     assert!(bad.is_empty(), "overlaps nobody was told of: {bad:?}");
     let told = run.sections.iter().filter(|s| s.told).count();
     eprintln!(
@@ -834,12 +804,11 @@ fn renewals_cover_every_slot_and_kind() {
 fn a_hung_master_delays_renewals_elsewhere_by_one_timeout_at_most() {
     init_log();
     let cluster = Cluster::start();
-    let client = LockClient::builder()
-        .cluster(cluster.seed_urls())
-        .lease(secs(3))
-        .read_timeout(secs(2))
-        .build()
-        .expect("build");
+    let client = lock_client!(
+        cluster(cluster.seed_urls()),
+        lease(secs(3)),
+        read_timeout(secs(2))
+    );
     let masters: Vec<u16> = cluster.masters().iter().map(|m| m.port()).collect();
     let name_on = |port: u16| {
         (0..)

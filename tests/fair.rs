@@ -7,18 +7,16 @@ use std::time::{Duration, Instant};
 
 use redbaton::LockClient;
 use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::lock_client;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
 use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{child, init_log, ms, secs};
+use redbaton_testkit::{child, ms, secs};
 
 const QUEUE: &str = "redbaton:{k}:q";
 
 fn client(url: &str) -> LockClient {
-    LockClient::builder()
-        .node(url)
-        .lease(secs(30))
-        .build()
-        .expect("build")
+    lock_client!(node(url), lease(secs(30)))
 }
 
 fn queued(srv: &RedisServer) -> usize {
@@ -88,8 +86,7 @@ fn queue_waiter(srv: &RedisServer, wait_ms: u64, hold_ms: u64) -> std::process::
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let waiter = queue_waiter(&srv, 20_000, 0);
@@ -108,8 +105,7 @@ fn smoke() {
 /// Processes get their turns in the order they queued.
 #[test]
 fn turns_follow_the_queue_order() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let children: Vec<_> = (0..4).map(|_| queue_waiter(&srv, 30_000, 50)).collect();
@@ -132,8 +128,7 @@ fn turns_follow_the_queue_order() {
 /// A queued process killed before its turn: the others go on within the grant lease.
 #[test]
 fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let mut dead = queue_waiter(&srv, 30_000, 0);
@@ -153,8 +148,7 @@ fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
 /// A queued process stopped past the bound: the others go on; it resumes and finishes.
 #[test]
 fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let mut stopped = queue_waiter(&srv, 30_000, 0);
@@ -180,8 +174,7 @@ fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {
 /// or passes it on; the next waiter gets the lock promptly, and nothing is left behind.
 #[test]
 fn a_waiter_timing_out_as_it_is_granted_passes_the_lock_on() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     for offset_ms in [-20i64, -5, 0, 5, 20] {
         let guard = holder.lock("k").expect("lock");
@@ -207,8 +200,7 @@ fn a_waiter_timing_out_as_it_is_granted_passes_the_lock_on() {
 /// message is lost, and the grantee's retry finds its own token in the key.
 #[test]
 fn a_lost_grant_message_is_recovered_by_the_retry() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let waiter = queue_waiter(&srv, 30_000, 0);
@@ -283,8 +275,7 @@ fn child_counter() {
 
 #[test]
 fn four_processes_four_threads_counter_exact() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let children: Vec<_> = (0..4)
         .map(|_| {
             child::spawn_self(
@@ -343,8 +334,7 @@ fn child_late_grantee() {
 /// after that holder lets go.
 #[test]
 fn a_grant_heard_too_late_is_not_a_lock() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
     let holder = client(&srv.url());
     let g = holder.lock("k").expect("lock");
@@ -399,8 +389,7 @@ fn fill_expired(srv: &RedisServer, n: usize) {
 /// few calls, and the queue's keys carry a TTL so that an abandoned queue disappears.
 #[test]
 fn a_queue_of_thousands_of_expired_entries_does_not_lock_the_name_out() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     fill_expired(&srv, 10_000);
     let c = client(&srv.url());
     for round in 0..3 {
@@ -452,12 +441,11 @@ fn child_short_recheck_waiter() {
         return;
     }
     let recheck = ms(child::env("F_RECHECK_MS").parse().expect("recheck"));
-    let c = LockClient::builder()
-        .node(child::env("F_URL"))
-        .lease(secs(30))
-        .recheck_interval(recheck)
-        .build()
-        .expect("build");
+    let c = lock_client!(
+        node(child::env("F_URL")),
+        lease(secs(30)),
+        recheck_interval(recheck)
+    );
     let _ = c.try_lock_for("k", secs(60));
 }
 
@@ -472,8 +460,7 @@ fn pttl(srv: &RedisServer, key: &str) -> i64 {
 /// every enqueue keeps the queue's keys for the entry's TTL plus a margin.
 #[test]
 fn an_abandoned_queue_expires() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let _guard = holder.lock("k").expect("lock");
     let mut waiter = child::spawn_self(
@@ -497,8 +484,7 @@ fn an_abandoned_queue_expires() {
 /// as a Redis error carrying the server's own message, not a generic failure.
 #[test]
 fn a_failing_queue_script_reports_the_servers_message() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let mut conn = srv.conn();
     redis::cmd("ZADD")
         .arg(QUEUE)
@@ -526,15 +512,9 @@ fn a_failing_queue_script_reports_the_servers_message() {
 /// lease (30 s) would have freed it.
 #[test]
 fn a_try_lock_whose_replies_are_lost_leaves_no_orphan_lock() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
-    let fragile = LockClient::builder()
-        .node(proxy.url())
-        .lease(secs(30))
-        .read_timeout(ms(200))
-        .build()
-        .expect("build through the proxy");
+    let fragile = lock_client!(node(proxy.url()), lease(secs(30)), read_timeout(ms(200)));
     // Scripts loaded, the pool connected.
     fragile
         .try_lock("warm-up")
@@ -562,8 +542,7 @@ fn a_try_lock_whose_replies_are_lost_leaves_no_orphan_lock() {
 /// should be, so the outcome says so, not "held by another owner".
 #[test]
 fn a_granting_release_whose_reply_is_lost_reports_released() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
     let holder = client(&proxy.url());
     holder

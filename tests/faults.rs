@@ -42,8 +42,10 @@ use redbaton_testkit::leftover::{self, KeyPolicy};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::stalls::{StallWatch, Stalls};
+use redbaton_testkit::test_server;
 use redbaton_testkit::wait::eventually;
 use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::{lock_builder, lock_client};
 
 /// Short leases so that every fault resolves within about a second.
 const LEASE: Duration = Duration::from_secs(1);
@@ -52,13 +54,12 @@ const RENEW: Duration = Duration::from_millis(300);
 const NET: Duration = Duration::from_millis(300);
 
 fn fast_builder(url: &str) -> redbaton::Builder {
-    LockClient::builder()
-        .node(url)
-        .lease(LEASE)
-        .renew_interval(RENEW)
-        .connect_timeout(NET)
-        .read_timeout(NET)
-        .write_timeout(NET)
+    lock_builder!(
+        node(url),
+        lease(LEASE),
+        renew_interval(RENEW),
+        io_timeouts(NET)
+    )
 }
 
 fn fast_client(url: &str) -> LockClient {
@@ -67,8 +68,7 @@ fn fast_client(url: &str) -> LockClient {
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = fast_client(&srv.url());
     let g = c.lock("smoke").expect("lock");
     assert!(!g.is_lost());
@@ -164,11 +164,7 @@ fn server_down_at_build_is_a_connection_error() {
 #[test]
 fn server_stopped_mid_run_is_a_connection_error_not_a_hang() {
     let srv = RedisServer::start();
-    let holder = LockClient::builder()
-        .node(srv.url())
-        .lease(Duration::from_secs(30))
-        .build()
-        .unwrap();
+    let holder = lock_client!(node(srv.url()), lease(Duration::from_secs(30)));
     let c = fast_client(&srv.url());
     let g = holder.lock("k").unwrap();
     // A waiter blocked in lock() (no deadline) when the server goes away.
@@ -257,12 +253,11 @@ fn wake_latency(holder: &LockClient, waiter: LockClient, name: &str) -> Duration
 fn waiters_still_woken_after_a_server_restart() {
     let srv = RedisServer::start();
     let event_only = || {
-        LockClient::builder()
-            .node(srv.url())
-            .lease(Duration::from_secs(60))
-            .recheck_interval(Duration::from_secs(60))
-            .build()
-            .unwrap()
+        lock_client!(
+            node(srv.url()),
+            lease(Duration::from_secs(60)),
+            recheck_interval(Duration::from_secs(60))
+        )
     };
     let (holder, waiter) = (event_only(), event_only());
     let before = wake_latency(&holder, waiter.clone(), "r");
@@ -288,12 +283,7 @@ fn every_client_renews_its_locks() {
             .map(|i| {
                 let url = url.clone();
                 s.spawn(move || {
-                    let c = LockClient::builder()
-                        .node(url)
-                        .lease(ms(300))
-                        .renew_interval(ms(100))
-                        .build()
-                        .unwrap();
+                    let c = lock_client!(node(url), lease(ms(300)), renew_interval(ms(100)));
                     let g = c.lock(format!("w{i}")).unwrap();
                     thread::sleep(ms(800));
                     (g.is_lost(), c.stats().renewals_sent)

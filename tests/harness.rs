@@ -7,9 +7,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton_testkit::child;
+use redbaton_testkit::ms;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer, StatsReset};
-use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::test_server;
 use redis::Connection;
 
 fn ping(conn: &mut Connection) -> redis::RedisResult<String> {
@@ -47,8 +48,7 @@ fn process_exists(pid: u32) -> bool {
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let mut conn = srv.conn();
     assert_eq!(ping(&mut conn).unwrap(), "PONG");
     assert_eq!(srv.url(), format!("redis://127.0.0.1:{}/", srv.port()));

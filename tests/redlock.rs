@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use redbaton::{Builder, Error, LockClient, LockGuard, LostReason, Stats, Unlocked};
 use redbaton_testkit::child;
 use redbaton_testkit::keys::{Keys, fence_of};
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer};
 use redbaton_testkit::wait::wait_until;
@@ -44,9 +45,7 @@ fn urls(servers: &[RedisServer]) -> Vec<String> {
 }
 
 fn builder(urls: &[String]) -> Builder {
-    LockClient::builder()
-        .nodes(urls.iter().cloned())
-        .key_prefix(PREFIX)
+    lock_builder!(nodes(urls.iter().cloned()), key_prefix(PREFIX))
 }
 
 /// A builder whose per-node operations fail within `FAST` when a node stops answering.

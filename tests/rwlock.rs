@@ -11,13 +11,15 @@ use std::time::{Duration, Instant};
 use redbaton::{Builder, LockClient, Unlocked};
 use redbaton_testkit::child;
 use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::lock_builder;
+use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::test_server;
 
 const PREFIX: &str = "rw:";
 
 fn builder(url: &str) -> Builder {
-    LockClient::builder().node(url).key_prefix(PREFIX)
+    lock_builder!(node(url), key_prefix(PREFIX))
 }
 
 fn client(url: &str) -> LockClient {
@@ -61,8 +63,7 @@ fn sections_of(stdout: &str) -> Vec<Section> {
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv.url());
     let rw = c.rwlock("smoke");
     let r1 = rw.read().expect("read");
@@ -82,8 +83,7 @@ fn smoke() {
 
 #[test]
 fn one_name_one_kind() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv.url());
     let plain = c.lock("k").expect("lock");
     assert!(c.rwlock("k").try_read().unwrap_err().is_wrong_kind());
@@ -113,8 +113,7 @@ fn one_name_one_kind() {
 
 #[test]
 fn a_thread_never_waits_for_itself() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv.url());
     let rw = c.rwlock("self");
     let r = rw.read().expect("read");
@@ -131,8 +130,7 @@ fn a_thread_never_waits_for_itself() {
 
 #[test]
 fn a_waiting_writer_stops_new_readers() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let (a, b) = (client(&srv.url()), client(&srv.url()));
     let r = a.rwlock("pref").read().expect("read");
     let writer = thread::spawn(move || {
@@ -185,8 +183,7 @@ fn writer_holding(client: LockClient, name: &'static str) -> thread::JoinHandle<
 
 #[test]
 fn a_release_for_writers_only_does_not_wake_readers() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let (a, b, c) = (client(&srv.url()), client(&srv.url()), client(&srv.url()));
     let first = a.rwlock("turns").write().expect("write");
     let writer = writer_holding(b, "turns");
@@ -214,8 +211,7 @@ fn a_release_for_writers_only_does_not_wake_readers() {
 
 #[test]
 fn the_writer_waiting_longest_alone_is_woken() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let (a, b, c) = (client(&srv.url()), client(&srv.url()), client(&srv.url()));
     let first = a.rwlock("queue").write().expect("write");
     let b = writer_holding(b, "queue");
@@ -303,8 +299,7 @@ fn child_mixed() {
 
 #[test]
 fn readers_share_and_writers_exclude_across_processes() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let envs = [
         ("REDIS_URL", srv.url()),
         ("ITERS", "40".to_owned()),
@@ -411,8 +406,7 @@ fn child_writer() {
 /// generous liveness bound (5 s); the figure is printed.
 #[test]
 fn a_writer_is_not_starved_by_busy_readers() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let envs = [("REDIS_URL", srv.url())];
     let readers: Vec<_> = (0..2)
         .map(|_| child::spawn_self("child_readers", &envs))
@@ -468,8 +462,7 @@ fn child_reader_holds() {
 
 #[test]
 fn a_killed_readers_hold_expires_alone() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let lease = Duration::from_secs(2);
     let mut reader = child::spawn_self("child_reader_holds", &[("REDIS_URL", srv.url())]);
     child::wait_for_line(&mut reader, "held=1", Duration::from_secs(30));
@@ -505,8 +498,7 @@ fn a_killed_readers_hold_expires_alone() {
 /// 20 idle waiters (10 readers, 10 writers) behind a writer cost Redis almost nothing.
 #[test]
 fn idle_waiters_cost_almost_no_commands() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let w = holder.rwlock("idle").write().expect("write");
     let waiters = client(&srv.url());

@@ -9,13 +9,14 @@ use std::time::{Duration, Instant};
 use redbaton::{Builder, LockClient, Unlocked};
 use redbaton_testkit::child;
 use redbaton_testkit::clock::mono_ns;
-use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::lock_builder;
+use redbaton_testkit::ms;
+use redbaton_testkit::test_server;
 
 const PREFIX: &str = "sem:";
 
 fn builder(url: &str) -> Builder {
-    LockClient::builder().node(url).key_prefix(PREFIX)
+    lock_builder!(node(url), key_prefix(PREFIX))
 }
 
 fn client(url: &str) -> LockClient {
@@ -24,8 +25,7 @@ fn client(url: &str) -> LockClient {
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv.url());
     let sem = c.semaphore("smoke", 2);
     let a = sem.acquire().expect("first");
@@ -40,8 +40,7 @@ fn smoke() {
 
 #[test]
 fn permit_count_must_match_while_held() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv.url());
     let p = c.semaphore("count", 3).acquire().expect("permit");
     let err = c.semaphore("count", 4).try_acquire().unwrap_err();
@@ -94,8 +93,7 @@ fn child_permits() {
 
 #[test]
 fn never_more_holders_than_permits_across_processes() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let envs = [("REDIS_URL", srv.url()), ("ITERS", "30".to_owned())];
     let children: Vec<_> = (0..4)
         .map(|_| child::spawn_self("child_permits", &envs))
@@ -138,8 +136,7 @@ fn child_permit_holds() {
 
 #[test]
 fn a_killed_holders_permit_returns_after_its_lease() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let lease = Duration::from_secs(2);
     let mut holder = child::spawn_self("child_permit_holds", &[("REDIS_URL", srv.url())]);
     child::wait_for_line(&mut holder, "held=1", Duration::from_secs(30));
@@ -173,8 +170,7 @@ fn a_killed_holders_permit_returns_after_its_lease() {
 /// 20 idle waiters on a full semaphore cost Redis almost nothing.
 #[test]
 fn idle_waiters_cost_almost_no_commands() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let p = holder.semaphore("idle", 1).acquire().expect("permit");
     let waiters = client(&srv.url());
@@ -209,8 +205,7 @@ fn idle_waiters_cost_almost_no_commands() {
 /// release failed 44 times.
 #[test]
 fn local_waiters_take_turns_for_a_permit() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let waiters = client(&srv.url());
     let holder = client(&srv.url());
     let first = holder.semaphore("one", 1).acquire().expect("permit");

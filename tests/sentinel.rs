@@ -7,8 +7,10 @@ use std::collections::HashMap;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{LockClient, Unlocked};
+use redbaton::Unlocked;
 use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::lock_builder;
+use redbaton_testkit::sections::Section;
 use redbaton_testkit::sentinel::SentinelGroup;
 use redbaton_testkit::{child, init_log, ms, secs};
 
@@ -20,11 +22,7 @@ const WAIT: Duration = Duration::from_secs(20);
 const MARGIN: Duration = Duration::from_secs(5);
 
 fn builder(group: &SentinelGroup) -> redbaton::Builder {
-    LockClient::builder()
-        .sentinel(NAME, group.sentinel_urls())
-        .connect_timeout(ms(1000))
-        .read_timeout(ms(1000))
-        .write_timeout(ms(1000))
+    lock_builder!(sentinel(NAME, group.sentinel_urls()), io_timeouts(ms(1000)))
 }
 
 #[test]
@@ -47,17 +45,6 @@ fn smoke() {
     assert!(format!("{client:?}").contains("LockClient"));
 }
 
-/// One critical section as a child saw it.
-#[derive(Debug, Clone, Copy)]
-struct Section {
-    start: u64,
-    end: u64,
-    token: u64,
-    /// The holder was told it did not hold the lock (lost signal, `check()`, or an unlock
-    /// that found the key gone or someone else's).
-    told: bool,
-}
-
 /// Child: `THREADS` threads take "k" again and again for `S_RUN_MS`, retrying after errors
 /// (a failover makes some calls fail). Prints every section, each call's longest
 /// duration and the client's counters.
@@ -69,12 +56,7 @@ fn child_failover_worker() {
     let urls: Vec<String> = child::env("S_URLS").split(',').map(str::to_owned).collect();
     let run_for = Duration::from_millis(child::env("S_RUN_MS").parse().expect("S_RUN_MS"));
     let lease = Duration::from_millis(child::env("S_LEASE_MS").parse().expect("lease"));
-    let mut b = LockClient::builder()
-        .sentinel(NAME, urls)
-        .lease(lease)
-        .connect_timeout(ms(1000))
-        .read_timeout(ms(1000))
-        .write_timeout(ms(1000));
+    let mut b = lock_builder!(sentinel(NAME, urls), lease(lease), io_timeouts(ms(1000)));
     if let Ok(n) = std::env::var("S_ACK") {
         b = b.replica_ack(n.parse().expect("S_ACK"), ms(100));
     }
@@ -106,6 +88,7 @@ fn child_failover_worker() {
                     let told = lost_now
                         || !matches!(guard.unlock(), Ok(Unlocked::Released | Unlocked::HandedOff));
                     sections.push(Section {
+                        name: "k".to_owned(),
                         start,
                         end,
                         token,
@@ -118,12 +101,8 @@ fn child_failover_worker() {
         .collect();
     for w in workers {
         let (sections, errors, longest) = w.join().expect("worker");
-        let list: Vec<String> = sections
-            .iter()
-            .map(|s| format!("{}:{}:{}:{}", s.start, s.end, s.token, u8::from(s.told)))
-            .collect();
         child::print_result(&[
-            ("sections", list.join(",")),
+            ("sections", Section::join(&sections)),
             ("errors", errors.to_string()),
             ("longest_ms", longest.as_millis().to_string()),
         ]);
@@ -172,15 +151,7 @@ fn run_with_fault(group: &SentinelGroup, ack: Option<usize>, fault: impl FnOnce(
         for r in child::parse_results(out) {
             if let Some(list) = r.get("sections") {
                 let before = sections.len();
-                for s in list.split(',').filter(|s| !s.is_empty()) {
-                    let f: Vec<u64> = s.split(':').map(|x| x.parse().expect("number")).collect();
-                    sections.push(Section {
-                        start: f[0],
-                        end: f[1],
-                        token: f[2],
-                        told: f[3] == 1,
-                    });
-                }
+                sections.extend(Section::parse_list(list));
                 after_fault.push(
                     sections[before..]
                         .iter()
@@ -206,11 +177,6 @@ fn run_with_fault(group: &SentinelGroup, ack: Option<usize>, fault: impl FnOnce(
     }
 }
 
-/// Pairs of sections that overlapped in time, where neither holder was told.
-fn unexplained_overlaps(sections: &[Section]) -> Vec<(Section, Section)> {
-    redbaton_testkit::sections::unexplained_overlaps(sections, |s| ("k", s.start, s.end, s.told))
-}
-
 fn check_run(run: &Run) {
     assert_eq!(
         run.after_fault.len(),
@@ -222,7 +188,7 @@ fn check_run(run: &Run) {
         "every thread went on locking on the new master: {:?}",
         run.after_fault
     );
-    let bad = unexplained_overlaps(&run.sections);
+    let bad = Section::unexplained(&run.sections);
     assert!(bad.is_empty(), "overlaps nobody was told of: {bad:?}");
     let told = run.sections.iter().filter(|s| s.told).count();
     eprintln!("sections {} told-lost {told}", run.sections.len());
@@ -345,8 +311,7 @@ fn rwlocks_and_semaphores_follow_the_master() {
         let r = a.rwlock("rw").read().expect("read");
         let r2 = b.rwlock("rw").read().expect("readers share");
         assert!(
-            LockClient::builder()
-                .sentinel(NAME, group.sentinel_urls())
+            lock_builder!(sentinel(NAME, group.sentinel_urls()))
                 .build()
                 .expect("build")
                 .rwlock("rw")

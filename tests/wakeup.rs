@@ -27,6 +27,7 @@ use redbaton_testkit::child;
 use redbaton_testkit::child::{field, result_with};
 use redbaton_testkit::clock::wall_us;
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
@@ -38,7 +39,7 @@ static HEAVY: RwLock<()> = RwLock::new(());
 const SUB_NAME: &str = "redbaton:sub";
 
 fn client(url: &str) -> redbaton::Builder {
-    LockClient::builder().node(url)
+    lock_builder!(node(url))
 }
 
 /// When a waiter got its lock.
