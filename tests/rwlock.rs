@@ -8,22 +8,18 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{Builder, LockClient, Unlocked};
+use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::child;
-use redbaton_testkit::clock::mono_ns;
-use redbaton_testkit::lock_builder;
+use redbaton_testkit::intervals::{self, Recorder};
+use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::test_server;
 
 const PREFIX: &str = "rw:";
 
-fn builder(url: &str) -> Builder {
-    lock_builder!(node(url), key_prefix(PREFIX))
-}
-
 fn client(url: &str) -> LockClient {
-    builder(url).build().expect("client")
+    lock_client!(node(url), key_prefix(PREFIX))
 }
 
 fn spin(d: Duration) {
@@ -31,34 +27,6 @@ fn spin(d: Duration) {
     while t.elapsed() < d {
         std::hint::spin_loop();
     }
-}
-
-/// One critical section: its mode, its process and its interval in the system-wide
-/// monotonic clock (ns).
-#[derive(Debug, Clone, Copy)]
-struct Section {
-    write: bool,
-    pid: u32,
-    start: u64,
-    end: u64,
-}
-
-fn overlaps(a: &Section, b: &Section) -> bool {
-    a.start < b.end && b.start < a.end
-}
-
-fn sections_of(stdout: &str) -> Vec<Section> {
-    child::parse_results(stdout)
-        .into_iter()
-        .filter_map(|r| {
-            Some(Section {
-                write: r.get("m")? == "w",
-                pid: r.get("p").and_then(|p| p.parse().ok()).unwrap_or(0),
-                start: r.get("s")?.parse().ok()?,
-                end: r.get("e")?.parse().ok()?,
-            })
-        })
-        .collect()
 }
 
 #[test]
@@ -240,61 +208,41 @@ fn child_mixed() {
     let c = client(&child::env("REDIS_URL"));
     let iters: usize = child::env("ITERS").parse().unwrap();
     let counter = child::env("COUNTER");
-    let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let handles: Vec<_> = (0..4)
-        .map(|_| {
-            let (c, counter, lines) = (c.clone(), counter.clone(), lines.clone());
-            thread::spawn(move || {
-                let rw = c.rwlock("mixed");
-                let mut conn = redis::Client::open(child::env("REDIS_URL"))
-                    .unwrap()
-                    .get_connection()
-                    .unwrap();
-                for _ in 0..iters {
-                    let write = rand::random_range(0..10) < 2;
-                    let s;
-                    let e;
-                    if write {
-                        let g = rw.write().expect("write");
-                        s = mono_ns();
-                        let v: i64 = redis::cmd("GET")
-                            .arg(&counter)
-                            .query::<Option<i64>>(&mut conn)
-                            .unwrap()
-                            .unwrap_or(0);
-                        spin(Duration::from_micros(300));
-                        redis::cmd("SET")
-                            .arg(&counter)
-                            .arg(v + 1)
-                            .query::<()>(&mut conn)
-                            .unwrap();
-                        e = mono_ns();
-                        g.check().expect("held");
-                        drop(g);
-                    } else {
-                        let g = rw.read().expect("read");
-                        s = mono_ns();
-                        spin(Duration::from_micros(rand::random_range(200..=1500)));
-                        e = mono_ns();
-                        g.check().expect("held");
-                        drop(g);
-                    }
-                    lines.lock().unwrap().push((write, s, e));
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
-    for (w, s, e) in lines.lock().unwrap().iter() {
-        child::print_result(&[
-            ("m", (if *w { "w" } else { "r" }).to_owned()),
-            ("p", std::process::id().to_string()),
-            ("s", s.to_string()),
-            ("e", e.to_string()),
-        ]);
-    }
+    Recorder::new().run_threads_and_print(4, |sections| {
+        let rw = c.rwlock("mixed");
+        let mut conn = redis::Client::open(child::env("REDIS_URL"))
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        for _ in 0..iters {
+            let write = rand::random_range(0..10) < 2;
+            if write {
+                let g = rw.write().expect("write");
+                sections.time("w", || {
+                    let v: i64 = redis::cmd("GET")
+                        .arg(&counter)
+                        .query::<Option<i64>>(&mut conn)
+                        .unwrap()
+                        .unwrap_or(0);
+                    spin(Duration::from_micros(300));
+                    redis::cmd("SET")
+                        .arg(&counter)
+                        .arg(v + 1)
+                        .query::<()>(&mut conn)
+                        .unwrap();
+                });
+                g.check().expect("held");
+                drop(g);
+            } else {
+                let g = rw.read().expect("read");
+                sections.time("r", || {
+                    spin(Duration::from_micros(rand::random_range(200..=1500)))
+                });
+                g.check().expect("held");
+                drop(g);
+            }
+        }
+    });
 }
 
 #[test]
@@ -310,15 +258,21 @@ fn readers_share_and_writers_exclude_across_processes() {
         .collect();
     let mut all = Vec::new();
     for c in children {
-        all.extend(sections_of(&child::wait_ok(c, Duration::from_secs(120))));
+        all.extend(intervals::parse(&child::wait_ok(
+            c,
+            Duration::from_secs(120),
+        )));
     }
     assert_eq!(all.len(), 4 * 4 * 40);
-    let writes = all.iter().filter(|s| s.write).count();
+    let writes = all.iter().filter(|s| s.tag == "w").count();
     let (mut reader_overlaps, mut across) = (0, 0);
     for (i, a) in all.iter().enumerate() {
         for b in &all[i + 1..] {
-            if overlaps(a, b) {
-                assert!(!a.write && !b.write, "a writer overlapped: {a:?} {b:?}");
+            if a.overlaps(b) {
+                assert!(
+                    a.tag == "r" && b.tag == "r",
+                    "a writer overlapped: {a:?} {b:?}"
+                );
                 reader_overlaps += 1;
                 across += usize::from(a.pid != b.pid);
             }
@@ -451,29 +405,26 @@ fn child_reader_holds() {
     if !child::is_child() {
         return;
     }
-    let c = builder(&child::env("REDIS_URL"))
-        .lease(Duration::from_secs(2))
-        .build()
-        .unwrap();
+    let c = lock_client!(
+        node(child::env("REDIS_URL")),
+        key_prefix(PREFIX),
+        lease(Duration::from_secs(2))
+    );
     let _r = c.rwlock("crash").read().expect("read");
-    child::print_result(&[("held", "1".to_owned())]);
-    thread::sleep(Duration::from_secs(120));
+    child::hold_until_killed();
 }
 
 #[test]
 fn a_killed_readers_hold_expires_alone() {
     let srv = test_server();
     let lease = Duration::from_secs(2);
-    let mut reader = child::spawn_self("child_reader_holds", &[("REDIS_URL", srv.url())]);
-    child::wait_for_line(&mut reader, "held=1", Duration::from_secs(30));
-    let other = builder(&srv.url()).lease(lease).build().unwrap();
+    let reader = child::spawn_holder("child_reader_holds", &[("REDIS_URL", srv.url())]);
+    let other = lock_client!(node(srv.url()), key_prefix(PREFIX), lease(lease));
     let r = other.rwlock("crash").read().expect("another reader");
-    child::kill_child(&mut reader, libc::SIGKILL);
-    let killed = Instant::now();
-    let _ = child::wait_output(reader, Duration::from_secs(10));
+    let killed = child::kill_and_reap(reader);
     let url = srv.url();
     let writer = thread::spawn(move || {
-        let c = builder(&url).lease(lease).build().unwrap();
+        let c = lock_client!(node(url), key_prefix(PREFIX), lease(lease));
         let w = c
             .rwlock("crash")
             .try_write_for(Duration::from_secs(30))
@@ -516,10 +467,7 @@ fn idle_waiters_cost_almost_no_commands() {
             })
         })
         .collect();
-    thread::sleep(Duration::from_secs(1));
-    let before = srv.total_commands();
-    thread::sleep(Duration::from_secs(3));
-    let spent = srv.total_commands() - before;
+    let spent = srv.commands_during(Duration::from_secs(1), Duration::from_secs(3));
     eprintln!("20 idle waiters: {spent} commands in 3 s");
     assert!(spent < 10, "{spent} commands: {:?}", srv.commandstats());
     drop(w);

@@ -2,25 +2,20 @@
 //! processes (intervals on one system-wide monotonic clock), a SIGKILLed holder's permit
 //! returning after its lease, the permit count rule, and the cost of idle waiters.
 
-use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use redbaton::{Builder, LockClient, Unlocked};
+use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::child;
-use redbaton_testkit::clock::mono_ns;
-use redbaton_testkit::lock_builder;
+use redbaton_testkit::intervals::{self, Recorder};
+use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::test_server;
 
 const PREFIX: &str = "sem:";
 
-fn builder(url: &str) -> Builder {
-    lock_builder!(node(url), key_prefix(PREFIX))
-}
-
 fn client(url: &str) -> LockClient {
-    builder(url).build().expect("client")
+    lock_client!(node(url), key_prefix(PREFIX))
 }
 
 #[test]
@@ -65,30 +60,17 @@ fn child_permits() {
     }
     let c = client(&child::env("REDIS_URL"));
     let iters: usize = child::env("ITERS").parse().unwrap();
-    let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let handles: Vec<_> = (0..4)
-        .map(|_| {
-            let (c, lines) = (c.clone(), lines.clone());
-            thread::spawn(move || {
-                let sem = c.semaphore("bound", 3);
-                for _ in 0..iters {
-                    let p = sem.acquire().expect("permit");
-                    let s = mono_ns();
-                    thread::sleep(Duration::from_micros(rand::random_range(200..=2000)));
-                    let e = mono_ns();
-                    p.check().expect("held");
-                    drop(p);
-                    lines.lock().unwrap().push((s, e));
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
-    for (s, e) in lines.lock().unwrap().iter() {
-        child::print_result(&[("s", s.to_string()), ("e", e.to_string())]);
-    }
+    Recorder::new().run_threads_and_print(4, |held| {
+        let sem = c.semaphore("bound", 3);
+        for _ in 0..iters {
+            let p = sem.acquire().expect("permit");
+            held.time("p", || {
+                thread::sleep(Duration::from_micros(rand::random_range(200..=2000)))
+            });
+            p.check().expect("held");
+            drop(p);
+        }
+    });
 }
 
 #[test]
@@ -98,22 +80,15 @@ fn never_more_holders_than_permits_across_processes() {
     let children: Vec<_> = (0..4)
         .map(|_| child::spawn_self("child_permits", &envs))
         .collect();
-    let mut events = Vec::new();
+    let mut held = Vec::new();
     for c in children {
-        let out = child::wait_ok(c, Duration::from_secs(120));
-        for r in child::parse_results(&out) {
-            events.push((r["s"].parse::<u64>().unwrap(), 1i32));
-            events.push((r["e"].parse::<u64>().unwrap(), -1i32));
-        }
+        held.extend(intervals::parse(&child::wait_ok(
+            c,
+            Duration::from_secs(120),
+        )));
     }
-    assert_eq!(events.len(), 2 * 4 * 4 * 30);
-    // Ends before starts at the same instant.
-    events.sort();
-    let (mut now, mut most) = (0, 0);
-    for (_, d) in events {
-        now += d;
-        most = most.max(now);
-    }
+    assert_eq!(2 * held.len(), 2 * 4 * 4 * 30);
+    let most = intervals::most_at_once(&held);
     eprintln!("at most {most} holders at once");
     assert!(most <= 3, "{most} holders at once");
     assert!(most >= 2, "permits were never held together");
@@ -125,27 +100,26 @@ fn child_permit_holds() {
     if !child::is_child() {
         return;
     }
-    let c = builder(&child::env("REDIS_URL"))
-        .lease(Duration::from_secs(2))
-        .build()
-        .unwrap();
+    let c = lock_client!(
+        node(child::env("REDIS_URL")),
+        key_prefix(PREFIX),
+        lease(Duration::from_secs(2))
+    );
     let _p = c.semaphore("crash", 3).acquire().expect("permit");
-    child::print_result(&[("held", "1".to_owned())]);
-    thread::sleep(Duration::from_secs(120));
+    child::hold_until_killed();
 }
 
 #[test]
 fn a_killed_holders_permit_returns_after_its_lease() {
     let srv = test_server();
     let lease = Duration::from_secs(2);
-    let mut holder = child::spawn_self("child_permit_holds", &[("REDIS_URL", srv.url())]);
-    child::wait_for_line(&mut holder, "held=1", Duration::from_secs(30));
-    let c = builder(&srv.url()).lease(lease).build().unwrap();
+    let holder = child::spawn_holder("child_permit_holds", &[("REDIS_URL", srv.url())]);
+    let c = lock_client!(node(srv.url()), key_prefix(PREFIX), lease(lease));
     let sem = c.semaphore("crash", 3);
     let a = sem.acquire().expect("second permit");
     let url = srv.url();
     let b = thread::spawn(move || {
-        let c = builder(&url).lease(lease).build().unwrap();
+        let c = lock_client!(node(url), key_prefix(PREFIX), lease(lease));
         let p = c.semaphore("crash", 3).acquire().expect("third permit");
         // Held past the killed holder's lease: renewed, unaffected.
         thread::sleep(lease + ms(500));
@@ -153,9 +127,7 @@ fn a_killed_holders_permit_returns_after_its_lease() {
         p.unlock().unwrap()
     });
     thread::sleep(ms(100));
-    child::kill_child(&mut holder, libc::SIGKILL);
-    let killed = Instant::now();
-    let _ = child::wait_output(holder, Duration::from_secs(10));
+    let killed = child::kill_and_reap(holder);
     let p = sem
         .try_acquire_for(Duration::from_secs(30))
         .expect("the killed holder's permit");
@@ -184,10 +156,7 @@ fn idle_waiters_cost_almost_no_commands() {
             })
         })
         .collect();
-    thread::sleep(Duration::from_secs(1));
-    let before = srv.total_commands();
-    thread::sleep(Duration::from_secs(3));
-    let spent = srv.total_commands() - before;
+    let spent = srv.commands_during(Duration::from_secs(1), Duration::from_secs(3));
     eprintln!("20 idle waiters: {spent} commands in 3 s");
     assert!(spent < 10, "{spent} commands: {:?}", srv.commandstats());
     drop(p);

@@ -196,6 +196,31 @@ pub fn kill_child(child: &mut Child, signal: libc::c_int) {
     }
 }
 
+/// In a child that took a hold (a lock, a read hold, a permit) for a test of what its
+/// death does: says so with `RESULT held=1`, then sleeps until killed. The parent starts
+/// it with [`spawn_holder`].
+pub fn hold_until_killed() {
+    print_result(&[("held", "1".to_owned())]);
+    thread::sleep(Duration::from_secs(120));
+}
+
+/// Starts the child entry point `test_name` (which ends in [`hold_until_killed`]) and
+/// waits up to 30 s for it to say it holds.
+pub fn spawn_holder(test_name: &str, envs: &[(&str, String)]) -> Child {
+    let mut child = spawn_self(test_name, envs);
+    wait_for_line(&mut child, "held=1", Duration::from_secs(30));
+    child
+}
+
+/// SIGKILLs the child and reaps it (up to 10 s), whatever it printed; returns the
+/// instant of the kill, from which a test measures how long the hold it left outlived it.
+pub fn kill_and_reap(mut child: Child) -> Instant {
+    kill_child(&mut child, libc::SIGKILL);
+    let killed = Instant::now();
+    let _ = wait_output(child, Duration::from_secs(10));
+    killed
+}
+
 /// Reads the child's stdout until a line containing `needle` appears and
 /// returns that line; used to synchronise with a child (e.g. wait for
 /// `RESULT acquired=1` before killing it). Lines read here, including the

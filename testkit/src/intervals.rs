@@ -62,6 +62,18 @@ impl Recorder {
         out
     }
 
+    /// Runs `body` on `threads` threads at once, each recording into this recorder,
+    /// waits for all of them (a panic in one goes on in the caller), then prints what they
+    /// recorded ([`Recorder::print`]): the whole of a child that reports intervals.
+    pub fn run_threads_and_print(&self, threads: usize, body: impl Fn(&Recorder) + Sync) {
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| body(self));
+            }
+        });
+        self.print();
+    }
+
     /// Everything recorded so far, in the order it was recorded.
     pub fn intervals(&self) -> Vec<Interval> {
         self.lock().clone()

@@ -400,6 +400,15 @@ impl RedisServer {
         self.commandstats().values().sum()
     }
 
+    /// The commands the server ran in `window`, counted once `settle` has passed: what
+    /// idle waiters cost, once they have had time to settle into waiting.
+    pub fn commands_during(&self, settle: Duration, window: Duration) -> u64 {
+        std::thread::sleep(settle);
+        let before = self.total_commands();
+        std::thread::sleep(window);
+        self.total_commands() - before
+    }
+
     /// Zeroes the command counters. Uses `CONFIG RESETSTAT` when allowed
     /// (which also resets other `INFO stats` fields); if the command is
     /// refused (renamed away, ACL) falls back to a baseline snapshot, so it
