@@ -253,16 +253,7 @@ fn readers_share_and_writers_exclude_across_processes() {
         ("ITERS", "40".to_owned()),
         ("COUNTER", "counter".to_owned()),
     ];
-    let children: Vec<_> = (0..4)
-        .map(|_| child::spawn_self("child_mixed", &envs))
-        .collect();
-    let mut all = Vec::new();
-    for c in children {
-        all.extend(intervals::parse(&child::wait_ok(
-            c,
-            Duration::from_secs(120),
-        )));
-    }
+    let all = intervals::from_children("child_mixed", 4, &envs, Duration::from_secs(120));
     assert_eq!(all.len(), 4 * 4 * 40);
     let writes = all.iter().filter(|s| s.tag == "w").count();
     let (mut reader_overlaps, mut across) = (0, 0);
@@ -402,23 +393,19 @@ fn a_writer_is_not_starved_by_busy_readers() {
 /// A child that takes a read hold, says so, and holds it until killed.
 #[test]
 fn child_reader_holds() {
-    if !child::is_child() {
-        return;
-    }
-    let c = lock_client!(
-        node(child::env("REDIS_URL")),
-        key_prefix(PREFIX),
-        lease(Duration::from_secs(2))
-    );
-    let _r = c.rwlock("crash").read().expect("read");
-    child::hold_until_killed();
+    child::hold_until_killed(|url| {
+        lock_client!(node(url), key_prefix(PREFIX), lease(Duration::from_secs(2)))
+            .rwlock("crash")
+            .read()
+            .expect("read")
+    });
 }
 
 #[test]
 fn a_killed_readers_hold_expires_alone() {
     let srv = test_server();
     let lease = Duration::from_secs(2);
-    let reader = child::spawn_holder("child_reader_holds", &[("REDIS_URL", srv.url())]);
+    let reader = child::spawn_holder("child_reader_holds", srv.url());
     let other = lock_client!(node(srv.url()), key_prefix(PREFIX), lease(lease));
     let r = other.rwlock("crash").read().expect("another reader");
     let killed = child::kill_and_reap(reader);
@@ -467,8 +454,7 @@ fn idle_waiters_cost_almost_no_commands() {
             })
         })
         .collect();
-    let spent = srv.commands_during(Duration::from_secs(1), Duration::from_secs(3));
-    eprintln!("20 idle waiters: {spent} commands in 3 s");
+    let spent = srv.idle_cost("20 idle waiters");
     assert!(spent < 10, "{spent} commands: {:?}", srv.commandstats());
     drop(w);
     for h in handles {

@@ -77,16 +77,7 @@ fn child_permits() {
 fn never_more_holders_than_permits_across_processes() {
     let srv = test_server();
     let envs = [("REDIS_URL", srv.url()), ("ITERS", "30".to_owned())];
-    let children: Vec<_> = (0..4)
-        .map(|_| child::spawn_self("child_permits", &envs))
-        .collect();
-    let mut held = Vec::new();
-    for c in children {
-        held.extend(intervals::parse(&child::wait_ok(
-            c,
-            Duration::from_secs(120),
-        )));
-    }
+    let held = intervals::from_children("child_permits", 4, &envs, Duration::from_secs(120));
     assert_eq!(2 * held.len(), 2 * 4 * 4 * 30);
     let most = intervals::most_at_once(&held);
     eprintln!("at most {most} holders at once");
@@ -97,23 +88,19 @@ fn never_more_holders_than_permits_across_processes() {
 /// A child that takes a permit, says so, and holds it until killed.
 #[test]
 fn child_permit_holds() {
-    if !child::is_child() {
-        return;
-    }
-    let c = lock_client!(
-        node(child::env("REDIS_URL")),
-        key_prefix(PREFIX),
-        lease(Duration::from_secs(2))
-    );
-    let _p = c.semaphore("crash", 3).acquire().expect("permit");
-    child::hold_until_killed();
+    child::hold_until_killed(|url| {
+        lock_client!(node(url), key_prefix(PREFIX), lease(Duration::from_secs(2)))
+            .semaphore("crash", 3)
+            .acquire()
+            .expect("permit")
+    });
 }
 
 #[test]
 fn a_killed_holders_permit_returns_after_its_lease() {
     let srv = test_server();
     let lease = Duration::from_secs(2);
-    let holder = child::spawn_holder("child_permit_holds", &[("REDIS_URL", srv.url())]);
+    let holder = child::spawn_holder("child_permit_holds", srv.url());
     let c = lock_client!(node(srv.url()), key_prefix(PREFIX), lease(lease));
     let sem = c.semaphore("crash", 3);
     let a = sem.acquire().expect("second permit");
@@ -156,8 +143,7 @@ fn idle_waiters_cost_almost_no_commands() {
             })
         })
         .collect();
-    let spent = srv.commands_during(Duration::from_secs(1), Duration::from_secs(3));
-    eprintln!("20 idle waiters: {spent} commands in 3 s");
+    let spent = srv.idle_cost("20 idle waiters");
     assert!(spent < 10, "{spent} commands: {:?}", srv.commandstats());
     drop(p);
     for h in handles {

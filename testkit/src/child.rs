@@ -196,18 +196,23 @@ pub fn kill_child(child: &mut Child, signal: libc::c_int) {
     }
 }
 
-/// In a child that took a hold (a lock, a read hold, a permit) for a test of what its
-/// death does: says so with `RESULT held=1`, then sleeps until killed. The parent starts
-/// it with [`spawn_holder`].
-pub fn hold_until_killed() {
+/// The whole of a child entry point that takes a hold (a lock, a read hold, a permit)
+/// for a test of what its death does: outside a child, nothing; in one, `take` gets the
+/// `REDIS_URL` it was given and returns the hold, which is kept while the child says
+/// `RESULT held=1` and sleeps until killed. The parent starts it with [`spawn_holder`].
+pub fn hold_until_killed<T>(take: impl FnOnce(&str) -> T) {
+    if !is_child() {
+        return;
+    }
+    let _held = take(&env("REDIS_URL"));
     print_result(&[("held", "1".to_owned())]);
     thread::sleep(Duration::from_secs(120));
 }
 
-/// Starts the child entry point `test_name` (which ends in [`hold_until_killed`]) and
-/// waits up to 30 s for it to say it holds.
-pub fn spawn_holder(test_name: &str, envs: &[(&str, String)]) -> Child {
-    let mut child = spawn_self(test_name, envs);
+/// Starts the child entry point `test_name` (one made of [`hold_until_killed`]) on the
+/// Redis at `url` and waits up to 30 s for it to say it holds.
+pub fn spawn_holder(test_name: &str, url: String) -> Child {
+    let mut child = spawn_self(test_name, &[("REDIS_URL", url)]);
     wait_for_line(&mut child, "held=1", Duration::from_secs(30));
     child
 }

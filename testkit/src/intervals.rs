@@ -14,6 +14,7 @@
 //! ```
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::child;
 use crate::clock::mono_ns;
@@ -113,6 +114,24 @@ pub fn parse(stdout: &str) -> Vec<Interval> {
                 end: r.get("e")?.parse().ok()?,
             })
         })
+        .collect()
+}
+
+/// Runs `procs` children of the entry point `test_name` with `envs` (each of them a
+/// [`Recorder::run_threads_and_print`]) and returns all that they recorded; each child
+/// must succeed within `timeout`.
+pub fn from_children(
+    test_name: &str,
+    procs: usize,
+    envs: &[(&str, String)],
+    timeout: Duration,
+) -> Vec<Interval> {
+    let children: Vec<_> = (0..procs)
+        .map(|_| child::spawn_self(test_name, envs))
+        .collect();
+    children
+        .into_iter()
+        .flat_map(|c| parse(&child::wait_ok(c, timeout)))
         .collect()
 }
 

@@ -400,13 +400,15 @@ impl RedisServer {
         self.commandstats().values().sum()
     }
 
-    /// The commands the server ran in `window`, counted once `settle` has passed: what
-    /// idle waiters cost, once they have had time to settle into waiting.
-    pub fn commands_during(&self, settle: Duration, window: Duration) -> u64 {
-        std::thread::sleep(settle);
+    /// What idle waiters cost: the commands the server runs in 3 s, counted once they
+    /// have had a second to settle into waiting. Prints the figure for `who`.
+    pub fn idle_cost(&self, who: &str) -> u64 {
+        std::thread::sleep(Duration::from_secs(1));
         let before = self.total_commands();
-        std::thread::sleep(window);
-        self.total_commands() - before
+        std::thread::sleep(Duration::from_secs(3));
+        let spent = self.total_commands() - before;
+        eprintln!("{who}: {spent} commands in 3 s");
+        spent
     }
 
     /// Zeroes the command counters. Uses `CONFIG RESETSTAT` when allowed
