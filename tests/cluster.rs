@@ -11,7 +11,7 @@ use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
-use redbaton_testkit::sections::Section;
+use redbaton_testkit::sections::{Section, Worker};
 use redbaton_testkit::{child, init_log, ms, secs};
 use redbaton_testkit::{lock_builder, lock_client};
 
@@ -120,84 +120,51 @@ fn child_cluster_worker() {
     let dir = std::env::var("C_DIR").ok();
     let client = builder(seeds).lease(lease).build().expect("child: build");
     let until = Instant::now() + run_for;
-    let workers: Vec<_> = (0..threads)
-        .map(|t| {
-            let (client, dir) = (client.clone(), dir.clone());
-            thread::spawn(move || {
-                let mut sections = Vec::new();
-                // Failed calls: timeouts, connection errors, anything else.
-                let mut errors = [0u64; 3];
-                let mut longest = Duration::ZERO;
-                let mut x = (std::process::id() as usize) * 31 + t * 7919;
-                while sections.len() < rounds && Instant::now() < until {
-                    x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-                    let name = format!("n{}", (x >> 33) % names);
-                    let called = Instant::now();
-                    let r = client.try_lock_for(&name, WAIT);
-                    longest = longest.max(called.elapsed());
-                    let guard = match r {
-                        Ok(g) => g,
-                        Err(e) => {
-                            eprintln!("child: {name}: {e:?}");
-                            let kind = if e.is_timeout() {
-                                0
-                            } else if e.is_connection() {
-                                1
-                            } else {
-                                2
-                            };
-                            errors[kind] += 1;
-                            thread::sleep(ms(20));
-                            continue;
-                        }
-                    };
-                    let start = mono_ns();
-                    if let Some(dir) = &dir {
-                        let path = format!("{dir}/{name}");
-                        let n: u64 = std::fs::read_to_string(&path)
-                            .map(|s| s.trim().parse().expect("count"))
-                            .unwrap_or(0);
-                        thread::sleep(ms(1));
-                        std::fs::write(&path, (n + 1).to_string()).expect("write count");
+    Worker::run_threads_and_print(threads, |t, worker| {
+        // Failed calls: timeouts, connection errors, anything else.
+        let mut errors = [0u64; 3];
+        let mut x = (std::process::id() as usize) * 31 + t * 7919;
+        while worker.sections.len() < rounds && Instant::now() < until {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            let name = format!("n{}", (x >> 33) % names);
+            let guard = match worker.call(|| client.try_lock_for(&name, WAIT)) {
+                Ok(g) => g,
+                Err(e) => {
+                    eprintln!("child: {name}: {e:?}");
+                    let kind = if e.is_timeout() {
+                        0
+                    } else if e.is_connection() {
+                        1
                     } else {
-                        thread::sleep(ms(3));
-                    }
-                    let lost_now = guard.check().is_err();
-                    let end = mono_ns();
-                    let token = guard.fencing_token();
-                    let told = lost_now
-                        || !matches!(guard.unlock(), Ok(Unlocked::Released | Unlocked::HandedOff));
-                    sections.push(Section {
-                        name,
-                        start,
-                        end,
-                        token,
-                        told,
-                    });
+                        2
+                    };
+                    errors[kind] += 1;
+                    thread::sleep(ms(20));
+                    continue;
                 }
-                (sections, errors, longest)
-            })
-        })
-        .collect();
-    for w in workers {
-        let (sections, errors, longest) = w.join().expect("worker");
-        child::print_result(&[
-            ("sections", Section::join(&sections)),
+            };
+            let section = Section::start(&name);
+            if let Some(dir) = &dir {
+                let path = format!("{dir}/{name}");
+                let n: u64 = std::fs::read_to_string(&path)
+                    .map(|s| s.trim().parse().expect("count"))
+                    .unwrap_or(0);
+                thread::sleep(ms(1));
+                std::fs::write(&path, (n + 1).to_string()).expect("write count");
+            } else {
+                thread::sleep(ms(3));
+            }
+            let (token, told) = (guard.fencing_token(), guard.check().is_err());
+            let release = || guard.unlock().is_ok_and(Unlocked::was_held);
+            worker.sections.push(section.end(token, told, release));
+        }
+        vec![
             ("timeouts", errors[0].to_string()),
             ("conn_errors", errors[1].to_string()),
             ("other_errors", errors[2].to_string()),
-            ("longest_ms", longest.as_millis().to_string()),
-        ]);
-    }
-    let s = client.stats();
-    child::print_result(&[
-        ("wake_event", s.wakeups_event.to_string()),
-        ("wake_lease", s.wakeups_lease.to_string()),
-        ("redirects", s.redirects.to_string()),
-        ("refreshes", s.slot_refreshes.to_string()),
-        ("failover_retries", s.failover_retries.to_string()),
-        ("lost", s.locks_lost.to_string()),
-    ]);
+        ]
+    });
+    child::print_counters(&client.stats(), &[]);
 }
 
 struct Run {
@@ -236,12 +203,12 @@ fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> 
     for c in children {
         let out = child::wait_ok(c, Duration::from_secs(180));
         for r in child::parse_results(&out) {
-            if let Some(list) = r.get("sections") {
+            if let Some(worker) = Worker::parse(&r) {
                 run.threads += 1;
-                run.sections.extend(Section::parse_list(list));
-                let longest: u64 = r["longest_ms"].parse().expect("longest");
+                run.sections.extend(worker.sections);
+                let longest = worker.longest.as_millis();
                 assert!(
-                    Duration::from_millis(longest) <= WAIT + MARGIN,
+                    worker.longest <= WAIT + MARGIN,
                     "a call took {longest} ms, past its deadline"
                 );
                 let count = |k: &str| r[k].parse::<u64>().expect("a count");
@@ -597,11 +564,7 @@ fn child_idle_waiter() {
     for w in workers {
         w.join().expect("waiter");
     }
-    let s = client.stats();
-    child::print_result(&[
-        ("wake_event", s.wakeups_event.to_string()),
-        ("wake_lease", s.wakeups_lease.to_string()),
-    ]);
+    child::print_counters(&client.stats(), &[]);
 }
 
 /// 20 threads in 2 processes wait 3 s for names held elsewhere: the cluster sees almost
@@ -670,8 +633,8 @@ fn idle_waiters_cost_nothing() {
     for c in children {
         let out = child::wait_ok(c, secs(30));
         for r in child::parse_results(&out) {
-            assert_eq!(r["wake_lease"], "0", "{r:?}");
-            assert_eq!(r["wake_event"], "10", "{r:?}");
+            assert_eq!(r["wakeups_lease"], "0", "{r:?}");
+            assert_eq!(r["wakeups_event"], "10", "{r:?}");
         }
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use redbaton::Unlocked;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::lock_builder;
-use redbaton_testkit::sections::Section;
+use redbaton_testkit::sections::{Section, Worker};
 use redbaton_testkit::sentinel::SentinelGroup;
 use redbaton_testkit::{child, init_log, ms, secs};
 
@@ -62,59 +62,26 @@ fn child_failover_worker() {
     }
     let client = b.build().expect("child: build");
     let until = Instant::now() + run_for;
-    let workers: Vec<_> = (0..THREADS)
-        .map(|_| {
-            let client = client.clone();
-            thread::spawn(move || {
-                let mut sections = Vec::new();
-                let (mut errors, mut longest) = (0u64, Duration::ZERO);
-                while Instant::now() < until {
-                    let called = Instant::now();
-                    let r = client.try_lock_for("k", WAIT);
-                    longest = longest.max(called.elapsed());
-                    let guard = match r {
-                        Ok(g) => g,
-                        Err(_) => {
-                            errors += 1;
-                            thread::sleep(ms(20));
-                            continue;
-                        }
-                    };
-                    let start = mono_ns();
-                    thread::sleep(ms(3));
-                    let lost_now = guard.check().is_err();
-                    let end = mono_ns();
-                    let token = guard.fencing_token();
-                    let told = lost_now
-                        || !matches!(guard.unlock(), Ok(Unlocked::Released | Unlocked::HandedOff));
-                    sections.push(Section {
-                        name: "k".to_owned(),
-                        start,
-                        end,
-                        token,
-                        told,
-                    });
+    Worker::run_threads_and_print(THREADS, |_, worker| {
+        let mut errors = 0u64;
+        while Instant::now() < until {
+            let guard = match worker.call(|| client.try_lock_for("k", WAIT)) {
+                Ok(g) => g,
+                Err(_) => {
+                    errors += 1;
+                    thread::sleep(ms(20));
+                    continue;
                 }
-                (sections, errors, longest)
-            })
-        })
-        .collect();
-    for w in workers {
-        let (sections, errors, longest) = w.join().expect("worker");
-        child::print_result(&[
-            ("sections", Section::join(&sections)),
-            ("errors", errors.to_string()),
-            ("longest_ms", longest.as_millis().to_string()),
-        ]);
-    }
-    let s = client.stats();
-    child::print_result(&[
-        ("wake_event", s.wakeups_event.to_string()),
-        ("wake_lease", s.wakeups_lease.to_string()),
-        ("wake_recheck", s.wakeups_recheck.to_string()),
-        ("failovers", s.failovers.to_string()),
-        ("lost", s.locks_lost.to_string()),
-    ]);
+            };
+            let section = Section::start("k");
+            thread::sleep(ms(3));
+            let (token, told) = (guard.fencing_token(), guard.check().is_err());
+            let release = || guard.unlock().is_ok_and(Unlocked::was_held);
+            worker.sections.push(section.end(token, told, release));
+        }
+        vec![("errors", errors.to_string())]
+    });
+    child::print_counters(&client.stats(), &[]);
 }
 
 struct Run {
@@ -149,21 +116,16 @@ fn run_with_fault(group: &SentinelGroup, ack: Option<usize>, fault: impl FnOnce(
     let mut stats = Vec::new();
     for out in &outputs {
         for r in child::parse_results(out) {
-            if let Some(list) = r.get("sections") {
-                let before = sections.len();
-                sections.extend(Section::parse_list(list));
-                after_fault.push(
-                    sections[before..]
-                        .iter()
-                        .filter(|s: &&Section| s.start > fault_over)
-                        .count(),
-                );
-                let longest: u64 = r["longest_ms"].parse().expect("longest");
+            if let Some(worker) = Worker::parse(&r) {
+                let after = worker.sections.iter().filter(|s| s.start > fault_over);
+                after_fault.push(after.count());
+                let longest = worker.longest.as_millis();
                 assert!(
-                    Duration::from_millis(longest) <= WAIT + MARGIN,
+                    worker.longest <= WAIT + MARGIN,
                     "a call took {longest} ms, past its deadline"
                 );
                 eprintln!("thread: errors {} longest {longest} ms", r["errors"]);
+                sections.extend(worker.sections);
             } else {
                 eprintln!("child stats: {r:?}");
                 stats.push(r);
@@ -198,7 +160,7 @@ fn check_run(run: &Run) {
         "every process followed the master"
     );
     assert!(
-        sum("wake_event") > sum("wake_lease") + sum("wake_recheck"),
+        sum("wakeups_event") > sum("wakeups_lease") + sum("wakeups_recheck"),
         "waiters woke on events, not timers: {:?}",
         run.stats
     );

@@ -107,6 +107,33 @@ pub fn print_result(fields: &[(&str, String)]) {
     println!("{line}");
 }
 
+/// Prints `extra`, then every integer field of `counters` (a struct of counts, such as a
+/// client's `stats()`) under its own name, as one `RESULT` line. The fields are read from
+/// the `Debug` form, so a counter added to the struct is reported without a change here.
+///
+/// ```
+/// #[derive(Debug)]
+/// struct Counts { hits: u64, misses: u64 }
+/// redbaton_testkit::child::print_counters(&Counts { hits: 3, misses: 1 }, &[]);
+/// // prints: RESULT hits=3 misses=1
+/// ```
+pub fn print_counters(counters: &impl std::fmt::Debug, extra: &[(&str, String)]) {
+    let text = format!("{counters:?}");
+    let inner = text
+        .split_once('{')
+        .and_then(|(_, rest)| rest.rsplit_once('}'))
+        .map_or("", |(inner, _)| inner);
+    let mut fields = extra.to_vec();
+    fields.extend(inner.split(',').filter_map(|field| {
+        let (name, value) = field.split_once(':')?;
+        let value = value.trim();
+        value.parse::<u64>().ok()?;
+        Some((name.trim(), value.to_owned()))
+    }));
+    assert!(fields.len() > extra.len(), "no counters in {text}");
+    print_result(&fields);
+}
+
 /// Parses every `RESULT k=v ...` line in a child's stdout, in order.
 pub fn parse_results(stdout: &str) -> Vec<HashMap<String, String>> {
     stdout.lines().filter_map(parse_result_line).collect()

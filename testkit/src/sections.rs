@@ -15,6 +15,12 @@
 //! assert!(Section::unexplained(&back).is_empty(), "the second holder was told");
 //! ```
 
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::child;
+use crate::clock::mono_ns;
+
 /// One critical section as its holder saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Section {
@@ -31,6 +37,14 @@ pub struct Section {
 }
 
 impl Section {
+    /// Opens the section `name` now: the holder's work begins. Close it with [`Opened::end`].
+    pub fn start(name: &str) -> Opened {
+        Opened {
+            name: name.to_owned(),
+            start: mono_ns(),
+        }
+    }
+
     /// `sections` as one `RESULT` value: `name:start:end:token:told` joined by commas
     /// (names must not hold `:`, `,` or whitespace).
     pub fn join(sections: &[Section]) -> String {
@@ -100,4 +114,96 @@ pub fn unexplained_overlaps<'a, T: Clone>(
         }
     }
     bad
+}
+
+/// A section begun with [`Section::start`] whose work has not ended.
+#[derive(Debug)]
+pub struct Opened {
+    name: String,
+    start: u64,
+}
+
+impl Opened {
+    /// Ends the work now and releases: the hold had `token`; `told` says whether the
+    /// holder was told it lost the lock (e.g. its own `check()` failed) before the end.
+    /// Unless it was, `release` (the holder's unlock) runs after the end and returns
+    /// whether it found the lock its own; when not, the holder was told so. A holder
+    /// already told does not release: its guard goes with the section.
+    pub fn end(self, token: u64, told: bool, release: impl FnOnce() -> bool) -> Section {
+        let end = mono_ns();
+        Section {
+            name: self.name,
+            start: self.start,
+            end,
+            token,
+            told: told || !release(),
+        }
+    }
+}
+
+/// What one contending thread of a child saw: its sections and its longest call.
+#[derive(Debug, Default)]
+pub struct Worker {
+    pub sections: Vec<Section>,
+    pub longest: Duration,
+}
+
+impl Worker {
+    /// Runs `call` (a lock call), keeping its duration if it is the longest so far.
+    pub fn call<T>(&mut self, call: impl FnOnce() -> T) -> T {
+        let called = Instant::now();
+        let out = call();
+        self.longest = self.longest.max(called.elapsed());
+        out
+    }
+
+    /// The threads of a child: runs `threads` workers at once, each `body(index, worker)`
+    /// returning the extra fields of its report, waits for all (a panic in one goes on
+    /// in the caller), then prints their reports in the order of their index.
+    pub fn run_threads_and_print(
+        threads: usize,
+        body: impl Fn(usize, &mut Worker) -> Vec<(&'static str, String)> + Sync,
+    ) {
+        let reports: Vec<(Worker, Vec<(&str, String)>)> = std::thread::scope(|s| {
+            let running: Vec<_> = (0..threads)
+                .map(|i| {
+                    let body = &body;
+                    s.spawn(move || {
+                        let mut worker = Worker::default();
+                        let extra = body(i, &mut worker);
+                        (worker, extra)
+                    })
+                })
+                .collect();
+            running
+                .into_iter()
+                .map(|t| t.join().expect("worker"))
+                .collect()
+        });
+        for (worker, extra) in reports {
+            worker.print(&extra);
+        }
+    }
+
+    /// Prints one `RESULT` line: `sections`, `longest_ms`, then `extra`; read back with
+    /// [`Worker::parse`].
+    pub fn print(&self, extra: &[(&str, String)]) {
+        let mut fields = vec![
+            ("sections", Section::join(&self.sections)),
+            ("longest_ms", self.longest.as_millis().to_string()),
+        ];
+        fields.extend(extra.iter().cloned());
+        child::print_result(&fields);
+    }
+
+    /// The worker a `RESULT` line printed by [`Worker::print`] stands for; `None` for
+    /// any other line. Panics on a malformed one.
+    pub fn parse(result: &HashMap<String, String>) -> Option<Worker> {
+        let sections = Section::parse_list(result.get("sections")?);
+        let longest_ms: u64 = result["longest_ms"].parse().expect("longest_ms");
+        Some(Worker {
+            sections,
+            longest: Duration::from_millis(longest_ms),
+        })
+    }
 }
