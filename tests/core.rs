@@ -14,8 +14,8 @@ use redbaton_testkit::child;
 use redbaton_testkit::keys::{FENCE_STEP, Keys, fence_of, fences_issued};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::test_server;
 use redbaton_testkit::wait::{join_within, wait_until};
+use redbaton_testkit::{dead_url, test_server};
 use redbaton_testkit::{init_log, ms};
 use redbaton_testkit::{lock_builder, lock_client};
 use redbaton_testkit::{pttl, raw_conn};
@@ -61,12 +61,6 @@ fn assert_strictly_increasing(tokens: &[u64], what: &str) {
             w[0]
         );
     }
-}
-
-/// A port with nothing listening on it (bound, then released).
-fn dead_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("local_addr").port()
 }
 
 // --- smoke -------------------------------------------------------------------
@@ -655,11 +649,10 @@ fn unparsable_url_is_invalid() {
 #[test]
 fn unreachable_server_is_a_connection_error() {
     init_log();
-    let port = dead_port();
     let connect_timeout = ms(500);
     let t0 = Instant::now();
     let err = LockClient::builder()
-        .node(format!("redis://127.0.0.1:{port}/"))
+        .node(dead_url())
         .connect_timeout(connect_timeout)
         .build()
         .expect_err("nothing listens there");

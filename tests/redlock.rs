@@ -56,6 +56,18 @@ fn fast_builder(urls: &[String]) -> Builder {
         .write_timeout(FAST)
 }
 
+/// A client built from `b`, warmed up: every node has the scripts loaded and a pooled
+/// connection, so that a fault injected next meets a client in its steady state.
+fn warmed_up(b: Builder) -> LockClient {
+    let client = b.build().expect("build");
+    client
+        .lock("k")
+        .expect("warm-up lock")
+        .unlock()
+        .expect("warm-up unlock");
+    client
+}
+
 /// The lock keys (not fence counters) on a reachable server.
 fn lock_keys(srv: &RedisServer) -> Vec<String> {
     srv.keys(&KEYS.lock_pattern())
@@ -354,16 +366,7 @@ fn mutual_exclusion_across_processes_on_five_nodes() {
 fn minority_down_locks_still_acquired_and_released() {
     let servers = server::start_many(5);
     let lease = Duration::from_secs(3);
-    let client = fast_builder(&urls(&servers))
-        .lease(lease)
-        .build()
-        .expect("build");
-    // Warm up: every node has the scripts loaded and a pooled connection.
-    client
-        .lock("k")
-        .expect("warm-up lock")
-        .unlock()
-        .expect("warm-up unlock");
+    let client = warmed_up(fast_builder(&urls(&servers)).lease(lease));
 
     servers[4].kill();
     let resume = pause_all([&servers[3]]);
@@ -432,15 +435,7 @@ fn minority_down_locks_still_acquired_and_released() {
 fn majority_paused_gives_no_quorum_and_leaves_nothing() {
     let servers = server::start_many(5);
     let lease = Duration::from_secs(3);
-    let client = fast_builder(&urls(&servers))
-        .lease(lease)
-        .build()
-        .expect("build");
-    client
-        .lock("k")
-        .expect("warm-up lock")
-        .unlock()
-        .expect("warm-up unlock");
+    let client = warmed_up(fast_builder(&urls(&servers)).lease(lease));
 
     let resume = pause_all(&servers[2..]);
     let wait = Duration::from_secs(2);
@@ -515,12 +510,7 @@ fn majority_paused_gives_no_quorum_and_leaves_nothing() {
 #[test]
 fn majority_killed_gives_no_quorum_quickly() {
     let servers = server::start_many(5);
-    let client = fast_builder(&urls(&servers)).build().expect("build");
-    client
-        .lock("k")
-        .expect("warm-up lock")
-        .unlock()
-        .expect("warm-up unlock");
+    let client = warmed_up(fast_builder(&urls(&servers)));
     for s in &servers[2..] {
         s.kill();
     }
@@ -571,12 +561,7 @@ fn slow_node_does_not_hold_up_acquisition() {
     let mut nodes = urls(&servers[..4]);
     nodes.push(proxy.url());
     let lease = Duration::from_secs(3);
-    let client = fast_builder(&nodes).lease(lease).build().expect("build");
-    client
-        .lock("k")
-        .expect("warm-up lock")
-        .unlock()
-        .expect("warm-up unlock");
+    let client = warmed_up(fast_builder(&nodes).lease(lease));
 
     let delay = Duration::from_secs(5);
     proxy.set_delay(delay);

@@ -127,6 +127,14 @@ pub fn test_server() -> RedisServer {
     RedisServer::start()
 }
 
+/// A Redis URL on a loopback port that nothing listens on (bound, then released): for
+/// tests of a server that is not there, whose connections are refused at once.
+pub fn dead_url() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let port = listener.local_addr().expect("local_addr").port();
+    format!("redis://127.0.0.1:{port}/")
+}
+
 /// A raw connection to `url` (5 s to connect, 10 s per read or write), so that a broken
 /// test fails instead of hanging. Panics when it cannot connect.
 pub fn raw_conn(url: &str) -> redis::Connection {
