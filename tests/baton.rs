@@ -391,30 +391,29 @@ fn child_contender() {
     let violations: u64 = results.iter().map(|r| r.2).sum();
     let sections = threads * per_thread;
     let s = client.stats();
-    child::print_result(&[
-        ("pid", std::process::id().to_string()),
-        ("sections", sections.to_string()),
-        ("max_wait_us", max_wait.as_micros().to_string()),
-        (
-            "mean_wait_us",
-            (total_wait.as_micros() / u128::from(sections)).to_string(),
-        ),
-        ("violations", violations.to_string()),
-        ("long_waits", long_waits.to_string()),
-        ("fences", fences.join(",")),
-        ("max_at", max_at.to_string()),
-        (
-            "wakeups",
-            format!(
-                "{}/{}/{}",
-                s.wakeups_event, s.wakeups_lease, s.wakeups_recheck
+    child::print_counters(
+        &s,
+        &[
+            ("pid", std::process::id().to_string()),
+            ("sections", sections.to_string()),
+            ("max_wait_us", max_wait.as_micros().to_string()),
+            (
+                "mean_wait_us",
+                (total_wait.as_micros() / u128::from(sections)).to_string(),
             ),
-        ),
-        ("remote", s.remote_acquisitions.to_string()),
-        ("local", s.local_handoffs.to_string()),
-        ("budget", s.budget_releases.to_string()),
-        ("commands", s.commands.to_string()),
-    ]);
+            ("violations", violations.to_string()),
+            ("long_waits", long_waits.to_string()),
+            ("fences", fences.join(",")),
+            ("max_at", max_at.to_string()),
+            (
+                "wakeups",
+                format!(
+                    "{}/{}/{}",
+                    s.wakeups_event, s.wakeups_lease, s.wakeups_recheck
+                ),
+            ),
+        ],
+    );
 }
 
 /// 4 processes × 4 threads on one key with the default budget (16 handoffs, 10 ms slice):
@@ -509,9 +508,9 @@ fn four_processes_share_one_key() {
             num("mean_wait_us") as f64 / 1000.0,
             num("long_waits"),
             lost_in_a_row(p),
-            num("remote"),
-            num("local"),
-            num("budget"),
+            num("remote_acquisitions"),
+            num("local_handoffs"),
+            num("budget_releases"),
             num("commands"),
             r["wakeups"],
         );

@@ -265,12 +265,7 @@ fn child_counter() {
     for w in workers {
         w.join().expect("worker");
     }
-    let s = c.stats();
-    child::print_result(&[
-        ("grants", s.grants_received.to_string()),
-        ("passed", s.grants_passed.to_string()),
-        ("remote", s.remote_acquisitions.to_string()),
-    ]);
+    child::print_counters(&c.stats(), &[]);
 }
 
 #[test]
@@ -291,9 +286,9 @@ fn four_processes_four_threads_counter_exact() {
     let mut grants = 0u64;
     for c in children {
         let out = child::wait_ok(c, secs(120));
-        let r = child::result_with(&out, "grants");
+        let r = child::result_with(&out, "grants_received");
         eprintln!("child: {r:?}");
-        grants += r["grants"].parse::<u64>().unwrap();
+        grants += r["grants_received"].parse::<u64>().unwrap();
     }
     let n: u64 = redis::cmd("GET")
         .arg("counter")

@@ -265,15 +265,7 @@ fn child_counter_worker() {
         let pairs: Vec<String> = seen.iter().map(|(v, t)| format!("{v}:{t}")).collect();
         child::print_result(&[("pairs", pairs.join(","))]);
     }
-    let s = client.stats();
-    child::print_result(&[
-        ("remote", s.remote_acquisitions.to_string()),
-        ("handoffs", s.local_handoffs.to_string()),
-        ("failed", s.failed_attempts.to_string()),
-        ("commands", s.commands.to_string()),
-        ("wake_event", s.wakeups_event.to_string()),
-        ("wake_lease", s.wakeups_lease.to_string()),
-    ]);
+    child::print_counters(&client.stats(), &[]);
 }
 
 #[test]

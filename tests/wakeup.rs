@@ -126,18 +126,6 @@ fn sub_connections(srv: &RedisServer) -> Vec<HashMap<String, String>> {
         .collect()
 }
 
-fn stats_fields(s: &Stats) -> Vec<(&'static str, String)> {
-    vec![
-        ("wakeups_event", s.wakeups_event.to_string()),
-        ("wakeups_lease", s.wakeups_lease.to_string()),
-        ("wakeups_recheck", s.wakeups_recheck.to_string()),
-        ("wakeups_poll", s.wakeups_poll.to_string()),
-        ("wakeups_reconnect", s.wakeups_reconnect.to_string()),
-        ("failed_attempts", s.failed_attempts.to_string()),
-        ("commands", s.commands.to_string()),
-    ]
-}
-
 // --- smoke ---------------------------------------------------------------------------
 
 #[test]
@@ -496,7 +484,7 @@ fn child_idle_waiters() {
     });
     child::print_result(&[("blocked", "1".into())]);
     collect(&waiters, secs(60), "child waiter");
-    child::print_result(&stats_fields(&c.stats()));
+    child::print_counters(&c.stats(), &[]);
 }
 
 #[test]
@@ -719,11 +707,15 @@ fn child_fallback_waiter() {
     let got = collect(&[waiter], secs(60), "fallback waiter")[0];
     let s = c.stats();
     drop(c);
-    let mut fields = stats_fields(&s);
-    fields.push(("acquired_us", got.at_us.to_string()));
-    fields.push(("warnings_at_build", at_build.to_string()));
-    fields.push(("warnings", WARNINGS.load(Ordering::SeqCst).to_string()));
-    child::print_result(&fields);
+    let warnings = WARNINGS.load(Ordering::SeqCst);
+    child::print_counters(
+        &s,
+        &[
+            ("acquired_us", got.at_us.to_string()),
+            ("warnings_at_build", at_build.to_string()),
+            ("warnings", warnings.to_string()),
+        ],
+    );
 }
 
 #[test]
@@ -827,10 +819,14 @@ fn child_churn() {
         .map(|h| h.join().expect("churn thread"))
         .max()
         .unwrap();
-    let mut fields = stats_fields(&c.stats());
-    fields.push(("max_wait_us", max_wait.as_micros().to_string()));
-    fields.push(("run_ms", started.elapsed().as_millis().to_string()));
-    child::print_result(&fields);
+    let run_ms = started.elapsed().as_millis();
+    child::print_counters(
+        &c.stats(),
+        &[
+            ("max_wait_us", max_wait.as_micros().to_string()),
+            ("run_ms", run_ms.to_string()),
+        ],
+    );
 }
 
 #[test]
