@@ -22,6 +22,7 @@ use redbaton_testkit::exists;
 use redbaton_testkit::keys::{Keys, MAX_HANDOFFS};
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::wait_until;
 use redbaton_testkit::{dead_url, test_server};
 use redbaton_testkit::{lock_builder, lock_client};
 
@@ -480,11 +481,8 @@ fn endless_wait_does_not_overflow() {
     let t = thread::spawn(move || b.try_lock_for("m", Duration::MAX).map(drop));
     thread::sleep(ms(300));
     drop(held);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !t.is_finished() {
-        assert!(Instant::now() < deadline, "the waiter never got the lock");
-        thread::sleep(ms(10));
-    }
+    let finished = wait_until(Duration::from_secs(10), || t.is_finished());
+    assert!(finished, "the waiter never got the lock");
     t.join().unwrap().expect("acquired after the release");
 }
 
@@ -738,13 +736,9 @@ fn acl_minimal_user_without_config() {
     // wakes the waiter.
     let latency = exercise_acl_user(&srv);
     eprintln!("minimal ACL (no CONFIG): waiter woken {latency:?} after the release");
-    let flags: Vec<String> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .query(&mut srv.conn())
-        .unwrap();
+    let flags = srv.config_get("notify-keyspace-events");
     assert_eq!(
-        flags[1], "",
+        flags, "",
         "the client could not (and did not) change the server"
     );
 }
@@ -754,13 +748,9 @@ fn acl_minimal_user_with_config() {
     let srv = acl_server(&format!("{MINIMAL_ACL} +config|get +config|set"));
     let latency = exercise_acl_user(&srv);
     eprintln!("minimal ACL + CONFIG: waiter woken {latency:?} after the release");
-    let flags: Vec<String> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .query(&mut srv.conn())
-        .unwrap();
+    let flags = srv.config_get("notify-keyspace-events");
     for c in ['K', 'g', '$', 'x', 'e'] {
-        assert!(flags[1].contains(c), "{flags:?}");
+        assert!(flags.contains(c), "{flags:?}");
     }
     // Woken by a keyspace event: the release did not publish on the library channel.
     assert!(srv.command_count("subscribe") > 0);

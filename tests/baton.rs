@@ -20,6 +20,7 @@ use redbaton_testkit::keys::{Keys, fence_of, handoff_of};
 use redbaton_testkit::lock_builder;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::spin;
 use redbaton_testkit::test_server;
 use redbaton_testkit::wait::join_within;
 
@@ -28,14 +29,6 @@ const KEYS: Keys = Keys::new(PREFIX);
 
 fn builder(url: &str) -> Builder {
     lock_builder!(node(url), key_prefix(PREFIX))
-}
-
-/// Busy-waits (a critical section that keeps its core, unlike a sleep).
-fn spin(d: Duration) {
-    let t = Instant::now();
-    while t.elapsed() < d {
-        std::hint::spin_loop();
-    }
 }
 
 fn random_section() -> Duration {

@@ -14,6 +14,7 @@ use redbaton::{Builder, Error, LockClient, Wakeup};
 use redbaton_testkit::lock_builder;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::test_server;
+use redbaton_testkit::wait::wait_until;
 use redbaton_testkit::{init_log, ms};
 
 const PREFIX: &str = "edges:";
@@ -177,14 +178,8 @@ fn every_method_taking_a_duration_or_instant_at_its_edges() {
         let t = thread::spawn(move || catch_unwind(AssertUnwindSafe(|| wait(&c, far))));
         thread::sleep(ms(300));
         drop(held);
-        let until = Instant::now() + Duration::from_secs(10);
-        while !t.is_finished() {
-            assert!(
-                Instant::now() < until,
-                "{what}: never woke after the release"
-            );
-            thread::sleep(ms(10));
-        }
+        let finished = wait_until(Duration::from_secs(10), || t.is_finished());
+        assert!(finished, "{what}: never woke after the release");
         t.join()
             .unwrap()
             .unwrap_or_else(|_| panic!("{what}: panicked"))

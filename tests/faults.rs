@@ -42,7 +42,7 @@ use redbaton_testkit::leftover::{self, KeyPolicy};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::stalls::{StallWatch, Stalls};
-use redbaton_testkit::wait::eventually;
+use redbaton_testkit::wait::{eventually, wait_until};
 use redbaton_testkit::{dead_url, test_server};
 use redbaton_testkit::{init_log, ms};
 use redbaton_testkit::{lock_builder, lock_client};
@@ -171,14 +171,8 @@ fn server_stopped_mid_run_is_a_connection_error_not_a_hang() {
     srv.stop();
     let stopped = Instant::now();
     let (r, at) = {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while !waiter.is_finished() {
-            assert!(
-                Instant::now() < deadline,
-                "lock() hangs with the server down"
-            );
-            thread::sleep(ms(20));
-        }
+        let finished = wait_until(Duration::from_secs(15), || waiter.is_finished());
+        assert!(finished, "lock() hangs with the server down");
         waiter.join().unwrap()
     };
     let e = r.expect_err("server down");

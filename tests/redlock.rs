@@ -851,11 +851,8 @@ fn wait_behind_holder(servers: &[RedisServer], hold: Duration) -> (Duration, Sta
     });
     thread::sleep(hold);
     assert_eq!(guard.unlock().expect("holder: unlock"), Unlocked::Released);
-    let deadline = Instant::now() + hold + SLACK;
-    while !waiter.is_finished() {
-        assert!(Instant::now() < deadline, "waiter never got the lock");
-        thread::sleep(ms(10));
-    }
+    let finished = wait_until(hold + SLACK, || waiter.is_finished());
+    assert!(finished, "waiter never got the lock");
     waiter.join().expect("waiter panicked")
 }
 

@@ -14,19 +14,13 @@ use redbaton_testkit::intervals::{self, Recorder};
 use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::spin;
 use redbaton_testkit::test_server;
 
 const PREFIX: &str = "rw:";
 
 fn client(url: &str) -> LockClient {
     lock_client!(node(url), key_prefix(PREFIX))
-}
-
-fn spin(d: Duration) {
-    let t = Instant::now();
-    while t.elapsed() < d {
-        std::hint::spin_loop();
-    }
 }
 
 #[test]

@@ -14,14 +14,15 @@ use redbaton_testkit::test_server;
 
 const PREFIX: &str = "sem:";
 
-fn client(url: &str) -> LockClient {
+/// A client whose keys carry the prefix of the semaphore tests.
+fn sem_client(url: &str) -> LockClient {
     lock_client!(node(url), key_prefix(PREFIX))
 }
 
 #[test]
 fn smoke() {
     let srv = test_server();
-    let c = client(&srv.url());
+    let c = sem_client(&srv.url());
     let sem = c.semaphore("smoke", 2);
     let a = sem.acquire().expect("first");
     let b = sem.try_acquire().expect("second");
@@ -36,7 +37,7 @@ fn smoke() {
 #[test]
 fn permit_count_must_match_while_held() {
     let srv = test_server();
-    let c = client(&srv.url());
+    let c = sem_client(&srv.url());
     let p = c.semaphore("count", 3).acquire().expect("permit");
     let err = c.semaphore("count", 4).try_acquire().unwrap_err();
     assert!(err.is_permits_mismatch(), "{err}");
@@ -58,7 +59,7 @@ fn child_permits() {
     if !child::is_child() {
         return;
     }
-    let c = client(&child::env("REDIS_URL"));
+    let c = sem_client(&child::env("REDIS_URL"));
     let iters: usize = child::env("ITERS").parse().unwrap();
     Recorder::new().run_threads_and_print(4, |held| {
         let sem = c.semaphore("bound", 3);
@@ -130,9 +131,9 @@ fn a_killed_holders_permit_returns_after_its_lease() {
 #[test]
 fn idle_waiters_cost_almost_no_commands() {
     let srv = test_server();
-    let holder = client(&srv.url());
+    let holder = sem_client(&srv.url());
     let p = holder.semaphore("idle", 1).acquire().expect("permit");
-    let waiters = client(&srv.url());
+    let waiters = sem_client(&srv.url());
     let handles: Vec<_> = (0..20)
         .map(|_| {
             let c = waiters.clone();
@@ -161,8 +162,8 @@ fn idle_waiters_cost_almost_no_commands() {
 #[test]
 fn local_waiters_take_turns_for_a_permit() {
     let srv = test_server();
-    let waiters = client(&srv.url());
-    let holder = client(&srv.url());
+    let waiters = sem_client(&srv.url());
+    let holder = sem_client(&srv.url());
     let first = holder.semaphore("one", 1).acquire().expect("permit");
     let before = waiters.stats();
     let done: Vec<_> = (0..8)

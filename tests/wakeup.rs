@@ -132,14 +132,10 @@ fn sub_connections(srv: &RedisServer) -> Vec<HashMap<String, String>> {
 fn smoke() {
     let srv = RedisServer::start();
     let c = client(&srv.url()).build().expect("build");
-    let flags: Vec<String> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .query(&mut srv.conn())
-        .unwrap();
+    let flags = srv.config_get("notify-keyspace-events");
     for class in ['K', 'g', '$', 'x', 'e'] {
         assert!(
-            flags[1].contains(class) || (class != 'K' && flags[1].contains('A')),
+            flags.contains(class) || (class != 'K' && flags.contains('A')),
             "build() did not turn on class {class}: {flags:?}"
         );
     }
@@ -984,12 +980,8 @@ fn waiters_still_wake_on_release_after_server_restart() {
     assert!(first < secs(1), "{first:?}");
 
     srv.restart();
-    let flags: Vec<String> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .query(&mut srv.conn())
-        .unwrap();
-    eprintln!("after the restart notify-keyspace-events = {:?}", flags[1]);
+    let flags = srv.config_get("notify-keyspace-events");
+    eprintln!("after the restart notify-keyspace-events = {:?}", flags);
     // The pools find their connections dead: the first command after a restart may fail.
     wait_for(secs(10), "the holder to reach the restarted server", || {
         holder.try_lock("probe").is_ok()

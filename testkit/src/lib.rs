@@ -106,6 +106,14 @@ fn answers(url: &str) -> bool {
         .is_ok()
 }
 
+/// Busy-waits for `d`: a critical section that keeps its core, unlike a sleep.
+pub fn spin(d: Duration) {
+    let t = std::time::Instant::now();
+    while t.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
 /// Shorthand for `Duration::from_millis`, to keep timing-heavy tests legible.
 pub fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
