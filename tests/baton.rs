@@ -431,9 +431,7 @@ fn four_processes_share_one_key() {
         ("BT_TOKEN", "bt-last-token".to_string()),
         ("BT_GO", "bt-go".to_string()),
     ];
-    let mut children: Vec<_> = (0..PROCS)
-        .map(|_| child::spawn_self("child_contender", &envs))
-        .collect();
+    let mut children = child::spawn_many(PROCS, "child_contender", &envs);
     for c in &mut children {
         child::wait_for_line(c, "RESULT ready=", Duration::from_secs(60));
     }
@@ -444,10 +442,7 @@ fn four_processes_share_one_key() {
         .arg(1)
         .query(&mut conn)
         .unwrap();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| child::wait_ok(c, Duration::from_secs(120)))
-        .collect();
+    let outputs = child::wait_all_ok(children, Duration::from_secs(120));
     let elapsed = started.elapsed();
     let section = Duration::from_micros(100);
     let (h, s) = (16u32, ms(10));

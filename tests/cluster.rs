@@ -188,9 +188,7 @@ impl Run {
 }
 
 fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> Run {
-    let children: Vec<_> = (0..procs)
-        .map(|_| child::spawn_self("child_cluster_worker", envs))
-        .collect();
+    let children = child::spawn_many(procs, "child_cluster_worker", envs);
     fault();
     let mut run = Run {
         sections: Vec::new(),

@@ -235,18 +235,15 @@ fn mutual_exclusion_across_processes() {
     let srv = test_server();
     let url = srv.url();
     let started = Instant::now();
-    let children: Vec<_> = (0..PROCS)
-        .map(|_| {
-            child::spawn_self(
-                "child_mutex_worker",
-                &[
-                    ("CORE_URL", url.clone()),
-                    ("CORE_THREADS", PROC_THREADS.to_string()),
-                    ("CORE_ITERS", PROC_SECTIONS.to_string()),
-                ],
-            )
-        })
-        .collect();
+    let children = child::spawn_many(
+        PROCS,
+        "child_mutex_worker",
+        &[
+            ("CORE_URL", url.clone()),
+            ("CORE_THREADS", PROC_THREADS.to_string()),
+            ("CORE_ITERS", PROC_SECTIONS.to_string()),
+        ],
+    );
     let mut conn = srv.conn();
     let ready = wait_until(Duration::from_secs(60), || {
         get_u64(&mut conn, b"xready") == Some(PROCS as u64)
@@ -262,10 +259,7 @@ fn mutual_exclusion_across_processes() {
     }
     set_u64(&mut conn, b"xgo", 1);
     let go = Instant::now();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| child::wait_ok(c, Duration::from_secs(150)))
-        .collect();
+    let outputs = child::wait_all_ok(children, Duration::from_secs(150));
     eprintln!(
         "across processes: {} sections in {:?} (after start barrier; {:?} total)",
         PROCS * PROC_THREADS * PROC_SECTIONS,

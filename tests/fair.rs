@@ -271,18 +271,15 @@ fn child_counter() {
 #[test]
 fn four_processes_four_threads_counter_exact() {
     let srv = test_server();
-    let children: Vec<_> = (0..4)
-        .map(|_| {
-            child::spawn_self(
-                "child_counter",
-                &[
-                    ("F_URL", srv.url()),
-                    ("F_THREADS", "4".to_owned()),
-                    ("F_ITERS", "40".to_owned()),
-                ],
-            )
-        })
-        .collect();
+    let children = child::spawn_many(
+        4,
+        "child_counter",
+        &[
+            ("F_URL", srv.url()),
+            ("F_THREADS", "4".to_owned()),
+            ("F_ITERS", "40".to_owned()),
+        ],
+    );
     let mut grants = 0u64;
     for c in children {
         let out = child::wait_ok(c, secs(120));

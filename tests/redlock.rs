@@ -274,23 +274,17 @@ fn mutual_exclusion_across_processes_on_five_nodes() {
     let counter = servers.pop().expect("6 servers");
     let nodes = urls(&servers).join(",");
     let started = Instant::now();
-    let children: Vec<_> = (0..PROCS)
-        .map(|_| {
-            child::spawn_self(
-                "child_counter_worker",
-                &[
-                    ("RL_NODES", nodes.clone()),
-                    ("RL_COUNTER", counter.url()),
-                    ("RL_THREADS", THREADS.to_string()),
-                    ("RL_ITERS", ITERS.to_string()),
-                ],
-            )
-        })
-        .collect();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| child::wait_ok(c, Duration::from_secs(120)))
-        .collect();
+    let children = child::spawn_many(
+        PROCS,
+        "child_counter_worker",
+        &[
+            ("RL_NODES", nodes.clone()),
+            ("RL_COUNTER", counter.url()),
+            ("RL_THREADS", THREADS.to_string()),
+            ("RL_ITERS", ITERS.to_string()),
+        ],
+    );
+    let outputs = child::wait_all_ok(children, Duration::from_secs(120));
     let took = started.elapsed();
 
     let total = PROCS * THREADS * ITERS;

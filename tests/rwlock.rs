@@ -347,9 +347,7 @@ fn child_writer() {
 fn a_writer_is_not_starved_by_busy_readers() {
     let srv = test_server();
     let envs = [("REDIS_URL", srv.url())];
-    let readers: Vec<_> = (0..2)
-        .map(|_| child::spawn_self("child_readers", &envs))
-        .collect();
+    let readers = child::spawn_many(2, "child_readers", &envs);
     // Let the readers get going.
     let mut conn = srv.conn();
     let deadline = Instant::now() + Duration::from_secs(20);

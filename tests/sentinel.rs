@@ -101,16 +101,11 @@ fn run_with_fault(group: &SentinelGroup, ack: Option<usize>, fault: impl FnOnce(
     if let Some(n) = ack {
         envs.push(("S_ACK", n.to_string()));
     }
-    let children: Vec<_> = (0..PROCS)
-        .map(|_| child::spawn_self("child_failover_worker", &envs))
-        .collect();
+    let children = child::spawn_many(PROCS, "child_failover_worker", &envs);
     thread::sleep(ms(1500));
     fault();
     let fault_over = mono_ns();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| child::wait_ok(c, Duration::from_secs(150)))
-        .collect();
+    let outputs = child::wait_all_ok(children, Duration::from_secs(150));
     let mut sections = Vec::new();
     let mut after_fault = Vec::new();
     let mut stats = Vec::new();

@@ -837,9 +837,7 @@ fn churn_loses_no_wakeups() {
         ("THREADS", CHURN_THREADS.to_string()),
         ("SECTIONS", CHURN_SECTIONS.to_string()),
     ];
-    let mut children: Vec<_> = (0..CHURN_PROCESSES)
-        .map(|_| child::spawn_self("child_churn", &envs))
-        .collect();
+    let mut children = child::spawn_many(CHURN_PROCESSES, "child_churn", &envs);
     for ch in &mut children {
         child::wait_for_line(ch, "ready=1", secs(30));
     }

@@ -67,6 +67,17 @@ pub fn spawn_self(test_name: &str, envs: &[(&str, String)]) -> Child {
         .unwrap_or_else(|e| panic!("spawn child for test {test_name}: {e}"))
 }
 
+/// Starts `n` children of the entry point `test_name`, all with `envs` ([`spawn_self`]).
+pub fn spawn_many(n: usize, test_name: &str, envs: &[(&str, String)]) -> Vec<Child> {
+    (0..n).map(|_| spawn_self(test_name, envs)).collect()
+}
+
+/// Waits for each of `children` in turn, `timeout` each ([`wait_ok`]), and returns what
+/// they printed, in order.
+pub fn wait_all_ok(children: Vec<Child>, timeout: Duration) -> Vec<String> {
+    children.into_iter().map(|c| wait_ok(c, timeout)).collect()
+}
+
 /// True inside a child spawned by [`spawn_self`].
 ///
 /// Side effect in a child: starts (once) a watchdog thread that exits the

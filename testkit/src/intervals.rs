@@ -126,12 +126,10 @@ pub fn from_children(
     envs: &[(&str, String)],
     timeout: Duration,
 ) -> Vec<Interval> {
-    let children: Vec<_> = (0..procs)
-        .map(|_| child::spawn_self(test_name, envs))
-        .collect();
-    children
-        .into_iter()
-        .flat_map(|c| parse(&child::wait_ok(c, timeout)))
+    let children = child::spawn_many(procs, test_name, envs);
+    child::wait_all_ok(children, timeout)
+        .iter()
+        .flat_map(|out| parse(out))
         .collect()
 }
 
