@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Builder, Error, LockClient, LostReason, Stats, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::exists;
 use redbaton_testkit::keys::{Keys, fence_of, handoff_of};
 use redbaton_testkit::lock_builder;
@@ -308,9 +309,7 @@ const WAIT_BOUND: Duration = Duration::from_secs(2);
 /// the first section.
 #[test]
 fn child_contender() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("BT_URL");
     let name = child::env("BT_NAME");
     let threads: u64 = child::env("BT_THREADS").parse().unwrap();

@@ -8,6 +8,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{LockClient, Unlocked};
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
@@ -105,9 +106,7 @@ const NAMES: usize = 64;
 /// (read, pause, write: only exclusion keeps the count exact).
 #[test]
 fn child_cluster_worker() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let seeds: Vec<String> = child::env("C_SEEDS")
         .split(',')
         .map(str::to_owned)
@@ -526,9 +525,7 @@ fn a_master_replaced_then_lost_for_good() {
 /// parent frees them.
 #[test]
 fn child_idle_waiter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let seeds: Vec<String> = child::env("I_SEEDS")
         .split(',')
         .map(str::to_owned)

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::keys::{FENCE_STEP, Keys, fence_of, fences_issued};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
@@ -180,9 +181,7 @@ const PROC_SECTIONS: usize = 150;
 /// a GET + SET of `xcounter` and an RPUSH of its fencing token to `xtokens`.
 #[test]
 fn child_mutex_worker() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("CORE_URL");
     let threads: usize = child::env("CORE_THREADS").parse().expect("CORE_THREADS");
     let iters: usize = child::env("CORE_ITERS").parse().expect("CORE_ITERS");

@@ -6,6 +6,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::LockClient;
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::lock_client;
 use redbaton_testkit::server::RedisServer;
@@ -38,9 +39,7 @@ fn keys_left(srv: &RedisServer) -> Vec<String> {
 /// releases. Prints `got=0` if it timed out.
 #[test]
 fn child_waiter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = client(&child::env("F_URL"));
     let wait = ms(child::env("F_WAIT_MS").parse().expect("wait"));
     let hold = ms(child::env("F_HOLD_MS").parse().expect("hold"));
@@ -229,9 +228,7 @@ fn a_lost_grant_message_is_recovered_by_the_retry() {
 /// increment inside; prints the tokens in order.
 #[test]
 fn child_counter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("F_URL");
     let c = client(&url);
     let threads: usize = child::env("F_THREADS").parse().unwrap();
@@ -304,9 +301,7 @@ fn four_processes_four_threads_counter_exact() {
 /// monotonic clock, and whether it still held it a moment later.
 #[test]
 fn child_late_grantee() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = client(&child::env("F_URL"));
     println!("waiting");
     let g = c.try_lock_for("k", secs(20)).expect("child: lock");
@@ -429,9 +424,7 @@ fn a_queue_of_thousands_of_expired_entries_does_not_lock_the_name_out() {
 /// twice that unless refreshed), until killed.
 #[test]
 fn child_short_recheck_waiter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let recheck = ms(child::env("F_RECHECK_MS").parse().expect("recheck"));
     let c = lock_client!(
         node(child::env("F_URL")),

@@ -35,6 +35,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use redbaton::{Error, LockClient, LostReason, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::{mono_ns, wall_us};
 use redbaton_testkit::history::{self, History, Kind, Verdict, Violation};
 use redbaton_testkit::keys::{Keys, fence_of};
@@ -431,9 +432,7 @@ fn chaos_builder(url: &str) -> redbaton::Builder {
 /// Child entry point: `CHAOS_THREADS` threads contend until `CHAOS_END_AT_US`.
 #[test]
 fn chaos_child() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let lock_url = child::env("CHAOS_LOCK_URL");
     let store_url = child::env("CHAOS_STORE_URL");
     let end_at: u64 = child::env("CHAOS_END_AT_US").parse().unwrap();

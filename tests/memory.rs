@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use redbaton::{Builder, Error, LockClient};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::keys::{FENCE_STEP, Keys, fences_issued};
 use redbaton_testkit::logs;
 use redbaton_testkit::server::RedisServer;
@@ -180,9 +181,7 @@ fn fence_ttl_too_short_is_invalid() {
 /// Child of `crashed_waiting_writer_mark_is_dropped`: waits to write until killed.
 #[test]
 fn child_waiting_writer() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = marking_client(&child::env("REDIS_URL"));
     child::print_result(&[("waiting", "1".to_owned())]);
     let _ = c.rwlock("crash").try_write_for(secs(60));

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Builder, Error, LockClient, LockGuard, LostReason, Stats, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::keys::{Keys, fence_of};
 use redbaton_testkit::lock_builder;
 use redbaton_testkit::proxy::Proxy;
@@ -214,9 +215,7 @@ const COUNTER: &str = "rl-test:counter";
 /// line per thread: the counter values read, each with the token it was read under.
 #[test]
 fn child_counter_worker() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let nodes: Vec<String> = child::env("RL_NODES")
         .split(',')
         .map(str::to_owned)

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::intervals::{self, Recorder};
 use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
@@ -196,9 +197,7 @@ fn the_writer_waiting_longest_alone_is_woken() {
 /// A child of the exclusion test: `THREADS` threads, 80% reads, each section printed.
 #[test]
 fn child_mixed() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = client(&child::env("REDIS_URL"));
     let iters: usize = child::env("ITERS").parse().unwrap();
     let counter = child::env("COUNTER");
@@ -285,9 +284,7 @@ fn readers_share_and_writers_exclude_across_processes() {
 /// A child of the starvation test: 4 threads reading back to back until `STOP` is set.
 #[test]
 fn child_readers() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("REDIS_URL");
     let c = client(&url);
     let reads = Arc::new(AtomicU64::new(0));
@@ -324,9 +321,7 @@ fn child_readers() {
 /// A child of the starvation test: one write, timed.
 #[test]
 fn child_writer() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = client(&child::env("REDIS_URL"));
     let t = Instant::now();
     let w = c

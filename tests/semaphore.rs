@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::intervals::{self, Recorder};
 use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
@@ -56,9 +57,7 @@ fn permit_count_must_match_while_held() {
 /// A child of the bound test: 4 threads taking a permit over and over, sections printed.
 #[test]
 fn child_permits() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = sem_client(&child::env("REDIS_URL"));
     let iters: usize = child::env("ITERS").parse().unwrap();
     Recorder::new().run_threads_and_print(4, |held| {

@@ -8,6 +8,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::Unlocked;
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::lock_builder;
 use redbaton_testkit::sections::{Section, Worker};
@@ -50,9 +51,7 @@ fn smoke() {
 /// duration and the client's counters.
 #[test]
 fn child_failover_worker() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let urls: Vec<String> = child::env("S_URLS").split(',').map(str::to_owned).collect();
     let run_for = Duration::from_millis(child::env("S_RUN_MS").parse().expect("S_RUN_MS"));
     let lease = Duration::from_millis(child::env("S_LEASE_MS").parse().expect("lease"));

@@ -25,6 +25,7 @@ use parking_lot::RwLock;
 use redbaton::{LockClient, Stats, Unlocked, Wakeup};
 use redbaton_testkit::child;
 use redbaton_testkit::child::{field, result_with};
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::wall_us;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::lock_builder;
@@ -151,9 +152,7 @@ fn smoke() {
 /// parent sets `GO` (its waiter is then surely blocked), releases, and reports when.
 #[test]
 fn child_hold_until_go() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("URL");
     let c = client(&url).lease(secs(30)).build().expect("build");
     let guard = c.lock(child::env("NAME")).expect("lock");
@@ -225,9 +224,7 @@ fn waiter_wakes_on_release_by_another_process() {
 /// `FORGET` the guard is leaked, so nothing ever releases the key.
 #[test]
 fn child_hold_forever() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let lease = ms(child::env("LEASE_MS").parse().unwrap());
     let mut b = client(&child::env("URL")).lease(lease);
     if std::env::var("NO_RENEW").is_ok() {
@@ -470,9 +467,7 @@ fn idle_waiters(
 /// them to get the lock in turn and reports its counters.
 #[test]
 fn child_idle_waiters() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let n: usize = child::env("THREADS").parse().unwrap();
     let (c, waiters) = idle_waiters(&child::env("URL"), &child::env("NAME"), n);
     wait_for(secs(20), "the child's waiters to block", || {
@@ -683,9 +678,7 @@ fn no_notifications_server() -> RedisServer {
 /// counters, and how many warnings the library logged.
 #[test]
 fn child_fallback_waiter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     install_warn_counter();
     let c = client(&child::env("URL")).build().expect("build");
     let at_build = WARNINGS.load(Ordering::SeqCst);
@@ -763,9 +756,7 @@ const CHURN_SECTIONS: usize = 300;
 /// reports its longest single wait.
 #[test]
 fn child_churn() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("URL");
     let name = child::env("NAME");
     let counter = child::env("COUNTER");

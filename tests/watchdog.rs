@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, LostReason, Unlocked};
 use redbaton_testkit::child::{field, result_with};
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::lock_builder;
@@ -79,9 +80,7 @@ fn smoke() {
 /// often it failed and when (CLOCK_MONOTONIC ns).
 #[test]
 fn child_try_loop() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let client = client(&child::env("REDIS_URL"), Duration::from_secs(1));
     let name = child::env("LOCK_NAME");
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -299,9 +298,7 @@ fn server_restart_reports_the_lock_lost() {
 /// all later ones must fail.
 #[test]
 fn child_stopped_holder() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let client = client(&child::env("REDIS_URL"), Duration::from_secs(1));
     let guard = client.lock(child::env("LOCK_NAME")).expect("child lock");
     // The parent keeps us stopped for 1.3 s; no mere scheduling hiccup lasts a second.

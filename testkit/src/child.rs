@@ -67,6 +67,26 @@ pub fn spawn_self(test_name: &str, envs: &[(&str, String)]) -> Child {
         .unwrap_or_else(|e| panic!("spawn child for test {test_name}: {e}"))
 }
 
+/// The first line of a child entry point: outside a child spawned by [`spawn_self`] (a
+/// normal test run), the test returns at once and passes trivially.
+///
+/// ```ignore
+/// #[test]
+/// fn child_worker() {
+///     redbaton_testkit::child_only!();
+///     let url = child::env("REDIS_URL");
+///     // ...
+/// }
+/// ```
+#[macro_export]
+macro_rules! child_only {
+    () => {
+        if !$crate::child::is_child() {
+            return;
+        }
+    };
+}
+
 /// Starts `n` children of the entry point `test_name`, all with `envs` ([`spawn_self`]).
 pub fn spawn_many(n: usize, test_name: &str, envs: &[(&str, String)]) -> Vec<Child> {
     (0..n).map(|_| spawn_self(test_name, envs)).collect()
