@@ -805,8 +805,10 @@ impl Drop for Children {
     }
 }
 
-/// One critical section as its thread reported it (see `chaos_worker`).
-struct Section {
+/// One critical section of a chaos run as its thread reported it (see `chaos_worker`),
+/// with what the run's history tells of it: not the [`redbaton_testkit::sections::Section`]
+/// of the exclusion tests, since a chaos verdict needs the store's replies and the timings.
+struct ChaosSection {
     key: &'static str,
     token: u64,
     holder: String,
@@ -822,10 +824,10 @@ struct Section {
     unlock: String,
 }
 
-impl Section {
-    fn parse(key: &'static str, line: &str) -> Option<Section> {
+impl ChaosSection {
+    fn parse(key: &'static str, line: &str) -> Option<ChaosSection> {
         let f: Vec<&str> = line.split(' ').collect();
-        Some(Section {
+        Some(ChaosSection {
             key,
             token: f.first()?.parse().ok()?,
             holder: (*f.get(1)?).to_owned(),
@@ -1291,7 +1293,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     }
 
     // --- invariants ---
-    let mut sections: Vec<Section> = Vec::new();
+    let mut sections: Vec<ChaosSection> = Vec::new();
     for key in CHAOS_KEYS {
         let (_, accepted, reports) = store_keys(key);
         let lines: Vec<String> = redis::cmd("LRANGE")
@@ -1301,7 +1303,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             .query(&mut store)
             .unwrap();
         for l in lines {
-            match Section::parse(key, &l) {
+            match ChaosSection::parse(key, &l) {
                 Some(s) => sections.push(s),
                 None => violations.push(Violation::new(
                     Kind::Other,
@@ -1367,7 +1369,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     // overlap (per key and epoch). Sorted by start: a section overlaps the later ones
     // that start before it ends.
     for key in CHAOS_KEYS {
-        let mut valid: Vec<&Section> = sections
+        let mut valid: Vec<&ChaosSection> = sections
             .iter()
             .filter(|s| s.key == key && s.valid)
             .collect();
