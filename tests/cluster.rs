@@ -13,6 +13,7 @@ use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::sections::{Section, Worker};
+use redbaton_testkit::wait::join_all;
 use redbaton_testkit::{child, init_log, ms, secs};
 use redbaton_testkit::{lock_builder, lock_client};
 
@@ -342,9 +343,7 @@ fn waiters_follow_a_resharded_slot() {
     let got: Vec<Instant> = (0..n)
         .map(|_| rx.recv_timeout(WAIT).expect("every waiter acquires"))
         .collect();
-    for t in threads {
-        t.join().expect("waiter thread");
-    }
+    join_all(threads, "waiter thread");
     let last = got.iter().max().expect("some").duration_since(released);
     assert!(
         last < secs(5),
@@ -550,9 +549,7 @@ fn child_idle_waiter() {
             })
         })
         .collect();
-    for w in workers {
-        w.join().expect("waiter");
-    }
+    join_all(workers, "waiter");
     child::print_counters(&client.stats(), &[]);
 }
 

@@ -11,7 +11,7 @@ use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::lock_client;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::test_server;
-use redbaton_testkit::wait::wait_for;
+use redbaton_testkit::wait::{join_all, wait_for};
 use redbaton_testkit::{child, ms, secs};
 
 const QUEUE: &str = "redbaton:{k}:q";
@@ -259,9 +259,7 @@ fn child_counter() {
             })
         })
         .collect();
-    for w in workers {
-        w.join().expect("worker");
-    }
+    join_all(workers, "worker");
     child::print_counters(&c.stats(), &[]);
 }
 

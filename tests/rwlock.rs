@@ -17,6 +17,7 @@ use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::spin;
 use redbaton_testkit::test_server;
+use redbaton_testkit::wait::join_all;
 
 const PREFIX: &str = "rw:";
 
@@ -312,9 +313,7 @@ fn child_readers() {
             })
         })
         .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    join_all(handles, "handles");
     child::print_result(&[("reads", reads.load(SeqCst).to_string())]);
 }
 

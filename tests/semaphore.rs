@@ -12,6 +12,7 @@ use redbaton_testkit::intervals::{self, Recorder};
 use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::test_server;
+use redbaton_testkit::wait::join_all;
 
 const PREFIX: &str = "sem:";
 
@@ -180,9 +181,7 @@ fn local_waiters_take_turns_for_a_permit() {
         .collect();
     thread::sleep(ms(200));
     drop(first);
-    for d in done {
-        d.join().expect("waiter");
-    }
+    join_all(done, "waiter");
     let s = waiters.stats();
     let failed = s.failed_attempts - before.failed_attempts;
     eprintln!("failed attempts: {failed}; {s:?}");
