@@ -243,21 +243,32 @@ fn child_hold_forever() {
     }
 }
 
+/// Starts [`child_hold_forever`] on `srv` taking `name` with `lease` (and `flags`, e.g.
+/// `NO_RENEW`), and waits until it holds.
+fn spawn_holder(
+    srv: &RedisServer,
+    name: &str,
+    lease: Duration,
+    flags: &[(&str, String)],
+) -> std::process::Child {
+    let mut envs = vec![
+        ("URL", srv.url()),
+        ("NAME", name.to_owned()),
+        ("LEASE_MS", lease.as_millis().to_string()),
+    ];
+    envs.extend(flags.iter().cloned());
+    let mut holder = child::spawn_self("child_hold_forever", &envs);
+    child::wait_for_line(&mut holder, "acquired=1", secs(30));
+    holder
+}
+
 #[test]
 fn waiter_takes_over_from_killed_holder_within_lease() {
     let _light = HEAVY.read();
     let srv = RedisServer::start();
     let name = "killed-holder";
     let lease = secs(2);
-    let mut holder = child::spawn_self(
-        "child_hold_forever",
-        &[
-            ("URL", srv.url()),
-            ("NAME", name.into()),
-            ("LEASE_MS", lease.as_millis().to_string()),
-        ],
-    );
-    child::wait_for_line(&mut holder, "acquired=1", secs(30));
+    let mut holder = spawn_holder(&srv, name, lease, &[]);
     let c = client(&srv.url()).build().expect("build");
     let waiter = spawn_waiter(&c, name, Duration::ZERO);
     wait_for(secs(10), "the waiter to block", || {
@@ -380,17 +391,8 @@ fn leaked_unrenewed_lock_expires_and_wakes_waiter() {
     let srv = RedisServer::start();
     let name = "leaked";
     let lease = secs(1);
-    let mut holder = child::spawn_self(
-        "child_hold_forever",
-        &[
-            ("URL", srv.url()),
-            ("NAME", name.into()),
-            ("LEASE_MS", lease.as_millis().to_string()),
-            ("NO_RENEW", "1".into()),
-            ("FORGET", "1".into()),
-        ],
-    );
-    child::wait_for_line(&mut holder, "acquired=1", secs(30));
+    let flags = [("NO_RENEW", "1".into()), ("FORGET", "1".into())];
+    let holder = spawn_holder(&srv, name, lease, &flags);
     // The child acquired before it printed: the lease ends within `lease` from here.
     let seen = Instant::now();
     let c = client(&srv.url()).build().expect("build");
@@ -405,8 +407,7 @@ fn leaked_unrenewed_lock_expires_and_wakes_waiter() {
         "leaked 1 s lock: acquired {after:?} after the holder said it had it (event {}, lease {}); {s:?}",
         s.wakeups_event, s.wakeups_lease
     );
-    child::kill_child(&mut holder, libc::SIGKILL);
-    let _ = child::wait_output(holder, secs(10));
+    child::kill_and_reap(holder);
     assert!(
         after < lease + secs(1),
         "acquired {after:?}; bound lease + 1 s; {s:?}"
