@@ -1,9 +1,12 @@
 //! Critical sections as contenders saw them, and the check that matters after a fault:
 //! two sections of one name that overlapped in time, where neither holder was told.
 //!
-//! A child's threads note each section as a [`Section`] and print them as one field
-//! ([`Section::join`]); the parent reads them back with [`Section::parse_list`] and asks
-//! [`Section::unexplained`] for the overlaps nobody was told of.
+//! The section recorder of the exclusion tests: each thread of a child is a [`Worker`]
+//! ([`Worker::run_threads_and_print`]) that times its lock calls ([`Worker::call`]) and
+//! notes each section ([`Section::start`], then [`Opened::end`] with the holder's check
+//! and unlock). The parent reads the workers back ([`Worker::parse`]) and asks
+//! [`Section::unexplained`] for the overlaps nobody was told of. On the wire a worker's
+//! sections are one field ([`Section::join`], [`Section::parse_list`]).
 //!
 //! ```
 //! use redbaton_testkit::sections::Section;
