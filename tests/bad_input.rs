@@ -20,8 +20,11 @@ use std::time::{Duration, Instant};
 use redbaton::{Error, LockClient, MAX_NAME_LEN, Unlocked, Wakeup};
 use redbaton_testkit::exists;
 use redbaton_testkit::keys::{Keys, MAX_HANDOFFS};
+use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::wait::wait_until;
+use redbaton_testkit::{dead_url, test_server};
+use redbaton_testkit::{lock_builder, lock_client};
 
 /// The keys of a client with the default prefix.
 const KEYS: Keys = Keys::DEFAULT;
@@ -61,11 +64,12 @@ const MINIMAL_ACL: &str = "resetkeys ~redbaton:* resetchannels &redbaton:* &__ke
      +subscribe +unsubscribe +ping +client|setname";
 
 fn builder(srv: &RedisServer) -> redbaton::Builder {
-    LockClient::builder()
-        .node(srv.url())
-        .connect_timeout(ms(500))
-        .read_timeout(Duration::from_secs(2))
-        .write_timeout(Duration::from_secs(2))
+    lock_builder!(
+        node(srv.url()),
+        connect_timeout(ms(500)),
+        read_timeout(Duration::from_secs(2)),
+        write_timeout(Duration::from_secs(2))
+    )
 }
 
 fn client(srv: &RedisServer) -> LockClient {
@@ -75,12 +79,11 @@ fn client(srv: &RedisServer) -> LockClient {
 /// A client whose waiters can only be woken by an event: lease and re-check interval are
 /// far longer than the bounds the tests use.
 fn event_only_client(url: &str) -> LockClient {
-    LockClient::builder()
-        .node(url)
-        .lease(Duration::from_secs(60))
-        .recheck_interval(Duration::from_secs(60))
-        .build()
-        .expect("build")
+    lock_client!(
+        node(url),
+        lease(Duration::from_secs(60)),
+        recheck_interval(Duration::from_secs(60))
+    )
 }
 
 /// The error's message and its sources', as `anyhow`'s `{:#}` prints them: a message no
@@ -138,8 +141,7 @@ fn wake_latency(holder: &LockClient, waiter: LockClient, name: &[u8]) -> Duratio
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv);
     let g = c.lock("smoke").expect("lock");
     assert_eq!(srv.keys("redbaton:*").len(), 2, "lock key and its counter");
@@ -310,11 +312,7 @@ fn lease_outside_10ms_to_24h_is_invalid() {
 
     for lease in [ms(10), day] {
         // The default read timeout: a 10 ms lease refuses a chosen 2 s one.
-        let c = LockClient::builder()
-            .node(srv.url())
-            .lease(lease)
-            .build()
-            .unwrap_or_else(|e| panic!("lease {lease:?}: {e}"));
+        let c = lock_client!(node(srv.url()), lease(lease));
         drop(c);
     }
     // A 24 h lease really is 24 h in Redis.
@@ -426,7 +424,7 @@ fn redlock_needs_an_odd_number_of_nodes() {
             .map(|i| format!("redis://127.0.0.1:{}/", i + 1))
             .collect();
         let started = Instant::now();
-        assert_invalid_config(LockClient::builder().nodes(urls).build(), "odd");
+        assert_invalid_config(lock_builder!(nodes(urls)).build(), "odd");
         assert!(started.elapsed() < Duration::from_secs(1));
     }
 }
@@ -483,11 +481,8 @@ fn endless_wait_does_not_overflow() {
     let t = thread::spawn(move || b.try_lock_for("m", Duration::MAX).map(drop));
     thread::sleep(ms(300));
     drop(held);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !t.is_finished() {
-        assert!(Instant::now() < deadline, "the waiter never got the lock");
-        thread::sleep(ms(10));
-    }
+    let finished = wait_until(Duration::from_secs(10), || t.is_finished());
+    assert!(finished, "the waiter never got the lock");
     t.join().unwrap().expect("acquired after the release");
 }
 
@@ -506,8 +501,7 @@ fn invalid_urls_are_invalid_config() {
         "redis://127.0.0.1:6379/notadb",
     ] {
         let started = Instant::now();
-        let e = LockClient::builder()
-            .node(url)
+        let e = lock_builder!(node(url))
             .build()
             .expect_err(&format!("{url:?} must be refused"));
         assert!(matches!(e, Error::InvalidConfig(_)), "{url:?}: {e:?}");
@@ -548,8 +542,7 @@ fn wrong_password_is_a_typed_redis_error() {
         format!("redis://default:wr0ng@127.0.0.1:{port}/"),
         format!("redis://nosuchuser:wr0ng@127.0.0.1:{port}/"),
     ] {
-        let e = LockClient::builder()
-            .node(url.as_str())
+        let e = lock_builder!(node(url.as_str()))
             .build()
             .expect_err("wrong password");
         assert!(matches!(e, Error::Redis(_)), "{url}: {e:?}");
@@ -567,18 +560,12 @@ fn wrong_password_is_a_typed_redis_error() {
     }
     // No password at all: NOAUTH, a typed error from build() (see
     // `missing_password_is_refused_at_build`).
-    let e = LockClient::builder()
-        .node(srv.url())
-        .build()
-        .expect_err("NOAUTH");
+    let e = lock_builder!(node(srv.url())).build().expect_err("NOAUTH");
     assert!(matches!(e, Error::Redis(_)), "{e:?}");
     assert!(chain(&e).to_lowercase().contains("auth"), "{e}");
 
     // The right password works.
-    let c = LockClient::builder()
-        .node(srv.url_with_auth())
-        .build()
-        .expect("right password");
+    let c = lock_client!(node(srv.url_with_auth()));
     let g = c.lock("pw").expect("lock");
     assert_eq!(g.unlock().unwrap(), Unlocked::Released);
     assert!(!format!("{c:?}").contains("s3cret"), "{c:?}");
@@ -589,8 +576,7 @@ fn wrong_password_is_a_typed_redis_error() {
 #[test]
 fn missing_password_is_refused_at_build() {
     let srv = RedisServer::builder().password("s3cret").start();
-    let e = LockClient::builder()
-        .node(srv.url())
+    let e = lock_builder!(node(srv.url()))
         .build()
         .expect_err("the server requires a password: build() must say so");
     assert!(matches!(e, Error::Redis(_)), "{e:?}");
@@ -601,15 +587,8 @@ fn missing_password_is_refused_at_build() {
 
 #[test]
 fn server_down_at_build_is_a_connection_error() {
-    // A port nobody listens on.
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
     let started = Instant::now();
-    let e = LockClient::builder()
-        .node(format!("redis://127.0.0.1:{port}/"))
-        .connect_timeout(ms(500))
+    let e = lock_builder!(node(dead_url()), connect_timeout(ms(500)))
         .build()
         .expect_err("nothing listens");
     assert!(e.is_connection(), "{e:?}");
@@ -645,11 +624,8 @@ fn server_down_mid_run_is_a_connection_error() {
         assert!(!e.is_timeout(), "{what}: a connection error, not a timeout");
     }
     // Generous: four calls, each bounded by the connect timeout (0.5 s) and retries.
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "{:?}",
-        started.elapsed()
-    );
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(20), "{took:?}");
 }
 
 #[test]
@@ -694,11 +670,7 @@ fn exercise_acl_user(srv: &RedisServer) -> Duration {
     drop(g);
 
     // Renewals (compare-and-PEXPIRE) are allowed: a 300 ms lease survives 1 s.
-    let short = LockClient::builder()
-        .node(url.as_str())
-        .lease(ms(300))
-        .build()
-        .expect("build");
+    let short = lock_client!(node(url.as_str()), lease(ms(300)));
     let g = short.lock("acl-renew").expect("lock");
     thread::sleep(Duration::from_secs(1));
     g.check().expect("renewed under the ACL");
@@ -749,11 +721,7 @@ fn exercise_acl_user(srv: &RedisServer) -> Duration {
     assert_eq!(waiter.stats().reconnects, 0, "{:?}", waiter.stats());
 
     // A key outside the prefix is refused by the ACL, as a typed error.
-    let other = LockClient::builder()
-        .node(url.as_str())
-        .key_prefix("elsewhere:")
-        .build()
-        .expect("build");
+    let other = lock_client!(node(url.as_str()), key_prefix("elsewhere:"));
     let e = other.try_lock("acl").expect_err("outside ~redbaton:*");
     assert!(matches!(e, Error::Redis(_)) && !e.is_connection(), "{e:?}");
     assert!(chain(&e).to_lowercase().contains("perm"), "{e}");
@@ -768,13 +736,9 @@ fn acl_minimal_user_without_config() {
     // wakes the waiter.
     let latency = exercise_acl_user(&srv);
     eprintln!("minimal ACL (no CONFIG): waiter woken {latency:?} after the release");
-    let flags: Vec<String> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .query(&mut srv.conn())
-        .unwrap();
+    let flags = srv.config_get("notify-keyspace-events");
     assert_eq!(
-        flags[1], "",
+        flags, "",
         "the client could not (and did not) change the server"
     );
 }
@@ -784,13 +748,9 @@ fn acl_minimal_user_with_config() {
     let srv = acl_server(&format!("{MINIMAL_ACL} +config|get +config|set"));
     let latency = exercise_acl_user(&srv);
     eprintln!("minimal ACL + CONFIG: waiter woken {latency:?} after the release");
-    let flags: Vec<String> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .query(&mut srv.conn())
-        .unwrap();
+    let flags = srv.config_get("notify-keyspace-events");
     for c in ['K', 'g', '$', 'x', 'e'] {
-        assert!(flags[1].contains(c), "{flags:?}");
+        assert!(flags.contains(c), "{flags:?}");
     }
     // Woken by a keyspace event: the release did not publish on the library channel.
     assert!(srv.command_count("subscribe") > 0);
@@ -918,11 +878,8 @@ fn foreign_lock_without_ttl_is_held_not_an_error() {
     let started = Instant::now();
     let e = c.try_lock_for("ft", ms(300)).expect_err("held for ever");
     assert!(e.is_timeout(), "{e:?}");
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        started.elapsed()
-    );
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "{took:?}");
     let v: String = redis::cmd("GET")
         .arg(KEYS.lock_bytes(b"ft"))
         .query(&mut srv.conn())

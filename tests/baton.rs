@@ -15,25 +15,21 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Builder, Error, LockClient, LostReason, Stats, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::exists;
 use redbaton_testkit::keys::{Keys, fence_of, handoff_of};
+use redbaton_testkit::lock_builder;
+use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::spin;
+use redbaton_testkit::test_server;
 use redbaton_testkit::wait::join_within;
-use redbaton_testkit::{init_log, ms};
 
 const PREFIX: &str = "bt:";
 const KEYS: Keys = Keys::new(PREFIX);
 
 fn builder(url: &str) -> Builder {
-    LockClient::builder().node(url).key_prefix(PREFIX)
-}
-
-/// Busy-waits (a critical section that keeps its core, unlike a sleep).
-fn spin(d: Duration) {
-    let t = Instant::now();
-    while t.elapsed() < d {
-        std::hint::spin_loop();
-    }
+    lock_builder!(node(url), key_prefix(PREFIX))
 }
 
 fn random_section() -> Duration {
@@ -95,8 +91,7 @@ impl Shared {
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = builder(&srv.url()).build().expect("build");
     let guard = client.lock("smoke").expect("lock");
     assert_eq!(guard.name(), b"smoke");
@@ -314,9 +309,7 @@ const WAIT_BOUND: Duration = Duration::from_secs(2);
 /// the first section.
 #[test]
 fn child_contender() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("BT_URL");
     let name = child::env("BT_NAME");
     let threads: u64 = child::env("BT_THREADS").parse().unwrap();
@@ -390,30 +383,29 @@ fn child_contender() {
     let violations: u64 = results.iter().map(|r| r.2).sum();
     let sections = threads * per_thread;
     let s = client.stats();
-    child::print_result(&[
-        ("pid", std::process::id().to_string()),
-        ("sections", sections.to_string()),
-        ("max_wait_us", max_wait.as_micros().to_string()),
-        (
-            "mean_wait_us",
-            (total_wait.as_micros() / u128::from(sections)).to_string(),
-        ),
-        ("violations", violations.to_string()),
-        ("long_waits", long_waits.to_string()),
-        ("fences", fences.join(",")),
-        ("max_at", max_at.to_string()),
-        (
-            "wakeups",
-            format!(
-                "{}/{}/{}",
-                s.wakeups_event, s.wakeups_lease, s.wakeups_recheck
+    child::print_counters(
+        &s,
+        &[
+            ("pid", std::process::id().to_string()),
+            ("sections", sections.to_string()),
+            ("max_wait_us", max_wait.as_micros().to_string()),
+            (
+                "mean_wait_us",
+                (total_wait.as_micros() / u128::from(sections)).to_string(),
             ),
-        ),
-        ("remote", s.remote_acquisitions.to_string()),
-        ("local", s.local_handoffs.to_string()),
-        ("budget", s.budget_releases.to_string()),
-        ("commands", s.commands.to_string()),
-    ]);
+            ("violations", violations.to_string()),
+            ("long_waits", long_waits.to_string()),
+            ("fences", fences.join(",")),
+            ("max_at", max_at.to_string()),
+            (
+                "wakeups",
+                format!(
+                    "{}/{}/{}",
+                    s.wakeups_event, s.wakeups_lease, s.wakeups_recheck
+                ),
+            ),
+        ],
+    );
 }
 
 /// 4 processes × 4 threads on one key with the default budget (16 handoffs, 10 ms slice):
@@ -438,9 +430,7 @@ fn four_processes_share_one_key() {
         ("BT_TOKEN", "bt-last-token".to_string()),
         ("BT_GO", "bt-go".to_string()),
     ];
-    let mut children: Vec<_> = (0..PROCS)
-        .map(|_| child::spawn_self("child_contender", &envs))
-        .collect();
+    let mut children = child::spawn_many(PROCS, "child_contender", &envs);
     for c in &mut children {
         child::wait_for_line(c, "RESULT ready=", Duration::from_secs(60));
     }
@@ -451,10 +441,7 @@ fn four_processes_share_one_key() {
         .arg(1)
         .query(&mut conn)
         .unwrap();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| child::wait_ok(c, Duration::from_secs(120)))
-        .collect();
+    let outputs = child::wait_all_ok(children, Duration::from_secs(120));
     let elapsed = started.elapsed();
     let section = Duration::from_micros(100);
     let (h, s) = (16u32, ms(10));
@@ -508,9 +495,9 @@ fn four_processes_share_one_key() {
             num("mean_wait_us") as f64 / 1000.0,
             num("long_waits"),
             lost_in_a_row(p),
-            num("remote"),
-            num("local"),
-            num("budget"),
+            num("remote_acquisitions"),
+            num("local_handoffs"),
+            num("budget_releases"),
             num("commands"),
             r["wakeups"],
         );

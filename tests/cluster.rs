@@ -8,11 +8,14 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{LockClient, Unlocked};
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
-use redbaton_testkit::sections;
+use redbaton_testkit::sections::{Section, Worker};
+use redbaton_testkit::wait::join_all;
 use redbaton_testkit::{child, init_log, ms, secs};
+use redbaton_testkit::{lock_builder, lock_client};
 
 const KEYS: Keys = Keys::DEFAULT;
 /// Each call's own deadline; no call may return later than this plus [`MARGIN`].
@@ -20,11 +23,7 @@ const WAIT: Duration = Duration::from_secs(20);
 const MARGIN: Duration = Duration::from_secs(5);
 
 fn builder(seeds: Vec<String>) -> redbaton::Builder {
-    LockClient::builder()
-        .cluster(seeds)
-        .connect_timeout(ms(1000))
-        .read_timeout(ms(1000))
-        .write_timeout(ms(1000))
+    lock_builder!(cluster(seeds), io_timeouts(ms(1000)))
 }
 
 fn exists(cluster: &Cluster, key: &[u8]) -> bool {
@@ -101,34 +100,6 @@ fn every_key_of_a_lock_shares_a_slot() {
     }
 }
 
-/// One critical section as a child saw it.
-#[derive(Debug, Clone)]
-struct Section {
-    name: String,
-    start: u64,
-    end: u64,
-    token: u64,
-    /// The holder was told it did not hold the lock (`check()` error, or an unlock that
-    /// found the key gone or someone else's).
-    told: bool,
-}
-
-fn parse_sections(list: &str) -> Vec<Section> {
-    list.split(',')
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            let f: Vec<&str> = s.split(':').collect();
-            Section {
-                name: f[0].to_owned(),
-                start: f[1].parse().expect("start"),
-                end: f[2].parse().expect("end"),
-                token: f[3].parse().expect("token"),
-                told: f[4] == "1",
-            }
-        })
-        .collect()
-}
-
 const NAMES: usize = 64;
 
 /// Child: `C_THREADS` threads lock random names of `C_NAMES` until `C_RUN_MS` passed or
@@ -136,9 +107,7 @@ const NAMES: usize = 64;
 /// (read, pause, write: only exclusion keeps the count exact).
 #[test]
 fn child_cluster_worker() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let seeds: Vec<String> = child::env("C_SEEDS")
         .split(',')
         .map(str::to_owned)
@@ -151,78 +120,51 @@ fn child_cluster_worker() {
     let dir = std::env::var("C_DIR").ok();
     let client = builder(seeds).lease(lease).build().expect("child: build");
     let until = Instant::now() + run_for;
-    let workers: Vec<_> = (0..threads)
-        .map(|t| {
-            let (client, dir) = (client.clone(), dir.clone());
-            thread::spawn(move || {
-                let mut sections = Vec::new();
-                // Failed calls: timeouts, connection errors, anything else.
-                let mut errors = [0u64; 3];
-                let mut longest = Duration::ZERO;
-                let mut x = (std::process::id() as usize) * 31 + t * 7919;
-                while sections.len() < rounds && Instant::now() < until {
-                    x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-                    let name = format!("n{}", (x >> 33) % names);
-                    let called = Instant::now();
-                    let r = client.try_lock_for(&name, WAIT);
-                    longest = longest.max(called.elapsed());
-                    let guard = match r {
-                        Ok(g) => g,
-                        Err(e) => {
-                            eprintln!("child: {name}: {e:?}");
-                            let kind = if e.is_timeout() {
-                                0
-                            } else if e.is_connection() {
-                                1
-                            } else {
-                                2
-                            };
-                            errors[kind] += 1;
-                            thread::sleep(ms(20));
-                            continue;
-                        }
-                    };
-                    let start = mono_ns();
-                    if let Some(dir) = &dir {
-                        let path = format!("{dir}/{name}");
-                        let n: u64 = std::fs::read_to_string(&path)
-                            .map(|s| s.trim().parse().expect("count"))
-                            .unwrap_or(0);
-                        thread::sleep(ms(1));
-                        std::fs::write(&path, (n + 1).to_string()).expect("write count");
+    Worker::run_threads_and_print(threads, |t, worker| {
+        // Failed calls: timeouts, connection errors, anything else.
+        let mut errors = [0u64; 3];
+        let mut x = (std::process::id() as usize) * 31 + t * 7919;
+        while worker.sections.len() < rounds && Instant::now() < until {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            let name = format!("n{}", (x >> 33) % names);
+            let guard = match worker.call(|| client.try_lock_for(&name, WAIT)) {
+                Ok(g) => g,
+                Err(e) => {
+                    eprintln!("child: {name}: {e:?}");
+                    let kind = if e.is_timeout() {
+                        0
+                    } else if e.is_connection() {
+                        1
                     } else {
-                        thread::sleep(ms(3));
-                    }
-                    let lost_now = guard.check().is_err();
-                    let end = mono_ns();
-                    let token = guard.fencing_token();
-                    let told = lost_now
-                        || !matches!(guard.unlock(), Ok(Unlocked::Released | Unlocked::HandedOff));
-                    sections.push(format!("{name}:{start}:{end}:{token}:{}", u8::from(told)));
+                        2
+                    };
+                    errors[kind] += 1;
+                    thread::sleep(ms(20));
+                    continue;
                 }
-                (sections, errors, longest)
-            })
-        })
-        .collect();
-    for w in workers {
-        let (sections, errors, longest) = w.join().expect("worker");
-        child::print_result(&[
-            ("sections", sections.join(",")),
+            };
+            let section = Section::start(&name);
+            if let Some(dir) = &dir {
+                let path = format!("{dir}/{name}");
+                let n: u64 = std::fs::read_to_string(&path)
+                    .map(|s| s.trim().parse().expect("count"))
+                    .unwrap_or(0);
+                thread::sleep(ms(1));
+                std::fs::write(&path, (n + 1).to_string()).expect("write count");
+            } else {
+                thread::sleep(ms(3));
+            }
+            let (token, told) = (guard.fencing_token(), guard.check().is_err());
+            let release = || guard.unlock().is_ok_and(Unlocked::was_held);
+            worker.sections.push(section.end(token, told, release));
+        }
+        vec![
             ("timeouts", errors[0].to_string()),
             ("conn_errors", errors[1].to_string()),
             ("other_errors", errors[2].to_string()),
-            ("longest_ms", longest.as_millis().to_string()),
-        ]);
-    }
-    let s = client.stats();
-    child::print_result(&[
-        ("wake_event", s.wakeups_event.to_string()),
-        ("wake_lease", s.wakeups_lease.to_string()),
-        ("redirects", s.redirects.to_string()),
-        ("refreshes", s.slot_refreshes.to_string()),
-        ("failover_retries", s.failover_retries.to_string()),
-        ("lost", s.locks_lost.to_string()),
-    ]);
+        ]
+    });
+    child::print_counters(&client.stats(), &[]);
 }
 
 struct Run {
@@ -246,9 +188,7 @@ impl Run {
 }
 
 fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> Run {
-    let children: Vec<_> = (0..procs)
-        .map(|_| child::spawn_self("child_cluster_worker", envs))
-        .collect();
+    let children = child::spawn_many(procs, "child_cluster_worker", envs);
     fault();
     let mut run = Run {
         sections: Vec::new(),
@@ -261,12 +201,12 @@ fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> 
     for c in children {
         let out = child::wait_ok(c, Duration::from_secs(180));
         for r in child::parse_results(&out) {
-            if let Some(list) = r.get("sections") {
+            if let Some(worker) = Worker::parse(&r) {
                 run.threads += 1;
-                run.sections.extend(parse_sections(list));
-                let longest: u64 = r["longest_ms"].parse().expect("longest");
+                run.sections.extend(worker.sections);
+                let longest = worker.longest.as_millis();
                 assert!(
-                    Duration::from_millis(longest) <= WAIT + MARGIN,
+                    worker.longest <= WAIT + MARGIN,
                     "a call took {longest} ms, past its deadline"
                 );
                 let count = |k: &str| r[k].parse::<u64>().expect("a count");
@@ -284,11 +224,6 @@ fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> 
         }
     }
     run
-}
-
-/// Per name: pairs of sections that overlapped in time where neither holder was told.
-fn unexplained_overlaps(sections: &[Section]) -> Vec<(Section, Section)> {
-    sections::unexplained_overlaps(sections, |s| (&s.name, s.start, s.end, s.told))
 }
 
 /// 4 processes × 4 threads on 64 names over every master: the counters are exact and
@@ -408,9 +343,7 @@ fn waiters_follow_a_resharded_slot() {
     let got: Vec<Instant> = (0..n)
         .map(|_| rx.recv_timeout(WAIT).expect("every waiter acquires"))
         .collect();
-    for t in threads {
-        t.join().expect("waiter thread");
-    }
+    join_all(threads, "waiter thread");
     let last = got.iter().max().expect("some").duration_since(released);
     assert!(
         last < secs(5),
@@ -480,7 +413,7 @@ fn failover_under_load() {
         killed = Some((there, at, back));
     });
     assert_eq!(run.threads, 16, "every thread reported");
-    let bad = unexplained_overlaps(&run.sections);
+    let bad = Section::unexplained(&run.sections);
     assert!(bad.is_empty(), "overlaps nobody was told of: {bad:?}");
     let told = run.sections.iter().filter(|s| s.told).count();
     eprintln!(
@@ -563,11 +496,8 @@ fn a_master_replaced_then_lost_for_good() {
     let t = Instant::now();
     let e = client.try_lock(&names[1]).expect_err("nobody serves it");
     assert!(e.is_connection(), "{e:?}");
-    assert!(
-        t.elapsed() < secs(1),
-        "try_lock does not wait: {:?}",
-        t.elapsed()
-    );
+    let took = t.elapsed();
+    assert!(took < secs(1), "try_lock does not wait: {took:?}");
 
     let t = Instant::now();
     let e = client
@@ -586,20 +516,15 @@ fn a_master_replaced_then_lost_for_good() {
     assert!(held.is_lost(), "its lease ran out unrenewed");
     let t = Instant::now();
     assert!(held.unlock().is_err(), "nobody to release it");
-    assert!(
-        t.elapsed() < secs(3),
-        "no retries past the lease: {:?}",
-        t.elapsed()
-    );
+    let took = t.elapsed();
+    assert!(took < secs(3), "no retries past the lease: {took:?}");
 }
 
 /// Child: `I_THREADS` threads each wait for one of `I_NAMES` (held elsewhere) until the
 /// parent frees them.
 #[test]
 fn child_idle_waiter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let seeds: Vec<String> = child::env("I_SEEDS")
         .split(',')
         .map(str::to_owned)
@@ -624,14 +549,8 @@ fn child_idle_waiter() {
             })
         })
         .collect();
-    for w in workers {
-        w.join().expect("waiter");
-    }
-    let s = client.stats();
-    child::print_result(&[
-        ("wake_event", s.wakeups_event.to_string()),
-        ("wake_lease", s.wakeups_lease.to_string()),
-    ]);
+    join_all(workers, "waiter");
+    child::print_counters(&client.stats(), &[]);
 }
 
 /// 20 threads in 2 processes wait 3 s for names held elsewhere: the cluster sees almost
@@ -700,8 +619,8 @@ fn idle_waiters_cost_nothing() {
     for c in children {
         let out = child::wait_ok(c, secs(30));
         for r in child::parse_results(&out) {
-            assert_eq!(r["wake_lease"], "0", "{r:?}");
-            assert_eq!(r["wake_event"], "10", "{r:?}");
+            assert_eq!(r["wakeups_lease"], "0", "{r:?}");
+            assert_eq!(r["wakeups_event"], "10", "{r:?}");
         }
     }
 }
@@ -834,12 +753,11 @@ fn renewals_cover_every_slot_and_kind() {
 fn a_hung_master_delays_renewals_elsewhere_by_one_timeout_at_most() {
     init_log();
     let cluster = Cluster::start();
-    let client = LockClient::builder()
-        .cluster(cluster.seed_urls())
-        .lease(secs(3))
-        .read_timeout(secs(2))
-        .build()
-        .expect("build");
+    let client = lock_client!(
+        cluster(cluster.seed_urls()),
+        lease(secs(3)),
+        read_timeout(secs(2))
+    );
     let masters: Vec<u16> = cluster.masters().iter().map(|m| m.port()).collect();
     let name_on = |port: u16| {
         (0..)

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use redbaton::{Error, LockClient, Unlocked};
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::{init_log, ms, secs};
 
 const KEYS: Keys = Keys::DEFAULT;
@@ -25,11 +26,7 @@ const MARGIN: Duration = Duration::from_secs(10);
 const SETTLE: Duration = Duration::from_secs(2);
 
 fn builder(seeds: Vec<String>) -> redbaton::Builder {
-    LockClient::builder()
-        .cluster(seeds)
-        .connect_timeout(ms(1000))
-        .read_timeout(ms(1000))
-        .write_timeout(ms(1000))
+    lock_builder!(cluster(seeds), io_timeouts(ms(1000)))
 }
 
 /// Whether `key` exists on the master on `port`, asked the way that works on both sides

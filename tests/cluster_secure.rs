@@ -11,9 +11,10 @@ use std::sync::OnceLock;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{LockClient, Unlocked};
+use redbaton::Unlocked;
 use redbaton_testkit::cluster::{APP_ACL, Cluster};
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::logs;
 use redbaton_testkit::tls::Certs;
 use redbaton_testkit::{init_log, ms, secs};
@@ -39,13 +40,12 @@ fn cluster() -> &'static Cluster {
 /// and client certificate.
 fn builder(seed: &str) -> redbaton::Builder {
     let certs = cluster().certs().expect("a TLS cluster");
-    LockClient::builder()
-        .cluster([seed])
-        .tls_ca_cert(certs.ca_pem.clone())
-        .tls_client_identity(certs.client_cert_pem.clone(), certs.client_key_pem.clone())
-        .connect_timeout(ms(1000))
-        .read_timeout(ms(1000))
-        .write_timeout(ms(1000))
+    lock_builder!(
+        cluster([seed]),
+        tls_ca_cert(certs.ca_pem.clone()),
+        tls_client_identity(certs.client_cert_pem.clone(), certs.client_key_pem.clone()),
+        io_timeouts(ms(1000))
+    )
 }
 
 fn first_seed_as(user: &str, password: &str) -> String {
@@ -183,21 +183,23 @@ fn tls_settings_are_required() {
     init_log();
     let seed = first_seed_as(USER, PASSWORD);
     let certs = cluster().certs().expect("a TLS cluster");
-    let e = LockClient::builder()
-        .cluster([seed.as_str()])
-        .tls_ca_cert(certs.ca_pem.clone())
-        .connect_timeout(ms(1000))
-        .build()
-        .expect_err("no client certificate");
+    let e = lock_builder!(
+        cluster([seed.as_str()]),
+        tls_ca_cert(certs.ca_pem.clone()),
+        connect_timeout(ms(1000))
+    )
+    .build()
+    .expect_err("no client certificate");
     assert!(e.is_tls() || e.is_connection(), "{e:?}");
     let other = Certs::generate_named("another CA");
-    let e = LockClient::builder()
-        .cluster([seed.as_str()])
-        .tls_ca_cert(other.ca_pem.clone())
-        .tls_client_identity(certs.client_cert_pem.clone(), certs.client_key_pem.clone())
-        .connect_timeout(ms(1000))
-        .build()
-        .expect_err("an untrusted server");
+    let e = lock_builder!(
+        cluster([seed.as_str()]),
+        tls_ca_cert(other.ca_pem.clone()),
+        tls_client_identity(certs.client_cert_pem.clone(), certs.client_key_pem.clone()),
+        connect_timeout(ms(1000))
+    )
+    .build()
+    .expect_err("an untrusted server");
     assert!(e.is_tls(), "{e:?}");
 }
 
@@ -247,11 +249,8 @@ fn a_password_changed_on_one_master_fails_there_as_auth() {
         .try_lock_for(changed_name, secs(20))
         .expect_err("the password changed there");
     assert!(e.is_auth(), "{e:?}");
-    assert!(
-        started.elapsed() < LIVENESS,
-        "an auth error is not retried: {:?}",
-        started.elapsed()
-    );
+    let took = started.elapsed();
+    assert!(took < LIVENESS, "an auth error is not retried: {took:?}");
     for (name, port) in &names {
         if port != changed_port {
             client

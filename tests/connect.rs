@@ -10,13 +10,15 @@ use redbaton::LockClient;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::tls::{Certs, TlsServer, UnixServer};
 use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::{lock_builder, lock_client};
 
 fn tls_client(url: &str, certs: &Certs) -> redbaton::Result<LockClient> {
-    LockClient::builder()
-        .node(url)
-        .tls_ca_cert(certs.ca_pem.clone())
-        .connect_timeout(ms(2000))
-        .build()
+    lock_builder!(
+        node(url),
+        tls_ca_cert(certs.ca_pem.clone()),
+        connect_timeout(ms(2000))
+    )
+    .build()
 }
 
 #[test]
@@ -87,12 +89,11 @@ fn mutual_tls_works_with_a_client_identity_and_fails_clearly_without() {
     init_log();
     let certs = Certs::generate();
     let tls = TlsServer::start(&certs, true);
-    let client = LockClient::builder()
-        .node(tls.url())
-        .tls_ca_cert(certs.ca_pem.clone())
-        .tls_client_identity(certs.client_cert_pem.clone(), certs.client_key_pem.clone())
-        .build()
-        .expect("mutual TLS");
+    let client = lock_client!(
+        node(tls.url()),
+        tls_ca_cert(certs.ca_pem.clone()),
+        tls_client_identity(certs.client_cert_pem.clone(), certs.client_key_pem.clone())
+    );
     client.with_lock("m", || ()).expect("lock with mTLS");
     let e = tls_client(&tls.url(), &certs).expect_err("no client certificate");
     eprintln!("{e} / {e:?}");
@@ -122,11 +123,11 @@ fn acl_user_with_the_right_password_locks() {
         )
         .start();
     let url = server.url_as("locker", "s3cret-pw");
-    let client = LockClient::builder().node(&url).build().expect("ACL user");
+    let client = lock_client!(node(&url));
     client.with_lock("acl", || ()).expect("lock as ACL user");
     let debug = format!("{client:?}");
     assert!(!debug.contains("s3cret"), "{debug}");
-    let builder = format!("{:?}", LockClient::builder().node(&url));
+    let builder = format!("{:?}", lock_builder!(node(&url)));
     assert!(!builder.contains("s3cret"), "{builder}");
 }
 
@@ -135,8 +136,7 @@ fn a_wrong_password_is_an_auth_error_that_says_no_secret() {
     init_log();
     let server = RedisServer::builder().password("right-pw").start();
     let url = format!("redis://:wrong-pw@127.0.0.1:{}/", server.port());
-    let e = LockClient::builder()
-        .node(&url)
+    let e = lock_builder!(node(&url))
         .build()
         .expect_err("wrong password");
     assert!(e.is_auth(), "{e:?}");
@@ -145,10 +145,7 @@ fn a_wrong_password_is_an_auth_error_that_says_no_secret() {
     assert!(!text.contains("wrong-pw"), "{text}");
 
     let ok = format!("redis://:right-pw@127.0.0.1:{}/", server.port());
-    let client = LockClient::builder()
-        .node(&ok)
-        .build()
-        .expect("right password");
+    let client = lock_client!(node(&ok));
     client.with_lock("pw", || ()).expect("lock");
 }
 
@@ -166,15 +163,9 @@ fn an_unreachable_server_is_not_an_auth_error() {
 fn unix_socket() {
     init_log();
     let server = UnixServer::start();
-    let client = LockClient::builder()
-        .node(server.url())
-        .build()
-        .expect("unix socket");
+    let client = lock_client!(node(server.url()));
     let holder = client.lock("u").expect("lock");
-    let c2 = LockClient::builder()
-        .node(server.url())
-        .build()
-        .expect("second");
+    let c2 = lock_client!(node(server.url()));
     let t = thread::spawn(move || c2.try_lock_for("u", Duration::from_secs(20)).map(drop));
     thread::sleep(ms(200));
     holder.unlock().expect("unlock");

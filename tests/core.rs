@@ -11,11 +11,14 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::keys::{FENCE_STEP, Keys, fence_of, fences_issued};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{join_within, wait_until};
+use redbaton_testkit::{dead_url, test_server};
 use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::{lock_builder, lock_client};
 use redbaton_testkit::{pttl, raw_conn};
 use redis::Connection;
 
@@ -26,10 +29,7 @@ const KEYS: Keys = Keys::DEFAULT;
 
 /// A client on `url` with the defaults.
 fn client(url: &str) -> LockClient {
-    LockClient::builder()
-        .node(url)
-        .build()
-        .unwrap_or_else(|e| panic!("build client on {url}: {e}"))
+    lock_client!(node(url))
 }
 
 /// Every key on the server that is not a fencing counter.
@@ -64,18 +64,11 @@ fn assert_strictly_increasing(tokens: &[u64], what: &str) {
     }
 }
 
-/// A port with nothing listening on it (bound, then released).
-fn dead_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("local_addr").port()
-}
-
 // --- smoke -------------------------------------------------------------------
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url());
     let guard = client.lock("smoke").expect("lock");
     assert_eq!(guard.name(), b"smoke");
@@ -95,14 +88,9 @@ const SECTIONS: usize = 200;
 /// own raw connection: the counter ends exact, and the fencing tokens seen inside the
 /// sections, in the order the sections ran, strictly increase.
 fn mutual_exclusion(local_handoff: bool) {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let url = srv.url();
-    let client = LockClient::builder()
-        .node(&url)
-        .local_handoff(local_handoff)
-        .build()
-        .expect("build");
+    let client = lock_client!(node(&url), local_handoff(local_handoff));
     let name = b"counter-lock";
     let counter = b"counter".to_vec();
     let tokens = Arc::new(Mutex::new(Vec::with_capacity(THREADS * SECTIONS)));
@@ -193,9 +181,7 @@ const PROC_SECTIONS: usize = 150;
 /// a GET + SET of `xcounter` and an RPUSH of its fencing token to `xtokens`.
 #[test]
 fn child_mutex_worker() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("CORE_URL");
     let threads: usize = child::env("CORE_THREADS").parse().expect("CORE_THREADS");
     let iters: usize = child::env("CORE_ITERS").parse().expect("CORE_ITERS");
@@ -239,38 +225,24 @@ fn child_mutex_worker() {
     for seen in &per_thread {
         assert_strictly_increasing(seen, "one thread");
     }
-    let s = client.stats();
-    child::print_result(&[
-        (
-            "sections",
-            per_thread.iter().map(Vec::len).sum::<usize>().to_string(),
-        ),
-        ("remote", s.remote_acquisitions.to_string()),
-        ("handoffs", s.local_handoffs.to_string()),
-        ("budget_releases", s.budget_releases.to_string()),
-        ("failed_attempts", s.failed_attempts.to_string()),
-        ("commands", s.commands.to_string()),
-    ]);
+    let sections = per_thread.iter().map(Vec::len).sum::<usize>();
+    child::print_counters(&client.stats(), &[("sections", sections.to_string())]);
 }
 
 #[test]
 fn mutual_exclusion_across_processes() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let url = srv.url();
     let started = Instant::now();
-    let children: Vec<_> = (0..PROCS)
-        .map(|_| {
-            child::spawn_self(
-                "child_mutex_worker",
-                &[
-                    ("CORE_URL", url.clone()),
-                    ("CORE_THREADS", PROC_THREADS.to_string()),
-                    ("CORE_ITERS", PROC_SECTIONS.to_string()),
-                ],
-            )
-        })
-        .collect();
+    let children = child::spawn_many(
+        PROCS,
+        "child_mutex_worker",
+        &[
+            ("CORE_URL", url.clone()),
+            ("CORE_THREADS", PROC_THREADS.to_string()),
+            ("CORE_ITERS", PROC_SECTIONS.to_string()),
+        ],
+    );
     let mut conn = srv.conn();
     let ready = wait_until(Duration::from_secs(60), || {
         get_u64(&mut conn, b"xready") == Some(PROCS as u64)
@@ -286,10 +258,7 @@ fn mutual_exclusion_across_processes() {
     }
     set_u64(&mut conn, b"xgo", 1);
     let go = Instant::now();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| child::wait_ok(c, Duration::from_secs(150)))
-        .collect();
+    let outputs = child::wait_all_ok(children, Duration::from_secs(150));
     eprintln!(
         "across processes: {} sections in {:?} (after start barrier; {:?} total)",
         PROCS * PROC_THREADS * PROC_SECTIONS,
@@ -309,7 +278,7 @@ fn mutual_exclusion_across_processes() {
             (PROC_THREADS * PROC_SECTIONS).to_string(),
             "{r:?}"
         );
-        remote_sum += r["remote"].parse::<u64>().expect("remote");
+        remote_sum += r["remote_acquisitions"].parse::<u64>().expect("remote");
     }
     assert_eq!(
         get_u64(&mut conn, b"xcounter"),
@@ -347,8 +316,7 @@ fn mutual_exclusion_across_processes() {
 
 #[test]
 fn panic_in_with_lock_releases() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let a = client(&srv.url());
     let b = client(&srv.url());
     let name = "panicky";
@@ -460,8 +428,7 @@ fn panic_in_with_lock_releases() {
 
 #[test]
 fn try_lock_on_a_held_key() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let a = client(&srv.url());
     let b = client(&srv.url());
     let name = b"busy";
@@ -536,14 +503,9 @@ fn try_lock_on_a_held_key() {
 
 #[test]
 fn lost_acquire_reply_is_retried_idempotently() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = Proxy::start(srv.addr());
-    let client = LockClient::builder()
-        .node(proxy.url())
-        .read_timeout(Duration::from_secs(5))
-        .build()
-        .expect("build through the proxy");
+    let client = lock_client!(node(proxy.url()), read_timeout(Duration::from_secs(5)));
     // Warm up: scripts loaded, pool connected, on another name.
     let g = client.lock("warm-up").expect("warm-up lock");
     assert_eq!(g.unlock().unwrap(), Unlocked::Released);
@@ -592,15 +554,9 @@ fn lost_acquire_reply_is_retried_idempotently() {
 
 #[test]
 fn unlock_after_the_lease_expired() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let lease = ms(150);
-    let a = LockClient::builder()
-        .node(srv.url())
-        .lease(lease)
-        .auto_renew(false)
-        .build()
-        .expect("build");
+    let a = lock_client!(node(srv.url()), lease(lease), auto_renew(false));
     let g = a.lock("brief").expect("lock");
     assert!(g.valid_until() <= Instant::now() + lease);
     thread::sleep(lease * 2 + ms(50));
@@ -616,15 +572,9 @@ fn unlock_after_the_lease_expired() {
 
 #[test]
 fn unlock_after_another_client_took_the_key() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let lease = ms(150);
-    let a = LockClient::builder()
-        .node(srv.url())
-        .lease(lease)
-        .auto_renew(false)
-        .build()
-        .expect("build");
+    let a = lock_client!(node(srv.url()), lease(lease), auto_renew(false));
     let b = client(&srv.url());
     let name = b"contested";
     let mut conn = srv.conn();
@@ -652,11 +602,8 @@ fn unlock_after_another_client_took_the_key() {
 
 #[test]
 fn zero_lease_is_invalid_and_touches_nothing() {
-    init_log();
-    let srv = RedisServer::start();
-    let err = LockClient::builder()
-        .node(srv.url())
-        .lease(Duration::ZERO)
+    let srv = test_server();
+    let err = lock_builder!(node(srv.url()), lease(Duration::ZERO))
         .build()
         .expect_err("zero lease");
     assert!(err.is_invalid_input(), "{err:?}");
@@ -674,8 +621,7 @@ fn zero_lease_is_invalid_and_touches_nothing() {
 fn unparsable_url_is_invalid() {
     init_log();
     for url in ["definitely not a url", "http://127.0.0.1:6379/", ""] {
-        let err = LockClient::builder()
-            .node(url)
+        let err = lock_builder!(node(url))
             .build()
             .expect_err("bad url must not build");
         assert!(err.is_invalid_input(), "{url:?}: {err:?}");
@@ -686,11 +632,10 @@ fn unparsable_url_is_invalid() {
 #[test]
 fn unreachable_server_is_a_connection_error() {
     init_log();
-    let port = dead_port();
     let connect_timeout = ms(500);
     let t0 = Instant::now();
     let err = LockClient::builder()
-        .node(format!("redis://127.0.0.1:{port}/"))
+        .node(dead_url())
         .connect_timeout(connect_timeout)
         .build()
         .expect_err("nothing listens there");
@@ -711,19 +656,19 @@ fn unreachable_server_is_a_connection_error() {
 
 #[test]
 fn blackholed_server_is_a_connection_error() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = Proxy::start(srv.addr());
     proxy.blackhole(true);
     let (connect, read) = (ms(300), ms(300));
     let t0 = Instant::now();
-    let err = LockClient::builder()
-        .node(proxy.url())
-        .connect_timeout(connect)
-        .read_timeout(read)
-        .write_timeout(read)
-        .build()
-        .expect_err("nothing answers");
+    let err = lock_builder!(
+        node(proxy.url()),
+        connect_timeout(connect),
+        read_timeout(read),
+        write_timeout(read)
+    )
+    .build()
+    .expect_err("nothing answers");
     let took = t0.elapsed();
     eprintln!("blackholed server reported in {took:?}: {err}");
     assert!(err.is_connection(), "{err:?}");
@@ -737,8 +682,7 @@ fn blackholed_server_is_a_connection_error() {
 
 #[test]
 fn bad_names_are_invalid_and_touch_nothing() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url());
     srv.reset_stats();
     let long = vec![b'n'; redbaton::MAX_NAME_LEN + 1];
@@ -785,12 +729,9 @@ fn bad_names_are_invalid_and_touch_nothing() {
 
 #[test]
 fn connections_stay_within_the_pool_bound() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let pool = 4;
-    let client = LockClient::builder()
-        .node(srv.url())
-        .pool_size(pool)
+    let client = lock_builder!(node(srv.url()), pool_size(pool))
         // 64 threads share 4 connections on 2 busy cores: waiting for one is not a failure.
         .connect_timeout(Duration::from_secs(10))
         .build()
@@ -842,14 +783,9 @@ fn connections_stay_within_the_pool_bound() {
 
 #[test]
 fn same_thread_twice_would_deadlock() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     for handoff in [true, false] {
-        let client = LockClient::builder()
-            .node(srv.url())
-            .local_handoff(handoff)
-            .build()
-            .expect("build");
+        let client = lock_client!(node(srv.url()), local_handoff(handoff));
         let g = client.lock("mine").expect("lock");
         let t0 = Instant::now();
         let err = client
@@ -882,8 +818,7 @@ fn same_thread_twice_would_deadlock() {
 
 #[test]
 fn with_lock_returns_the_closures_value() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url());
     let seen = client
         .with_lock("value", || {
@@ -898,8 +833,7 @@ fn with_lock_returns_the_closures_value() {
 
 #[test]
 fn try_lock_until_a_past_deadline_makes_one_attempt() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let a = client(&srv.url());
     let b = client(&srv.url());
     // Free: one attempt is enough.
@@ -927,8 +861,7 @@ fn try_lock_until_a_past_deadline_makes_one_attempt() {
 
 #[test]
 fn stats_count_a_remote_acquisition() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url());
     let before = client.stats();
     let g = client.lock("counted").expect("lock");
@@ -945,8 +878,7 @@ fn stats_count_a_remote_acquisition() {
 
 #[test]
 fn dropping_the_guard_releases() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let a = client(&srv.url());
     let b = client(&srv.url());
     {
@@ -961,8 +893,7 @@ fn dropping_the_guard_releases() {
 
 #[test]
 fn binary_names_map_to_exact_keys() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url());
     let mut conn = srv.conn();
     let names: [&[u8]; 4] = [
@@ -991,13 +922,9 @@ fn binary_names_map_to_exact_keys() {
 /// it) while the lease was still valid, so the lock was ours until this call.
 #[test]
 fn lost_release_reply_still_reports_released() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = Proxy::start(srv.addr());
-    let client = LockClient::builder()
-        .node(proxy.url())
-        .build()
-        .expect("build through the proxy");
+    let client = lock_client!(node(proxy.url()));
     let g = client.lock("warm-up").expect("warm-up lock");
     assert_eq!(g.unlock().unwrap(), Unlocked::Released);
 

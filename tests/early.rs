@@ -10,6 +10,7 @@ use std::thread;
 use crossbeam_channel::Receiver;
 use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::keys::{fence_of, fences_issued};
+use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::secs;
@@ -17,12 +18,7 @@ use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
 
 fn client(url: &str) -> LockClient {
-    LockClient::builder()
-        .node(url)
-        .lease(secs(30))
-        .fair(false)
-        .build()
-        .expect("build")
+    lock_client!(node(url), lease(secs(30)), fair(false))
 }
 
 /// A thread of `c` waiting in `lock(name)`; reports the fence it got, after unlocking.
@@ -169,12 +165,7 @@ fn timed_out_waiter_leaves_no_armed_attempt() {
 fn many_contenders_one_armed() {
     let srv = RedisServer::start();
     let holder = client(&srv.url());
-    let waiter = LockClient::builder()
-        .node(srv.url())
-        .lease(secs(30))
-        .local_handoff(false)
-        .build()
-        .expect("build");
+    let waiter = lock_client!(node(srv.url()), lease(secs(30)), local_handoff(false));
     let guard = holder.lock("many").expect("holder lock");
     let waiters: Vec<_> = (0..6).map(|_| spawn_waiter(&waiter, "many")).collect();
     wait_for(secs(10), "every waiter to block", || {

@@ -11,7 +11,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::{Builder, Error, LockClient, Wakeup};
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
+use redbaton_testkit::wait::wait_until;
 use redbaton_testkit::{init_log, ms};
 
 const PREFIX: &str = "edges:";
@@ -54,10 +57,11 @@ fn check<T>(what: &str, expect: Expect, run: impl FnOnce() -> Result<T, Error>) 
 }
 
 fn builder(srv: &RedisServer) -> Builder {
-    LockClient::builder()
-        .node(srv.url())
-        .key_prefix(PREFIX)
-        .connect_timeout(Duration::from_secs(2))
+    lock_builder!(
+        node(srv.url()),
+        key_prefix(PREFIX),
+        connect_timeout(Duration::from_secs(2))
+    )
 }
 
 /// The latest `Instant` the platform can represent, about.
@@ -71,8 +75,7 @@ fn far_future() -> Instant {
 
 #[test]
 fn every_builder_setting_at_its_edges() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = builder(&srv).build().unwrap();
     type Set = fn(Builder, Duration) -> Builder;
     let settings: [(&str, Set); 9] = [
@@ -125,8 +128,7 @@ fn every_builder_setting_at_its_edges() {
 
 #[test]
 fn every_method_taking_a_duration_or_instant_at_its_edges() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = builder(&srv).build().unwrap();
     let other = builder(&srv).build().unwrap();
     let far = far_future();
@@ -176,14 +178,8 @@ fn every_method_taking_a_duration_or_instant_at_its_edges() {
         let t = thread::spawn(move || catch_unwind(AssertUnwindSafe(|| wait(&c, far))));
         thread::sleep(ms(300));
         drop(held);
-        let until = Instant::now() + Duration::from_secs(10);
-        while !t.is_finished() {
-            assert!(
-                Instant::now() < until,
-                "{what}: never woke after the release"
-            );
-            thread::sleep(ms(10));
-        }
+        let finished = wait_until(Duration::from_secs(10), || t.is_finished());
+        assert!(finished, "{what}: never woke after the release");
         t.join()
             .unwrap()
             .unwrap_or_else(|_| panic!("{what}: panicked"))

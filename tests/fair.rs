@@ -6,19 +6,18 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::LockClient;
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::lock_client;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{child, init_log, ms, secs};
+use redbaton_testkit::test_server;
+use redbaton_testkit::wait::{join_all, wait_for};
+use redbaton_testkit::{child, ms, secs};
 
 const QUEUE: &str = "redbaton:{k}:q";
 
 fn client(url: &str) -> LockClient {
-    LockClient::builder()
-        .node(url)
-        .lease(secs(30))
-        .build()
-        .expect("build")
+    lock_client!(node(url), lease(secs(30)))
 }
 
 fn queued(srv: &RedisServer) -> usize {
@@ -40,9 +39,7 @@ fn keys_left(srv: &RedisServer) -> Vec<String> {
 /// releases. Prints `got=0` if it timed out.
 #[test]
 fn child_waiter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = client(&child::env("F_URL"));
     let wait = ms(child::env("F_WAIT_MS").parse().expect("wait"));
     let hold = ms(child::env("F_HOLD_MS").parse().expect("hold"));
@@ -88,8 +85,7 @@ fn queue_waiter(srv: &RedisServer, wait_ms: u64, hold_ms: u64) -> std::process::
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let waiter = queue_waiter(&srv, 20_000, 0);
@@ -108,8 +104,7 @@ fn smoke() {
 /// Processes get their turns in the order they queued.
 #[test]
 fn turns_follow_the_queue_order() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let children: Vec<_> = (0..4).map(|_| queue_waiter(&srv, 30_000, 50)).collect();
@@ -132,8 +127,7 @@ fn turns_follow_the_queue_order() {
 /// A queued process killed before its turn: the others go on within the grant lease.
 #[test]
 fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let mut dead = queue_waiter(&srv, 30_000, 0);
@@ -153,8 +147,7 @@ fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
 /// A queued process stopped past the bound: the others go on; it resumes and finishes.
 #[test]
 fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let mut stopped = queue_waiter(&srv, 30_000, 0);
@@ -180,8 +173,7 @@ fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {
 /// or passes it on; the next waiter gets the lock promptly, and nothing is left behind.
 #[test]
 fn a_waiter_timing_out_as_it_is_granted_passes_the_lock_on() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     for offset_ms in [-20i64, -5, 0, 5, 20] {
         let guard = holder.lock("k").expect("lock");
@@ -207,8 +199,7 @@ fn a_waiter_timing_out_as_it_is_granted_passes_the_lock_on() {
 /// message is lost, and the grantee's retry finds its own token in the key.
 #[test]
 fn a_lost_grant_message_is_recovered_by_the_retry() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let guard = holder.lock("k").expect("lock");
     let waiter = queue_waiter(&srv, 30_000, 0);
@@ -237,9 +228,7 @@ fn a_lost_grant_message_is_recovered_by_the_retry() {
 /// increment inside; prints the tokens in order.
 #[test]
 fn child_counter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("F_URL");
     let c = client(&url);
     let threads: usize = child::env("F_THREADS").parse().unwrap();
@@ -270,39 +259,28 @@ fn child_counter() {
             })
         })
         .collect();
-    for w in workers {
-        w.join().expect("worker");
-    }
-    let s = c.stats();
-    child::print_result(&[
-        ("grants", s.grants_received.to_string()),
-        ("passed", s.grants_passed.to_string()),
-        ("remote", s.remote_acquisitions.to_string()),
-    ]);
+    join_all(workers, "worker");
+    child::print_counters(&c.stats(), &[]);
 }
 
 #[test]
 fn four_processes_four_threads_counter_exact() {
-    init_log();
-    let srv = RedisServer::start();
-    let children: Vec<_> = (0..4)
-        .map(|_| {
-            child::spawn_self(
-                "child_counter",
-                &[
-                    ("F_URL", srv.url()),
-                    ("F_THREADS", "4".to_owned()),
-                    ("F_ITERS", "40".to_owned()),
-                ],
-            )
-        })
-        .collect();
+    let srv = test_server();
+    let children = child::spawn_many(
+        4,
+        "child_counter",
+        &[
+            ("F_URL", srv.url()),
+            ("F_THREADS", "4".to_owned()),
+            ("F_ITERS", "40".to_owned()),
+        ],
+    );
     let mut grants = 0u64;
     for c in children {
         let out = child::wait_ok(c, secs(120));
-        let r = child::result_with(&out, "grants");
+        let r = child::result_with(&out, "grants_received");
         eprintln!("child: {r:?}");
-        grants += r["grants"].parse::<u64>().unwrap();
+        grants += r["grants_received"].parse::<u64>().unwrap();
     }
     let n: u64 = redis::cmd("GET")
         .arg("counter")
@@ -321,9 +299,7 @@ fn four_processes_four_threads_counter_exact() {
 /// monotonic clock, and whether it still held it a moment later.
 #[test]
 fn child_late_grantee() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = client(&child::env("F_URL"));
     println!("waiting");
     let g = c.try_lock_for("k", secs(20)).expect("child: lock");
@@ -343,8 +319,7 @@ fn child_late_grantee() {
 /// after that holder lets go.
 #[test]
 fn a_grant_heard_too_late_is_not_a_lock() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
     let holder = client(&srv.url());
     let g = holder.lock("k").expect("lock");
@@ -399,8 +374,7 @@ fn fill_expired(srv: &RedisServer, n: usize) {
 /// few calls, and the queue's keys carry a TTL so that an abandoned queue disappears.
 #[test]
 fn a_queue_of_thousands_of_expired_entries_does_not_lock_the_name_out() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     fill_expired(&srv, 10_000);
     let c = client(&srv.url());
     for round in 0..3 {
@@ -448,16 +422,13 @@ fn a_queue_of_thousands_of_expired_entries_does_not_lock_the_name_out() {
 /// twice that unless refreshed), until killed.
 #[test]
 fn child_short_recheck_waiter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let recheck = ms(child::env("F_RECHECK_MS").parse().expect("recheck"));
-    let c = LockClient::builder()
-        .node(child::env("F_URL"))
-        .lease(secs(30))
-        .recheck_interval(recheck)
-        .build()
-        .expect("build");
+    let c = lock_client!(
+        node(child::env("F_URL")),
+        lease(secs(30)),
+        recheck_interval(recheck)
+    );
     let _ = c.try_lock_for("k", secs(60));
 }
 
@@ -472,8 +443,7 @@ fn pttl(srv: &RedisServer, key: &str) -> i64 {
 /// every enqueue keeps the queue's keys for the entry's TTL plus a margin.
 #[test]
 fn an_abandoned_queue_expires() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let _guard = holder.lock("k").expect("lock");
     let mut waiter = child::spawn_self(
@@ -497,8 +467,7 @@ fn an_abandoned_queue_expires() {
 /// as a Redis error carrying the server's own message, not a generic failure.
 #[test]
 fn a_failing_queue_script_reports_the_servers_message() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let mut conn = srv.conn();
     redis::cmd("ZADD")
         .arg(QUEUE)
@@ -526,15 +495,9 @@ fn a_failing_queue_script_reports_the_servers_message() {
 /// lease (30 s) would have freed it.
 #[test]
 fn a_try_lock_whose_replies_are_lost_leaves_no_orphan_lock() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
-    let fragile = LockClient::builder()
-        .node(proxy.url())
-        .lease(secs(30))
-        .read_timeout(ms(200))
-        .build()
-        .expect("build through the proxy");
+    let fragile = lock_client!(node(proxy.url()), lease(secs(30)), read_timeout(ms(200)));
     // Scripts loaded, the pool connected.
     fragile
         .try_lock("warm-up")
@@ -562,8 +525,7 @@ fn a_try_lock_whose_replies_are_lost_leaves_no_orphan_lock() {
 /// should be, so the outcome says so, not "held by another owner".
 #[test]
 fn a_granting_release_whose_reply_is_lost_reports_released() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = redbaton_testkit::proxy::Proxy::start(srv.addr());
     let holder = client(&proxy.url());
     holder

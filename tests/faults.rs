@@ -35,6 +35,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use redbaton::{Error, LockClient, LostReason, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::{mono_ns, wall_us};
 use redbaton_testkit::history::{self, History, Kind, Verdict, Violation};
 use redbaton_testkit::keys::{Keys, fence_of};
@@ -42,8 +43,10 @@ use redbaton_testkit::leftover::{self, KeyPolicy};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::stalls::{StallWatch, Stalls};
-use redbaton_testkit::wait::eventually;
+use redbaton_testkit::wait::{eventually, wait_until};
+use redbaton_testkit::{dead_url, test_server};
 use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::{lock_builder, lock_client};
 
 /// Short leases so that every fault resolves within about a second.
 const LEASE: Duration = Duration::from_secs(1);
@@ -52,13 +55,12 @@ const RENEW: Duration = Duration::from_millis(300);
 const NET: Duration = Duration::from_millis(300);
 
 fn fast_builder(url: &str) -> redbaton::Builder {
-    LockClient::builder()
-        .node(url)
-        .lease(LEASE)
-        .renew_interval(RENEW)
-        .connect_timeout(NET)
-        .read_timeout(NET)
-        .write_timeout(NET)
+    lock_builder!(
+        node(url),
+        lease(LEASE),
+        renew_interval(RENEW),
+        io_timeouts(NET)
+    )
 }
 
 fn fast_client(url: &str) -> LockClient {
@@ -67,8 +69,7 @@ fn fast_client(url: &str) -> LockClient {
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = fast_client(&srv.url());
     let g = c.lock("smoke").expect("lock");
     assert!(!g.is_lost());
@@ -108,11 +109,8 @@ fn server_killed_mid_hold_then_recovers() {
         .expect_err("server down");
         assert!(e.is_connection(), "{what}: {e:?}");
         assert!(matches!(e, Error::Redis(_)), "{what}: {e:?}");
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "{what}: {:?}",
-            started.elapsed()
-        );
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(5), "{what}: {took:?}");
     }
 
     srv.restart();
@@ -138,14 +136,8 @@ fn server_killed_mid_hold_then_recovers() {
 
 #[test]
 fn server_down_at_build_is_a_connection_error() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
     let started = Instant::now();
-    let e = fast_builder(&format!("redis://127.0.0.1:{port}/"))
-        .build()
-        .expect_err("refused");
+    let e = fast_builder(&dead_url()).build().expect_err("refused");
     assert!(e.is_connection(), "{e:?}");
     assert!(started.elapsed() < Duration::from_secs(3));
 
@@ -164,11 +156,7 @@ fn server_down_at_build_is_a_connection_error() {
 #[test]
 fn server_stopped_mid_run_is_a_connection_error_not_a_hang() {
     let srv = RedisServer::start();
-    let holder = LockClient::builder()
-        .node(srv.url())
-        .lease(Duration::from_secs(30))
-        .build()
-        .unwrap();
+    let holder = lock_client!(node(srv.url()), lease(Duration::from_secs(30)));
     let c = fast_client(&srv.url());
     let g = holder.lock("k").unwrap();
     // A waiter blocked in lock() (no deadline) when the server goes away.
@@ -184,14 +172,8 @@ fn server_stopped_mid_run_is_a_connection_error_not_a_hang() {
     srv.stop();
     let stopped = Instant::now();
     let (r, at) = {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while !waiter.is_finished() {
-            assert!(
-                Instant::now() < deadline,
-                "lock() hangs with the server down"
-            );
-            thread::sleep(ms(20));
-        }
+        let finished = wait_until(Duration::from_secs(15), || waiter.is_finished());
+        assert!(finished, "lock() hangs with the server down");
         waiter.join().unwrap()
     };
     let e = r.expect_err("server down");
@@ -203,11 +185,8 @@ fn server_stopped_mid_run_is_a_connection_error_not_a_hang() {
     let started = Instant::now();
     let e = c.lock("x").map(drop).expect_err("down");
     assert!(e.is_connection(), "{e:?}");
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        started.elapsed()
-    );
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "{took:?}");
 }
 
 #[test]
@@ -257,12 +236,11 @@ fn wake_latency(holder: &LockClient, waiter: LockClient, name: &str) -> Duration
 fn waiters_still_woken_after_a_server_restart() {
     let srv = RedisServer::start();
     let event_only = || {
-        LockClient::builder()
-            .node(srv.url())
-            .lease(Duration::from_secs(60))
-            .recheck_interval(Duration::from_secs(60))
-            .build()
-            .unwrap()
+        lock_client!(
+            node(srv.url()),
+            lease(Duration::from_secs(60)),
+            recheck_interval(Duration::from_secs(60))
+        )
     };
     let (holder, waiter) = (event_only(), event_only());
     let before = wake_latency(&holder, waiter.clone(), "r");
@@ -288,12 +266,7 @@ fn every_client_renews_its_locks() {
             .map(|i| {
                 let url = url.clone();
                 s.spawn(move || {
-                    let c = LockClient::builder()
-                        .node(url)
-                        .lease(ms(300))
-                        .renew_interval(ms(100))
-                        .build()
-                        .unwrap();
+                    let c = lock_client!(node(url), lease(ms(300)), renew_interval(ms(100)));
                     let g = c.lock(format!("w{i}")).unwrap();
                     thread::sleep(ms(800));
                     (g.is_lost(), c.stats().renewals_sent)
@@ -461,9 +434,7 @@ fn chaos_builder(url: &str) -> redbaton::Builder {
 /// Child entry point: `CHAOS_THREADS` threads contend until `CHAOS_END_AT_US`.
 #[test]
 fn chaos_child() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let lock_url = child::env("CHAOS_LOCK_URL");
     let store_url = child::env("CHAOS_STORE_URL");
     let end_at: u64 = child::env("CHAOS_END_AT_US").parse().unwrap();
@@ -836,8 +807,10 @@ impl Drop for Children {
     }
 }
 
-/// One critical section as its thread reported it (see `chaos_worker`).
-struct Section {
+/// One critical section of a chaos run as its thread reported it (see `chaos_worker`),
+/// with what the run's history tells of it: not the [`redbaton_testkit::sections::Section`]
+/// of the exclusion tests, since a chaos verdict needs the store's replies and the timings.
+struct ChaosSection {
     key: &'static str,
     token: u64,
     holder: String,
@@ -853,10 +826,10 @@ struct Section {
     unlock: String,
 }
 
-impl Section {
-    fn parse(key: &'static str, line: &str) -> Option<Section> {
+impl ChaosSection {
+    fn parse(key: &'static str, line: &str) -> Option<ChaosSection> {
         let f: Vec<&str> = line.split(' ').collect();
-        Some(Section {
+        Some(ChaosSection {
             key,
             token: f.first()?.parse().ok()?,
             holder: (*f.get(1)?).to_owned(),
@@ -1336,7 +1309,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     }
 
     // --- invariants ---
-    let mut sections: Vec<Section> = Vec::new();
+    let mut sections: Vec<ChaosSection> = Vec::new();
     for key in CHAOS_KEYS {
         let (_, accepted, reports) = store_keys(key);
         let lines: Vec<String> = redis::cmd("LRANGE")
@@ -1346,7 +1319,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             .query(&mut store)
             .unwrap();
         for l in lines {
-            match Section::parse(key, &l) {
+            match ChaosSection::parse(key, &l) {
                 Some(s) => sections.push(s),
                 None => violations.push(Violation::new(
                     Kind::Other,
@@ -1412,7 +1385,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     // overlap (per key and epoch). Sorted by start: a section overlaps the later ones
     // that start before it ends.
     for key in CHAOS_KEYS {
-        let mut valid: Vec<&Section> = sections
+        let mut valid: Vec<&ChaosSection> = sections
             .iter()
             .filter(|s| s.key == key && s.valid)
             .collect();

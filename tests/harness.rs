@@ -7,9 +7,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
+use redbaton_testkit::ms;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer, StatsReset};
-use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::test_server;
 use redis::Connection;
 
 fn ping(conn: &mut Connection) -> redis::RedisResult<String> {
@@ -47,8 +49,7 @@ fn process_exists(pid: u32) -> bool {
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let mut conn = srv.conn();
     assert_eq!(ping(&mut conn).unwrap(), "PONG");
     assert_eq!(srv.url(), format!("redis://127.0.0.1:{}/", srv.port()));
@@ -460,9 +461,7 @@ fn proxy_to_dead_target_closes_client() {
 /// Child entry point: passes trivially in a normal run.
 #[test]
 fn child_echo() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let mut conn = redis::Client::open(child::env("HARNESS_URL"))
         .unwrap()
         .get_connection()
@@ -474,9 +473,7 @@ fn child_echo() {
 /// Child entry point that announces itself and then hangs until killed.
 #[test]
 fn child_sleeper() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     child::print_result(&[("ready", std::process::id().to_string())]);
     thread::sleep(Duration::from_secs(60));
 }
@@ -484,9 +481,7 @@ fn child_sleeper() {
 /// Child entry point: starts a server, says which, and hangs until killed.
 #[test]
 fn child_server_owner() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let srv = RedisServer::start();
     child::print_result(&[
         ("pid", srv.pid().to_string()),
@@ -535,9 +530,7 @@ fn server_dies_with_a_killed_test_process() {
 /// Child entry point: starts a server with no redis-server on PATH.
 #[test]
 fn child_without_redis() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let _srv = RedisServer::start();
 }
 

@@ -11,8 +11,10 @@ use std::time::{Duration, Instant};
 
 use redbaton::LockClient;
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
 use redbaton_testkit::{init_log, ms, pttl, raw_conn, secs};
 
 const PREFIX: &str = "lt:";
@@ -21,11 +23,12 @@ const KEYS: Keys = Keys::new(PREFIX);
 /// A client's settings: `url`, `lease`, and a short read timeout, so that a delayed reply
 /// is a lost one.
 fn builder(url: &str, lease: Duration) -> redbaton::Builder {
-    LockClient::builder()
-        .node(url)
-        .key_prefix(PREFIX)
-        .lease(lease)
-        .read_timeout(ms(300))
+    lock_builder!(
+        node(url),
+        key_prefix(PREFIX),
+        lease(lease),
+        read_timeout(ms(300))
+    )
 }
 
 fn client(url: &str, lease: Duration) -> LockClient {
@@ -77,8 +80,7 @@ fn take_within(other: &LockClient, name: &str, within: Duration) -> Option<redba
 /// holder's `check()` fails.
 #[test]
 fn extend_with_a_lost_reply_keeps_no_old_validity() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = Proxy::start(srv.addr());
     // Without renewals: the short lease is left to end (a renewal would keep it).
     let a = builder(&proxy.url(), secs(30))
@@ -126,8 +128,7 @@ fn extend_with_a_lost_reply_keeps_no_old_validity() {
 /// validity the extend gave the holder.
 #[test]
 fn a_late_renewal_cannot_undo_a_newer_extend() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = Proxy::start(srv.addr());
     let lease = secs(3);
     let a = builder(&proxy.url(), lease)
@@ -165,8 +166,7 @@ fn a_late_renewal_cannot_undo_a_newer_extend() {
 /// back and tries again within the caller's deadline.
 #[test]
 fn a_guard_is_never_born_dead() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let a = builder(&srv.url(), secs(1))
         .read_timeout(ms(900))
         .build()
@@ -199,8 +199,7 @@ fn a_guard_is_never_born_dead() {
 /// waits for could come after the lease it grants ended. The error names both settings.
 #[test]
 fn build_refuses_a_lease_the_read_timeout_can_eat() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     for (lease, read) in [(secs(1), secs(2)), (secs(1), secs(1)), (ms(600), ms(595))] {
         let err = builder(&srv.url(), lease)
             .read_timeout(read)
@@ -272,8 +271,7 @@ fn late_acquire_attempt(fair: bool) {
 /// without).
 #[test]
 fn the_lease_record_goes_with_the_lock() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let mut conn = srv.conn();
     for fair in [true, false] {
         let a = builder(&srv.url(), secs(30))

@@ -11,11 +11,14 @@ use std::time::Duration;
 
 use redbaton::{Builder, Error, LockClient};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::keys::{FENCE_STEP, Keys, fences_issued};
 use redbaton_testkit::logs;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
 use redbaton_testkit::wait::{join_within, wait_for};
 use redbaton_testkit::{init_log, ms, secs};
+use redbaton_testkit::{lock_builder, lock_client};
 
 const PREFIX: &str = "mem:";
 const KEYS: Keys = Keys::new(PREFIX);
@@ -25,7 +28,7 @@ const FENCE_TTL: Duration = Duration::from_millis(1500);
 
 /// A client of `url` whose idle counters expire after [`FENCE_TTL`].
 fn short_fence(url: &str) -> Builder {
-    with_short_fence(LockClient::builder().node(url))
+    with_short_fence(lock_builder!(node(url)))
 }
 
 /// `b`, with idle counters expiring after [`FENCE_TTL`].
@@ -92,8 +95,7 @@ fn ten_thousand_names_leave_o1_keys() {
 /// for the fair queue's script and the plain one.
 #[test]
 fn tokens_increase_across_counter_expiry_and_eviction() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let mut conn = srv.conn();
     for fair in [true, false] {
         let c = short_fence(&srv.url()).fair(fair).build().expect("client");
@@ -119,8 +121,7 @@ fn tokens_increase_across_counter_expiry_and_eviction() {
 /// one, since a fence is never below the server's clock.
 #[test]
 fn tokens_increase_when_the_counter_comes_back_stale() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let mut conn = srv.conn();
     for fair in [true, false] {
         let c = short_fence(&srv.url()).fair(fair).build().expect("client");
@@ -140,8 +141,7 @@ fn tokens_increase_when_the_counter_comes_back_stale() {
 /// write's when the counter is gone, and the next write's is above it.
 #[test]
 fn rwlock_tokens_increase_across_counter_eviction() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let mut conn = srv.conn();
     let c = short_fence(&srv.url()).build().expect("client");
     let rw = c.rwlock("rw");
@@ -163,17 +163,14 @@ fn fence_ttl_too_short_is_invalid() {
     for (what, b) in [
         (
             "under 1 s",
-            LockClient::builder().lease(ms(100)).fence_ttl(ms(999)),
+            lock_builder!(lease(ms(100)), fence_ttl(ms(999))),
         ),
-        (
-            "under twice the lease",
-            LockClient::builder().fence_ttl(secs(59)),
-        ),
+        ("under twice the lease", lock_builder!(fence_ttl(secs(59)))),
         (
             "under four read timeouts",
-            LockClient::builder().lease(ms(100)).fence_ttl(secs(7)),
+            lock_builder!(lease(ms(100)), fence_ttl(secs(7))),
         ),
-        ("zero", LockClient::builder().fence_ttl(Duration::ZERO)),
+        ("zero", lock_builder!(fence_ttl(Duration::ZERO))),
     ] {
         let e = b.build().expect_err(what);
         assert!(matches!(e, Error::InvalidConfig(_)), "{what}: {e:?}");
@@ -184,9 +181,7 @@ fn fence_ttl_too_short_is_invalid() {
 /// Child of `crashed_waiting_writer_mark_is_dropped`: waits to write until killed.
 #[test]
 fn child_waiting_writer() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = marking_client(&child::env("REDIS_URL"));
     child::print_result(&[("waiting", "1".to_owned())]);
     let _ = c.rwlock("crash").try_write_for(secs(60));
@@ -194,12 +189,7 @@ fn child_waiting_writer() {
 
 /// Waiting writers re-mark at least every 200 ms; a mark lives 400 ms.
 fn marking_client(url: &str) -> LockClient {
-    LockClient::builder()
-        .node(url)
-        .key_prefix(PREFIX)
-        .recheck_interval(ms(200))
-        .build()
-        .expect("client")
+    lock_client!(node(url), key_prefix(PREFIX), recheck_interval(ms(200)))
 }
 
 fn writers(conn: &mut redis::Connection) -> Vec<String> {
@@ -215,8 +205,7 @@ fn writers(conn: &mut redis::Connection) -> Vec<String> {
 /// set lives on, refreshed by another writer that keeps waiting.
 #[test]
 fn crashed_waiting_writer_mark_is_dropped() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let mut conn = srv.conn();
     let holder = marking_client(&srv.url());
     let held = holder.rwlock("crash").try_write().expect("free");
@@ -265,10 +254,7 @@ fn eviction_policy_that_can_evict_lock_keys_warns_at_build() {
             .config("maxmemory", maxmemory)
             .config("maxmemory-policy", policy)
             .start();
-        let c = LockClient::builder()
-            .node(srv.url())
-            .build()
-            .expect("client");
+        let c = lock_client!(node(srv.url()));
         let node = format!(":{}/", srv.port());
         let warned: Vec<String> = logs::lines(log::Level::Warn, &node)
             .into_iter()
@@ -291,8 +277,7 @@ fn eviction_policy_that_can_evict_lock_keys_warns_at_build() {
 /// the message, the fence right after the holder's, without waiting for a re-check.
 #[test]
 fn a_grant_carries_the_whole_fence() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = short_fence(&srv.url()).build().expect("client");
     let waiter = Arc::new(
         short_fence(&srv.url())
@@ -340,7 +325,7 @@ fn redlock_raised_counters_expire() {
     init_log();
     let servers = redbaton_testkit::server::start_many(3);
     let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
-    let c = with_short_fence(LockClient::builder().nodes(urls))
+    let c = with_short_fence(lock_builder!(nodes(urls)))
         .build()
         .expect("redlock client");
     // The first round creates the nodes' counters at their clocks, some µs apart, and

@@ -9,10 +9,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::LockClient;
+use redbaton_testkit::lock_client;
+use redbaton_testkit::ms;
 use redbaton_testkit::proxy::Proxy;
-use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::test_server;
 
 const PREFIX: &str = "part:";
 const WAITERS: usize = 200;
@@ -35,20 +35,16 @@ fn library_threads() -> usize {
 
 #[test]
 fn partition_keeps_library_threads_bounded() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let proxy = Proxy::start(srv.addr());
     let lease = Duration::from_secs(2);
-    let client = LockClient::builder()
-        .node(proxy.url())
-        .key_prefix(PREFIX)
-        .lease(lease)
-        .connect_timeout(ms(300))
-        .read_timeout(ms(300))
-        .write_timeout(ms(300))
-        .pool_size(WAITERS + 16)
-        .build()
-        .unwrap();
+    let client = lock_client!(
+        node(proxy.url()),
+        key_prefix(PREFIX),
+        lease(lease),
+        io_timeouts(ms(300)),
+        pool_size(WAITERS + 16)
+    );
 
     let most = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));

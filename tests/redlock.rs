@@ -25,7 +25,9 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Builder, Error, LockClient, LockGuard, LostReason, Stats, Unlocked};
 use redbaton_testkit::child;
+use redbaton_testkit::child_only;
 use redbaton_testkit::keys::{Keys, fence_of};
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer};
 use redbaton_testkit::wait::wait_until;
@@ -44,9 +46,7 @@ fn urls(servers: &[RedisServer]) -> Vec<String> {
 }
 
 fn builder(urls: &[String]) -> Builder {
-    LockClient::builder()
-        .nodes(urls.iter().cloned())
-        .key_prefix(PREFIX)
+    lock_builder!(nodes(urls.iter().cloned()), key_prefix(PREFIX))
 }
 
 /// A builder whose per-node operations fail within `FAST` when a node stops answering.
@@ -55,6 +55,18 @@ fn fast_builder(urls: &[String]) -> Builder {
         .connect_timeout(FAST)
         .read_timeout(FAST)
         .write_timeout(FAST)
+}
+
+/// A client built from `b`, warmed up: every node has the scripts loaded and a pooled
+/// connection, so that a fault injected next meets a client in its steady state.
+fn warmed_up(b: Builder) -> LockClient {
+    let client = b.build().expect("build");
+    client
+        .lock("k")
+        .expect("warm-up lock")
+        .unlock()
+        .expect("warm-up unlock");
+    client
 }
 
 /// The lock keys (not fence counters) on a reachable server.
@@ -203,9 +215,7 @@ const COUNTER: &str = "rl-test:counter";
 /// line per thread: the counter values read, each with the token it was read under.
 #[test]
 fn child_counter_worker() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let nodes: Vec<String> = child::env("RL_NODES")
         .split(',')
         .map(str::to_owned)
@@ -254,15 +264,7 @@ fn child_counter_worker() {
         let pairs: Vec<String> = seen.iter().map(|(v, t)| format!("{v}:{t}")).collect();
         child::print_result(&[("pairs", pairs.join(","))]);
     }
-    let s = client.stats();
-    child::print_result(&[
-        ("remote", s.remote_acquisitions.to_string()),
-        ("handoffs", s.local_handoffs.to_string()),
-        ("failed", s.failed_attempts.to_string()),
-        ("commands", s.commands.to_string()),
-        ("wake_event", s.wakeups_event.to_string()),
-        ("wake_lease", s.wakeups_lease.to_string()),
-    ]);
+    child::print_counters(&client.stats(), &[]);
 }
 
 #[test]
@@ -271,23 +273,17 @@ fn mutual_exclusion_across_processes_on_five_nodes() {
     let counter = servers.pop().expect("6 servers");
     let nodes = urls(&servers).join(",");
     let started = Instant::now();
-    let children: Vec<_> = (0..PROCS)
-        .map(|_| {
-            child::spawn_self(
-                "child_counter_worker",
-                &[
-                    ("RL_NODES", nodes.clone()),
-                    ("RL_COUNTER", counter.url()),
-                    ("RL_THREADS", THREADS.to_string()),
-                    ("RL_ITERS", ITERS.to_string()),
-                ],
-            )
-        })
-        .collect();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| child::wait_ok(c, Duration::from_secs(120)))
-        .collect();
+    let children = child::spawn_many(
+        PROCS,
+        "child_counter_worker",
+        &[
+            ("RL_NODES", nodes.clone()),
+            ("RL_COUNTER", counter.url()),
+            ("RL_THREADS", THREADS.to_string()),
+            ("RL_ITERS", ITERS.to_string()),
+        ],
+    );
+    let outputs = child::wait_all_ok(children, Duration::from_secs(120));
     let took = started.elapsed();
 
     let total = PROCS * THREADS * ITERS;
@@ -355,16 +351,7 @@ fn mutual_exclusion_across_processes_on_five_nodes() {
 fn minority_down_locks_still_acquired_and_released() {
     let servers = server::start_many(5);
     let lease = Duration::from_secs(3);
-    let client = fast_builder(&urls(&servers))
-        .lease(lease)
-        .build()
-        .expect("build");
-    // Warm up: every node has the scripts loaded and a pooled connection.
-    client
-        .lock("k")
-        .expect("warm-up lock")
-        .unlock()
-        .expect("warm-up unlock");
+    let client = warmed_up(fast_builder(&urls(&servers)).lease(lease));
 
     servers[4].kill();
     let resume = pause_all([&servers[3]]);
@@ -433,15 +420,7 @@ fn minority_down_locks_still_acquired_and_released() {
 fn majority_paused_gives_no_quorum_and_leaves_nothing() {
     let servers = server::start_many(5);
     let lease = Duration::from_secs(3);
-    let client = fast_builder(&urls(&servers))
-        .lease(lease)
-        .build()
-        .expect("build");
-    client
-        .lock("k")
-        .expect("warm-up lock")
-        .unlock()
-        .expect("warm-up unlock");
+    let client = warmed_up(fast_builder(&urls(&servers)).lease(lease));
 
     let resume = pause_all(&servers[2..]);
     let wait = Duration::from_secs(2);
@@ -516,12 +495,7 @@ fn majority_paused_gives_no_quorum_and_leaves_nothing() {
 #[test]
 fn majority_killed_gives_no_quorum_quickly() {
     let servers = server::start_many(5);
-    let client = fast_builder(&urls(&servers)).build().expect("build");
-    client
-        .lock("k")
-        .expect("warm-up lock")
-        .unlock()
-        .expect("warm-up unlock");
+    let client = warmed_up(fast_builder(&urls(&servers)));
     for s in &servers[2..] {
         s.kill();
     }
@@ -572,12 +546,7 @@ fn slow_node_does_not_hold_up_acquisition() {
     let mut nodes = urls(&servers[..4]);
     nodes.push(proxy.url());
     let lease = Duration::from_secs(3);
-    let client = fast_builder(&nodes).lease(lease).build().expect("build");
-    client
-        .lock("k")
-        .expect("warm-up lock")
-        .unlock()
-        .expect("warm-up unlock");
+    let client = warmed_up(fast_builder(&nodes).lease(lease));
 
     let delay = Duration::from_secs(5);
     proxy.set_delay(delay);
@@ -875,11 +844,8 @@ fn wait_behind_holder(servers: &[RedisServer], hold: Duration) -> (Duration, Sta
     });
     thread::sleep(hold);
     assert_eq!(guard.unlock().expect("holder: unlock"), Unlocked::Released);
-    let deadline = Instant::now() + hold + SLACK;
-    while !waiter.is_finished() {
-        assert!(Instant::now() < deadline, "waiter never got the lock");
-        thread::sleep(ms(10));
-    }
+    let finished = wait_until(hold + SLACK, || waiter.is_finished());
+    assert!(finished, "waiter never got the lock");
     waiter.join().expect("waiter panicked")
 }
 

@@ -3,7 +3,9 @@
 use std::time::{Duration, Instant};
 
 use redbaton::LockClient;
+use redbaton_testkit::lock_client;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
 use redbaton_testkit::{init_log, ms};
 
 fn with_replica() -> (RedisServer, RedisServer) {
@@ -16,11 +18,7 @@ fn with_replica() -> (RedisServer, RedisServer) {
 fn smoke() {
     init_log();
     let (master, replica) = with_replica();
-    let client = LockClient::builder()
-        .node(master.url())
-        .replica_ack(1, ms(500))
-        .build()
-        .expect("build");
+    let client = lock_client!(node(master.url()), replica_ack(1, ms(500)));
     let guard = client.lock("k").expect("acknowledged lock");
     // The replica has it: it was acknowledged before the guard was returned.
     let on_replica: bool = redis::cmd("EXISTS")
@@ -33,13 +31,8 @@ fn smoke() {
 
 #[test]
 fn without_enough_replicas_the_call_fails_with_the_count_and_leaves_nothing() {
-    init_log();
-    let server = RedisServer::start();
-    let client = LockClient::builder()
-        .node(server.url())
-        .replica_ack(1, ms(50))
-        .build()
-        .expect("build");
+    let server = test_server();
+    let client = lock_client!(node(server.url()), replica_ack(1, ms(50)));
     let e = client.try_lock("k").expect_err("no replica to acknowledge");
     assert!(e.is_replica_ack(), "{e:?}");
     assert!(
@@ -71,11 +64,7 @@ fn without_enough_replicas_the_call_fails_with_the_count_and_leaves_nothing() {
 fn a_paused_replica_makes_acquisitions_fail_until_it_is_back() {
     init_log();
     let (master, replica) = with_replica();
-    let client = LockClient::builder()
-        .node(master.url())
-        .replica_ack(1, ms(100))
-        .build()
-        .expect("build");
+    let client = lock_client!(node(master.url()), replica_ack(1, ms(100)));
     replica.pause();
     let e = client
         .try_lock_for("k", ms(500))

@@ -8,61 +8,26 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{Builder, LockClient, Unlocked};
+use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::child;
-use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::child_only;
+use redbaton_testkit::intervals::{self, Recorder};
+use redbaton_testkit::lock_client;
+use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::spin;
+use redbaton_testkit::test_server;
+use redbaton_testkit::wait::join_all;
 
 const PREFIX: &str = "rw:";
 
-fn builder(url: &str) -> Builder {
-    LockClient::builder().node(url).key_prefix(PREFIX)
-}
-
 fn client(url: &str) -> LockClient {
-    builder(url).build().expect("client")
-}
-
-fn spin(d: Duration) {
-    let t = Instant::now();
-    while t.elapsed() < d {
-        std::hint::spin_loop();
-    }
-}
-
-/// One critical section: its mode, its process and its interval in the system-wide
-/// monotonic clock (ns).
-#[derive(Debug, Clone, Copy)]
-struct Section {
-    write: bool,
-    pid: u32,
-    start: u64,
-    end: u64,
-}
-
-fn overlaps(a: &Section, b: &Section) -> bool {
-    a.start < b.end && b.start < a.end
-}
-
-fn sections_of(stdout: &str) -> Vec<Section> {
-    child::parse_results(stdout)
-        .into_iter()
-        .filter_map(|r| {
-            Some(Section {
-                write: r.get("m")? == "w",
-                pid: r.get("p").and_then(|p| p.parse().ok()).unwrap_or(0),
-                start: r.get("s")?.parse().ok()?,
-                end: r.get("e")?.parse().ok()?,
-            })
-        })
-        .collect()
+    lock_client!(node(url), key_prefix(PREFIX))
 }
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv.url());
     let rw = c.rwlock("smoke");
     let r1 = rw.read().expect("read");
@@ -82,8 +47,7 @@ fn smoke() {
 
 #[test]
 fn one_name_one_kind() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv.url());
     let plain = c.lock("k").expect("lock");
     assert!(c.rwlock("k").try_read().unwrap_err().is_wrong_kind());
@@ -113,8 +77,7 @@ fn one_name_one_kind() {
 
 #[test]
 fn a_thread_never_waits_for_itself() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv.url());
     let rw = c.rwlock("self");
     let r = rw.read().expect("read");
@@ -131,8 +94,7 @@ fn a_thread_never_waits_for_itself() {
 
 #[test]
 fn a_waiting_writer_stops_new_readers() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let (a, b) = (client(&srv.url()), client(&srv.url()));
     let r = a.rwlock("pref").read().expect("read");
     let writer = thread::spawn(move || {
@@ -185,8 +147,7 @@ fn writer_holding(client: LockClient, name: &'static str) -> thread::JoinHandle<
 
 #[test]
 fn a_release_for_writers_only_does_not_wake_readers() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let (a, b, c) = (client(&srv.url()), client(&srv.url()), client(&srv.url()));
     let first = a.rwlock("turns").write().expect("write");
     let writer = writer_holding(b, "turns");
@@ -214,8 +175,7 @@ fn a_release_for_writers_only_does_not_wake_readers() {
 
 #[test]
 fn the_writer_waiting_longest_alone_is_woken() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let (a, b, c) = (client(&srv.url()), client(&srv.url()), client(&srv.url()));
     let first = a.rwlock("queue").write().expect("write");
     let b = writer_holding(b, "queue");
@@ -238,92 +198,66 @@ fn the_writer_waiting_longest_alone_is_woken() {
 /// A child of the exclusion test: `THREADS` threads, 80% reads, each section printed.
 #[test]
 fn child_mixed() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = client(&child::env("REDIS_URL"));
     let iters: usize = child::env("ITERS").parse().unwrap();
     let counter = child::env("COUNTER");
-    let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let handles: Vec<_> = (0..4)
-        .map(|_| {
-            let (c, counter, lines) = (c.clone(), counter.clone(), lines.clone());
-            thread::spawn(move || {
-                let rw = c.rwlock("mixed");
-                let mut conn = redis::Client::open(child::env("REDIS_URL"))
-                    .unwrap()
-                    .get_connection()
-                    .unwrap();
-                for _ in 0..iters {
-                    let write = rand::random_range(0..10) < 2;
-                    let s;
-                    let e;
-                    if write {
-                        let g = rw.write().expect("write");
-                        s = mono_ns();
-                        let v: i64 = redis::cmd("GET")
-                            .arg(&counter)
-                            .query::<Option<i64>>(&mut conn)
-                            .unwrap()
-                            .unwrap_or(0);
-                        spin(Duration::from_micros(300));
-                        redis::cmd("SET")
-                            .arg(&counter)
-                            .arg(v + 1)
-                            .query::<()>(&mut conn)
-                            .unwrap();
-                        e = mono_ns();
-                        g.check().expect("held");
-                        drop(g);
-                    } else {
-                        let g = rw.read().expect("read");
-                        s = mono_ns();
-                        spin(Duration::from_micros(rand::random_range(200..=1500)));
-                        e = mono_ns();
-                        g.check().expect("held");
-                        drop(g);
-                    }
-                    lines.lock().unwrap().push((write, s, e));
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
-    for (w, s, e) in lines.lock().unwrap().iter() {
-        child::print_result(&[
-            ("m", (if *w { "w" } else { "r" }).to_owned()),
-            ("p", std::process::id().to_string()),
-            ("s", s.to_string()),
-            ("e", e.to_string()),
-        ]);
-    }
+    Recorder::new().run_threads_and_print(4, |sections| {
+        let rw = c.rwlock("mixed");
+        let mut conn = redis::Client::open(child::env("REDIS_URL"))
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        for _ in 0..iters {
+            let write = rand::random_range(0..10) < 2;
+            if write {
+                let g = rw.write().expect("write");
+                sections.time("w", || {
+                    let v: i64 = redis::cmd("GET")
+                        .arg(&counter)
+                        .query::<Option<i64>>(&mut conn)
+                        .unwrap()
+                        .unwrap_or(0);
+                    spin(Duration::from_micros(300));
+                    redis::cmd("SET")
+                        .arg(&counter)
+                        .arg(v + 1)
+                        .query::<()>(&mut conn)
+                        .unwrap();
+                });
+                g.check().expect("held");
+                drop(g);
+            } else {
+                let g = rw.read().expect("read");
+                sections.time("r", || {
+                    spin(Duration::from_micros(rand::random_range(200..=1500)))
+                });
+                g.check().expect("held");
+                drop(g);
+            }
+        }
+    });
 }
 
 #[test]
 fn readers_share_and_writers_exclude_across_processes() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let envs = [
         ("REDIS_URL", srv.url()),
         ("ITERS", "40".to_owned()),
         ("COUNTER", "counter".to_owned()),
     ];
-    let children: Vec<_> = (0..4)
-        .map(|_| child::spawn_self("child_mixed", &envs))
-        .collect();
-    let mut all = Vec::new();
-    for c in children {
-        all.extend(sections_of(&child::wait_ok(c, Duration::from_secs(120))));
-    }
+    let all = intervals::from_children("child_mixed", 4, &envs, Duration::from_secs(120));
     assert_eq!(all.len(), 4 * 4 * 40);
-    let writes = all.iter().filter(|s| s.write).count();
+    let writes = all.iter().filter(|s| s.tag == "w").count();
     let (mut reader_overlaps, mut across) = (0, 0);
     for (i, a) in all.iter().enumerate() {
         for b in &all[i + 1..] {
-            if overlaps(a, b) {
-                assert!(!a.write && !b.write, "a writer overlapped: {a:?} {b:?}");
+            if a.overlaps(b) {
+                assert!(
+                    a.tag == "r" && b.tag == "r",
+                    "a writer overlapped: {a:?} {b:?}"
+                );
                 reader_overlaps += 1;
                 across += usize::from(a.pid != b.pid);
             }
@@ -351,9 +285,7 @@ fn readers_share_and_writers_exclude_across_processes() {
 /// A child of the starvation test: 4 threads reading back to back until `STOP` is set.
 #[test]
 fn child_readers() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("REDIS_URL");
     let c = client(&url);
     let reads = Arc::new(AtomicU64::new(0));
@@ -381,18 +313,14 @@ fn child_readers() {
             })
         })
         .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    join_all(handles, "handles");
     child::print_result(&[("reads", reads.load(SeqCst).to_string())]);
 }
 
 /// A child of the starvation test: one write, timed.
 #[test]
 fn child_writer() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let c = client(&child::env("REDIS_URL"));
     let t = Instant::now();
     let w = c
@@ -411,12 +339,9 @@ fn child_writer() {
 /// generous liveness bound (5 s); the figure is printed.
 #[test]
 fn a_writer_is_not_starved_by_busy_readers() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let envs = [("REDIS_URL", srv.url())];
-    let readers: Vec<_> = (0..2)
-        .map(|_| child::spawn_self("child_readers", &envs))
-        .collect();
+    let readers = child::spawn_many(2, "child_readers", &envs);
     // Let the readers get going.
     let mut conn = srv.conn();
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -454,33 +379,25 @@ fn a_writer_is_not_starved_by_busy_readers() {
 /// A child that takes a read hold, says so, and holds it until killed.
 #[test]
 fn child_reader_holds() {
-    if !child::is_child() {
-        return;
-    }
-    let c = builder(&child::env("REDIS_URL"))
-        .lease(Duration::from_secs(2))
-        .build()
-        .unwrap();
-    let _r = c.rwlock("crash").read().expect("read");
-    child::print_result(&[("held", "1".to_owned())]);
-    thread::sleep(Duration::from_secs(120));
+    child::hold_until_killed(|url| {
+        lock_client!(node(url), key_prefix(PREFIX), lease(Duration::from_secs(2)))
+            .rwlock("crash")
+            .read()
+            .expect("read")
+    });
 }
 
 #[test]
 fn a_killed_readers_hold_expires_alone() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let lease = Duration::from_secs(2);
-    let mut reader = child::spawn_self("child_reader_holds", &[("REDIS_URL", srv.url())]);
-    child::wait_for_line(&mut reader, "held=1", Duration::from_secs(30));
-    let other = builder(&srv.url()).lease(lease).build().unwrap();
+    let reader = child::spawn_holder("child_reader_holds", srv.url());
+    let other = lock_client!(node(srv.url()), key_prefix(PREFIX), lease(lease));
     let r = other.rwlock("crash").read().expect("another reader");
-    child::kill_child(&mut reader, libc::SIGKILL);
-    let killed = Instant::now();
-    let _ = child::wait_output(reader, Duration::from_secs(10));
+    let killed = child::kill_and_reap(reader);
     let url = srv.url();
     let writer = thread::spawn(move || {
-        let c = builder(&url).lease(lease).build().unwrap();
+        let c = lock_client!(node(url), key_prefix(PREFIX), lease(lease));
         let w = c
             .rwlock("crash")
             .try_write_for(Duration::from_secs(30))
@@ -505,8 +422,7 @@ fn a_killed_readers_hold_expires_alone() {
 /// 20 idle waiters (10 readers, 10 writers) behind a writer cost Redis almost nothing.
 #[test]
 fn idle_waiters_cost_almost_no_commands() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let holder = client(&srv.url());
     let w = holder.rwlock("idle").write().expect("write");
     let waiters = client(&srv.url());
@@ -524,11 +440,7 @@ fn idle_waiters_cost_almost_no_commands() {
             })
         })
         .collect();
-    thread::sleep(Duration::from_secs(1));
-    let before = srv.total_commands();
-    thread::sleep(Duration::from_secs(3));
-    let spent = srv.total_commands() - before;
-    eprintln!("20 idle waiters: {spent} commands in 3 s");
+    let spent = srv.idle_cost("20 idle waiters");
     assert!(spent < 10, "{spent} commands: {:?}", srv.commandstats());
     drop(w);
     for h in handles {

@@ -2,31 +2,29 @@
 //! processes (intervals on one system-wide monotonic clock), a SIGKILLed holder's permit
 //! returning after its lease, the permit count rule, and the cost of idle waiters.
 
-use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use redbaton::{Builder, LockClient, Unlocked};
+use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::child;
-use redbaton_testkit::clock::mono_ns;
-use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::child_only;
+use redbaton_testkit::intervals::{self, Recorder};
+use redbaton_testkit::lock_client;
+use redbaton_testkit::ms;
+use redbaton_testkit::test_server;
+use redbaton_testkit::wait::join_all;
 
 const PREFIX: &str = "sem:";
 
-fn builder(url: &str) -> Builder {
-    LockClient::builder().node(url).key_prefix(PREFIX)
-}
-
-fn client(url: &str) -> LockClient {
-    builder(url).build().expect("client")
+/// A client whose keys carry the prefix of the semaphore tests.
+fn sem_client(url: &str) -> LockClient {
+    lock_client!(node(url), key_prefix(PREFIX))
 }
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
-    let c = client(&srv.url());
+    let srv = test_server();
+    let c = sem_client(&srv.url());
     let sem = c.semaphore("smoke", 2);
     let a = sem.acquire().expect("first");
     let b = sem.try_acquire().expect("second");
@@ -40,9 +38,8 @@ fn smoke() {
 
 #[test]
 fn permit_count_must_match_while_held() {
-    init_log();
-    let srv = RedisServer::start();
-    let c = client(&srv.url());
+    let srv = test_server();
+    let c = sem_client(&srv.url());
     let p = c.semaphore("count", 3).acquire().expect("permit");
     let err = c.semaphore("count", 4).try_acquire().unwrap_err();
     assert!(err.is_permits_mismatch(), "{err}");
@@ -61,61 +58,29 @@ fn permit_count_must_match_while_held() {
 /// A child of the bound test: 4 threads taking a permit over and over, sections printed.
 #[test]
 fn child_permits() {
-    if !child::is_child() {
-        return;
-    }
-    let c = client(&child::env("REDIS_URL"));
+    child_only!();
+    let c = sem_client(&child::env("REDIS_URL"));
     let iters: usize = child::env("ITERS").parse().unwrap();
-    let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let handles: Vec<_> = (0..4)
-        .map(|_| {
-            let (c, lines) = (c.clone(), lines.clone());
-            thread::spawn(move || {
-                let sem = c.semaphore("bound", 3);
-                for _ in 0..iters {
-                    let p = sem.acquire().expect("permit");
-                    let s = mono_ns();
-                    thread::sleep(Duration::from_micros(rand::random_range(200..=2000)));
-                    let e = mono_ns();
-                    p.check().expect("held");
-                    drop(p);
-                    lines.lock().unwrap().push((s, e));
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
-    for (s, e) in lines.lock().unwrap().iter() {
-        child::print_result(&[("s", s.to_string()), ("e", e.to_string())]);
-    }
+    Recorder::new().run_threads_and_print(4, |held| {
+        let sem = c.semaphore("bound", 3);
+        for _ in 0..iters {
+            let p = sem.acquire().expect("permit");
+            held.time("p", || {
+                thread::sleep(Duration::from_micros(rand::random_range(200..=2000)))
+            });
+            p.check().expect("held");
+            drop(p);
+        }
+    });
 }
 
 #[test]
 fn never_more_holders_than_permits_across_processes() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let envs = [("REDIS_URL", srv.url()), ("ITERS", "30".to_owned())];
-    let children: Vec<_> = (0..4)
-        .map(|_| child::spawn_self("child_permits", &envs))
-        .collect();
-    let mut events = Vec::new();
-    for c in children {
-        let out = child::wait_ok(c, Duration::from_secs(120));
-        for r in child::parse_results(&out) {
-            events.push((r["s"].parse::<u64>().unwrap(), 1i32));
-            events.push((r["e"].parse::<u64>().unwrap(), -1i32));
-        }
-    }
-    assert_eq!(events.len(), 2 * 4 * 4 * 30);
-    // Ends before starts at the same instant.
-    events.sort();
-    let (mut now, mut most) = (0, 0);
-    for (_, d) in events {
-        now += d;
-        most = most.max(now);
-    }
+    let held = intervals::from_children("child_permits", 4, &envs, Duration::from_secs(120));
+    assert_eq!(2 * held.len(), 2 * 4 * 4 * 30);
+    let most = intervals::most_at_once(&held);
     eprintln!("at most {most} holders at once");
     assert!(most <= 3, "{most} holders at once");
     assert!(most >= 2, "permits were never held together");
@@ -124,31 +89,25 @@ fn never_more_holders_than_permits_across_processes() {
 /// A child that takes a permit, says so, and holds it until killed.
 #[test]
 fn child_permit_holds() {
-    if !child::is_child() {
-        return;
-    }
-    let c = builder(&child::env("REDIS_URL"))
-        .lease(Duration::from_secs(2))
-        .build()
-        .unwrap();
-    let _p = c.semaphore("crash", 3).acquire().expect("permit");
-    child::print_result(&[("held", "1".to_owned())]);
-    thread::sleep(Duration::from_secs(120));
+    child::hold_until_killed(|url| {
+        lock_client!(node(url), key_prefix(PREFIX), lease(Duration::from_secs(2)))
+            .semaphore("crash", 3)
+            .acquire()
+            .expect("permit")
+    });
 }
 
 #[test]
 fn a_killed_holders_permit_returns_after_its_lease() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let lease = Duration::from_secs(2);
-    let mut holder = child::spawn_self("child_permit_holds", &[("REDIS_URL", srv.url())]);
-    child::wait_for_line(&mut holder, "held=1", Duration::from_secs(30));
-    let c = builder(&srv.url()).lease(lease).build().unwrap();
+    let holder = child::spawn_holder("child_permit_holds", srv.url());
+    let c = lock_client!(node(srv.url()), key_prefix(PREFIX), lease(lease));
     let sem = c.semaphore("crash", 3);
     let a = sem.acquire().expect("second permit");
     let url = srv.url();
     let b = thread::spawn(move || {
-        let c = builder(&url).lease(lease).build().unwrap();
+        let c = lock_client!(node(url), key_prefix(PREFIX), lease(lease));
         let p = c.semaphore("crash", 3).acquire().expect("third permit");
         // Held past the killed holder's lease: renewed, unaffected.
         thread::sleep(lease + ms(500));
@@ -156,9 +115,7 @@ fn a_killed_holders_permit_returns_after_its_lease() {
         p.unlock().unwrap()
     });
     thread::sleep(ms(100));
-    child::kill_child(&mut holder, libc::SIGKILL);
-    let killed = Instant::now();
-    let _ = child::wait_output(holder, Duration::from_secs(10));
+    let killed = child::kill_and_reap(holder);
     let p = sem
         .try_acquire_for(Duration::from_secs(30))
         .expect("the killed holder's permit");
@@ -173,11 +130,10 @@ fn a_killed_holders_permit_returns_after_its_lease() {
 /// 20 idle waiters on a full semaphore cost Redis almost nothing.
 #[test]
 fn idle_waiters_cost_almost_no_commands() {
-    init_log();
-    let srv = RedisServer::start();
-    let holder = client(&srv.url());
+    let srv = test_server();
+    let holder = sem_client(&srv.url());
     let p = holder.semaphore("idle", 1).acquire().expect("permit");
-    let waiters = client(&srv.url());
+    let waiters = sem_client(&srv.url());
     let handles: Vec<_> = (0..20)
         .map(|_| {
             let c = waiters.clone();
@@ -188,11 +144,7 @@ fn idle_waiters_cost_almost_no_commands() {
             })
         })
         .collect();
-    thread::sleep(Duration::from_secs(1));
-    let before = srv.total_commands();
-    thread::sleep(Duration::from_secs(3));
-    let spent = srv.total_commands() - before;
-    eprintln!("20 idle waiters: {spent} commands in 3 s");
+    let spent = srv.idle_cost("20 idle waiters");
     assert!(spent < 10, "{spent} commands: {:?}", srv.commandstats());
     drop(p);
     for h in handles {
@@ -209,10 +161,9 @@ fn idle_waiters_cost_almost_no_commands() {
 /// release failed 44 times.
 #[test]
 fn local_waiters_take_turns_for_a_permit() {
-    init_log();
-    let srv = RedisServer::start();
-    let waiters = client(&srv.url());
-    let holder = client(&srv.url());
+    let srv = test_server();
+    let waiters = sem_client(&srv.url());
+    let holder = sem_client(&srv.url());
     let first = holder.semaphore("one", 1).acquire().expect("permit");
     let before = waiters.stats();
     let done: Vec<_> = (0..8)
@@ -230,9 +181,7 @@ fn local_waiters_take_turns_for_a_permit() {
         .collect();
     thread::sleep(ms(200));
     drop(first);
-    for d in done {
-        d.join().expect("waiter");
-    }
+    join_all(done, "waiter");
     let s = waiters.stats();
     let failed = s.failed_attempts - before.failed_attempts;
     eprintln!("failed attempts: {failed}; {s:?}");

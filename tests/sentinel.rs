@@ -7,8 +7,11 @@ use std::collections::HashMap;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{LockClient, Unlocked};
+use redbaton::Unlocked;
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::lock_builder;
+use redbaton_testkit::sections::{Section, Worker};
 use redbaton_testkit::sentinel::SentinelGroup;
 use redbaton_testkit::{child, init_log, ms, secs};
 
@@ -20,11 +23,7 @@ const WAIT: Duration = Duration::from_secs(20);
 const MARGIN: Duration = Duration::from_secs(5);
 
 fn builder(group: &SentinelGroup) -> redbaton::Builder {
-    LockClient::builder()
-        .sentinel(NAME, group.sentinel_urls())
-        .connect_timeout(ms(1000))
-        .read_timeout(ms(1000))
-        .write_timeout(ms(1000))
+    lock_builder!(sentinel(NAME, group.sentinel_urls()), io_timeouts(ms(1000)))
 }
 
 #[test]
@@ -47,95 +46,41 @@ fn smoke() {
     assert!(format!("{client:?}").contains("LockClient"));
 }
 
-/// One critical section as a child saw it.
-#[derive(Debug, Clone, Copy)]
-struct Section {
-    start: u64,
-    end: u64,
-    token: u64,
-    /// The holder was told it did not hold the lock (lost signal, `check()`, or an unlock
-    /// that found the key gone or someone else's).
-    told: bool,
-}
-
 /// Child: `THREADS` threads take "k" again and again for `S_RUN_MS`, retrying after errors
 /// (a failover makes some calls fail). Prints every section, each call's longest
 /// duration and the client's counters.
 #[test]
 fn child_failover_worker() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let urls: Vec<String> = child::env("S_URLS").split(',').map(str::to_owned).collect();
     let run_for = Duration::from_millis(child::env("S_RUN_MS").parse().expect("S_RUN_MS"));
     let lease = Duration::from_millis(child::env("S_LEASE_MS").parse().expect("lease"));
-    let mut b = LockClient::builder()
-        .sentinel(NAME, urls)
-        .lease(lease)
-        .connect_timeout(ms(1000))
-        .read_timeout(ms(1000))
-        .write_timeout(ms(1000));
+    let mut b = lock_builder!(sentinel(NAME, urls), lease(lease), io_timeouts(ms(1000)));
     if let Ok(n) = std::env::var("S_ACK") {
         b = b.replica_ack(n.parse().expect("S_ACK"), ms(100));
     }
     let client = b.build().expect("child: build");
     let until = Instant::now() + run_for;
-    let workers: Vec<_> = (0..THREADS)
-        .map(|_| {
-            let client = client.clone();
-            thread::spawn(move || {
-                let mut sections = Vec::new();
-                let (mut errors, mut longest) = (0u64, Duration::ZERO);
-                while Instant::now() < until {
-                    let called = Instant::now();
-                    let r = client.try_lock_for("k", WAIT);
-                    longest = longest.max(called.elapsed());
-                    let guard = match r {
-                        Ok(g) => g,
-                        Err(_) => {
-                            errors += 1;
-                            thread::sleep(ms(20));
-                            continue;
-                        }
-                    };
-                    let start = mono_ns();
-                    thread::sleep(ms(3));
-                    let lost_now = guard.check().is_err();
-                    let end = mono_ns();
-                    let token = guard.fencing_token();
-                    let told = lost_now
-                        || !matches!(guard.unlock(), Ok(Unlocked::Released | Unlocked::HandedOff));
-                    sections.push(Section {
-                        start,
-                        end,
-                        token,
-                        told,
-                    });
+    Worker::run_threads_and_print(THREADS, |_, worker| {
+        let mut errors = 0u64;
+        while Instant::now() < until {
+            let guard = match worker.call(|| client.try_lock_for("k", WAIT)) {
+                Ok(g) => g,
+                Err(_) => {
+                    errors += 1;
+                    thread::sleep(ms(20));
+                    continue;
                 }
-                (sections, errors, longest)
-            })
-        })
-        .collect();
-    for w in workers {
-        let (sections, errors, longest) = w.join().expect("worker");
-        let list: Vec<String> = sections
-            .iter()
-            .map(|s| format!("{}:{}:{}:{}", s.start, s.end, s.token, u8::from(s.told)))
-            .collect();
-        child::print_result(&[
-            ("sections", list.join(",")),
-            ("errors", errors.to_string()),
-            ("longest_ms", longest.as_millis().to_string()),
-        ]);
-    }
-    let s = client.stats();
-    child::print_result(&[
-        ("wake_event", s.wakeups_event.to_string()),
-        ("wake_lease", s.wakeups_lease.to_string()),
-        ("wake_recheck", s.wakeups_recheck.to_string()),
-        ("failovers", s.failovers.to_string()),
-        ("lost", s.locks_lost.to_string()),
-    ]);
+            };
+            let section = Section::start("k");
+            thread::sleep(ms(3));
+            let (token, told) = (guard.fencing_token(), guard.check().is_err());
+            let release = || guard.unlock().is_ok_and(Unlocked::was_held);
+            worker.sections.push(section.end(token, told, release));
+        }
+        vec![("errors", errors.to_string())]
+    });
+    child::print_counters(&client.stats(), &[]);
 }
 
 struct Run {
@@ -155,44 +100,26 @@ fn run_with_fault(group: &SentinelGroup, ack: Option<usize>, fault: impl FnOnce(
     if let Some(n) = ack {
         envs.push(("S_ACK", n.to_string()));
     }
-    let children: Vec<_> = (0..PROCS)
-        .map(|_| child::spawn_self("child_failover_worker", &envs))
-        .collect();
+    let children = child::spawn_many(PROCS, "child_failover_worker", &envs);
     thread::sleep(ms(1500));
     fault();
     let fault_over = mono_ns();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| child::wait_ok(c, Duration::from_secs(150)))
-        .collect();
+    let outputs = child::wait_all_ok(children, Duration::from_secs(150));
     let mut sections = Vec::new();
     let mut after_fault = Vec::new();
     let mut stats = Vec::new();
     for out in &outputs {
         for r in child::parse_results(out) {
-            if let Some(list) = r.get("sections") {
-                let before = sections.len();
-                for s in list.split(',').filter(|s| !s.is_empty()) {
-                    let f: Vec<u64> = s.split(':').map(|x| x.parse().expect("number")).collect();
-                    sections.push(Section {
-                        start: f[0],
-                        end: f[1],
-                        token: f[2],
-                        told: f[3] == 1,
-                    });
-                }
-                after_fault.push(
-                    sections[before..]
-                        .iter()
-                        .filter(|s: &&Section| s.start > fault_over)
-                        .count(),
-                );
-                let longest: u64 = r["longest_ms"].parse().expect("longest");
+            if let Some(worker) = Worker::parse(&r) {
+                let after = worker.sections.iter().filter(|s| s.start > fault_over);
+                after_fault.push(after.count());
+                let longest = worker.longest.as_millis();
                 assert!(
-                    Duration::from_millis(longest) <= WAIT + MARGIN,
+                    worker.longest <= WAIT + MARGIN,
                     "a call took {longest} ms, past its deadline"
                 );
                 eprintln!("thread: errors {} longest {longest} ms", r["errors"]);
+                sections.extend(worker.sections);
             } else {
                 eprintln!("child stats: {r:?}");
                 stats.push(r);
@@ -206,11 +133,6 @@ fn run_with_fault(group: &SentinelGroup, ack: Option<usize>, fault: impl FnOnce(
     }
 }
 
-/// Pairs of sections that overlapped in time, where neither holder was told.
-fn unexplained_overlaps(sections: &[Section]) -> Vec<(Section, Section)> {
-    redbaton_testkit::sections::unexplained_overlaps(sections, |s| ("k", s.start, s.end, s.told))
-}
-
 fn check_run(run: &Run) {
     assert_eq!(
         run.after_fault.len(),
@@ -222,7 +144,7 @@ fn check_run(run: &Run) {
         "every thread went on locking on the new master: {:?}",
         run.after_fault
     );
-    let bad = unexplained_overlaps(&run.sections);
+    let bad = Section::unexplained(&run.sections);
     assert!(bad.is_empty(), "overlaps nobody was told of: {bad:?}");
     let told = run.sections.iter().filter(|s| s.told).count();
     eprintln!("sections {} told-lost {told}", run.sections.len());
@@ -232,7 +154,7 @@ fn check_run(run: &Run) {
         "every process followed the master"
     );
     assert!(
-        sum("wake_event") > sum("wake_lease") + sum("wake_recheck"),
+        sum("wakeups_event") > sum("wakeups_lease") + sum("wakeups_recheck"),
         "waiters woke on events, not timers: {:?}",
         run.stats
     );
@@ -345,8 +267,7 @@ fn rwlocks_and_semaphores_follow_the_master() {
         let r = a.rwlock("rw").read().expect("read");
         let r2 = b.rwlock("rw").read().expect("readers share");
         assert!(
-            LockClient::builder()
-                .sentinel(NAME, group.sentinel_urls())
+            lock_builder!(sentinel(NAME, group.sentinel_urls()))
                 .build()
                 .expect("build")
                 .rwlock("rw")

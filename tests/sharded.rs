@@ -14,7 +14,9 @@ use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::binaries::ServerVersion;
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
 use redbaton_testkit::wait::wait_for;
 use redbaton_testkit::{init_log, ms, secs};
 
@@ -166,15 +168,14 @@ fn build(b: redbaton::Builder, fair: bool) -> LockClient {
 }
 
 fn node_client(url: &str, fair: bool) -> LockClient {
-    build(LockClient::builder().node(url), fair)
+    build(lock_builder!(node(url)), fair)
 }
 
 /// One node: the waiter subscribes to the shard channel, and the release's message (the
 /// fair queue's grant) arrives over it; nothing is published the classic way.
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let kind = kind_on(&srv);
     let (holder, other) = (node_client(&srv.url(), true), node_client(&srv.url(), true));
     release_wakes_the_waiter(&holder, &other, "s", on(&srv, kind), || {});
@@ -229,11 +230,7 @@ fn an_acl_user_with_shard_channels_only() {
 }
 
 fn cluster_client(cluster: &Cluster, fair: bool) -> LockClient {
-    let b = LockClient::builder()
-        .cluster(cluster.seed_urls())
-        .connect_timeout(ms(1000))
-        .read_timeout(ms(1000))
-        .write_timeout(ms(1000));
+    let b = lock_builder!(cluster(cluster.seed_urls()), io_timeouts(ms(1000)));
     build(b, fair)
 }
 

@@ -16,11 +16,10 @@ use redbaton::fault::{self, Point};
 use redbaton::{LockClient, LostReason};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::{lock_builder, lock_client};
 
 fn client(srv: &RedisServer, prefix: &str) -> LockClient {
-    LockClient::builder()
-        .node(srv.url())
-        .key_prefix(prefix)
+    lock_builder!(node(srv.url()), key_prefix(prefix))
         // Waiters must be woken by events, not by the safety net.
         .recheck_interval(Duration::from_secs(60))
         .build()
@@ -232,12 +231,7 @@ fn watchdog_panic_is_survived() {
     init_log();
     const P: &str = "sv-dog:";
     let srv = RedisServer::start();
-    let c = LockClient::builder()
-        .node(srv.url())
-        .key_prefix(P)
-        .lease(ms(1000))
-        .build()
-        .unwrap();
+    let c = lock_client!(node(srv.url()), key_prefix(P), lease(ms(1000)));
     // The holder runs on its own thread: an unlock that hangs must fail the test, not
     // hang it.
     let (tx, rx) = crossbeam_channel::bounded(3);
@@ -269,13 +263,12 @@ fn watchdog_that_keeps_failing_tells_the_holder() {
     const P: &str = "sv-dog-dead:";
     let srv = RedisServer::start();
     let renew = ms(1000);
-    let c = LockClient::builder()
-        .node(srv.url())
-        .key_prefix(P)
-        .lease(Duration::from_secs(10))
-        .renew_interval(renew)
-        .build()
-        .unwrap();
+    let c = lock_client!(
+        node(srv.url()),
+        key_prefix(P),
+        lease(Duration::from_secs(10)),
+        renew_interval(renew)
+    );
     // The holder runs on its own thread: an unlock that hangs must fail the test, not
     // hang it.
     let (tx, rx) = crossbeam_channel::bounded(2);

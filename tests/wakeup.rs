@@ -25,8 +25,10 @@ use parking_lot::RwLock;
 use redbaton::{LockClient, Stats, Unlocked, Wakeup};
 use redbaton_testkit::child;
 use redbaton_testkit::child::{field, result_with};
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::wall_us;
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
@@ -38,7 +40,7 @@ static HEAVY: RwLock<()> = RwLock::new(());
 const SUB_NAME: &str = "redbaton:sub";
 
 fn client(url: &str) -> redbaton::Builder {
-    LockClient::builder().node(url)
+    lock_builder!(node(url))
 }
 
 /// When a waiter got its lock.
@@ -125,32 +127,16 @@ fn sub_connections(srv: &RedisServer) -> Vec<HashMap<String, String>> {
         .collect()
 }
 
-fn stats_fields(s: &Stats) -> Vec<(&'static str, String)> {
-    vec![
-        ("wakeups_event", s.wakeups_event.to_string()),
-        ("wakeups_lease", s.wakeups_lease.to_string()),
-        ("wakeups_recheck", s.wakeups_recheck.to_string()),
-        ("wakeups_poll", s.wakeups_poll.to_string()),
-        ("wakeups_reconnect", s.wakeups_reconnect.to_string()),
-        ("failed_attempts", s.failed_attempts.to_string()),
-        ("commands", s.commands.to_string()),
-    ]
-}
-
 // --- smoke ---------------------------------------------------------------------------
 
 #[test]
 fn smoke() {
     let srv = RedisServer::start();
     let c = client(&srv.url()).build().expect("build");
-    let flags: Vec<String> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .query(&mut srv.conn())
-        .unwrap();
+    let flags = srv.config_get("notify-keyspace-events");
     for class in ['K', 'g', '$', 'x', 'e'] {
         assert!(
-            flags[1].contains(class) || (class != 'K' && flags[1].contains('A')),
+            flags.contains(class) || (class != 'K' && flags.contains('A')),
             "build() did not turn on class {class}: {flags:?}"
         );
     }
@@ -166,9 +152,7 @@ fn smoke() {
 /// parent sets `GO` (its waiter is then surely blocked), releases, and reports when.
 #[test]
 fn child_hold_until_go() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("URL");
     let c = client(&url).lease(secs(30)).build().expect("build");
     let guard = c.lock(child::env("NAME")).expect("lock");
@@ -240,9 +224,7 @@ fn waiter_wakes_on_release_by_another_process() {
 /// `FORGET` the guard is leaked, so nothing ever releases the key.
 #[test]
 fn child_hold_forever() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let lease = ms(child::env("LEASE_MS").parse().unwrap());
     let mut b = client(&child::env("URL")).lease(lease);
     if std::env::var("NO_RENEW").is_ok() {
@@ -261,21 +243,32 @@ fn child_hold_forever() {
     }
 }
 
+/// Starts [`child_hold_forever`] on `srv` taking `name` with `lease` (and `flags`, e.g.
+/// `NO_RENEW`), and waits until it holds.
+fn spawn_holder(
+    srv: &RedisServer,
+    name: &str,
+    lease: Duration,
+    flags: &[(&str, String)],
+) -> std::process::Child {
+    let mut envs = vec![
+        ("URL", srv.url()),
+        ("NAME", name.to_owned()),
+        ("LEASE_MS", lease.as_millis().to_string()),
+    ];
+    envs.extend(flags.iter().cloned());
+    let mut holder = child::spawn_self("child_hold_forever", &envs);
+    child::wait_for_line(&mut holder, "acquired=1", secs(30));
+    holder
+}
+
 #[test]
 fn waiter_takes_over_from_killed_holder_within_lease() {
     let _light = HEAVY.read();
     let srv = RedisServer::start();
     let name = "killed-holder";
     let lease = secs(2);
-    let mut holder = child::spawn_self(
-        "child_hold_forever",
-        &[
-            ("URL", srv.url()),
-            ("NAME", name.into()),
-            ("LEASE_MS", lease.as_millis().to_string()),
-        ],
-    );
-    child::wait_for_line(&mut holder, "acquired=1", secs(30));
+    let mut holder = spawn_holder(&srv, name, lease, &[]);
     let c = client(&srv.url()).build().expect("build");
     let waiter = spawn_waiter(&c, name, Duration::ZERO);
     wait_for(secs(10), "the waiter to block", || {
@@ -398,17 +391,8 @@ fn leaked_unrenewed_lock_expires_and_wakes_waiter() {
     let srv = RedisServer::start();
     let name = "leaked";
     let lease = secs(1);
-    let mut holder = child::spawn_self(
-        "child_hold_forever",
-        &[
-            ("URL", srv.url()),
-            ("NAME", name.into()),
-            ("LEASE_MS", lease.as_millis().to_string()),
-            ("NO_RENEW", "1".into()),
-            ("FORGET", "1".into()),
-        ],
-    );
-    child::wait_for_line(&mut holder, "acquired=1", secs(30));
+    let flags = [("NO_RENEW", "1".into()), ("FORGET", "1".into())];
+    let holder = spawn_holder(&srv, name, lease, &flags);
     // The child acquired before it printed: the lease ends within `lease` from here.
     let seen = Instant::now();
     let c = client(&srv.url()).build().expect("build");
@@ -423,8 +407,7 @@ fn leaked_unrenewed_lock_expires_and_wakes_waiter() {
         "leaked 1 s lock: acquired {after:?} after the holder said it had it (event {}, lease {}); {s:?}",
         s.wakeups_event, s.wakeups_lease
     );
-    child::kill_child(&mut holder, libc::SIGKILL);
-    let _ = child::wait_output(holder, secs(10));
+    child::kill_and_reap(holder);
     assert!(
         after < lease + secs(1),
         "acquired {after:?}; bound lease + 1 s; {s:?}"
@@ -485,9 +468,7 @@ fn idle_waiters(
 /// them to get the lock in turn and reports its counters.
 #[test]
 fn child_idle_waiters() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let n: usize = child::env("THREADS").parse().unwrap();
     let (c, waiters) = idle_waiters(&child::env("URL"), &child::env("NAME"), n);
     wait_for(secs(20), "the child's waiters to block", || {
@@ -495,7 +476,7 @@ fn child_idle_waiters() {
     });
     child::print_result(&[("blocked", "1".into())]);
     collect(&waiters, secs(60), "child waiter");
-    child::print_result(&stats_fields(&c.stats()));
+    child::print_counters(&c.stats(), &[]);
 }
 
 #[test]
@@ -698,9 +679,7 @@ fn no_notifications_server() -> RedisServer {
 /// counters, and how many warnings the library logged.
 #[test]
 fn child_fallback_waiter() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     install_warn_counter();
     let c = client(&child::env("URL")).build().expect("build");
     let at_build = WARNINGS.load(Ordering::SeqCst);
@@ -718,11 +697,15 @@ fn child_fallback_waiter() {
     let got = collect(&[waiter], secs(60), "fallback waiter")[0];
     let s = c.stats();
     drop(c);
-    let mut fields = stats_fields(&s);
-    fields.push(("acquired_us", got.at_us.to_string()));
-    fields.push(("warnings_at_build", at_build.to_string()));
-    fields.push(("warnings", WARNINGS.load(Ordering::SeqCst).to_string()));
-    child::print_result(&fields);
+    let warnings = WARNINGS.load(Ordering::SeqCst);
+    child::print_counters(
+        &s,
+        &[
+            ("acquired_us", got.at_us.to_string()),
+            ("warnings_at_build", at_build.to_string()),
+            ("warnings", warnings.to_string()),
+        ],
+    );
 }
 
 #[test]
@@ -774,9 +757,7 @@ const CHURN_SECTIONS: usize = 300;
 /// reports its longest single wait.
 #[test]
 fn child_churn() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let url = child::env("URL");
     let name = child::env("NAME");
     let counter = child::env("COUNTER");
@@ -826,10 +807,14 @@ fn child_churn() {
         .map(|h| h.join().expect("churn thread"))
         .max()
         .unwrap();
-    let mut fields = stats_fields(&c.stats());
-    fields.push(("max_wait_us", max_wait.as_micros().to_string()));
-    fields.push(("run_ms", started.elapsed().as_millis().to_string()));
-    child::print_result(&fields);
+    let run_ms = started.elapsed().as_millis();
+    child::print_counters(
+        &c.stats(),
+        &[
+            ("max_wait_us", max_wait.as_micros().to_string()),
+            ("run_ms", run_ms.to_string()),
+        ],
+    );
 }
 
 #[test]
@@ -844,9 +829,7 @@ fn churn_loses_no_wakeups() {
         ("THREADS", CHURN_THREADS.to_string()),
         ("SECTIONS", CHURN_SECTIONS.to_string()),
     ];
-    let mut children: Vec<_> = (0..CHURN_PROCESSES)
-        .map(|_| child::spawn_self("child_churn", &envs))
-        .collect();
+    let mut children = child::spawn_many(CHURN_PROCESSES, "child_churn", &envs);
     for ch in &mut children {
         child::wait_for_line(ch, "ready=1", secs(30));
     }
@@ -987,12 +970,8 @@ fn waiters_still_wake_on_release_after_server_restart() {
     assert!(first < secs(1), "{first:?}");
 
     srv.restart();
-    let flags: Vec<String> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .query(&mut srv.conn())
-        .unwrap();
-    eprintln!("after the restart notify-keyspace-events = {:?}", flags[1]);
+    let flags = srv.config_get("notify-keyspace-events");
+    eprintln!("after the restart notify-keyspace-events = {:?}", flags);
     // The pools find their connections dead: the first command after a restart may fail.
     wait_for(secs(10), "the holder to reach the restarted server", || {
         holder.try_lock("probe").is_ok()

@@ -11,9 +11,12 @@ use std::time::{Duration, Instant};
 
 use redbaton::{Error, LockClient, LostReason, Unlocked};
 use redbaton_testkit::child::{field, result_with};
+use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::lock_builder;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
 use redbaton_testkit::{child, init_log, ms};
 use redbaton_testkit::{exists, pttl};
 use redis::{Connection, Value};
@@ -25,10 +28,7 @@ const KEYS: Keys = Keys::new(PREFIX);
 
 /// A client on `url` with `lease` and the test prefix; the rest of the settings default.
 fn builder(url: &str, lease: Duration) -> redbaton::Builder {
-    LockClient::builder()
-        .node(url)
-        .key_prefix(PREFIX)
-        .lease(lease)
+    lock_builder!(node(url), key_prefix(PREFIX), lease(lease))
 }
 
 fn client(url: &str, lease: Duration) -> LockClient {
@@ -60,8 +60,7 @@ fn expect_lost(guard: &redbaton::LockGuard, within: Duration) -> (LostReason, Du
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url(), Duration::from_secs(2));
     let guard = client.lock("smoke").expect("lock");
     guard.check().expect("held");
@@ -81,9 +80,7 @@ fn smoke() {
 /// often it failed and when (CLOCK_MONOTONIC ns).
 #[test]
 fn child_try_loop() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let client = client(&child::env("REDIS_URL"), Duration::from_secs(1));
     let name = child::env("LOCK_NAME");
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -121,8 +118,7 @@ fn child_try_loop() {
 
 #[test]
 fn renewals_hold_a_1s_lease_for_4s_against_another_process() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url(), Duration::from_secs(1));
     let name = "held-4s";
     let guard = client.lock(name).expect("lock");
@@ -178,8 +174,7 @@ fn renewals_hold_a_1s_lease_for_4s_against_another_process() {
 
 #[test]
 fn deleted_key_fires_lost_and_drop_spares_the_next_holder() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let a = build(builder(&srv.url(), ms(1500)).renew_interval(ms(500)));
     let name = "deleted";
     let key = KEYS.lock(name);
@@ -235,8 +230,7 @@ fn deleted_key_fires_lost_and_drop_spares_the_next_holder() {
 
 #[test]
 fn overwritten_key_is_reported_stolen() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = build(builder(&srv.url(), ms(1500)).renew_interval(ms(500)));
     let name = "stolen";
     let key = KEYS.lock(name);
@@ -270,8 +264,7 @@ fn overwritten_key_is_reported_stolen() {
 
 #[test]
 fn server_restart_reports_the_lock_lost() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = build(builder(&srv.url(), ms(1500)).renew_interval(ms(500)));
     let name = "restart";
     let guard = client.lock(name).expect("lock");
@@ -305,9 +298,7 @@ fn server_restart_reports_the_lock_lost() {
 /// all later ones must fail.
 #[test]
 fn child_stopped_holder() {
-    if !child::is_child() {
-        return;
-    }
+    child_only!();
     let client = client(&child::env("REDIS_URL"), Duration::from_secs(1));
     let guard = client.lock(child::env("LOCK_NAME")).expect("child lock");
     // The parent keeps us stopped for 1.3 s; no mere scheduling hiccup lasts a second.
@@ -376,8 +367,7 @@ fn child_stopped_holder() {
 
 #[test]
 fn paused_holder_process_learns_it_lost_and_is_fenced_out() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let name = "paused";
     let key = KEYS.lock(name);
     let mut c = child::spawn_self(
@@ -904,8 +894,7 @@ fn no_renewal_reaches_redis_after_unlock_returns() {
 
 #[test]
 fn valid_until_moves_forward_with_renewals() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url(), ms(1200)); // renewed every 400 ms
     let guard = client.lock("valid").expect("lock");
     let v0 = guard.valid_until();
@@ -926,8 +915,7 @@ fn valid_until_moves_forward_with_renewals() {
 
 #[test]
 fn without_auto_renew_the_lock_expires_after_one_lease() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = builder(&srv.url(), ms(500))
         .auto_renew(false)
         .build()
@@ -962,8 +950,7 @@ fn without_auto_renew_the_lock_expires_after_one_lease() {
 /// a loop `select!`ing on `lost()` never woke.
 #[test]
 fn without_auto_renew_the_lost_channel_still_fires() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = builder(&srv.url(), ms(500))
         .auto_renew(false)
         .build()
@@ -976,8 +963,7 @@ fn without_auto_renew_the_lost_channel_still_fires() {
 
 #[test]
 fn max_hold_stops_renewals_and_fires_hold_limit() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     // A lease longer than the cap (renewed every 500 ms): a loaded machine cannot make
     // the lock expire before the cap is reached.
     let client = build(builder(&srv.url(), ms(1500)).max_hold(Duration::from_secs(1)));
@@ -1017,8 +1003,7 @@ fn max_hold_stops_renewals_and_fires_hold_limit() {
 
 #[test]
 fn extend_sets_the_remaining_lease() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url(), Duration::from_secs(2));
     let key = KEYS.lock("ext");
     let guard = client.lock("ext").expect("lock");
@@ -1052,8 +1037,7 @@ fn extend_sets_the_remaining_lease() {
 /// by which time the 300 ms lease had run out.
 #[test]
 fn extend_to_a_shorter_lease_keeps_the_lock_renewed() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let client = client(&srv.url(), Duration::from_secs(3)); // renewed every 1 s
     let key = KEYS.lock("shorter");
     let guard = client.lock("shorter").expect("lock");
@@ -1112,8 +1096,7 @@ fn every_client_starts_a_live_watchdog() {
 /// `SCRIPT FLUSH` (as after a restart) the watchdog loads both and renews again.
 #[test]
 fn mixed_renewals_survive_a_script_flush() {
-    init_log();
-    let srv = RedisServer::start();
+    let srv = test_server();
     let c = client(&srv.url(), ms(600));
     let g = c.lock("mixed").expect("lock");
     let r = c.rwlock("mixed-rw").read().expect("read");

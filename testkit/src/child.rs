@@ -67,6 +67,37 @@ pub fn spawn_self(test_name: &str, envs: &[(&str, String)]) -> Child {
         .unwrap_or_else(|e| panic!("spawn child for test {test_name}: {e}"))
 }
 
+/// The first line of a child entry point: outside a child spawned by [`spawn_self`] (a
+/// normal test run), the test returns at once and passes trivially.
+///
+/// ```ignore
+/// #[test]
+/// fn child_worker() {
+///     redbaton_testkit::child_only!();
+///     let url = child::env("REDIS_URL");
+///     // ...
+/// }
+/// ```
+#[macro_export]
+macro_rules! child_only {
+    () => {
+        if !$crate::child::is_child() {
+            return;
+        }
+    };
+}
+
+/// Starts `n` children of the entry point `test_name`, all with `envs` ([`spawn_self`]).
+pub fn spawn_many(n: usize, test_name: &str, envs: &[(&str, String)]) -> Vec<Child> {
+    (0..n).map(|_| spawn_self(test_name, envs)).collect()
+}
+
+/// Waits for each of `children` in turn, `timeout` each ([`wait_ok`]), and returns what
+/// they printed, in order.
+pub fn wait_all_ok(children: Vec<Child>, timeout: Duration) -> Vec<String> {
+    children.into_iter().map(|c| wait_ok(c, timeout)).collect()
+}
+
 /// True inside a child spawned by [`spawn_self`].
 ///
 /// Side effect in a child: starts (once) a watchdog thread that exits the
@@ -105,6 +136,33 @@ pub fn print_result(fields: &[(&str, String)]) {
     }
     // println! is line-buffered, so the line leaves the process at once.
     println!("{line}");
+}
+
+/// Prints `extra`, then every integer field of `counters` (a struct of counts, such as a
+/// client's `stats()`) under its own name, as one `RESULT` line. The fields are read from
+/// the `Debug` form, so a counter added to the struct is reported without a change here.
+///
+/// ```
+/// #[derive(Debug)]
+/// struct Counts { hits: u64, misses: u64 }
+/// redbaton_testkit::child::print_counters(&Counts { hits: 3, misses: 1 }, &[]);
+/// // prints: RESULT hits=3 misses=1
+/// ```
+pub fn print_counters(counters: &impl std::fmt::Debug, extra: &[(&str, String)]) {
+    let text = format!("{counters:?}");
+    let inner = text
+        .split_once('{')
+        .and_then(|(_, rest)| rest.rsplit_once('}'))
+        .map_or("", |(inner, _)| inner);
+    let mut fields = extra.to_vec();
+    fields.extend(inner.split(',').filter_map(|field| {
+        let (name, value) = field.split_once(':')?;
+        let value = value.trim();
+        value.parse::<u64>().ok()?;
+        Some((name.trim(), value.to_owned()))
+    }));
+    assert!(fields.len() > extra.len(), "no counters in {text}");
+    print_result(&fields);
 }
 
 /// Parses every `RESULT k=v ...` line in a child's stdout, in order.
@@ -194,6 +252,36 @@ pub fn kill_child(child: &mut Child, signal: libc::c_int) {
             libc::kill(child.id() as libc::pid_t, signal);
         }
     }
+}
+
+/// The whole of a child entry point that takes a hold (a lock, a read hold, a permit)
+/// for a test of what its death does: outside a child, nothing; in one, `take` gets the
+/// `REDIS_URL` it was given and returns the hold, which is kept while the child says
+/// `RESULT held=1` and sleeps until killed. The parent starts it with [`spawn_holder`].
+pub fn hold_until_killed<T>(take: impl FnOnce(&str) -> T) {
+    if !is_child() {
+        return;
+    }
+    let _held = take(&env("REDIS_URL"));
+    print_result(&[("held", "1".to_owned())]);
+    thread::sleep(Duration::from_secs(120));
+}
+
+/// Starts the child entry point `test_name` (one made of [`hold_until_killed`]) on the
+/// Redis at `url` and waits up to 30 s for it to say it holds.
+pub fn spawn_holder(test_name: &str, url: String) -> Child {
+    let mut child = spawn_self(test_name, &[("REDIS_URL", url)]);
+    wait_for_line(&mut child, "held=1", Duration::from_secs(30));
+    child
+}
+
+/// SIGKILLs the child and reaps it (up to 10 s), whatever it printed; returns the
+/// instant of the kill, from which a test measures how long the hold it left outlived it.
+pub fn kill_and_reap(mut child: Child) -> Instant {
+    kill_child(&mut child, libc::SIGKILL);
+    let killed = Instant::now();
+    let _ = wait_output(child, Duration::from_secs(10));
+    killed
 }
 
 /// Reads the child's stdout until a line containing `needle` appears and

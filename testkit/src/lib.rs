@@ -2,7 +2,9 @@
 //! examples and the `redbaton-contend` tool all run against real `redis-server` processes
 //! started from here.
 //!
-//! * [`server`]: a throwaway `redis-server` per test ([`server::RedisServer`]).
+//! * [`server`]: a throwaway `redis-server` per test ([`server::RedisServer`]);
+//!   [`test_server`] is how a test starts with one.
+//! * [`client`]: [`lock_client!`] and [`lock_builder!`], the one way to make a client.
 //! * [`proxy`]: a fault-injecting TCP proxy (delays, lost replies, partitions).
 //! * [`child`]: real child processes contending for locks.
 //! * [`cluster`]: a Redis Cluster of three masters and three replicas.
@@ -14,7 +16,10 @@
 //! * [`history`]: seeds, histories and violations of replayable randomized tests.
 //! * [`stalls`]: when the test process itself did not run (a loaded machine), so that
 //!   liveness checks do not blame the library for it.
-//! * [`sections`]: checking critical sections for overlaps nobody was told of.
+//! * [`sections`]: critical sections as contenders report them, and checking them for
+//!   overlaps nobody was told of.
+//! * [`intervals`]: recording when things happened in a process (sections, permits) and
+//!   counting how many were under way at once.
 //! * [`wait`]: polling and joining with a deadline, so a broken test fails instead of
 //!   hanging.
 //!
@@ -35,9 +40,11 @@ use parking_lot::Mutex;
 
 pub mod binaries;
 pub mod child;
+pub mod client;
 pub mod clock;
 pub mod cluster;
 pub mod history;
+pub mod intervals;
 pub mod keys;
 pub mod leftover;
 pub mod logs;
@@ -99,6 +106,14 @@ fn answers(url: &str) -> bool {
         .is_ok()
 }
 
+/// Busy-waits for `d`: a critical section that keeps its core, unlike a sleep.
+pub fn spin(d: Duration) {
+    let t = std::time::Instant::now();
+    while t.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
 /// Shorthand for `Duration::from_millis`, to keep timing-heavy tests legible.
 pub fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -112,6 +127,21 @@ pub fn secs(n: u64) -> Duration {
 /// Placeholder for logger setup (env_logger may be wired in later); tests
 /// call it first so that change will not touch every test.
 pub fn init_log() {}
+
+/// What most tests start with: logging set up ([`init_log`]) and a throwaway
+/// `redis-server` of their own ([`RedisServer::start`]).
+pub fn test_server() -> RedisServer {
+    init_log();
+    RedisServer::start()
+}
+
+/// A Redis URL on a loopback port that nothing listens on (bound, then released): for
+/// tests of a server that is not there, whose connections are refused at once.
+pub fn dead_url() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let port = listener.local_addr().expect("local_addr").port();
+    format!("redis://127.0.0.1:{port}/")
+}
 
 /// A raw connection to `url` (5 s to connect, 10 s per read or write), so that a broken
 /// test fails instead of hanging. Panics when it cannot connect.

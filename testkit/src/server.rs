@@ -400,6 +400,28 @@ impl RedisServer {
         self.commandstats().values().sum()
     }
 
+    /// The value of the server's configuration parameter `name` (`CONFIG GET`), e.g.
+    /// `notify-keyspace-events`: what a client changed, or did not, on the server.
+    pub fn config_get(&self, name: &str) -> String {
+        let reply: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg(name)
+            .query(&mut self.conn())
+            .unwrap_or_else(|e| panic!("CONFIG GET {name}: {e}"));
+        reply.get(1).cloned().unwrap_or_default()
+    }
+
+    /// What idle waiters cost: the commands the server runs in 3 s, counted once they
+    /// have had a second to settle into waiting. Prints the figure for `who`.
+    pub fn idle_cost(&self, who: &str) -> u64 {
+        std::thread::sleep(Duration::from_secs(1));
+        let before = self.total_commands();
+        std::thread::sleep(Duration::from_secs(3));
+        let spent = self.total_commands() - before;
+        eprintln!("{who}: {spent} commands in 3 s");
+        spent
+    }
+
     /// Zeroes the command counters. Uses `CONFIG RESETSTAT` when allowed
     /// (which also resets other `INFO stats` fields); if the command is
     /// refused (renamed away, ACL) falls back to a baseline snapshot, so it

@@ -52,3 +52,15 @@ pub fn join_within<T>(handles: Vec<JoinHandle<T>>, timeout: Duration, what: &str
         .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
         .collect()
 }
+
+/// Joins every thread of `handles` in order, without a deadline, and returns what they
+/// returned; a thread that panicked fails the caller, named by `what`.
+pub fn join_all<T>(handles: Vec<JoinHandle<T>>, what: &str) -> Vec<T> {
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join()
+                .unwrap_or_else(|_| panic!("a thread of {what} panicked"))
+        })
+        .collect()
+}

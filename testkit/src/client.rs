@@ -1,0 +1,58 @@
+//! One way for the tests to make a `redbaton` client: [`lock_builder!`](crate::lock_builder)
+//! and [`lock_client!`](crate::lock_client), so that each test names only the settings it
+//! is about and a client that cannot be built fails the test with what was asked for.
+//!
+//! They are macros because this crate does not depend on `redbaton` (see the crate
+//! documentation): the expansion names `::redbaton`, which the crate that uses them
+//! depends on.
+//!
+//! Settings are the builder's own methods, written as calls and applied in order:
+//! `lock_client!(node(url), key_prefix("p:"), lease(secs(30)))`. One shorthand:
+//! `io_timeouts(d)` sets the connect, read and write timeouts to `d`, the bound the
+//! tests of failover and migration use for every network step.
+
+/// A `redbaton::Builder` with `settings` applied in order (builder methods written as
+/// calls, plus `io_timeouts(d)` for the connect, read and write timeouts at once).
+///
+/// ```ignore
+/// let b = lock_builder!(node(srv.url()), lease(secs(2)));
+/// assert!(b.lease(Duration::ZERO).build().is_err());
+/// ```
+#[macro_export]
+macro_rules! lock_builder {
+    ($($settings:tt)*) => {
+        $crate::__lock_settings!(::redbaton::LockClient::builder(); $($settings)*)
+    };
+}
+
+/// A `redbaton::LockClient` built from `settings` as [`lock_builder!`](crate::lock_builder)
+/// takes them; a client that cannot be built fails the test with the settings and the
+/// error.
+///
+/// ```ignore
+/// let client = lock_client!(node(srv.url()), key_prefix("rw:"));
+/// ```
+#[macro_export]
+macro_rules! lock_client {
+    ($($settings:tt)*) => {
+        $crate::lock_builder!($($settings)*)
+            .build()
+            .unwrap_or_else(|e| panic!("build a client with {}: {e}", stringify!($($settings)*)))
+    };
+}
+
+/// Applies the settings of [`lock_builder!`](crate::lock_builder) one at a time.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lock_settings {
+    ($b:expr;) => { $b };
+    ($b:expr; io_timeouts($d:expr) $(, $($rest:tt)*)?) => {{
+        let d: ::std::time::Duration = $d;
+        $crate::__lock_settings!(
+            $b.connect_timeout(d).read_timeout(d).write_timeout(d); $($($rest)*)?
+        )
+    }};
+    ($b:expr; $setting:ident($($arg:expr),* $(,)?) $(, $($rest:tt)*)?) => {
+        $crate::__lock_settings!($b.$setting($($arg),*); $($($rest)*)?)
+    };
+}
