@@ -51,15 +51,25 @@ pub(crate) fn ensure(conn: &mut Connection, allowed: bool) -> redis::RedisResult
 }
 
 /// [`ensure`], reading the settings `also` in the same `CONFIG GET` (several parameters in
-/// one call: Redis 7; an older server, which takes one, is asked again for the flags
-/// alone). Returns the values of `also` that were read: none when `CONFIG GET` is refused.
+/// one call: Redis 7; an older server, which takes one, is asked again one parameter per
+/// call). Returns the values of `also` that were read: none when `CONFIG GET` is refused.
 pub(crate) fn ensure_reading(
     conn: &mut Connection,
     allowed: bool,
     also: &[&str],
 ) -> redis::RedisResult<(Mode, HashMap<String, String>)> {
     let current = match config_get(conn, also) {
-        Err(e) if !also.is_empty() && is_arity_error(&e) => config_get(conn, &[]),
+        Err(e) if !also.is_empty() && is_arity_error(&e) => {
+            // One parameter per call before Redis 7: the flags, then each of `also`.
+            config_get(conn, &[]).map(|mut flags| {
+                for &k in also {
+                    let one: redis::RedisResult<HashMap<String, String>> =
+                        redis::cmd("CONFIG").arg("GET").arg(k).query(conn);
+                    flags.extend(one.unwrap_or_default());
+                }
+                flags
+            })
+        }
         other => other,
     };
     let current = match current {
