@@ -263,17 +263,6 @@ fn waiter_through_a_migration(
 /// and each releases where its key is.
 #[test]
 fn held_locks_are_renewed_while_their_slot_migrates() {
-    // Before Redis 7.0.10 the source answers ASK, not TRYAGAIN, to a script whose keys are
-    // only partly there, and the renewals of a half-migrated slot are then lost: a known
-    // defect on those servers (README, Guarantees and limits), said here, not hidden.
-    let version = redbaton_testkit::binaries::server_version().expect("server version");
-    if version.product == "redis" && version.version < (7, 0, 10) {
-        eprintln!(
-            "NOT CHECKED on {version}: renewals during a half-done slot migration are lost \
-             before Redis 7.0.10 (known defect)"
-        );
-        return;
-    }
     let (cluster, client) = &started(LEASE);
     let (slot, names) = cluster.names_in_one_slot(&KEYS, "mig-r", 2);
     let from = cluster.owner(slot);

@@ -655,7 +655,7 @@ impl Node {
         let ordered = batches.iter().any(|b| b.ordered);
         self.redirect.is_some()
             && (locks > 1 || ordered)
-            && (is_migrating(e) || (batches.len() > 1 && e.redirect_node().is_some()))
+            && (is_migrating(e) || (batches.len() > 1 && is_redirect(e)))
     }
 
     /// [`extend_batches`](Self::extend_batches), one lock per call, each following its
@@ -797,6 +797,16 @@ pub(crate) fn within_deadline<T>(
     // Also after an error reply: the connection goes back to the pool.
     conn.set_read_timeout(Some(read_timeout))?;
     result
+}
+
+/// `MOVED` or `ASK`, also as the first failure of a pipeline (whose error carries no
+/// address: `redirect_node` is `None` there).
+fn is_redirect(e: &redis::RedisError) -> bool {
+    use redis::{
+        ErrorKind::Server,
+        ServerErrorKind::{Ask, Moved},
+    };
+    matches!(e.kind(), Server(Ask) | Server(Moved))
 }
 
 /// A Redis Cluster reply saying the command did not run and may be sent again shortly:
