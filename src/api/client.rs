@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::api::guard::LockGuard;
 use crate::config::Config;
-use crate::engine::contend::Wait;
+use crate::engine::contest::Wait;
 use crate::engine::state::Engine;
 use crate::error::{Error, Result};
 use crate::stats::{Stats, SubscriberStats};

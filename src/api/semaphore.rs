@@ -7,7 +7,7 @@ use crossbeam_channel::Receiver;
 
 use crate::api::client::LockClient;
 use crate::api::rwlock::{Kind, SharedGuard, shared_guard_methods};
-use crate::engine::contend::Wait;
+use crate::engine::contest::Wait;
 use crate::engine::state::Engine;
 use crate::error::{LostReason, Result, Unlocked};
 

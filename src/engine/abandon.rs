@@ -17,7 +17,7 @@ impl Engine {
         let route = self.topology.route(&lock.keys);
         let every = route.nodes().iter().map(|n| n.id.clone()).collect();
         self.cleanup
-            .release_later(&lock.keys, lock.token.clone(), every);
+            .release_later(&lock.keys, lock.protocol, lock.token.clone(), every);
         self.table.released(&lock.keys, false);
     }
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::engine::contend::Wait;
+use crate::engine::contest::Wait;
 use crate::engine::state::Engine;
 use crate::error::Result;
 use crate::local::held::RemoteLock;
@@ -12,7 +12,9 @@ use crate::local::mailbox::Grant;
 use crate::local::table::Role;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
+use crate::proto::protocol::Kind;
 use crate::stats::Counters;
+use crate::topology::Route;
 use crate::wake::events::Hears;
 
 impl Engine {
@@ -21,12 +23,16 @@ impl Engine {
     pub fn acquire(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<(Arc<RemoteLock>, u32)> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         let waits = matches!(wait, Wait::Until(_));
-        let subs = self.subs_for(&self.topology.route(&keys));
+        // The route is read once here and given to the contest (a queued thread reads it
+        // again when its turn comes: the layout may have changed meanwhile).
+        let route = self.topology.route(&keys);
+        let subs = self.subs_for(&route);
         let role = self
             .table
             .enter(&keys, waits, self.cfg.local_handoff, &subs)?;
+        drop(subs);
         match role {
-            Role::Contend => Ok((self.contend_for_table(&keys, wait, false)?, 0)),
+            Role::Contend => Ok((self.contend_for_table(&keys, route, wait, false)?, 0)),
             Role::Queued { slot, check_marks } => {
                 let deadline = wait.deadline();
                 // A panic while queued must not strand the key (see `cleanup`).
@@ -42,7 +48,8 @@ impl Engine {
                         Ok((remote, seq))
                     }
                     Ok(Grant::Contend { yield_first }) => {
-                        Ok((self.contend_for_table(&keys, wait, yield_first)?, 0))
+                        let route = self.topology.route(&keys);
+                        Ok((self.contend_for_table(&keys, route, wait, yield_first)?, 0))
                     }
                     Err(e) => {
                         if e.is_timeout() {
@@ -59,14 +66,15 @@ impl Engine {
     fn contend_for_table(
         self: &Arc<Self>,
         keys: &Keys,
+        route: Route,
         wait: Wait,
         yield_first: bool,
     ) -> Result<Arc<RemoteLock>> {
         // A contender that panics gives up its turn, so that the next local waiter contends.
         let undo = OnUnwind::new(|| self.table.contend_failed(keys));
-        let contended = self.contend(keys, wait, yield_first);
+        let contended = self.contest(keys, route, Kind::Lock, wait, yield_first);
         undo.disarm();
-        match contended {
+        match contended.map(|won| won.remote) {
             Ok(lock) => {
                 self.table.acquired(keys);
                 if let Some(w) = &self.watchdog {
@@ -107,7 +115,7 @@ impl Engine {
             };
             drop(watch);
             let Some(at) = confirmed_at else { continue };
-            match route.protocol().foreign_mark(node, keys) {
+            match route.lock_protocol().foreign_mark(node, keys) {
                 Ok(foreign) => self.table.marks_checked(keys, &node.id, at, foreign),
                 Err(e) => log::debug!("node {}: mark check failed: {e}", node.id),
             }

@@ -19,7 +19,8 @@ use parking_lot::Mutex;
 
 use crate::error::Result;
 use crate::proto::keys::Keys;
-use crate::proto::node::{NodeId, ReleaseReply};
+use crate::proto::node::{Node, NodeId, ReleaseReply, Retry};
+use crate::proto::protocol::Protocol;
 use crate::stats::Counters;
 use crate::topology::{Route, Topology};
 
@@ -29,6 +30,7 @@ pub(crate) const QUEUE: usize = 1024;
 /// One release to make: the key, our token, and the nodes that may hold it.
 struct Job {
     keys: Keys,
+    protocol: Protocol,
     token: String,
     nodes: Vec<NodeId>,
     queued_at: Instant,
@@ -62,9 +64,16 @@ impl Cleanup {
     /// Queues a compare-and-delete of `token` on `nodes`; never blocks. When the queue is
     /// full (or the thread cannot start) the release is dropped, counted, and the key
     /// expires with its lease.
-    pub fn release_later(&self, keys: &Keys, token: String, nodes: Vec<NodeId>) {
+    pub fn release_later(
+        &self,
+        keys: &Keys,
+        protocol: Protocol,
+        token: String,
+        nodes: Vec<NodeId>,
+    ) {
         let job = Job {
             keys: keys.clone(),
+            protocol,
             token,
             nodes,
             queued_at: Instant::now(),
@@ -113,7 +122,14 @@ impl Cleanup {
                     }
                     let released = catch_unwind(AssertUnwindSafe(|| {
                         let route = topology.route(&job.keys);
-                        release_on(&topology, &job.keys, &route, &job.token, &job.nodes)
+                        release_on(
+                            &topology,
+                            &job.keys,
+                            &route,
+                            job.protocol,
+                            &job.token,
+                            &job.nodes,
+                        )
                     }));
                     match released {
                         Ok(replies) => {
@@ -156,17 +172,35 @@ pub(crate) fn release_on(
     topology: &Topology,
     keys: &Keys,
     route: &Route,
+    protocol: Protocol,
     token: &str,
     ids: &[NodeId],
 ) -> Vec<Result<ReleaseReply>> {
     if ids.is_empty() {
         return Vec::new();
     }
-    let (retry, protocol) = (route.retry(), route.protocol());
-    let nodes = route.holders(ids);
-    if let [node] = nodes.as_slice() {
+    release_at(
+        topology,
+        keys,
+        &route.holders(ids),
+        route.retry(),
+        protocol,
+        token,
+    )
+}
+
+/// Compare-and-delete of `token`'s hold of `protocol` on `nodes`, in parallel.
+pub(crate) fn release_at(
+    topology: &Topology,
+    keys: &Keys,
+    nodes: &[Arc<Node>],
+    retry: Retry,
+    protocol: Protocol,
+    token: &str,
+) -> Vec<Result<ReleaseReply>> {
+    if let [node] = nodes {
         return vec![protocol.release(node, keys, token, retry)];
     }
     let (k, t) = (keys.clone(), token.to_owned());
-    topology.fan_out(&nodes, move |node| protocol.release(node, &k, &t, retry))
+    topology.fan_out(nodes, move |node| protocol.release(node, &k, &t, retry))
 }

@@ -1,4 +1,4 @@
-//! The contend loop's timing: the pause after a contended release, and deadlines.
+//! The contest loop's timing: the pause after a contended release, and deadlines.
 //! Instants from durations (which a user may set as large as `Duration::MAX`) come from
 //! `crate::clock::from_now`, which saturates.
 

@@ -5,7 +5,7 @@ mod abandon;
 pub(crate) mod acquire;
 pub(crate) mod cleanup;
 pub(crate) mod clock;
-pub(crate) mod contend;
+pub(crate) mod contest;
 mod eviction;
 mod probe;
 pub(crate) mod release;

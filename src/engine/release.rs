@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::{Stamp, from_now};
-use crate::engine::cleanup::release_on;
+use crate::engine::cleanup::{release_at, release_on};
 use crate::engine::clock::YIELD;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
@@ -14,6 +14,7 @@ use crate::local::table::Step;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Change, ExtendReply, NodeId, ReleaseReply, may_have_run};
+use crate::proto::protocol::Protocol;
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::verdict::{Renewal, tally_release};
@@ -46,7 +47,7 @@ impl Engine {
                     Counters::inc(&self.counters.grants_passed);
                 }
                 // With the fair queue the next process already has it: nobody to yield to.
-                let grants = route.protocol().release_may_grant();
+                let grants = lock.protocol.release_may_grant();
                 if contended && !grants {
                     // A thread that releases and locks again would otherwise win every time:
                     // its attempt reaches Redis before the waiters have heard of the release.
@@ -67,13 +68,20 @@ impl Engine {
 
     /// Compare-and-delete of `lock` on every node of its route (Redlock: not only those
     /// that granted: a node whose grant came too late to count may hold our token too).
-    fn release_everywhere(
+    pub(crate) fn release_everywhere(
         self: &Arc<Self>,
         lock: &RemoteLock,
     ) -> (Route, Vec<Result<ReleaseReply>>) {
         self.release_riding(lock, |route| {
-            let every: Vec<NodeId> = route.nodes().iter().map(|n| n.id.clone()).collect();
-            self.release_on(&lock.keys, route, &lock.token, &every)
+            let (keys, token, retry) = (&lock.keys, lock.token.as_str(), route.retry());
+            release_at(
+                &self.topology,
+                keys,
+                route.nodes(),
+                retry,
+                lock.protocol,
+                token,
+            )
         })
     }
 
@@ -142,6 +150,7 @@ impl Engine {
             let replies = self.topology.fan_out(&holders, move |node| {
                 let change = Change {
                     key: l.keys.lock(),
+                    record: l.keys.lease(),
                     token: l.token.as_str(),
                     seq,
                 };
@@ -158,8 +167,7 @@ impl Engine {
                 count(ExtendReply::Gone),
                 count(ExtendReply::Other),
             );
-            let verdict =
-                Renewal::judge(tally, replies.len(), route.quorum(), route.sole().is_none());
+            let verdict = route.renewal(tally, replies.len());
             match (verdict, replies.as_slice()) {
                 (Renewal::Unknown, [Err(e)]) if ride.again(e, Some(lock.valid_until())) => {}
                 _ => break (started, replies, verdict),
@@ -198,10 +206,11 @@ impl Engine {
         self: &Arc<Self>,
         keys: &Keys,
         route: &Route,
+        protocol: Protocol,
         token: &str,
         ids: &[NodeId],
     ) -> Vec<Result<ReleaseReply>> {
-        release_on(&self.topology, keys, route, token, ids)
+        release_on(&self.topology, keys, route, protocol, token, ids)
     }
 
     /// Redlock: raises the fencing counter of the granting nodes that are behind to
@@ -226,8 +235,8 @@ impl Engine {
     }
 
     /// Removes our contention mark on every node of the route (best effort).
-    pub(crate) fn unmark(self: &Arc<Self>, keys: &Keys, route: &Route) {
-        let (k, protocol) = (keys.clone(), route.protocol());
+    pub(crate) fn unmark(self: &Arc<Self>, keys: &Keys, route: &Route, protocol: Protocol) {
+        let k = keys.clone();
         for r in self
             .topology
             .fan_out(route.nodes(), move |node| protocol.unmark(node, &k))

@@ -1,4 +1,4 @@
-//! The engine's shared state: what the client façade, the guards and the contend loop
+//! The engine's shared state: what the client façade, the guards and the contest loop
 //! share, and how it starts.
 
 use std::sync::Arc;

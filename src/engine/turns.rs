@@ -8,15 +8,15 @@ use std::time::Instant;
 
 use parking_lot::MutexGuard;
 
-use crate::engine::contend::Wait;
-use crate::engine::shared_hold::{Hold, sole};
+use crate::engine::contest::Wait;
+use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
 use crate::error::{Error, Result, Unlocked};
 use crate::fencing::{self, MAX_LOCAL_SEQ};
 use crate::local::held::RemoteLock;
 use crate::local::shares::{Budget, Mine, Mode, Next, SharesState};
 use crate::proto::keys::Keys;
-use crate::proto::rw_scripts::Want;
+use crate::proto::protocol::Kind;
 use crate::stats::Counters;
 
 static NEXT_SHARER: AtomicU64 = AtomicU64::new(1);
@@ -132,9 +132,8 @@ impl Engine {
                 }
                 Next::Check => {
                     let remote = turn.remote.clone();
-                    let keep = remote.is_some_and(|(r, held)| {
-                        MutexGuard::unlocked(st, || self.keep_turns(&r, held))
-                    });
+                    let keep = remote
+                        .is_some_and(|(r, _)| MutexGuard::unlocked(st, || self.keep_turns(&r)));
                     st.turns.entry(keys.clone()).or_default().checked(keep);
                     self.shares.changed.notify_all();
                 }
@@ -173,18 +172,20 @@ impl Engine {
     /// Whether the process may go on taking turns on `remote`, held as `mode` (the hold is
     /// live and nobody else waits for it). An error counts as no: the hold drains and is
     /// asked for again.
-    fn keep_turns(&self, remote: &RemoteLock, mode: Mode) -> bool {
+    fn keep_turns(&self, remote: &RemoteLock) -> bool {
         let route = self.topology.route(&remote.keys);
-        let Ok(node) = sole(&route) else {
-            return false;
-        };
-        match node.keep_turns(&remote.keys, &remote.token, mode == Mode::Write) {
-            Ok(keep) => keep,
-            Err(e) => {
-                log::debug!("checking for waiting writers failed: {e}");
-                false
+        route.nodes().iter().all(|node| {
+            match remote
+                .protocol
+                .keeps_turns(node, &remote.keys, &remote.token)
+            {
+                Ok(keep) => keep,
+                Err(e) => {
+                    log::debug!("checking for waiting writers failed: {e}");
+                    false
+                }
             }
-        }
+        })
     }
 
     /// Gives a remote hold back on behalf of the process (nobody waits for the outcome).
@@ -255,10 +256,10 @@ impl Engine {
     }
 }
 
-fn want(mode: Mode) -> Want {
+fn want(mode: Mode) -> Kind {
     match mode {
-        Mode::Read => Want::Read,
-        Mode::Write => Want::Write,
+        Mode::Read => Kind::Read,
+        Mode::Write => Kind::Write,
     }
 }
 

@@ -10,7 +10,7 @@ use crate::config::Wakeup;
 use crate::engine::clock::{YIELD, earliest};
 use crate::engine::state::Engine;
 use crate::proto::keys::Keys;
-use crate::proto::node::{Marks, new_token};
+use crate::proto::protocol::{Marks, Protocol};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::wake::early::{Armed, Shot};
@@ -85,27 +85,32 @@ impl Waiter {
         keys: &Keys,
         client: &Engine,
         route: &Route,
+        protocol: Protocol,
         marked: bool,
         deadline: Option<Instant>,
     ) {
-        let Some(node) = route.sole() else {
-            return;
-        };
         if client.cfg.replica_ack.is_some() {
             return; // the subscriber's early attempt would not wait for the replicas
         }
         let [watch] = self.watches.as_slice() else {
             return;
         };
-        let token = self.grant_token.clone().unwrap_or_else(new_token);
+        let token = self
+            .grant_token
+            .clone()
+            .unwrap_or_else(|| protocol.new_token());
         // We wait, so a failure marks contention; and clears our mark if we win.
         let marks = Marks {
             leave: true,
             clear: marked,
         };
-        let call = route
-            .protocol()
-            .acquire_call(node, keys, &token, client.cfg.lease, marks);
+        let lease = client.cfg.lease;
+        let Some((node, call)) = client
+            .topology
+            .early_call(route, protocol, keys, &token, lease, marks)
+        else {
+            return;
+        };
         if watch.arm(Armed::new(node.pool.clone(), &call, deadline)) {
             self.pending = Some(Pending { token, marks, call });
         }

@@ -15,12 +15,11 @@ use parking_lot::Mutex;
 
 use crate::config::Config;
 use crate::error::LostReason;
-use crate::local::held::{Changed, Due, HoldKind, RemoteLock};
+use crate::local::held::{Changed, Due, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::keyslot;
 use crate::proto::node::{Batch, Change, ExtendReply, Node, NodeId};
-use crate::proto::rw_scripts::SHARED_EXTEND;
-use crate::proto::scripts::{EXTEND, Lua};
+use crate::proto::protocol::RenewScript;
 use crate::stats::Counters;
 use crate::topology::Topology;
 use crate::topology::verdict::Renewal;
@@ -233,8 +232,7 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     undo.disarm();
     for ((lock, lease, _), (ok, gone, other)) in due.iter().zip(tallies) {
         let route = topology.route(&lock.keys);
-        let (quorum, redlock) = (route.quorum(), route.sole().is_none());
-        let outcome = match Renewal::judge((ok, gone, other), lock.nodes.len(), quorum, redlock) {
+        let outcome = match route.renewal((ok, gone, other), lock.nodes.len()) {
             Renewal::Renewed => Changed::Applied {
                 valid_until: now + *lease - cfg.drift(*lease),
                 next_renew: now + cfg.renew_every(*lease),
@@ -293,22 +291,19 @@ fn extend_on_nodes(
     let per_node = topology.fan_out(&nodes, move |node| {
         // Group this node's locks by lease, slot and kind: one script call per group and
         // batch, the script chosen by how the locks are held.
-        let mut by_lease: HashMap<(Duration, u16, HoldKind), Vec<usize>> = HashMap::new();
+        let mut by_lease: HashMap<(Duration, u16, bool), Vec<usize>> = HashMap::new();
         for &i in held_by.get(&node.id).map(Vec::as_slice).unwrap_or_default() {
             let (lock, lease, _, slot) = &jobs[i];
             by_lease
-                .entry((*lease, *slot, lock.kind))
+                .entry((*lease, *slot, lock.protocol.renewal().ordered))
                 .or_default()
                 .push(i);
         }
         // Every group's batches go in one round trip to the node.
         let mut batches: Vec<Batch<'_>> = Vec::new();
         let mut chunks: Vec<&[usize]> = Vec::new();
-        for ((lease, _, kind), idxs) in &by_lease {
-            let (script, ordered): (&Lua, bool) = match kind {
-                HoldKind::Lock => (&EXTEND, true),
-                HoldKind::Shared => (&SHARED_EXTEND, false),
-            };
+        for ((lease, _, _), idxs) in &by_lease {
+            let RenewScript { script, ordered } = jobs[idxs[0]].0.protocol.renewal();
             for chunk in idxs.chunks(BATCH) {
                 batches.push(Batch {
                     script,
@@ -316,6 +311,7 @@ fn extend_on_nodes(
                         .iter()
                         .map(|&i| Change {
                             key: jobs[i].0.keys.lock(),
+                            record: jobs[i].0.keys.lease(),
                             token: jobs[i].0.token.as_str(),
                             seq: jobs[i].2,
                         })

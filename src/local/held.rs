@@ -11,6 +11,7 @@ use crate::clock::Stamp;
 use crate::error::LostReason;
 use crate::proto::keys::Keys;
 use crate::proto::node::NodeId;
+use crate::proto::protocol::Protocol;
 use crate::stats::Counters;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -32,8 +33,8 @@ pub(crate) struct RemoteLock {
     acquired: Stamp,
     /// Renewed by the watchdog (else only watched until it expires).
     renews: bool,
-    /// How it is held in Redis, which says how it is renewed.
-    pub kind: HoldKind,
+    /// How it is held in Redis, which says how it is released and renewed.
+    pub protocol: Protocol,
     state: Mutex<State>,
     renew_done: Condvar,
 }
@@ -56,16 +57,6 @@ struct State {
     listener: Option<Sender<LostReason>>,
     /// The lost channels of holders that share the lock at once (local readers), by id.
     sharers: Vec<(u64, Sender<LostReason>)>,
-}
-
-/// How a lock is held in Redis.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum HoldKind {
-    /// A plain lock: the key holds the token.
-    Lock,
-    /// A hold among others in a sorted set (read-write lock, semaphore): the token is the
-    /// hold's member.
-    Shared,
 }
 
 /// What the watchdog should do with a lock now.
@@ -99,6 +90,7 @@ pub(crate) enum Changed {
 /// What a successful acquisition round produced.
 pub(crate) struct Acquisition {
     pub keys: Keys,
+    pub protocol: Protocol,
     pub token: String,
     pub fence: u64,
     pub nodes: Vec<NodeId>,
@@ -111,6 +103,7 @@ impl RemoteLock {
     pub fn new(
         Acquisition {
             keys,
+            protocol,
             token,
             fence,
             nodes,
@@ -129,7 +122,7 @@ impl RemoteLock {
             acquired_at: started.to_instant(),
             acquired: started,
             renews: renew_every.is_some(),
-            kind: HoldKind::Lock,
+            protocol,
             state: Mutex::new(State {
                 lease,
                 valid_until: started + lease - drift,
@@ -144,12 +137,6 @@ impl RemoteLock {
             }),
             renew_done: Condvar::new(),
         }
-    }
-
-    /// The same lock, held as `kind`.
-    pub fn with_kind(mut self, kind: HoldKind) -> Self {
-        self.kind = kind;
-        self
     }
 
     /// When the watchdog should look at this lock next.

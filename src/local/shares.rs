@@ -290,6 +290,9 @@ mod tests {
     fn hold() -> Arc<RemoteLock> {
         let acquisition = crate::local::held::Acquisition {
             keys: Keys::new("t:", b"n").unwrap(),
+            protocol: crate::proto::protocol::Protocols::of(&Default::default())
+                .get(crate::proto::protocol::Kind::Read)
+                .unwrap(),
             token: "r1".to_owned(),
             fence: 1,
             nodes: Vec::new(),

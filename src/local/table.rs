@@ -435,6 +435,7 @@ mod tests {
         Arc::new(RemoteLock::new(
             Acquisition {
                 keys: keys.clone(),
+                protocol: crate::proto::protocol::Protocols::of(&Config::default()).lock(),
                 token: "tok".to_owned(),
                 fence: 1,
                 nodes: vec![NodeId::new("127.0.0.1:1/0")],

@@ -40,23 +40,50 @@ pub(crate) const MAX_PREFIX_LEN: usize = 1024;
 ///
 /// Shared behind an `Arc`: the keys travel with the lock (guard, watchdog, fan-out jobs),
 /// and a clone must not copy five buffers on every acquisition.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone)]
 pub(crate) struct Keys(std::sync::Arc<KeyBytes>);
 
-#[derive(Debug, PartialEq, Eq, Hash)]
+/// Every key and channel of one name, in one buffer: an acquisition allocates it once
+/// (and the `Arc` around it), not once per key.
+#[derive(Debug)]
 pub(crate) struct KeyBytes {
-    name: Vec<u8>,
-    lock: Vec<u8>,
-    fence: Vec<u8>,
-    /// Who last failed to get the lock (a client id, with a short TTL): lets a holder that
-    /// subscribed late learn of a waiter whose live mark it could not hear.
-    mark: Vec<u8>,
-    /// The library's own channel: `r` on release (when keyspace events are off) and `c`
-    /// when an acquire attempt failed (a remote process wants the lock).
-    channel: Vec<u8>,
-    /// The fair queue: waiting contenders by arrival, and when their entries expire.
-    queue: Vec<u8>,
-    queue_expiry: Vec<u8>,
+    /// The name, the lock key, then each suffix of the lock key in [`SUFFIXES`] order.
+    buf: Box<[u8]>,
+    name: usize,
+    lock: usize,
+    /// Where each suffix ends in `buf`.
+    ends: [usize; SUFFIXES.len()],
+}
+
+/// The suffixes of the lock key that name a lock's other keys and its channel, in the
+/// order `KeyBytes::ends` keeps them:
+/// - `:fence`: the fencing counter;
+/// - `:w`: who last failed to get the lock (a client id, with a short TTL): lets a holder
+///   that subscribed late learn of a waiter whose live mark it could not hear;
+/// - `:ev`: the library's own channel: `r` on release (when keyspace events are off) and
+///   `c` when an acquire attempt failed (a remote process wants the lock);
+/// - `:q`, `:qx`: the fair queue: waiting contenders by arrival, and when their entries
+///   expire;
+/// - `:lease`: the lease record (the number and token of the last lease change applied,
+///   see `scripts::EXTEND`);
+/// - `:ww`, `:wr`: a read-write lock's waiting writers and readers (see `rw_scripts`).
+const SUFFIXES: [&[u8]; 8] = [
+    b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr",
+];
+
+impl PartialEq for Keys {
+    /// The lock key says everything: the other keys derive from it.
+    fn eq(&self, other: &Self) -> bool {
+        self.lock() == other.lock()
+    }
+}
+
+impl Eq for Keys {}
+
+impl std::hash::Hash for Keys {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.lock().hash(state);
+    }
 }
 
 impl Keys {
@@ -68,57 +95,80 @@ impl Keys {
             return Err(Error::InvalidName("longer than 4096 bytes"));
         }
         let lock = lock_key(prefix.as_bytes(), name);
-        let mut fence = lock.clone();
-        fence.extend_from_slice(b":fence");
-        let mut mark = lock.clone();
-        mark.extend_from_slice(b":w");
-        let channel = channel_of_lock(&lock);
-        let mut queue = lock.clone();
-        queue.extend_from_slice(b":q");
-        let mut queue_expiry = lock.clone();
-        queue_expiry.extend_from_slice(b":qx");
+        let suffixes: usize = SUFFIXES.iter().map(|s| lock.len() + s.len()).sum();
+        let mut buf = Vec::with_capacity(name.len() + lock.len() + suffixes);
+        buf.extend_from_slice(name);
+        buf.extend_from_slice(&lock);
+        let mut ends = [0; SUFFIXES.len()];
+        for (end, suffix) in ends.iter_mut().zip(SUFFIXES) {
+            buf.extend_from_slice(&lock);
+            buf.extend_from_slice(suffix);
+            *end = buf.len();
+        }
         Ok(Keys(std::sync::Arc::new(KeyBytes {
-            name: name.to_vec(),
-            lock,
-            fence,
-            mark,
-            channel,
-            queue,
-            queue_expiry,
+            buf: buf.into_boxed_slice(),
+            name: name.len(),
+            lock: name.len() + lock.len(),
+            ends,
         })))
     }
 
     pub fn name(&self) -> &[u8] {
-        &self.0.name
+        &self.0.buf[..self.0.name]
     }
 
     pub fn lock(&self) -> &[u8] {
-        &self.0.lock
+        &self.0.buf[self.0.name..self.0.lock]
+    }
+
+    /// The lock key with the `i`-th of [`SUFFIXES`].
+    fn suffixed(&self, i: usize) -> &[u8] {
+        let start = if i == 0 {
+            self.0.lock
+        } else {
+            self.0.ends[i - 1]
+        };
+        &self.0.buf[start..self.0.ends[i]]
     }
 
     pub fn fence(&self) -> &[u8] {
-        &self.0.fence
+        self.suffixed(0)
     }
 
     pub fn mark(&self) -> &[u8] {
-        &self.0.mark
+        self.suffixed(1)
     }
 
     pub fn channel(&self) -> &[u8] {
-        &self.0.channel
+        self.suffixed(2)
     }
 
     pub fn queue(&self) -> &[u8] {
-        &self.0.queue
+        self.suffixed(3)
     }
 
     pub fn queue_expiry(&self) -> &[u8] {
-        &self.0.queue_expiry
+        self.suffixed(4)
+    }
+
+    /// The lease record (see `scripts::EXTEND`).
+    pub fn lease(&self) -> &[u8] {
+        self.suffixed(5)
+    }
+
+    /// A read-write lock's waiting writers.
+    pub fn writers(&self) -> &[u8] {
+        self.suffixed(6)
+    }
+
+    /// A read-write lock's waiting readers.
+    pub fn readers(&self) -> &[u8] {
+        self.suffixed(7)
     }
 
     /// The name for log lines.
     pub fn display(&self) -> String {
-        String::from_utf8_lossy(&self.0.name).into_owned()
+        String::from_utf8_lossy(self.name()).into_owned()
     }
 }
 

@@ -3,9 +3,9 @@
 pub(crate) mod connect;
 pub(crate) mod fair_scripts;
 pub(crate) mod keys;
-pub(crate) mod lock_protocol;
 pub(crate) mod node;
 pub(crate) mod pool;
+pub(crate) mod protocol;
 pub(crate) mod rw_scripts;
 pub(crate) mod scripts;
 pub(crate) mod sharded;

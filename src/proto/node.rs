@@ -1,6 +1,6 @@
 //! One Redis node: its connection pool, and running commands and scripts on it (retries,
 //! redirects, replica acknowledgements). Which lock scripts it runs, with which
-//! arguments, is the route's protocol's (see `lock_protocol`).
+//! arguments, is the route's protocol's (see `protocol`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,18 +14,6 @@ use crate::proto::keys::Keys;
 use crate::proto::pool::Pool;
 use crate::proto::scripts::{self, EXTEND, EXTEND_UNORDERED, Lua, RAISE_FENCE};
 use crate::stats::Counters;
-
-/// The reply to one acquire attempt on one node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Attempt {
-    /// The lock is ours; `fence` is the node's fencing counter for this acquisition.
-    Acquired { fence: u64 },
-    /// Someone else holds it; `pttl` is what remains of their lease (`None`: no TTL).
-    Held { pttl: Option<Duration> },
-    /// The script took the lock, but fewer replicas than asked acknowledged it in time
-    /// (`replica_ack`): the caller must release it.
-    Unacked { acked: usize },
-}
 
 /// What a compare-and-delete found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,15 +70,6 @@ impl Retry {
         times: 2,
         after_timeout: true,
     };
-}
-
-/// What an acquire attempt does with contention marks.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Marks {
-    /// The caller will wait if the lock is held: a failure marks contention.
-    pub leave: bool,
-    /// The caller marked before: a success deletes its mark.
-    pub clear: bool,
 }
 
 /// The shortest read timeout an attempt gets, however close the caller's deadline.
@@ -705,6 +684,8 @@ impl Node {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Change<'a> {
     pub key: &'a [u8],
+    /// The lock's lease record (see `Keys::lease`).
+    pub record: &'a [u8],
     pub token: &'a str,
     pub seq: u64,
 }
@@ -728,7 +709,7 @@ impl Batch<'_> {
         for c in &self.locks {
             call.arg(c.key);
             if self.ordered {
-                call.arg(lease_key(c.key));
+                call.arg(c.record);
             }
         }
         call.arg(millis(self.lease));
@@ -740,15 +721,6 @@ impl Batch<'_> {
         }
         call
     }
-}
-
-/// The lease record of the lock key `lock`: the number and token of the last lease change
-/// applied (see `scripts::EXTEND`). In the lock's hash slot: it starts with the lock key.
-pub(crate) fn lease_key(lock: &[u8]) -> Vec<u8> {
-    let mut key = Vec::with_capacity(lock.len() + 6);
-    key.extend_from_slice(lock);
-    key.extend_from_slice(b":lease");
-    key
 }
 
 /// One batch's statuses, one per lock: 1 extended, 0 gone, −1 another owner, 2 refused as

@@ -304,22 +304,6 @@ return 0
 ")
 });
 
-/// The key of the writers waiting for the read-write lock `keys`.
-fn writers_key(keys: &Keys) -> Vec<u8> {
-    marks_key(keys, b":ww")
-}
-
-/// The key of the readers waiting for the read-write lock `keys`.
-fn readers_key(keys: &Keys) -> Vec<u8> {
-    marks_key(keys, b":wr")
-}
-
-fn marks_key(keys: &Keys, suffix: &[u8]) -> Vec<u8> {
-    let mut k = keys.lock().to_vec();
-    k.extend_from_slice(suffix);
-    k
-}
-
 impl Node {
     /// One attempt at a shared hold with `member` (the hold's tag and token), retried with
     /// the same member after an ambiguous failure. `mark_ttl`: the caller will wait, so a
@@ -342,8 +326,8 @@ impl Node {
                 let mut call = RW_ACQUIRE.call(4);
                 call.arg(keys.lock())
                     .arg(keys.fence())
-                    .arg(writers_key(keys))
-                    .arg(readers_key(keys))
+                    .arg(keys.writers())
+                    .arg(keys.readers())
                     .arg(if want == Want::Read { "r" } else { "w" })
                     .arg(member)
                     .arg(lease_ms)
@@ -389,7 +373,7 @@ impl Node {
         let mut call = SHARED_RELEASE.call(if permit { 1 } else { 2 });
         call.arg(keys.lock());
         if !permit {
-            call.arg(writers_key(keys));
+            call.arg(keys.writers());
         }
         call.arg(member)
             .arg(keys.channel())
@@ -402,8 +386,8 @@ impl Node {
     pub fn keep_turns(&self, keys: &Keys, member: &str, write: bool) -> Result<bool> {
         let mut call = RW_KEEP.call(3);
         call.arg(keys.lock())
-            .arg(writers_key(keys))
-            .arg(readers_key(keys))
+            .arg(keys.writers())
+            .arg(keys.readers())
             .arg(member)
             .arg(if write { "w" } else { "r" });
         let keep: i64 = self.run(Retry::ON_RESET, |c| RW_KEEP.run(&call, c))?;
@@ -413,9 +397,9 @@ impl Node {
     /// Removes a waiting writer's (or reader's) mark: it stops waiting without the lock.
     pub fn unmark_waiter(&self, keys: &Keys, member: &str, write: bool) -> Result<()> {
         let set = if write {
-            writers_key(keys)
+            keys.writers()
         } else {
-            readers_key(keys)
+            keys.readers()
         };
         let mut call = WAITER_UNMARK.call(1);
         call.arg(set)

@@ -22,8 +22,11 @@ impl Lua {
     }
 
     /// An `EVALSHA` of this script with `keys` keys: append the keys, then the arguments.
+    /// Its buffers are sized for the lock scripts' calls (a dozen arguments, keys of a
+    /// few dozen bytes), so that building one does not grow them step by step.
     pub fn call(&self, keys: usize) -> Cmd {
-        let mut cmd = redis::cmd("EVALSHA");
+        let mut cmd = Cmd::with_capacity(16, 512);
+        cmd.arg("EVALSHA");
         cmd.arg(self.0.get_hash()).arg(keys);
         cmd
     }
@@ -208,7 +211,7 @@ return -1
 /// due lock of a node with one call; an explicit extend is a batch of one), each lease
 /// change ordered by its hold's change number.
 ///
-/// KEYS: per lock, its key and its lease record (`<lock>:lease`, see `node::lease_key`),
+/// KEYS: per lock, its key and its lease record (`<lock>:lease`, see `Keys::lease`),
 /// in pairs. ARGV: lease in ms, then per lock its token and the change's number.
 /// Returns one status per lock: 1 extended, 0 the key was gone, -1 another token (or
 /// another kind of lock, whose key is not a string) holds it, 2 refused as stale (a newer

@@ -40,8 +40,8 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::connect::{is_tls_url, open_client, open_client_at};
 use crate::proto::keys::{Keys, keyslot};
-use crate::proto::lock_protocol::LockProtocol;
 use crate::proto::node::{Node, Redirect, Retry};
+use crate::proto::protocol::Protocols;
 use crate::stats::Counters;
 
 /// The shortest time between two reads of the slot map: a burst of redirects or errors
@@ -95,7 +95,7 @@ impl Cluster {
             map: RwLock::new(Map {
                 owner: vec![NONE; SLOTS],
                 routes: Vec::new(),
-                all: Route::every(Arc::from(Vec::new()), 1, LockProtocol::of(cfg)),
+                all: Route::every(Arc::from(Vec::new()), 1, Protocols::of(cfg)),
                 known: HashMap::new(),
             }),
             stale: AtomicBool::new(false),
@@ -232,7 +232,7 @@ impl Shared {
             }
         }
         map.owner = owner;
-        let protocol = LockProtocol::of(&self.cfg);
+        let protocol = Protocols::of(&self.cfg);
         map.routes = nodes
             .iter()
             .map(|n| Route::following(n.clone(), protocol))
@@ -281,7 +281,7 @@ impl Redirect for Shared {
             let i = match map.routes.iter().position(|r| r.nodes()[0].id == node.id) {
                 Some(i) => i,
                 None => {
-                    let protocol = map.all.protocol();
+                    let protocol = map.all.protocols();
                     map.routes.push(Route::following(node.clone(), protocol));
                     let mut all = map.all.nodes().to_vec();
                     all.push(node.clone());

@@ -3,7 +3,7 @@
 //! [`Topology`] is the one place that knows how the client's Redis is laid out. It is an
 //! enum of flavors, each in its own file: a single node ([`single`]), Redlock over
 //! independent masters ([`redlock`]), a Sentinel-managed master ([`sentinel`]) and Redis
-//! Cluster ([`cluster`]). The contend loop, the watchdog and the release path
+//! Cluster ([`cluster`]). The contest loop, the watchdog and the release path
 //! ask it for a lock's [`Route`] and for verdicts on the nodes' replies ([`verdict`]), and
 //! never count nodes themselves. Nodes are named by a stable [`NodeId`] (their address),
 //! never by position, so a flavor whose set of nodes changes while locks are held fits
@@ -18,19 +18,22 @@ mod slots;
 pub(crate) mod verdict;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use redis::{Cmd, RedisResult, Value};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
-use crate::proto::lock_protocol::LockProtocol;
 use crate::proto::node::{Node, NodeId, Retry, is_failover_symptom};
+use crate::proto::protocol::{Attempt, Kind, Marks, Protocol, Protocols};
 use crate::stats::Counters;
 
 use cluster::Cluster;
 use redlock::Redlock;
 use sentinel::Sentinel;
 use single::Single;
+use verdict::{Renewal, Rules};
 
 /// The layout of the client's Redis.
 pub(crate) enum Topology {
@@ -46,47 +49,75 @@ pub(crate) enum Topology {
 }
 
 /// The node(s) that serve one lock's keys, how many of them must agree, and the
-/// protocol the exclusive lock follows on them.
+/// protocols holds follow on them.
 #[derive(Clone)]
 pub(crate) struct Route {
     nodes: Arc<[Arc<Node>]>,
     quorum: usize,
-    /// Chosen when the route is built: the engine asks it, never the layout.
-    protocol: LockProtocol,
+    /// Chosen when the route is built: the engine asks them, never the layout.
+    protocols: Protocols,
     /// The lock lives wherever the route points now, not on the nodes that granted it
     /// (Redis Cluster: its slot may move to another master while it is held).
     follows: bool,
 }
 
 impl Route {
-    fn new(nodes: Arc<[Arc<Node>]>, protocol: LockProtocol) -> Self {
+    fn new(nodes: Arc<[Arc<Node>]>, protocol: Protocols) -> Self {
         let quorum = nodes.len() / 2 + 1;
         Route::every(nodes, quorum, protocol)
     }
 
     /// `nodes`, of which `quorum` must agree.
-    fn every(nodes: Arc<[Arc<Node>]>, quorum: usize, protocol: LockProtocol) -> Self {
+    fn every(nodes: Arc<[Arc<Node>]>, quorum: usize, protocol: Protocols) -> Self {
         Route {
             nodes,
             quorum,
-            protocol,
+            protocols: protocol,
             follows: false,
         }
     }
 
     /// One node that serves the lock for now (a Redis Cluster slot's master).
-    fn following(node: Arc<Node>, protocol: LockProtocol) -> Self {
+    fn following(node: Arc<Node>, protocol: Protocols) -> Self {
         Route {
             nodes: Arc::from(vec![node]),
             quorum: 1,
-            protocol,
+            protocols: protocol,
             follows: true,
         }
     }
 
-    /// How the exclusive lock is contended for and given back on this route.
-    pub fn protocol(&self) -> LockProtocol {
-        self.protocol
+    /// The protocols of this route's holds (Redis Cluster: the same on every route).
+    pub fn protocols(&self) -> Protocols {
+        self.protocols
+    }
+
+    /// How a hold of `kind` is contended for and given back on this route; an error when
+    /// the route cannot hold it (shared holds over Redlock).
+    pub fn protocol(&self, kind: Kind) -> Result<Protocol> {
+        self.protocols.get(kind)
+    }
+
+    /// The exclusive lock's protocol on this route.
+    pub fn lock_protocol(&self) -> Protocol {
+        self.protocols.lock()
+    }
+
+    /// How a round of acquire replies is judged on this route; `valid`: whether the lease
+    /// had time left by the replies (see `verdict::lease_left`).
+    pub fn rules(&self, valid: bool) -> Rules {
+        Rules {
+            quorum: self.quorum,
+            sole: self.sole().is_some(),
+            valid,
+            jitter: Duration::from_millis(rand::random_range(2..=25)),
+        }
+    }
+
+    /// What a round of extends on `holders` of this route's nodes says: `tally` is
+    /// (extended, gone, held by another).
+    pub fn renewal(&self, tally: (usize, usize, usize), holders: usize) -> Renewal {
+        Renewal::judge(tally, holders, self.quorum, self.sole().is_none())
     }
 
     /// Every node of the route.
@@ -183,10 +214,10 @@ impl Topology {
         Ok(match nodes.len() {
             1 => Topology::Single(Single::new(
                 nodes.into_iter().next().expect("one node"),
-                LockProtocol::of(cfg),
+                Protocols::of(cfg),
             )),
             // Redlock never queues: independent masters cannot agree on one queue.
-            _ => Topology::Redlock(Redlock::new(nodes, cfg.stall(), LockProtocol::plain(cfg))?),
+            _ => Topology::Redlock(Redlock::new(nodes, cfg.stall(), Protocols::majority(cfg))?),
         })
     }
 
@@ -234,6 +265,66 @@ impl Topology {
             Topology::Sentinel(t) => t.route(),
             Topology::Cluster(t) => t.all(),
         }
+    }
+
+    /// One acquire attempt of `protocol` with `token` on every node of `route`, in
+    /// parallel where several must answer; the replies by node.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attempt(
+        &self,
+        route: &Route,
+        protocol: Protocol,
+        keys: &Keys,
+        token: &str,
+        lease: Duration,
+        marks: Marks,
+        deadline: Option<Instant>,
+    ) -> Vec<(NodeId, Result<Attempt>)> {
+        let retry = route.retry();
+        if let Some(node) = route.sole() {
+            // One node: no closure to share with other threads, nothing to clone.
+            let reply = protocol.acquire(node, keys, token, lease, retry, marks, deadline);
+            return vec![(node.id.clone(), reply)];
+        }
+        let (k, t) = (keys.clone(), token.to_owned());
+        self.fan_out(route.nodes(), move |node| {
+            let reply = protocol.acquire(node, &k, &t, lease, retry, marks, deadline);
+            (node.id.clone(), reply)
+        })
+    }
+
+    /// The attempt the subscriber thread may send early for a waiter, on the route's node
+    /// that decides alone: its node and call. `None` where no node decides alone (a
+    /// majority must answer) or the protocol sends no early attempts.
+    pub fn early_call(
+        &self,
+        route: &Route,
+        protocol: Protocol,
+        keys: &Keys,
+        token: &str,
+        lease: Duration,
+        marks: Marks,
+    ) -> Option<(Arc<Node>, Cmd)> {
+        let node = route.sole()?;
+        let call = protocol.early_call(node, keys, token, lease, marks)?;
+        Some((node.clone(), call))
+    }
+
+    /// The replies to an early attempt (see [`early_call`](Self::early_call)), from the
+    /// subscriber's raw reply: sent again the usual way when that was lost.
+    pub fn finish_early(
+        &self,
+        route: &Route,
+        protocol: Protocol,
+        reply: RedisResult<Value>,
+        call: &Cmd,
+        deadline: Option<Instant>,
+    ) -> Vec<(NodeId, Result<Attempt>)> {
+        let Some(node) = route.sole() else {
+            return Vec::new();
+        };
+        let reply = protocol.finish_acquire(node, reply, call, route.retry(), deadline);
+        vec![(node.id.clone(), reply)]
     }
 
     /// `f(node)` for each of `nodes`, in parallel where several must answer (a round
@@ -303,17 +394,14 @@ mod tests {
             ..Config::default()
         };
         let t = Topology::open(&redlock, &counters, &client_id).expect("redlock");
-        let protocol = t.route(&keys).protocol();
-        assert!(
-            matches!(protocol, LockProtocol::Plain { .. }),
-            "{protocol:?}"
-        );
+        let protocol = t.route(&keys).lock_protocol();
+        assert!(matches!(protocol, Protocol::Lock { .. }), "{protocol:?}");
         let single = Config {
             nodes: vec![url(1)],
             ..redlock
         };
         let t = Topology::open(&single, &counters, &client_id).expect("single");
-        let protocol = t.route(&keys).protocol();
-        assert!(matches!(protocol, LockProtocol::Fair(_)), "{protocol:?}");
+        let protocol = t.route(&keys).lock_protocol();
+        assert!(matches!(protocol, Protocol::FairLock(_)), "{protocol:?}");
     }
 }

@@ -6,8 +6,8 @@ use std::sync::{Arc, Weak};
 use super::Route;
 use super::fanout::{Fanout, Probe};
 use crate::error::{Result, thread_error};
-use crate::proto::lock_protocol::LockProtocol;
 use crate::proto::node::{Node, Retry};
+use crate::proto::protocol::Protocols;
 
 pub(crate) struct Redlock {
     route: Route,
@@ -20,7 +20,7 @@ impl Redlock {
     pub fn new(
         nodes: Vec<Arc<Node>>,
         stall: std::time::Duration,
-        protocol: LockProtocol,
+        protocol: Protocols,
     ) -> Result<Self> {
         // A stalled node is probed with a PING; the nodes are held weakly (the fan-out's
         // workers must not keep the client's connections alive).

@@ -22,8 +22,8 @@ use super::Route;
 use crate::config::{Config, SentinelConfig};
 use crate::error::{Error, Result, thread_error};
 use crate::proto::connect::is_tls_url;
-use crate::proto::lock_protocol::LockProtocol;
 use crate::proto::node::{Node, NodeId};
+use crate::proto::protocol::Protocols;
 use crate::stats::Counters;
 
 /// How often the master is re-resolved even without a message or a fault.
@@ -93,7 +93,7 @@ impl Sentinel {
             .spawn(move || watcher.run())
             .map_err(|e| thread_error("sentinel", e))?;
         Ok(Sentinel {
-            route: Route::new(Arc::from(vec![node]), LockProtocol::of(cfg)),
+            route: Route::new(Arc::from(vec![node]), Protocols::of(cfg)),
             stop,
             thread: crate::worker::Thread::new(thread),
         })

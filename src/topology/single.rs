@@ -3,15 +3,15 @@
 use std::sync::Arc;
 
 use super::Route;
-use crate::proto::lock_protocol::LockProtocol;
 use crate::proto::node::Node;
+use crate::proto::protocol::Protocols;
 
 pub(crate) struct Single {
     route: Route,
 }
 
 impl Single {
-    pub fn new(node: Arc<Node>, protocol: LockProtocol) -> Self {
+    pub fn new(node: Arc<Node>, protocol: Protocols) -> Self {
         Single {
             route: Route::new(Arc::from(vec![node]), protocol),
         }

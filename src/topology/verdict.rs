@@ -1,5 +1,5 @@
 //! What the nodes' replies to one operation mean, given how many must agree. Pure
-//! functions of the replies: the contend loop, the release path and the watchdog act on
+//! functions of the replies: the contest loop, the release path and the watchdog act on
 //! the verdicts and never count nodes themselves.
 
 use std::time::Duration;
@@ -7,7 +7,8 @@ use std::time::Duration;
 use crate::clock::Stamp;
 
 use crate::error::{Error, LostReason, Result, Unlocked};
-use crate::proto::node::{Attempt, NodeId, ReleaseReply, may_have_run};
+use crate::proto::node::{NodeId, ReleaseReply, may_have_run};
+use crate::proto::protocol::Attempt;
 
 /// What one round of acquire attempts, one per node of the route, decided.
 #[derive(Debug)]
@@ -18,6 +19,7 @@ pub(crate) enum Vote {
         fence: u64,
         granted: Vec<NodeId>,
         behind: Vec<NodeId>,
+        others_wait: bool,
     },
     /// Held elsewhere: wait until the first of an event and `hint` (the holder's
     /// remaining lease, or a jitter after a split vote), after releasing our token on
@@ -63,25 +65,43 @@ pub(crate) struct Rules {
 
 /// Judges one round of acquire replies.
 pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vote {
-    let granted: Vec<(&NodeId, u64)> = replies
+    let fence_of = |r: &Result<Attempt>| match r {
+        Ok(Attempt::Acquired { fence, .. }) => Some(*fence),
+        _ => None,
+    };
+    let granted = replies
         .iter()
-        .filter_map(|(n, r)| match r {
-            Ok(Attempt::Acquired { fence }) => Some((n, *fence)),
-            _ => None,
-        })
-        .collect();
+        .filter(|(_, r)| fence_of(r).is_some())
+        .count();
     let total = replies.len();
-    let won = granted.len() >= rules.quorum;
+    let won = granted >= rules.quorum;
     if won && rules.valid {
-        let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
-        return Vote::Won {
-            fence,
-            granted: granted.iter().map(|&(n, _)| n.clone()).collect(),
-            behind: granted
+        let fence = replies
+            .iter()
+            .filter_map(|(_, r)| fence_of(r))
+            .max()
+            .unwrap_or(0);
+        let others_wait = replies.iter().any(|(_, r)| {
+            matches!(
+                r,
+                Ok(Attempt::Acquired {
+                    others_wait: true,
+                    ..
+                })
+            )
+        });
+        let among = |keep: &dyn Fn(u64) -> bool| -> Vec<NodeId> {
+            replies
                 .iter()
-                .filter(|&&(_, f)| f < fence)
-                .map(|&(n, _)| n.clone())
-                .collect(),
+                .filter(|(_, r)| fence_of(r).is_some_and(keep))
+                .map(|(n, _)| n.clone())
+                .collect()
+        };
+        return Vote::Won {
+            others_wait,
+            fence,
+            granted: among(&|_| true),
+            behind: among(&|f| f < fence),
         };
     }
     // Not ours: undo on every node that may hold our token, including the ones whose
@@ -104,7 +124,6 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
     }
     let errors = replies.iter().filter(|(_, r)| r.is_err()).count();
     if errors > total - rules.quorum.min(total) {
-        let granted = granted.len();
         let mut replies = replies;
         let first = replies
             .iter()
@@ -262,7 +281,10 @@ mod tests {
     }
 
     fn acquired(fence: u64) -> Result<Attempt> {
-        Ok(Attempt::Acquired { fence })
+        Ok(Attempt::Acquired {
+            fence,
+            others_wait: false,
+        })
     }
 
     fn held(ms: u64) -> Result<Attempt> {
@@ -312,6 +334,7 @@ mod tests {
                 fence,
                 granted,
                 behind,
+                ..
             } => {
                 assert_eq!(fence, 9);
                 assert_eq!(granted, vec![id(1), id(3)]);

@@ -30,16 +30,7 @@ pub(crate) struct Snapshot {
     pub moved: u64,
 }
 
-/// Which events wake a waiter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Hears {
-    /// A plain lock's: whatever may free the key (keyspace events, the library's `r`).
-    Key,
-    /// A read-write lock's or a semaphore's: the library's `r` (their holds expire inside
-    /// the key, with no keyspace event; the waiter's hint covers that), and a writer its
-    /// own wake-up (see the fair queue's grants).
-    Releases,
-}
+pub(crate) use crate::proto::protocol::Hears;
 
 /// The token and fence of a grant message (`g<token>:<fence>`).
 pub(crate) fn grant_of(payload: &[u8]) -> Option<(&[u8], u64)> {

@@ -1,0 +1,506 @@
+//! The contest: the one loop in which a process's contender takes a hold in Redis (the
+//! exclusive lock, a read or write hold, a semaphore permit) on whatever topology, and
+//! decides when it tries again. Everything that differs between holds is the route's
+//! [`Protocol`]'s answer; everything that differs between layouts is the topology's.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::clock::Stamp;
+use crate::engine::ride::Ride;
+use crate::engine::state::Engine;
+use crate::engine::waiter::{Pending, Waiter};
+use crate::error::{Error, Result};
+use crate::fencing::MAX_FENCE;
+use crate::local::held::{Acquisition, RemoteLock};
+use crate::local::undo::OnUnwind;
+use crate::proto::keys::Keys;
+use crate::proto::node::{NodeId, may_have_run};
+use crate::proto::protocol::{Attempt, Kind, Marks, Protocol};
+use crate::stats::Counters;
+use crate::topology::Route;
+use crate::topology::verdict::{Undo, Vote, lease_left, vote};
+use crate::wake::early::Shot;
+
+/// The caller's wait policy.
+#[derive(Clone, Copy)]
+pub(crate) enum Wait {
+    No,
+    Until(Option<Instant>),
+}
+
+impl Wait {
+    pub fn deadline(self) -> Option<Instant> {
+        match self {
+            Wait::No => None,
+            Wait::Until(d) => d,
+        }
+    }
+
+    /// Whether the caller would wait now if the hold is taken.
+    fn waits_now(self) -> bool {
+        match self {
+            Wait::No => false,
+            Wait::Until(d) => d.is_none_or(|d| Instant::now() < d),
+        }
+    }
+}
+
+/// A hold won in Redis.
+pub(crate) struct Won {
+    pub remote: Arc<RemoteLock>,
+    /// A write hold: another process may wait for it (see `rw_scripts`).
+    pub others_wait: bool,
+}
+
+/// The outcome of one round of attempts.
+enum Round {
+    Acquired(Won),
+    /// Held elsewhere; wake by this time at the latest (the holder's remaining lease, or a
+    /// jitter after a split Redlock vote).
+    Held(Option<Duration>),
+    /// Ours, but too few replicas acknowledged it (`replica_ack`): undone; retry.
+    Unacked(usize),
+    /// Ours, but with no validity left when the replies came: undone; retry at once.
+    Late,
+    /// The round failed with `error`; `undo` says where the attempt with `token` may have
+    /// left it. The caller either retries with the same token (riding through a failover:
+    /// the script recognises its own token) or undoes it and returns the error.
+    Failed {
+        error: Error,
+        token: String,
+        undo: Undo,
+    },
+}
+
+impl Engine {
+    /// Contends in Redis for a hold of `kind` on `route` (the route of `keys`, looked up
+    /// once by the caller) until it is ours, the wait policy says stop, or an error.
+    /// `yield_first`: this process just released the lock others wait for (see
+    /// `yield_to_others`).
+    pub(crate) fn contest(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: Route,
+        kind: Kind,
+        wait: Wait,
+        yield_first: bool,
+    ) -> Result<Won> {
+        let protocol = route.protocol(kind)?;
+        // Fair queue: one token for the whole wait, so that our place in the queue, and a
+        // grant to it, survive from one attempt to the next. Shared holds: one member, so
+        // that a retry after a lost reply, or after a wait, finds its own hold.
+        let token = protocol
+            .keeps_token_across_attempts()
+            .then(|| protocol.new_token());
+        let token = token.as_deref();
+        // A panic in the loop must not leave our entry in the queue, nor a grant to it.
+        // (Every normal way out leaves the queue itself, or holds the lock.)
+        let _unwinding = OnUnwind::new(|| {
+            if std::thread::panicking() {
+                leave_after_panic(self, keys, protocol, token);
+            }
+        });
+        let mut waiter = Waiter::hearing(protocol.hears());
+        if let Some(t) = token.filter(|_| protocol.awaits_grant()) {
+            waiter.await_grant(t);
+        }
+        Contest {
+            engine: self,
+            keys,
+            route,
+            protocol,
+            wait,
+            waiter,
+            token,
+            marked: false,
+        }
+        .run(yield_first)
+    }
+}
+
+/// One contender's contest for one hold.
+struct Contest<'a> {
+    engine: &'a Arc<Engine>,
+    keys: &'a Keys,
+    route: Route,
+    protocol: Protocol,
+    wait: Wait,
+    waiter: Waiter,
+    /// The token of every attempt, when the protocol keeps one for the whole wait.
+    token: Option<&'a str>,
+    /// An attempt of ours may have left a contention mark or a queue entry: taken with
+    /// us when we leave without the hold.
+    marked: bool,
+}
+
+impl Contest<'_> {
+    fn run(&mut self, yield_first: bool) -> Result<Won> {
+        let engine = self.engine;
+        let (keys, wait) = (self.keys, self.wait);
+        if !engine.subs.is_empty() {
+            let asked: Vec<Option<(Instant, u64)>> = engine
+                .subs_for(&self.route)
+                .iter()
+                .map(|s| s.should_yield(keys))
+                .collect();
+            if yield_first || asked.iter().any(Option::is_some) {
+                self.waiter
+                    .yield_to_others(keys, wait.deadline(), engine, &self.route, &asked);
+            }
+        }
+        // Redis Cluster: retries through a failover, and the token of a failed attempt
+        // that may have run, for the retry (one token, one lock: invariant 3).
+        let mut ride = Ride::new(&engine.topology, &engine.counters);
+        let mut carried: Option<String> = None;
+        // The last attempt's replica acknowledgements, when too few: the error to give if
+        // the caller's wait ends before one has enough.
+        let mut unacked: Option<usize> = None;
+        // The last attempt won a lease that had run out by the reply: `try_lock` then
+        // says the time ran out, not that someone else holds the lock.
+        let mut late = false;
+        let wanted = engine.cfg.replica_ack.map_or(0, |(n, _)| n);
+        let short = |acked: Option<usize>, otherwise: Error| match acked {
+            Some(acked) => Error::ReplicaAck { acked, wanted },
+            None => otherwise,
+        };
+        loop {
+            // A release granted us the lock (fair queue), or woke us as the writer
+            // waiting longest. The attempt below confirms it: it finds our token in the
+            // key and returns the fence counter as it is now, its lease counted from this
+            // round trip. The message alone proves neither: it may have come after the
+            // grant's short lease ran out (a slow network, a stopped process), or be an
+            // older grant than the one the key holds now.
+            if self.waiter.take_grant() {
+                Counters::inc(&engine.counters.grants_received);
+            }
+            // An attempt that will wait if it fails marks contention for the holder. The
+            // script deletes our mark when we win; when we leave without the hold, we
+            // take it with us, so that no holder keeps yielding to nobody.
+            let (before, marks, outcome) = match self.waiter.take_early() {
+                // The subscriber sent our attempt when the key was freed.
+                Some((shot, pending)) => {
+                    let marks = pending.marks;
+                    (Some(vec![shot.at]), marks, self.finish_early(shot, pending))
+                }
+                None => {
+                    self.follow();
+                    if matches!(wait, Wait::Until(_)) {
+                        self.waiter
+                            .watch_if_subscribed(keys, engine, &self.route, wait.deadline());
+                    }
+                    let before = self.waiter.snapshots();
+                    let marks = Marks {
+                        leave: wait.waits_now(),
+                        clear: self.marked,
+                    };
+                    let token = self.token.map(str::to_owned).or_else(|| carried.take());
+                    (before, marks, self.round(marks, token))
+                }
+            };
+            if !matches!(outcome, Ok(Round::Failed { .. })) {
+                ride.settled();
+                carried = None;
+            }
+            let hint = match outcome {
+                Ok(Round::Acquired(won)) => return Ok(won),
+                Ok(Round::Held(hint)) => {
+                    self.marked |= marks.leave;
+                    hint
+                }
+                Ok(Round::Unacked(acked)) => {
+                    unacked = Some(acked);
+                    // Our own release of it wakes us: try again at once.
+                    Some(Duration::ZERO)
+                }
+                Ok(Round::Late) => {
+                    late = true;
+                    Some(Duration::ZERO)
+                }
+                Ok(Round::Failed {
+                    error,
+                    token: tried,
+                    undo,
+                }) => {
+                    // An attempt whose reply was lost may have left our mark (or queue
+                    // entry): take it with us if we leave.
+                    self.marked |= marks.leave && may_have_run(&error);
+                    // A wait rides through a failover (`try_lock` does not wait); the next
+                    // attempt reads the route again, and watches there if it moved.
+                    if matches!(wait, Wait::Until(_)) && ride.again(&error, wait.deadline()) {
+                        carried = Some(tried);
+                        continue;
+                    }
+                    // Fair queue: the leave below frees a lock that the lost attempt may
+                    // have taken with our token; without one (the caller did not wait, so
+                    // it is not queued) the undo releases it.
+                    let reused = self.marked;
+                    self.undo(tried, undo, reused);
+                    self.leave();
+                    // The caller's deadline passed while its master was being replaced:
+                    // that is a timeout, like a hold kept until then.
+                    if ride.retried() && wait.deadline().is_some_and(|d| Instant::now() >= d) {
+                        log::debug!("deadline passed during a failover: {error:?}");
+                        return Err(Error::Timeout);
+                    }
+                    return Err(error);
+                }
+                Err(e) => {
+                    self.leave();
+                    return Err(e);
+                }
+            };
+            let deadline = match wait {
+                Wait::No if late => return Err(Error::Timeout),
+                Wait::No => return Err(short(unacked, Error::WouldBlock)),
+                Wait::Until(d) => d,
+            };
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                // A grant heard at the deadline: one more attempt confirms (and takes) it.
+                if self.waiter.take_grant() {
+                    Counters::inc(&engine.counters.grants_received);
+                    continue;
+                }
+                self.leave();
+                return Err(short(unacked, Error::Timeout));
+            }
+            crate::fault::hit(&engine.cfg.key_prefix, crate::fault::Point::Contend);
+            if !self.waiter.watching() {
+                // The sleep only subscribes (and the next attempt follows): where the key
+                // is now, which the attempt's redirects may have just told.
+                self.route = engine.topology.route(keys);
+            }
+            let (route, protocol, marked) = (&self.route, self.protocol, self.marked);
+            self.waiter
+                .sleep(keys, engine, route, before, hint, deadline, |w| {
+                    w.arm(keys, engine, route, protocol, marked, deadline);
+                });
+        }
+    }
+
+    /// Redis Cluster: the key's slot moved (a reshard, a failover) since the last attempt.
+    /// Subscribes on its new master, confirmed, before the attempt, as after a reconnect:
+    /// events there were not heard. The old master may have said so (it dropped the key's
+    /// shard channel) before our slot map knows: has the map read again first.
+    fn follow(&mut self) {
+        let (engine, keys) = (self.engine, self.keys);
+        let moved = self.waiter.moved();
+        if moved {
+            self.route.nodes().iter().for_each(|n| n.slot_moved());
+        }
+        let now = engine.topology.route(keys);
+        if moved && now.same_nodes(&self.route) {
+            // The map does not know the new master yet (it is read at most every 100 ms):
+            // this attempt's redirect will tell it. Watch there after the attempt, before
+            // sleeping.
+            self.waiter.unwatch();
+        } else if moved || !now.same_nodes(&self.route) {
+            self.route = now;
+            if self.waiter.watching() {
+                self.waiter
+                    .watch(keys, engine, &self.route, self.wait.deadline());
+            }
+        }
+    }
+
+    /// One attempt on every node of the route, judged by the topology.
+    fn round(&self, marks: Marks, token: Option<String>) -> Result<Round> {
+        let engine = self.engine;
+        let token = token.unwrap_or_else(|| self.protocol.new_token());
+        // On the lease clock: the validity counts from here.
+        let started = Stamp::now();
+        let replies = engine.topology.attempt(
+            &self.route,
+            self.protocol,
+            self.keys,
+            &token,
+            engine.cfg.lease,
+            marks,
+            self.wait.deadline(),
+        );
+        self.judge(token, started, replies)
+    }
+
+    /// Reads the reply to the attempt the subscriber sent for us.
+    fn finish_early(&self, shot: Shot, pending: Pending) -> Result<Round> {
+        let replies = self.engine.topology.finish_early(
+            &self.route,
+            self.protocol,
+            shot.reply,
+            &pending.call,
+            self.wait.deadline(),
+        );
+        if replies.is_empty() {
+            return Err(Error::Protocol(
+                "early attempt without a sole node".to_owned(),
+            ));
+        }
+        let sent = Stamp::from_instant(shot.sent);
+        self.judge(pending.token, sent, replies)
+    }
+
+    /// Acts on the topology's verdict on a round's replies.
+    fn judge(
+        &self,
+        token: String,
+        started: Stamp,
+        replies: Vec<(NodeId, Result<Attempt>)>,
+    ) -> Result<Round> {
+        let engine = self.engine;
+        let lease = engine.cfg.lease;
+        let rules = self
+            .route
+            .rules(lease_left(lease, started, engine.cfg.drift(lease)));
+        let unacked = replies
+            .iter()
+            .filter_map(|(_, r)| match r {
+                Ok(Attempt::Unacked { acked }) => Some(*acked),
+                _ => None,
+            })
+            .min();
+        match vote(replies, rules) {
+            Vote::Won {
+                fence,
+                granted,
+                behind,
+                others_wait,
+            } => {
+                // Redlock: only nodes behind need it; with counters in step there is no
+                // extra round trip.
+                if !behind.is_empty() {
+                    engine.raise_fences(self.keys, &self.route, fence, &behind);
+                }
+                let remote = self.acquired(token, fence, granted, started)?;
+                Ok(Round::Acquired(Won {
+                    remote,
+                    others_wait,
+                }))
+            }
+            Vote::Held { hint, undo } => {
+                // Fair queue: the next attempt, or the leave, uses the same token.
+                self.undo(token, undo, true);
+                Ok(match unacked {
+                    Some(acked) => Round::Unacked(acked),
+                    None => Round::Held(hint),
+                })
+            }
+            Vote::Failed { error, undo } => Ok(Round::Failed { error, token, undo }),
+            Vote::Late { undo } => {
+                Counters::inc(&engine.counters.failed_attempts);
+                // Given back whatever comes next: a hold without time left is nobody's.
+                self.undo(token, undo, false);
+                Ok(Round::Late)
+            }
+        }
+    }
+
+    /// Releases our token where a lost round left it: on the nodes that granted while the
+    /// deadline allows, and without waiting where the outcome is unknown, so that no stray
+    /// key outlives the call by long and the caller's deadline is kept. `reused`: a later
+    /// call of this wait uses the token again (fair queue: the next attempt, or the leave),
+    /// which settles an unknown outcome when the protocol says so.
+    fn undo(&self, token: String, mut undo: Undo, reused: bool) {
+        if undo.is_empty() {
+            return;
+        }
+        let engine = self.engine;
+        if reused && self.protocol.next_call_settles_unknown() {
+            // Fair queue: the next attempt finds the token in the key if it is ours, and
+            // the leave passes such a lock on: only a lock taken without enough replicas
+            // is given back now. A caller that neither attempts again nor leaves (a
+            // `try_lock`) releases it like any other.
+            undo.unknown.clear();
+        }
+        let deadline = self.wait.deadline();
+        if !undo.granted.is_empty() && deadline.is_none_or(|d| Instant::now() < d) {
+            engine.release_on(self.keys, &self.route, self.protocol, &token, &undo.granted);
+            undo.granted.clear();
+        }
+        undo.unknown.append(&mut undo.granted);
+        if !undo.unknown.is_empty() {
+            // Not waited for: one bounded worker per client (see `cleanup`).
+            engine
+                .cleanup
+                .release_later(self.keys, self.protocol, token, undo.unknown);
+        }
+    }
+
+    /// The wait ends without the hold: leave the fair queue (passing on a grant that
+    /// raced us), or take our contention mark with us.
+    fn leave(&self) {
+        if !self.marked {
+            return;
+        }
+        let (engine, keys, protocol) = (self.engine, self.keys, self.protocol);
+        if protocol.release_may_grant() {
+            Counters::inc(&engine.counters.queue_departures);
+        }
+        let Some(token) = self.token else {
+            engine.unmark(keys, &self.route, protocol);
+            return;
+        };
+        for node in self.route.nodes() {
+            match protocol.leave(node, keys, token, true) {
+                Ok(true) => Counters::inc(&engine.counters.grants_passed),
+                Ok(false) => {}
+                Err(e) => {
+                    // A grant to us (or a hold a lost attempt took) may be left: the
+                    // cleanup job releases it; the entry or mark expires.
+                    log::debug!("leaving failed: {e}; released in the background");
+                    engine.cleanup.release_later(
+                        keys,
+                        protocol,
+                        token.to_owned(),
+                        vec![node.id.clone()],
+                    );
+                }
+            }
+        }
+    }
+
+    /// The hold is ours: its state, for the guard(s) and the watchdog.
+    fn acquired(
+        &self,
+        token: String,
+        fence: u64,
+        nodes: Vec<NodeId>,
+        started: Stamp,
+    ) -> Result<Arc<RemoteLock>> {
+        let engine = self.engine;
+        if fence > MAX_FENCE {
+            engine.release_on(self.keys, &self.route, self.protocol, &token, &nodes);
+            return Err(Error::Protocol(format!(
+                "fence counter {fence} exceeds {MAX_FENCE}"
+            )));
+        }
+        let cfg = &engine.cfg;
+        let lease = cfg.lease;
+        let lock = Arc::new(RemoteLock::new(
+            Acquisition {
+                keys: self.keys.clone(),
+                protocol: self.protocol,
+                token,
+                fence,
+                nodes,
+                started,
+            },
+            lease,
+            cfg.drift(lease),
+            cfg.auto_renew.then(|| cfg.renew_every(lease)),
+        ));
+        Counters::inc(&engine.counters.remote_acquisitions);
+        Ok(lock)
+    }
+}
+
+/// A panic unwinds through the contest: out of the queue, the mark removed (the route
+/// read again: the panic may have come from anywhere).
+fn leave_after_panic(engine: &Engine, keys: &Keys, protocol: Protocol, token: Option<&str>) {
+    let Some(token) = token else { return };
+    let route = engine.topology.route(keys);
+    for node in route.nodes() {
+        if let Err(e) = protocol.leave(node, keys, token, true) {
+            log::debug!("leaving after a panic failed (the entry expires): {e}");
+        }
+    }
+}

@@ -1,0 +1,613 @@
+//! What one kind of hold does on the wire: which scripts take, give back, leave and renew
+//! it, how their calls are built and their replies read, and the answers the contest loop
+//! and the release path need. A value chosen once per (route, kind) by the topology
+//! ([`Protocols::get`]); the engine asks it and never tests a flag or the route's shape.
+//!
+//! * [`Protocol::Lock`]: `ACQUIRE`, `RELEASE`, `UNMARK`: a failed attempt leaves a
+//!   contention mark, a release deletes the key.
+//! * [`Protocol::FairLock`]: `FAIR_ACQUIRE`, `FAIR_RELEASE`, `FAIR_LEAVE`: a failed attempt
+//!   queues, a release grants the lock to the head of the queue. Redlock routes never get
+//!   it: independent masters cannot agree on one queue.
+//! * [`Protocol::Read`], [`Protocol::Write`], [`Protocol::Permit`]: holds among others in a
+//!   sorted set (see `rw_scripts`), on routes where one node decides alone.
+//!
+//! An enum rather than a trait object: the set is closed and small, the value is `Copy`
+//! (a route and a hold carry it at no cost, a fan-out closure captures it without an
+//! `Arc`), and every answer is one `match` in which the compiler checks that each
+//! protocol gives one. A new primitive adds a variant, its script file, and its arms here.
+
+use std::time::{Duration, Instant};
+
+use redis::{Cmd, RedisResult, Value};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::proto::fair_scripts::{FAIR_ACQUIRE, FAIR_LEAVE, FAIR_RELEASE};
+use crate::proto::keys::Keys;
+use crate::proto::node::{Node, ReleaseReply, Retry, millis, new_token};
+use crate::proto::rw_scripts::{SHARED_EXTEND, SharedAttempt, Want};
+use crate::proto::scripts::{ACQUIRE, EXTEND, Lua, RELEASE, UNMARK};
+use crate::stats::Counters;
+
+/// What a caller asks to hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// The exclusive lock.
+    Lock,
+    /// A read hold of a read-write lock.
+    Read,
+    /// The write hold of a read-write lock.
+    Write,
+    /// One permit of a semaphore of this many permits.
+    Permit(u32),
+}
+
+/// How one kind of hold is contended for, given back and renewed on a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    /// First come, first served: a failed attempt of a waiter leaves a contention mark
+    /// that lives `mark_ttl` (a waiter re-marks at least this often).
+    Lock { mark_ttl: Duration },
+    /// Processes take turns in arrival order (see `fair_scripts`).
+    FairLock(Fair),
+    /// A read hold; a failed attempt that will wait marks a waiting reader for `mark_ttl`.
+    Read { mark_ttl: Duration },
+    /// The write hold; a failed attempt that will wait marks a waiting writer for
+    /// `mark_ttl`, which holds new readers back.
+    Write { mark_ttl: Duration },
+    /// One permit of a semaphore of `permits` permits.
+    Permit { permits: u32 },
+}
+
+/// The fair queue's timings (see `fair_scripts`): how long a waiter's entry lives unless
+/// its next attempt refreshes it, and the lease a grant gives until the grantee renews.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fair {
+    pub entry_ttl: Duration,
+    pub grant_lease: Duration,
+}
+
+/// The protocols a route offers, one per [`Kind`]: chosen when the topology builds it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Protocols {
+    lock: Protocol,
+    mark_ttl: Duration,
+    /// Shared holds need one node that decides alone (not Redlock).
+    shared: bool,
+}
+
+impl Protocols {
+    /// The protocols of a route whose one node decides alone, as `cfg` asks.
+    pub fn of(cfg: &Config) -> Self {
+        let lock = if cfg.fair {
+            Protocol::FairLock(Fair {
+                entry_ttl: cfg.entry_ttl(),
+                grant_lease: cfg.grant_lease(),
+            })
+        } else {
+            Protocol::Lock {
+                mark_ttl: cfg.mark_ttl(),
+            }
+        };
+        Protocols {
+            lock,
+            mark_ttl: cfg.mark_ttl(),
+            shared: true,
+        }
+    }
+
+    /// The protocols of a route where a majority of independent masters decides
+    /// (Redlock): the plain lock whatever `cfg` asks (no queue), and no shared holds.
+    pub fn majority(cfg: &Config) -> Self {
+        Protocols {
+            lock: Protocol::Lock {
+                mark_ttl: cfg.mark_ttl(),
+            },
+            mark_ttl: cfg.mark_ttl(),
+            shared: false,
+        }
+    }
+
+    /// The exclusive lock's protocol.
+    pub fn lock(self) -> Protocol {
+        self.lock
+    }
+
+    /// The protocol of `kind`; an error when the route cannot hold it.
+    pub fn get(self, kind: Kind) -> Result<Protocol> {
+        let mark_ttl = self.mark_ttl;
+        let shared = match kind {
+            Kind::Lock => return Ok(self.lock),
+            Kind::Read => Protocol::Read { mark_ttl },
+            Kind::Write => Protocol::Write { mark_ttl },
+            Kind::Permit(0) => {
+                return Err(Error::InvalidConfig(
+                    "a semaphore needs at least one permit".to_owned(),
+                ));
+            }
+            Kind::Permit(permits) => Protocol::Permit { permits },
+        };
+        if !self.shared {
+            return Err(Error::Unsupported(
+                "read-write locks and semaphores need a single node (not Redlock)",
+            ));
+        }
+        Ok(shared)
+    }
+}
+
+/// The reply to one acquire attempt on one node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    /// The hold is ours: `fence` is the node's fencing counter for it, and `others_wait`
+    /// says (a write hold) that another process may wait for it.
+    Acquired { fence: u64, others_wait: bool },
+    /// Someone else holds it; `pttl` is what remains of their lease (`None`: no TTL).
+    Held { pttl: Option<Duration> },
+    /// The script took the lock, but fewer replicas than asked acknowledged it in time
+    /// (`replica_ack`): the caller must release it.
+    Unacked { acked: usize },
+}
+
+/// What an acquire attempt does with contention marks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Marks {
+    /// The caller will wait if the lock is held: a failure marks contention.
+    pub leave: bool,
+    /// The caller marked before: a success deletes its mark.
+    pub clear: bool,
+}
+
+/// Which events wake a waiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hears {
+    /// A plain lock's: whatever may free the key (keyspace events, the library's `r`).
+    Key,
+    /// A read-write lock's or a semaphore's: the library's `r` (their holds expire inside
+    /// the key, with no keyspace event; the waiter's hint covers that), and a writer its
+    /// own wake-up (see the fair queue's grants).
+    Releases,
+}
+
+/// How a hold's lease is renewed: which script, and whether it orders the changes of
+/// one hold by their numbers (see `scripts::EXTEND`).
+#[derive(Clone, Copy)]
+pub(crate) struct RenewScript {
+    pub script: &'static Lua,
+    pub ordered: bool,
+}
+
+impl Protocol {
+    /// Whether a hold of this protocol is one among others in a sorted set.
+    pub fn shared(self) -> bool {
+        matches!(
+            self,
+            Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. }
+        )
+    }
+
+    /// A fresh token for a hold of this protocol (a shared hold's member starts with its
+    /// tag).
+    pub fn new_token(self) -> String {
+        match self.want() {
+            Some(want) => format!("{}{}", want.tag(), new_token()),
+            None => new_token(),
+        }
+    }
+
+    /// Whether one wait uses one token for all its attempts: the fair queue's token is the
+    /// waiter's place in the queue, and a grant is made to it; a shared hold's member lets
+    /// a retry after a lost reply find its own hold. Otherwise each attempt has a fresh one.
+    pub fn keeps_token_across_attempts(self) -> bool {
+        !matches!(self, Protocol::Lock { .. })
+    }
+
+    /// Whether a release may hand the lock straight to a waiting process (fair queue): the
+    /// releaser then has nobody to yield to, and its next contender queues at once.
+    pub fn release_may_grant(self) -> bool {
+        matches!(self, Protocol::FairLock(_))
+    }
+
+    /// Whether a waiter listens for a message to its own token: a fair queue's grant, or
+    /// the wake-up a read-write lock's last release sends to the writer waiting longest.
+    /// Either is only a wake-up: the next attempt confirms.
+    pub fn awaits_grant(self) -> bool {
+        matches!(self, Protocol::FairLock(_) | Protocol::Write { .. })
+    }
+
+    /// Which events wake a waiter.
+    pub fn hears(self) -> Hears {
+        if self.shared() {
+            Hears::Releases
+        } else {
+            Hears::Key
+        }
+    }
+
+    /// Whether an attempt whose outcome is unknown may be left for the same wait's next
+    /// call (its next attempt finds the token in the key if the lock is ours, and its
+    /// leave passes such a lock on), rather than released in the background now.
+    pub fn next_call_settles_unknown(self) -> bool {
+        matches!(self, Protocol::FairLock(_))
+    }
+
+    /// How a hold's lease is renewed.
+    pub fn renewal(self) -> RenewScript {
+        if self.shared() {
+            RenewScript {
+                script: &SHARED_EXTEND,
+                ordered: false,
+            }
+        } else {
+            RenewScript {
+                script: &EXTEND,
+                ordered: true,
+            }
+        }
+    }
+
+    /// A shared hold's request, for its script.
+    fn want(self) -> Option<Want> {
+        match self {
+            Protocol::Read { .. } => Some(Want::Read),
+            Protocol::Write { .. } => Some(Want::Write),
+            Protocol::Permit { permits } => Some(Want::Permit(permits)),
+            Protocol::Lock { .. } | Protocol::FairLock(_) => None,
+        }
+    }
+
+    /// The acquire script of an exclusive lock.
+    fn acquire_script(self) -> &'static Lua {
+        match self {
+            Protocol::FairLock(_) => &FAIR_ACQUIRE,
+            _ => &ACQUIRE,
+        }
+    }
+
+    /// One acquire attempt on `node` with `token`, retried with the same token after an
+    /// ambiguous failure (the script recognises its own token and returns the first
+    /// fence). When the outcome stays unknown, the caller must release with the token: the
+    /// key may be ours. `marks`: whether a failure leaves a contention mark (or queues),
+    /// and whether a success clears ours.
+    #[allow(clippy::too_many_arguments)]
+    pub fn acquire(
+        self,
+        node: &Node,
+        keys: &Keys,
+        token: &str,
+        lease: Duration,
+        retry: Retry,
+        marks: Marks,
+        deadline: Option<Instant>,
+    ) -> Result<Attempt> {
+        if let Some(want) = self.want() {
+            let mark_ttl = match self {
+                Protocol::Read { mark_ttl } | Protocol::Write { mark_ttl } if marks.leave => {
+                    Some(mark_ttl)
+                }
+                _ => None,
+            };
+            let reply = node.acquire_shared(keys, want, token, lease, mark_ttl, retry, deadline)?;
+            return Ok(match reply {
+                SharedAttempt::Acquired { fence, others_wait } => {
+                    Attempt::Acquired { fence, others_wait }
+                }
+                SharedAttempt::Held { hint } => Attempt::Held { pttl: hint },
+            });
+        }
+        let call = self.lock_call(node, keys, token, lease, marks);
+        let (reply, unacked) = node.run_acquire(self.acquire_script(), &call, retry, deadline)?;
+        match (attempt_of(node, reply)?, unacked) {
+            (Attempt::Acquired { .. }, Some(acked)) => Ok(Attempt::Unacked { acked }),
+            (attempt, _) => Ok(attempt),
+        }
+    }
+
+    /// The `EVALSHA` of one acquire attempt on `node`, for the subscriber to send the
+    /// moment the key may be free (see `early`); `None` when this protocol's attempts are
+    /// not sent early (shared holds).
+    pub fn early_call(
+        self,
+        node: &Node,
+        keys: &Keys,
+        token: &str,
+        lease: Duration,
+        marks: Marks,
+    ) -> Option<Cmd> {
+        (!self.shared()).then(|| self.lock_call(node, keys, token, lease, marks))
+    }
+
+    /// The `EVALSHA` of one exclusive-lock acquire attempt on `node`.
+    fn lock_call(
+        self,
+        node: &Node,
+        keys: &Keys,
+        token: &str,
+        lease: Duration,
+        marks: Marks,
+    ) -> Cmd {
+        let lease_ms = millis(lease);
+        match self {
+            Protocol::FairLock(fair) => {
+                let mut call = FAIR_ACQUIRE.call(4);
+                call.arg(keys.lock())
+                    .arg(keys.fence())
+                    .arg(keys.queue())
+                    .arg(keys.queue_expiry())
+                    .arg(token)
+                    .arg(lease_ms)
+                    .arg(keys.channel())
+                    .arg(node.client_id())
+                    .arg(if marks.leave {
+                        millis(fair.entry_ttl)
+                    } else {
+                        0
+                    })
+                    .arg(millis(fair.grant_lease))
+                    .arg(node.fence_ttl_ms())
+                    .arg(node.publish_mode());
+                call
+            }
+            _ => {
+                let mark_ttl = match self {
+                    Protocol::Lock { mark_ttl } if marks.leave => millis(mark_ttl),
+                    _ => 0,
+                };
+                let mut call = ACQUIRE.call(3);
+                call.arg(keys.lock())
+                    .arg(keys.fence())
+                    .arg(keys.mark())
+                    .arg(token)
+                    .arg(lease_ms)
+                    .arg(keys.channel())
+                    .arg(node.client_id())
+                    .arg(mark_ttl)
+                    .arg(if marks.clear { "1" } else { "0" })
+                    .arg(node.fence_ttl_ms())
+                    .arg(node.publish_mode());
+                call
+            }
+        }
+    }
+
+    /// The outcome of an acquire the subscriber thread made early on `node` (see
+    /// `early`), from its raw reply; made again the usual way with the same token when
+    /// the reply was lost (see [`Node::finish_early`]).
+    pub fn finish_acquire(
+        self,
+        node: &Node,
+        reply: RedisResult<Value>,
+        call: &Cmd,
+        retry: Retry,
+        deadline: Option<Instant>,
+    ) -> Result<Attempt> {
+        let reply = node.finish_early(reply, self.acquire_script(), call, retry, deadline)?;
+        attempt_of(node, reply)
+    }
+
+    /// Gives back `token`'s hold on `node`: compare-and-delete, (fair queue) a grant to
+    /// the head of the queue, or the end of a shared hold. `retry` may be non-zero: a
+    /// repeated release is harmless, and reports [`ReleaseReply::GoneAfterRetry`] for a
+    /// key that the first attempt may have deleted ([`ReleaseReply::OtherAfterRetry`]:
+    /// passed on, or deleted and taken since).
+    pub fn release(
+        self,
+        node: &Node,
+        keys: &Keys,
+        token: &str,
+        retry: Retry,
+    ) -> Result<ReleaseReply> {
+        // Redis Cluster, the lock's slot half-way through a migration: the server refuses
+        // a script whose keys are not all on one side (`TRYAGAIN`). The narrow release names
+        // the lock key alone, which the server always serves: on the source while the key
+        // is there, else (`ASK`) on the target; its lease record, if any, is left to its
+        // TTL (at most the lease).
+        let narrow = || release_call(node, keys, token, false);
+        match self {
+            Protocol::Lock { .. } => {
+                let call = release_call(node, keys, token, true);
+                node.release_with(&RELEASE, &call, retry, Some((&RELEASE, &narrow)))
+            }
+            Protocol::FairLock(fair) => {
+                // The fair release names the lock, its counter and its queue, and an empty
+                // queue has no key: during a migration the narrow release is the fair
+                // release of a lock with no one queued; a queue that exists (moved ahead
+                // of the lock) gets no grant, and its head takes the lock at its next
+                // attempt once the slot has moved.
+                let call = fair_call(&FAIR_RELEASE, node, keys, token, fair);
+                node.release_with(&FAIR_RELEASE, &call, retry, Some((&RELEASE, &narrow)))
+            }
+            Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. } => {
+                node.release_shared(keys, token, retry)
+            }
+        }
+    }
+
+    /// A waiter with `token` stops waiting on `node` without the hold; `marked`: an
+    /// attempt of its may have left a mark or a queue entry. Out of the queue (passing
+    /// on a grant that raced its leaving), or its mark removed. Whether it passed a grant
+    /// on.
+    pub fn leave(self, node: &Node, keys: &Keys, token: &str, marked: bool) -> Result<bool> {
+        if !marked {
+            return Ok(false);
+        }
+        match self {
+            Protocol::Lock { .. } => {
+                self.unmark(node, keys)?;
+                Ok(false)
+            }
+            Protocol::FairLock(fair) => {
+                let call = fair_call(&FAIR_LEAVE, node, keys, token, fair);
+                // Redis Cluster, the slot half-way through a migration: refused like the
+                // fair release (see `release`), leaving is the plain compare-and-delete of
+                // our token, which gives back a grant that raced our leaving; our queue
+                // entry expires.
+                let narrow = || release_call(node, keys, token, false);
+                let reply = node.release_with(
+                    &FAIR_LEAVE,
+                    &call,
+                    Retry::ON_RESET,
+                    Some((&RELEASE, &narrow)),
+                )?;
+                Ok(reply == ReleaseReply::Passed)
+            }
+            Protocol::Read { .. } => node.unmark_waiter(keys, token, false).map(|()| false),
+            Protocol::Write { .. } => node.unmark_waiter(keys, token, true).map(|()| false),
+            Protocol::Permit { .. } => Ok(false),
+        }
+    }
+
+    /// Whether the process may go on passing its hold `token` of a read-write lock among
+    /// its threads: the hold is live and nobody else waits for it (see `RW_KEEP`). Other
+    /// holds: no.
+    pub fn keeps_turns(self, node: &Node, keys: &Keys, token: &str) -> Result<bool> {
+        match self {
+            Protocol::Read { .. } => node.keep_turns(keys, token, false),
+            Protocol::Write { .. } => node.keep_turns(keys, token, true),
+            _ => Ok(false),
+        }
+    }
+
+    /// Removes our own contention mark on `node` (a waiter of a plain lock gave up).
+    pub fn unmark(self, node: &Node, keys: &Keys) -> Result<()> {
+        let mut call = UNMARK.call(1);
+        call.arg(keys.mark()).arg(node.client_id());
+        node.run(Retry::ON_RESET, |c| UNMARK.run::<i64>(&call, c))?;
+        Ok(())
+    }
+
+    /// Whether another client failed to get the lock `keys` on `node` lately: its mark
+    /// is alive, or (fair queue) someone is queued.
+    pub fn foreign_mark(self, node: &Node, keys: &Keys) -> Result<bool> {
+        if let Protocol::FairLock(_) = self {
+            // The queue is the mark: whoever is in it waits (this process's contender is
+            // not, while it holds the lock).
+            let queued: u64 = node.run(Retry::ON_RESET, |c| {
+                redis::cmd("ZCARD").arg(keys.queue()).query(c)
+            })?;
+            return Ok(queued > 0);
+        }
+        let mark: Option<Vec<u8>> = node.run(Retry::ON_RESET, |c| {
+            redis::cmd("GET").arg(keys.mark()).query(c)
+        })?;
+        Ok(mark.is_some_and(|m| m != node.client_id().as_bytes()))
+    }
+}
+
+/// Reads an acquire script's reply: 1 and the fence, 0 and the holder's PTTL, 2 for a key
+/// of another kind.
+fn attempt_of(node: &Node, reply: (i64, i64)) -> Result<Attempt> {
+    match reply {
+        (1, fence) => Ok(Attempt::Acquired {
+            fence: u64::try_from(fence)
+                .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
+            others_wait: false,
+        }),
+        (0, pttl) => {
+            Counters::inc(&node.counters().failed_attempts);
+            Ok(Attempt::Held {
+                pttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+            })
+        }
+        (2, _) => Err(Error::WrongKind),
+        other => Err(Error::Protocol(format!("acquire replied {other:?}"))),
+    }
+}
+
+/// The plain compare-and-delete of `token`'s lock ([`RELEASE`]): its key and, with
+/// `record`, its lease record (deleted with it); without, its key alone (see
+/// [`Protocol::release`]).
+fn release_call(node: &Node, keys: &Keys, token: &str, record: bool) -> Cmd {
+    let mut call = RELEASE.call(if record { 2 } else { 1 });
+    call.arg(keys.lock());
+    if record {
+        call.arg(keys.lease());
+    }
+    call.arg(token).arg(keys.channel()).arg(node.publish_mode());
+    call
+}
+
+/// A call of the fair queue's release or leave script: the same keys and arguments
+/// (the fence counter's TTL and the publish mode are `node`'s).
+fn fair_call(script: &Lua, node: &Node, keys: &Keys, token: &str, fair: Fair) -> Cmd {
+    let mut call = script.call(5);
+    call.arg(keys.lock())
+        .arg(keys.fence())
+        .arg(keys.queue())
+        .arg(keys.queue_expiry())
+        .arg(keys.lease())
+        .arg(token)
+        .arg(keys.channel())
+        .arg(millis(fair.grant_lease))
+        .arg(node.fence_ttl_ms())
+        .arg(node.publish_mode());
+    call
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The answers the engine acts on, for each protocol.
+    #[test]
+    fn each_protocol_answers_for_itself() {
+        let one = Protocols::of(&Config::default());
+        let fair = one.get(Kind::Lock).expect("lock");
+        assert!(matches!(fair, Protocol::FairLock(_)), "fair by default");
+        assert!(fair.keeps_token_across_attempts());
+        assert!(fair.release_may_grant());
+        assert!(fair.awaits_grant());
+        assert!(fair.next_call_settles_unknown());
+        assert_eq!(fair.hears(), Hears::Key);
+        assert!(fair.renewal().ordered);
+
+        let off = Config {
+            fair: false,
+            ..Config::default()
+        };
+        for plain in [
+            Protocols::of(&off).lock(),
+            Protocols::majority(&Config::default()).lock(),
+        ] {
+            assert!(matches!(plain, Protocol::Lock { .. }), "{plain:?}");
+            assert!(!plain.keeps_token_across_attempts());
+            assert!(!plain.release_may_grant());
+            assert!(!plain.awaits_grant());
+            assert!(!plain.next_call_settles_unknown());
+            assert_eq!(plain.hears(), Hears::Key);
+        }
+
+        for (kind, tag) in [
+            (Kind::Read, 'r'),
+            (Kind::Write, 'w'),
+            (Kind::Permit(3), 'p'),
+        ] {
+            let shared = one.get(kind).expect("shared");
+            assert!(shared.shared() && shared.keeps_token_across_attempts());
+            assert!(!shared.release_may_grant() && !shared.next_call_settles_unknown());
+            assert_eq!(shared.awaits_grant(), kind == Kind::Write);
+            assert_eq!(shared.hears(), Hears::Releases);
+            assert!(!shared.renewal().ordered);
+            assert!(shared.new_token().starts_with(tag));
+        }
+    }
+
+    /// Redlock offers no shared holds, and a semaphore needs a permit: typed errors.
+    #[test]
+    fn a_route_refuses_what_it_cannot_hold() {
+        let redlock = Protocols::majority(&Config::default());
+        assert!(matches!(
+            redlock.get(Kind::Read),
+            Err(Error::Unsupported(_))
+        ));
+        assert!(matches!(
+            redlock.get(Kind::Permit(2)),
+            Err(Error::Unsupported(_))
+        ));
+        let one = Protocols::of(&Config::default());
+        assert!(matches!(
+            one.get(Kind::Permit(0)),
+            Err(Error::InvalidConfig(_))
+        ));
+    }
+}
