@@ -5,9 +5,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::Res;
+use crate::ctx::Ctx;
 use crate::measure::percentile;
 use crate::results::{Commands, Counter, IdealResult};
-use crate::run::Ctx;
 use crate::server::{cleanup, raw_conn};
 use crate::settings::Settings;
 use crate::workload::{counter_key, hold_for};

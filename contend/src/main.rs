@@ -85,17 +85,21 @@
 //!   all processes of a machine share).
 //!
 //! The code, one job per module: [`cli`] (flags), [`settings`] (resolved parameters),
-//! [`strategy`] (the client each strategy builds), [`workload`] (keys, hold, clock),
+//! [`strategy`] (the strategies), [`client`] (the client each strategy builds),
+//! [`workload`] (keys, hold, clock),
 //! [`server`] (the Redis measured, node or cluster, and the admin connections),
 //! [`protocol`] (worker ↔ parent messages), [`worker`] (a worker process), [`workers`]
 //! (starting and reading them),
-//! [`ideal`] (the lock-free reference row), [`run`] (one configuration), [`measure`]
+//! [`ctx`] (what a run measures with), [`ideal`] (the lock-free reference row), [`run`]
+//! (one configuration), [`measure`]
 //! (counters, percentiles, fairness), [`results`], [`report`] (tables, JSON) and [`chart`]
 //! (`--svg`).
 
 mod blpop;
 mod chart;
 mod cli;
+mod client;
+mod ctx;
 mod ideal;
 mod measure;
 mod parent;

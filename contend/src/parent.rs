@@ -10,12 +10,13 @@ use crate::cli::Args;
 use indicatif::ProgressBar;
 use redbaton_testkit::server::RedisServer;
 
+use crate::ctx::Ctx;
 use crate::report::{
     CompareOutput, MatrixOutput, Output, compare_ratios, print_matrix, print_ratios, print_table,
     target_of,
 };
 use crate::results::ConfigResult;
-use crate::run::{Ctx, make_bar, run_config};
+use crate::run::{make_bar, run_config};
 use crate::server::{Lab, raw_conn};
 use crate::settings::{MATRIX, MATRIX_SECTIONS, MATRIX_SECTIONS_QUICK, Settings, config_label};
 use crate::strategy::Strategy;

@@ -8,34 +8,16 @@ use indicatif::{ProgressBar, ProgressStyle};
 use redbaton_testkit::keys::{fence_of, handoff_of};
 
 use crate::Res;
+use crate::ctx::Ctx;
 use crate::ideal::{IDEAL_CAP, ideal_result, run_ideal_part};
 use crate::measure::{fairness, waits};
 use crate::protocol::{ClientStats, Msg, WorkerReport};
 use crate::results::{ConfigResult, Counter, StrategyResult};
-use crate::server::{Lab, cleanup};
+use crate::server::cleanup;
 use crate::settings::Settings;
 use crate::strategy::Strategy;
 use crate::workers::{EXIT_TIMEOUT, READY_TIMEOUT, next_msg, spawn_workers};
 use crate::workload::{counter_key, mono_us};
-
-pub struct Ctx {
-    /// Where the locks and the counters live, and how commands are counted.
-    pub lab: Lab,
-    /// To the counters' server (the locks' too, unless they live apart).
-    pub admin: redis::Connection,
-    pub bar: ProgressBar,
-    pub stall: Duration,
-    /// `--sections-csv`: one line per critical section.
-    pub csv: Option<std::io::BufWriter<std::fs::File>>,
-    /// Put before the config in `--sections-csv` lines (`node:`, `cluster:` when comparing).
-    pub csv_tag: &'static str,
-}
-
-impl Ctx {
-    pub fn counter_url(&self) -> &str {
-        self.lab.counter_url.as_deref().unwrap_or(&self.lab.url)
-    }
-}
 
 pub fn run_strategy(
     ctx: &mut Ctx,

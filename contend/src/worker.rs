@@ -10,6 +10,7 @@ use redbaton::{LockClient, Unlocked};
 
 use crate::Res;
 use crate::cli::Args;
+use crate::client;
 use crate::protocol::{ClientStats, Msg, ThreadReport, WorkerReport, send};
 use crate::server::raw_conn;
 use crate::settings::Settings;
@@ -32,7 +33,7 @@ pub fn worker_main(args: &Args) -> Res<()> {
     if args.cluster && strategy == Strategy::BlpopQueue {
         return Err("blpop-queue does not run on a cluster".into());
     }
-    let client = strategy.builder(url, args.cluster, prefix, &s).build()?;
+    let client = client::builder(strategy, url, args.cluster, prefix, &s).build()?;
     // The counters: on the locks' Redis, or on a server of their own.
     let counter_url = args.counter_url.as_deref().unwrap_or(url);
     let conns = (0..s.threads)

@@ -469,10 +469,23 @@ mod tests {
         })
     }
 
-    #[test]
-    fn smoke() {
+    /// A new table, its key and one node where nobody else waits; this thread holds the key.
+    fn held() -> (Table, Keys, Vec<Fake>, Arc<RemoteLock>) {
         let (table, keys, subs) = (Table::default(), keys(), probes(false));
         let lock = hold(&table, &keys, &subs);
+        (table, keys, subs, lock)
+    }
+
+    /// As [`held`], with a waiter of another thread queued behind the holder.
+    fn held_and_queued() -> (Table, Keys, Vec<Fake>, Arc<RemoteLock>, Arc<Slot>) {
+        let (table, keys, subs, lock) = held();
+        let slot = queue_elsewhere(&table, &keys, &subs);
+        (table, keys, subs, lock, slot)
+    }
+
+    #[test]
+    fn smoke() {
+        let (table, keys, subs, lock) = held();
         let step = table.release(&lock, false, &config(10), &subs);
         assert!(matches!(
             step,
@@ -487,8 +500,7 @@ mod tests {
 
     #[test]
     fn asking_again_for_a_held_lock_is_a_deadlock_error() {
-        let (table, keys, subs) = (Table::default(), keys(), probes(false));
-        let _lock = hold(&table, &keys, &subs);
+        let (table, keys, subs, _lock) = held();
         assert!(matches!(
             table.enter(&keys, true, true, &subs),
             Err(Error::WouldDeadlock)
@@ -497,8 +509,7 @@ mod tests {
 
     #[test]
     fn a_try_behind_a_local_holder_would_block() {
-        let (table, keys, subs) = (Table::default(), keys(), probes(false));
-        let _lock = hold(&table, &keys, &subs);
+        let (table, keys, subs, _lock) = held();
         std::thread::scope(|s| {
             s.spawn(|| {
                 assert!(matches!(
@@ -511,9 +522,7 @@ mod tests {
 
     #[test]
     fn release_hands_the_baton_to_the_queued_waiter() {
-        let (table, keys, subs) = (Table::default(), keys(), probes(false));
-        let lock = hold(&table, &keys, &subs);
-        let slot = queue_elsewhere(&table, &keys, &subs);
+        let (table, keys, subs, lock, slot) = held_and_queued();
         assert!(matches!(
             table.release(&lock, false, &config(10), &subs),
             Step::HandedOff
@@ -534,9 +543,7 @@ mod tests {
 
     #[test]
     fn a_lost_lock_is_not_handed_on() {
-        let (table, keys, subs) = (Table::default(), keys(), probes(false));
-        let lock = hold(&table, &keys, &subs);
-        let slot = queue_elsewhere(&table, &keys, &subs);
+        let (table, keys, subs, lock, slot) = held_and_queued();
         assert!(matches!(
             table.release(&lock, true, &config(10), &subs),
             Step::Remote { .. }
@@ -551,9 +558,7 @@ mod tests {
 
     #[test]
     fn a_waiter_timing_out_leaves_the_queue() {
-        let (table, keys, subs) = (Table::default(), keys(), probes(false));
-        let lock = hold(&table, &keys, &subs);
-        let slot = queue_elsewhere(&table, &keys, &subs);
+        let (table, keys, subs, lock, slot) = held_and_queued();
         let past = Some(Instant::now() - Duration::from_millis(1));
         assert!(matches!(
             table.wait_queued(&keys, &slot, past),
@@ -568,9 +573,7 @@ mod tests {
 
     #[test]
     fn a_grant_that_races_the_timeout_is_taken_not_lost() {
-        let (table, keys, subs) = (Table::default(), keys(), probes(false));
-        let lock = hold(&table, &keys, &subs);
-        let slot = queue_elsewhere(&table, &keys, &subs);
+        let (table, keys, subs, lock, slot) = held_and_queued();
         assert!(matches!(
             table.release(&lock, false, &config(10), &subs),
             Step::HandedOff

@@ -24,7 +24,7 @@
 
 use std::sync::LazyLock;
 
-use super::scripts::{FENCE_FN, Lua};
+use super::scripts::{FENCE_FN, Lua, OWNER_FN};
 use super::sharded::PUBLISH_FN;
 
 /// Shared Lua: the server clock, pruning of expired entries, and a grant to the head.
@@ -89,6 +89,9 @@ end
 /// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when it is not (and the caller,
 /// if it waits, is queued), `{2, 0}` when the name holds another kind of lock.
 ///
+/// The lock is taken with `take_fenced` (see `FENCE_FN`), which deletes it again when the
+/// fence's `INCR` fails.
+///
 /// A free lock goes to the caller only when the queue is empty or the caller is its head;
 /// a free lock with another head is granted to that head on the spot (its grant was lost,
 /// or it queued while the lock was being released). The queue is also the contention
@@ -100,14 +103,10 @@ pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
         r"
 -- The common case first: nobody queued and the lock free (four calls, as without the
 -- queue but for the EXISTS).
-if redis.call('EXISTS', KEYS[3]) == 0
-  and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local fence = next_fence(KEYS[2], ARGV[#ARGV - 1])
-  if type(fence) == 'table' then
-    redis.call('DEL', KEYS[1])
-    return fence
-  end
-  return {1, fence}
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  local fence = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[#ARGV - 1])
+  if type(fence) == 'table' then return fence end
+  if fence then return {1, fence} end
 end
 local now = clock_us()
 local now_ms = math.floor(now / 1000)
@@ -126,12 +125,9 @@ if not cur then
   -- Expired entries left over (see prune): no known live head, the lock goes to us.
   local head = clean and redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   if not head or head == ARGV[1] then
-    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    local fence = next_fence(KEYS[2], ARGV[#ARGV - 1])
-    if type(fence) == 'table' then
-      redis.call('DEL', KEYS[1])
-      return fence
-    end
+    -- Free (read above, in this script), so the SET NX takes it.
+    local fence = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[#ARGV - 1])
+    if type(fence) == 'table' then return fence end
     redis.call('ZREM', KEYS[3], ARGV[1])
     redis.call('ZREM', KEYS[4], ARGV[1])
     return {1, fence}
@@ -151,7 +147,8 @@ return {0, redis.call('PTTL', KEYS[1])}
     ))
 });
 
-/// Release: grant to the head of the queue, or delete.
+/// Release: grant to the head of the queue, or delete (the token compared with `ownership`,
+/// see `OWNER_FN`).
 ///
 /// KEYS: lock, fence, queue, queue expiries, lease record (deleted with the lock; a grant
 /// leaves it to the next holder's first lease change, or its TTL). ARGV: token, channel,
@@ -159,14 +156,10 @@ return {0, redis.call('PTTL', KEYS[1])}
 /// waiter, 1 released, 0 the key was gone, -1 another token (or another kind) holds it.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FN}{OWNER_FN}{COMMON}{}",
         r"
-local cur = redis.pcall('GET', KEYS[1])
-if type(cur) == 'table' then return -1 end
-if cur ~= ARGV[1] then
-  if not cur then return 0 end
-  return -1
-end
+local status = ownership(KEYS[1], ARGV[1])
+if status ~= 1 then return status end
 if redis.call('EXISTS', KEYS[3]) == 0 then
   redis.call('DEL', KEYS[1], KEYS[5])
   publish(ARGV[2], 'r')
@@ -189,12 +182,11 @@ return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000)
 /// ours.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FN}{OWNER_FN}{COMMON}{}",
         r"
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
-local cur = redis.pcall('GET', KEYS[1])
-if cur == ARGV[1] then
+if ownership(KEYS[1], ARGV[1]) == 1 then
   return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000))
 end
 return 0

@@ -179,6 +179,8 @@ if ARGV[1] == 'r' then
   if waits then mark(KEYS[4]) end
   if w[2] and (not until_ or tonumber(w[2]) < until_) then until_ = tonumber(w[2]) end
 elseif not first then
+  -- The fence before the hold: a failed INCR leaves nothing to undo (unlike the plain
+  -- lock's `take_fenced`, whose SET NX is its test of a free lock).
   local fence = next_fence(KEYS[2], ARGV[5])
   if type(fence) == 'table' then return fence end
   take()

@@ -95,6 +95,13 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// Returns the new value, or the error table of a failed `INCR` (a foreign value in the
 /// key, an ACL without `incr`): the caller undoes what it did first.
 ///
+/// `take_fenced(lock, token, lease, key, ttl)` takes a free lock and issues its fence:
+/// `SET lock token NX PX lease`, then `next_fence(key, ttl)`, so four commands when it
+/// wins (`SET NX PX`, `INCR`, `TIME`, `SET` or `PEXPIRE`) and one when the lock exists.
+/// Returns `false` when the lock exists (nothing changed), else what `next_fence` returned.
+/// A script that fails half-way is not rolled back, so when the `INCR` fails it deletes the
+/// lock it just set before returning the error table: no lock without a fence is left.
+///
 /// `current_fence(key)` is the counter as it is, for a holder that does not increment it
 /// (a read hold, a retry finding its own acquisition): when the counter is gone, the
 /// server's clock, which the next `next_fence` will reach or exceed.
@@ -115,10 +122,63 @@ local function next_fence(key, ttl)
   end
   return fence
 end
+local function take_fenced(lock, token, lease, key, ttl)
+  if not redis.call('SET', lock, token, 'NX', 'PX', lease) then return false end
+  local fence = next_fence(key, ttl)
+  if type(fence) == 'table' then redis.call('DEL', lock) end
+  return fence
+end
 local function current_fence(key)
   local fence = redis.call('GET', key)
   if fence then return tonumber(fence) end
   return clock_us()
+end
+";
+
+/// The Lua helpers of the scripts that compare a lock's token before they change it.
+///
+/// `ownership(key, token)`: whose `key` is, in one `GET` (a `pcall`, so that a key of
+/// another type is an answer, not an error): 1 it holds `token`, 0 it is gone, -1 it holds
+/// another value or is not a string (another kind of lock).
+///
+/// `delete_owned(keys, token)`, compare-and-delete: when `keys[1]` holds `token`, deletes
+/// all of `keys` with one `DEL` (a lock and the keys that end with it). Returns
+/// `ownership` of `keys[1]`.
+///
+/// `extend_owned(lock, token, lease, record, change)`, compare-and-`PEXPIRE`: when `lock`
+/// holds `token`, sets its TTL to `lease` ms. With a lease record and the change's number
+/// (the string sent), the change is ordered by the rule of lease changes (see [`EXTEND`]):
+/// refused (2, nothing changed) when the record holds a higher number of this token's;
+/// else applied and the record set to `<change>:<token>` with the same lease. Without,
+/// unordered (see [`EXTEND_UNORDERED`]). Returns 1 extended, else `ownership` of `lock`
+/// (0 gone, -1 another owner) or 2. A lock that is gone is never recreated.
+pub(crate) const OWNER_FN: &str = r"
+local function ownership(key, token)
+  local cur = redis.pcall('GET', key)
+  if cur == token then return 1 end
+  if cur then return -1 end
+  return 0
+end
+local function delete_owned(keys, token)
+  local status = ownership(keys[1], token)
+  if status == 1 then redis.call('DEL', unpack(keys)) end
+  return status
+end
+local function extend_owned(lock, token, lease, record, change)
+  local status = ownership(lock, token)
+  if status ~= 1 then return status end
+  if record then
+    local last = redis.pcall('GET', record)
+    local applied = 0
+    if type(last) == 'string' then
+      local m, t = string.match(last, '^(%d+):(.*)$')
+      if t == token then applied = tonumber(m) end
+    end
+    if tonumber(change) < applied then return 2 end
+  end
+  redis.call('PEXPIRE', lock, lease)
+  if record then redis.call('SET', record, change .. ':' .. token, 'PX', lease) end
+  return 1
 end
 ";
 
@@ -132,11 +192,10 @@ end
 /// `{2, 0}` when the key is a read-write lock or a semaphore (checked on the failure path
 /// only: `SET NX` fails on any existing key, so the success path stays as it is).
 ///
-/// The common case comes first and costs four calls: `SET NX PX`, then the fence's `INCR`,
-/// `TIME` and `SET` (see [`FENCE_FN`]).
-/// A script that fails half-way is not rolled back, so an `INCR` that fails (a foreign
-/// value in the counter key, an ACL without `incr`) deletes the key it just set: no lock is
-/// left behind.
+/// The common case comes first and costs four calls: `take_fenced` (see [`FENCE_FN`]),
+/// which also deletes the key it set when the fence's `INCR` fails: no lock is left
+/// behind. The winner's own mark, if it marked before, is compare-and-deleted (see
+/// [`OWNER_FN`]).
 ///
 /// When the key already holds *our* token (a retry after the reply to a first attempt was
 /// lost), the lease is refreshed and the fence the first attempt created is returned: one
@@ -150,17 +209,12 @@ end
 /// with `pcall`: an ACL user without channel permissions still locks.
 pub(crate) static ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FN}{}",
+        "{PUBLISH_FN}{FENCE_FN}{OWNER_FN}{}",
         r"
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local fence = next_fence(KEYS[2], ARGV[7])
-  if type(fence) == 'table' then
-    redis.call('DEL', KEYS[1])
-    return fence
-  end
-  if ARGV[6] == '1' and redis.call('GET', KEYS[3]) == ARGV[4] then
-    redis.call('DEL', KEYS[3])
-  end
+local fence = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[7])
+if type(fence) == 'table' then return fence end
+if fence then
+  if ARGV[6] == '1' then delete_owned({KEYS[3]}, ARGV[4]) end
   return {1, fence}
 end
 local cur = redis.pcall('GET', KEYS[1])
@@ -178,7 +232,7 @@ return {0, redis.call('PTTL', KEYS[1])}
     ))
 });
 
-/// Compare-and-delete.
+/// Compare-and-delete (`delete_owned`, see [`OWNER_FN`]).
 ///
 /// KEYS: lock, and its lease record (see [`EXTEND`]; deleted with the lock by the same
 /// `DEL`: no key of the hold outlives its release, at no extra command) except where a
@@ -192,17 +246,11 @@ return {0, redis.call('PTTL', KEYS[1])}
 /// holds it.
 pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{}",
+        "{PUBLISH_FN}{OWNER_FN}{}",
         r"
-local cur = redis.pcall('GET', KEYS[1])
-if type(cur) == 'table' then return -1 end
-if cur == ARGV[1] then
-  redis.call('DEL', unpack(KEYS))
-  publish(ARGV[2], 'r')
-  return 1
-end
-if not cur then return 0 end
-return -1
+local status = delete_owned(KEYS, ARGV[1])
+if status == 1 then publish(ARGV[2], 'r') end
+return status
 "
     ))
 });
@@ -241,40 +289,19 @@ return -1
 ///
 /// A lock's first lease comes from the acquire (change number 0, no record); the first
 /// change writes the record. The acquire and release scripts never read it.
+///
+/// Each lock is `extend_owned` with its record (see [`OWNER_FN`]).
 pub(crate) static EXTEND: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(
+    Lua::new(&format!(
+        "{OWNER_FN}{}",
         r"
 local out = {}
-local lease = ARGV[1]
 for i = 1, #KEYS / 2 do
-  local lock, record = KEYS[2 * i - 1], KEYS[2 * i]
-  local token, n = ARGV[2 * i], tonumber(ARGV[2 * i + 1])
-  local cur = redis.pcall('GET', lock)
-  if type(cur) == 'table' then
-    out[i] = -1
-  elseif cur == token then
-    local last = redis.pcall('GET', record)
-    local applied = 0
-    if type(last) == 'string' then
-      local m, t = string.match(last, '^(%d+):(.*)$')
-      if t == token then applied = tonumber(m) end
-    end
-    if n < applied then
-      out[i] = 2
-    else
-      redis.call('PEXPIRE', lock, lease)
-      redis.call('SET', record, ARGV[2 * i + 1] .. ':' .. token, 'PX', lease)
-      out[i] = 1
-    end
-  elseif not cur then
-    out[i] = 0
-  else
-    out[i] = -1
-  end
+  out[i] = extend_owned(KEYS[2 * i - 1], ARGV[2 * i], ARGV[1], KEYS[2 * i], ARGV[2 * i + 1])
 end
 return out
-",
-    )
+"
+    ))
 });
 
 /// Compare-and-`PEXPIRE` of locks named alone, without their lease records: how a lock is
@@ -284,39 +311,33 @@ return out
 /// migration a renewal delayed on the way could set a lease shorter than a newer extend's.
 ///
 /// KEYS: lock keys. ARGV: lease in ms, then one token per key. Returns one status per key:
-/// 1 extended, 0 gone, -1 another owner.
+/// 1 extended, 0 gone, -1 another owner (each lock `extend_owned` without a record, see
+/// [`OWNER_FN`]).
 pub(crate) static EXTEND_UNORDERED: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(
+    Lua::new(&format!(
+        "{OWNER_FN}{}",
         r"
 local out = {}
 for i = 1, #KEYS do
-  local cur = redis.pcall('GET', KEYS[i])
-  if type(cur) == 'table' then
-    out[i] = -1
-  elseif cur == ARGV[i + 1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[1])
-    out[i] = 1
-  elseif not cur then
-    out[i] = 0
-  else
-    out[i] = -1
-  end
+  out[i] = extend_owned(KEYS[i], ARGV[i + 1], ARGV[1])
 end
 return out
-",
-    )
+"
+    ))
 });
 
-/// Compare-and-delete of a waiter's own mark, when it stops waiting without the lock.
+/// Compare-and-delete of a waiter's own mark, when it stops waiting without the lock
+/// (`delete_owned`, see [`OWNER_FN`]).
 ///
-/// KEYS: mark. ARGV: the client's id.
+/// KEYS: mark. ARGV: the client's id. Returns 0.
 pub(crate) static UNMARK: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(
+    Lua::new(&format!(
+        "{OWNER_FN}{}",
         r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+delete_owned(KEYS, ARGV[1])
 return 0
-",
-    )
+"
+    ))
 });
 
 /// Raises a fencing counter to at least a value (Redlock: the highest counter of the
