@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::clock::Stamp;
+use crate::engine::cleanup::release_on;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
 use crate::engine::waiter::{Pending, Waiter};
@@ -16,7 +17,7 @@ use crate::local::held::{Acquisition, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{NodeId, may_have_run};
-use crate::proto::protocol::{Attempt, Kind, Marks, Protocol};
+use crate::proto::protocol::{Attempt, Kind, Marks, Protocol, Request};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::verdict::{Undo, Vote, lease_left, vote};
@@ -309,15 +310,14 @@ impl Contest<'_> {
         let token = token.unwrap_or_else(|| self.protocol.new_token());
         // On the lease clock: the validity counts from here.
         let started = Stamp::now();
-        let replies = engine.topology.attempt(
-            &self.route,
-            self.protocol,
-            self.keys,
-            &token,
-            engine.cfg.lease,
+        let req = Request {
+            keys: self.keys,
+            token: &token,
+            lease: engine.cfg.lease,
             marks,
-            self.wait.deadline(),
-        );
+        };
+        let replies =
+            (engine.topology).attempt(&self.route, self.protocol, req, self.wait.deadline());
         self.judge(token, started, replies)
     }
 
@@ -413,7 +413,15 @@ impl Contest<'_> {
         }
         let deadline = self.wait.deadline();
         if !undo.granted.is_empty() && deadline.is_none_or(|d| Instant::now() < d) {
-            engine.release_on(self.keys, &self.route, self.protocol, &token, &undo.granted);
+            let (route, protocol) = (&self.route, self.protocol);
+            release_on(
+                &engine.topology,
+                self.keys,
+                route,
+                protocol,
+                &token,
+                &undo.granted,
+            );
             undo.granted.clear();
         }
         undo.unknown.append(&mut undo.granted);
@@ -468,7 +476,14 @@ impl Contest<'_> {
     ) -> Result<Arc<RemoteLock>> {
         let engine = self.engine;
         if fence > MAX_FENCE {
-            engine.release_on(self.keys, &self.route, self.protocol, &token, &nodes);
+            release_on(
+                &engine.topology,
+                self.keys,
+                &self.route,
+                self.protocol,
+                &token,
+                &nodes,
+            );
             return Err(Error::Protocol(format!(
                 "fence counter {fence} exceeds {MAX_FENCE}"
             )));

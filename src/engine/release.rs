@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::{Stamp, from_now};
-use crate::engine::cleanup::{release_at, release_on};
+use crate::engine::cleanup::release_at;
 use crate::engine::clock::YIELD;
 use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
@@ -199,18 +199,6 @@ impl Engine {
                 "extend: no answer (a newer change of the lease was applied)".to_owned(),
             )),
         }
-    }
-
-    /// Compare-and-delete on the nodes `ids` of the route, in parallel; the replies.
-    pub(crate) fn release_on(
-        self: &Arc<Self>,
-        keys: &Keys,
-        route: &Route,
-        protocol: Protocol,
-        token: &str,
-        ids: &[NodeId],
-    ) -> Vec<Result<ReleaseReply>> {
-        release_on(&self.topology, keys, route, protocol, token, ids)
     }
 
     /// Redlock: raises the fencing counter of the granting nodes that are behind to

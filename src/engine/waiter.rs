@@ -10,7 +10,7 @@ use crate::config::Wakeup;
 use crate::engine::clock::{YIELD, earliest};
 use crate::engine::state::Engine;
 use crate::proto::keys::Keys;
-use crate::proto::protocol::{Marks, Protocol};
+use crate::proto::protocol::{Marks, Protocol, Request};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::wake::early::{Armed, Shot};
@@ -104,11 +104,13 @@ impl Waiter {
             leave: true,
             clear: marked,
         };
-        let lease = client.cfg.lease;
-        let Some((node, call)) = client
-            .topology
-            .early_call(route, protocol, keys, &token, lease, marks)
-        else {
+        let req = Request {
+            keys,
+            token: &token,
+            lease: client.cfg.lease,
+            marks,
+        };
+        let Some((node, call)) = client.topology.early_call(route, protocol, req) else {
             return;
         };
         if watch.arm(Armed::new(node.pool.clone(), &call, deadline)) {

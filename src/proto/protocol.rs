@@ -149,6 +149,16 @@ pub(crate) enum Attempt {
     Unacked { acked: usize },
 }
 
+/// One acquire attempt's arguments: for which keys, with which token, for how long, and
+/// what it does with contention marks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Request<'a> {
+    pub keys: &'a Keys,
+    pub token: &'a str,
+    pub lease: Duration,
+    pub marks: Marks,
+}
+
 /// What an acquire attempt does with contention marks.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Marks {
@@ -269,24 +279,21 @@ impl Protocol {
     /// fence). When the outcome stays unknown, the caller must release with the token: the
     /// key may be ours. `marks`: whether a failure leaves a contention mark (or queues),
     /// and whether a success clears ours.
-    #[allow(clippy::too_many_arguments)]
     pub fn acquire(
         self,
         node: &Node,
-        keys: &Keys,
-        token: &str,
-        lease: Duration,
+        req: Request<'_>,
         retry: Retry,
-        marks: Marks,
         deadline: Option<Instant>,
     ) -> Result<Attempt> {
         if let Some(want) = self.want() {
             let mark_ttl = match self {
-                Protocol::Read { mark_ttl } | Protocol::Write { mark_ttl } if marks.leave => {
+                Protocol::Read { mark_ttl } | Protocol::Write { mark_ttl } if req.marks.leave => {
                     Some(mark_ttl)
                 }
                 _ => None,
             };
+            let (keys, token, lease) = (req.keys, req.token, req.lease);
             let reply = node.acquire_shared(keys, want, token, lease, mark_ttl, retry, deadline)?;
             return Ok(match reply {
                 SharedAttempt::Acquired { fence, others_wait } => {
@@ -295,7 +302,7 @@ impl Protocol {
                 SharedAttempt::Held { hint } => Attempt::Held { pttl: hint },
             });
         }
-        let call = self.lock_call(node, keys, token, lease, marks);
+        let call = self.lock_call(node, req);
         let (reply, unacked) = node.run_acquire(self.acquire_script(), &call, retry, deadline)?;
         match (attempt_of(node, reply)?, unacked) {
             (Attempt::Acquired { .. }, Some(acked)) => Ok(Attempt::Unacked { acked }),
@@ -306,26 +313,18 @@ impl Protocol {
     /// The `EVALSHA` of one acquire attempt on `node`, for the subscriber to send the
     /// moment the key may be free (see `early`); `None` when this protocol's attempts are
     /// not sent early (shared holds).
-    pub fn early_call(
-        self,
-        node: &Node,
-        keys: &Keys,
-        token: &str,
-        lease: Duration,
-        marks: Marks,
-    ) -> Option<Cmd> {
-        (!self.shared()).then(|| self.lock_call(node, keys, token, lease, marks))
+    pub fn early_call(self, node: &Node, req: Request<'_>) -> Option<Cmd> {
+        (!self.shared()).then(|| self.lock_call(node, req))
     }
 
     /// The `EVALSHA` of one exclusive-lock acquire attempt on `node`.
-    fn lock_call(
-        self,
-        node: &Node,
-        keys: &Keys,
-        token: &str,
-        lease: Duration,
-        marks: Marks,
-    ) -> Cmd {
+    fn lock_call(self, node: &Node, req: Request<'_>) -> Cmd {
+        let Request {
+            keys,
+            token,
+            lease,
+            marks,
+        } = req;
         let lease_ms = millis(lease);
         match self {
             Protocol::FairLock(fair) => {

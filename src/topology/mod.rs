@@ -26,7 +26,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, NodeId, Retry, is_failover_symptom};
-use crate::proto::protocol::{Attempt, Kind, Marks, Protocol, Protocols};
+use crate::proto::protocol::{Attempt, Kind, Protocol, Protocols, Request};
 use crate::stats::Counters;
 
 use cluster::Cluster;
@@ -269,27 +269,31 @@ impl Topology {
 
     /// One acquire attempt of `protocol` with `token` on every node of `route`, in
     /// parallel where several must answer; the replies by node.
-    #[allow(clippy::too_many_arguments)]
     pub fn attempt(
         &self,
         route: &Route,
         protocol: Protocol,
-        keys: &Keys,
-        token: &str,
-        lease: Duration,
-        marks: Marks,
+        req: Request<'_>,
         deadline: Option<Instant>,
     ) -> Vec<(NodeId, Result<Attempt>)> {
         let retry = route.retry();
         if let Some(node) = route.sole() {
             // One node: no closure to share with other threads, nothing to clone.
-            let reply = protocol.acquire(node, keys, token, lease, retry, marks, deadline);
+            let reply = protocol.acquire(node, req, retry, deadline);
             return vec![(node.id.clone(), reply)];
         }
-        let (k, t) = (keys.clone(), token.to_owned());
+        let (k, t, lease, marks) = (req.keys.clone(), req.token.to_owned(), req.lease, req.marks);
         self.fan_out(route.nodes(), move |node| {
-            let reply = protocol.acquire(node, &k, &t, lease, retry, marks, deadline);
-            (node.id.clone(), reply)
+            let req = Request {
+                keys: &k,
+                token: &t,
+                lease,
+                marks,
+            };
+            (
+                node.id.clone(),
+                protocol.acquire(node, req, retry, deadline),
+            )
         })
     }
 
@@ -300,13 +304,10 @@ impl Topology {
         &self,
         route: &Route,
         protocol: Protocol,
-        keys: &Keys,
-        token: &str,
-        lease: Duration,
-        marks: Marks,
+        req: Request<'_>,
     ) -> Option<(Arc<Node>, Cmd)> {
         let node = route.sole()?;
-        let call = protocol.early_call(node, keys, token, lease, marks)?;
+        let call = protocol.early_call(node, req)?;
         Some((node.clone(), call))
     }
 
