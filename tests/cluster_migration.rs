@@ -325,3 +325,33 @@ fn a_queued_waiter_leaves_by_its_deadline_while_the_slot_migrates() {
     );
     migration.finish();
 }
+
+/// A script sent to the target of an `ASK` that the target does not know (`NOSCRIPT`, as
+/// after `SCRIPT FLUSH`) is loaded there and sent again after `ASKING` once more: the
+/// target serves it, and the call costs one redirect. Without `ASKING` the target would
+/// answer `MOVED` back to the source, which would send it on again (three redirects).
+/// A semaphore's acquire names one key, which the target serves after `ASKING` while
+/// the slot migrates.
+#[test]
+fn a_script_reloaded_after_ask_is_sent_with_asking_again() {
+    let (cluster, client) = &started(LEASE);
+    let name = "mig-noscript";
+    let slot = cluster.keyslot(&KEYS.lock_bytes(name.as_bytes()));
+    let from = cluster.owner(slot);
+    let to = cluster.other_master(from);
+    let migration = cluster.open_migration(slot, to);
+    let () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut cluster.server(to).conn())
+        .expect("SCRIPT FLUSH");
+    let before = client.stats().redirects;
+    let permit = client
+        .semaphore(name, 2)
+        .try_acquire()
+        .expect("a permit on the target");
+    let redirects = client.stats().redirects - before;
+    assert!(exists_on(cluster, to, &KEYS.lock_bytes(name.as_bytes())));
+    assert_eq!(redirects, 1, "one ASK, then the script on the target");
+    drop(permit);
+    migration.finish();
+}

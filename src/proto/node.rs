@@ -1,11 +1,13 @@
-//! One Redis node: its connection pool, and running commands and scripts on it (retries,
-//! redirects, replica acknowledgements). Which lock scripts it runs, with which
-//! arguments, is the route's protocol's (see `protocol`).
+//! One Redis node: its connection pool, and running commands and scripts on it (network
+//! retries within a deadline, replica acknowledgements). Which lock scripts it runs, with
+//! which arguments, is the route's protocol's (see `protocol`); where a command goes
+//! when its server refuses or redirects it is the node's call path's, which the topology
+//! gives it (see [`CallPath`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redis::{Cmd, Connection, RedisResult, Value};
+use redis::{Cmd, Connection, FromRedisValue, RedisError, RedisResult, Value};
 
 use crate::config::Config;
 use crate::error::{Error, Result, is_network_error};
@@ -92,29 +94,47 @@ impl std::fmt::Display for NodeId {
     }
 }
 
-/// Where a node sends a command that its server redirected (Redis Cluster `MOVED` and
-/// `ASK`), and whom it tells of a failure that may mean the cluster's layout changed. The
-/// topology implements it; a node holds it weakly (the topology holds the nodes).
-pub(crate) trait Redirect: Send + Sync {
-    /// The node at `addr` (`host:port`) that a redirect for `slot` names; `moved`: the
-    /// slot now belongs to it (`MOVED`), rather than for this one command (`ASK`).
-    fn follow(&self, slot: u16, addr: &str, moved: bool) -> Option<Arc<Node>>;
-    /// A command failed in a way that may mean a master moved (a network error,
-    /// `CLUSTERDOWN`): look at the layout again soon.
+/// How a node's commands reach the server that serves their keys, and what a command its
+/// server refused or redirected does next. Declared here, implemented by the topology
+/// (`topology::call`), which gives every node one when it makes it: the node sends
+/// ([`Node::send`]), the call path decides.
+pub(crate) trait CallPath: Send + Sync {
+    /// Runs `commands` for `node` as `call` says: on `node` through [`Node::send`], then
+    /// wherever the servers' replies send them. [`Sent::Narrow`] (only with
+    /// `call.narrower`): the server refused the call's keys together, and the caller is to
+    /// send its narrower form instead.
+    fn call(&self, node: &Node, call: Call, commands: &mut Commands<'_>) -> Result<Sent>;
+    /// Whether a command sent outside the call path (see [`Node::finish_early`]) that
+    /// failed with `e` is to be sent again through it.
+    fn resend(&self, e: &RedisError) -> bool;
+    /// A command of a node got no reply, or no connection: the layout may have changed.
     fn fault(&self);
 }
 
-/// Most redirects one command follows: a slot moves at most a few times in a row.
-const MAX_HOPS: u32 = 5;
-/// How long `TRYAGAIN` (keys of one command half-way through a slot migration) and
-/// `CLUSTERDOWN` (a failover in progress) are retried when the caller set no deadline.
-const CLUSTER_SETTLE: Duration = Duration::from_secs(2);
-/// The first pause before a command refused with `TRYAGAIN` or `CLUSTERDOWN` is sent
-/// again; each pause doubles, up to [`MAX_SETTLE_PAUSE`]. A resharding tool moves a
-/// slot's keys in milliseconds, so the first tries come soon; one left half-way (a tool
-/// that died) costs a waiter four commands a second, not a hundred.
-const FIRST_SETTLE_PAUSE: Duration = Duration::from_millis(10);
-const MAX_SETTLE_PAUSE: Duration = Duration::from_millis(250);
+/// The commands of one attempt of a call, sent on a connection. The second argument is
+/// the command the call path sent ahead of them on that connection, if any: a command sent
+/// again within the attempt (a script after its reload) needs it ahead of it again.
+pub(crate) type Commands<'a> = dyn FnMut(&mut Connection, Option<&Cmd>) -> RedisResult<()> + 'a;
+
+/// How one call is made.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Call {
+    pub retry: Retry,
+    /// No read waits past it (but [`MIN_ATTEMPT`] at least), nothing is sent again after it.
+    pub deadline: Option<Instant>,
+    /// The caller has a narrower form of the call (fewer keys per command) to send instead
+    /// if the server refuses these keys together.
+    pub narrower: bool,
+}
+
+/// What became of a call whose commands did not fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sent {
+    /// The commands ran.
+    Ran,
+    /// They did not run: the caller sends its narrower form (see [`Call::narrower`]).
+    Narrow,
+}
 
 pub(crate) struct Node {
     pub id: NodeId,
@@ -129,8 +149,8 @@ pub(crate) struct Node {
     /// `replica_ack`: replicas that must acknowledge an acquisition or renewal, and how
     /// long to wait for them.
     ack: Option<(usize, Duration)>,
-    /// Redis Cluster: who follows this node's redirects.
-    redirect: Option<std::sync::Weak<dyn Redirect>>,
+    /// Where its commands go when their server refuses or redirects them.
+    path: Arc<dyn CallPath>,
     /// The last command got no reply (a network error or a timeout): asked last when
     /// any node will do (the cluster's slot map).
     silent: std::sync::atomic::AtomicBool,
@@ -142,16 +162,18 @@ impl Node {
         !self.silent.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// A node at `url`; `label` names it in errors (the URL may hold a password).
+    /// A node at `url`; `label` names it in errors (the URL may hold a password). Its
+    /// commands take `path` (see [`CallPath`]).
     pub fn new(
         label: &str,
         url: &str,
         cfg: &Config,
         counters: Arc<Counters>,
         client_id: Arc<str>,
+        path: Arc<dyn CallPath>,
     ) -> Result<Self> {
         let client = open_client(label, url, &cfg.tls)?;
-        Ok(Self::at(client, cfg, counters, client_id))
+        Ok(Self::at(client, cfg, counters, client_id, path))
     }
 
     /// A node named by the address and database of `client`.
@@ -160,22 +182,12 @@ impl Node {
         cfg: &Config,
         counters: Arc<Counters>,
         client_id: Arc<str>,
+        path: Arc<dyn CallPath>,
     ) -> Self {
         let info = client.get_connection_info();
         let db = info.redis_settings().db();
         let id = NodeId::new(format!("{}/{db}", info.addr()));
-        Self::with_client(id, client, cfg, counters, client_id)
-    }
-
-    /// This node, with its redirects followed by `hook` (Redis Cluster).
-    pub fn with_redirect(mut self, hook: std::sync::Weak<dyn Redirect>) -> Self {
-        self.redirect = Some(hook);
-        self
-    }
-
-    /// Who follows this node's redirects, while the topology lives.
-    fn hook(&self) -> Option<Arc<dyn Redirect>> {
-        self.redirect.as_ref().and_then(std::sync::Weak::upgrade)
+        Self::with_client(id, client, cfg, counters, client_id, path)
     }
 
     /// A node named `id` whose connections go through `client` (a role, such as a
@@ -186,6 +198,7 @@ impl Node {
         cfg: &Config,
         counters: Arc<Counters>,
         client_id: Arc<str>,
+        path: Arc<dyn CallPath>,
     ) -> Self {
         let db = client.get_connection_info().redis_settings().db();
         Node {
@@ -196,15 +209,14 @@ impl Node {
             client_id,
             fence_ttl_ms: millis(cfg.fence_ttl),
             ack: cfg.replica_ack,
-            redirect: None,
+            path,
             silent: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
-    /// Runs one command on a pooled connection. A network failure discards the connection
-    /// (its reply may still arrive) and every idle one (a server restart kills them all),
-    /// then retries on fresh connections as `retry` says: callers pass retries only for
-    /// idempotent commands.
+    /// Runs one command on a pooled connection, sent again on fresh connections after a
+    /// network failure as `retry` says (see [`send`](Self::send)): callers pass retries
+    /// only for idempotent commands.
     pub fn run<T>(
         &self,
         retry: Retry,
@@ -215,52 +227,80 @@ impl Node {
 
     /// [`run`](Self::run), within the caller's `deadline`: each read waits at most until
     /// the deadline (but [`MIN_ATTEMPT`] at least, so an attempt has a chance), and
-    /// nothing is retried once it has passed.
-    ///
-    /// In a Redis Cluster, a `MOVED` or `ASK` reply sends the command to the node it names
-    /// (after `ASKING` for `ASK`): the command did not run, so it is safe to send again.
-    /// `TRYAGAIN` and `CLUSTERDOWN` are retried after growing pauses, within the deadline
-    /// (or [`CLUSTER_SETTLE`] without one); a `TRYAGAIN` that outlasts it gives
-    /// [`Error::SlotMigrating`].
-    ///
-    /// `TRYAGAIN` is what a slot migration does to a command naming several keys
-    /// (Redis's `getNodeByQuery`, `src/cluster.c`): the source (`MIGRATING`) runs it when
-    /// all of its keys exist there, sends `ASK` when none does, and refuses it when only
-    /// some do; the target (`IMPORTING`), after `ASKING`, runs it when its keys are one,
-    /// or all exist there, and refuses it otherwise. A script's keys are its declared
-    /// `KEYS` (EVALSHA is no exception), and every command it runs is checked the same
-    /// way, so a script cannot create a key on the source either. Waiting is the only
-    /// safe answer for an acquire: the lock key of a free lock exists nowhere, its fence
-    /// counter may still be on the source, and taking the lock on the target with a
-    /// counter of its own would issue tokens that go backwards (and break the
-    /// migration of the old counter). The server never runs one lock's script on both
-    /// masters, and a refused command did not run, so sending it again is safe.
+    /// nothing is retried once it has passed. The node's call path decides what a command
+    /// its server refused or redirected does next (Redis Cluster: `topology::call`).
     pub fn run_until<T>(
         &self,
         retry: Retry,
         deadline: Option<Instant>,
         mut f: impl FnMut(&mut Connection) -> RedisResult<T>,
     ) -> Result<T> {
-        if let Some(e) = crate::proto::skip::skipped() {
-            return Err(Error::Redis(e));
-        }
-        self.run_hop(retry, deadline, false, 0, &mut f)
+        self.run_whole(retry, deadline, |c, _| f(c))
     }
 
-    /// [`run_until`](Self::run_until) on this node, the `hops`-th redirect of a command;
-    /// `asking`: the redirect was an `ASK`.
-    fn run_hop<T>(
+    /// Runs `call` of `script` (loaded first where the server lacks it), as
+    /// [`run_until`](Self::run_until) runs a command.
+    pub fn run_script<T: FromRedisValue>(
+        &self,
+        script: &Lua,
+        call: &Cmd,
+        retry: Retry,
+        deadline: Option<Instant>,
+    ) -> Result<T> {
+        self.run_whole(retry, deadline, |c, before| script.run(call, c, before))
+    }
+
+    /// `f` through the node's call path, a call without a narrower form.
+    fn run_whole<T>(
         &self,
         retry: Retry,
         deadline: Option<Instant>,
-        asking: bool,
-        hops: u32,
-        f: &mut dyn FnMut(&mut Connection) -> RedisResult<T>,
+        f: impl FnMut(&mut Connection, Option<&Cmd>) -> RedisResult<T>,
     ) -> Result<T> {
+        let call = Call {
+            retry,
+            deadline,
+            narrower: false,
+        };
+        self.call(call, f)?
+            .ok_or_else(|| Error::Protocol("narrowed a call that has no narrower form".to_owned()))
+    }
+
+    /// `f` through the node's call path as `call` says; `None` when the path said to send
+    /// the narrower form ([`Sent::Narrow`]).
+    fn call<T>(
+        &self,
+        call: Call,
+        mut f: impl FnMut(&mut Connection, Option<&Cmd>) -> RedisResult<T>,
+    ) -> Result<Option<T>> {
+        if let Some(e) = crate::proto::skip::skipped() {
+            return Err(Error::Redis(e));
+        }
+        let mut out = None;
+        let sent = self.path.call(self, call, &mut |c, before| {
+            out = Some(f(c, before)?);
+            Ok(())
+        })?;
+        Ok(match sent {
+            Sent::Ran => out,
+            Sent::Narrow => None,
+        })
+    }
+
+    /// Sends `commands` on a pooled connection of this node: the mechanism under every
+    /// call path. A network failure discards the connection (its reply may still arrive)
+    /// and every idle one (a server restart kills them all), tells the call path, then
+    /// sends the commands again on a fresh connection as `retry` allows (`tries`: the
+    /// retries this call made so far), never once `deadline` has passed. Any other
+    /// failure is returned for the call path to judge.
+    pub(crate) fn send(
+        &self,
+        retry: Retry,
+        deadline: Option<Instant>,
+        tries: &mut u32,
+        commands: &mut dyn FnMut(&mut Connection) -> RedisResult<()>,
+    ) -> Result<()> {
         let (_, read_timeout, _) = self.pool.timeouts();
-        let mut tries = 0;
-        let settle_until = deadline.unwrap_or_else(|| Instant::now() + CLUSTER_SETTLE);
-        let mut settle_pause = FIRST_SETTLE_PAUSE;
         loop {
             let mut conn = match self.pool.get() {
                 Ok(conn) => conn,
@@ -268,95 +308,36 @@ impl Node {
                     self.silent
                         .store(true, std::sync::atomic::Ordering::Relaxed);
                     // A node that refuses connections may have been replaced (a master
-                    // killed in a cluster): look at the layout again.
-                    if e.is_connection()
-                        && let Some(hook) = self.hook()
-                    {
-                        hook.fault();
+                    // killed in a cluster).
+                    if e.is_connection() {
+                        self.path.fault();
                     }
                     return Err(e);
                 }
             };
             Counters::inc(&self.counters.commands);
-            let reply = within_deadline(&mut conn, deadline, read_timeout, |c| {
-                if asking {
-                    redis::cmd("ASKING").query::<()>(c)?;
-                }
-                f(c)
-            });
+            let reply = within_deadline(&mut conn, deadline, read_timeout, &mut *commands);
             self.silent.store(
                 reply.as_ref().is_err_and(is_network_error),
                 std::sync::atomic::Ordering::Relaxed,
             );
             match reply {
-                Ok(v) => return Ok(v),
-                Err(e) if e.redirect_node().is_some() && self.redirect.is_some() => {
-                    drop(conn);
-                    let (addr, slot) = e.redirect_node().expect("checked above");
-                    let moved = e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Moved);
-                    let target = self.hook().and_then(|hook| hook.follow(slot, addr, moved));
-                    match target {
-                        Some(node) if hops < MAX_HOPS => {
-                            Counters::inc(&self.counters.redirects);
-                            log::debug!("node {}: {e}; following to {}", self.id, node.id);
-                            return node.run_hop(retry, deadline, !moved, hops + 1, f);
-                        }
-                        _ => return Err(Error::Redis(e)),
-                    }
-                }
-                Err(e) if is_settling(&e) && self.redirect.is_some() => {
-                    // The command did not run: a slot is half-way through a migration, or
-                    // the cluster is electing a new master. Wait a little and send it again
-                    // (here: an `ASK` is followed again from the source, whose keys may
-                    // have moved meanwhile).
-                    drop(conn);
-                    let migrating = is_migrating(&e);
-                    if !migrating && let Some(hook) = self.hook() {
-                        // A migrating slot keeps its owner until it has moved (then `MOVED`
-                        // says so); an election may give it another.
-                        hook.fault();
-                    }
-                    let jitter = rand::random_range(0..=settle_pause.as_millis() as u64 / 2);
-                    let pause = settle_pause + Duration::from_millis(jitter);
-                    if Instant::now() + pause >= settle_until {
-                        if migrating {
-                            log::debug!("node {}: slot still migrating: {e}", self.id);
-                            return Err(Error::SlotMigrating);
-                        }
-                        return Err(Error::Redis(e));
-                    }
-                    std::thread::sleep(pause);
-                    settle_pause = (settle_pause * 2).min(MAX_SETTLE_PAUSE);
-                }
                 Err(e) if is_network_error(&e) => {
                     conn.discard();
                     drop(conn);
                     self.pool.clear_idle();
                     self.pool.note_fault();
-                    if let Some(hook) = self.hook() {
-                        hook.fault();
-                    }
-                    let late = deadline.is_some_and(|d| Instant::now() >= d);
-                    if tries >= retry.times || (e.is_timeout() && !retry.after_timeout) || late {
+                    self.path.fault();
+                    if *tries >= retry.times
+                        || (e.is_timeout() && !retry.after_timeout)
+                        || past(deadline)
+                    {
                         return Err(Error::Redis(e));
                     }
-                    tries += 1;
+                    *tries += 1;
                     log::debug!("node {}: retrying after network error: {e}", self.id);
                 }
-                Err(e) if e.code() == Some("READONLY") => {
-                    // A master demoted under us (a failover): whoever follows the node's
-                    // address looks again; the command is retried if the caller allows.
-                    drop(conn);
-                    self.pool.clear_idle();
-                    self.pool.note_fault();
-                    let late = deadline.is_some_and(|d| Instant::now() >= d);
-                    if tries >= retry.times || late {
-                        return Err(Error::Redis(e));
-                    }
-                    tries += 1;
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(e) => return Err(Error::Redis(e)),
+                reply => return reply.map_err(Error::Redis),
             }
         }
     }
@@ -373,8 +354,8 @@ impl Node {
         retry: Retry,
         deadline: Option<Instant>,
     ) -> Result<((i64, i64), Option<usize>)> {
-        let (reply, acked) = self.run_until(retry, deadline, |c| {
-            let reply: (i64, i64) = script.run(call, c)?;
+        let (reply, acked) = self.run_whole(retry, deadline, |c, before| {
+            let reply: (i64, i64) = script.run(call, c, before)?;
             let acked = match (reply.0, self.ack) {
                 (1, Some(_)) => Some(self.wait_replicas(c)?),
                 _ => None,
@@ -418,10 +399,11 @@ impl Node {
     }
 
     /// The reply to a `call` of `script` the subscriber thread sent early (see `early`),
-    /// from its raw reply. When the reply was lost, the server lacked the script, or
-    /// (Redis Cluster) it redirected or refused the call, the call is made again the usual
-    /// way with the same arguments: an acquire script recognises its own token.
-    pub fn finish_early<T: redis::FromRedisValue>(
+    /// from its raw reply. When the reply was lost, the server lacked the script, or the
+    /// call path would have sent the call on (see [`CallPath::resend`]), the call is made
+    /// again the usual way with the same arguments: an acquire script recognises its own
+    /// token.
+    pub fn finish_early<T: FromRedisValue>(
         &self,
         reply: RedisResult<Value>,
         script: &Lua,
@@ -436,17 +418,12 @@ impl Node {
             .and_then(|v| Ok(redis::from_redis_value::<T>(v)?));
         match parsed {
             Ok(v) => Ok(v),
-            Err(e)
-                if is_network_error(&e)
-                    || scripts::is_noscript(&e)
-                    || (self.redirect.is_some()
-                        && (e.redirect_node().is_some() || is_settling(&e))) =>
-            {
+            Err(e) if is_network_error(&e) || scripts::is_noscript(&e) || self.path.resend(&e) => {
                 if is_network_error(&e) {
                     self.pool.clear_idle();
                 }
                 log::debug!("node {}: early attempt failed: {e}; retrying", self.id);
-                self.run_until(retry, deadline, |c| script.run(call, c))
+                self.run_script(script, call, retry, deadline)
             }
             Err(e) => Err(Error::Redis(e)),
         }
@@ -459,11 +436,9 @@ impl Node {
 
     /// Raises the key's fencing counter to at least `fence`.
     pub fn raise_fence(&self, keys: &Keys, fence: u64) -> Result<()> {
-        self.run(Retry::ON_RESET, |c| {
-            let mut call = RAISE_FENCE.call(1);
-            call.arg(keys.fence()).arg(fence).arg(self.fence_ttl_ms);
-            RAISE_FENCE.run::<i64>(&call, c)
-        })?;
+        let mut call = RAISE_FENCE.call(1);
+        call.arg(keys.fence()).arg(fence).arg(self.fence_ttl_ms);
+        self.run_script::<i64>(&RAISE_FENCE, &call, Retry::ON_RESET, None)?;
         Ok(())
     }
 
@@ -478,9 +453,10 @@ impl Node {
     }
 
     /// [`release_by`](Self::release_by) (also for the fair queue's leave: 2 passed on,
-    /// 1 released, 0 nothing ours); when the server refuses `call` because the lock's slot
-    /// is migrating (`TRYAGAIN`), the narrow release (a script and the call it makes:
-    /// the plain compare-and-delete, naming the lock key alone) is run instead, at once.
+    /// 1 released, 0 nothing ours), with `narrow`, its narrower form (a script and the call
+    /// it makes: the plain compare-and-delete, naming the lock key alone), run instead at
+    /// once when the call path says so ([`Sent::Narrow`]: the server refused the keys of
+    /// `call` together).
     pub(crate) fn release_with(
         &self,
         script: &Lua,
@@ -492,16 +468,18 @@ impl Node {
         // redirected or refused attempt did not run.
         let mut lost_reply = false;
         let mut retried = false;
-        // `None`: refused as migrating, when `narrowing`.
-        let mut attempt = |script: &Lua, call: &Cmd, narrowing: bool| {
-            self.run(retry, |c| {
+        // `None`: to be narrowed, when `narrower`.
+        let mut attempt = |script: &Lua, call: &Cmd, narrower: bool| {
+            let how = Call {
+                retry,
+                deadline: None,
+                narrower,
+            };
+            self.call(how, |c, before| {
                 retried |= lost_reply;
-                let reply = match script.run::<i64>(call, c) {
-                    Err(e) if narrowing && is_migrating(&e) => return Ok(None),
-                    reply => reply,
-                };
+                let reply = script.run::<i64>(call, c, before);
                 lost_reply |= reply.as_ref().is_err_and(is_network_error);
-                reply.map(Some)
+                reply
             })
         };
         let mut reply = attempt(script, call, narrow.is_some())?;
@@ -538,9 +516,7 @@ impl Node {
     /// which it does when the channel's slot moves to another master. Has the topology
     /// read the layout again at the next route.
     pub fn slot_moved(&self) {
-        if let Some(hook) = self.hook() {
-            hook.fault();
-        }
+        self.path.fault();
     }
 
     /// Compare-and-extend many locks of this node in one round trip, each change ordered
@@ -565,8 +541,8 @@ impl Node {
         }
     }
 
-    /// [`extend_batches`](Self::extend_batches) in one round trip; `None` when the server
-    /// refused them because a slot migrates (see [`apart`](Self::apart)).
+    /// [`extend_batches`](Self::extend_batches) in one round trip; `None` when the call
+    /// path says to send them one lock per call ([`extend_apart`](Self::extend_apart)).
     fn extend_once(&self, batches: &[Batch<'_>]) -> Result<Option<Vec<Vec<ExtendReply>>>> {
         let calls: Vec<redis::Cmd> = batches.iter().map(Batch::call).collect();
         // Each script once, for reloading after a NOSCRIPT.
@@ -576,22 +552,25 @@ impl Node {
                 scripts.push(b.script);
             }
         }
-        let outcome = self.run(Retry::ON_RESET, |c| {
-            let replies = match calls.as_slice() {
-                [one] => scripts[0].run(one, c).map(|r| vec![r]),
-                _ => crate::proto::scripts::run_pipelined(&scripts, &calls, c),
-            };
-            let replies: Vec<Vec<i64>> = match replies {
-                Err(e) if self.apart(&e, batches) => return Ok(None),
-                replies => replies?,
-            };
+        // Narrower: one lock per call, and an ordered lock alone without its lease record.
+        let locks: usize = batches.iter().map(|b| b.locks.len()).sum();
+        let how = Call {
+            retry: Retry::ON_RESET,
+            deadline: None,
+            narrower: locks > 1 || batches.iter().any(|b| b.ordered),
+        };
+        let outcome = self.call(how, |c, before| {
+            let replies: Vec<Vec<i64>> = match calls.as_slice() {
+                [one] => scripts[0].run(one, c, before).map(|r| vec![r]),
+                _ => scripts::run_pipelined(&scripts, &calls, c, before),
+            }?;
             let acked = match self.ack {
                 Some(_) if replies.iter().flatten().any(|&r| r == 1) => {
                     Some(self.wait_replicas(c)?)
                 }
                 _ => None,
             };
-            Ok(Some((replies, acked)))
+            Ok((replies, acked))
         })?;
         let Some((replies, acked)) = outcome else {
             return Ok(None);
@@ -619,27 +598,10 @@ impl Node {
 }
 
 impl Node {
-    /// Whether renewal `batches` that failed with `e` are to be sent again one lock per
-    /// call ([`extend_apart`](Self::extend_apart)): Redis Cluster, a slot half-way through
-    /// a migration. The server refuses a batch whose keys are not all on one side
-    /// (`TRYAGAIN`), and in a pipeline of batches `ASKING` covers only the first, so a
-    /// redirect of another one bounces between the masters. One key per call is always
-    /// served: where the key is (`ASK` to the target once it moved). Waiting instead
-    /// could outlast the leases.
-    /// A lock and its lease record count as two keys: a renewal of one ordered lock is
-    /// refused too while only one of them has moved, or while the record does not exist
-    /// yet (the lock's first lease change).
-    fn apart(&self, e: &redis::RedisError, batches: &[Batch<'_>]) -> bool {
-        let locks: usize = batches.iter().map(|b| b.locks.len()).sum();
-        let ordered = batches.iter().any(|b| b.ordered);
-        self.redirect.is_some()
-            && (locks > 1 || ordered)
-            && (is_migrating(e) || (batches.len() > 1 && is_redirect(e)))
-    }
-
     /// [`extend_batches`](Self::extend_batches), one lock per call, each following its
-    /// own redirects (see [`apart`](Self::apart)). Costs a round trip per lock, only
-    /// while a slot of this node migrates.
+    /// own redirects: the narrower form of a renewal, sent when the call path says so
+    /// (Redis Cluster: a slot of this node migrates; see `topology::call`). Costs a round
+    /// trip per lock.
     fn extend_apart(&self, batches: &[Batch<'_>]) -> Result<Vec<Vec<ExtendReply>>> {
         batches
             .iter()
@@ -771,50 +733,6 @@ pub(crate) fn within_deadline<T>(
     result
 }
 
-/// `MOVED` or `ASK`, also as the first failure of a pipeline (whose error carries no
-/// address: `redirect_node` is `None` there).
-fn is_redirect(e: &redis::RedisError) -> bool {
-    use redis::{
-        ErrorKind::Server,
-        ServerErrorKind::{Ask, Moved},
-    };
-    matches!(e.kind(), Server(Ask) | Server(Moved))
-}
-
-/// A Redis Cluster reply saying the command did not run and may be sent again shortly:
-/// `TRYAGAIN` (its keys are half-way through a slot migration) or `CLUSTERDOWN`.
-fn is_settling(e: &redis::RedisError) -> bool {
-    is_migrating(e) || e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ClusterDown)
-}
-
-/// `TRYAGAIN`: the command names several keys of a migrating slot, and the node has only
-/// some of them (see [`Node::run_until`]). It did not run.
-fn is_migrating(e: &redis::RedisError) -> bool {
-    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain)
-}
-
-/// Whether `e` is what a Redis Cluster client sees while a master fails over or a slot
-/// moves, rather than an answer about the lock: the node cannot be reached (killed, not
-/// yet replaced), it no longer takes writes (`READONLY`), the cluster is electing a new
-/// master (`CLUSTERDOWN`) or moving keys (`TRYAGAIN`, and [`Error::SlotMigrating`] when
-/// a node gave up waiting it out), or redirects did not settle. A
-/// refused handshake or refused credentials are not: waiting does not cure them.
-pub(crate) fn is_failover_symptom(e: &Error) -> bool {
-    if e.is_slot_migrating() {
-        return true;
-    }
-    let Error::Redis(r) = e else {
-        return false;
-    };
-    if e.is_tls() || e.is_auth() {
-        return false;
-    }
-    is_network_error(r)
-        || is_settling(r)
-        || r.code() == Some("READONLY")
-        || r.redirect_node().is_some()
-}
-
 /// Whether a failed command may have reached Redis (and so may have taken effect).
 pub(crate) fn may_have_run(e: &Error) -> bool {
     match e {
@@ -823,6 +741,11 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
         Error::Redis(e) => !e.is_connection_refusal(),
         _ => true,
     }
+}
+
+/// Whether `deadline` has passed.
+pub(crate) fn past(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|d| Instant::now() >= d)
 }
 
 /// A duration in whole milliseconds, at least 1, for a script argument.

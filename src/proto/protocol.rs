@@ -471,7 +471,7 @@ impl Protocol {
     pub fn unmark(self, node: &Node, keys: &Keys) -> Result<()> {
         let mut call = UNMARK.call(1);
         call.arg(keys.mark()).arg(node.client_id());
-        node.run(Retry::ON_RESET, |c| UNMARK.run::<i64>(&call, c))?;
+        node.run_script::<i64>(&UNMARK, &call, Retry::ON_RESET, None)?;
         Ok(())
     }
 

@@ -344,7 +344,7 @@ impl Node {
             }
         };
         // Two numbers, and a third (`others`) when a read-write hold is granted.
-        let reply: Vec<i64> = self.run_until(retry, deadline, |c| script.run(&call, c))?;
+        let reply: Vec<i64> = self.run_script(script, &call, retry, deadline)?;
         match *reply.as_slice() {
             [1, fence, ..] => Ok(SharedAttempt::Acquired {
                 fence: u64::try_from(fence)
@@ -392,7 +392,7 @@ impl Node {
             .arg(keys.readers())
             .arg(member)
             .arg(if write { "w" } else { "r" });
-        let keep: i64 = self.run(Retry::ON_RESET, |c| RW_KEEP.run(&call, c))?;
+        let keep: i64 = self.run_script(&RW_KEEP, &call, Retry::ON_RESET, None)?;
         Ok(keep == 1)
     }
 
@@ -408,7 +408,7 @@ impl Node {
             .arg(member)
             .arg(keys.channel())
             .arg(self.publish_mode());
-        self.run(Retry::ON_RESET, |c| WAITER_UNMARK.run::<i64>(&call, c))?;
+        self.run_script::<i64>(&WAITER_UNMARK, &call, Retry::ON_RESET, None)?;
         Ok(())
     }
 }

@@ -32,10 +32,20 @@ impl Lua {
     }
 
     /// Runs `call` on `conn`, loading the script first if the server does not know it.
-    pub fn run<T: FromRedisValue>(&self, call: &Cmd, conn: &mut Connection) -> RedisResult<T> {
+    /// `before`: the command sent ahead of `call` on `conn`, if any (see
+    /// `node::Commands`), sent again ahead of the call after a reload: it covers the next
+    /// command only (Redis Cluster's `ASKING`, without which the target of an `ASK` sends
+    /// the call back to the source).
+    pub fn run<T: FromRedisValue>(
+        &self,
+        call: &Cmd,
+        conn: &mut Connection,
+        before: Option<&Cmd>,
+    ) -> RedisResult<T> {
         match call.query(conn) {
             Err(e) if is_noscript(&e) => {
                 self.0.load(conn)?;
+                again_before(before, conn)?;
                 call.query(conn)
             }
             other => other,
@@ -44,12 +54,13 @@ impl Lua {
 }
 
 /// Runs `calls` (`EVALSHA`s of `scripts`, in any mix) in one round trip, one reply each;
-/// after a `NOSCRIPT` loads them all and sends them again, so `calls` must be safe to run
-/// twice (renewals are).
+/// after a `NOSCRIPT` loads them all and sends them again (after `before`, as
+/// [`Lua::run`] does), so `calls` must be safe to run twice (renewals are).
 pub fn run_pipelined<T: FromRedisValue>(
     scripts: &[&Lua],
     calls: &[Cmd],
     conn: &mut Connection,
+    before: Option<&Cmd>,
 ) -> RedisResult<Vec<T>> {
     let mut pipe = redis::pipe();
     for call in calls {
@@ -60,9 +71,18 @@ pub fn run_pipelined<T: FromRedisValue>(
             for script in scripts {
                 script.0.load(conn)?;
             }
+            again_before(before, conn)?;
             pipe.query(conn)
         }
         other => other,
+    }
+}
+
+/// Sends `before` again, when there is one: a reloaded script's call follows it anew.
+fn again_before(before: Option<&Cmd>, conn: &mut Connection) -> RedisResult<()> {
+    match before {
+        Some(cmd) => cmd.query(conn),
+        None => Ok(()),
     }
 }
 

@@ -6,15 +6,15 @@
 //! (all of a lock's keys share that slot, see `proto::keys`). A node per master, named by
 //! its address, keeps its pool across map refreshes.
 //!
-//! Redirects never reach users. Every command goes through `Node::run_until`, which
+//! Redirects never reach users. Every command takes the call path (see [`call`]), which
 //! follows a `MOVED` (the map records the slot's new owner and is read again at the next
 //! route) or an `ASK` (`ASKING`, then the command, on the named node, once) through this
-//! topology's [`Redirect`] hook, and waits out `TRYAGAIN` and `CLUSTERDOWN`. A slot
+//! topology's [`SlotMap`], and waits out `TRYAGAIN` and `CLUSTERDOWN`. A slot
 //! migration refuses (`TRYAGAIN`) every script of a lock whose keys are not all on one
 //! side, a free lock's acquire among them: acquires wait for the slot to move, for as long
 //! as failovers are ridden through, then give `Error::SlotMigrating`; a fair release
 //! falls back to the plain one, which names the lock key alone, and a refused renewal
-//! batch is sent one lock per call (see `Node::run_until`).
+//! batch is sent one lock per call.
 //! A redirected command had not run, so resending it is safe; an acquire keeps its token across the
 //! redirect, and the script recognises its own token if an earlier attempt's reply was
 //! lost. A network error (a refused connection too) marks the map stale: after a failover
@@ -26,6 +26,7 @@
 //! user, password; the builder makes every seed agree), on their TLS port over TLS.
 //!
 //! [`slots`]: super::slots
+//! [`call`]: super::call
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,12 +36,13 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock};
 
 use super::Route;
+use super::call::{Path, SlotMap};
 use super::slots::{self, SLOTS, Shard};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::connect::{is_tls_url, open_client, open_client_at};
 use crate::proto::keys::{Keys, keyslot};
-use crate::proto::node::{Node, Redirect, Retry};
+use crate::proto::node::{Node, Retry};
 use crate::proto::protocol::Protocols;
 use crate::stats::Counters;
 
@@ -255,22 +257,20 @@ impl Shared {
             host,
             port,
         )?;
-        let hook: Weak<dyn Redirect> = self.me.clone();
-        let node = Arc::new(
-            Node::at(
-                client,
-                &self.cfg,
-                self.counters.clone(),
-                self.client_id.clone(),
-            )
-            .with_redirect(hook),
-        );
+        let map: Weak<dyn SlotMap> = self.me.clone();
+        let node = Arc::new(Node::at(
+            client,
+            &self.cfg,
+            self.counters.clone(),
+            self.client_id.clone(),
+            Path::cluster(map),
+        ));
         let mut map = self.map.write();
         Ok(map.known.entry(addr).or_insert(node).clone())
     }
 }
 
-impl Redirect for Shared {
+impl SlotMap for Shared {
     fn follow(&self, slot: u16, addr: &str, moved: bool) -> Option<Arc<Node>> {
         let (host, port) = addr.rsplit_once(':')?;
         let node = self.node(host, port.parse().ok()?).ok()?;
@@ -297,7 +297,7 @@ impl Redirect for Shared {
         Some(node)
     }
 
-    fn fault(&self) {
+    fn stale(&self) {
         self.stale.store(true, Ordering::Relaxed);
     }
 }

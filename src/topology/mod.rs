@@ -9,6 +9,7 @@
 //! never by position, so a flavor whose set of nodes changes while locks are held fits
 //! behind the same questions.
 
+mod call;
 mod cluster;
 mod fanout;
 mod redlock;
@@ -25,10 +26,11 @@ use redis::{Cmd, RedisResult, Value};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
-use crate::proto::node::{Node, NodeId, Retry, is_failover_symptom};
+use crate::proto::node::{Node, NodeId, Retry};
 use crate::proto::protocol::{Attempt, Kind, Protocol, Protocols, Request};
 use crate::stats::Counters;
 
+use call::{Path, is_failover_symptom};
 use cluster::Cluster;
 use redlock::Redlock;
 use sentinel::Sentinel;
@@ -207,6 +209,7 @@ impl Topology {
                     cfg,
                     counters.clone(),
                     client_id.clone(),
+                    Path::plain(),
                 )
                 .map(Arc::new)
             })

@@ -68,6 +68,7 @@ impl Sentinel {
             cfg,
             counters.clone(),
             client_id.clone(),
+            super::call::Path::plain(),
         ));
         let sentinels = sc
             .sentinels
