@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use crate::clock::Stamp;
 use crate::engine::cleanup::release_on;
-use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
 use crate::engine::waiter::{Pending, Waiter};
 use crate::error::{Error, Result};
@@ -20,6 +19,7 @@ use crate::proto::node::{NodeId, may_have_run};
 use crate::proto::protocol::{Attempt, Kind, Marks, Protocol, Request};
 use crate::stats::Counters;
 use crate::topology::Route;
+use crate::topology::ride::Ride;
 use crate::topology::verdict::{Undo, Vote, lease_left, vote};
 use crate::wake::early::Shot;
 

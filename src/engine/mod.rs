@@ -9,7 +9,6 @@ pub(crate) mod contest;
 mod eviction;
 mod probe;
 pub(crate) mod release;
-mod ride;
 pub(crate) mod shared_hold;
 pub(crate) mod state;
 pub(crate) mod subs;

@@ -6,7 +6,6 @@ use std::time::Duration;
 use crate::clock::{Stamp, from_now};
 use crate::engine::cleanup::release_at;
 use crate::engine::clock::YIELD;
-use crate::engine::ride::Ride;
 use crate::engine::state::Engine;
 use crate::error::{Error, Result, Unlocked};
 use crate::local::held::{Changed, RemoteLock};
@@ -17,6 +16,7 @@ use crate::proto::node::{Change, ExtendReply, NodeId, ReleaseReply, may_have_run
 use crate::proto::protocol::Protocol;
 use crate::stats::Counters;
 use crate::topology::Route;
+use crate::topology::ride::Ride;
 use crate::topology::verdict::{Renewal, tally_release};
 
 impl Engine {

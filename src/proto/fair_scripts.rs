@@ -24,7 +24,10 @@
 
 use std::sync::LazyLock;
 
-use super::scripts::{FENCE_FN, Lua, OWNER_FN};
+use redis::Cmd;
+
+use super::keys::Keys;
+use super::scripts::{FENCE_FN, Lua, OWNER_FN, Site};
 use super::sharded::PUBLISH_FN;
 
 /// Shared Lua: the server clock, pruning of expired entries, and a grant to the head.
@@ -193,3 +196,53 @@ return 0
 "
     ))
 });
+
+/// The call of [`FAIR_ACQUIRE`] (see it for the arguments): a waiter's failed attempt
+/// queues with an entry that lives `entry_ms` (0: it will not wait); a grant it makes to
+/// a live head of the queue (see `pass_on`) lasts `grant_ms`.
+pub(crate) fn fair_acquire_call(
+    site: Site<'_>,
+    keys: &Keys,
+    token: &str,
+    lease_ms: u64,
+    entry_ms: u64,
+    grant_ms: u64,
+) -> Cmd {
+    let mut call = FAIR_ACQUIRE.call(4);
+    call.arg(keys.lock())
+        .arg(keys.fence())
+        .arg(keys.queue())
+        .arg(keys.queue_expiry())
+        .arg(token)
+        .arg(lease_ms)
+        .arg(keys.channel())
+        .arg(site.client_id)
+        .arg(entry_ms)
+        .arg(grant_ms)
+        .arg(site.fence_ttl_ms)
+        .arg(site.publish);
+    call
+}
+
+/// A call of [`FAIR_RELEASE`] or [`FAIR_LEAVE`]: the same keys and arguments; a grant
+/// lasts `grant_ms`.
+pub(crate) fn fair_call(
+    script: &Lua,
+    site: Site<'_>,
+    keys: &Keys,
+    token: &str,
+    grant_ms: u64,
+) -> Cmd {
+    let mut call = script.call(5);
+    call.arg(keys.lock())
+        .arg(keys.fence())
+        .arg(keys.queue())
+        .arg(keys.queue_expiry())
+        .arg(keys.lease())
+        .arg(token)
+        .arg(keys.channel())
+        .arg(grant_ms)
+        .arg(site.fence_ttl_ms)
+        .arg(site.publish);
+    call
+}

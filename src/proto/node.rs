@@ -14,7 +14,7 @@ use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
 use crate::proto::pool::Pool;
-use crate::proto::scripts::{self, EXTEND, EXTEND_UNORDERED, Lua, RAISE_FENCE};
+use crate::proto::scripts::{self, EXTEND, EXTEND_UNORDERED, Lua, RAISE_FENCE, Site};
 use crate::stats::Counters;
 
 /// What a compare-and-delete found.
@@ -156,50 +156,41 @@ pub(crate) struct Node {
     silent: std::sync::atomic::AtomicBool,
 }
 
+/// What every node of a client shares, given when a node is made: the client's counters,
+/// its id, and the call path its commands take (see [`CallPath`]).
+pub(crate) struct Parts {
+    pub counters: Arc<Counters>,
+    pub client_id: Arc<str>,
+    pub path: Arc<dyn CallPath>,
+}
+
 impl Node {
     /// Whether the last command got a reply (see `silent`).
     pub fn answering(&self) -> bool {
         !self.silent.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// A node at `url`; `label` names it in errors (the URL may hold a password). Its
-    /// commands take `path` (see [`CallPath`]).
-    pub fn new(
-        label: &str,
-        url: &str,
-        cfg: &Config,
-        counters: Arc<Counters>,
-        client_id: Arc<str>,
-        path: Arc<dyn CallPath>,
-    ) -> Result<Self> {
+    /// A node at `url`; `label` names it in errors (the URL may hold a password).
+    pub fn new(label: &str, url: &str, cfg: &Config, parts: Parts) -> Result<Self> {
         let client = open_client(label, url, &cfg.tls)?;
-        Ok(Self::at(client, cfg, counters, client_id, path))
+        Ok(Self::at(client, cfg, parts))
     }
 
     /// A node named by the address and database of `client`.
-    pub fn at(
-        client: redis::Client,
-        cfg: &Config,
-        counters: Arc<Counters>,
-        client_id: Arc<str>,
-        path: Arc<dyn CallPath>,
-    ) -> Self {
+    pub fn at(client: redis::Client, cfg: &Config, parts: Parts) -> Self {
         let info = client.get_connection_info();
-        let db = info.redis_settings().db();
-        let id = NodeId::new(format!("{}/{db}", info.addr()));
-        Self::with_client(id, client, cfg, counters, client_id, path)
+        let id = NodeId::new(format!("{}/{}", info.addr(), info.redis_settings().db()));
+        Self::with_client(id, client, cfg, parts)
     }
 
     /// A node named `id` whose connections go through `client` (a role, such as a
     /// Sentinel-managed master, whose address may change: see [`Pool::repoint`]).
-    pub fn with_client(
-        id: NodeId,
-        client: redis::Client,
-        cfg: &Config,
-        counters: Arc<Counters>,
-        client_id: Arc<str>,
-        path: Arc<dyn CallPath>,
-    ) -> Self {
+    pub fn with_client(id: NodeId, client: redis::Client, cfg: &Config, parts: Parts) -> Self {
+        let Parts {
+            counters,
+            client_id,
+            path,
+        } = parts;
         let db = client.get_connection_info().redis_settings().db();
         Node {
             id,
@@ -396,6 +387,15 @@ impl Node {
     /// our own marks.
     pub fn client_id(&self) -> &str {
         &self.client_id
+    }
+
+    /// What a script call needs from this node (see [`Site`]).
+    pub fn site(&self) -> Site<'_> {
+        Site {
+            client_id: &self.client_id,
+            fence_ttl_ms: self.fence_ttl_ms,
+            publish: self.publish_mode(),
+        }
     }
 
     /// The reply to a `call` of `script` the subscriber thread sent early (see `early`),

@@ -22,11 +22,16 @@ use redis::{Cmd, RedisResult, Value};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::proto::fair_scripts::{FAIR_ACQUIRE, FAIR_LEAVE, FAIR_RELEASE};
+pub(crate) use crate::proto::attempt::Attempt;
+use crate::proto::fair_scripts::{
+    FAIR_ACQUIRE, FAIR_LEAVE, FAIR_RELEASE, fair_acquire_call, fair_call,
+};
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, ReleaseReply, Retry, millis, new_token};
-use crate::proto::rw_scripts::{SHARED_EXTEND, SharedAttempt, Want};
-use crate::proto::scripts::{ACQUIRE, EXTEND, Lua, RELEASE, UNMARK};
+use crate::proto::rw_scripts::{SHARED_EXTEND, Want};
+use crate::proto::scripts::{
+    ACQUIRE, EXTEND, Lua, RELEASE, UNMARK, acquire_call, acquire_reply, release_call, unmark_call,
+};
 use crate::stats::Counters;
 
 /// What a caller asks to hold.
@@ -134,19 +139,6 @@ impl Protocols {
         }
         Ok(shared)
     }
-}
-
-/// The reply to one acquire attempt on one node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Attempt {
-    /// The hold is ours: `fence` is the node's fencing counter for it, and `others_wait`
-    /// says (a write hold) that another process may wait for it.
-    Acquired { fence: u64, others_wait: bool },
-    /// Someone else holds it; `pttl` is what remains of their lease (`None`: no TTL).
-    Held { pttl: Option<Duration> },
-    /// The script took the lock, but fewer replicas than asked acknowledged it in time
-    /// (`replica_ack`): the caller must release it.
-    Unacked { acked: usize },
 }
 
 /// One acquire attempt's arguments: for which keys, with which token, for how long, and
@@ -294,13 +286,7 @@ impl Protocol {
                 _ => None,
             };
             let (keys, token, lease) = (req.keys, req.token, req.lease);
-            let reply = node.acquire_shared(keys, want, token, lease, mark_ttl, retry, deadline)?;
-            return Ok(match reply {
-                SharedAttempt::Acquired { fence, others_wait } => {
-                    Attempt::Acquired { fence, others_wait }
-                }
-                SharedAttempt::Held { hint } => Attempt::Held { pttl: hint },
-            });
+            return node.acquire_shared(keys, want, token, lease, mark_ttl, retry, deadline);
         }
         let call = self.lock_call(node, req);
         let (reply, unacked) = node.run_acquire(self.acquire_script(), &call, retry, deadline)?;
@@ -325,46 +311,23 @@ impl Protocol {
             lease,
             marks,
         } = req;
-        let lease_ms = millis(lease);
+        let (site, lease_ms) = (node.site(), millis(lease));
         match self {
             Protocol::FairLock(fair) => {
-                let mut call = FAIR_ACQUIRE.call(4);
-                call.arg(keys.lock())
-                    .arg(keys.fence())
-                    .arg(keys.queue())
-                    .arg(keys.queue_expiry())
-                    .arg(token)
-                    .arg(lease_ms)
-                    .arg(keys.channel())
-                    .arg(node.client_id())
-                    .arg(if marks.leave {
-                        millis(fair.entry_ttl)
-                    } else {
-                        0
-                    })
-                    .arg(millis(fair.grant_lease))
-                    .arg(node.fence_ttl_ms())
-                    .arg(node.publish_mode());
-                call
+                let entry_ms = if marks.leave {
+                    millis(fair.entry_ttl)
+                } else {
+                    0
+                };
+                let grant_ms = millis(fair.grant_lease);
+                fair_acquire_call(site, keys, token, lease_ms, entry_ms, grant_ms)
             }
             _ => {
-                let mark_ttl = match self {
+                let mark_ms = match self {
                     Protocol::Lock { mark_ttl } if marks.leave => millis(mark_ttl),
                     _ => 0,
                 };
-                let mut call = ACQUIRE.call(3);
-                call.arg(keys.lock())
-                    .arg(keys.fence())
-                    .arg(keys.mark())
-                    .arg(token)
-                    .arg(lease_ms)
-                    .arg(keys.channel())
-                    .arg(node.client_id())
-                    .arg(mark_ttl)
-                    .arg(if marks.clear { "1" } else { "0" })
-                    .arg(node.fence_ttl_ms())
-                    .arg(node.publish_mode());
-                call
+                acquire_call(site, keys, token, lease_ms, mark_ms, marks.clear)
             }
         }
     }
@@ -401,10 +364,10 @@ impl Protocol {
         // the lock key alone, which the server always serves: on the source while the key
         // is there, else (`ASK`) on the target; its lease record, if any, is left to its
         // TTL (at most the lease).
-        let narrow = || release_call(node, keys, token, false);
+        let narrow = || release_call(node.site(), keys, token, false);
         match self {
             Protocol::Lock { .. } => {
-                let call = release_call(node, keys, token, true);
+                let call = release_call(node.site(), keys, token, true);
                 node.release_with(&RELEASE, &call, retry, Some((&RELEASE, &narrow)))
             }
             Protocol::FairLock(fair) => {
@@ -413,7 +376,13 @@ impl Protocol {
                 // release of a lock with no one queued; a queue that exists (moved ahead
                 // of the lock) gets no grant, and its head takes the lock at its next
                 // attempt once the slot has moved.
-                let call = fair_call(&FAIR_RELEASE, node, keys, token, fair);
+                let call = fair_call(
+                    &FAIR_RELEASE,
+                    node.site(),
+                    keys,
+                    token,
+                    millis(fair.grant_lease),
+                );
                 node.release_with(&FAIR_RELEASE, &call, retry, Some((&RELEASE, &narrow)))
             }
             Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. } => {
@@ -436,12 +405,18 @@ impl Protocol {
                 Ok(false)
             }
             Protocol::FairLock(fair) => {
-                let call = fair_call(&FAIR_LEAVE, node, keys, token, fair);
+                let call = fair_call(
+                    &FAIR_LEAVE,
+                    node.site(),
+                    keys,
+                    token,
+                    millis(fair.grant_lease),
+                );
                 // Redis Cluster, the slot half-way through a migration: refused like the
                 // fair release (see `release`), leaving is the plain compare-and-delete of
                 // our token, which gives back a grant that raced our leaving; our queue
                 // entry expires.
-                let narrow = || release_call(node, keys, token, false);
+                let narrow = || release_call(node.site(), keys, token, false);
                 let reply = node.release_with(
                     &FAIR_LEAVE,
                     &call,
@@ -469,8 +444,7 @@ impl Protocol {
 
     /// Removes our own contention mark on `node` (a waiter of a plain lock gave up).
     pub fn unmark(self, node: &Node, keys: &Keys) -> Result<()> {
-        let mut call = UNMARK.call(1);
-        call.arg(keys.mark()).arg(node.client_id());
+        let call = unmark_call(node.site(), keys);
         node.run_script::<i64>(&UNMARK, &call, Retry::ON_RESET, None)?;
         Ok(())
     }
@@ -493,54 +467,13 @@ impl Protocol {
     }
 }
 
-/// Reads an acquire script's reply: 1 and the fence, 0 and the holder's PTTL, 2 for a key
-/// of another kind.
+/// Reads an acquire script's reply on `node`, counting a failed attempt.
 fn attempt_of(node: &Node, reply: (i64, i64)) -> Result<Attempt> {
-    match reply {
-        (1, fence) => Ok(Attempt::Acquired {
-            fence: u64::try_from(fence)
-                .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
-            others_wait: false,
-        }),
-        (0, pttl) => {
-            Counters::inc(&node.counters().failed_attempts);
-            Ok(Attempt::Held {
-                pttl: u64::try_from(pttl).ok().map(Duration::from_millis),
-            })
-        }
-        (2, _) => Err(Error::WrongKind),
-        other => Err(Error::Protocol(format!("acquire replied {other:?}"))),
+    let attempt = acquire_reply(reply)?;
+    if let Attempt::Held { .. } = attempt {
+        Counters::inc(&node.counters().failed_attempts);
     }
-}
-
-/// The plain compare-and-delete of `token`'s lock ([`RELEASE`]): its key and, with
-/// `record`, its lease record (deleted with it); without, its key alone (see
-/// [`Protocol::release`]).
-fn release_call(node: &Node, keys: &Keys, token: &str, record: bool) -> Cmd {
-    let mut call = RELEASE.call(if record { 2 } else { 1 });
-    call.arg(keys.lock());
-    if record {
-        call.arg(keys.lease());
-    }
-    call.arg(token).arg(keys.channel()).arg(node.publish_mode());
-    call
-}
-
-/// A call of the fair queue's release or leave script: the same keys and arguments
-/// (the fence counter's TTL and the publish mode are `node`'s).
-fn fair_call(script: &Lua, node: &Node, keys: &Keys, token: &str, fair: Fair) -> Cmd {
-    let mut call = script.call(5);
-    call.arg(keys.lock())
-        .arg(keys.fence())
-        .arg(keys.queue())
-        .arg(keys.queue_expiry())
-        .arg(keys.lease())
-        .arg(token)
-        .arg(keys.channel())
-        .arg(millis(fair.grant_lease))
-        .arg(node.fence_ttl_ms())
-        .arg(node.publish_mode());
-    call
+    Ok(attempt)
 }
 
 #[cfg(test)]

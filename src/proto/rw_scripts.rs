@@ -32,6 +32,7 @@ use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::proto::attempt::Attempt;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, ReleaseReply, Retry};
 use crate::proto::scripts::{FENCE_FN, Lua};
@@ -56,18 +57,6 @@ impl Want {
             Want::Permit(_) => 'p',
         }
     }
-}
-
-/// The reply to one shared-hold attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SharedAttempt {
-    /// Held: the name's fence counter (incremented for a write hold; read as it is for a
-    /// read hold; 0 for a permit), and whether another process may wait, for a write
-    /// hold (always false for a read hold or a permit).
-    Acquired { fence: u64, others_wait: bool },
-    /// Not now: wake at the latest when this much time has passed (the earliest hold or
-    /// writer's mark in the way ends then, if nobody renews it).
-    Held { hint: Option<Duration> },
 }
 
 /// Functions every shared-hold script starts with. They keep the command count low: each
@@ -320,7 +309,7 @@ impl Node {
         mark_ttl: Option<Duration>,
         retry: Retry,
         deadline: Option<Instant>,
-    ) -> Result<SharedAttempt> {
+    ) -> Result<Attempt> {
         let lease_ms = lease.as_millis().max(1) as u64;
         let (script, call) = match want {
             Want::Read | Want::Write => {
@@ -346,15 +335,15 @@ impl Node {
         // Two numbers, and a third (`others`) when a read-write hold is granted.
         let reply: Vec<i64> = self.run_script(script, &call, retry, deadline)?;
         match *reply.as_slice() {
-            [1, fence, ..] => Ok(SharedAttempt::Acquired {
+            [1, fence, ..] => Ok(Attempt::Acquired {
                 fence: u64::try_from(fence)
                     .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
                 others_wait: reply.get(2) == Some(&1),
             }),
             [0, ms] => {
                 Counters::inc(&self.counters().failed_attempts);
-                Ok(SharedAttempt::Held {
-                    hint: u64::try_from(ms).ok().map(Duration::from_millis),
+                Ok(Attempt::Held {
+                    pttl: u64::try_from(ms).ok().map(Duration::from_millis),
                 })
             }
             [2, _] => Err(Error::WrongKind),

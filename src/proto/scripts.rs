@@ -3,9 +3,13 @@
 //! a restart or `SCRIPT FLUSH`).
 
 use std::sync::LazyLock;
+use std::time::Duration;
 
 use redis::{Cmd, Connection, FromRedisValue, RedisError, RedisResult, Script};
 
+use crate::error::{Error, Result};
+use crate::proto::attempt::Attempt;
+use crate::proto::keys::Keys;
 use crate::proto::sharded::PUBLISH_FN;
 
 /// A script, called by hash.
@@ -376,3 +380,76 @@ return 0
 ",
     )
 });
+
+/// What a call needs from the node it is sent to: this client's id (sent with failed
+/// attempts, so that our own subscriber ignores our own marks), how long an idle fencing
+/// counter lives, and the publish mode of the node's library channel (see `sharded`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Site<'a> {
+    pub client_id: &'a str,
+    pub fence_ttl_ms: u64,
+    pub publish: &'static str,
+}
+
+/// The call of [`ACQUIRE`] (see it for the arguments): a waiter's failed attempt marks
+/// contention for `mark_ms` (0: it will not wait); `clear`: it marked before, and deletes
+/// its mark if it wins.
+pub(crate) fn acquire_call(
+    site: Site<'_>,
+    keys: &Keys,
+    token: &str,
+    lease_ms: u64,
+    mark_ms: u64,
+    clear: bool,
+) -> Cmd {
+    let mut call = ACQUIRE.call(3);
+    call.arg(keys.lock())
+        .arg(keys.fence())
+        .arg(keys.mark())
+        .arg(token)
+        .arg(lease_ms)
+        .arg(keys.channel())
+        .arg(site.client_id)
+        .arg(mark_ms)
+        .arg(if clear { "1" } else { "0" })
+        .arg(site.fence_ttl_ms)
+        .arg(site.publish);
+    call
+}
+
+/// Reads an acquire script's reply ([`ACQUIRE`]'s and the fair queue's alike): 1 and the
+/// fence, 0 and the holder's PTTL, 2 for a key of another kind.
+pub(crate) fn acquire_reply(reply: (i64, i64)) -> Result<Attempt> {
+    match reply {
+        (1, fence) => Ok(Attempt::Acquired {
+            fence: u64::try_from(fence)
+                .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
+            others_wait: false,
+        }),
+        (0, pttl) => Ok(Attempt::Held {
+            pttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+        }),
+        (2, _) => Err(Error::WrongKind),
+        other => Err(Error::Protocol(format!("acquire replied {other:?}"))),
+    }
+}
+
+/// The plain compare-and-delete of `token`'s lock ([`RELEASE`]): its key and, with
+/// `record`, its lease record (deleted with it); without, its key alone (a Redis Cluster
+/// slot migration refuses the pair: see `Protocol::release`).
+pub(crate) fn release_call(site: Site<'_>, keys: &Keys, token: &str, record: bool) -> Cmd {
+    let mut call = RELEASE.call(if record { 2 } else { 1 });
+    call.arg(keys.lock());
+    if record {
+        call.arg(keys.lease());
+    }
+    call.arg(token).arg(keys.channel()).arg(site.publish);
+    call
+}
+
+/// The call of [`UNMARK`]: our own contention mark goes.
+pub(crate) fn unmark_call(site: Site<'_>, keys: &Keys) -> Cmd {
+    let mut call = UNMARK.call(1);
+    call.arg(keys.mark()).arg(site.client_id);
+    call
+}

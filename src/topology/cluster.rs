@@ -42,7 +42,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::connect::{is_tls_url, open_client, open_client_at};
 use crate::proto::keys::{Keys, keyslot};
-use crate::proto::node::{Node, Retry};
+use crate::proto::node::{Node, Parts, Retry};
 use crate::proto::protocol::Protocols;
 use crate::stats::Counters;
 
@@ -258,13 +258,12 @@ impl Shared {
             port,
         )?;
         let map: Weak<dyn SlotMap> = self.me.clone();
-        let node = Arc::new(Node::at(
-            client,
-            &self.cfg,
-            self.counters.clone(),
-            self.client_id.clone(),
-            Path::cluster(map),
-        ));
+        let parts = Parts {
+            counters: self.counters.clone(),
+            client_id: self.client_id.clone(),
+            path: Path::cluster(map),
+        };
+        let node = Arc::new(Node::at(client, &self.cfg, parts));
         let mut map = self.map.write();
         Ok(map.known.entry(addr).or_insert(node).clone())
     }

@@ -13,6 +13,7 @@ mod call;
 mod cluster;
 mod fanout;
 mod redlock;
+pub(crate) mod ride;
 mod sentinel;
 mod single;
 mod slots;
@@ -26,7 +27,7 @@ use redis::{Cmd, RedisResult, Value};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
-use crate::proto::node::{Node, NodeId, Retry};
+use crate::proto::node::{Node, NodeId, Parts, Retry};
 use crate::proto::protocol::{Attempt, Kind, Protocol, Protocols, Request};
 use crate::stats::Counters;
 
@@ -203,15 +204,12 @@ impl Topology {
             .iter()
             .enumerate()
             .map(|(i, url)| {
-                Node::new(
-                    &format!("node {i}"),
-                    url,
-                    cfg,
-                    counters.clone(),
-                    client_id.clone(),
-                    Path::plain(),
-                )
-                .map(Arc::new)
+                let parts = Parts {
+                    counters: counters.clone(),
+                    client_id: client_id.clone(),
+                    path: Path::plain(),
+                };
+                Node::new(&format!("node {i}"), url, cfg, parts).map(Arc::new)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(match nodes.len() {

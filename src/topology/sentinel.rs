@@ -22,7 +22,7 @@ use super::Route;
 use crate::config::{Config, SentinelConfig};
 use crate::error::{Error, Result, thread_error};
 use crate::proto::connect::is_tls_url;
-use crate::proto::node::{Node, NodeId};
+use crate::proto::node::{Node, NodeId, Parts};
 use crate::proto::protocol::Protocols;
 use crate::stats::Counters;
 
@@ -62,14 +62,12 @@ impl Sentinel {
         let address = master.get_connection_info().addr().to_string();
         log::info!("sentinel: master {:?} is at {address}", sc.master);
         let id = NodeId::new(format!("sentinel:{}", sc.master));
-        let node = Arc::new(Node::with_client(
-            id,
-            master,
-            cfg,
-            counters.clone(),
-            client_id.clone(),
-            super::call::Path::plain(),
-        ));
+        let parts = Parts {
+            counters: counters.clone(),
+            client_id: client_id.clone(),
+            path: super::call::Path::plain(),
+        };
+        let node = Arc::new(Node::with_client(id, master, cfg, parts));
         let sentinels = sc
             .sentinels
             .iter()

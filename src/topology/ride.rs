@@ -10,6 +10,11 @@
 //! The pauses grow from [`FIRST_PAUSE`] to [`MAX_PAUSE`] with a jitter, so a few hundred
 //! waiters of a dead master do not stampede the cluster in step; the map itself is read
 //! at most every 100 ms however many calls ride (see `topology::cluster`).
+//!
+//! One command's redirects and refusals are followed inside the node's call path (see
+//! `call`); a ride is the level above it, for a whole operation whose node went away:
+//! the contest, a release, an extend. Both are the topology's: the engine's loops ask
+//! `again` and never classify an error themselves.
 
 use std::time::{Duration, Instant};
 

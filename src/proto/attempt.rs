@@ -1,0 +1,17 @@
+//! The reply to one acquire attempt, whatever the hold: what every acquire script's reply
+//! is read into, and what the topology's verdict counts.
+
+use std::time::Duration;
+
+/// The reply to one acquire attempt on one node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    /// The hold is ours: `fence` is the node's fencing counter for it, and `others_wait`
+    /// says (a write hold) that another process may wait for it.
+    Acquired { fence: u64, others_wait: bool },
+    /// Someone else holds it; `pttl` is what remains of their lease (`None`: no TTL).
+    Held { pttl: Option<Duration> },
+    /// The script took the lock, but fewer replicas than asked acknowledged it in time
+    /// (`replica_ack`): the caller must release it.
+    Unacked { acked: usize },
+}
