@@ -115,6 +115,7 @@ impl Engine {
             waiter,
             token,
             marked: false,
+            fresh: true,
         }
         .run(yield_first)
     }
@@ -133,6 +134,9 @@ struct Contest<'a> {
     /// An attempt of ours may have left a contention mark or a queue entry: taken with
     /// us when we leave without the hold.
     marked: bool,
+    /// The route was read by the caller for the first attempt: one lookup per
+    /// uncontended acquisition.
+    fresh: bool,
 }
 
 impl Contest<'_> {
@@ -185,7 +189,10 @@ impl Contest<'_> {
                     (Some(vec![shot.at]), marks, self.finish_early(shot, pending))
                 }
                 None => {
-                    self.follow();
+                    // The first attempt goes where the caller's route, read just now, says.
+                    if !std::mem::take(&mut self.fresh) {
+                        self.follow();
+                    }
                     if matches!(wait, Wait::Until(_)) {
                         self.waiter
                             .watch_if_subscribed(keys, engine, &self.route, wait.deadline());

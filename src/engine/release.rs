@@ -23,7 +23,8 @@ impl Engine {
     /// A holder is done: hand the lock on locally, or release it in Redis.
     pub fn release(self: &Arc<Self>, lock: &Arc<RemoteLock>) -> Result<Unlocked> {
         let lost = lock.lost(&self.counters).is_some();
-        let subs = self.subs_for(&self.topology.route(&lock.keys));
+        let route = self.topology.route(&lock.keys);
+        let subs = self.subs_for(&route);
         match self.table.release(lock, lost, &self.cfg, &subs) {
             Step::HandedOff => Ok(Unlocked::HandedOff),
             Step::Remote { forced, contended } => {
@@ -39,7 +40,7 @@ impl Engine {
                     w.unregister(lock);
                 }
                 crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Release);
-                let (route, replies) = self.release_everywhere(lock);
+                let (route, replies) = self.release_everywhere(lock, route);
                 let passed = replies
                     .iter()
                     .any(|r| matches!(r, Ok(ReleaseReply::Passed)));
@@ -71,8 +72,9 @@ impl Engine {
     pub(crate) fn release_everywhere(
         self: &Arc<Self>,
         lock: &RemoteLock,
+        route: Route,
     ) -> (Route, Vec<Result<ReleaseReply>>) {
-        self.release_riding(lock, |route| {
+        self.release_riding(lock, route, |route| {
             let (keys, token, retry) = (&lock.keys, lock.token.as_str(), route.retry());
             release_at(
                 &self.topology,
@@ -85,20 +87,25 @@ impl Engine {
         })
     }
 
-    /// Runs `release` (one reply per node of the route it is given) on the route read
-    /// afresh each time, retried through a failover (Redis Cluster) until `lock`'s
-    /// validity ends: its key is gone by then anyway. A retry that finds the key gone, or
+    /// Runs `release` (one reply per node of the route it is given) on `route`, then on
+    /// the route read afresh each time it is retried through a failover (Redis Cluster),
+    /// until `lock`'s validity ends: its key is gone by then anyway. A retry that finds the key gone, or
     /// another token in it, after a try whose reply was lost says so (`GoneAfterRetry`,
     /// `OtherAfterRetry`): that try may have deleted it or passed it on.
     pub(crate) fn release_riding(
         &self,
         lock: &RemoteLock,
+        route: Route,
         mut release: impl FnMut(&Route) -> Vec<Result<ReleaseReply>>,
     ) -> (Route, Vec<Result<ReleaseReply>>) {
         let mut ride = Ride::new(&self.topology, &self.counters);
         let mut ran = false;
+        let mut route = Some(route);
         loop {
-            let route = self.topology.route(&lock.keys);
+            // The first try where the caller's route says; a retry where the key is now.
+            let route = route
+                .take()
+                .unwrap_or_else(|| self.topology.route(&lock.keys));
             let mut replies = release(&route);
             if ran {
                 for r in &mut replies {

@@ -61,7 +61,8 @@ impl Engine {
         if let Some(w) = &self.watchdog {
             w.unregister(remote);
         }
-        let (route, replies) = self.release_everywhere(remote);
+        let route = self.topology.route(&remote.keys);
+        let (route, replies) = self.release_everywhere(remote, route);
         tally_release(replies, lost.is_none(), route.quorum())
     }
 
