@@ -97,6 +97,7 @@ mod worker;
 pub use api::builder::Builder;
 pub use api::client::LockClient;
 pub use api::guard::LockGuard;
+pub use api::inspect::{ForceRelease, Hold, HoldKind, Holder, LockInfo, LockKind, QueueEntry};
 pub use api::rwlock::{ReadGuard, RwLock, WriteGuard};
 pub use api::semaphore::{Permit, Semaphore};
 pub use config::Wakeup;

@@ -3,5 +3,6 @@
 pub(crate) mod builder;
 pub(crate) mod client;
 pub(crate) mod guard;
+pub(crate) mod inspect;
 pub(crate) mod rwlock;
 pub(crate) mod semaphore;

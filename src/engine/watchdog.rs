@@ -122,6 +122,17 @@ impl Watchdog {
     pub fn unregister(&self, lock: &RemoteLock) {
         self.held.lock().locks.remove(&lock.id);
     }
+
+    /// The tokens (shared holds: members) of this client's holds of the lock key `lock`:
+    /// every hold is watched while held, so an operator's view can tell which are ours.
+    pub fn tokens_of(&self, lock: &[u8]) -> Vec<String> {
+        let held = self.held.lock();
+        held.locks
+            .values()
+            .filter(|l| l.keys.lock() == lock)
+            .map(|l| l.token.clone())
+            .collect()
+    }
 }
 
 impl Drop for Watchdog {

@@ -189,6 +189,38 @@ pub(crate) fn lock_key(prefix: &[u8], name: &[u8]) -> Vec<u8> {
     lock
 }
 
+/// The name whose lock key `key` is, or whose suffixed key (one of [`SUFFIXES`]), under
+/// `prefix`, and that suffix (empty for the lock key itself); `None` for any other key.
+/// The inverse of [`lock_key`] in both its forms: a decoded name is checked by making
+/// its lock key again, so a key of the other form, or an escaped key whose hash is not its
+/// name's, is never taken for a lock.
+pub(crate) fn name_of_key<'k>(prefix: &[u8], key: &'k [u8]) -> Option<(&'k [u8], &'k [u8])> {
+    let suffixes = std::iter::once(&b""[..]).chain(SUFFIXES);
+    // Escaped form: `{h}prefix name`, h 16 hex digits; the name may end like a suffix, so
+    // each split is tried and the hash decides.
+    if let Some(rest) = key
+        .get(18..)
+        .filter(|_| key[0] == b'{' && key[17] == b'}')
+        .and_then(|rest| rest.strip_prefix(prefix))
+    {
+        for suffix in suffixes.clone() {
+            if let Some(name) = rest.strip_suffix(suffix)
+                && !name.is_empty()
+                && lock_key(prefix, name) == key[..key.len() - suffix.len()]
+            {
+                return Some((name, suffix));
+            }
+        }
+    }
+    // Plain form: `prefix{name}`: the name has no `}`, so the first one ends it.
+    let inner = key.strip_prefix(prefix)?.strip_prefix(b"{")?;
+    let close = inner.iter().position(|&b| b == b'}')?;
+    let (name, suffix) = (&inner[..close], &inner[close + 1..]);
+    let suffix = suffixes.into_iter().find(|s| *s == suffix)?;
+    (!name.is_empty() && lock_key(prefix, name) == key[..key.len() - suffix.len()])
+        .then_some((name, suffix))
+}
+
 /// The 64-bit FNV-1a hash: small, stable across versions and platforms, and spread well
 /// enough to scatter names over hash slots.
 fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -370,6 +402,33 @@ mod tests {
         let long = vec![b'a'; MAX_NAME_LEN + 1];
         assert!(Keys::new("p", &long).unwrap_err().is_invalid_input());
         assert!(Keys::new("p", &long[..MAX_NAME_LEN]).is_ok());
+    }
+
+    #[test]
+    fn names_decode_from_their_keys() {
+        let prefixes = ["", "p:", "redbaton:", "{x}", "a{", "}"];
+        let names: [&[u8]; 8] = [
+            b"n", b"}x", b"a{b", b"x:fence", b"{a}", b"q:q", b"}", b"a}:w",
+        ];
+        for prefix in prefixes {
+            for name in names {
+                let k = Keys::new(prefix, name).unwrap();
+                let p = prefix.as_bytes();
+                assert_eq!(
+                    name_of_key(p, k.lock()),
+                    Some((name, &b""[..])),
+                    "{prefix:?} {name:?}"
+                );
+                assert_eq!(name_of_key(p, k.fence()), Some((name, &b":fence"[..])));
+                assert_eq!(name_of_key(p, k.queue()), Some((name, &b":q"[..])));
+                assert_eq!(name_of_key(p, k.writers()), Some((name, &b":ww"[..])));
+            }
+        }
+        assert_eq!(name_of_key(b"p:", b"p:{a}:other"), None);
+        assert_eq!(name_of_key(b"p:", b"p:plain"), None);
+        assert_eq!(name_of_key(b"p:", b"q:{a}"), None);
+        assert_eq!(name_of_key(b"p:", b"p:{}"), None);
+        assert_eq!(name_of_key(b"p:", b"{0000000000000000}p:a"), None);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 pub(crate) mod attempt;
 pub(crate) mod connect;
 pub(crate) mod fair_scripts;
+pub(crate) mod inspect_scripts;
 pub(crate) mod keys;
 pub(crate) mod node;
 pub(crate) mod pool;

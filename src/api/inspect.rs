@@ -1,0 +1,634 @@
+//! The operators' view: what Redis holds for a name ([`LockClient::inspect`]), which names
+//! are held or waited for ([`LockClient::locks`]), and a fence-checked release of a stuck
+//! lock ([`LockClient::force_release`]).
+//!
+//! Everything here reads the keys as they are, with one read-only script per name and
+//! node (`proto::inspect_scripts`); only `force_release` writes, and only when the fence
+//! it is given is still the lock's.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::api::client::LockClient;
+use crate::engine::state::Engine;
+use crate::error::{Error, Result};
+use crate::proto::inspect_scripts::{self, Forced, Scan, Snapshot};
+use crate::proto::keys::Keys;
+use crate::proto::node::Node;
+
+/// What Redis holds for one name: its kind, holder or holds, fair queue, waiting marks and
+/// fence counter, read in one round trip on the node that serves it, at one instant of the
+/// server's clock.
+///
+/// One node, a Sentinel-managed master or a Redis Cluster slot's master decides alone, and
+/// its view is the whole answer ([`nodes`](Self::nodes) is empty). On Redlock every
+/// master is read: [`nodes`](Self::nodes) has each answering master's own view, in the
+/// order the builder named them, and the other fields are the first answering master's;
+/// [`unreachable`](Self::unreachable) names those that did not answer.
+///
+/// Lists (holds, queue entries, marks) stop at 1,000 entries per key.
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let guard = client.lock("orders:42")?;
+/// let info = client.inspect("orders:42")?;
+/// assert_eq!(info.kind, redbaton::LockKind::Lock);
+/// let holder = info.holder.as_ref().expect("held");
+/// assert!(holder.mine);
+/// assert_eq!(holder.fence, Some(guard.fencing_token() >> 12));
+/// println!("{info:#?}");
+/// # Ok(()) }
+/// ```
+#[derive(Clone, PartialEq)]
+#[non_exhaustive]
+pub struct LockInfo {
+    /// The lock's name.
+    pub name: Vec<u8>,
+    /// The node that answered (its address; `sentinel:<master>` for a Sentinel master).
+    pub node: String,
+    /// What the name's key is.
+    pub kind: LockKind,
+    /// The fence counter (`p{n}:fence`): while a lock or a write hold is held, its fence
+    /// (each acquisition, or grant to the fair queue's head, issues the next). `None` when
+    /// the counter is gone (never locked, or idle longer than the counter's TTL).
+    pub fence: Option<u64>,
+    /// A plain lock's holder ([`LockKind::Lock`] only).
+    pub holder: Option<Holder>,
+    /// A read-write lock's or a semaphore's holds, the one expiring first first.
+    pub holds: Vec<Hold>,
+    /// The fair queue, in arrival order: the first entry is granted the lock next.
+    pub queue: Vec<QueueEntry>,
+    /// Writers waiting for a read-write lock: how long each live mark has left (a waiting
+    /// writer renews it at each attempt; while one lives, no new read hold is granted).
+    pub waiting_writers: Vec<Duration>,
+    /// Readers waiting for a read-write lock, as [`waiting_writers`](Self::waiting_writers).
+    pub waiting_readers: Vec<Duration>,
+    /// A plain lock's contention mark: another process failed to get the lock lately and
+    /// waits; how long the mark has left.
+    pub contention: Option<Duration>,
+    /// Redlock: each answering master's own view (each with no `nodes` of its own).
+    /// Empty elsewhere.
+    pub nodes: Vec<LockInfo>,
+    /// Redlock: the masters that did not answer. Empty elsewhere.
+    pub unreachable: Vec<String>,
+}
+
+impl std::fmt::Debug for LockInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("LockInfo");
+        d.field("name", &String::from_utf8_lossy(&self.name))
+            .field("node", &self.node)
+            .field("kind", &self.kind)
+            .field("fence", &self.fence)
+            .field("holder", &self.holder)
+            .field("holds", &self.holds)
+            .field("queue", &self.queue)
+            .field("waiting_writers", &self.waiting_writers)
+            .field("waiting_readers", &self.waiting_readers)
+            .field("contention", &self.contention);
+        if !self.nodes.is_empty() || !self.unreachable.is_empty() {
+            d.field("nodes", &self.nodes)
+                .field("unreachable", &self.unreachable);
+        }
+        d.finish()
+    }
+}
+
+impl LockInfo {
+    /// Whether somebody holds the name now: a plain lock, a live read, write or permit
+    /// hold, or a key of another type (which stands in every acquisition's way).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// assert!(!client.inspect("free")?.is_held());
+    /// let _permit = client.semaphore("pool", 2).acquire()?;
+    /// assert!(client.inspect("pool")?.is_held());
+    /// # Ok(()) }
+    /// ```
+    pub fn is_held(&self) -> bool {
+        match self.kind {
+            LockKind::Free => false,
+            LockKind::Lock | LockKind::Foreign { .. } => true,
+            LockKind::ReadWrite | LockKind::Semaphore { .. } => {
+                self.holds.iter().any(|h| h.lease_left.is_some())
+            }
+        }
+    }
+
+    /// Whether some process waits for the name: a live fair-queue entry, a waiting
+    /// writer's or reader's mark, or a contention mark.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let _guard = client.lock("job")?;
+    /// assert!(!client.inspect("job")?.is_waited_for(), "nobody else asked");
+    /// # Ok(()) }
+    /// ```
+    pub fn is_waited_for(&self) -> bool {
+        self.queue.iter().any(|q| q.expires_in.is_some())
+            || !self.waiting_writers.is_empty()
+            || !self.waiting_readers.is_empty()
+            || self.contention.is_some()
+    }
+}
+
+/// What a name's key is.
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// use redbaton::LockKind;
+/// let _r = client.rwlock("catalog").read()?;
+/// let _p = client.semaphore("pool", 3).acquire()?;
+/// assert_eq!(client.inspect("catalog")?.kind, LockKind::ReadWrite);
+/// assert_eq!(client.inspect("pool")?.kind, LockKind::Semaphore { permits: 3 });
+/// assert_eq!(client.inspect("nothing")?.kind, LockKind::Free);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LockKind {
+    /// No key: nobody holds the name (a fair queue may still wait for it).
+    Free,
+    /// A plain lock (see [`LockInfo::holder`]).
+    Lock,
+    /// A read-write lock (see [`LockInfo::holds`]).
+    ReadWrite,
+    /// A semaphore of this many permits (see [`LockInfo::holds`]).
+    Semaphore {
+        /// The permit count its holders use.
+        permits: u32,
+    },
+    /// A key under the prefix that this library did not write (another Redis type, or a
+    /// sorted set without a kind member): reported, never modified. It blocks every
+    /// acquisition of the name.
+    Foreign {
+        /// Its Redis type, as `TYPE` says (`hash`, `list`, ...).
+        redis_type: String,
+    },
+}
+
+/// The holder of a plain lock.
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let _guard = client.lock("report")?;
+/// let holder = client.inspect("report")?.holder.expect("held");
+/// assert!(holder.mine);
+/// assert!(holder.lease_left.expect("a lease") <= std::time::Duration::from_secs(30));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Holder {
+    /// The holder's fence: the fence counter while it holds (what
+    /// [`force_release`](LockClient::force_release) compares). A guard's
+    /// [`fencing_token`](crate::LockGuard::fencing_token) is this fence shifted left by 12
+    /// bits, plus the number of local handoffs.
+    pub fence: Option<u64>,
+    /// What is left of its lease (`None`: the key has no expiry, so it was not set by this
+    /// library).
+    pub lease_left: Option<Duration>,
+    /// Whether this client holds it (its token is one of this client's held locks).
+    pub mine: bool,
+}
+
+/// One hold of a read-write lock or a semaphore.
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let _w = client.rwlock("catalog").write()?;
+/// let info = client.inspect("catalog")?;
+/// assert_eq!(info.holds.len(), 1);
+/// assert_eq!(info.holds[0].kind, redbaton::HoldKind::Write);
+/// assert!(info.holds[0].mine);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Hold {
+    /// Read, write or permit.
+    pub kind: HoldKind,
+    /// What is left of its lease; `None` when it has expired (its holder stopped renewing
+    /// it: it counts no more, and the next script run on the name drops it).
+    pub lease_left: Option<Duration>,
+    /// Whether this client holds it.
+    pub mine: bool,
+}
+
+/// What a [`Hold`] holds.
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let _r = client.rwlock("catalog").read()?;
+/// assert_eq!(client.inspect("catalog")?.holds[0].kind, redbaton::HoldKind::Read);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HoldKind {
+    /// A read hold of a read-write lock.
+    Read,
+    /// The write hold of a read-write lock.
+    Write,
+    /// A semaphore's permit.
+    Permit,
+}
+
+/// A process waiting in a fair lock's queue ([`Builder::fair`](crate::Builder::fair)).
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).fair(true).build()?;
+/// let _guard = client.lock("fifo")?;
+/// // Processes that wait for "fifo" now queue; each is a `QueueEntry`.
+/// for entry in client.inspect("fifo")?.queue {
+///     println!("waiting {:?}, expires in {:?}", entry.age, entry.expires_in);
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QueueEntry {
+    /// How long ago it joined the queue.
+    pub age: Duration,
+    /// When its entry expires unless its next attempt renews it; `None` when it has
+    /// expired (the waiter died or gave up unheard: it will be dropped, never granted).
+    pub expires_in: Option<Duration>,
+}
+
+/// What [`LockClient::force_release`] did.
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// use redbaton::ForceRelease;
+/// assert_eq!(client.force_release("nothing", 1)?, ForceRelease::NotHeld);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ForceRelease {
+    /// The lock and its lease record were deleted, and its waiters told, on this many
+    /// nodes (one but on Redlock).
+    Released {
+        /// Nodes where it was deleted.
+        nodes: usize,
+    },
+    /// There was no lock to release: nothing was changed.
+    NotHeld,
+    /// The lock is held under another fence (a new holder got it since the fence was
+    /// read): nothing was changed.
+    FenceMismatch {
+        /// The fence counter now (`None`: gone).
+        current: Option<u64>,
+    },
+}
+
+impl LockClient {
+    /// What Redis holds for `name`, read in one read-only round trip on the node that
+    /// serves it (Redlock: on every master at once; see [`LockInfo`]). Nothing is written
+    /// and no expiry changes: expired holds and queue entries are reported as expired.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`]; Redis errors of the node (Redlock: when no master answered).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let info = client.inspect("orders:42")?;
+    /// if let Some(holder) = &info.holder {
+    ///     println!("held under fence {:?} for {:?} more", holder.fence, holder.lease_left);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn inspect(&self, name: impl AsRef<[u8]>) -> Result<LockInfo> {
+        let engine = self.engine();
+        let keys = Keys::new(&engine.cfg.key_prefix, name.as_ref())?;
+        inspect_keys(engine, &keys)
+    }
+
+    /// The names under this client's key prefix that are held or waited for, with what
+    /// [`inspect`](Self::inspect) says of each, their names matching `pattern` (a Redis
+    /// glob over names: `*`, `?`, `[a-z]`, `\` to escape; empty means every name).
+    ///
+    /// Found with `SCAN` (`MATCH`, a bounded `COUNT`) on every node the client talks to
+    /// (Redis Cluster: each master), never `KEYS`: one page per step of the iterator, so
+    /// the server is never blocked by a long listing. As with `SCAN`, a name held or freed
+    /// during the listing may or may not be in it; each name comes once.
+    ///
+    /// # Errors
+    ///
+    /// An item is an error when a page or an inspection failed; the listing goes on with
+    /// the next node (after a page error) or name.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let _a = client.lock("orders:1")?;
+    /// let _b = client.lock("orders:2")?;
+    /// let mut names: Vec<Vec<u8>> = client
+    ///     .locks("orders:*")
+    ///     .map(|info| info.map(|i| i.name))
+    ///     .collect::<Result<_, _>>()?;
+    /// names.sort();
+    /// assert_eq!(names, [b"orders:1".to_vec(), b"orders:2".to_vec()]);
+    /// # Ok(()) }
+    /// ```
+    pub fn locks(&self, pattern: &str) -> impl Iterator<Item = Result<LockInfo>> + use<> {
+        let engine = self.engine().clone();
+        let nodes = engine.topology.nodes().to_vec();
+        let scan = Scan::new(&engine.cfg.key_prefix, pattern);
+        Locks {
+            engine,
+            nodes,
+            node: 0,
+            pattern: pattern.to_owned(),
+            scan,
+            pending: VecDeque::new(),
+            seen: HashSet::new(),
+        }
+    }
+
+    /// Deletes the plain lock `name` only if its fence is still `fence` (the
+    /// [`Holder::fence`] that [`inspect`](Self::inspect) showed), so that a lock taken
+    /// again since it was inspected is never deleted. In one script: the fence counter is
+    /// compared, and the lock key and its lease record deleted, and `r` published on the
+    /// lock's channel as a release does, so that its waiters wake at once. The holder
+    /// learns it lost the lock at its next renewal.
+    ///
+    /// For operators, about a holder that is stuck (a process paused or hung while its
+    /// watchdog still renews): it does not stop that holder, which may still act on what
+    /// it protects. A resource that checks fencing tokens refuses its writes once a new
+    /// holder has written.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongKind`] when the name is a read-write lock, a semaphore or a key this
+    /// library did not write (nothing is deleted: their holds have no single fence, and
+    /// each expires with its own lease); [`Error::InvalidName`]; Redis errors.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// use redbaton::ForceRelease;
+    /// let guard = client.lock("stuck")?;
+    /// let fence = client.inspect("stuck")?.holder.and_then(|h| h.fence).expect("fence");
+    /// let refused = client.force_release("stuck", fence - 1)?;
+    /// assert_eq!(refused, ForceRelease::FenceMismatch { current: Some(fence) });
+    /// assert_eq!(client.force_release("stuck", fence)?, ForceRelease::Released { nodes: 1 });
+    /// drop(guard); // its release finds the lock gone
+    /// # Ok(()) }
+    /// ```
+    pub fn force_release(&self, name: impl AsRef<[u8]>, fence: u64) -> Result<ForceRelease> {
+        let engine = self.engine();
+        let keys = Keys::new(&engine.cfg.key_prefix, name.as_ref())?;
+        let route = engine.topology.route(&keys);
+        let replies = on_each(engine, route.nodes(), &keys, move |node, keys| {
+            inspect_scripts::force_release(node, keys, fence)
+        });
+        let mut outcome = ForceRelease::NotHeld;
+        let mut released = 0;
+        let mut error = None;
+        for (_, reply) in replies {
+            match reply {
+                Ok(Forced::Released) => released += 1,
+                Ok(Forced::NotALock) => return Err(Error::WrongKind),
+                Ok(Forced::OtherFence(current)) => {
+                    outcome = ForceRelease::FenceMismatch { current };
+                }
+                Ok(Forced::NotHeld) => {}
+                Err(e) => {
+                    error.get_or_insert(e);
+                }
+            }
+        }
+        match (released, error) {
+            (0, Some(e)) => Err(e),
+            (0, None) => Ok(outcome),
+            (nodes, _) => Ok(ForceRelease::Released { nodes }),
+        }
+    }
+}
+
+/// `f(node, keys)` on each of `nodes`, in parallel where there are several (Redlock); the
+/// replies by node address, in `nodes` order.
+fn on_each<T, F>(engine: &Engine, nodes: &[Arc<Node>], keys: &Keys, f: F) -> Vec<(String, T)>
+where
+    T: Send + 'static,
+    F: Fn(&Node, &Keys) -> T + Send + Sync + 'static,
+{
+    if let [node] = nodes {
+        return vec![(node.id.to_string(), f(node, keys))];
+    }
+    let keys = keys.clone();
+    engine
+        .topology
+        .fan_out(nodes, move |node| (node.id.to_string(), f(node, &keys)))
+}
+
+fn inspect_keys(engine: &Engine, keys: &Keys) -> Result<LockInfo> {
+    let mine = engine
+        .watchdog
+        .as_ref()
+        .map(|w| w.tokens_of(keys.lock()))
+        .unwrap_or_default();
+    let route = engine.topology.route(keys);
+    let replies = on_each(engine, route.nodes(), keys, inspect_scripts::inspect);
+    let many = replies.len() > 1;
+    let mut views = Vec::with_capacity(replies.len());
+    let mut unreachable = Vec::new();
+    let mut error = None;
+    for (node, reply) in replies {
+        match reply {
+            Ok(snapshot) => views.push(view(keys.name(), node, &snapshot, &mine)),
+            Err(e) => {
+                log::debug!("inspect {}: node {node}: {e}", keys.display());
+                unreachable.push(node);
+                error.get_or_insert(e);
+            }
+        }
+    }
+    let Some(first) = views.first() else {
+        return Err(error.unwrap_or_else(|| Error::Protocol("no node to inspect".to_owned())));
+    };
+    let mut info = first.clone();
+    if many {
+        info.nodes = views;
+        info.unreachable = unreachable;
+    }
+    Ok(info)
+}
+
+/// The public view of what `INSPECT` read on node `node`; `mine`: this client's tokens of
+/// the name's holds.
+fn view(name: &[u8], node: String, s: &Snapshot, mine: &[String]) -> LockInfo {
+    let left = |expiry_ms: f64| {
+        let ms = expiry_ms as i64 - s.now_ms;
+        (ms > 0).then(|| Duration::from_millis(ms as u64))
+    };
+    let kind = match s.key_type.as_str() {
+        "none" => LockKind::Free,
+        "string" => LockKind::Lock,
+        "zset" => match s.holds.first() {
+            Some((m, _)) if m == "#rw" => LockKind::ReadWrite,
+            Some((m, score)) if m == "#sem" => LockKind::Semaphore {
+                permits: (-score) as u32,
+            },
+            _ => foreign("zset"),
+        },
+        other => foreign(other),
+    };
+    let holder = (kind == LockKind::Lock).then(|| Holder {
+        fence: s.fence,
+        lease_left: u64::try_from(s.pttl).ok().map(Duration::from_millis),
+        mine: s.value.as_ref().is_some_and(|v| mine.contains(v)),
+    });
+    let shared = matches!(kind, LockKind::ReadWrite | LockKind::Semaphore { .. });
+    let holds = s
+        .holds
+        .iter()
+        .filter(|_| shared)
+        .filter_map(|(member, expiry)| {
+            let kind = match member.as_bytes().first() {
+                Some(b'r') => HoldKind::Read,
+                Some(b'w') => HoldKind::Write,
+                Some(b'p') => HoldKind::Permit,
+                _ => return None,
+            };
+            Some(Hold {
+                kind,
+                lease_left: left(*expiry),
+                mine: mine.contains(member),
+            })
+        })
+        .collect();
+    let queue = s
+        .queue
+        .iter()
+        .map(|(token, arrival_us)| QueueEntry {
+            age: Duration::from_micros(u64::try_from(s.now_us - *arrival_us as i64).unwrap_or(0)),
+            expires_in: s
+                .queue_expiry
+                .iter()
+                .find(|(t, _)| t == token)
+                .and_then(|(_, expiry)| left(*expiry)),
+        })
+        .collect();
+    let marks = |set: &[(String, f64)]| set.iter().filter_map(|(_, e)| left(*e)).collect();
+    LockInfo {
+        name: name.to_vec(),
+        node,
+        kind,
+        fence: s.fence,
+        holder,
+        holds,
+        queue,
+        waiting_writers: marks(&s.writers),
+        waiting_readers: marks(&s.readers),
+        contention: s
+            .mark
+            .as_ref()
+            .and_then(|(_, pttl)| u64::try_from(*pttl).ok())
+            .filter(|ms| *ms > 0)
+            .map(Duration::from_millis),
+        nodes: Vec::new(),
+        unreachable: Vec::new(),
+    }
+}
+
+fn foreign(redis_type: &str) -> LockKind {
+    LockKind::Foreign {
+        redis_type: redis_type.to_owned(),
+    }
+}
+
+/// The listing of [`LockClient::locks`]: one `SCAN` page at a time, node after node, each
+/// name found inspected as it is reached.
+struct Locks {
+    engine: Arc<Engine>,
+    nodes: Vec<Arc<Node>>,
+    /// The node being scanned (an index into `nodes`).
+    node: usize,
+    pattern: String,
+    scan: Scan,
+    /// Names found and not yet inspected.
+    pending: VecDeque<Vec<u8>>,
+    /// Names already found: `SCAN` may return a key twice, a name has several keys, and a
+    /// Redlock name is on several masters.
+    seen: HashSet<Vec<u8>>,
+}
+
+impl Locks {
+    fn next_node(&mut self) {
+        self.node += 1;
+        self.scan = Scan::new(&self.engine.cfg.key_prefix, &self.pattern);
+    }
+}
+
+impl Iterator for Locks {
+    type Item = Result<LockInfo>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(name) = self.pending.pop_front() {
+                let info = Keys::new(&self.engine.cfg.key_prefix, &name)
+                    .and_then(|keys| inspect_keys(&self.engine, &keys));
+                match info {
+                    Ok(info) if !info.is_held() && !info.is_waited_for() => continue,
+                    other => return Some(other),
+                }
+            }
+            let node = self.nodes.get(self.node)?.clone();
+            if self.scan.done() {
+                self.next_node();
+                continue;
+            }
+            match self.scan.page(&node) {
+                Ok(names) => {
+                    for name in names {
+                        if self.seen.insert(name.clone()) {
+                            self.pending.push_back(name);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.next_node();
+                    return Some(Err(e));
+                }
+            }
+        }
+    }
+}

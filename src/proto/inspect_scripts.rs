@@ -1,0 +1,423 @@
+//! The operators' view on the wire: one read-only script that reads every key of a name
+//! (`INSPECT`), the fence-checked delete of a stuck lock (`FORCE_RELEASE`), and the `SCAN`
+//! pages that find the names under a prefix.
+//!
+//! `INSPECT` writes nothing and changes no expiry: it does not drop expired holds or queue
+//! entries as the lock scripts do, it reports them as expired. Times are the server's
+//! (`TIME`), so ages and leases left do not depend on this machine's clock.
+
+use std::sync::LazyLock;
+
+use redis::Value;
+
+use crate::error::{Error, Result};
+use crate::proto::keys::{Keys, name_of_key};
+use crate::proto::node::{Node, Retry};
+use crate::proto::scripts::Lua;
+use crate::proto::sharded::PUBLISH_FN;
+
+/// Most holds, queue entries and waiting marks one `INSPECT` lists per key: a reply stays
+/// small however many crashed waiters a key has kept.
+pub(crate) const MAX_LISTED: usize = 1000;
+
+/// Reads every key of one name in one round trip, writing nothing.
+///
+/// KEYS: lock, fence, lease record, contention mark, queue, queue expiries, waiting
+/// writers, waiting readers. ARGV: the last index of the ranges read (`MAX_LISTED` − 1).
+/// Returns `{seconds, microseconds, type, value, pttl, fence, mark, mark pttl, holds,
+/// queue, queue expiries, writers, readers}`: `TIME`; the lock key's type, its value when
+/// a string (else nil) and `PTTL`; the fence counter (nil when gone or not a string); the
+/// mark's value and `PTTL`; then `member, score` lists of the lock key (a sorted set's
+/// holds, kind member first), the queue by arrival, the queue's expiries, and the waiting
+/// writers' and readers' marks. A key of an unexpected type reads as empty (`pcall`).
+static INSPECT: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
+        r"
+local t = redis.call('TIME')
+local function get(key)
+  local v = redis.pcall('GET', key)
+  if type(v) == 'string' then return v end
+  return false
+end
+local function range(key)
+  local v = redis.pcall('ZRANGE', key, 0, ARGV[1], 'WITHSCORES')
+  if v.err then return {} end
+  return v
+end
+local ty = redis.call('TYPE', KEYS[1]).ok
+local holds = {}
+if ty == 'zset' then holds = range(KEYS[1]) end
+return {t[1], t[2], ty, get(KEYS[1]), redis.call('PTTL', KEYS[1]), get(KEYS[2]),
+  get(KEYS[4]), redis.call('PTTL', KEYS[4]), holds, range(KEYS[5]), range(KEYS[6]),
+  range(KEYS[7]), range(KEYS[8])}
+",
+    )
+});
+
+/// Deletes a plain lock only while its fence counter is the given fence.
+///
+/// KEYS: lock, fence, lease record. ARGV: the fence (decimal), the library's channel, the
+/// publish mode. Returns `{status, counter}`: 1 deleted (the lock and its lease record,
+/// and `r` published so that waiters wake, as `RELEASE` does), 0 no lock, −1 the counter
+/// is another value (nothing deleted), 2 the key is not a plain lock (a read-write lock, a
+/// semaphore, or a value of another type: nothing deleted). `counter` is the fence
+/// counter as read (nil when gone).
+static FORCE_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(&format!(
+        "{PUBLISH_FN}{}",
+        r"
+local cur = redis.pcall('GET', KEYS[2])
+if type(cur) ~= 'string' then cur = false end
+local ty = redis.call('TYPE', KEYS[1]).ok
+if ty == 'none' then return {0, cur} end
+if ty ~= 'string' then return {2, cur} end
+if cur ~= ARGV[1] then return {-1, cur} end
+redis.call('DEL', KEYS[1], KEYS[3])
+publish(ARGV[2], 'r')
+return {1, cur}
+"
+    ))
+});
+
+/// What `INSPECT` read on one node. Times in server milliseconds (queue arrivals in µs).
+#[derive(Debug, Default)]
+pub(crate) struct Snapshot {
+    pub now_ms: i64,
+    pub now_us: i64,
+    /// The lock key's Redis type (`none`, `string`, `zset`, ...).
+    pub key_type: String,
+    /// The lock key's value when it is a string (a plain lock's owner token).
+    pub value: Option<String>,
+    /// The lock key's `PTTL` (−1 no TTL, −2 no key).
+    pub pttl: i64,
+    /// The fence counter, when it holds a number.
+    pub fence: Option<u64>,
+    /// The contention mark's client id and `PTTL`.
+    pub mark: Option<(String, i64)>,
+    /// The lock key's members and scores (a sorted set's kind member and holds).
+    pub holds: Vec<(String, f64)>,
+    /// The queue by arrival (µs), and each entry's expiry (ms).
+    pub queue: Vec<(String, f64)>,
+    pub queue_expiry: Vec<(String, f64)>,
+    /// Waiting writers' and readers' marks, by expiry (ms).
+    pub writers: Vec<(String, f64)>,
+    pub readers: Vec<(String, f64)>,
+}
+
+/// Reads every key of `keys` on `node` in one round trip (see [`INSPECT`]).
+pub(crate) fn inspect(node: &Node, keys: &Keys) -> Result<Snapshot> {
+    let mut call = INSPECT.call(8);
+    call.arg(keys.lock())
+        .arg(keys.fence())
+        .arg(keys.lease())
+        .arg(keys.mark())
+        .arg(keys.queue())
+        .arg(keys.queue_expiry())
+        .arg(keys.writers())
+        .arg(keys.readers())
+        .arg(MAX_LISTED - 1);
+    let reply: Value = node.run_script(&INSPECT, &call, Retry::LOST_REPLY, None)?;
+    parse_snapshot(reply).map_err(|what| Error::Protocol(format!("inspect replied {what}")))
+}
+
+fn parse_snapshot(reply: Value) -> std::result::Result<Snapshot, String> {
+    let Value::Array(items) = reply else {
+        return Err(format!("{reply:?}"));
+    };
+    let [
+        secs,
+        micros,
+        ty,
+        value,
+        pttl,
+        fence,
+        mark,
+        mark_pttl,
+        holds,
+        q,
+        qx,
+        ww,
+        wr,
+    ] = <[Value; 13]>::try_from(items).map_err(|v| format!("{} items", v.len()))?;
+    let secs = int(&secs)?;
+    let micros = int(&micros)?;
+    Ok(Snapshot {
+        now_ms: secs * 1000 + micros / 1000,
+        now_us: secs * 1_000_000 + micros,
+        key_type: text(&ty).unwrap_or_default(),
+        value: text(&value),
+        pttl: int(&pttl)?,
+        fence: text(&fence).and_then(|f| f.parse().ok()),
+        mark: text(&mark).map(|m| (m, int(&mark_pttl).unwrap_or(-2))),
+        holds: scored(&holds)?,
+        queue: scored(&q)?,
+        queue_expiry: scored(&qx)?,
+        writers: scored(&ww)?,
+        readers: scored(&wr)?,
+    })
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn int(v: &Value) -> std::result::Result<i64, String> {
+    match v {
+        Value::Int(n) => Ok(*n),
+        other => text(other)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("{other:?} for a number")),
+    }
+}
+
+/// A `member, score, member, score, ...` list.
+fn scored(v: &Value) -> std::result::Result<Vec<(String, f64)>, String> {
+    let Value::Array(items) = v else {
+        return Err(format!("{v:?} for a list"));
+    };
+    items
+        .chunks(2)
+        .map(|pair| match pair {
+            [m, s] => {
+                let member = text(m).ok_or_else(|| format!("{m:?} for a member"))?;
+                let score = text(s)
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| format!("{s:?} for a score"))?;
+                Ok((member, score))
+            }
+            _ => Err("an odd list".to_owned()),
+        })
+        .collect()
+}
+
+/// What a fence-checked release did on one node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Forced {
+    Released,
+    NotHeld,
+    /// The fence counter is another value (`None`: gone or not a number).
+    OtherFence(Option<u64>),
+    /// The key is a read-write lock, a semaphore or another type's value.
+    NotALock,
+}
+
+/// Deletes the lock of `keys` on `node` only while its fence counter is `fence` (see
+/// [`FORCE_RELEASE`]). Sent once: a retry after a lost reply would find the key gone and
+/// say "not held" of a lock it deleted.
+pub(crate) fn force_release(node: &Node, keys: &Keys, fence: u64) -> Result<Forced> {
+    let mut call = FORCE_RELEASE.call(3);
+    call.arg(keys.lock())
+        .arg(keys.fence())
+        .arg(keys.lease())
+        .arg(fence)
+        .arg(keys.channel())
+        .arg(node.publish_mode());
+    let (status, counter): (i64, Option<String>) =
+        node.run_script(&FORCE_RELEASE, &call, Retry::ON_RESET, None)?;
+    Ok(match status {
+        1 => Forced::Released,
+        0 => Forced::NotHeld,
+        -1 => Forced::OtherFence(counter.and_then(|c| c.parse().ok())),
+        2 => Forced::NotALock,
+        n => return Err(Error::Protocol(format!("force release replied {n}"))),
+    })
+}
+
+/// Keys of a name that say it is held or waited for: the lock key, the fair queue, the
+/// waiting writers' and readers' marks and the contention mark. Its fence counter and
+/// lease record outlive both and are skipped.
+const ACTIVE_SUFFIXES: [&[u8]; 5] = [b"", b":q", b":ww", b":wr", b":w"];
+
+/// `SCAN` pages over one node's names under `prefix` matching `pattern` (a Redis glob over
+/// names): one `MATCH` per key form of [`Keys`], plain then escaped, `COUNT` bounded.
+pub(crate) struct Scan {
+    prefix: String,
+    pattern: Vec<u8>,
+    /// The `MATCH` patterns still to scan, the current one first.
+    matches: Vec<Vec<u8>>,
+    cursor: u64,
+}
+
+/// Keys asked for per `SCAN` page (a hint to the server, which may return more or fewer).
+const PAGE: usize = 200;
+
+impl Scan {
+    pub fn new(prefix: &str, pattern: &str) -> Self {
+        let pattern = if pattern.is_empty() { "*" } else { pattern };
+        let escaped_prefix = glob_escape(prefix.as_bytes());
+        let mut matches = Vec::with_capacity(2);
+        // Escaped form: `{16 hex digits}prefix name`, then any suffix.
+        let mut escaped = b"{".to_vec();
+        escaped.extend_from_slice(&[b'?'; 16]);
+        escaped.push(b'}');
+        escaped.extend_from_slice(&escaped_prefix);
+        escaped.extend_from_slice(pattern.as_bytes());
+        escaped.push(b'*');
+        matches.push(escaped);
+        if !prefix.contains('{') {
+            // Plain form: `prefix{name}`, then any suffix.
+            let mut plain = escaped_prefix;
+            plain.push(b'{');
+            plain.extend_from_slice(pattern.as_bytes());
+            plain.extend_from_slice(b"}*");
+            matches.push(plain);
+        }
+        Scan {
+            prefix: prefix.to_owned(),
+            pattern: pattern.as_bytes().to_vec(),
+            matches,
+            cursor: 0,
+        }
+    }
+
+    /// Whether every page was read.
+    pub fn done(&self) -> bool {
+        self.matches.is_empty()
+    }
+
+    /// The next page's names (those of active keys, matching the pattern; a name may
+    /// repeat, as `SCAN` may return a key twice).
+    pub fn page(&mut self, node: &Node) -> Result<Vec<Vec<u8>>> {
+        let Some(matching) = self.matches.last() else {
+            return Ok(Vec::new());
+        };
+        let (next, keys): (u64, Vec<Vec<u8>>) = node.run(Retry::LOST_REPLY, |c| {
+            redis::cmd("SCAN")
+                .arg(self.cursor)
+                .arg("MATCH")
+                .arg(matching)
+                .arg("COUNT")
+                .arg(PAGE)
+                .query(c)
+        })?;
+        self.cursor = next;
+        if next == 0 {
+            self.matches.pop();
+        }
+        Ok(keys
+            .iter()
+            .filter_map(|k| name_of_key(self.prefix.as_bytes(), k))
+            .filter(|(name, suffix)| {
+                ACTIVE_SUFFIXES.contains(suffix) && glob_match(&self.pattern, name)
+            })
+            .map(|(name, _)| name.to_vec())
+            .collect())
+    }
+}
+
+/// `bytes` with Redis glob's special characters escaped, so that they match themselves.
+fn glob_escape(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len());
+    for &b in bytes {
+        if matches!(b, b'*' | b'?' | b'[' | b']' | b'\\') {
+            out.push(b'\\');
+        }
+        out.push(b);
+    }
+    out
+}
+
+/// Whether `text` matches the Redis glob `pattern` (`*`, `?`, `[abc]`, `[^a-z]`, `\x`), as
+/// `SCAN MATCH` does: the escaped key form's `MATCH` can also match a suffixed key whose
+/// name does not, so names are checked again once decoded.
+pub(crate) fn glob_match(pattern: &[u8], text: &[u8]) -> bool {
+    let (mut p, mut t) = (0, 0);
+    // Where the last `*` was, and the text position it was tried at.
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        let step = match pattern.get(p) {
+            Some(b'*') => {
+                star = Some((p, t));
+                p += 1;
+                continue;
+            }
+            Some(b'?') => Some(p + 1),
+            Some(b'[') => class(pattern, p, text[t]),
+            Some(b'\\') if p + 1 < pattern.len() => (pattern[p + 1] == text[t]).then_some(p + 2),
+            Some(&c) => (c == text[t]).then_some(p + 1),
+            None => None,
+        };
+        match (step, star) {
+            (Some(next), _) => {
+                p = next;
+                t += 1;
+            }
+            (None, Some((sp, st))) => {
+                star = Some((sp, st + 1));
+                p = sp + 1;
+                t = st + 1;
+            }
+            (None, None) => return false,
+        }
+    }
+    pattern[p.min(pattern.len())..].iter().all(|&c| c == b'*')
+}
+
+/// Matches `c` against the class starting at `pattern[open]` (`[`); the index after the
+/// class when it matches. An unclosed class runs to the end of the pattern, as in Redis.
+fn class(pattern: &[u8], open: usize, c: u8) -> Option<usize> {
+    let mut i = open + 1;
+    let negate = pattern.get(i) == Some(&b'^');
+    if negate {
+        i += 1;
+    }
+    let mut hit = false;
+    while i < pattern.len() && pattern[i] != b']' {
+        if pattern[i] == b'\\' && i + 1 < pattern.len() {
+            hit |= pattern[i + 1] == c;
+            i += 2;
+        } else if i + 2 < pattern.len() && pattern[i + 1] == b'-' && pattern[i + 2] != b']' {
+            let (lo, hi) = (
+                pattern[i].min(pattern[i + 2]),
+                pattern[i].max(pattern[i + 2]),
+            );
+            hit |= (lo..=hi).contains(&c);
+            i += 3;
+        } else {
+            hit |= pattern[i] == c;
+            i += 1;
+        }
+    }
+    (hit != negate).then_some((i + 1).min(pattern.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_match_as_redis_does() {
+        let cases: [(&str, &str, bool); 14] = [
+            ("*", "anything", true),
+            ("*", "", true),
+            ("a*", "abc", true),
+            ("a*", "ba", false),
+            ("*c", "abc", true),
+            ("a?c", "abc", true),
+            ("a?c", "ac", false),
+            ("[ab]x", "bx", true),
+            ("[^ab]x", "bx", false),
+            ("[a-c]", "b", true),
+            ("\\*", "*", true),
+            ("\\*", "a", false),
+            ("a*b*c", "aXbYbZc", true),
+            ("orders:*", "orders:42", true),
+        ];
+        for (p, t, want) in cases {
+            assert_eq!(glob_match(p.as_bytes(), t.as_bytes()), want, "{p} ~ {t}");
+        }
+    }
+
+    #[test]
+    fn scan_patterns_cover_both_key_forms() {
+        let s = Scan::new("p:", "a*");
+        assert_eq!(s.matches[1], b"p:{a*}*");
+        assert_eq!(s.matches[0], b"{????????????????}p:a**");
+        let s = Scan::new("{x}*", "");
+        assert_eq!(s.matches, vec![b"{????????????????}{x}\\***".to_vec()]);
+    }
+}
