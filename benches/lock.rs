@@ -21,6 +21,15 @@
 //! The client's own counters give the Redis commands per lock+unlock.
 //! `cargo bench --bench lock -- ratio` runs that loop alone; another filter skips it.
 //!
+//! With the `metrics` feature the client also emits through the `metrics` facade: without
+//! a recorder that is a no-op the facade decides; `REDBATON_BENCH_RECORDER=noop` installs
+//! `metrics::NoopRecorder` first, to measure the emitting calls themselves:
+//!
+//! ```text
+//! cargo bench --bench lock --features metrics -- ratio
+//! REDBATON_BENCH_RECORDER=noop cargo bench --bench lock --features metrics -- ratio
+//! ```
+//!
 //! The client turns on keyspace notifications at build (`CONFIG SET`); it is built before
 //! anything is measured, so the floor's commands pay the server's notification work too.
 
@@ -385,6 +394,14 @@ fn main() {
     // `cargo bench --bench lock -- ratio` runs the ratio loop alone (no criterion benchmark
     // has that name); any other filter runs the matching benchmarks without it.
     let run_ratio = !has("--list") && filter(&args).is_none_or(|f| f == "ratio");
+    match std::env::var("REDBATON_BENCH_RECORDER").as_deref() {
+        Ok("noop") => {
+            metrics::set_global_recorder(metrics::NoopRecorder).expect("the only recorder");
+            println!("metrics: no-op recorder installed");
+        }
+        Ok(other) => panic!("REDBATON_BENCH_RECORDER={other}: only `noop` is known"),
+        Err(_) => {}
+    }
 
     // The server lives until the end of main (statics are never dropped).
     let (url, _server) = match std::env::var("REDIS_URL") {

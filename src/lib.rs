@@ -103,4 +103,4 @@ pub use api::semaphore::{Permit, Semaphore};
 pub use config::Wakeup;
 pub use error::{Error, LostReason, Result, Unlocked};
 pub use proto::keys::MAX_NAME_LEN;
-pub use stats::{Stats, SubscriberStats};
+pub use stats::{Stats, SubscriberStats, TimeSummary};

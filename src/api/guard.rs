@@ -7,10 +7,12 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 
 use crate::config::{MAX_LEASE, MIN_LEASE};
+use crate::engine::acquire::path_of;
 use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing;
 use crate::local::held::RemoteLock;
+use crate::stats::HoldKind;
 
 /// Proof that this thread holds a lock. Dropping it releases the lock (best effort, never
 /// panicking, also while unwinding); [`unlock`](LockGuard::unlock) does the same and says
@@ -62,6 +64,8 @@ pub struct LockGuard {
     client: Arc<Engine>,
     remote: Arc<RemoteLock>,
     seq: u32,
+    /// When this holder got the lock, for its hold time (see `stats`).
+    since: Instant,
     lost_rx: Receiver<LostReason>,
     released: bool,
     /// Not `Send`, not `Sync`: see the type's docs.
@@ -85,6 +89,7 @@ impl LockGuard {
             client,
             remote,
             seq,
+            since: Instant::now(),
             lost_rx,
             released: false,
             _not_send: PhantomData,
@@ -277,6 +282,15 @@ impl LockGuard {
     /// ```
     pub fn unlock(mut self) -> Result<Unlocked> {
         self.released = true;
+        self.let_go()
+    }
+
+    /// Records the hold's time and gives the lock on.
+    fn let_go(&self) -> Result<Unlocked> {
+        let path = path_of(self.seq);
+        self.client
+            .counters
+            .released(HoldKind::Lock, path, self.since);
         self.client.release(&self.remote)
     }
 }
@@ -286,7 +300,7 @@ impl Drop for LockGuard {
         if self.released {
             return;
         }
-        match self.client.release(&self.remote) {
+        match self.let_go() {
             Ok(outcome) if outcome.was_held() => {}
             Ok(outcome) => log::warn!(
                 "lock {:?} dropped but it was not held: {outcome}",

@@ -12,6 +12,7 @@ use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::local::shares::Mode;
+use crate::stats::HoldKind;
 
 impl LockClient {
     /// A read-write lock named `name`: many readers (across threads and processes) or one
@@ -416,7 +417,15 @@ impl SharedGuard {
         self.release()
     }
 
+    /// Records the hold's time and gives the hold back (or leaves the turn).
     fn release(&self) -> Result<Unlocked> {
+        let kind = match self.kind {
+            Kind::Read => HoldKind::Read,
+            Kind::Write => HoldKind::Write,
+            Kind::Permit => HoldKind::Permit,
+        };
+        let hold = &self.hold;
+        self.engine.counters.released(kind, hold.path, hold.since);
         match self.kind {
             Kind::Read => self.engine.leave_turn(&self.hold, Mode::Read),
             Kind::Write => self.engine.leave_turn(&self.hold, Mode::Write),

@@ -13,14 +13,33 @@ use crate::local::table::Role;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::protocol::Kind;
-use crate::stats::Counters;
+use crate::stats::{Counters, HoldKind, Path};
 use crate::topology::Route;
 use crate::wake::events::Hears;
 
+/// How the holder with handoff number `seq` got the lock: the first holder of a remote
+/// acquisition took it in Redis, the others from the local holder before them.
+pub(crate) fn path_of(seq: u32) -> Path {
+    if seq == 0 {
+        Path::Remote
+    } else {
+        Path::Handoff
+    }
+}
+
 impl Engine {
     /// Takes the lock `name` for the calling thread as `wait` allows: the remote lock and
-    /// the handoff number of this holder.
+    /// the handoff number of this holder (0: taken in Redis, see [`path_of`]). The wait is
+    /// recorded (see `stats`).
     pub fn acquire(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<(Arc<RemoteLock>, u32)> {
+        let asked = Instant::now();
+        let took = self.take(name, wait);
+        let path = took.as_ref().map(|(_, seq)| path_of(*seq));
+        self.counters.settled(HoldKind::Lock, asked, path);
+        took
+    }
+
+    fn take(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<(Arc<RemoteLock>, u32)> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         let waits = matches!(wait, Wait::Until(_));
         // The route is read once here and given to the contest (a queued thread reads it

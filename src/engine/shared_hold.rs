@@ -2,6 +2,7 @@
 //! with the hold's protocol), semaphore permits, and giving holds back. How a process's threads share its read-write holds is in `turns`.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::engine::contest::{Wait, Won};
 use crate::engine::state::Engine;
@@ -10,20 +11,58 @@ use crate::local::held::RemoteLock;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::protocol::Kind;
-use crate::stats::Counters;
+use crate::stats::{Counters, HoldKind, Path};
 use crate::topology::verdict::tally_release;
 
 /// A hold as a guard keeps it: the remote hold (maybe shared with other local threads),
-/// the guard's id among its users, and the guard's fencing token.
+/// the guard's id among its users, the guard's fencing token, and how and when the guard
+/// got it (for its hold time).
 pub(crate) struct Hold {
     pub remote: Arc<RemoteLock>,
     pub sharer: u64,
     pub token: u64,
+    pub path: Path,
+    pub since: Instant,
+}
+
+impl Hold {
+    /// A hold got by `path`; its start is set when the call returns (see `Engine::timed`).
+    pub fn new(remote: Arc<RemoteLock>, sharer: u64, token: u64, path: Path) -> Self {
+        Hold {
+            remote,
+            sharer,
+            token,
+            path,
+            since: Instant::now(),
+        }
+    }
 }
 
 impl Engine {
+    /// Runs `take`, a call for a hold of `kind` made now, and records its wait; the hold
+    /// starts when it returns.
+    pub(crate) fn timed(
+        &self,
+        kind: HoldKind,
+        take: impl FnOnce() -> Result<Hold>,
+    ) -> Result<Hold> {
+        let asked = Instant::now();
+        let mut took = take();
+        let since = self
+            .counters
+            .settled(kind, asked, took.as_ref().map(|h| h.path));
+        if let Ok(hold) = &mut took {
+            hold.since = since;
+        }
+        took
+    }
+
     /// Takes one permit of the semaphore `name` of `permits` permits.
     pub(crate) fn permit(self: &Arc<Self>, name: &[u8], permits: u32, wait: Wait) -> Result<Hold> {
+        self.timed(HoldKind::Permit, || self.take_permit(name, permits, wait))
+    }
+
+    fn take_permit(self: &Arc<Self>, name: &[u8], permits: u32, wait: Wait) -> Result<Hold> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         if permits == 0 {
             return Err(Error::InvalidConfig(
@@ -48,11 +87,8 @@ impl Engine {
                 self.shares.changed.notify_all();
             })
         });
-        Ok(Hold {
-            remote: self.acquire_shared(&keys, Kind::Permit(permits), wait)?.0,
-            sharer: 0,
-            token: 0,
-        })
+        let remote = self.acquire_shared(&keys, Kind::Permit(permits), wait)?.0;
+        Ok(Hold::new(remote, 0, 0, Path::Remote))
     }
 
     /// Ends a shared hold in Redis. No renewal is sent once this returns.

@@ -17,7 +17,7 @@ use crate::local::held::RemoteLock;
 use crate::local::shares::{Budget, Mine, Mode, Next, SharesState};
 use crate::proto::keys::Keys;
 use crate::proto::protocol::Kind;
-use crate::stats::Counters;
+use crate::stats::{Counters, HoldKind, Path};
 
 static NEXT_SHARER: AtomicU64 = AtomicU64::new(1);
 
@@ -25,12 +25,12 @@ impl Engine {
     /// Takes a read hold of `name`: the process's remote hold when the turn rules admit
     /// this thread, else one asked of Redis for the process.
     pub(crate) fn read(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
-        self.take_turn(name, Mode::Read, wait)
+        self.timed(HoldKind::Read, || self.take_turn(name, Mode::Read, wait))
     }
 
     /// Takes the write hold of `name` (or a turn on this process's write hold).
     pub(crate) fn write(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
-        self.take_turn(name, Mode::Write, wait)
+        self.timed(HoldKind::Write, || self.take_turn(name, Mode::Write, wait))
     }
 
     fn take_turn(self: &Arc<Self>, name: &[u8], mode: Mode, wait: Wait) -> Result<Hold> {
@@ -49,7 +49,7 @@ impl Engine {
                     turn.readers += 1;
                 }
                 Counters::inc(&self.counters.local_handoffs);
-                return Ok(self.sharer(remote, token));
+                return Ok(self.sharer(remote, token, Path::Handoff));
             }
             None => {}
         }
@@ -62,7 +62,7 @@ impl Engine {
                 .lock()
                 .threads
                 .insert((keys, me), mine(mode, &remote, token));
-            return Ok(self.sharer(remote, token));
+            return Ok(self.sharer(remote, token, Path::Remote));
         }
         let write = mode == Mode::Write;
         let waiting = |st: &mut SharesState, by: isize| {
@@ -77,24 +77,24 @@ impl Engine {
         waiting(&mut st, 1);
         let taken = self.turn_loop(&mut st, &keys, mode, wait);
         waiting(&mut st, -1);
-        if let Ok((remote, token)) = &taken {
+        if let Ok((remote, token, _)) = &taken {
             st.threads
                 .insert((keys.clone(), me), mine(mode, remote, *token));
         }
         let back = st.turns.get_mut(&keys).and_then(|t| t.give_back_if_idle());
         self.settle(st, &keys, back);
-        taken.map(|(remote, token)| self.sharer(remote, token))
+        taken.map(|(remote, token, path)| self.sharer(remote, token, path))
     }
 
     /// Asks the turn what to do until this thread is admitted (or contends and wins), the
-    /// wait policy says stop, or an error.
+    /// wait policy says stop, or an error. With the hold: how this thread got it.
     fn turn_loop(
         self: &Arc<Self>,
         st: &mut MutexGuard<'_, SharesState>,
         keys: &Keys,
         mode: Mode,
         wait: Wait,
-    ) -> Result<(Arc<RemoteLock>, u64)> {
+    ) -> Result<(Arc<RemoteLock>, u64, Path)> {
         let write = mode == Mode::Write;
         let budget = Budget {
             slice: self.cfg.handoff_slice,
@@ -111,7 +111,7 @@ impl Engine {
                     let (remote, held) = turn.remote.as_ref().expect("admitted to a hold");
                     let token = turn_token(remote, *held, turn.writes);
                     Counters::inc(&self.counters.local_handoffs);
-                    return Ok((remote.clone(), token));
+                    return Ok((remote.clone(), token, Path::Handoff));
                 }
                 Next::Contend => {
                     let got =
@@ -122,7 +122,7 @@ impl Engine {
                         Ok((remote, others_wait)) => {
                             turn.acquired(remote.clone(), mode, others_wait);
                             let token = turn_token(&remote, mode, turn.writes);
-                            Ok((remote, token))
+                            Ok((remote, token, Path::Remote))
                         }
                         Err(e) => {
                             turn.released();
@@ -217,12 +217,9 @@ impl Engine {
         outcome
     }
 
-    fn sharer(&self, remote: Arc<RemoteLock>, token: u64) -> Hold {
-        Hold {
-            remote,
-            sharer: NEXT_SHARER.fetch_add(1, Ordering::Relaxed),
-            token,
-        }
+    fn sharer(&self, remote: Arc<RemoteLock>, token: u64, path: Path) -> Hold {
+        let sharer = NEXT_SHARER.fetch_add(1, Ordering::Relaxed);
+        Hold::new(remote, sharer, token, path)
     }
 
     /// A local reader or writer lets go; the last user of a remote hold that must go

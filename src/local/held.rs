@@ -180,7 +180,7 @@ impl RemoteLock {
 
     fn set_lost(st: &mut State, reason: LostReason, counters: &Counters) {
         st.lost = Some(reason);
-        Counters::inc(&counters.locks_lost);
+        counters.lost(reason);
         log::warn!("lock lost: {reason}");
         if let Some(tx) = st.listener.take() {
             let _ = tx.try_send(reason);
