@@ -60,6 +60,10 @@ use crate::error::{Error, Result, is_network_error};
 use crate::proto::node::{Call, CallPath, Commands, Node, Sent, past};
 use crate::stats::Counters;
 
+/// `ASKING`, sent ahead of a command that follows an `ASK` (built once: a call that is
+/// never redirected builds nothing).
+static ASKING: std::sync::LazyLock<Cmd> = std::sync::LazyLock::new(|| redis::cmd("ASKING"));
+
 /// Most redirects one command follows: a slot moves at most a few times in a row.
 const MAX_HOPS: u32 = 5;
 /// How long `TRYAGAIN` (keys of one command half-way through a slot migration) and
@@ -112,7 +116,7 @@ impl Path {
 
 impl CallPath for Path {
     fn call(&self, node: &Node, call: Call, commands: &mut Commands<'_>) -> Result<Sent> {
-        let asking = redis::cmd("ASKING");
+        let asking = &*ASKING;
         // The node the command is sent to now (`None`: `node`), and what goes ahead of it
         // there (`ASKING` after an `ASK`).
         let mut at: Option<Arc<Node>> = None;
@@ -149,7 +153,7 @@ impl CallPath for Path {
                                 Counters::inc(&on.counters().redirects);
                                 log::debug!("node {}: {e}; following to {}", on.id, next.id);
                                 at = Some(next);
-                                before = (!moved).then_some(&asking);
+                                before = (!moved).then_some(asking);
                                 hops += 1;
                                 continue 'hop;
                             }
