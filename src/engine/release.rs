@@ -12,8 +12,9 @@ use crate::local::held::{Changed, RemoteLock};
 use crate::local::table::Step;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
-use crate::proto::node::{Change, ExtendReply, NodeId, ReleaseReply, may_have_run};
+use crate::proto::node::{NodeId, ReleaseReply, may_have_run};
 use crate::proto::protocol::Protocol;
+use crate::proto::renewal::{Change, ExtendReply};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::ride::Ride;
@@ -125,7 +126,7 @@ impl Engine {
 
     /// Sets the lock's lease to `lease` on its nodes now. Redis Cluster: retried through a
     /// failover until the lock's validity ends. The validity follows the rule of lease
-    /// changes (see `scripts::EXTEND`): applied, `sent at + lease − drift`; unknown (an
+    /// changes (see `renewal::EXTEND`): applied, `sent at + lease − drift`; unknown (an
     /// error is returned), at most that.
     pub fn extend(self: &Arc<Self>, lock: &Arc<RemoteLock>, lease: Duration) -> Result<()> {
         if let Some(reason) = lock.lost(&self.counters) {

@@ -18,8 +18,9 @@ use crate::error::LostReason;
 use crate::local::held::{Changed, Due, RemoteLock};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::keyslot;
-use crate::proto::node::{Batch, Change, ExtendReply, Node, NodeId};
+use crate::proto::node::{Node, NodeId};
 use crate::proto::protocol::RenewScript;
+use crate::proto::renewal::{Batch, Change, ExtendReply};
 use crate::stats::Counters;
 use crate::topology::Topology;
 use crate::topology::verdict::Renewal;
@@ -226,7 +227,7 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     }
     let retry = cfg.renew_retry();
     // Each renewal's outcome when there is no telling: it may have been applied (see
-    // `scripts::EXTEND`).
+    // `renewal::EXTEND`).
     let unknown = |lease: Duration| Changed::Unknown {
         cap: now + lease - cfg.drift(lease),
         retry_at: now + retry,

@@ -49,7 +49,7 @@ struct State {
     extend_waiting: bool,
     /// The number of the last lease change handed out (renewal or extend; 0: the
     /// acquisition's lease). Redis refuses a change older than one it applied (see
-    /// `scripts::EXTEND`).
+    /// `renewal::EXTEND`).
     changes: u64,
     released: bool,
     lost: Option<LostReason>,
@@ -285,7 +285,7 @@ impl RemoteLock {
         self.renew_done.notify_all();
     }
 
-    /// What a lease change's outcome does to the lock's state (see `scripts::EXTEND` for
+    /// What a lease change's outcome does to the lock's state (see `renewal::EXTEND` for
     /// the rule).
     fn apply(st: &mut State, outcome: Changed, counters: &Counters) {
         match outcome {

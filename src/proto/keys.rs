@@ -65,7 +65,7 @@ pub(crate) struct KeyBytes {
 /// - `:q`, `:qx`: the fair queue: waiting contenders by arrival, and when their entries
 ///   expire;
 /// - `:lease`: the lease record (the number and token of the last lease change applied,
-///   see `scripts::EXTEND`);
+///   see `renewal::EXTEND`);
 /// - `:ww`, `:wr`: a read-write lock's waiting writers and readers (see `rw_scripts`).
 const SUFFIXES: [&[u8]; 8] = [
     b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr",
@@ -151,7 +151,7 @@ impl Keys {
         self.suffixed(4)
     }
 
-    /// The lease record (see `scripts::EXTEND`).
+    /// The lease record (see `renewal::EXTEND`).
     pub fn lease(&self) -> &[u8] {
         self.suffixed(5)
     }

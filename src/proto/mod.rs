@@ -8,6 +8,7 @@ pub(crate) mod keys;
 pub(crate) mod node;
 pub(crate) mod pool;
 pub(crate) mod protocol;
+pub(crate) mod renewal;
 pub(crate) mod rw_scripts;
 pub(crate) mod scripts;
 pub(crate) mod sharded;

@@ -14,7 +14,7 @@ use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
 use crate::proto::pool::Pool;
-use crate::proto::scripts::{self, EXTEND, EXTEND_UNORDERED, Lua, RAISE_FENCE, Site};
+use crate::proto::scripts::{self, Lua, RAISE_FENCE, Site};
 use crate::stats::Counters;
 
 /// What a compare-and-delete found.
@@ -32,18 +32,6 @@ pub(crate) enum ReleaseReply {
     /// lost, may have released it (with the fair queue: granted it to the next waiter,
     /// whose token the retry finds) and the next holder have it since.
     OtherAfterRetry,
-}
-
-/// What a compare-and-extend found for one key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ExtendReply {
-    Extended,
-    Gone,
-    Other,
-    /// Ours, but a newer change of the lease was applied: this one was refused. Says
-    /// nothing the holder can use (the newer change's own reply does): counted as no
-    /// answer, never as a loss.
-    Stale,
 }
 
 /// When a command is sent again on a fresh connection after a network failure. Only
@@ -148,7 +136,7 @@ pub(crate) struct Node {
     fence_ttl_ms: u64,
     /// `replica_ack`: replicas that must acknowledge an acquisition or renewal, and how
     /// long to wait for them.
-    ack: Option<(usize, Duration)>,
+    pub(crate) ack: Option<(usize, Duration)>,
     /// Where its commands go when their server refuses or redirects them.
     path: Arc<dyn CallPath>,
     /// The last command got no reply (a network error or a timeout): asked last when
@@ -259,7 +247,7 @@ impl Node {
 
     /// `f` through the node's call path as `call` says; `None` when the path said to send
     /// the narrower form ([`Sent::Narrow`]).
-    fn call<T>(
+    pub(crate) fn call<T>(
         &self,
         call: Call,
         mut f: impl FnMut(&mut Connection, Option<&Cmd>) -> RedisResult<T>,
@@ -361,7 +349,7 @@ impl Node {
     }
 
     /// `WAIT` for the replicas `replica_ack` asks for; how many acknowledged.
-    fn wait_replicas(&self, c: &mut Connection) -> RedisResult<usize> {
+    pub(crate) fn wait_replicas(&self, c: &mut Connection) -> RedisResult<usize> {
         let Some((wanted, timeout)) = self.ack else {
             return Ok(0);
         };
@@ -518,192 +506,6 @@ impl Node {
     pub fn slot_moved(&self) {
         self.path.fault();
     }
-
-    /// Compare-and-extend many locks of this node in one round trip, each change ordered
-    /// by its number (see `scripts::EXTEND`).
-    pub fn extend(&self, locks: &[Change<'_>], lease: Duration) -> Result<Vec<ExtendReply>> {
-        let mut replies = self.extend_batches(&[Batch {
-            script: &EXTEND,
-            locks: locks.to_vec(),
-            lease,
-            ordered: true,
-        }])?;
-        Ok(replies.pop().unwrap_or_default())
-    }
-
-    /// Runs several renewal batches (each one script call; Redis Cluster: one slot each)
-    /// in one round trip, pipelined, with one `WAIT` for all of them when replicas must
-    /// acknowledge. One status list per batch.
-    pub(crate) fn extend_batches(&self, batches: &[Batch<'_>]) -> Result<Vec<Vec<ExtendReply>>> {
-        match self.extend_once(batches)? {
-            Some(replies) => Ok(replies),
-            None => self.extend_apart(batches),
-        }
-    }
-
-    /// [`extend_batches`](Self::extend_batches) in one round trip; `None` when the call
-    /// path says to send them one lock per call ([`extend_apart`](Self::extend_apart)).
-    fn extend_once(&self, batches: &[Batch<'_>]) -> Result<Option<Vec<Vec<ExtendReply>>>> {
-        let calls: Vec<redis::Cmd> = batches.iter().map(Batch::call).collect();
-        // Each script once, for reloading after a NOSCRIPT.
-        let mut scripts: Vec<&Lua> = Vec::new();
-        for b in batches {
-            if !scripts.iter().any(|s| std::ptr::eq(*s, b.script)) {
-                scripts.push(b.script);
-            }
-        }
-        // Narrower: one lock per call, and an ordered lock alone without its lease record.
-        let locks: usize = batches.iter().map(|b| b.locks.len()).sum();
-        let how = Call {
-            retry: Retry::ON_RESET,
-            deadline: None,
-            narrower: locks > 1 || batches.iter().any(|b| b.ordered),
-        };
-        let outcome = self.call(how, |c, before| {
-            let replies: Vec<Vec<i64>> = match calls.as_slice() {
-                [one] => scripts[0].run(one, c, before).map(|r| vec![r]),
-                _ => scripts::run_pipelined(&scripts, &calls, c, before),
-            }?;
-            let acked = match self.ack {
-                Some(_) if replies.iter().flatten().any(|&r| r == 1) => {
-                    Some(self.wait_replicas(c)?)
-                }
-                _ => None,
-            };
-            Ok((replies, acked))
-        })?;
-        let Some((replies, acked)) = outcome else {
-            return Ok(None);
-        };
-        if let (Some(acked), Some((wanted, _))) = (acked, self.ack)
-            && acked < wanted
-        {
-            // Not renewed as far as a failover is concerned: retried until the lease ends.
-            return Err(Error::ReplicaAck { acked, wanted });
-        }
-        if replies.len() != batches.len() {
-            return Err(Error::Protocol(format!(
-                "extend replied {} lists for {} batches",
-                replies.len(),
-                batches.len()
-            )));
-        }
-        replies
-            .into_iter()
-            .zip(batches)
-            .map(|(r, b)| extend_replies(r, b.locks.len()))
-            .collect::<Result<_>>()
-            .map(Some)
-    }
-}
-
-impl Node {
-    /// [`extend_batches`](Self::extend_batches), one lock per call, each following its
-    /// own redirects: the narrower form of a renewal, sent when the call path says so
-    /// (Redis Cluster: a slot of this node migrates; see `topology::call`). Costs a round
-    /// trip per lock.
-    fn extend_apart(&self, batches: &[Batch<'_>]) -> Result<Vec<Vec<ExtendReply>>> {
-        batches
-            .iter()
-            .map(|b| {
-                b.locks
-                    .iter()
-                    .map(|&lock| {
-                        let one = Batch {
-                            script: b.script,
-                            locks: vec![lock],
-                            lease: b.lease,
-                            ordered: b.ordered,
-                        };
-                        let replies = match self.extend_once(&[one])? {
-                            Some(replies) => replies,
-                            // The lock and its record refused together: the lock alone,
-                            // unordered (see `EXTEND_UNORDERED`).
-                            None => {
-                                let alone = Batch {
-                                    script: &EXTEND_UNORDERED,
-                                    locks: vec![lock],
-                                    lease: b.lease,
-                                    ordered: false,
-                                };
-                                self.extend_once(&[alone])?.ok_or(Error::SlotMigrating)?
-                            }
-                        };
-                        let mut replies = replies;
-                        replies
-                            .pop()
-                            .and_then(|mut list| list.pop())
-                            .ok_or_else(|| Error::Protocol("extend replied nothing".to_owned()))
-                    })
-                    .collect()
-            })
-            .collect()
-    }
-}
-
-/// One lease change of one hold: its key, its token (a shared hold's member) and the
-/// change's number in the hold's sequence (see `scripts::EXTEND`).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Change<'a> {
-    pub key: &'a [u8],
-    /// The lock's lease record (see `Keys::lease`).
-    pub record: &'a [u8],
-    pub token: &'a str,
-    pub seq: u64,
-}
-
-/// One renewal script call: which script, the changes, the new lease, and whether the
-/// script orders changes by their numbers (`EXTEND`: keys and lease records in pairs,
-/// then a token and a number per lock) or not (`SHARED_EXTEND`: keys, then a member per
-/// hold; its holds keep one lease for life, so a late renewal can only lengthen one).
-pub(crate) struct Batch<'a> {
-    pub script: &'a Lua,
-    pub locks: Vec<Change<'a>>,
-    pub lease: Duration,
-    pub ordered: bool,
-}
-
-impl Batch<'_> {
-    /// The `EVALSHA` of this batch.
-    fn call(&self) -> Cmd {
-        let keys = if self.ordered { 2 } else { 1 } * self.locks.len();
-        let mut call = self.script.call(keys);
-        for c in &self.locks {
-            call.arg(c.key);
-            if self.ordered {
-                call.arg(c.record);
-            }
-        }
-        call.arg(millis(self.lease));
-        for c in &self.locks {
-            call.arg(c.token);
-            if self.ordered {
-                call.arg(c.seq);
-            }
-        }
-        call
-    }
-}
-
-/// One batch's statuses, one per lock: 1 extended, 0 gone, −1 another owner, 2 refused as
-/// stale.
-fn extend_replies(replies: Vec<i64>, locks: usize) -> Result<Vec<ExtendReply>> {
-    if replies.len() != locks {
-        return Err(Error::Protocol(format!(
-            "extend replied {} statuses for {locks} keys",
-            replies.len(),
-        )));
-    }
-    replies
-        .into_iter()
-        .map(|r| match r {
-            1 => Ok(ExtendReply::Extended),
-            0 => Ok(ExtendReply::Gone),
-            -1 => Ok(ExtendReply::Other),
-            2 => Ok(ExtendReply::Stale),
-            n => Err(Error::Protocol(format!("extend replied {n}"))),
-        })
-        .collect()
 }
 
 /// Runs `f` on `conn` with its reads bounded by `deadline`: what remains of it, but

@@ -28,9 +28,10 @@ use crate::proto::fair_scripts::{
 };
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, ReleaseReply, Retry, millis, new_token};
+use crate::proto::renewal::EXTEND;
 use crate::proto::rw_scripts::{SHARED_EXTEND, Want};
 use crate::proto::scripts::{
-    ACQUIRE, EXTEND, Lua, RELEASE, UNMARK, acquire_call, acquire_reply, release_call, unmark_call,
+    ACQUIRE, Lua, RELEASE, UNMARK, acquire_call, acquire_reply, release_call, unmark_call,
 };
 use crate::stats::Counters;
 
@@ -172,7 +173,7 @@ pub(crate) enum Hears {
 }
 
 /// How a hold's lease is renewed: which script, and whether it orders the changes of
-/// one hold by their numbers (see `scripts::EXTEND`).
+/// one hold by their numbers (see `renewal::EXTEND`).
 #[derive(Clone, Copy)]
 pub(crate) struct RenewScript {
     pub script: &'static Lua,
