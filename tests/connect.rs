@@ -21,11 +21,18 @@ fn tls_client(url: &str, certs: &Certs) -> redbaton::Result<LockClient> {
     .build()
 }
 
-#[test]
-fn smoke() {
+/// Fresh certificates and a TLS server using them (`mutual`: it asks for a client
+/// certificate).
+fn tls_server(mutual: bool) -> (Certs, TlsServer) {
     init_log();
     let certs = Certs::generate();
-    let tls = TlsServer::start(&certs, false);
+    let tls = TlsServer::start(&certs, mutual);
+    (certs, tls)
+}
+
+#[test]
+fn smoke() {
+    let (certs, tls) = tls_server(false);
     let client = tls_client(&tls.url(), &certs).expect("build over TLS");
     let guard = client.lock("smoke").expect("lock over TLS");
     assert!(guard.fencing_token() > 0);
@@ -34,9 +41,7 @@ fn smoke() {
 
 #[test]
 fn a_waiter_is_woken_by_notifications_over_tls() {
-    init_log();
-    let certs = Certs::generate();
-    let tls = TlsServer::start(&certs, false);
+    let (certs, tls) = tls_server(false);
     let holder = tls_client(&tls.url(), &certs).expect("holder");
     let waiter = Arc::new(tls_client(&tls.url(), &certs).expect("waiter"));
     let guard = holder.lock("k").expect("lock");
@@ -86,9 +91,7 @@ fn a_server_signed_by_another_ca_is_rejected() {
 
 #[test]
 fn mutual_tls_works_with_a_client_identity_and_fails_clearly_without() {
-    init_log();
-    let certs = Certs::generate();
-    let tls = TlsServer::start(&certs, true);
+    let (certs, tls) = tls_server(true);
     let client = lock_client!(
         node(tls.url()),
         tls_ca_cert(certs.ca_pem.clone()),

@@ -18,12 +18,12 @@ fn ping(conn: &mut Connection) -> redis::RedisResult<String> {
     redis::cmd("PING").query(conn)
 }
 
+fn try_set(conn: &mut Connection, key: &str, value: &str) -> redis::RedisResult<()> {
+    redis::cmd("SET").arg(key).arg(value).query(conn)
+}
+
 fn set(conn: &mut Connection, key: &str, value: &str) {
-    let () = redis::cmd("SET")
-        .arg(key)
-        .arg(value)
-        .query(conn)
-        .expect("SET");
+    try_set(conn, key, value).expect("SET");
 }
 
 fn get(conn: &mut Connection, key: &str) -> Option<String> {
@@ -345,11 +345,7 @@ fn drop_next_reply_executes_but_loses_the_answer() {
     proxy.drop_next_reply();
     assert!(proxy.drop_armed());
     let started = Instant::now();
-    let err = redis::cmd("SET")
-        .arg("k")
-        .arg("v")
-        .query::<()>(&mut conn)
-        .expect_err("reply must be lost");
+    let err = try_set(&mut conn, "k", "v").expect_err("reply must be lost");
     assert!(started.elapsed() < ms(1500), "closed, not timed out: {err}");
     assert!(!proxy.drop_armed());
     assert_eq!(proxy.replies_dropped(), 1);
@@ -371,13 +367,7 @@ fn drop_next_reply_matching_skips_other_traffic() {
     proxy.drop_next_reply_matching(b"target-key");
     set(&mut conn, "other", "1");
     assert!(proxy.drop_armed());
-    assert!(
-        redis::cmd("SET")
-            .arg("target-key")
-            .arg("2")
-            .query::<()>(&mut conn)
-            .is_err()
-    );
+    assert!(try_set(&mut conn, "target-key", "2").is_err());
     assert_eq!(get(&mut srv.conn(), "target-key").as_deref(), Some("2"));
 }
 
@@ -396,13 +386,7 @@ fn blackhole_and_stall() {
 
     // Stall: the request is held, then delivered when the partition heals.
     proxy.stall(true);
-    assert!(
-        redis::cmd("SET")
-            .arg("late")
-            .arg("1")
-            .query::<()>(&mut fresh)
-            .is_err()
-    );
+    assert!(try_set(&mut fresh, "late", "1").is_err());
     assert_eq!(get(&mut srv.conn(), "late"), None);
     proxy.stall(false);
     let deadline = Instant::now() + Duration::from_secs(2);

@@ -160,11 +160,17 @@ fn check_run(run: &Run) {
     );
 }
 
-#[test]
-fn locks_follow_a_forced_failover() {
+/// A master, two replicas and three sentinels; the master's port.
+fn group_of_three() -> (SentinelGroup, u16) {
     init_log();
     let group = SentinelGroup::start(NAME, 2, 3);
-    let old = group.master_port();
+    let master = group.master_port();
+    (group, master)
+}
+
+#[test]
+fn locks_follow_a_forced_failover() {
+    let (group, old) = group_of_three();
     let run = run_with_fault(&group, None, || {
         let new = group.failover();
         eprintln!("failover: {old} -> {new}");
@@ -174,9 +180,7 @@ fn locks_follow_a_forced_failover() {
 
 #[test]
 fn locks_follow_a_killed_master() {
-    init_log();
-    let group = SentinelGroup::start(NAME, 2, 3);
-    let old = group.master_port();
+    let (group, old) = group_of_three();
     let run = run_with_fault(&group, None, || {
         group.server(old).kill();
         let new = group.wait_new_master(old);
@@ -190,8 +194,7 @@ fn locks_follow_a_killed_master() {
 /// of one name keep increasing.
 #[test]
 fn acknowledged_locks_survive_a_failover() {
-    init_log();
-    let group = SentinelGroup::start(NAME, 2, 3);
+    let (group, _) = group_of_three();
     let client = builder(&group)
         .lease(Duration::from_secs(30))
         .replica_ack(2, ms(200))
