@@ -96,6 +96,7 @@ mod worker;
 
 pub use api::builder::Builder;
 pub use api::client::LockClient;
+pub use api::detached::{DetachedGuard, DetachedWriteGuard};
 pub use api::guard::LockGuard;
 pub use api::inspect::{ForceRelease, Hold, HoldKind, Holder, LockInfo, LockKind, QueueEntry};
 pub use api::rwlock::{ReadGuard, RwLock, WriteGuard};

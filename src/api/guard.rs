@@ -6,8 +6,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
-use crate::config::{MAX_LEASE, MIN_LEASE};
+use crate::api::detached::{Detached, DetachedGuard, extend_checked};
 use crate::engine::acquire::path_of;
+use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing;
@@ -20,7 +21,8 @@ use crate::stats::HoldKind;
 ///
 /// A guard is not `Send`: the lock belongs to the thread that took it (that is how a thread
 /// asking again for a lock it holds gets [`Error::WouldDeadlock`] instead of waiting for
-/// itself, and how the baton knows whom it was passed to).
+/// itself, and how the baton knows whom it was passed to). To release it from another
+/// thread, [`detach`](LockGuard::detach) it first.
 ///
 /// # Losing the lock
 ///
@@ -252,12 +254,46 @@ impl LockGuard {
     /// # Ok(()) }
     /// ```
     pub fn extend(&self, lease: Duration) -> Result<()> {
-        if !(MIN_LEASE..=MAX_LEASE).contains(&lease) {
-            return Err(Error::InvalidArgument(format!(
-                "extend: lease {lease:?} outside {MIN_LEASE:?}..={MAX_LEASE:?}"
-            )));
-        }
-        self.client.extend(&self.remote, lease)
+        extend_checked(&self.client, &self.remote, lease)
+    }
+
+    /// Takes the lock out of this thread's hands: the [`DetachedGuard`] returned keeps it
+    /// in Redis (same token, fence, lease, watchdog renewals and lost signal) and may be
+    /// sent to another thread, which can check, extend and release it.
+    ///
+    /// The lock leaves the local handoff for good: it is never handed to another thread of
+    /// this process, and the threads of this process waiting for the name stop waiting
+    /// behind it locally: they contend in Redis like any other process, and get the lock
+    /// (with a higher fencing token) once the detached guard has released it there. This
+    /// thread no longer holds the lock either: asking for it again waits for the detached
+    /// guard like everyone else (a thread that waits for a detached guard it must release
+    /// itself waits until its own deadline: the watchdog keeps renewing the detached lease).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let guard = client.lock("report")?;
+    /// let token = guard.fencing_token();
+    /// let detached = guard.detach();
+    /// assert_eq!(detached.fencing_token(), token);
+    /// let outcome = std::thread::spawn(move || detached.unlock()).join().unwrap()?;
+    /// assert_eq!(outcome, redbaton::Unlocked::Released);
+    /// # Ok(()) }
+    /// ```
+    pub fn detach(mut self) -> DetachedGuard {
+        self.released = true;
+        self.client.table.detach(&self.remote.keys);
+        let hold = Hold {
+            remote: self.remote.clone(),
+            sharer: 0,
+            token: self.fencing_token(),
+            path: path_of(self.seq),
+            since: self.since,
+        };
+        let (engine, lost_rx) = (self.client.clone(), self.lost_rx.clone());
+        DetachedGuard::new(Detached::new(engine, hold, HoldKind::Lock, lost_rx))
     }
 
     /// Releases the lock — to the next waiting thread of this process when the baton

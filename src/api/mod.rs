@@ -2,6 +2,7 @@
 
 pub(crate) mod builder;
 pub(crate) mod client;
+pub(crate) mod detached;
 pub(crate) mod guard;
 pub(crate) mod inspect;
 pub(crate) mod rwlock;

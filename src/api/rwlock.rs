@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 
 use crate::api::client::LockClient;
+use crate::api::detached::{Detached, DetachedWriteGuard, warn_on_drop};
 use crate::engine::contest::Wait;
 use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
@@ -417,6 +418,24 @@ impl SharedGuard {
         self.release()
     }
 
+    /// Takes a write hold out of the local turns into a detached guard's hands (see
+    /// [`WriteGuard::detach`]): this guard no longer lets go of it.
+    fn detach_write(mut self) -> Detached {
+        debug_assert!(self.kind == Kind::Write, "only a write hold detaches");
+        self.released = true;
+        self.engine.detach_write(&self.hold.remote);
+        let hold = Hold {
+            remote: self.hold.remote.clone(),
+            ..self.hold
+        };
+        Detached::new(
+            self.engine.clone(),
+            hold,
+            HoldKind::Write,
+            self.lost_rx.clone(),
+        )
+    }
+
     /// Records the hold's time and gives the hold back (or leaves the turn).
     fn release(&self) -> Result<Unlocked> {
         let kind = match self.kind {
@@ -436,16 +455,8 @@ impl SharedGuard {
 
 impl Drop for SharedGuard {
     fn drop(&mut self) {
-        if self.released {
-            return;
-        }
-        let name = self.hold.remote.keys.display();
-        match self.release() {
-            Ok(outcome) if outcome.was_held() => {}
-            Ok(outcome) => log::warn!("{name:?} dropped but it was not held: {outcome}"),
-            Err(e) => {
-                log::warn!("{name:?}: release on drop failed (it expires with its lease): {e}")
-            }
+        if !self.released {
+            warn_on_drop(&self.hold.remote.keys, self.release());
         }
     }
 }
@@ -469,7 +480,8 @@ pub struct ReadGuard(SharedGuard);
 
 /// Proof that this thread writes a [`RwLock`]: nobody else reads or writes it. Dropping it
 /// lets go (best effort, never panicking); [`unlock`](WriteGuard::unlock) does the same
-/// and says what happened. Not `Send`, like [`LockGuard`](crate::LockGuard).
+/// and says what happened. Not `Send`, like [`LockGuard`](crate::LockGuard); to release
+/// it from another thread, [`detach`](WriteGuard::detach) it first.
 ///
 /// # Examples
 ///
@@ -591,5 +603,32 @@ impl WriteGuard {
     /// ```
     pub fn fencing_token(&self) -> u64 {
         self.0.token()
+    }
+
+    /// Takes the write hold out of this thread's hands: the [`DetachedWriteGuard`]
+    /// returned keeps it in Redis (same token, lease, watchdog renewals and lost signal)
+    /// and may be sent to another thread, which can check and release it.
+    ///
+    /// The hold leaves this process's local turns for good: no local reader or writer
+    /// takes a turn on it, and the threads of this process waiting for the name ask Redis
+    /// like any other process, where they wait until the detached guard has released it.
+    /// This thread no longer holds the name either: asking for it again waits for the
+    /// detached guard like everyone else.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let w = client.rwlock("catalog").write()?;
+    /// let token = w.fencing_token();
+    /// let detached = w.detach();
+    /// assert_eq!(detached.fencing_token(), token);
+    /// let outcome = std::thread::spawn(move || detached.unlock()).join().unwrap()?;
+    /// assert_eq!(outcome, redbaton::Unlocked::Released);
+    /// # Ok(()) }
+    /// ```
+    pub fn detach(self) -> DetachedWriteGuard {
+        DetachedWriteGuard::new(self.0.detach_write())
     }
 }

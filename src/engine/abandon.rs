@@ -11,14 +11,16 @@ use crate::proto::keys::Keys;
 impl Engine {
     /// A release is unwinding after the table marked the key as releasing: stop renewals,
     /// leave the compare-and-delete to the cleanup thread, and let the next local waiter
-    /// contend.
-    pub(crate) fn abandon_release(&self, lock: &RemoteLock) {
+    /// contend (`detached`: the table no longer knows this lock, and has nothing to do).
+    pub(crate) fn abandon_release(&self, lock: &RemoteLock, detached: bool) {
         lock.begin_release(&self.counters);
         let route = self.topology.route(&lock.keys);
         let every = route.nodes().iter().map(|n| n.id.clone()).collect();
         self.cleanup
             .release_later(&lock.keys, lock.protocol, lock.token.clone(), every);
-        self.table.released(&lock.keys, false);
+        if !detached {
+            self.table.released(&lock.keys, false);
+        }
     }
 
     /// A queued waiter is unwinding: leave the queue, and pass on whatever reached it

@@ -20,6 +20,15 @@ use crate::topology::Route;
 use crate::topology::ride::Ride;
 use crate::topology::verdict::{Renewal, tally_release};
 
+/// Who gives a lock back in Redis: a holder the local table knows (`forced`: local
+/// waiters remain but the fairness budget is spent), which then lets the next local waiter
+/// contend, or a detached guard, which the table no longer knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Giver {
+    Table { forced: bool },
+    Detached,
+}
+
 impl Engine {
     /// A holder is done: hand the lock on locally, or release it in Redis.
     pub fn release(self: &Arc<Self>, lock: &Arc<RemoteLock>) -> Result<Unlocked> {
@@ -29,43 +38,64 @@ impl Engine {
         match self.table.release(lock, lost, &self.cfg, &subs) {
             Step::HandedOff => Ok(Unlocked::HandedOff),
             Step::Remote { forced, contended } => {
-                // A panic from here on must not leave the key marked as releasing.
-                let undo = OnUnwind::new(|| self.abandon_release(lock));
-                if forced {
-                    Counters::inc(&self.counters.budget_releases);
-                }
-                // No renewal may be sent once this returns (a renewal racing the release
-                // must not outlive it).
-                let lost = lock.begin_release(&self.counters);
-                if let Some(w) = &self.watchdog {
-                    w.unregister(lock);
-                }
-                crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Release);
-                let (route, replies) = self.release_everywhere(lock, route);
-                let passed = replies
-                    .iter()
-                    .any(|r| matches!(r, Ok(ReleaseReply::Passed)));
-                if passed {
-                    Counters::inc(&self.counters.grants_passed);
-                }
-                // With the fair queue the next process already has it: nobody to yield to.
-                let grants = lock.protocol.release_may_grant();
-                if contended && !grants {
-                    // A thread that releases and locks again would otherwise win every time:
-                    // its attempt reaches Redis before the waiters have heard of the release.
-                    let until = from_now(YIELD);
-                    for s in self.subs_for(&route).iter() {
-                        s.ask_to_yield(&lock.keys, until);
-                    }
-                }
-                undo.disarm();
-                // With the fair queue the next process already has the lock (or will get it
-                // at its next attempt): our next contender queues at once, without a pause.
-                self.table
-                    .released(&lock.keys, forced && contended && !grants);
-                tally_release(replies, lost.is_none(), route.quorum())
+                self.release_in_redis(lock, route, Giver::Table { forced }, contended)
             }
         }
+    }
+
+    /// A detached guard is done: release its lock in Redis. The local table no longer
+    /// knows it (see `Table::detach`); the process's waiters, if any, wait in Redis.
+    pub(crate) fn release_detached(self: &Arc<Self>, lock: &Arc<RemoteLock>) -> Result<Unlocked> {
+        let route = self.topology.route(&lock.keys);
+        self.release_in_redis(lock, route, Giver::Detached, false)
+    }
+
+    /// Releases `lock` in Redis for `giver`. `contended`: another thread or process is
+    /// known to want the lock, so this process's next attempt lets it go first.
+    fn release_in_redis(
+        self: &Arc<Self>,
+        lock: &Arc<RemoteLock>,
+        route: Route,
+        giver: Giver,
+        contended: bool,
+    ) -> Result<Unlocked> {
+        // A panic from here on must not leave the key marked as releasing.
+        let undo = OnUnwind::new(|| self.abandon_release(lock, giver == Giver::Detached));
+        if giver == (Giver::Table { forced: true }) {
+            Counters::inc(&self.counters.budget_releases);
+        }
+        // No renewal may be sent once this returns (a renewal racing the release
+        // must not outlive it).
+        let lost = lock.begin_release(&self.counters);
+        if let Some(w) = &self.watchdog {
+            w.unregister(lock);
+        }
+        crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Release);
+        let (route, replies) = self.release_everywhere(lock, route);
+        let passed = replies
+            .iter()
+            .any(|r| matches!(r, Ok(ReleaseReply::Passed)));
+        if passed {
+            Counters::inc(&self.counters.grants_passed);
+        }
+        // With the fair queue the next process already has it: nobody to yield to.
+        let grants = lock.protocol.release_may_grant();
+        if contended && !grants {
+            // A thread that releases and locks again would otherwise win every time:
+            // its attempt reaches Redis before the waiters have heard of the release.
+            let until = from_now(YIELD);
+            for s in self.subs_for(&route).iter() {
+                s.ask_to_yield(&lock.keys, until);
+            }
+        }
+        undo.disarm();
+        if let Giver::Table { forced } = giver {
+            // With the fair queue the next process already has the lock (or will get it
+            // at its next attempt): our next contender queues at once, without a pause.
+            self.table
+                .released(&lock.keys, forced && contended && !grants);
+        }
+        tally_release(replies, lost.is_none(), route.quorum())
     }
 
     /// Compare-and-delete of `lock` on every node of its route (Redlock: not only those

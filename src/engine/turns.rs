@@ -222,6 +222,19 @@ impl Engine {
         Hold::new(remote, sharer, token, path)
     }
 
+    /// The calling thread's write hold of `remote` leaves the local turns (it becomes a
+    /// detached guard, released later with `release_shared`): the thread no longer holds
+    /// the name, and the local threads waiting for it ask Redis instead.
+    pub(crate) fn detach_write(self: &Arc<Self>, remote: &RemoteLock) {
+        let me = std::thread::current().id();
+        let mut st = self.shares.state.lock();
+        st.threads.remove(&(remote.keys.clone(), me));
+        if let Some(turn) = st.turns.get_mut(&remote.keys) {
+            turn.detach();
+        }
+        self.settle(st, &remote.keys, None);
+    }
+
     /// A local reader or writer lets go; the last user of a remote hold that must go
     /// gives it back in Redis.
     pub(crate) fn leave_turn(self: &Arc<Self>, hold: &Hold, mode: Mode) -> Result<Unlocked> {

@@ -262,6 +262,19 @@ impl Turn {
         self.remote.take().map(|(r, _)| r)
     }
 
+    /// The local writer keeps the write hold for itself, out of the turns (a detached
+    /// guard gives it back in Redis later): nobody else is admitted to it, and the next
+    /// local thread that wants the name asks Redis, where it waits like any other process
+    /// until the detached guard lets go.
+    pub fn detach(&mut self) {
+        debug_assert!(self.writing, "only the writer detaches");
+        self.writing = false;
+        self.remote = None;
+        self.draining = false;
+        self.writers_only = false;
+        self.reads_left = None;
+    }
+
     /// The remote hold is given back (or the attempt, the check ended): others may go.
     pub fn released(&mut self) {
         self.busy = false;
@@ -492,6 +505,27 @@ mod tests {
         assert!(t.leave(true).is_none(), "a writer still waits");
         t.writes = MAX_LOCAL_SEQ - 1;
         assert_eq!(t.next(true, BUDGET, false), give_back());
+    }
+
+    #[test]
+    fn a_detached_write_hold_sends_the_waiters_to_redis() {
+        let mut t = waiting(1, 0);
+        t.next(true, BUDGET, false);
+        t.acquired(hold(), Mode::Write, false);
+        assert_eq!(
+            t.next(false, BUDGET, false),
+            Next::Wait,
+            "the writer writes"
+        );
+        t.detach();
+        assert_eq!(
+            t.next(false, BUDGET, false),
+            Next::Contend,
+            "no local turn on the detached hold: the reader asks Redis"
+        );
+        t.waiting_readers = 0;
+        t.released();
+        assert!(t.unused());
     }
 
     #[test]

@@ -348,6 +348,26 @@ impl Table {
         Step::HandedOff
     }
 
+    /// The holder (the calling thread) leaves the table but keeps the lock in Redis (a
+    /// detached guard releases it there later, without the table): nobody is handed the
+    /// lock locally. The next local waiter becomes the process's contender, which waits in
+    /// Redis like any other until the detached holder releases.
+    pub fn detach(&self, keys: &Keys) {
+        let me = std::thread::current().id();
+        let mut map = self.map.lock();
+        let entry = map
+            .get_mut(keys.lock())
+            .expect("a holder's entry lives until it releases");
+        debug_assert_eq!(entry.holder, Some(me), "only the holder detaches");
+        entry.holder = None;
+        if entry.contenders == 0 && !entry.releasing {
+            entry.promote(false);
+        }
+        if entry.idle() {
+            map.remove(keys.lock());
+        }
+    }
+
     /// The release in Redis is done: the next local waiter (if any) contends, first letting
     /// the remote waiters go when `yield_first`.
     pub fn released(&self, keys: &Keys, yield_first: bool) {
@@ -612,6 +632,33 @@ mod tests {
                 Step::HandedOff => assert!(!expect_forced, "alone: keeps the baton"),
             }
         }
+    }
+
+    #[test]
+    fn a_detached_holder_hands_nothing_on_and_the_next_waiter_contends() {
+        let (table, keys, subs, _lock, slot) = held_and_queued();
+        table.detach(&keys);
+        assert!(matches!(
+            slot.take(),
+            Some(Grant::Contend { yield_first: false })
+        ));
+        let map = table.map.lock();
+        let entry = &map[keys.lock()];
+        assert_eq!(entry.holder, None);
+        assert_eq!(entry.contenders, 1);
+        drop(map);
+        // The holder's thread may ask again: it is no longer the holder.
+        assert!(matches!(
+            table.enter(&keys, false, true, &subs),
+            Err(Error::WouldBlock)
+        ));
+    }
+
+    #[test]
+    fn a_detached_holder_alone_leaves_no_entry() {
+        let (table, keys, _subs, _lock) = held();
+        table.detach(&keys);
+        assert!(table.map.lock().is_empty(), "entry removed when idle");
     }
 
     #[test]
