@@ -27,6 +27,10 @@ pub enum Error {
     /// The wait deadline passed before the lock could be taken.
     #[error("timed out waiting for the lock")]
     Timeout,
+    /// The caller cancelled the wait with a [`Cancel`](crate::Cancel) before the lock
+    /// could be taken. Nothing of the wait is left behind (no queue entry, no mark).
+    #[error("wait cancelled")]
+    Cancelled,
     /// The lock was lost while held (see [`LostReason`]).
     #[error("lock lost: {0}")]
     Lost(LostReason),
@@ -155,6 +159,19 @@ impl Error {
     /// ```
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Timeout)
+    }
+
+    /// The wait was cancelled ([`Error::Cancelled`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let e = redbaton::Error::Cancelled;
+    /// assert!(e.is_cancelled());
+    /// assert_eq!(e.to_string(), "wait cancelled");
+    /// ```
+    pub fn is_cancelled(&self) -> bool {
+        matches!(self, Error::Cancelled)
     }
 
     /// The lock was lost while held.

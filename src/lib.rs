@@ -95,6 +95,7 @@ mod wake;
 mod worker;
 
 pub use api::builder::Builder;
+pub use api::cancel::Cancel;
 pub use api::client::LockClient;
 pub use api::detached::{DetachedGuard, DetachedWriteGuard};
 pub use api::guard::LockGuard;

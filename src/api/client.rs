@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::api::cancel::Cancel;
 use crate::api::guard::LockGuard;
 use crate::config::Config;
 use crate::engine::contest::Wait;
@@ -80,7 +81,7 @@ impl LockClient {
     /// # Ok(()) }
     /// ```
     pub fn lock(&self, name: impl AsRef<[u8]>) -> Result<LockGuard> {
-        self.acquire(name.as_ref(), Wait::Until(None))
+        self.acquire(name.as_ref(), Wait::Until(None, None))
     }
 
     /// Takes the lock if it is free right now; [`Error::WouldBlock`] otherwise.
@@ -131,7 +132,7 @@ impl LockClient {
     pub fn try_lock_for(&self, name: impl AsRef<[u8]>, timeout: Duration) -> Result<LockGuard> {
         self.acquire(
             name.as_ref(),
-            Wait::Until(Instant::now().checked_add(timeout)),
+            Wait::Until(Instant::now().checked_add(timeout), None),
         )
     }
 
@@ -155,7 +156,43 @@ impl LockClient {
     /// # Ok(()) }
     /// ```
     pub fn try_lock_until(&self, name: impl AsRef<[u8]>, deadline: Instant) -> Result<LockGuard> {
-        self.acquire(name.as_ref(), Wait::Until(Some(deadline)))
+        self.acquire(name.as_ref(), Wait::Until(Some(deadline), None))
+    }
+
+    /// Waits until the lock is acquired or `cancel` is cancelled, from another thread
+    /// (see [`Cancel`]).
+    ///
+    /// A cancel ends the wait at its next wake-up, which the cancel causes at once, and
+    /// leaves nothing behind: no place in the local or the fair queue, no contention mark.
+    /// When the lock was taken before the wait saw the cancel, the guard is returned. A
+    /// token cancelled before the call makes it return [`Error::Cancelled`] without
+    /// contacting Redis.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cancelled`] when the wait was cancelled; otherwise as [`lock`](Self::lock).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let cancel = redbaton::Cancel::new();
+    /// let stop = cancel.clone();
+    /// std::thread::spawn(move || {
+    ///     std::thread::sleep(Duration::from_secs(30));
+    ///     stop.cancel(); // give up after 30 s, or when the user asks
+    /// });
+    /// match client.lock_cancellable("orders:42", &cancel) {
+    ///     Ok(guard) => drop(guard),
+    ///     Err(e) if e.is_cancelled() => println!("gave up"),
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn lock_cancellable(&self, name: impl AsRef<[u8]>, cancel: &Cancel) -> Result<LockGuard> {
+        self.acquire(name.as_ref(), cancel.wait()?)
     }
 
     /// Runs `f` while holding the lock, and releases it after, also when `f` panics.
@@ -258,7 +295,7 @@ impl LockClient {
         &self.engine
     }
 
-    fn acquire(&self, name: &[u8], wait: Wait) -> Result<LockGuard> {
+    fn acquire(&self, name: &[u8], wait: Wait<'_>) -> Result<LockGuard> {
         let (remote, seq) = self.engine.acquire(name, wait)?;
         Ok(LockGuard::new(self.engine.clone(), remote, seq))
     }

@@ -1,6 +1,7 @@
 //! What applications use: the builder, the client façade and the guards.
 
 pub(crate) mod builder;
+pub(crate) mod cancel;
 pub(crate) mod client;
 pub(crate) mod detached;
 pub(crate) mod guard;

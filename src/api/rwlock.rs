@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
+use crate::api::cancel::Cancel;
 use crate::api::client::LockClient;
 use crate::api::detached::{Detached, DetachedWriteGuard, warn_on_drop};
 use crate::engine::contest::Wait;
@@ -126,7 +127,7 @@ impl RwLock {
     /// # Ok(()) }
     /// ```
     pub fn read(&self) -> Result<ReadGuard> {
-        self.read_with(Wait::Until(None))
+        self.read_with(Wait::Until(None, None))
     }
 
     /// A read hold if one can be had right now.
@@ -169,7 +170,7 @@ impl RwLock {
     /// # Ok(()) }
     /// ```
     pub fn try_read_for(&self, timeout: Duration) -> Result<ReadGuard> {
-        self.read_with(Wait::Until(Instant::now().checked_add(timeout)))
+        self.read_with(Wait::Until(Instant::now().checked_add(timeout), None))
     }
 
     /// Waits until `deadline` at most for a read hold.
@@ -190,7 +191,30 @@ impl RwLock {
     /// # Ok(()) }
     /// ```
     pub fn try_read_until(&self, deadline: Instant) -> Result<ReadGuard> {
-        self.read_with(Wait::Until(Some(deadline)))
+        self.read_with(Wait::Until(Some(deadline), None))
+    }
+
+    /// Waits until a read hold is ours or `cancel` is cancelled (see [`Cancel`] and
+    /// [`LockClient::lock_cancellable`]: a cancelled wait leaves nothing behind; a hold
+    /// taken first is returned).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cancelled`] when the wait was cancelled (at once, without contacting
+    /// Redis, if it was before the call); otherwise as [`read`](Self::read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("catalog");
+    /// let cancel = redbaton::Cancel::new();
+    /// let r = rw.read_cancellable(&cancel)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn read_cancellable(&self, cancel: &Cancel) -> Result<ReadGuard> {
+        self.read_with(cancel.wait()?)
     }
 
     /// Waits until the write hold is ours.
@@ -210,7 +234,7 @@ impl RwLock {
     /// # Ok(()) }
     /// ```
     pub fn write(&self) -> Result<WriteGuard> {
-        self.write_with(Wait::Until(None))
+        self.write_with(Wait::Until(None, None))
     }
 
     /// The write hold if it can be had right now.
@@ -250,7 +274,7 @@ impl RwLock {
     /// # Ok(()) }
     /// ```
     pub fn try_write_for(&self, timeout: Duration) -> Result<WriteGuard> {
-        self.write_with(Wait::Until(Instant::now().checked_add(timeout)))
+        self.write_with(Wait::Until(Instant::now().checked_add(timeout), None))
     }
 
     /// Waits until `deadline` at most for the write hold.
@@ -271,10 +295,40 @@ impl RwLock {
     /// # Ok(()) }
     /// ```
     pub fn try_write_until(&self, deadline: Instant) -> Result<WriteGuard> {
-        self.write_with(Wait::Until(Some(deadline)))
+        self.write_with(Wait::Until(Some(deadline), None))
     }
 
-    fn read_with(&self, wait: Wait) -> Result<ReadGuard> {
+    /// Waits until the write hold is ours or `cancel` is cancelled (see [`Cancel`] and
+    /// [`LockClient::lock_cancellable`]: a cancelled wait leaves nothing behind, its
+    /// waiting-writer mark included; a hold taken first is returned).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cancelled`] when the wait was cancelled (at once, without contacting
+    /// Redis, if it was before the call); otherwise as [`write`](Self::write).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("catalog");
+    /// let reading = rw.read()?;
+    /// let cancel = redbaton::Cancel::new();
+    /// std::thread::scope(|s| {
+    ///     let writer = s.spawn(|| rw.write_cancellable(&cancel).map(drop));
+    ///     std::thread::sleep(Duration::from_millis(50));
+    ///     cancel.cancel();
+    ///     assert!(writer.join().unwrap().unwrap_err().is_cancelled());
+    /// });
+    /// # Ok(()) }
+    /// ```
+    pub fn write_cancellable(&self, cancel: &Cancel) -> Result<WriteGuard> {
+        self.write_with(cancel.wait()?)
+    }
+
+    fn read_with(&self, wait: Wait<'_>) -> Result<ReadGuard> {
         let hold = self.engine.read(&self.name, wait)?;
         Ok(ReadGuard(SharedGuard::new(
             self.engine.clone(),
@@ -283,7 +337,7 @@ impl RwLock {
         )))
     }
 
-    fn write_with(&self, wait: Wait) -> Result<WriteGuard> {
+    fn write_with(&self, wait: Wait<'_>) -> Result<WriteGuard> {
         let hold = self.engine.write(&self.name, wait)?;
         Ok(WriteGuard(SharedGuard::new(
             self.engine.clone(),

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
+use crate::api::cancel::Cancel;
 use crate::api::client::LockClient;
 use crate::api::rwlock::{Kind, SharedGuard, shared_guard_methods};
 use crate::engine::contest::Wait;
@@ -97,7 +98,7 @@ impl Semaphore {
     /// # Ok(()) }
     /// ```
     pub fn acquire(&self) -> Result<Permit> {
-        self.acquire_with(Wait::Until(None))
+        self.acquire_with(Wait::Until(None, None))
     }
 
     /// A permit if one is free right now.
@@ -138,7 +139,7 @@ impl Semaphore {
     /// # Ok(()) }
     /// ```
     pub fn try_acquire_for(&self, timeout: Duration) -> Result<Permit> {
-        self.acquire_with(Wait::Until(Instant::now().checked_add(timeout)))
+        self.acquire_with(Wait::Until(Instant::now().checked_add(timeout), None))
     }
 
     /// Waits until `deadline` at most for a permit.
@@ -159,10 +160,41 @@ impl Semaphore {
     /// # Ok(()) }
     /// ```
     pub fn try_acquire_until(&self, deadline: Instant) -> Result<Permit> {
-        self.acquire_with(Wait::Until(Some(deadline)))
+        self.acquire_with(Wait::Until(Some(deadline), None))
     }
 
-    fn acquire_with(&self, wait: Wait) -> Result<Permit> {
+    /// Waits until a permit is ours or `cancel` is cancelled (see [`Cancel`] and
+    /// [`LockClient::lock_cancellable`]: a cancelled wait leaves nothing behind; a permit
+    /// taken first is returned).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cancelled`](crate::Error::Cancelled) when the wait was cancelled (at once,
+    /// without contacting Redis, if it was before the call); otherwise as
+    /// [`acquire`](Self::acquire).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let sem = client.semaphore("api-quota", 1);
+    /// let only = sem.acquire()?;
+    /// let cancel = redbaton::Cancel::new();
+    /// std::thread::scope(|s| {
+    ///     let waiter = s.spawn(|| sem.acquire_cancellable(&cancel).map(drop));
+    ///     std::thread::sleep(Duration::from_millis(50));
+    ///     cancel.cancel();
+    ///     assert!(waiter.join().unwrap().unwrap_err().is_cancelled());
+    /// });
+    /// # Ok(()) }
+    /// ```
+    pub fn acquire_cancellable(&self, cancel: &Cancel) -> Result<Permit> {
+        self.acquire_with(cancel.wait()?)
+    }
+
+    fn acquire_with(&self, wait: Wait<'_>) -> Result<Permit> {
         let hold = self.engine.permit(&self.name, self.permits, wait)?;
         Ok(Permit(SharedGuard::new(
             self.engine.clone(),

@@ -31,7 +31,11 @@ impl Engine {
     /// Takes the lock `name` for the calling thread as `wait` allows: the remote lock and
     /// the handoff number of this holder (0: taken in Redis, see [`path_of`]). The wait is
     /// recorded (see `stats`).
-    pub fn acquire(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<(Arc<RemoteLock>, u32)> {
+    pub fn acquire(
+        self: &Arc<Self>,
+        name: &[u8],
+        wait: Wait<'_>,
+    ) -> Result<(Arc<RemoteLock>, u32)> {
         let asked = Instant::now();
         let took = self.take(name, wait);
         let path = took.as_ref().map(|(_, seq)| path_of(*seq));
@@ -39,9 +43,9 @@ impl Engine {
         took
     }
 
-    fn take(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<(Arc<RemoteLock>, u32)> {
+    fn take(self: &Arc<Self>, name: &[u8], wait: Wait<'_>) -> Result<(Arc<RemoteLock>, u32)> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
-        let waits = matches!(wait, Wait::Until(_));
+        let waits = matches!(wait, Wait::Until(..));
         // The route is read once here and given to the contest (a queued thread reads it
         // again when its turn comes: the layout may have changed meanwhile).
         let route = self.topology.route(&keys);
@@ -57,9 +61,11 @@ impl Engine {
                 // A panic while queued must not strand the key (see `cleanup`).
                 let undo = OnUnwind::new(|| self.abandon_queued(&keys, &slot));
                 if check_marks {
-                    self.check_marks(&keys, deadline);
+                    self.check_marks(&keys, wait);
                 }
-                let granted = self.table.wait_queued(&keys, &slot, deadline);
+                let granted = self
+                    .table
+                    .wait_queued(&keys, &slot, deadline, wait.cancel());
                 undo.disarm();
                 match granted {
                     Ok(Grant::Baton { remote, seq }) => {
@@ -86,7 +92,7 @@ impl Engine {
         self: &Arc<Self>,
         keys: &Keys,
         route: Route,
-        wait: Wait,
+        wait: Wait<'_>,
         yield_first: bool,
     ) -> Result<Arc<RemoteLock>> {
         // A contender that panics gives up its turn, so that the next local waiter contends.
@@ -114,11 +120,13 @@ impl Engine {
     /// Run by the first local waiter queued behind a holder (it is idle anyway): once the
     /// key's subscription is confirmed, read the mark key, so that a remote waiter whose
     /// live mark came before the subscription is known too. One `GET` per node and episode.
-    fn check_marks(self: &Arc<Self>, keys: &Keys, deadline: Option<Instant>) {
+    /// A cancelled wait stops waiting for the confirmation (and reads nothing).
+    fn check_marks(self: &Arc<Self>, keys: &Keys, wait: Wait<'_>) {
         let soon = crate::clock::from_now(self.cfg.read_timeout);
-        let until = deadline.map_or(soon, |d| d.min(soon));
+        let until = wait.deadline().map_or(soon, |d| d.min(soon));
         let route = self.topology.route(keys);
         let (poke_tx, poke) = crossbeam_channel::bounded(1);
+        let _woken = wait.cancel().map(|c| c.on_cancel_poke(poke_tx.clone()));
         for node in route.nodes() {
             let Some(sub) = self.subs.find(&node.id) else {
                 continue;
@@ -127,6 +135,9 @@ impl Engine {
             let confirmed_at = loop {
                 if let Some(at) = sub.confirmed_at(keys) {
                     break Some(at);
+                }
+                if wait.cancelled() {
+                    return;
                 }
                 if poke.recv_deadline(until).is_err() {
                     break sub.confirmed_at(keys);

@@ -13,6 +13,7 @@ use crate::engine::waiter::{Pending, Waiter};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, RemoteLock};
+use crate::local::mailbox::Cancellation;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{NodeId, may_have_run};
@@ -23,26 +24,41 @@ use crate::topology::ride::Ride;
 use crate::topology::verdict::{Undo, Vote, lease_left, vote};
 use crate::wake::early::Shot;
 
-/// The caller's wait policy.
+/// The caller's wait policy: no wait, or a wait until the deadline (`None`: without one)
+/// or until the caller cancels it, whichever comes first. A cancelled wait ends as one
+/// whose deadline passed, with [`Error::Cancelled`] instead of [`Error::Timeout`].
 #[derive(Clone, Copy)]
-pub(crate) enum Wait {
+pub(crate) enum Wait<'a> {
     No,
-    Until(Option<Instant>),
+    Until(Option<Instant>, Option<&'a Arc<Cancellation>>),
 }
 
-impl Wait {
+impl<'a> Wait<'a> {
     pub fn deadline(self) -> Option<Instant> {
         match self {
             Wait::No => None,
-            Wait::Until(d) => d,
+            Wait::Until(d, _) => d,
         }
+    }
+
+    /// The caller's cancellation, for a wait that has one.
+    pub fn cancel(self) -> Option<&'a Arc<Cancellation>> {
+        match self {
+            Wait::No => None,
+            Wait::Until(_, c) => c,
+        }
+    }
+
+    /// Whether the caller cancelled the wait.
+    pub fn cancelled(self) -> bool {
+        self.cancel().is_some_and(|c| c.is_cancelled())
     }
 
     /// Whether the caller would wait now if the hold is taken.
     fn waits_now(self) -> bool {
         match self {
             Wait::No => false,
-            Wait::Until(d) => d.is_none_or(|d| Instant::now() < d),
+            Wait::Until(d, _) => !self.cancelled() && d.is_none_or(|d| Instant::now() < d),
         }
     }
 }
@@ -84,7 +100,7 @@ impl Engine {
         keys: &Keys,
         route: Route,
         kind: Kind,
-        wait: Wait,
+        wait: Wait<'_>,
         yield_first: bool,
     ) -> Result<Won> {
         let protocol = route.protocol(kind)?;
@@ -103,6 +119,9 @@ impl Engine {
             }
         });
         let mut waiter = Waiter::hearing(protocol.hears());
+        if let Some(cancel) = wait.cancel() {
+            waiter.cancel_with(cancel);
+        }
         if let Some(t) = token.filter(|_| protocol.awaits_grant()) {
             waiter.await_grant(t);
         }
@@ -127,7 +146,7 @@ struct Contest<'a> {
     keys: &'a Keys,
     route: Route,
     protocol: Protocol,
-    wait: Wait,
+    wait: Wait<'a>,
     waiter: Waiter,
     /// The token of every attempt, when the protocol keeps one for the whole wait.
     token: Option<&'a str>,
@@ -164,6 +183,9 @@ impl Contest<'_> {
         // The last attempt won a lease that had run out by the reply: `try_lock` then
         // says the time ran out, not that someone else holds the lock.
         let mut late = false;
+        // A grant heard when the wait was cancelled (or timed out): the next attempt
+        // confirms it.
+        let mut confirm = false;
         let wanted = engine.cfg.replica_ack.map_or(0, |(n, _)| n);
         let short = |acked: Option<usize>, otherwise: Error| match acked {
             Some(acked) => Error::ReplicaAck { acked, wanted },
@@ -176,7 +198,8 @@ impl Contest<'_> {
             // round trip. The message alone proves neither: it may have come after the
             // grant's short lease ran out (a slow network, a stopped process), or be an
             // older grant than the one the key holds now.
-            if self.waiter.take_grant() {
+            let granted = std::mem::take(&mut confirm) || self.waiter.take_grant();
+            if granted {
                 Counters::inc(&engine.counters.grants_received);
             }
             // An attempt that will wait if it fails marks contention for the holder. The
@@ -189,11 +212,17 @@ impl Contest<'_> {
                     (Some(vec![shot.at]), marks, self.finish_early(shot, pending))
                 }
                 None => {
+                    // Cancelled while asleep: no new attempt (one the subscriber sent for
+                    // us is read above, and a grant heard is confirmed: the hold wins).
+                    if wait.cancelled() && !granted {
+                        self.leave();
+                        return Err(Error::Cancelled);
+                    }
                     // The first attempt goes where the caller's route, read just now, says.
                     if !std::mem::take(&mut self.fresh) {
                         self.follow();
                     }
-                    if matches!(wait, Wait::Until(_)) {
+                    if matches!(wait, Wait::Until(..)) {
                         self.waiter
                             .watch_if_subscribed(keys, engine, &self.route, wait.deadline());
                     }
@@ -235,7 +264,10 @@ impl Contest<'_> {
                     self.marked |= marks.leave && may_have_run(&error);
                     // A wait rides through a failover (`try_lock` does not wait); the next
                     // attempt reads the route again, and watches there if it moved.
-                    if matches!(wait, Wait::Until(_)) && ride.again(&error, wait.deadline()) {
+                    if matches!(wait, Wait::Until(..))
+                        && !wait.cancelled()
+                        && ride.again(&error, wait.deadline())
+                    {
                         carried = Some(tried);
                         continue;
                     }
@@ -245,8 +277,11 @@ impl Contest<'_> {
                     let reused = self.marked;
                     self.undo(tried, undo, reused);
                     self.leave();
-                    // The caller's deadline passed while its master was being replaced:
-                    // that is a timeout, like a hold kept until then.
+                    // The caller's deadline passed (or it cancelled) while its master was
+                    // being replaced: that is a timeout, like a hold kept until then.
+                    if ride.retried() && wait.cancelled() {
+                        return Err(Error::Cancelled);
+                    }
                     if ride.retried() && wait.deadline().is_some_and(|d| Instant::now() >= d) {
                         log::debug!("deadline passed during a failover: {error:?}");
                         return Err(Error::Timeout);
@@ -261,15 +296,19 @@ impl Contest<'_> {
             let deadline = match wait {
                 Wait::No if late => return Err(Error::Timeout),
                 Wait::No => return Err(short(unacked, Error::WouldBlock)),
-                Wait::Until(d) => d,
+                Wait::Until(d, _) => d,
             };
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            let cancelled = wait.cancelled();
+            if cancelled || deadline.is_some_and(|d| Instant::now() >= d) {
                 // A grant heard at the deadline: one more attempt confirms (and takes) it.
                 if self.waiter.take_grant() {
-                    Counters::inc(&engine.counters.grants_received);
+                    confirm = true;
                     continue;
                 }
                 self.leave();
+                if cancelled {
+                    return Err(Error::Cancelled);
+                }
                 return Err(short(unacked, Error::Timeout));
             }
             crate::fault::hit(&engine.cfg.key_prefix, crate::fault::Point::Contend);

@@ -58,11 +58,16 @@ impl Engine {
     }
 
     /// Takes one permit of the semaphore `name` of `permits` permits.
-    pub(crate) fn permit(self: &Arc<Self>, name: &[u8], permits: u32, wait: Wait) -> Result<Hold> {
+    pub(crate) fn permit(
+        self: &Arc<Self>,
+        name: &[u8],
+        permits: u32,
+        wait: Wait<'_>,
+    ) -> Result<Hold> {
         self.timed(HoldKind::Permit, || self.take_permit(name, permits, wait))
     }
 
-    fn take_permit(self: &Arc<Self>, name: &[u8], permits: u32, wait: Wait) -> Result<Hold> {
+    fn take_permit(self: &Arc<Self>, name: &[u8], permits: u32, wait: Wait<'_>) -> Result<Hold> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         if permits == 0 {
             return Err(Error::InvalidConfig(
@@ -72,11 +77,11 @@ impl Engine {
         // One local thread at a time waits for a permit in Redis (the others wait for it to
         // get one): a freed permit wakes one attempt per process, not one per thread. While
         // it waits, no permit is free, so the others lose nothing by waiting here.
-        let queued = self.cfg.local_handoff && matches!(wait, Wait::Until(_));
+        let queued = self.cfg.local_handoff && matches!(wait, Wait::Until(..));
         if queued {
             let mut st = self.shares.state.lock();
             while st.permit_contenders.contains(&keys) {
-                self.await_change(&mut st, wait.deadline())?;
+                self.await_change(&mut st, wait)?;
             }
             st.permit_contenders.insert(keys.clone());
         }
@@ -109,7 +114,7 @@ impl Engine {
         self: &Arc<Self>,
         keys: &Keys,
         kind: Kind,
-        wait: Wait,
+        wait: Wait<'_>,
     ) -> Result<(Arc<RemoteLock>, bool)> {
         let route = self.topology.route(keys);
         let won = self.contest(keys, route, kind, wait, false);

@@ -24,16 +24,16 @@ static NEXT_SHARER: AtomicU64 = AtomicU64::new(1);
 impl Engine {
     /// Takes a read hold of `name`: the process's remote hold when the turn rules admit
     /// this thread, else one asked of Redis for the process.
-    pub(crate) fn read(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
+    pub(crate) fn read(self: &Arc<Self>, name: &[u8], wait: Wait<'_>) -> Result<Hold> {
         self.timed(HoldKind::Read, || self.take_turn(name, Mode::Read, wait))
     }
 
     /// Takes the write hold of `name` (or a turn on this process's write hold).
-    pub(crate) fn write(self: &Arc<Self>, name: &[u8], wait: Wait) -> Result<Hold> {
+    pub(crate) fn write(self: &Arc<Self>, name: &[u8], wait: Wait<'_>) -> Result<Hold> {
         self.timed(HoldKind::Write, || self.take_turn(name, Mode::Write, wait))
     }
 
-    fn take_turn(self: &Arc<Self>, name: &[u8], mode: Mode, wait: Wait) -> Result<Hold> {
+    fn take_turn(self: &Arc<Self>, name: &[u8], mode: Mode, wait: Wait<'_>) -> Result<Hold> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         let me = std::thread::current().id();
         let mut st = self.shares.state.lock();
@@ -93,7 +93,7 @@ impl Engine {
         st: &mut MutexGuard<'_, SharesState>,
         keys: &Keys,
         mode: Mode,
-        wait: Wait,
+        wait: Wait<'_>,
     ) -> Result<(Arc<RemoteLock>, u64, Path)> {
         let write = mode == Mode::Write;
         let budget = Budget {
@@ -144,20 +144,35 @@ impl Engine {
                 }
                 Next::Wait => match wait {
                     Wait::No => return Err(Error::WouldBlock),
-                    Wait::Until(deadline) => self.await_change(st, deadline)?,
+                    Wait::Until(..) => self.await_change(st, wait)?,
                 },
             }
         }
     }
 
     /// Sleeps until the local turns change (or a spurious wake); [`Error::Timeout`] once
-    /// `deadline` has passed.
+    /// the wait's deadline has passed, [`Error::Cancelled`] once it is cancelled (checked
+    /// before sleeping, under the state's mutex, which the canceller's waker takes before
+    /// it notifies: a cancel is either seen here or wakes the sleep).
     pub(crate) fn await_change(
-        &self,
+        self: &Arc<Self>,
         st: &mut MutexGuard<'_, SharesState>,
-        deadline: Option<Instant>,
+        wait: Wait<'_>,
     ) -> Result<()> {
-        match deadline {
+        let _woken = wait.cancel().map(|c| {
+            // Weak: a pending waker does not keep the client alive.
+            let engine = Arc::downgrade(self);
+            c.on_cancel(move || {
+                if let Some(engine) = engine.upgrade() {
+                    let _state = engine.shares.state.lock();
+                    engine.shares.changed.notify_all();
+                }
+            })
+        });
+        if wait.cancelled() {
+            return Err(Error::Cancelled);
+        }
+        match wait.deadline() {
             None => self.shares.changed.wait(st),
             Some(d) => {
                 if self.shares.changed.wait_until(st, d).timed_out() && Instant::now() >= d {

@@ -2,13 +2,16 @@
 
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
+use std::sync::Arc;
+
+use crossbeam_channel::{Receiver, Sender};
 use redis::Cmd;
 
 use crate::clock::from_now;
 use crate::config::Wakeup;
 use crate::engine::clock::{YIELD, earliest};
 use crate::engine::state::Engine;
+use crate::local::mailbox::{Cancellation, Registration};
 use crate::proto::keys::Keys;
 use crate::proto::protocol::{Marks, Protocol, Request};
 use crate::stats::Counters;
@@ -28,12 +31,19 @@ pub(crate) enum Woken {
     Moved,
     /// Fair queue: a release granted us the lock.
     Granted,
+    /// The caller cancelled the wait.
+    Cancelled,
 }
 
 /// A contender's subscriptions (one per node) and the channel that pokes it. Both are made
 /// only when the contender has to wait: an uncontended lock allocates neither.
 pub(crate) struct Waiter {
     poke: Receiver<()>,
+    /// The sending side of `poke`, kept once made, so that the subscriptions of every watch
+    /// and the caller's cancellation poke one channel.
+    poke_tx: Option<Sender<()>>,
+    /// A cancellable wait: its waker (which pokes), registered for the whole contest.
+    cancel: Option<Registration>,
     watches: Vec<Watch>,
     /// Degraded-mode backoff, used only while subscriptions cannot be confirmed.
     backoff: Duration,
@@ -60,6 +70,8 @@ impl Waiter {
     pub fn new() -> Self {
         Waiter {
             poke: crossbeam_channel::never(),
+            poke_tx: None,
+            cancel: None,
             watches: Vec::new(),
             backoff: Duration::from_millis(10),
             pending: None,
@@ -76,6 +88,29 @@ impl Waiter {
             hears,
             ..Waiter::new()
         }
+    }
+
+    /// Makes every sleep of this waiter end when `cancel` is set (a cancellable wait: its
+    /// channel is made now, not when it first watches).
+    pub fn cancel_with(&mut self, cancel: &Arc<Cancellation>) {
+        let poke = self.poke_sender();
+        self.cancel = Some(cancel.on_cancel_poke(poke));
+    }
+
+    /// Whether the caller cancelled the wait.
+    pub fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(Registration::cancelled)
+    }
+
+    /// The sender of the channel that pokes this waiter, made the first time.
+    fn poke_sender(&mut self) -> Sender<()> {
+        if let Some(tx) = &self.poke_tx {
+            return tx.clone();
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.poke = rx;
+        self.poke_tx = Some(tx.clone());
+        tx
     }
 
     /// Before sleeping: leaves the next attempt (with a fresh token) for the subscriber to
@@ -134,8 +169,7 @@ impl Waiter {
         route: &Route,
         deadline: Option<Instant>,
     ) {
-        let (poke_tx, poke) = crossbeam_channel::bounded(1);
-        self.poke = poke;
+        let poke_tx = self.poke_sender();
         let subs = client.subs_for(route);
         self.watches = subs
             .iter()
@@ -207,6 +241,9 @@ impl Waiter {
             return false;
         }
         loop {
+            if self.cancelled() {
+                return false;
+            }
             let confirmed = self
                 .watches
                 .iter()
@@ -262,7 +299,8 @@ impl Waiter {
         let woken = match client.cfg.wakeup {
             Wakeup::Polling(every) => {
                 let until = earliest(from_now(every), deadline);
-                std::thread::sleep(until.saturating_duration_since(Instant::now()));
+                // Only a cancellation pokes a polling waiter (it watches nothing).
+                let _ = self.poke.recv_deadline(until);
                 Counters::inc(&c.wakeups_poll);
                 return;
             }
@@ -287,7 +325,7 @@ impl Waiter {
             Woken::Reconnected => Counters::inc(&c.wakeups_reconnect),
             Woken::Moved => Counters::inc(&c.wakeups_moved),
             Woken::Granted => Counters::inc(&c.wakeups_event),
-            Woken::Deadline => {}
+            Woken::Deadline | Woken::Cancelled => {}
         }
     }
 
@@ -311,6 +349,9 @@ impl Waiter {
         loop {
             if self.grant_token.is_some() && self.watches.iter().any(Watch::has_grant) {
                 return Woken::Granted;
+            }
+            if self.cancelled() {
+                return Woken::Cancelled;
             }
             for (w, b) in self.watches.iter().zip(before) {
                 let s = w.snapshot();
@@ -405,7 +446,7 @@ impl Waiter {
                 .iter()
                 .zip(&before)
                 .any(|(w, b)| w.snapshot().taken != *b);
-            if taken || self.poke.recv_deadline(until).is_err() {
+            if taken || self.cancelled() || self.poke.recv_deadline(until).is_err() {
                 return;
             }
         }

@@ -15,12 +15,18 @@
 //! machine's cores across the process, and only while the process is busy with no more
 //! keys than that: spinning for every key of a busy process takes the cores its holders
 //! need (see `docs/benchmarks.md`).
+//!
+//! A wait may also end because its caller cancelled it ([`Cancellation`]): the flag that
+//! every kind of wait checks where it checks its deadline, and the wakers of the waits
+//! sleeping on it right now. It lives here, beside the mailbox, because the local queue is
+//! the lowest layer that waits.
 
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 
 use std::sync::Arc;
@@ -128,9 +134,17 @@ impl Slot {
         self.inbox.lock().grant.take()
     }
 
-    /// Waits for the grant until `deadline`; `None` when it passed first (the caller then
+    /// Wakes the waiter to look at its cancellation flag (under the inbox's mutex, so that
+    /// a waiter about to sleep has either seen the flag or is asleep and hears this).
+    pub fn poke(&self) {
+        let _inbox = self.inbox.lock();
+        self.changed.notify_all();
+    }
+
+    /// Waits for the grant until `deadline`, or until `cancel` is set (its waker must
+    /// [`poke`](Self::poke) this slot); `None` when either came first (the caller then
     /// leaves the queue under the table's lock, where a late grant is still found).
-    pub fn wait(&self, deadline: Option<Instant>) -> Option<Grant> {
+    pub fn wait(&self, deadline: Option<Instant>, cancel: Option<&Cancellation>) -> Option<Grant> {
         let mut inbox = self.inbox.lock();
         loop {
             if let Some(g) = inbox.grant.take() {
@@ -138,7 +152,8 @@ impl Slot {
                 return Some(g);
             }
             let now = Instant::now();
-            if deadline.is_some_and(|d| now >= d) {
+            if deadline.is_some_and(|d| now >= d) || cancel.is_some_and(Cancellation::is_cancelled)
+            {
                 inbox.expected = None;
                 return None;
             }
@@ -179,6 +194,99 @@ impl Slot {
     }
 }
 
+/// What a waiter runs to end its sleep early when the wait is cancelled.
+type Waker = Box<dyn Fn() + Send + Sync>;
+
+/// A cancellation flag shared by the clones of a public `Cancel`, and the wakers of the
+/// waits sleeping on it. Each wait registers one waker while it waits and removes it when
+/// it ends ([`Registration`]), so the list holds at most one waker per wait in progress.
+#[derive(Default)]
+pub(crate) struct Cancellation {
+    cancelled: AtomicBool,
+    wakers: Mutex<Wakers>,
+}
+
+#[derive(Default)]
+struct Wakers {
+    next: u64,
+    list: Vec<(u64, Waker)>,
+}
+
+impl Cancellation {
+    /// Sets the flag and wakes every wait registered now. Only the first call wakes.
+    ///
+    /// The flag is set before the list is taken, and a wait checks the flag after it
+    /// registers: a wait registered too late to be woken sees the flag instead. The
+    /// wakers run outside the list's mutex, so a waker may take the waiter's own mutex
+    /// (to notify a condition variable without a lost wake-up) while that waiter, holding
+    /// it, registers or deregisters.
+    pub fn cancel(&self) {
+        if self.cancelled.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let woken = std::mem::take(&mut self.wakers.lock().list);
+        for (_, wake) in woken {
+            wake();
+        }
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// Runs `wake` when the wait is cancelled, until the registration is dropped. It is
+    /// not run if the flag is already set: the caller checks [`is_cancelled`] after
+    /// registering (under its own mutex, for a condition variable).
+    ///
+    /// [`is_cancelled`]: Self::is_cancelled
+    pub fn on_cancel(self: &Arc<Self>, wake: impl Fn() + Send + Sync + 'static) -> Registration {
+        let mut wakers = self.wakers.lock();
+        let id = wakers.next;
+        wakers.next += 1;
+        wakers.list.push((id, Box::new(wake)));
+        Registration {
+            owner: self.clone(),
+            id,
+        }
+    }
+
+    /// As [`on_cancel`](Self::on_cancel), for a waiter that sleeps on a channel: the
+    /// waker sends on `poke` (when it is full, a poke is pending and wakes the waiter).
+    pub fn on_cancel_poke(self: &Arc<Self>, poke: Sender<()>) -> Registration {
+        self.on_cancel(move || {
+            let _ = poke.try_send(());
+        })
+    }
+
+    /// How many waits are registered now.
+    pub fn waiting(&self) -> usize {
+        self.wakers.lock().list.len()
+    }
+}
+
+/// A waker registered with a [`Cancellation`]; removed when dropped.
+pub(crate) struct Registration {
+    owner: Arc<Cancellation>,
+    id: u64,
+}
+
+impl Registration {
+    /// Whether the wait it belongs to was cancelled.
+    pub fn cancelled(&self) -> bool {
+        self.owner.is_cancelled()
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.owner
+            .wakers
+            .lock()
+            .list
+            .retain(|(id, _)| *id != self.id);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,14 +318,17 @@ mod tests {
     fn smoke() {
         let s = slot();
         s.give(contend());
-        assert!(matches!(s.wait(None), Some(Grant::Contend { .. })));
+        assert!(matches!(s.wait(None, None), Some(Grant::Contend { .. })));
     }
 
     #[test]
     fn deadline_without_grant() {
         let s = slot();
         let start = Instant::now();
-        assert!(s.wait(Some(start + Duration::from_millis(30))).is_none());
+        assert!(
+            s.wait(Some(start + Duration::from_millis(30)), None)
+                .is_none()
+        );
         assert!(start.elapsed() >= Duration::from_millis(30));
     }
 
@@ -226,7 +337,7 @@ mod tests {
         let s = slot();
         s.expect_release(Instant::now() + Duration::from_millis(5), permit());
         let t = give_after(&s, Duration::from_millis(5));
-        assert!(s.wait(None).is_some());
+        assert!(s.wait(None, None).is_some());
         t.join().unwrap();
     }
 
@@ -237,10 +348,46 @@ mod tests {
         s.expect_release(Instant::now(), permit());
         let t = give_after(&s, Duration::from_millis(50));
         assert!(
-            s.wait(Some(Instant::now() + Duration::from_secs(10)))
+            s.wait(Some(Instant::now() + Duration::from_secs(10)), None)
                 .is_some()
         );
         t.join().unwrap();
+    }
+
+    #[test]
+    fn a_cancel_wakes_a_waiting_slot_once_and_forgets_its_wakers() {
+        let s = slot();
+        let cancel = Arc::new(Cancellation::default());
+        let woken = Arc::new(AtomicUsize::new(0));
+        let registered = {
+            let (s, woken) = (s.clone(), woken.clone());
+            cancel.on_cancel(move || {
+                woken.fetch_add(1, Ordering::SeqCst);
+                s.poke();
+            })
+        };
+        let dropped = cancel.on_cancel(|| panic!("deregistered: never run"));
+        drop(dropped);
+        assert_eq!(cancel.waiting(), 1);
+        let t = {
+            let cancel = cancel.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                cancel.cancel();
+                cancel.cancel();
+            })
+        };
+        assert!(
+            s.wait(None, Some(&cancel)).is_none(),
+            "cancelled, not granted"
+        );
+        t.join().unwrap();
+        assert_eq!(woken.load(Ordering::SeqCst), 1);
+        assert_eq!(cancel.waiting(), 0);
+        drop(registered);
+        // A grant that came first wins over a cancel.
+        s.give(contend());
+        assert!(s.wait(None, Some(&cancel)).is_some());
     }
 
     #[test]
@@ -248,7 +395,10 @@ mod tests {
         let s = slot();
         let start = Instant::now();
         s.expect_release(start + Duration::from_millis(1), permit());
-        assert!(s.wait(Some(start + Duration::from_millis(1))).is_none());
+        assert!(
+            s.wait(Some(start + Duration::from_millis(1)), None)
+                .is_none()
+        );
         // A late grant is still there for the caller's leave-the-queue check.
         s.give(contend());
         assert!(s.take().is_some());

@@ -18,7 +18,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::fencing::MAX_LOCAL_SEQ;
 use crate::local::held::RemoteLock;
-use crate::local::mailbox::{Grant, Permit, SPIN_MAX_HOLD, Slot};
+use crate::local::mailbox::{Cancellation, Grant, Permit, SPIN_MAX_HOLD, Slot};
 use crate::local::spin_choice::SpinChoice;
 use crate::proto::keys::Keys;
 use crate::proto::node::NodeId;
@@ -216,28 +216,39 @@ impl Table {
         Ok(Role::Queued { slot, check_marks })
     }
 
-    /// Waits in the local queue for the baton or the duty to contend, until `deadline`.
+    /// Waits in the local queue for the baton or the duty to contend, until `deadline` or
+    /// until `cancel` is set ([`Error::Cancelled`]; a grant that came first is taken).
     pub fn wait_queued(
         &self,
         keys: &Keys,
-        slot: &Slot,
+        slot: &Arc<Slot>,
         deadline: Option<Instant>,
+        cancel: Option<&Arc<Cancellation>>,
     ) -> Result<Grant> {
-        if let Some(g) = slot.wait(deadline) {
+        let _woken = cancel.map(|c| {
+            let slot = slot.clone();
+            c.on_cancel(move || slot.poke())
+        });
+        if let Some(g) = slot.wait(deadline, cancel.map(|c| &**c)) {
             return Ok(g);
         }
-        // Deadline passed: leave the queue under the table lock, unless a grant won the race.
+        // Deadline passed (or the wait was cancelled): leave the queue under the table
+        // lock, unless a grant won the race.
         let mut map = self.map.lock();
         if let Some(g) = slot.take() {
             return Ok(g);
         }
         if let Some(entry) = map.get_mut(keys.lock()) {
-            entry.queue.retain(|s| !std::ptr::eq(&**s, slot));
+            entry.queue.retain(|s| !Arc::ptr_eq(s, slot));
             if entry.idle() {
                 map.remove(keys.lock());
             }
         }
-        Err(Error::Timeout)
+        if cancel.is_some_and(|c| c.is_cancelled()) {
+            Err(Error::Cancelled)
+        } else {
+            Err(Error::Timeout)
+        }
     }
 
     /// Records a mark check on node `node`: the mark key was read after the subscription
@@ -581,7 +592,7 @@ mod tests {
         let (table, keys, subs, lock, slot) = held_and_queued();
         let past = Some(Instant::now() - Duration::from_millis(1));
         assert!(matches!(
-            table.wait_queued(&keys, &slot, past),
+            table.wait_queued(&keys, &slot, past, None),
             Err(Error::Timeout)
         ));
         // Nobody to hand it to: the release goes to Redis.
@@ -601,7 +612,7 @@ mod tests {
         // The deadline has passed too, but the grant came first: the waiter holds it.
         let past = Some(Instant::now() - Duration::from_millis(1));
         assert!(matches!(
-            table.wait_queued(&keys, &slot, past),
+            table.wait_queued(&keys, &slot, past, None),
             Ok(Grant::Baton { seq: 1, .. })
         ));
     }
