@@ -21,6 +21,13 @@ fn client(url: &str) -> LockClient {
     lock_client!(node(url), lease(secs(30)))
 }
 
+/// A server and two clients of it.
+fn two_clients() -> (RedisServer, LockClient, LockClient) {
+    let srv = test_server();
+    let (a, b) = (client(&srv.url()), client(&srv.url()));
+    (srv, a, b)
+}
+
 fn info(c: &LockClient, name: &str) -> LockInfo {
     c.inspect(name).expect("inspect")
 }
@@ -132,8 +139,7 @@ fn the_token_is_clone_send_sync_and_clones_share_the_flag() {
 
 #[test]
 fn a_remote_wait_is_cancelled_and_leaves_no_queue_entry() {
-    let srv = test_server();
-    let (holder, waiter) = (client(&srv.url()), client(&srv.url()));
+    let (srv, holder, waiter) = two_clients();
     let held = holder.lock("k").expect("lock");
     let before = keys_left(&srv);
     let cancel = Cancel::new();
@@ -150,8 +156,7 @@ fn a_remote_wait_is_cancelled_and_leaves_no_queue_entry() {
 
 #[test]
 fn a_wait_behind_a_local_holder_is_cancelled_and_leaves_the_local_queue() {
-    let srv = test_server();
-    let (c, other) = (client(&srv.url()), client(&srv.url()));
+    let (srv, c, other) = two_clients();
     let held = c.lock("k").expect("lock");
     let before = keys_left(&srv);
     let cancel = Cancel::new();
@@ -166,8 +171,7 @@ fn a_wait_behind_a_local_holder_is_cancelled_and_leaves_the_local_queue() {
 
 #[test]
 fn a_remote_read_wait_is_cancelled() {
-    let srv = test_server();
-    let (writer, reader) = (client(&srv.url()), client(&srv.url()));
+    let (srv, writer, reader) = two_clients();
     let w = writer.rwlock("rw").write().expect("write");
     let before = keys_left(&srv);
     let cancel = Cancel::new();
@@ -238,8 +242,7 @@ fn local_read_and_write_turn_waits_are_cancelled() {
 
 #[test]
 fn permit_waits_are_cancelled_in_redis_and_behind_the_local_contender() {
-    let srv = test_server();
-    let (holder, c) = (client(&srv.url()), client(&srv.url()));
+    let (srv, holder, c) = two_clients();
     let only = holder.semaphore("sem", 1).acquire().expect("permit");
     let before = keys_left(&srv);
     let sem = c.semaphore("sem", 1);
@@ -269,8 +272,7 @@ fn permit_waits_are_cancelled_in_redis_and_behind_the_local_contender() {
 
 #[test]
 fn a_cancel_before_the_call_returns_at_once_without_a_command() {
-    let srv = test_server();
-    let (holder, c) = (client(&srv.url()), client(&srv.url()));
+    let (_srv, holder, c) = two_clients();
     let _held = holder.lock("k").expect("lock");
     let cancel = Cancel::new();
     cancel.cancel();
@@ -286,8 +288,7 @@ fn a_cancel_before_the_call_returns_at_once_without_a_command() {
 
 #[test]
 fn cancelling_twice_is_harmless() {
-    let srv = test_server();
-    let (holder, c) = (client(&srv.url()), client(&srv.url()));
+    let (_srv, holder, c) = two_clients();
     let held = holder.lock("k").expect("lock");
     let cancel = Cancel::new();
     let (r, _) = cancel_remote_lock_wait(&holder, &c, "k", &cancel);
@@ -305,8 +306,7 @@ fn cancelling_twice_is_harmless() {
 /// the lock: it is never taken for a waiter that has gone.
 #[test]
 fn a_cancel_racing_an_acquisition_never_loses_the_lock() {
-    let srv = test_server();
-    let (holder, c) = (client(&srv.url()), client(&srv.url()));
+    let (_srv, holder, c) = two_clients();
     let (mut won, mut cancelled) = (0, 0);
     for i in 0..100u32 {
         let held = holder.lock("race").expect("lock");
@@ -364,8 +364,7 @@ fn a_cancel_racing_an_acquisition_never_loses_the_lock() {
 /// (p50, p99). Not asserted: the machine may be busy.
 #[test]
 fn cancel_latency() {
-    let srv = test_server();
-    let (holder, c) = (client(&srv.url()), client(&srv.url()));
+    let (srv, holder, c) = two_clients();
     let _held = holder.lock("lat").expect("lock");
     let before = keys_left(&srv);
     let mut took = Vec::new();
@@ -389,8 +388,7 @@ fn cancel_latency() {
 
 #[test]
 fn a_registered_wait_leaves_the_token_when_it_ends() {
-    let srv = test_server();
-    let (holder, c) = (client(&srv.url()), client(&srv.url()));
+    let (_srv, holder, c) = two_clients();
     let cancel = Cancel::new();
     // Waits that end by acquiring, many times over: the token keeps no waker of theirs.
     let held = holder.lock("k").expect("lock");

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use redbaton::{Builder, Error, LockClient, LockGuard, LostReason, ReadGuard, Unlocked};
 use redbaton_testkit::keys::{Keys, fence_of, handoff_of};
+use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::join_within;
 use redbaton_testkit::{exists, lock_builder, ms, pttl, test_server};
 
@@ -23,6 +24,14 @@ fn builder(url: &str) -> Builder {
 
 fn client(url: &str) -> LockClient {
     builder(url).build().expect("client")
+}
+
+/// A server, a client of it, and that client's guard of `name`.
+fn locked(name: &str) -> (RedisServer, LockClient, LockGuard) {
+    let srv = test_server();
+    let c = client(&srv.url());
+    let guard = c.lock(name).expect("lock");
+    (srv, c, guard)
 }
 
 /// Runs `f` on another thread and returns what it returned (the guard moves there).
@@ -90,9 +99,7 @@ impl Waiter {
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = client(&srv.url());
-    let guard = c.lock("smoke").expect("lock");
+    let (srv, c, guard) = locked("smoke");
     let token = guard.fencing_token();
     let detached = guard.detach();
     assert_eq!(detached.name(), b"smoke");
@@ -124,9 +131,7 @@ fn unlocked_from_another_thread() {
 /// gets it in Redis once the detached guard is released, with a higher fencing token.
 #[test]
 fn a_local_waiter_waits_for_the_detached_release() {
-    let srv = test_server();
-    let c = client(&srv.url());
-    let guard = c.lock("waited").expect("lock");
+    let (_srv, c, guard) = locked("waited");
     let token = guard.fencing_token();
     let waiter = {
         let c = c.clone();
