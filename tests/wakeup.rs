@@ -471,9 +471,12 @@ fn child_idle_waiters() {
     child_only!();
     let n: usize = child::env("THREADS").parse().unwrap();
     let (c, waiters) = idle_waiters(&child::env("URL"), &child::env("NAME"), n);
+    // Each waiter fails at least once: the first of a key subscribes and tries again, the
+    // others may find the key's subscription confirmed and wait at once.
     wait_for(secs(20), "the child's waiters to block", || {
-        c.stats().failed_attempts >= 2 * n as u64
+        c.stats().failed_attempts >= n as u64
     });
+    thread::sleep(ms(200));
     child::print_result(&[("blocked", "1".into())]);
     collect(&waiters, secs(60), "child waiter");
     child::print_counters(&c.stats(), &[]);
@@ -498,7 +501,7 @@ fn idle_waiters_send_no_commands() {
     child::wait_for_line(&mut other, "blocked=1", secs(30));
     let (c, waiters) = idle_waiters(&srv.url(), name, 10);
     wait_for(secs(20), "the parent's waiters to block", || {
-        c.stats().failed_attempts >= 20
+        c.stats().failed_attempts >= 10
     });
     // Settle, then watch for 2.5 s: the key is held for about 3 s of idle waiting, and the
     // window ends well before the re-check ceiling (5 s) of any waiter.
@@ -572,8 +575,10 @@ fn pubsub_kill(name: &str, wait_for_resubscribe: bool) {
         let w: Vec<_> = (0..8).map(|_| spawn_waiter(&c, name, ms(5))).collect();
         (c, w)
     };
+    // Each waiter fails at least once: the first of a key subscribes and tries again, the
+    // others may find the key's subscription confirmed and wait at once.
     wait_for(secs(20), "8 waiters to block", || {
-        c.stats().failed_attempts >= 16
+        c.stats().failed_attempts >= 8
     });
     thread::sleep(ms(200));
     let killed = kill_pubsub(&srv);
