@@ -48,6 +48,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut conn = redis::Client::open(url.as_str())?.get_connection()?;
     let resource = "fenced:account:42";
     redis::cmd("DEL").arg(resource).query::<()>(&mut conn)?;
+    // The resource's one way in: whether the write under `token` was accepted.
+    let mut write = |token: u64, value: &str| -> redis::RedisResult<bool> {
+        let written: i64 = script
+            .key(resource)
+            .arg(padded(token))
+            .arg(value)
+            .invoke(&mut conn)?;
+        Ok(written == 1)
+    };
 
     // Two processes' clients; short leases and no watchdog, so that a pause outlives one.
     let client = || {
@@ -67,34 +76,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let second = fast.lock("account:42")?;
     let fresh = second.fencing_token();
-    let written: i64 = script
-        .key(resource)
-        .arg(padded(fresh))
-        .arg("balance 100")
-        .invoke(&mut conn)?;
-    println!(
-        "holder 2 took the lock, token {fresh}: write accepted = {}",
-        written == 1
-    );
+    let accepted = write(fresh, "balance 100")?;
+    println!("holder 2 took the lock, token {fresh}: write accepted = {accepted}");
 
     // Holder 1 wakes: its guard can tell it the lease is over, but a write already on its
     // way cannot be called back. The resource refuses it.
     println!("holder 1 wakes: still valid = {}", first.check().is_ok());
-    let written: i64 = script
-        .key(resource)
-        .arg(padded(stale))
-        .arg("balance 0")
-        .invoke(&mut conn)?;
+    let refused = !write(stale, "balance 0")?;
     println!(
         "holder 1 writes anyway with token {stale}: write accepted = {}",
-        written == 1
+        !refused
     );
     let value: String = redis::cmd("HGET")
         .arg(resource)
         .arg("value")
         .query(&mut conn)?;
     println!("the account says {value:?}");
-    assert!(fresh > stale && written == 0 && value == "balance 100");
+    assert!(fresh > stale && accepted && refused && value == "balance 100");
     println!("holder 1 unlocks: {:?}", first.unlock()?);
     println!("holder 2 unlocks: {:?}", second.unlock()?);
     Ok(())
