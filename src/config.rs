@@ -66,6 +66,8 @@ pub(crate) struct Config {
     pub cluster: Vec<String>,
     /// How long an idle fencing counter lives (every increment refreshes it).
     pub fence_ttl: Duration,
+    /// How long a countdown latch's key lives after its creation or its last count down.
+    pub latch_ttl: Duration,
 }
 
 /// The documented defaults (the table on `Builder`).
@@ -94,6 +96,7 @@ impl Default for Config {
             fair: true,
             cluster: Vec::new(),
             fence_ttl: Duration::from_secs(7 * 24 * 3600),
+            latch_ttl: Duration::from_secs(3600),
         }
     }
 }
@@ -125,6 +128,7 @@ impl std::fmt::Debug for Config {
             .field("fair", &self.fair)
             .field("cluster", &redact_all(&self.cluster))
             .field("fence_ttl", &self.fence_ttl)
+            .field("latch_ttl", &self.latch_ttl)
             .finish()
     }
 }

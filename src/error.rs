@@ -102,8 +102,24 @@ pub enum Error {
         /// The permit count this call asked for.
         asked: u32,
     },
-    /// The operation is not available on this client's topology (read-write locks and
-    /// semaphores need a single node; Redlock is not supported for them).
+    /// A countdown latch was opened with another count than the one it was created with
+    /// (see [`LockClient::latch`](crate::LockClient::latch)).
+    #[error("latch has count {stored} in redis, {asked} asked")]
+    CountMismatch {
+        /// The count the live latch was created with.
+        stored: u64,
+        /// The count this call asked for.
+        asked: u64,
+    },
+    /// The countdown latch waited on expired (its TTL,
+    /// [`Builder::latch_ttl`](crate::Builder::latch_ttl), ran out without a count down, or
+    /// it was deleted) before its count reached zero. The waiter returns rather than wait
+    /// for a latch nobody counts down any more.
+    #[error("latch expired before its count reached zero")]
+    LatchExpired,
+    /// The operation is not available on this client's topology (read-write locks,
+    /// semaphores and countdown latches need a single node; Redlock is not supported for
+    /// them).
     #[error("not supported: {0}")]
     Unsupported(&'static str),
     /// Redis Cluster: the lock's hash slot is half-way through a migration between two
@@ -244,6 +260,38 @@ impl Error {
     /// ```
     pub fn is_permits_mismatch(&self) -> bool {
         matches!(self, Error::PermitsMismatch { .. })
+    }
+
+    /// A countdown latch was opened with another count than its stored one
+    /// ([`Error::CountMismatch`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// client.latch("workers-ready", 3).count()?;
+    /// let err = client.latch("workers-ready", 5).count_down().unwrap_err();
+    /// assert!(err.is_count_mismatch());
+    /// assert_eq!(err.to_string(), "latch has count 3 in redis, 5 asked");
+    /// # Ok(()) }
+    /// ```
+    pub fn is_count_mismatch(&self) -> bool {
+        matches!(self, Error::CountMismatch { .. })
+    }
+
+    /// The countdown latch waited on expired before its count reached zero
+    /// ([`Error::LatchExpired`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let e = redbaton::Error::LatchExpired;
+    /// assert!(e.is_latch_expired());
+    /// assert_eq!(e.to_string(), "latch expired before its count reached zero");
+    /// ```
+    pub fn is_latch_expired(&self) -> bool {
+        matches!(self, Error::LatchExpired)
     }
 
     /// Redis Cluster: the lock's slot was migrating for longer than the call could wait

@@ -18,6 +18,11 @@ const MIN_FENCE_TTL: Duration = Duration::from_secs(1);
 /// The longest `fence_ttl` accepted: longer is taken for a mistake.
 const MAX_FENCE_TTL: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
+/// The shortest `latch_ttl` accepted: a latch must outlive the round trips of its users.
+const MIN_LATCH_TTL: Duration = Duration::from_secs(1);
+/// The longest `latch_ttl` accepted: longer is taken for a mistake.
+const MAX_LATCH_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// Builds a [`LockClient`]. Every setting has a default; [`build`](Builder::build) checks
 /// them all and connects.
 ///
@@ -42,6 +47,7 @@ const MAX_FENCE_TTL: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 /// | [`cluster`](Builder::cluster) | none: the node(s) given |
 /// | [`replica_ack`](Builder::replica_ack) | none: an acquisition does not wait for replicas |
 /// | [`fence_ttl`](Builder::fence_ttl) | 7 days: a name's fencing counter outlives its last acquisition by a week |
+/// | [`latch_ttl`](Builder::latch_ttl) | 1 hour: a countdown latch outlives its creation or last count down by an hour |
 /// | [`tls_ca_cert`](Builder::tls_ca_cert), [`tls_client_identity`](Builder::tls_client_identity) | the system's trust store, no client certificate |
 ///
 /// # Examples
@@ -665,6 +671,31 @@ impl Builder {
         self
     }
 
+    /// How long a countdown latch's key (`{prefix}{name}:latch`, see
+    /// [`LockClient::latch`]) lives after it was created or last counted down (default
+    /// 1 hour), so that a latch nobody finishes does not stay in Redis for ever. Every
+    /// count down that lowers the count sets it again; reading the count or waiting does
+    /// not. A latch that reached zero stays open (waiters that come late return at once)
+    /// until this much time after the count down that opened it.
+    ///
+    /// A waiter whose latch expires before its count reached zero gets
+    /// [`Error::LatchExpired`]. Choose a TTL longer than the longest gap between two count
+    /// downs. It must be at least 1 s and at most 365 days.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// // Workers report within minutes: forget an abandoned latch after ten.
+    /// let b = redbaton::LockClient::builder().latch_ttl(Duration::from_secs(600));
+    /// # let _ = b;
+    /// ```
+    pub fn latch_ttl(mut self, ttl: Duration) -> Self {
+        self.settings.latch_ttl = ttl;
+        self
+    }
+
     /// Checks every setting, connects to the node(s), checks keyspace notifications and
     /// starts the client's threads.
     ///
@@ -812,6 +843,12 @@ impl Builder {
             return bad(format!(
                 "fence ttl {:?} outside {min_fence_ttl:?}..={MAX_FENCE_TTL:?} (at least 1 s, twice the lease and four read timeouts: a retry reads the counter back)",
                 cfg.fence_ttl
+            ));
+        }
+        if cfg.latch_ttl < MIN_LATCH_TTL || cfg.latch_ttl > MAX_LATCH_TTL {
+            return bad(format!(
+                "latch ttl {:?} outside {MIN_LATCH_TTL:?}..={MAX_LATCH_TTL:?}",
+                cfg.latch_ttl
             ));
         }
         let left = cfg.lease.saturating_sub(cfg.drift(cfg.lease));

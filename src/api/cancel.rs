@@ -1,5 +1,5 @@
 //! `Cancel`: a token with which another thread ends a wait for a lock, a read or write
-//! hold, or a permit.
+//! hold, a permit, or a latch to open.
 //!
 //! The token is a flag and the wakers of the waits sleeping on it (`local::mailbox`'s
 //! `Cancellation`). Every wait checks the flag where it checks its deadline and ends as a
@@ -17,7 +17,8 @@ use crate::local::mailbox::Cancellation;
 /// ([`LockClient::lock_cancellable`](crate::LockClient::lock_cancellable),
 /// [`RwLock::read_cancellable`](crate::RwLock::read_cancellable),
 /// [`RwLock::write_cancellable`](crate::RwLock::write_cancellable),
-/// [`Semaphore::acquire_cancellable`](crate::Semaphore::acquire_cancellable)).
+/// [`Semaphore::acquire_cancellable`](crate::Semaphore::acquire_cancellable),
+/// [`Latch::wait_cancellable`](crate::Latch::wait_cancellable)).
 ///
 /// Clones share one flag: cancel any clone, and every wait given any of them ends with
 /// [`Error::Cancelled`] at its next wake-up, which [`cancel`](Cancel::cancel) causes at

@@ -367,6 +367,7 @@ impl Waiter {
                 let woken = match self.hears {
                     Hears::Key => s.freed != b.freed,
                     Hears::Releases => s.released != b.released,
+                    Hears::Zero => s.opened != b.opened,
                 };
                 if woken {
                     return Woken::Event;

@@ -35,8 +35,8 @@ pub(crate) const MAX_PREFIX_LEN: usize = 1024;
 ///   key, whose tag, when it starts the key, is followed by nothing but a suffix without
 ///   braces.
 ///
-/// The other keys are the lock key plus a suffix (`:fence`, `:w`, and `:ev` for the
-/// channel).
+/// The other keys are the lock key plus a suffix (`:fence`, `:w`, `:latch`..., and `:ev`
+/// for the channel).
 ///
 /// Shared behind an `Arc`: the keys travel with the lock (guard, watchdog, fan-out jobs),
 /// and a clone must not copy five buffers on every acquisition.
@@ -66,9 +66,11 @@ pub(crate) struct KeyBytes {
 ///   expire;
 /// - `:lease`: the lease record (the number and token of the last lease change applied,
 ///   see `renewal::EXTEND`);
-/// - `:ww`, `:wr`: a read-write lock's waiting writers and readers (see `rw_scripts`).
-const SUFFIXES: [&[u8]; 8] = [
-    b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr",
+/// - `:ww`, `:wr`: a read-write lock's waiting writers and readers (see `rw_scripts`);
+/// - `:latch`: a countdown latch of the same name (see `latch_scripts`): a key of its own,
+///   so a name can be a lock and a latch at once.
+const SUFFIXES: [&[u8]; 9] = [
+    b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr", b":latch",
 ];
 
 impl PartialEq for Keys {
@@ -164,6 +166,11 @@ impl Keys {
     /// A read-write lock's waiting readers.
     pub fn readers(&self) -> &[u8] {
         self.suffixed(7)
+    }
+
+    /// A countdown latch's count (see `latch_scripts`).
+    pub fn latch(&self) -> &[u8] {
+        self.suffixed(8)
     }
 
     /// The name for log lines.
@@ -319,12 +326,13 @@ mod tests {
         assert_eq!(keyslot(b"foo{{bar}}zap"), keyslot(b"{bar"));
     }
 
-    fn slots_of(k: &Keys) -> [u16; 4] {
+    fn slots_of(k: &Keys) -> [u16; 5] {
         [
             keyslot(k.lock()),
             keyslot(k.fence()),
             keyslot(k.mark()),
             keyslot(k.channel()),
+            keyslot(k.latch()),
         ]
     }
 

@@ -170,6 +170,9 @@ pub(crate) enum Hears {
     /// the key, with no keyspace event; the waiter's hint covers that), and a writer its
     /// own wake-up (see the fair queue's grants).
     Releases,
+    /// A countdown latch's: the library's `z`, published when its count reached zero (see
+    /// `latch_scripts`). A latch is not a hold: its waiters do not contend, they read.
+    Zero,
 }
 
 /// How a hold's lease is renewed: which script, and whether it orders the changes of

@@ -11,6 +11,7 @@
 //! The waiters of read-write locks and semaphores hear only the library's messages (their
 //! holds expire inside the key, with no keyspace event): `r`, and a writer its own
 //! wake-up `g<member>:0`.
+//! The waiters of a countdown latch hear only the library's `z`: its count reached zero.
 
 use crate::proto::keys::{lock_of_channel, lock_of_keyspace_channel};
 
@@ -26,6 +27,8 @@ pub(crate) struct Snapshot {
     pub released: u64,
     /// Events where someone set the key (another process took it).
     pub taken: u64,
+    /// The library's `z` messages: a countdown latch of the name reached zero.
+    pub opened: u64,
     /// Times the key's slot moved away from the node (Redis Cluster, sharded channels).
     pub moved: u64,
 }
@@ -55,6 +58,8 @@ pub(crate) enum Event {
     Contended,
     /// A release granted the lock to a queued waiter (`g<token>:<fence>`).
     Granted,
+    /// A countdown latch of the name reached zero (`z`).
+    Opened,
     /// Nothing a waiter cares about (a renewal, our own failed attempt, an unknown payload).
     Ignored,
 }
@@ -81,6 +86,7 @@ pub(crate) fn classify<'a>(
     let event = match payload {
         b"r" => Event::Released,
         [b'g', ..] => Event::Granted,
+        b"z" => Event::Opened,
         // `c` + the failing client's id: our own failed attempts do not count.
         [b'c', id @ ..] if id != client_id => Event::Contended,
         _ => Event::Ignored,
@@ -123,6 +129,7 @@ mod tests {
         assert_eq!(kind(b"cme"), Some(Event::Ignored));
         assert_eq!(kind(b"?"), Some(Event::Ignored));
         assert_eq!(kind(b"gtok:12"), Some(Event::Granted));
+        assert_eq!(kind(b"z"), Some(Event::Opened));
         assert_eq!(grant_of(b"gtok-1:12"), Some((&b"tok-1"[..], 12)));
         assert_eq!(grant_of(b"gtok"), None);
         assert_eq!(grant_of(b"gtok:x"), None);

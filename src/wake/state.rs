@@ -57,6 +57,7 @@ pub(super) struct KeySub {
     pub(super) freed: u64,
     pub(super) released: u64,
     pub(super) taken: u64,
+    pub(super) opened: u64,
     /// Keyspace `del` events not yet followed by the library's `r` for the same release.
     pub(super) unpaired_dels: u32,
     pub(super) last_contended: Option<Instant>,
@@ -96,6 +97,7 @@ impl KeySub {
             freed: self.freed,
             released: self.released,
             taken: self.taken,
+            opened: self.opened,
             moved: self.moved,
         };
         match self.early.take() {
@@ -289,6 +291,12 @@ impl Shared {
                 ks.last_contended = None;
             }
             Event::Contended => ks.last_contended = Some(Instant::now()),
+            // A latch opened: only its waiters care (a lock of the name is another key).
+            Event::Opened => {
+                ks.opened += 1;
+                ks.poke_hearing(Hears::Zero);
+                return;
+            }
             Event::Granted => {
                 let Some((token, _)) = grant_of(payload) else {
                     return;

@@ -187,6 +187,7 @@ impl Subscriber {
                 freed: 0,
                 released: 0,
                 taken: 0,
+                opened: 0,
                 unpaired_dels: 0,
                 last_contended: None,
                 yield_until: None,
@@ -404,6 +405,7 @@ impl Watch {
             freed: ks.map_or(0, |k| k.freed),
             released: ks.map_or(0, |k| k.released),
             taken: ks.map_or(0, |k| k.taken),
+            opened: ks.map_or(0, |k| k.opened),
             moved: ks.map_or(self.moved, |k| k.moved),
         }
     }
