@@ -6,5 +6,6 @@ pub(crate) mod client;
 pub(crate) mod detached;
 pub(crate) mod guard;
 pub(crate) mod inspect;
+pub(crate) mod multi;
 pub(crate) mod rwlock;
 pub(crate) mod semaphore;

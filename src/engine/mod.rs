@@ -7,6 +7,7 @@ pub(crate) mod cleanup;
 pub(crate) mod clock;
 pub(crate) mod contest;
 mod eviction;
+pub(crate) mod multi;
 mod probe;
 pub(crate) mod release;
 pub(crate) mod shared_hold;
