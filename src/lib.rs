@@ -101,6 +101,7 @@ pub use api::detached::{DetachedGuard, DetachedWriteGuard};
 pub use api::guard::LockGuard;
 pub use api::inspect::{ForceRelease, Hold, HoldKind, Holder, LockInfo, LockKind, QueueEntry};
 pub use api::latch::{Latch, MAX_LATCH_COUNT};
+pub use api::multi::{MAX_MULTI_NAMES, MultiGuard};
 pub use api::rwlock::{ReadGuard, RwLock, WriteGuard};
 pub use api::semaphore::{Permit, Semaphore};
 pub use config::Wakeup;

@@ -7,5 +7,6 @@ pub(crate) mod detached;
 pub(crate) mod guard;
 pub(crate) mod inspect;
 pub(crate) mod latch;
+pub(crate) mod multi;
 pub(crate) mod rwlock;
 pub(crate) mod semaphore;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::clock::Stamp;
+use crate::config::Config;
 use crate::engine::cleanup::release_on;
 use crate::engine::state::Engine;
 use crate::engine::waiter::{Pending, Waiter};
@@ -55,11 +56,83 @@ impl<'a> Wait<'a> {
     }
 
     /// Whether the caller would wait now if the hold is taken.
-    fn waits_now(self) -> bool {
+    pub fn waits_now(self) -> bool {
         match self {
             Wait::No => false,
             Wait::Until(d, _) => !self.cancelled() && d.is_none_or(|d| Instant::now() < d),
         }
+    }
+}
+
+/// What the attempts of a wait said that changes the error it ends with, whatever it
+/// contends for (see [`next`](WaitEnd::next)).
+pub(crate) struct WaitEnd {
+    /// The last attempt's replica acknowledgements, when too few: the error to give if
+    /// the caller's wait ends before one has enough.
+    pub unacked: Option<usize>,
+    /// The last attempt won a lease that had run out by the reply: `try_lock` then says
+    /// the time ran out, not that someone else holds the hold.
+    pub late: bool,
+    /// The replica acknowledgements asked for.
+    wanted: usize,
+}
+
+/// What a contender does after an attempt that did not get its hold.
+pub(crate) enum Next {
+    /// The caller does not wait: the call ends with this error (it left nothing to take
+    /// with it).
+    Stop(Error),
+    /// The wait is over (its deadline passed, or it was cancelled): it leaves, and ends
+    /// with this error.
+    Over(Error),
+    /// It sleeps, until this deadline at the latest.
+    Sleep(Option<Instant>),
+}
+
+impl WaitEnd {
+    pub fn new(cfg: &Config) -> Self {
+        WaitEnd {
+            unacked: None,
+            late: false,
+            wanted: cfg.replica_ack.map_or(0, |(n, _)| n),
+        }
+    }
+
+    /// After an attempt that did not get the hold: what the wait policy says now.
+    pub fn next(&self, wait: Wait<'_>) -> Next {
+        let short = |otherwise: Error| match self.unacked {
+            Some(acked) => Error::ReplicaAck {
+                acked,
+                wanted: self.wanted,
+            },
+            None => otherwise,
+        };
+        let deadline = match wait {
+            Wait::No if self.late => return Next::Stop(Error::Timeout),
+            Wait::No => return Next::Stop(short(Error::WouldBlock)),
+            Wait::Until(d, _) => d,
+        };
+        if wait.cancelled() {
+            return Next::Over(Error::Cancelled);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Next::Over(short(Error::Timeout));
+        }
+        Next::Sleep(deadline)
+    }
+
+    /// The error a wait ends with after an attempt failed with `error` and was not tried
+    /// again: when the caller's deadline passed (or it cancelled) while its master was
+    /// being replaced, a timeout (or a cancel), as for a hold kept until then.
+    pub fn failed(ride: &Ride<'_>, wait: Wait<'_>, error: Error) -> Error {
+        if ride.retried() && wait.cancelled() {
+            return Error::Cancelled;
+        }
+        if ride.retried() && wait.deadline().is_some_and(|d| Instant::now() >= d) {
+            log::debug!("deadline passed during a failover: {error:?}");
+            return Error::Timeout;
+        }
+        error
     }
 }
 
@@ -177,20 +250,10 @@ impl Contest<'_> {
         // that may have run, for the retry (one token, one lock: invariant 3).
         let mut ride = Ride::new(&engine.topology, &engine.counters);
         let mut carried: Option<String> = None;
-        // The last attempt's replica acknowledgements, when too few: the error to give if
-        // the caller's wait ends before one has enough.
-        let mut unacked: Option<usize> = None;
-        // The last attempt won a lease that had run out by the reply: `try_lock` then
-        // says the time ran out, not that someone else holds the lock.
-        let mut late = false;
+        let mut end = WaitEnd::new(&engine.cfg);
         // A grant heard when the wait was cancelled (or timed out): the next attempt
         // confirms it.
         let mut confirm = false;
-        let wanted = engine.cfg.replica_ack.map_or(0, |(n, _)| n);
-        let short = |acked: Option<usize>, otherwise: Error| match acked {
-            Some(acked) => Error::ReplicaAck { acked, wanted },
-            None => otherwise,
-        };
         loop {
             // A release granted us the lock (fair queue), or woke us as the writer
             // waiting longest. The attempt below confirms it: it finds our token in the
@@ -223,6 +286,7 @@ impl Contest<'_> {
                         self.follow();
                     }
                     if matches!(wait, Wait::Until(..)) {
+                        let keys = std::slice::from_ref(keys);
                         self.waiter
                             .watch_if_subscribed(keys, engine, &self.route, wait.deadline());
                     }
@@ -246,12 +310,12 @@ impl Contest<'_> {
                     hint
                 }
                 Ok(Round::Unacked(acked)) => {
-                    unacked = Some(acked);
+                    end.unacked = Some(acked);
                     // Our own release of it wakes us: try again at once.
                     Some(Duration::ZERO)
                 }
                 Ok(Round::Late) => {
-                    late = true;
+                    end.late = true;
                     Some(Duration::ZERO)
                 }
                 Ok(Round::Failed {
@@ -277,40 +341,26 @@ impl Contest<'_> {
                     let reused = self.marked;
                     self.undo(tried, undo, reused);
                     self.leave();
-                    // The caller's deadline passed (or it cancelled) while its master was
-                    // being replaced: that is a timeout, like a hold kept until then.
-                    if ride.retried() && wait.cancelled() {
-                        return Err(Error::Cancelled);
-                    }
-                    if ride.retried() && wait.deadline().is_some_and(|d| Instant::now() >= d) {
-                        log::debug!("deadline passed during a failover: {error:?}");
-                        return Err(Error::Timeout);
-                    }
-                    return Err(error);
+                    return Err(WaitEnd::failed(&ride, wait, error));
                 }
                 Err(e) => {
                     self.leave();
                     return Err(e);
                 }
             };
-            let deadline = match wait {
-                Wait::No if late => return Err(Error::Timeout),
-                Wait::No => return Err(short(unacked, Error::WouldBlock)),
-                Wait::Until(d, _) => d,
+            let deadline = match end.next(wait) {
+                Next::Stop(e) => return Err(e),
+                Next::Over(e) => {
+                    // A grant heard at the deadline: one more attempt confirms (and takes) it.
+                    if self.waiter.take_grant() {
+                        confirm = true;
+                        continue;
+                    }
+                    self.leave();
+                    return Err(e);
+                }
+                Next::Sleep(deadline) => deadline,
             };
-            let cancelled = wait.cancelled();
-            if cancelled || deadline.is_some_and(|d| Instant::now() >= d) {
-                // A grant heard at the deadline: one more attempt confirms (and takes) it.
-                if self.waiter.take_grant() {
-                    confirm = true;
-                    continue;
-                }
-                self.leave();
-                if cancelled {
-                    return Err(Error::Cancelled);
-                }
-                return Err(short(unacked, Error::Timeout));
-            }
             crate::fault::hit(&engine.cfg.key_prefix, crate::fault::Point::Contend);
             if !self.waiter.watching() {
                 // The sleep only subscribes (and the next attempt follows): where the key
@@ -325,29 +375,13 @@ impl Contest<'_> {
         }
     }
 
-    /// Redis Cluster: the key's slot moved (a reshard, a failover) since the last attempt.
-    /// Subscribes on its new master, confirmed, before the attempt, as after a reconnect:
-    /// events there were not heard. The old master may have said so (it dropped the key's
-    /// shard channel) before our slot map knows: has the map read again first.
+    /// Redis Cluster: the key's slot may have moved (a reshard, a failover) since the last
+    /// attempt: the waiter follows it (see [`Waiter::follow`]).
     fn follow(&mut self) {
-        let (engine, keys) = (self.engine, self.keys);
-        let moved = self.waiter.moved();
-        if moved {
-            self.route.nodes().iter().for_each(|n| n.slot_moved());
-        }
-        let now = engine.topology.route(keys);
-        if moved && now.same_nodes(&self.route) {
-            // The map does not know the new master yet (it is read at most every 100 ms):
-            // this attempt's redirect will tell it. Watch there after the attempt, before
-            // sleeping.
-            self.waiter.unwatch();
-        } else if moved || !now.same_nodes(&self.route) {
-            self.route = now;
-            if self.waiter.watching() {
-                self.waiter
-                    .watch(keys, engine, &self.route, self.wait.deadline());
-            }
-        }
+        let keys = std::slice::from_ref(self.keys);
+        let deadline = self.wait.deadline();
+        self.waiter
+            .follow(keys, self.engine, &mut self.route, deadline);
     }
 
     /// One attempt on every node of the route, judged by the topology.

@@ -64,7 +64,7 @@ impl Engine {
                 waiter.unwatch();
                 route = now;
             }
-            waiter.watch_if_subscribed(&keys, self, &route, deadline);
+            waiter.watch_if_subscribed(std::slice::from_ref(&keys), self, &route, deadline);
             let before = waiter.snapshots();
             let read = Op::Read {
                 seen: seen.as_deref(),

@@ -8,6 +8,7 @@ pub(crate) mod clock;
 pub(crate) mod contest;
 mod eviction;
 mod latch;
+pub(crate) mod multi;
 mod probe;
 pub(crate) mod release;
 pub(crate) mod shared_hold;

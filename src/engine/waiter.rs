@@ -18,7 +18,7 @@ use crate::stats::Counters;
 use crate::topology::Route;
 use crate::wake::early::{Armed, Shot};
 use crate::wake::events::{Hears, Snapshot};
-use crate::wake::subscriber::Watch;
+use crate::wake::subscriber::{Subscriber, Watch};
 
 /// Why a wait ended.
 pub(crate) enum Woken {
@@ -169,14 +169,28 @@ impl Waiter {
         route: &Route,
         deadline: Option<Instant>,
     ) {
+        self.watch_all(std::slice::from_ref(keys), client, route, deadline);
+    }
+
+    /// [`watch`](Self::watch) for several keys at once (a multi-lock's names of one node):
+    /// any key's event wakes the waiter, and the confirmations waited for are a majority
+    /// of the nodes for every key (one node: every key there).
+    pub fn watch_all(
+        &mut self,
+        keys: &[Keys],
+        client: &Engine,
+        route: &Route,
+        deadline: Option<Instant>,
+    ) {
         let poke_tx = self.poke_sender();
         let subs = client.subs_for(route);
-        self.watches = subs
+        let hears = self.hears;
+        self.watches = keys
             .iter()
-            .map(|s| s.watch(keys, self.hears, poke_tx.clone()))
+            .flat_map(|k| subs.iter().map(|s| s.watch(k, hears, poke_tx.clone())))
             .collect();
-        self.needed = route.quorum().min(self.watches.len());
-        self.usable = subs.iter().filter(|s| s.usable()).count();
+        self.needed = (route.quorum() * keys.len()).min(self.watches.len());
+        self.usable = keys.len() * subs.iter().filter(|s| s.usable()).count();
         if let Some(token) = &self.grant_token {
             for w in &self.watches {
                 w.expect_grant(token);
@@ -190,7 +204,7 @@ impl Waiter {
     /// attempt that fails can wait at once instead of subscribing and trying again.
     pub fn watch_if_subscribed(
         &mut self,
-        keys: &Keys,
+        keys: &[Keys],
         client: &Engine,
         route: &Route,
         deadline: Option<Instant>,
@@ -199,8 +213,40 @@ impl Waiter {
             return;
         }
         let subs = client.subs_for(route);
-        if !subs.is_empty() && subs.iter().all(|s| s.confirmed_at(keys).is_some()) {
-            self.watch(keys, client, route, deadline);
+        let confirmed = |s: &Arc<Subscriber>| keys.iter().all(|k| s.confirmed_at(k).is_some());
+        if !subs.is_empty() && subs.iter().all(confirmed) {
+            self.watch_all(keys, client, route, deadline);
+        }
+    }
+
+    /// Redis Cluster: the slot of `keys` may have moved (a reshard, a failover) since the
+    /// last attempt, and `route` is where they were. Subscribes on the new master,
+    /// confirmed, before the attempt, as after a reconnect: events there were not heard.
+    /// The old master may have said so (it dropped the keys' shard channels) before our
+    /// slot map knows: has the map read again first.
+    pub fn follow(
+        &mut self,
+        keys: &[Keys],
+        client: &Engine,
+        route: &mut Route,
+        deadline: Option<Instant>,
+    ) {
+        let moved = self.moved();
+        if moved {
+            route.nodes().iter().for_each(|n| n.slot_moved());
+        }
+        let Some(first) = keys.first() else { return };
+        let now = client.topology.route(first);
+        if moved && now.same_nodes(route) {
+            // The map does not know the new master yet (it is read at most every 100 ms):
+            // this attempt's redirect will tell it. Watch there after the attempt, before
+            // sleeping.
+            self.unwatch();
+        } else if moved || !now.same_nodes(route) {
+            *route = now;
+            if self.watching() {
+                self.watch_all(keys, client, route, deadline);
+            }
         }
     }
 

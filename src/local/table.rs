@@ -379,6 +379,14 @@ impl Table {
         }
     }
 
+    /// Whether the calling thread holds `keys` through the table (a multi-lock naming it
+    /// would wait for its own thread).
+    pub fn held_here(&self, keys: &Keys) -> bool {
+        let me = std::thread::current().id();
+        let map = self.map.lock();
+        map.get(keys.lock()).is_some_and(|e| e.holder == Some(me))
+    }
+
     /// The release in Redis is done: the next local waiter (if any) contends, first letting
     /// the remote waiters go when `yield_first`.
     pub fn released(&self, keys: &Keys, yield_first: bool) {

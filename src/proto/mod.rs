@@ -6,6 +6,7 @@ pub(crate) mod fair_scripts;
 pub(crate) mod inspect_scripts;
 pub(crate) mod keys;
 pub(crate) mod latch_scripts;
+pub(crate) mod multi_scripts;
 pub(crate) mod node;
 pub(crate) mod pool;
 pub(crate) mod protocol;

@@ -321,22 +321,22 @@ impl Node {
         }
     }
 
-    /// Runs an acquire `call` of `script` (its reply: 1 when it took the lock, and a
-    /// number), retried as `retry` says within `deadline`. When it took the lock and
-    /// `replica_ack` asks, `WAIT`s on the same connection (`WAIT` counts that
-    /// connection's writes); the reply, and how many replicas acknowledged when fewer
-    /// than asked.
-    pub fn run_acquire(
+    /// Runs an acquire `call` of `script`, retried as `retry` says within `deadline`.
+    /// When `took` says its reply took the lock and `replica_ack` asks, `WAIT`s on the
+    /// same connection (`WAIT` counts that connection's writes); the reply, and how many
+    /// replicas acknowledged when fewer than asked.
+    pub fn run_acquire<T: FromRedisValue>(
         &self,
         script: &Lua,
         call: &Cmd,
         retry: Retry,
         deadline: Option<Instant>,
-    ) -> Result<((i64, i64), Option<usize>)> {
+        took: impl Fn(&T) -> bool,
+    ) -> Result<(T, Option<usize>)> {
         let (reply, acked) = self.run_whole(retry, deadline, |c, before| {
-            let reply: (i64, i64) = script.run(call, c, before)?;
-            let acked = match (reply.0, self.ack) {
-                (1, Some(_)) => Some(self.wait_replicas(c)?),
+            let reply: T = script.run(call, c, before)?;
+            let acked = match self.ack {
+                Some(_) if took(&reply) => Some(self.wait_replicas(c)?),
                 _ => None,
             };
             Ok((reply, acked))
@@ -452,40 +452,50 @@ impl Node {
         retry: Retry,
         narrow: Option<(&Lua, &dyn Fn() -> Cmd)>,
     ) -> Result<ReleaseReply> {
-        // Whether an earlier attempt's reply was lost (it may have deleted the key); a
-        // redirected or refused attempt did not run.
-        let mut lost_reply = false;
-        let mut retried = false;
-        // `None`: to be narrowed, when `narrower`.
-        let mut attempt = |script: &Lua, call: &Cmd, narrower: bool| {
-            let how = Call {
-                retry,
-                deadline: None,
-                narrower,
-            };
-            self.call(how, |c, before| {
-                retried |= lost_reply;
-                let reply = script.run::<i64>(call, c, before);
-                lost_reply |= reply.as_ref().is_err_and(is_network_error);
-                reply
-            })
-        };
-        let mut reply = attempt(script, call, narrow.is_some())?;
+        let mut tries = ReleaseTries::default();
+        let mut reply = tries.call(self, retry, narrow.is_some(), |c, before| {
+            script.run::<i64>(call, c, before)
+        })?;
         if let (None, Some((narrow, narrow_call))) = (reply, narrow) {
-            reply = attempt(narrow, &narrow_call(), false)?;
+            let narrow_call = narrow_call();
+            reply = tries.call(self, retry, false, |c, before| {
+                narrow.run::<i64>(&narrow_call, c, before)
+            })?;
         }
         let Some(reply) = reply else {
             return Err(Error::Protocol("release refused".to_owned()));
         };
-        match reply {
-            1 => Ok(ReleaseReply::Released),
-            2 => Ok(ReleaseReply::Passed),
-            0 if retried => Ok(ReleaseReply::GoneAfterRetry),
-            0 => Ok(ReleaseReply::Gone),
-            -1 if retried => Ok(ReleaseReply::OtherAfterRetry),
-            -1 => Ok(ReleaseReply::Other),
-            n => Err(Error::Protocol(format!("release replied {n}"))),
+        release_reply(reply, tries.retried)
+    }
+
+    /// Runs release `calls` of `script` (a multi-lock's locks of one hash slot) in one
+    /// round trip, one status each (as [`release_by`](Self::release_by) reads it); `None`
+    /// when the call path says the server refused their keys together (a Redis Cluster
+    /// slot migrating): the caller then releases them one by one.
+    pub(crate) fn release_all(
+        &self,
+        script: &Lua,
+        calls: &[Cmd],
+        retry: Retry,
+    ) -> Result<Option<Vec<ReleaseReply>>> {
+        let mut tries = ReleaseTries::default();
+        let Some(statuses) = tries.call(self, retry, true, |c, before| {
+            scripts::run_pipelined::<i64>(&[script], calls, c, before)
+        })?
+        else {
+            return Ok(None);
+        };
+        if statuses.len() != calls.len() {
+            return Err(Error::Protocol(format!(
+                "release replied {} statuses for {} calls",
+                statuses.len(),
+                calls.len()
+            )));
         }
+        let replies = statuses
+            .into_iter()
+            .map(|s| release_reply(s, tries.retried));
+        replies.collect::<Result<_>>().map(Some)
     }
 
     /// The last argument of a script that publishes on the library channel: `s` when this
@@ -533,6 +543,54 @@ pub(crate) fn within_deadline<T>(
     // Also after an error reply: the connection goes back to the pool.
     conn.set_read_timeout(Some(read_timeout))?;
     result
+}
+
+/// The tries of one release on a node: whether a try lost its reply (it may have done
+/// what a later try finds done: deleted the key, or passed it on). A redirected or
+/// refused try did not run.
+#[derive(Default)]
+struct ReleaseTries {
+    lost_reply: bool,
+    /// A try ran after one whose reply was lost.
+    retried: bool,
+}
+
+impl ReleaseTries {
+    /// Runs `f` through `node`'s call path (see [`Node::call`]), without a deadline (a
+    /// release is bounded by its retries), noting lost replies.
+    fn call<T>(
+        &mut self,
+        node: &Node,
+        retry: Retry,
+        narrower: bool,
+        mut f: impl FnMut(&mut Connection, Option<&Cmd>) -> RedisResult<T>,
+    ) -> Result<Option<T>> {
+        let how = Call {
+            retry,
+            deadline: None,
+            narrower,
+        };
+        node.call(how, |c, before| {
+            self.retried |= self.lost_reply;
+            let reply = f(c, before);
+            self.lost_reply |= reply.as_ref().is_err_and(is_network_error);
+            reply
+        })
+    }
+}
+
+/// What a release script's status says (2 passed on, 1 released, 0 gone, -1 another
+/// owner); `retried`: an earlier try of the call lost its reply, and may have done it.
+pub(crate) fn release_reply(status: i64, retried: bool) -> Result<ReleaseReply> {
+    match status {
+        1 => Ok(ReleaseReply::Released),
+        2 => Ok(ReleaseReply::Passed),
+        0 if retried => Ok(ReleaseReply::GoneAfterRetry),
+        0 => Ok(ReleaseReply::Gone),
+        -1 if retried => Ok(ReleaseReply::OtherAfterRetry),
+        -1 => Ok(ReleaseReply::Other),
+        n => Err(Error::Protocol(format!("release replied {n}"))),
+    }
 }
 
 /// Whether a failed command may have reached Redis (and so may have taken effect).

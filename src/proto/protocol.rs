@@ -10,6 +10,10 @@
 //!   it: independent masters cannot agree on one queue.
 //! * [`Protocol::Read`], [`Protocol::Write`], [`Protocol::Permit`]: holds among others in a
 //!   sorted set (see `rw_scripts`), on routes where one node decides alone.
+//! * A multi-lock ([`Kind::Multi`]) holds each of its names as an exclusive lock of the
+//!   route's protocol (`Lock` or `FairLock`); the locks of one node and hash slot are
+//!   taken together by `MULTI_ACQUIRE` ([`Protocol::acquire_all`], see `multi_scripts`)
+//!   and given back together ([`Protocol::release_all`]). Redlock routes refuse it.
 //!
 //! An enum rather than a trait object: the set is closed and small, the value is `Copy`
 //! (a route and a hold carry it at no cost, a fan-out closure captures it without an
@@ -27,11 +31,13 @@ use crate::proto::fair_scripts::{
     FAIR_ACQUIRE, FAIR_LEAVE, FAIR_RELEASE, fair_acquire_call, fair_call,
 };
 use crate::proto::keys::Keys;
-use crate::proto::node::{Node, ReleaseReply, Retry, millis, new_token};
+use crate::proto::multi_scripts::{self, Taken};
+use crate::proto::node::{Call, Node, ReleaseReply, Retry, millis, new_token};
 use crate::proto::renewal::EXTEND;
 use crate::proto::rw_scripts::{SHARED_EXTEND, Want};
 use crate::proto::scripts::{
-    ACQUIRE, Lua, RELEASE, UNMARK, acquire_call, acquire_reply, release_call, unmark_call,
+    ACQUIRE, Lua, RELEASE, Site, UNMARK, acquire_call, acquire_reply, release_call, run_pipelined,
+    unmark_call,
 };
 use crate::stats::Counters;
 
@@ -46,6 +52,9 @@ pub(crate) enum Kind {
     Write,
     /// One permit of a semaphore of this many permits.
     Permit(u32),
+    /// Several exclusive locks held together (a multi-lock): each is held with the lock's
+    /// protocol, on a route where one node decides alone.
+    Multi,
 }
 
 /// How one kind of hold is contended for, given back and renewed on a route.
@@ -132,6 +141,14 @@ impl Protocols {
                 ));
             }
             Kind::Permit(permits) => Protocol::Permit { permits },
+            // All or none needs one node that decides alone: Redlock's independent masters
+            // cannot take several keys atomically.
+            Kind::Multi if self.shared => return Ok(self.lock),
+            Kind::Multi => {
+                return Err(Error::Unsupported(
+                    "multi-locks need a single node, Sentinel or Cluster (not Redlock)",
+                ));
+            }
         };
         if !self.shared {
             return Err(Error::Unsupported(
@@ -159,6 +176,20 @@ pub(crate) struct Marks {
     pub leave: bool,
     /// The caller marked before: a success deletes its mark.
     pub clear: bool,
+}
+
+/// One all-or-nothing attempt at a group of exclusive locks (a multi-lock's names of one
+/// node and hash slot): their keys, in the group's order, and the attempt's token, lease
+/// and marks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Group<'a> {
+    pub keys: &'a [Keys],
+    pub token: &'a str,
+    pub lease: Duration,
+    pub marks: Marks,
+    /// The id its contention marks carry (see `multi_scripts`), and how long they live.
+    pub mark_id: &'a str,
+    pub mark_ttl: Duration,
 }
 
 /// Which events wake a waiter.
@@ -293,7 +324,9 @@ impl Protocol {
             return node.acquire_shared(keys, want, token, lease, mark_ttl, retry, deadline);
         }
         let call = self.lock_call(node, req);
-        let (reply, unacked) = node.run_acquire(self.acquire_script(), &call, retry, deadline)?;
+        let took = |reply: &(i64, i64)| reply.0 == 1;
+        let (reply, unacked) =
+            node.run_acquire(self.acquire_script(), &call, retry, deadline, took)?;
         match (attempt_of(node, reply)?, unacked) {
             (Attempt::Acquired { .. }, Some(acked)) => Ok(Attempt::Unacked { acked }),
             (attempt, _) => Ok(attempt),
@@ -369,30 +402,115 @@ impl Protocol {
         // is there, else (`ASK`) on the target; its lease record, if any, is left to its
         // TTL (at most the lease).
         let narrow = || release_call(node.site(), keys, token, false);
+        // The fair release names the lock, its counter and its queue, and an empty queue
+        // has no key: during a migration the narrow release is the fair release of a lock
+        // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
+        // and its head takes the lock at its next attempt once the slot has moved.
+        match self.exclusive_release(node, keys, token) {
+            Some((script, call)) => {
+                node.release_with(script, &call, retry, Some((&RELEASE, &narrow)))
+            }
+            None => node.release_shared(keys, token, retry),
+        }
+    }
+
+    /// The call that gives back `token`'s exclusive lock `keys` on `node`: the plain
+    /// compare-and-delete, or (fair queue) the release that grants the lock to the head
+    /// of the queue; `None` for a shared hold.
+    fn exclusive_release(
+        self,
+        node: &Node,
+        keys: &Keys,
+        token: &str,
+    ) -> Option<(&'static Lua, Cmd)> {
         match self {
-            Protocol::Lock { .. } => {
-                let call = release_call(node.site(), keys, token, true);
-                node.release_with(&RELEASE, &call, retry, Some((&RELEASE, &narrow)))
-            }
+            Protocol::Lock { .. } => Some((&RELEASE, release_call(node.site(), keys, token, true))),
             Protocol::FairLock(fair) => {
-                // The fair release names the lock, its counter and its queue, and an empty
-                // queue has no key: during a migration the narrow release is the fair
-                // release of a lock with no one queued; a queue that exists (moved ahead
-                // of the lock) gets no grant, and its head takes the lock at its next
-                // attempt once the slot has moved.
-                let call = fair_call(
-                    &FAIR_RELEASE,
-                    node.site(),
-                    keys,
-                    token,
-                    millis(fair.grant_lease),
-                );
-                node.release_with(&FAIR_RELEASE, &call, retry, Some((&RELEASE, &narrow)))
+                let grant_ms = millis(fair.grant_lease);
+                let call = fair_call(&FAIR_RELEASE, node.site(), keys, token, grant_ms);
+                Some((&FAIR_RELEASE, call))
             }
-            Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. } => {
-                node.release_shared(keys, token, retry)
+            Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. } => None,
+        }
+    }
+
+    /// One all-or-nothing attempt at the exclusive locks of `group` on `node` (see
+    /// `multi_scripts::MULTI_ACQUIRE`), retried with the same token after an ambiguous
+    /// failure as `retry` says. When the outcome stays unknown, the caller must release
+    /// the token's locks: they may be ours. A shared protocol has no multi-lock.
+    pub fn acquire_all(
+        self,
+        node: &Node,
+        group: Group<'_>,
+        retry: Retry,
+        deadline: Option<Instant>,
+    ) -> Result<Taken> {
+        if self.shared() {
+            return Err(Error::Unsupported("multi-locks of shared holds"));
+        }
+        let Group {
+            keys,
+            token,
+            lease,
+            marks,
+            mark_id,
+            mark_ttl,
+        } = group;
+        let mark_ms = if marks.leave { millis(mark_ttl) } else { 0 };
+        let site = Site {
+            client_id: mark_id,
+            ..node.site()
+        };
+        let call =
+            multi_scripts::acquire_call(site, keys, token, millis(lease), mark_ms, marks.clear);
+        node.acquire_all(&call, keys.len(), retry, deadline)
+    }
+
+    /// Gives back `token`'s locks `keys` on `node` (a multi-lock's group), each as
+    /// [`release`](Self::release) does, in one pipelined round trip; one by one when the
+    /// server refuses their keys together (a Redis Cluster slot migrating) or there is
+    /// one. One reply per lock, in order.
+    pub fn release_all(
+        self,
+        node: &Node,
+        keys: &[Keys],
+        token: &str,
+        retry: Retry,
+    ) -> Result<Vec<ReleaseReply>> {
+        if keys.len() > 1 {
+            let calls: Option<Vec<(&Lua, Cmd)>> = keys
+                .iter()
+                .map(|k| self.exclusive_release(node, k, token))
+                .collect();
+            if let Some(calls) = calls {
+                let (scripts, calls): (Vec<&Lua>, Vec<Cmd>) = calls.into_iter().unzip();
+                if let Some(replies) = node.release_all(scripts[0], &calls, retry)? {
+                    return Ok(replies);
+                }
             }
         }
+        keys.iter()
+            .map(|k| self.release(node, k, token, retry))
+            .collect()
+    }
+
+    /// A multi-lock's waiter stops waiting for the locks `keys` on `node` without them:
+    /// its contention marks (those holding `mark_id`) go, in one round trip.
+    pub fn leave_all(self, node: &Node, keys: &[Keys], mark_id: &str) -> Result<()> {
+        let site = Site {
+            client_id: mark_id,
+            ..node.site()
+        };
+        let calls: Vec<Cmd> = keys.iter().map(|k| unmark_call(site, k)).collect();
+        let how = Call {
+            retry: Retry::ON_RESET,
+            deadline: None,
+            narrower: false,
+        };
+        node.call(how, |c, before| {
+            run_pipelined::<i64>(&[&UNMARK], &calls, c, before)
+        })?;
+        Ok(())
     }
 
     /// A waiter with `token` stops waiting on `node` without the hold; `marked`: an
@@ -528,7 +646,8 @@ mod tests {
         }
     }
 
-    /// Redlock offers no shared holds, and a semaphore needs a permit: typed errors.
+    /// Redlock offers no shared holds and no multi-locks, and a semaphore needs a permit:
+    /// typed errors.
     #[test]
     fn a_route_refuses_what_it_cannot_hold() {
         let redlock = Protocols::majority(&Config::default());
@@ -545,5 +664,11 @@ mod tests {
             one.get(Kind::Permit(0)),
             Err(Error::InvalidConfig(_))
         ));
+        // A multi-lock holds its names with the route's lock protocol, not on Redlock.
+        assert!(matches!(
+            redlock.get(Kind::Multi),
+            Err(Error::Unsupported(_))
+        ));
+        assert_eq!(one.get(Kind::Multi).expect("multi"), one.lock());
     }
 }

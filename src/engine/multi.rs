@@ -1,0 +1,527 @@
+//! Multi-locks: several exclusive locks held together, taken all or none.
+//!
+//! The names are split into groups: the names whose keys are on one node and in one hash
+//! slot (on one node or behind Sentinel, all of them; on Redis Cluster, one group per
+//! slot, since a script may name keys of one slot only). A group is taken by one script
+//! call that takes every lock of it or none (`multi_scripts::MULTI_ACQUIRE`), and waits,
+//! when it cannot, like a lock's contender: it watches every key of the group, confirmed,
+//! before the attempt whose failure makes it wait (invariant 1), and sleeps until an event
+//! of any of them, the soonest end of the holders' leases, the re-check, the deadline or a
+//! cancel. Groups are taken one after the other; what was taken is given back when a later
+//! group cannot be (a timeout, a cancel, an error, a panic).
+//!
+//! # Why groups are taken in slot order
+//!
+//! Two multi-locks must never wait for each other. Each holds some groups while it waits
+//! for its next one, so groups are taken in one order that every process shares: by hash
+//! slot (outside a cluster there is one group). If a multi-lock waits for a lock held by
+//! another, that one holds a key of the slot waited for, and so waits (if at all) for a
+//! later slot than that: along any chain of waiting multi-locks the slots only grow, and
+//! the chain cannot close into a cycle. Ordering the groups by their smallest name would
+//! not do: a group is only the names one call asked for, so `{a, z}` then `{m}` in one
+//! call and `{m}` then `{z}` in another (`a`, `z` in one slot) deadlock.
+//!
+//! # Held like detached locks
+//!
+//! Each name is held as a lock of its own ([`RemoteLock`]) under its group's token, with
+//! the route's lock protocol, watched and renewed by the watchdog (the names of one group
+//! share node, slot and lease: one renewal call covers them), and a loss of any one is the
+//! loss of the multi-lock. The local table never knows them: as with a detached guard,
+//! nothing is handed to a local thread, and this process's threads wait for the names in
+//! Redis like any other contender. A multi-lock does not queue in the fair queue: it takes
+//! a name when its key is free (a fair release grants the key to the head of its queue, so
+//! that is when nobody is queued), and its contention marks make the holders' processes,
+//! this one included, keep to their fairness budget. Early attempts are not used.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::clock::Stamp;
+use crate::config::Wakeup;
+use crate::engine::contest::{Next, Wait, WaitEnd};
+use crate::engine::state::Engine;
+use crate::engine::waiter::Waiter;
+use crate::error::{Error, Result, Unlocked};
+use crate::fencing::MAX_FENCE;
+use crate::local::held::{Acquisition, RemoteLock};
+use crate::proto::keys::{Keys, keyslot};
+use crate::proto::multi_scripts::Taken;
+use crate::proto::node::{Node, may_have_run, new_token, past};
+use crate::proto::protocol::{Group, Hears, Kind, Marks, Protocol};
+use crate::stats::{Counters, HoldKind, Path};
+use crate::topology::Route;
+use crate::topology::ride::Ride;
+use crate::topology::verdict::{lease_left, tally_release};
+
+/// The most names one multi-lock may have: a group's script reads every key of it, and a
+/// script blocks the server while it runs.
+pub(crate) const MAX_NAMES: usize = 64;
+
+/// What a multi-lock's contention marks carry after the client's id: not the client's id
+/// itself, so that this process's own holders of the names count it as a waiter.
+const MARK_SUFFIX: &str = ":multi";
+
+/// A multi-lock held.
+pub(crate) struct MultiHeld {
+    /// Its locks, group by group in the order they were taken.
+    pub groups: Vec<Vec<Arc<RemoteLock>>>,
+    /// The same locks, one per name in the caller's order.
+    pub names: Vec<Arc<RemoteLock>>,
+    /// When the call returned: the hold's start.
+    pub since: Instant,
+}
+
+impl Engine {
+    /// Takes the exclusive locks `names` together, as `wait` allows: all of them, or none
+    /// (every group taken before is given back). The wait is recorded (see `stats`).
+    pub(crate) fn multi_lock(
+        self: &Arc<Self>,
+        names: &[Vec<u8>],
+        wait: Wait<'_>,
+    ) -> Result<MultiHeld> {
+        let asked = Instant::now();
+        let took = self.take_all(names, wait);
+        let since =
+            self.counters
+                .settled(HoldKind::Lock, asked, took.as_ref().map(|_| Path::Remote));
+        let (groups, by_name) = took?;
+        Ok(MultiHeld {
+            groups,
+            names: by_name,
+            since,
+        })
+    }
+
+    /// Gives back every lock of a multi-lock in Redis. No renewal is sent once this
+    /// returns. The outcome: `Released` when every name was still ours, else the worst
+    /// (`HeldByOther`, then `Expired`), or the first error of a group that could not tell
+    /// (the other groups are released all the same).
+    pub(crate) fn release_multi(
+        self: &Arc<Self>,
+        groups: &[Vec<Arc<RemoteLock>>],
+    ) -> Result<Unlocked> {
+        groups
+            .iter()
+            .map(|locks| self.release_group(locks))
+            .fold(Ok(Unlocked::Released), worst)
+    }
+
+    /// The groups of `names` in the order they are taken, each with its keys sorted and
+    /// the place of each name in `names`; every check of the input is made here, before
+    /// anything is sent.
+    fn groups_of(&self, names: &[Vec<u8>]) -> Result<Vec<Vec<(usize, Keys)>>> {
+        if names.is_empty() {
+            return Err(Error::InvalidArgument("multi-lock of no names".to_owned()));
+        }
+        if names.len() > MAX_NAMES {
+            return Err(Error::InvalidArgument(format!(
+                "multi-lock of more than {MAX_NAMES} names"
+            )));
+        }
+        let mut keys = names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| Ok((i, Keys::new(&self.cfg.key_prefix, name)?)))
+            .collect::<Result<Vec<_>>>()?;
+        keys.sort_by(|(_, a), (_, b)| a.lock().cmp(b.lock()));
+        if let Some(pair) = keys.windows(2).find(|w| w[0].1 == w[1].1) {
+            return Err(Error::InvalidArgument(format!(
+                "multi-lock names {:?} twice",
+                pair[0].1.display()
+            )));
+        }
+        if keys.iter().any(|(_, k)| self.table.held_here(k)) {
+            return Err(Error::WouldDeadlock);
+        }
+        // Redis Cluster: one group per slot, in slot order (see the module docs).
+        let by_slot = self.topology.batches_by_slot();
+        let mut groups: BTreeMap<u16, Vec<(usize, Keys)>> = BTreeMap::new();
+        for (i, k) in keys {
+            let slot = if by_slot { keyslot(k.lock()) } else { 0 };
+            groups.entry(slot).or_default().push((i, k));
+        }
+        Ok(groups.into_values().collect())
+    }
+
+    /// Takes every group of `names` in order: the locks by group, and by name in the
+    /// caller's order.
+    #[allow(clippy::type_complexity)]
+    fn take_all(
+        self: &Arc<Self>,
+        names: &[Vec<u8>],
+        wait: Wait<'_>,
+    ) -> Result<(Vec<Vec<Arc<RemoteLock>>>, Vec<Arc<RemoteLock>>)> {
+        let groups = self.groups_of(names)?;
+        let mut taken = Partial {
+            engine: self,
+            groups: Vec::with_capacity(groups.len()),
+        };
+        for group in &groups {
+            let keys: Vec<Keys> = group.iter().map(|(_, k)| k.clone()).collect();
+            let locks = self.take_group(&keys, wait).inspect_err(|e| {
+                if e.is_timeout() {
+                    Counters::inc(&self.counters.timeouts);
+                }
+            })?;
+            if let Some(w) = &self.watchdog {
+                for lock in &locks {
+                    w.register(lock.clone(), lock.next_due());
+                }
+            }
+            taken.groups.push(locks);
+        }
+        let held = std::mem::take(&mut taken.groups);
+        let mut by_name: Vec<Option<Arc<RemoteLock>>> = vec![None; names.len()];
+        for (group, locks) in groups.iter().zip(&held) {
+            for ((i, _), lock) in group.iter().zip(locks) {
+                by_name[*i] = Some(lock.clone());
+            }
+        }
+        Ok((held, by_name.into_iter().flatten().collect()))
+    }
+
+    /// Contends for the locks `keys` (one group) until all are ours, the wait policy says
+    /// stop, or an error.
+    fn take_group(self: &Arc<Self>, keys: &[Keys], wait: Wait<'_>) -> Result<Vec<Arc<RemoteLock>>> {
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let route = self.topology.route(first);
+        let protocol = route.protocol(Kind::Multi)?;
+        let Some(node) = route.sole() else {
+            return Err(Error::Protocol(
+                "a multi-lock's group without a sole node".to_owned(),
+            ));
+        };
+        let mark_id = format!("{}{MARK_SUFFIX}", node.client_id());
+        let mut waiter = Waiter::hearing(Hears::Key);
+        if let Some(cancel) = wait.cancel() {
+            waiter.cancel_with(cancel);
+        }
+        GroupContest {
+            engine: self,
+            keys,
+            route,
+            protocol,
+            wait,
+            waiter,
+            mark_id,
+            marked: false,
+        }
+        .run()
+    }
+
+    /// Gives back one group's locks (see [`release_multi`](Self::release_multi)).
+    fn release_group(self: &Arc<Self>, locks: &[Arc<RemoteLock>]) -> Result<Unlocked> {
+        let Some(first) = locks.first() else {
+            return Ok(Unlocked::Released);
+        };
+        // No renewal may be sent once this returns.
+        let lost: Vec<bool> = locks
+            .iter()
+            .map(|l| l.begin_release(&self.counters).is_some())
+            .collect();
+        if let Some(w) = &self.watchdog {
+            locks.iter().for_each(|l| w.unregister(l));
+        }
+        let keys: Vec<Keys> = locks.iter().map(|l| l.keys.clone()).collect();
+        let (protocol, token) = (first.protocol, first.token.as_str());
+        let route = self.topology.route(&first.keys);
+        // One reply per lock; one error for the group, which a failover rides through.
+        let (_, replies) = self.release_riding(first, route, |route| {
+            match on_sole(route, |node| {
+                protocol.release_all(node, &keys, token, route.retry())
+            }) {
+                Ok(replies) => replies.into_iter().map(Ok).collect(),
+                Err(e) => vec![Err(e)],
+            }
+        });
+        if replies.len() != locks.len() {
+            return match replies.into_iter().find_map(|r| r.err()) {
+                Some(e) => Err(e),
+                None => Err(Error::Protocol(
+                    "multi-lock release: replies missing".to_owned(),
+                )),
+            };
+        }
+        replies
+            .into_iter()
+            .zip(lost)
+            .map(|(reply, lost)| tally_release(vec![reply], !lost, 1))
+            .fold(Ok(Unlocked::Released), worst)
+    }
+}
+
+/// `f` on the node that decides alone on `route` (a multi-lock's routes have one).
+fn on_sole<T>(route: &Route, f: impl FnOnce(&Node) -> Result<T>) -> Result<T> {
+    match route.sole() {
+        Some(node) => f(node),
+        None => Err(Error::Protocol(
+            "a multi-lock's route without a sole node".to_owned(),
+        )),
+    }
+}
+
+/// Of two outcomes of giving back parts of a multi-lock, the one to report: the first
+/// error, else the worst (held by another, then expired, then released).
+fn worst(a: Result<Unlocked>, b: Result<Unlocked>) -> Result<Unlocked> {
+    let rank = |u: Unlocked| match u {
+        Unlocked::HeldByOther => 2,
+        Unlocked::Expired => 1,
+        _ => 0,
+    };
+    match (a, b) {
+        (Err(e), _) | (_, Err(e)) => Err(e),
+        (Ok(a), Ok(b)) => Ok(if rank(b) > rank(a) { b } else { a }),
+    }
+}
+
+/// The groups a multi-lock took so far: given back if it does not get the rest (an
+/// error, a timeout, a cancel, a panic on the way).
+struct Partial<'a> {
+    engine: &'a Arc<Engine>,
+    groups: Vec<Vec<Arc<RemoteLock>>>,
+}
+
+impl Drop for Partial<'_> {
+    fn drop(&mut self) {
+        if self.groups.is_empty() {
+            return;
+        }
+        if let Err(e) = self.engine.release_multi(&self.groups) {
+            log::warn!(
+                "giving back a multi-lock's names failed (they expire with their lease): {e}"
+            );
+        }
+    }
+}
+
+/// One group's contest: the loop of `contest`, for a set of keys taken all or none.
+struct GroupContest<'a> {
+    engine: &'a Arc<Engine>,
+    keys: &'a [Keys],
+    route: Route,
+    protocol: Protocol,
+    wait: Wait<'a>,
+    waiter: Waiter,
+    mark_id: String,
+    /// An attempt of ours may have left contention marks: taken with us when we leave
+    /// without the locks.
+    marked: bool,
+}
+
+impl GroupContest<'_> {
+    fn run(&mut self) -> Result<Vec<Arc<RemoteLock>>> {
+        let (engine, wait) = (self.engine, self.wait);
+        let (keys, deadline) = (self.keys, wait.deadline());
+        let lease = engine.cfg.lease;
+        // Redis Cluster: retries through a failover with the token of the attempt that
+        // failed (the script recognises its own token: invariant 3).
+        let mut ride = Ride::new(&engine.topology, &engine.counters);
+        let mut carried: Option<String> = None;
+        let mut end = WaitEnd::new(&engine.cfg);
+        let mut fresh = true;
+        loop {
+            if wait.cancelled() {
+                self.leave();
+                return Err(Error::Cancelled);
+            }
+            // The first attempt goes where the caller's route, read just now, says.
+            if !std::mem::take(&mut fresh) {
+                self.waiter.follow(keys, engine, &mut self.route, deadline);
+            }
+            if matches!(wait, Wait::Until(..)) {
+                self.waiter
+                    .watch_if_subscribed(keys, engine, &self.route, deadline);
+            }
+            // Counters from before the attempt, only when every key's subscription is
+            // confirmed: otherwise a release of one of them could go unheard.
+            let before = (self.waiter.snapshots())
+                .filter(|snaps| snaps.len() == keys.len() && snaps.iter().all(|s| s.confirmed));
+            let marks = Marks {
+                leave: wait.waits_now(),
+                clear: self.marked,
+            };
+            let token = carried.take().unwrap_or_else(new_token);
+            // On the lease clock: the validity counts from here.
+            let started = Stamp::now();
+            let outcome = self.attempt(&token, marks);
+            if outcome.is_ok() {
+                ride.settled();
+            }
+            let hint = match outcome {
+                Ok(Taken::All(fences)) if lease_left(lease, started, engine.cfg.drift(lease)) => {
+                    return self.acquired(token, fences, started);
+                }
+                Ok(Taken::All(_)) => {
+                    // No time left by the reply: a hold without time left is nobody's.
+                    Counters::inc(&engine.counters.failed_attempts);
+                    self.give_back(token);
+                    end.late = true;
+                    Some(Duration::ZERO)
+                }
+                Ok(Taken::Unacked { acked }) => {
+                    self.give_back(token);
+                    end.unacked = Some(acked);
+                    Some(Duration::ZERO)
+                }
+                Ok(Taken::Held { pttl }) => {
+                    self.marked |= marks.leave;
+                    pttl
+                }
+                Err(e) => {
+                    self.marked |= marks.leave && may_have_run(&e);
+                    if matches!(wait, Wait::Until(..))
+                        && !wait.cancelled()
+                        && ride.again(&e, deadline)
+                    {
+                        carried = Some(token);
+                        continue;
+                    }
+                    if may_have_run(&e) {
+                        self.release_later(token);
+                    }
+                    self.leave();
+                    return Err(WaitEnd::failed(&ride, wait, e));
+                }
+            };
+            let deadline = match end.next(wait) {
+                Next::Stop(e) => return Err(e),
+                Next::Over(e) => {
+                    self.leave();
+                    return Err(e);
+                }
+                Next::Sleep(deadline) => deadline,
+            };
+            if !self.waiter.watching() {
+                // Where the keys are now, which the attempt's redirects may have just told.
+                self.route = engine.topology.route(&keys[0]);
+                if engine.cfg.wakeup == Wakeup::Notifications {
+                    // Subscribe, confirmed, then the attempt whose failure makes us wait.
+                    self.waiter.watch_all(keys, engine, &self.route, deadline);
+                    continue;
+                }
+            }
+            let route = &self.route;
+            self.waiter
+                .sleep(&keys[0], engine, route, before, hint, deadline, |_| {});
+        }
+    }
+
+    /// One all-or-nothing attempt with `token` on the group's node.
+    fn attempt(&self, token: &str, marks: Marks) -> Result<Taken> {
+        let engine = self.engine;
+        let group = Group {
+            keys: self.keys,
+            token,
+            lease: engine.cfg.lease,
+            marks,
+            mark_id: &self.mark_id,
+            mark_ttl: engine.cfg.mark_ttl(),
+        };
+        let (route, deadline) = (&self.route, self.wait.deadline());
+        on_sole(route, |node| {
+            self.protocol
+                .acquire_all(node, group, route.retry(), deadline)
+        })
+    }
+
+    /// The group is ours: one lock per key, sharing `token`.
+    fn acquired(
+        &self,
+        token: String,
+        fences: Vec<u64>,
+        started: Stamp,
+    ) -> Result<Vec<Arc<RemoteLock>>> {
+        let engine = self.engine;
+        if let Some(fence) = fences.iter().find(|&&f| f > MAX_FENCE) {
+            let e = Error::Protocol(format!("fence counter {fence} exceeds {MAX_FENCE}"));
+            self.give_back(token);
+            return Err(e);
+        }
+        let nodes: Vec<_> = self.route.nodes().iter().map(|n| n.id.clone()).collect();
+        let cfg = &engine.cfg;
+        let lease = cfg.lease;
+        let locks = self.keys.iter().zip(fences).map(|(keys, fence)| {
+            Counters::inc(&engine.counters.remote_acquisitions);
+            let acquisition = Acquisition {
+                keys: keys.clone(),
+                protocol: self.protocol,
+                token: token.clone(),
+                fence,
+                nodes: nodes.clone(),
+                started,
+            };
+            let renew = cfg.auto_renew.then(|| cfg.renew_every(lease));
+            Arc::new(RemoteLock::new(acquisition, lease, cfg.drift(lease), renew))
+        });
+        Ok(locks.collect())
+    }
+
+    /// Gives back what an attempt with `token` took: now while the caller's deadline
+    /// allows, else (or when that fails) in the background.
+    fn give_back(&self, token: String) {
+        if !past(self.wait.deadline()) {
+            let route = &self.route;
+            let released = on_sole(route, |node| {
+                self.protocol
+                    .release_all(node, self.keys, &token, route.retry())
+            });
+            match released {
+                Ok(_) => return,
+                Err(e) => log::debug!("giving back a multi-lock's group failed: {e}"),
+            }
+        }
+        self.release_later(token);
+    }
+
+    /// Leaves the release of `token`'s locks, which an attempt whose outcome is unknown
+    /// may have taken, to the cleanup job.
+    fn release_later(&self, token: String) {
+        let nodes: Vec<_> = self.route.nodes().iter().map(|n| n.id.clone()).collect();
+        for keys in self.keys {
+            (self.engine.cleanup).release_later(keys, self.protocol, token.clone(), nodes.clone());
+        }
+    }
+
+    /// The wait ends without the locks: our contention marks go with us.
+    fn leave(&self) {
+        if !self.marked {
+            return;
+        }
+        let left = on_sole(&self.route, |node| {
+            self.protocol.leave_all(node, self.keys, &self.mark_id)
+        });
+        if let Err(e) = left {
+            log::debug!("removing a multi-lock's contention marks failed (they expire): {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A multi-lock's release reports the first error, else the worst outcome of its parts.
+    #[test]
+    fn the_worst_outcome_is_reported() {
+        use Unlocked::*;
+        let fold = |parts: Vec<Result<Unlocked>>| parts.into_iter().fold(Ok(Released), worst);
+        assert_eq!(
+            fold(vec![Ok(Released), Ok(Released)]).expect("ok"),
+            Released
+        );
+        assert_eq!(fold(vec![Ok(Expired), Ok(Released)]).expect("ok"), Expired);
+        assert_eq!(
+            fold(vec![Ok(Expired), Ok(HeldByOther), Ok(Released)]).expect("ok"),
+            HeldByOther
+        );
+        let e = fold(vec![
+            Ok(HeldByOther),
+            Err(Error::Timeout),
+            Err(Error::WouldBlock),
+        ]);
+        assert!(matches!(e, Err(Error::Timeout)), "{e:?}");
+    }
+}

@@ -1,0 +1,225 @@
+//! The script of multi-locks: every lock of a group (a multi-lock's names whose keys are on
+//! one node and in one hash slot) taken by one call, all or none.
+//!
+//! Each name of a multi-lock is held as a plain lock: its key holds the group's token with
+//! the lease as TTL, and its fence counter is incremented as `ACQUIRE` does (see
+//! `scripts::FENCE_FN`). So a name held by a multi-lock is renewed by `EXTEND`, released
+//! by its protocol's release script (sent for the whole group in one pipelined round
+//! trip, see `Node::release_all`), and looks to every other contender exactly like a
+//! lock held by `lock()`.
+//!
+//! Contention marks are written with the multi-lock's own mark id (the client's id and a
+//! suffix) rather than the client's id: a thread of this very process that holds one of the
+//! names then hears a waiter it must make room for, as it would hear another process (its
+//! subscriber ignores only marks of its own id).
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::Cmd;
+
+use crate::error::{Error, Result};
+use crate::proto::keys::Keys;
+use crate::proto::node::{Node, Retry};
+use crate::proto::scripts::{FENCE_FN, Lua, OWNER_FN, Site};
+use crate::proto::sharded::PUBLISH_FN;
+use crate::stats::Counters;
+
+/// Acquire every lock of a group, all or none, in one round trip; idempotent.
+///
+/// KEYS: per lock, its key, its fence counter and its contention mark (three each, in the
+/// group's order). ARGV: token, lease in ms, the mark id, the mark's TTL in ms (0: the
+/// caller will not wait, so it leaves no mark), `1` if the caller marked before (its marks
+/// are deleted when it wins), the fence counter's TTL in ms, then one library channel per
+/// lock, then the publish mode (see `sharded`).
+///
+/// Returns `{1, fence…}` (one fence per lock, in order) when every lock is ours;
+/// `{0, pttl}` when another holder has at least one, with the soonest end of their leases
+/// (`-1`: none of them has a TTL); `{2, 0}` when a key is a read-write lock or a semaphore.
+///
+/// * **All or none.** Each key is read first (`GET`, a `pcall`: another kind of lock is an
+///   answer). Every key free or holding our token: each free one is taken with
+///   `take_fenced`, each of ours keeps its fence and has its lease lengthened (a retry
+///   after a lost reply: one lock, one fence). Otherwise nothing is taken, and a key
+///   holding our token is deleted (a retry whose first try ran, then a lock of ours
+///   expired and was taken by another: no lock is left held without the others). A fence
+///   whose `INCR` fails deletes what the call took before returning the error.
+/// * **Marks.** A failed attempt of a caller that will wait leaves its mark id on each
+///   key held by another, and publishes `c<mark id>` on that lock's channel, as `ACQUIRE`
+///   does: the holders' processes apply their fairness budget. The queue of the fair
+///   lock is not joined: a multi-lock takes a name when its key is free.
+pub(crate) static MULTI_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(&format!(
+        "{PUBLISH_FN}{FENCE_FN}{OWNER_FN}{}",
+        r"
+local n = #KEYS / 3
+local token, lease = ARGV[1], ARGV[2]
+local owners = {}
+local held, soonest = false, -1
+for i = 1, n do
+  local cur = redis.pcall('GET', KEYS[3 * i - 2])
+  if type(cur) == 'table' then return {2, 0} end
+  owners[i] = cur
+  if cur and cur ~= token then
+    held = true
+    local pttl = redis.call('PTTL', KEYS[3 * i - 2])
+    if pttl >= 0 and (soonest < 0 or pttl < soonest) then soonest = pttl end
+  end
+end
+if held then
+  for i = 1, n do
+    if owners[i] == token then
+      redis.call('DEL', KEYS[3 * i - 2])
+      publish(ARGV[6 + i], 'r')
+    elseif owners[i] and ARGV[4] ~= '0' then
+      redis.call('SET', KEYS[3 * i], ARGV[3], 'PX', ARGV[4])
+      publish(ARGV[6 + i], 'c' .. ARGV[3])
+    end
+  end
+  return {0, soonest}
+end
+local out = {1}
+for i = 1, n do
+  local lock, counter = KEYS[3 * i - 2], KEYS[3 * i - 1]
+  local fence
+  if owners[i] == token then
+    if redis.call('PTTL', lock) < tonumber(lease) then redis.call('PEXPIRE', lock, lease) end
+    fence = current_fence(counter)
+  else
+    fence = take_fenced(lock, token, lease, counter, ARGV[6])
+    if type(fence) == 'table' then
+      for j = 1, i - 1 do
+        if redis.call('GET', KEYS[3 * j - 2]) == token then
+          redis.call('DEL', KEYS[3 * j - 2])
+          publish(ARGV[6 + j], 'r')
+        end
+      end
+      return fence
+    end
+  end
+  out[i + 1] = fence
+end
+if ARGV[5] == '1' then
+  for i = 1, n do delete_owned({KEYS[3 * i]}, ARGV[3]) end
+end
+return out
+"
+    ))
+});
+
+/// What one all-or-nothing attempt at a group found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Taken {
+    /// Every lock of the group is ours: their fences, in the group's order.
+    All(Vec<u64>),
+    /// Another holder has at least one of them (nothing was taken); `pttl`: the soonest
+    /// end of their leases (`None`: none of them has a TTL).
+    Held { pttl: Option<Duration> },
+    /// The script took them all, but fewer replicas than asked acknowledged it in time
+    /// (`replica_ack`): the caller must give them back.
+    Unacked { acked: usize },
+}
+
+/// The call of [`MULTI_ACQUIRE`] (see it for the arguments) for the locks `keys`; `site`
+/// carries the multi-lock's mark id in place of the client's id. A failed attempt marks
+/// contention for `mark_ms` (0: the caller will not wait); `clear`: the caller marked
+/// before, and deletes its marks if it wins.
+pub(crate) fn acquire_call(
+    site: Site<'_>,
+    keys: &[Keys],
+    token: &str,
+    lease_ms: u64,
+    mark_ms: u64,
+    clear: bool,
+) -> Cmd {
+    let mut call = MULTI_ACQUIRE.call(3 * keys.len());
+    for k in keys {
+        call.arg(k.lock()).arg(k.fence()).arg(k.mark());
+    }
+    call.arg(token)
+        .arg(lease_ms)
+        .arg(site.client_id)
+        .arg(mark_ms)
+        .arg(if clear { "1" } else { "0" })
+        .arg(site.fence_ttl_ms);
+    for k in keys {
+        call.arg(k.channel());
+    }
+    call.arg(site.publish);
+    call
+}
+
+/// Reads [`MULTI_ACQUIRE`]'s reply for a group of `locks` locks.
+fn taken_of(reply: Vec<i64>, locks: usize) -> Result<Taken> {
+    let fence =
+        |f: i64| u64::try_from(f).map_err(|_| Error::Protocol(format!("negative fence {f}")));
+    match reply.as_slice() {
+        [1, fences @ ..] if fences.len() == locks => Ok(Taken::All(
+            fences.iter().map(|&f| fence(f)).collect::<Result<_>>()?,
+        )),
+        [0, pttl] => Ok(Taken::Held {
+            pttl: u64::try_from(*pttl).ok().map(Duration::from_millis),
+        }),
+        [2, _] => Err(Error::WrongKind),
+        _ => Err(Error::Protocol(format!(
+            "multi-lock acquire replied {reply:?} for {locks} locks"
+        ))),
+    }
+}
+
+impl Node {
+    /// One [`MULTI_ACQUIRE`] `call` for a group of `locks` locks on this node, retried with
+    /// the same token after an ambiguous failure as `retry` says (the script recognises its
+    /// own token), within `deadline`; with the replicas' `WAIT` when `replica_ack` asks.
+    /// When the outcome stays unknown, the caller must release the token's locks.
+    pub(crate) fn acquire_all(
+        &self,
+        call: &Cmd,
+        locks: usize,
+        retry: Retry,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Taken> {
+        let took = |reply: &Vec<i64>| reply.first() == Some(&1);
+        let (reply, unacked) = self.run_acquire(&MULTI_ACQUIRE, call, retry, deadline, took)?;
+        match (taken_of(reply, locks)?, unacked) {
+            (Taken::All(_), Some(acked)) => Ok(Taken::Unacked { acked }),
+            (held @ Taken::Held { .. }, _) => {
+                Counters::inc(&self.counters().failed_attempts);
+                Ok(held)
+            }
+            (taken, _) => Ok(taken),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The replies the script gives, read: fences in order, the soonest lease, another
+    /// kind, and anything else refused.
+    #[test]
+    fn replies_are_read() {
+        assert_eq!(
+            taken_of(vec![1, 7, 9], 2).expect("all"),
+            Taken::All(vec![7, 9])
+        );
+        assert_eq!(
+            taken_of(vec![0, 250], 2).expect("held"),
+            Taken::Held {
+                pttl: Some(Duration::from_millis(250))
+            }
+        );
+        assert_eq!(
+            taken_of(vec![0, -1], 3).expect("held"),
+            Taken::Held { pttl: None }
+        );
+        assert!(matches!(taken_of(vec![2, 0], 1), Err(Error::WrongKind)));
+        for bad in [vec![1, 7], vec![1, -3, 4], vec![], vec![5, 5]] {
+            assert!(
+                matches!(taken_of(bad.clone(), 2), Err(Error::Protocol(_))),
+                "{bad:?}"
+            );
+        }
+    }
+}
