@@ -100,7 +100,7 @@ pub use api::client::LockClient;
 pub use api::detached::{DetachedGuard, DetachedWriteGuard};
 pub use api::guard::LockGuard;
 pub use api::inspect::{ForceRelease, Hold, HoldKind, Holder, LockInfo, LockKind, QueueEntry};
-pub use api::rwlock::{ReadGuard, RwLock, WriteGuard};
+pub use api::rwlock::{ReadGuard, RwLock, UpgradableReadGuard, UpgradeError, WriteGuard};
 pub use api::semaphore::{Permit, Semaphore};
 pub use config::Wakeup;
 pub use error::{Error, LostReason, Result, Unlocked};

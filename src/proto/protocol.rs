@@ -10,6 +10,10 @@
 //!   it: independent masters cannot agree on one queue.
 //! * [`Protocol::Read`], [`Protocol::Write`], [`Protocol::Permit`]: holds among others in a
 //!   sorted set (see `rw_scripts`), on routes where one node decides alone.
+//! * [`Protocol::Upgradable`]: the upgradable read hold, one more shared hold; and
+//!   [`Protocol::Upgrade`]: turning it into the write hold, contended for like a hold (an
+//!   attempt of it fails while other readers hold) whose attempts all use the upgradable
+//!   hold's member, and which wins the write hold.
 //!
 //! An enum rather than a trait object: the set is closed and small, the value is `Copy`
 //! (a route and a hold carry it at no cost, a fan-out closure captures it without an
@@ -46,6 +50,10 @@ pub(crate) enum Kind {
     Write,
     /// One permit of a semaphore of this many permits.
     Permit(u32),
+    /// The upgradable read hold of a read-write lock.
+    Upgradable,
+    /// The write hold, into which an upgradable read hold turns.
+    Upgrade,
 }
 
 /// How one kind of hold is contended for, given back and renewed on a route.
@@ -63,6 +71,14 @@ pub(crate) enum Protocol {
     Write { mark_ttl: Duration },
     /// One permit of a semaphore of `permits` permits.
     Permit { permits: u32 },
+    /// The upgradable read hold; a failed attempt that will wait marks a waiting reader for
+    /// `mark_ttl` (it holds nobody back, but wakes at the release of the upgradable hold in
+    /// its way).
+    Upgradable { mark_ttl: Duration },
+    /// Turning an upgradable read hold into the write hold (the token of its attempts is
+    /// the upgradable hold's member); a failed attempt that will wait marks it as a waiting
+    /// writer for `mark_ttl`, which holds new readers back.
+    Upgrade { mark_ttl: Duration },
 }
 
 /// The fair queue's timings (see `fair_scripts`): how long a waiter's entry lives unless
@@ -132,6 +148,8 @@ impl Protocols {
                 ));
             }
             Kind::Permit(permits) => Protocol::Permit { permits },
+            Kind::Upgradable => Protocol::Upgradable { mark_ttl },
+            Kind::Upgrade => Protocol::Upgrade { mark_ttl },
         };
         if !self.shared {
             return Err(Error::Unsupported(
@@ -185,7 +203,11 @@ impl Protocol {
     pub fn shared(self) -> bool {
         matches!(
             self,
-            Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. }
+            Protocol::Read { .. }
+                | Protocol::Write { .. }
+                | Protocol::Permit { .. }
+                | Protocol::Upgradable { .. }
+                | Protocol::Upgrade { .. }
         )
     }
 
@@ -212,10 +234,14 @@ impl Protocol {
     }
 
     /// Whether a waiter listens for a message to its own token: a fair queue's grant, or
-    /// the wake-up a read-write lock's last release sends to the writer waiting longest.
-    /// Either is only a wake-up: the next attempt confirms.
+    /// the wake-up a read-write lock's last release sends to the writer waiting longest
+    /// (or to the upgrade waiting for the last other reader). Either is only a wake-up: the
+    /// next attempt confirms.
     pub fn awaits_grant(self) -> bool {
-        matches!(self, Protocol::FairLock(_) | Protocol::Write { .. })
+        matches!(
+            self,
+            Protocol::FairLock(_) | Protocol::Write { .. } | Protocol::Upgrade { .. }
+        )
     }
 
     /// Which events wake a waiter.
@@ -255,7 +281,22 @@ impl Protocol {
             Protocol::Read { .. } => Some(Want::Read),
             Protocol::Write { .. } => Some(Want::Write),
             Protocol::Permit { permits } => Some(Want::Permit(permits)),
-            Protocol::Lock { .. } | Protocol::FairLock(_) => None,
+            Protocol::Upgradable { .. } => Some(Want::Upgradable),
+            // Its token is the upgradable hold's: it makes none of its own.
+            Protocol::Lock { .. } | Protocol::FairLock(_) | Protocol::Upgrade { .. } => None,
+        }
+    }
+
+    /// The protocol and token of the hold an attempt of this protocol with `token` wins:
+    /// its own, except an upgrade's, which is the write hold with the write member of the
+    /// same token.
+    pub fn won(self, token: String) -> (Protocol, String) {
+        match self {
+            Protocol::Upgrade { mark_ttl } => (
+                Protocol::Write { mark_ttl },
+                Want::Write.member_like(&token),
+            ),
+            _ => (self, token),
         }
     }
 
@@ -279,14 +320,22 @@ impl Protocol {
         retry: Retry,
         deadline: Option<Instant>,
     ) -> Result<Attempt> {
+        let mark_ttl = match self {
+            Protocol::Read { mark_ttl }
+            | Protocol::Write { mark_ttl }
+            | Protocol::Upgradable { mark_ttl }
+            | Protocol::Upgrade { mark_ttl }
+                if req.marks.leave =>
+            {
+                Some(mark_ttl)
+            }
+            _ => None,
+        };
+        let (keys, token, lease) = (req.keys, req.token, req.lease);
+        if let Protocol::Upgrade { .. } = self {
+            return node.upgrade_shared(keys, token, lease, mark_ttl, retry, deadline);
+        }
         if let Some(want) = self.want() {
-            let mark_ttl = match self {
-                Protocol::Read { mark_ttl } | Protocol::Write { mark_ttl } if req.marks.leave => {
-                    Some(mark_ttl)
-                }
-                _ => None,
-            };
-            let (keys, token, lease) = (req.keys, req.token, req.lease);
             return node.acquire_shared(keys, want, token, lease, mark_ttl, retry, deadline);
         }
         let call = self.lock_call(node, req);
@@ -386,8 +435,15 @@ impl Protocol {
                 );
                 node.release_with(&FAIR_RELEASE, &call, retry, Some((&RELEASE, &narrow)))
             }
-            Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. } => {
-                node.release_shared(keys, token, retry)
+            Protocol::Read { .. }
+            | Protocol::Write { .. }
+            | Protocol::Permit { .. }
+            | Protocol::Upgradable { .. } => node.release_shared(keys, token, retry),
+            // What an attempt may have left is the write hold it turns into (the
+            // upgradable hold is not the attempt's to give back).
+            Protocol::Upgrade { .. } => {
+                let (_, member) = self.won(token.to_owned());
+                node.release_shared(keys, &member, retry)
             }
         }
     }
@@ -426,8 +482,12 @@ impl Protocol {
                 )?;
                 Ok(reply == ReleaseReply::Passed)
             }
-            Protocol::Read { .. } => node.unmark_waiter(keys, token, false).map(|()| false),
-            Protocol::Write { .. } => node.unmark_waiter(keys, token, true).map(|()| false),
+            Protocol::Read { .. } | Protocol::Upgradable { .. } => {
+                node.unmark_waiter(keys, token, false).map(|()| false)
+            }
+            Protocol::Write { .. } | Protocol::Upgrade { .. } => {
+                node.unmark_waiter(keys, token, true).map(|()| false)
+            }
             Protocol::Permit { .. } => Ok(false),
         }
     }
@@ -522,6 +582,31 @@ mod tests {
             assert_eq!(shared.hears(), Hears::Releases);
             assert!(!shared.renewal().ordered);
             assert!(shared.new_token().starts_with(tag));
+        }
+    }
+
+    /// An upgradable read is one more shared hold; an upgrade is contended for like a
+    /// write, with the upgradable hold's member, and wins the write hold.
+    #[test]
+    fn an_upgrade_wins_the_write_hold() {
+        let one = Protocols::of(&Config::default());
+        let upgradable = one.get(Kind::Upgradable).expect("upgradable");
+        assert!(upgradable.shared() && !upgradable.awaits_grant());
+        assert!(upgradable.new_token().starts_with('u'));
+        let upgrade = one.get(Kind::Upgrade).expect("upgrade");
+        assert!(upgrade.shared() && upgrade.keeps_token_across_attempts());
+        assert!(
+            upgrade.awaits_grant(),
+            "the last other reader's release wakes it"
+        );
+        assert_eq!(upgrade.hears(), Hears::Releases);
+        let (won, member) = upgrade.won("uabc".to_owned());
+        assert_eq!(won, one.get(Kind::Write).unwrap());
+        assert_eq!(member, "wabc");
+        assert_eq!(upgradable.won("uabc".to_owned()).1, "uabc");
+        let redlock = Protocols::majority(&Config::default());
+        for kind in [Kind::Upgradable, Kind::Upgrade] {
+            assert!(matches!(redlock.get(kind), Err(Error::Unsupported(_))));
         }
     }
 
