@@ -102,7 +102,7 @@ pub use api::guard::LockGuard;
 pub use api::inspect::{ForceRelease, Hold, HoldKind, Holder, LockInfo, LockKind, QueueEntry};
 pub use api::latch::{Latch, MAX_LATCH_COUNT};
 pub use api::multi::{MAX_MULTI_NAMES, MultiGuard};
-pub use api::rwlock::{ReadGuard, RwLock, WriteGuard};
+pub use api::rwlock::{ReadGuard, RwLock, UpgradableReadGuard, UpgradeError, WriteGuard};
 pub use api::semaphore::{Permit, Semaphore};
 pub use config::Wakeup;
 pub use error::{Error, LostReason, Result, Unlocked};

@@ -225,7 +225,7 @@ pub struct Holder {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Hold {
-    /// Read, write or permit.
+    /// Read, write, upgradable read or permit.
     pub kind: HoldKind,
     /// What is left of its lease; `None` when it has expired (its holder stopped renewing
     /// it: it counts no more, and the next script run on the name drops it).
@@ -254,6 +254,9 @@ pub enum HoldKind {
     Write,
     /// A semaphore's permit.
     Permit,
+    /// The upgradable read hold of a read-write lock (see
+    /// [`RwLock::upgradable_read`](crate::RwLock::upgradable_read)).
+    Upgradable,
 }
 
 /// A process waiting in a fair lock's queue ([`Builder::fair`](crate::Builder::fair)).
@@ -526,6 +529,7 @@ fn view(name: &[u8], node: String, s: &Snapshot, mine: &[String]) -> LockInfo {
                 Some(b'r') => HoldKind::Read,
                 Some(b'w') => HoldKind::Write,
                 Some(b'p') => HoldKind::Permit,
+                Some(b'u') => HoldKind::Upgradable,
                 _ => return None,
             };
             Some(Hold {

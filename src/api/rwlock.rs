@@ -1,4 +1,5 @@
-//! Read-write locks: many readers across processes, or one writer.
+//! Read-write locks: many readers across processes, or one writer; and the upgradable
+//! read, which turns into the write hold without letting another writer in first.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -79,6 +80,14 @@ impl LockClient {
 ///   back when the turns already running end. So a waiting writer of another process
 ///   waits at most that slice plus the sections already running, then the readers' release.
 /// * Waiters sleep until a release event (no polling), as for the plain lock.
+/// * **Upgradable reads.** [`upgradable_read`](RwLock::upgradable_read) reads beside the
+///   other readers while excluding writers and the other upgradable reads (one at a time
+///   across all processes); [`upgrade`](UpgradableReadGuard::upgrade) then waits for the
+///   other readers to be done (holding new ones back, as a waiting writer does) and turns
+///   the hold into the write hold in one step, with no writer in between.
+///   [`downgrade`](WriteGuard::downgrade) turns the write hold back into a read hold in
+///   one step. An upgradable read is a remote hold of its thread's own, never shared with
+///   the process's local turns.
 ///
 /// # Examples
 ///
@@ -115,7 +124,7 @@ impl RwLock {
     /// # Errors
     ///
     /// [`Error::InvalidName`]; [`Error::WouldDeadlock`] if this thread holds the write
-    /// lock; [`Error::WrongKind`] if the name is held as a plain lock or a semaphore;
+    /// lock or the upgradable read; [`Error::WrongKind`] if the name is held as a plain lock or a semaphore;
     /// [`Error::Unsupported`] on a Redlock client; Redis errors.
     ///
     /// # Examples
@@ -222,7 +231,7 @@ impl RwLock {
     /// # Errors
     ///
     /// [`Error::InvalidName`]; [`Error::WouldDeadlock`] if this thread holds the lock
-    /// (for reading or writing); [`Error::WrongKind`] if the name is held as a plain lock
+    /// (for reading or writing, or the upgradable read); [`Error::WrongKind`] if the name is held as a plain lock
     /// or a semaphore; [`Error::Unsupported`] on a Redlock client; Redis errors.
     ///
     /// # Examples
@@ -328,6 +337,134 @@ impl RwLock {
         self.write_with(cancel.wait()?)
     }
 
+    /// Waits until the upgradable read hold is ours: a read beside the other readers that
+    /// excludes writers and the other upgradable reads (at most one at a time, across all
+    /// processes), and that may later [`upgrade`](UpgradableReadGuard::upgrade) to the
+    /// write hold with no writer in between. Like a read, it is not granted while a writer
+    /// waits.
+    ///
+    /// It is a remote hold of this thread's own: the process's local readers do not share
+    /// it, and it does not share theirs (see [`RwLock`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`]; [`Error::WouldDeadlock`] if this thread holds the lock in
+    /// any way (reading, writing, or an upgradable read); [`Error::WrongKind`] if the name
+    /// is held as a plain lock or a semaphore; [`Error::Unsupported`] on a Redlock client;
+    /// Redis errors.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let catalog = client.rwlock("catalog");
+    /// let entry = catalog.upgradable_read()?;
+    /// std::thread::scope(|s| {
+    ///     // Others read beside it, but neither write nor take another upgradable read.
+    ///     s.spawn(|| drop(catalog.try_read().unwrap()));
+    ///     let busy = s.spawn(|| catalog.try_upgradable_read().unwrap_err().is_would_block());
+    ///     assert!(busy.join().unwrap());
+    /// });
+    /// let w = entry.upgrade()?; // now the writer
+    /// # Ok(()) }
+    /// ```
+    pub fn upgradable_read(&self) -> Result<UpgradableReadGuard> {
+        self.upgradable_with(Wait::Until(None, None))
+    }
+
+    /// The upgradable read hold if it can be had right now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WouldBlock`] when a writer or another upgradable reader holds the lock, or
+    /// a writer waits for it; otherwise as [`upgradable_read`](Self::upgradable_read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("catalog");
+    /// let u = rw.try_upgradable_read()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_upgradable_read(&self) -> Result<UpgradableReadGuard> {
+        self.upgradable_with(Wait::No)
+    }
+
+    /// Waits at most `timeout` for the upgradable read hold.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when it could not be had in time; otherwise as
+    /// [`upgradable_read`](Self::upgradable_read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let u = client.rwlock("catalog").try_upgradable_read_for(Duration::from_secs(1))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_upgradable_read_for(&self, timeout: Duration) -> Result<UpgradableReadGuard> {
+        self.upgradable_with(Wait::Until(Instant::now().checked_add(timeout), None))
+    }
+
+    /// Waits until `deadline` at most for the upgradable read hold.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when it could not be had by `deadline`; otherwise as
+    /// [`upgradable_read`](Self::upgradable_read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let deadline = Instant::now() + Duration::from_secs(1);
+    /// let u = client.rwlock("catalog").try_upgradable_read_until(deadline)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_upgradable_read_until(&self, deadline: Instant) -> Result<UpgradableReadGuard> {
+        self.upgradable_with(Wait::Until(Some(deadline), None))
+    }
+
+    /// Waits until the upgradable read hold is ours or `cancel` is cancelled (see
+    /// [`Cancel`]: a cancelled wait leaves nothing behind; a hold taken first is
+    /// returned).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cancelled`] when the wait was cancelled; otherwise as
+    /// [`upgradable_read`](Self::upgradable_read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let cancel = redbaton::Cancel::new();
+    /// let u = client.rwlock("catalog").upgradable_read_cancellable(&cancel)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn upgradable_read_cancellable(&self, cancel: &Cancel) -> Result<UpgradableReadGuard> {
+        self.upgradable_with(cancel.wait()?)
+    }
+
+    fn upgradable_with(&self, wait: Wait<'_>) -> Result<UpgradableReadGuard> {
+        let hold = self.engine.upgradable(&self.name, wait)?;
+        Ok(UpgradableReadGuard(SharedGuard::new(
+            self.engine.clone(),
+            hold,
+            Kind::Upgradable,
+        )))
+    }
+
     fn read_with(&self, wait: Wait<'_>) -> Result<ReadGuard> {
         let hold = self.engine.read(&self.name, wait)?;
         Ok(ReadGuard(SharedGuard::new(
@@ -410,6 +547,7 @@ pub(crate) enum Kind {
     Read,
     Write,
     Permit,
+    Upgradable,
 }
 
 /// The state behind every shared-hold guard (read, write, permit): the hold, its lost
@@ -490,17 +628,54 @@ impl SharedGuard {
         )
     }
 
-    /// Records the hold's time and gives the hold back (or leaves the turn).
-    fn release(&self) -> Result<Unlocked> {
+    /// Turns the upgradable read hold into the write hold (see
+    /// [`UpgradableReadGuard::upgrade`]); on an error, this guard back, still holding
+    /// whatever it held.
+    fn upgrade(self, wait: Wait<'_>) -> std::result::Result<SharedGuard, (Self, Error)> {
+        debug_assert!(
+            self.kind == Kind::Upgradable,
+            "only an upgradable read upgrades"
+        );
+        match self.engine.upgrade(&self.hold, wait) {
+            Ok(hold) => Ok(self.replaced_by(hold, Kind::Write)),
+            Err(e) => Err((self, e)),
+        }
+    }
+
+    /// Turns the write hold into a read hold (see [`WriteGuard::downgrade`]); on an error
+    /// this guard lets go of the write hold.
+    fn downgrade(self) -> Result<SharedGuard> {
+        debug_assert!(self.kind == Kind::Write, "only a write hold downgrades");
+        let hold = self.engine.downgrade(&self.hold)?;
+        Ok(self.replaced_by(hold, Kind::Read))
+    }
+
+    /// The guard of `hold`, of `kind`, which replaced this guard's hold in Redis: this one
+    /// is done holding (its time is recorded) and lets go of nothing.
+    fn replaced_by(mut self, hold: Hold, kind: Kind) -> SharedGuard {
+        self.released = true;
+        self.hold.remote.remove_sharer(self.hold.sharer);
+        self.record();
+        SharedGuard::new(self.engine.clone(), hold, kind)
+    }
+
+    /// Records the hold's time.
+    fn record(&self) {
         let kind = match self.kind {
-            Kind::Read => HoldKind::Read,
+            // An upgradable read is a read, for the times and the metrics' labels.
+            Kind::Read | Kind::Upgradable => HoldKind::Read,
             Kind::Write => HoldKind::Write,
             Kind::Permit => HoldKind::Permit,
         };
         let hold = &self.hold;
         self.engine.counters.released(kind, hold.path, hold.since);
+    }
+
+    /// Records the hold's time and gives the hold back (or leaves the turn).
+    fn release(&self) -> Result<Unlocked> {
+        self.record();
         match self.kind {
-            Kind::Read => self.engine.leave_turn(&self.hold, Mode::Read),
+            Kind::Read | Kind::Upgradable => self.engine.leave_turn(&self.hold, Mode::Read),
             Kind::Write => self.engine.leave_turn(&self.hold, Mode::Write),
             Kind::Permit => self.engine.release_shared(&self.hold.remote),
         }
@@ -684,5 +859,361 @@ impl WriteGuard {
     /// ```
     pub fn detach(self) -> DetachedWriteGuard {
         DetachedWriteGuard::new(self.0.detach_write())
+    }
+
+    /// Turns the write hold into a read hold, in one step in Redis: no writer gets in
+    /// between, the readers waiting (of this process and, when no writer waits, of the
+    /// others) may join at once, and a writer waiting goes on waiting for the readers. The
+    /// read's fencing token is that of a read hold begun with this write's fence (above
+    /// this write's token, below the next writer's).
+    ///
+    /// A write hold this process's threads take turns on stays theirs, as a read hold the
+    /// local readers join; one of this thread's own (an upgraded read, or every hold with
+    /// [`local_handoff(false)`](crate::Builder::local_handoff)) stays its own.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Lost`] when the write hold is known lost or Redis found it gone; Redis
+    /// errors when the step could not be confirmed. Either way the write hold is given
+    /// back, as by a drop (and a read hold the step may have made is released in the
+    /// background).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("catalog");
+    /// let w = rw.write()?;
+    /// let written = w.fencing_token();
+    /// // ... write ...
+    /// let r = w.downgrade()?;
+    /// assert!(r.fencing_token() > written);
+    /// std::thread::scope(|s| {
+    ///     // Readers join; writers still wait.
+    ///     s.spawn(|| drop(rw.try_read().unwrap()));
+    ///     assert!(s.spawn(|| rw.try_write().is_err()).join().unwrap());
+    /// });
+    /// # Ok(()) }
+    /// ```
+    pub fn downgrade(self) -> Result<ReadGuard> {
+        self.0.downgrade().map(ReadGuard)
+    }
+}
+
+/// Proof that this thread holds the upgradable read of a [`RwLock`] (see
+/// [`RwLock::upgradable_read`]): it reads beside the other readers, and no writer nor other
+/// upgradable reader holds the lock. [`upgrade`](Self::upgrade) turns it into the write
+/// hold. Dropping it lets go (best effort, never panicking); [`unlock`](Self::unlock) does
+/// the same and says what happened. Not `Send`, like [`LockGuard`](crate::LockGuard): an
+/// upgrade happens on the thread that holds it.
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let config = client.rwlock("config");
+/// let entry = config.upgradable_read()?;
+/// let stale = true; // ... decided by reading ...
+/// if stale {
+///     let w = entry.upgrade()?;
+///     // ... write, with `w.fencing_token()` ...
+/// }
+/// # Ok(()) }
+/// ```
+#[must_use = "the upgradable read hold is released as soon as the guard is dropped"]
+pub struct UpgradableReadGuard(SharedGuard);
+
+impl std::fmt::Debug for UpgradableReadGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpgradableReadGuard")
+            .field("name", &String::from_utf8_lossy(self.0.name()))
+            .field("fencing_token", &self.fencing_token())
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpgradableReadGuard {
+    shared_guard_methods!(
+        "upgradable read hold",
+        "client.rwlock(\"catalog\").upgradable_read()"
+    );
+
+    /// Lets go of the upgradable read hold in Redis and says what happened.
+    ///
+    /// # Errors
+    ///
+    /// Redis errors when the release could not be confirmed (the hold then expires with
+    /// its lease).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let u = client.rwlock("catalog").upgradable_read()?;
+    /// assert!(u.unlock()?.was_held());
+    /// # Ok(()) }
+    /// ```
+    pub fn unlock(self) -> Result<Unlocked> {
+        self.0.unlock()
+    }
+
+    /// The read's fencing token, as a read hold's (see [`ReadGuard::fencing_token`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("catalog");
+    /// let u = rw.upgradable_read()?;
+    /// let read = u.fencing_token();
+    /// assert!(u.upgrade()?.fencing_token() > read);
+    /// # Ok(()) }
+    /// ```
+    pub fn fencing_token(&self) -> u64 {
+        self.0.token()
+    }
+
+    /// Turns the upgradable read into the write hold: waits until the other readers are
+    /// done, then takes the write hold in one step in Redis, so that no writer gets in
+    /// between (the upgradable hold keeps them out meanwhile). While it waits, no new read
+    /// hold is granted (as for a waiting writer), and the process's local readers give
+    /// their read hold back at its next budget check. The write's fencing token is a
+    /// writer's: the name's fence counter was incremented.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Lost`] when the upgradable hold is known lost or Redis found it gone;
+    /// Redis errors. The upgradable hold is given back then, as by a drop: use
+    /// [`try_upgrade_for`](Self::try_upgrade_for) to keep it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let w = client.rwlock("catalog").upgradable_read()?.upgrade()?;
+    /// w.check()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn upgrade(self) -> Result<WriteGuard> {
+        self.upgrade_with(Wait::Until(None, None))
+            .map_err(UpgradeError::into_error)
+    }
+
+    /// The write hold if the upgrade can be made right now (no other reader holds).
+    ///
+    /// # Errors
+    ///
+    /// An [`UpgradeError`] with this guard back: [`Error::WouldBlock`] when other readers
+    /// hold; otherwise as [`upgrade`](Self::upgrade).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let url = redbaton_testkit::redis_url();
+    /// # let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// # let other = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// let u = client.rwlock("catalog").upgradable_read()?;
+    /// let reader = other.rwlock("catalog").read()?; // another process, say
+    /// let u = u.try_upgrade().unwrap_err().into_guard(); // still the upgradable read
+    /// drop(reader);
+    /// let w = u.try_upgrade()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_upgrade(self) -> std::result::Result<WriteGuard, UpgradeError> {
+        self.upgrade_with(Wait::No)
+    }
+
+    /// Waits at most `timeout` for the upgrade.
+    ///
+    /// # Errors
+    ///
+    /// An [`UpgradeError`] with this guard back, still holding the upgradable read:
+    /// [`Error::Timeout`] when the other readers were not done in time (the upgrade's
+    /// waiting mark is removed, so new readers may read again); otherwise as
+    /// [`upgrade`](Self::upgrade).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let url = redbaton_testkit::redis_url();
+    /// # let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// # let other = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// let u = client.rwlock("catalog").upgradable_read()?;
+    /// let reader = other.rwlock("catalog").read()?; // another process, say
+    /// let u = match u.try_upgrade_for(Duration::from_millis(50)) {
+    ///     Ok(_w) => unreachable!("a reader holds"),
+    ///     Err(e) => {
+    ///         assert!(e.error().is_timeout());
+    ///         e.into_guard() // still the upgradable read
+    ///     }
+    /// };
+    /// u.check()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_upgrade_for(
+        self,
+        timeout: Duration,
+    ) -> std::result::Result<WriteGuard, UpgradeError> {
+        self.upgrade_with(Wait::Until(Instant::now().checked_add(timeout), None))
+    }
+
+    /// Waits until `deadline` at most for the upgrade.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_upgrade_for`](Self::try_upgrade_for).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let u = client.rwlock("catalog").upgradable_read()?;
+    /// let w = u.try_upgrade_until(Instant::now() + Duration::from_secs(1))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn try_upgrade_until(
+        self,
+        deadline: Instant,
+    ) -> std::result::Result<WriteGuard, UpgradeError> {
+        self.upgrade_with(Wait::Until(Some(deadline), None))
+    }
+
+    fn upgrade_with(self, wait: Wait<'_>) -> std::result::Result<WriteGuard, UpgradeError> {
+        self.0
+            .upgrade(wait)
+            .map(WriteGuard)
+            .map_err(|(guard, error)| UpgradeError {
+                guard: UpgradableReadGuard(guard),
+                error,
+            })
+    }
+}
+
+/// An upgrade that was not made (see [`UpgradableReadGuard::try_upgrade_for`]): why, and
+/// the upgradable read guard, given back. The guard still holds the upgradable read unless
+/// the error says it is lost ([`Error::Lost`]; its [`check`](UpgradableReadGuard::check)
+/// says so too). Converts into [`Error`] for `?` (the guard is then dropped, which lets go
+/// of the hold). Not `Send`, as the guard it carries.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let u = client.rwlock("catalog").upgradable_read()?;
+/// match u.try_upgrade_for(Duration::from_secs(1)) {
+///     Ok(w) => drop(w),
+///     Err(e) if e.error().is_timeout() => drop(e.into_guard()), // read on, or give up
+///     Err(e) => return Err(e.into()),
+/// }
+/// # Ok(()) }
+/// ```
+pub struct UpgradeError {
+    guard: UpgradableReadGuard,
+    error: Error,
+}
+
+impl UpgradeError {
+    /// Why the upgrade was not made.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let url = redbaton_testkit::redis_url();
+    /// # let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// # let other = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// let u = client.rwlock("catalog").upgradable_read()?;
+    /// let reader = other.rwlock("catalog").read()?;
+    /// let e = u.try_upgrade().unwrap_err();
+    /// assert!(e.error().is_would_block());
+    /// # Ok(()) }
+    /// ```
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+
+    /// The upgradable read guard, given back.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let url = redbaton_testkit::redis_url();
+    /// # let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// # let other = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// let u = client.rwlock("catalog").upgradable_read()?;
+    /// let reader = other.rwlock("catalog").read()?;
+    /// if let Err(e) = u.try_upgrade() {
+    ///     e.into_guard().check()?; // still reading
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn into_guard(self) -> UpgradableReadGuard {
+        self.guard
+    }
+
+    /// The guard and the error.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let url = redbaton_testkit::redis_url();
+    /// # let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// # let other = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// let u = client.rwlock("catalog").upgradable_read()?;
+    /// let reader = other.rwlock("catalog").read()?;
+    /// if let Err(e) = u.try_upgrade() {
+    ///     let (guard, why) = e.into_parts();
+    ///     eprintln!("not upgraded ({why}); still reading: {}", guard.check().is_ok());
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn into_parts(self) -> (UpgradableReadGuard, Error) {
+        (self.guard, self.error)
+    }
+
+    /// The error alone; the guard is dropped (letting go of the upgradable read).
+    fn into_error(self) -> Error {
+        self.error
+    }
+}
+
+impl std::fmt::Debug for UpgradeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpgradeError")
+            .field("error", &self.error)
+            .field("guard", &self.guard)
+            .finish()
+    }
+}
+
+impl std::fmt::Display for UpgradeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("upgrade not made")
+    }
+}
+
+impl std::error::Error for UpgradeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl From<UpgradeError> for Error {
+    fn from(e: UpgradeError) -> Self {
+        e.into_error()
     }
 }

@@ -2,6 +2,10 @@
 //! exclusive lock, a read or write hold, a semaphore permit) on whatever topology, and
 //! decides when it tries again. Everything that differs between holds is the route's
 //! [`Protocol`]'s answer; everything that differs between layouts is the topology's.
+//!
+//! A contest may also turn a hold of ours into another ([`Engine::convert`]: an upgradable
+//! read into the write hold): every attempt then uses that hold's member as its token, and
+//! the hold's renewals wait while an attempt is in flight (see [`Paused`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,7 +17,7 @@ use crate::engine::state::Engine;
 use crate::engine::waiter::{Pending, Waiter};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_FENCE;
-use crate::local::held::{Acquisition, RemoteLock};
+use crate::local::held::{Acquisition, Changed, RemoteLock};
 use crate::local::mailbox::Cancellation;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
@@ -176,13 +180,44 @@ impl Engine {
         wait: Wait<'_>,
         yield_first: bool,
     ) -> Result<Won> {
+        self.contest_from(keys, route, kind, wait, yield_first, None)
+    }
+
+    /// Contends, as [`contest`](Self::contest) does, for a hold of `kind` that `from`, a
+    /// hold of ours, turns into (an upgrade): every attempt uses `from`'s member, and the
+    /// hold won replaces it. Once this returns the hold, `from` is out of the watchdog's
+    /// hands: the caller retires it (see `RemoteLock::begin_release`), with no release.
+    pub(crate) fn convert(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: Route,
+        kind: Kind,
+        wait: Wait<'_>,
+        from: &RemoteLock,
+    ) -> Result<Won> {
+        self.contest_from(keys, route, kind, wait, false, Some(from))
+    }
+
+    fn contest_from(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: Route,
+        kind: Kind,
+        wait: Wait<'_>,
+        yield_first: bool,
+        from: Option<&RemoteLock>,
+    ) -> Result<Won> {
         let protocol = route.protocol(kind)?;
         // Fair queue: one token for the whole wait, so that our place in the queue, and a
         // grant to it, survive from one attempt to the next. Shared holds: one member, so
-        // that a retry after a lost reply, or after a wait, finds its own hold.
-        let token = protocol
-            .keeps_token_across_attempts()
-            .then(|| protocol.new_token());
+        // that a retry after a lost reply, or after a wait, finds its own hold. A
+        // conversion: the member of the hold it turns.
+        let token = match from {
+            Some(from) => Some(from.token.clone()),
+            None => protocol
+                .keeps_token_across_attempts()
+                .then(|| protocol.new_token()),
+        };
         let token = token.as_deref();
         // A panic in the loop must not leave our entry in the queue, nor a grant to it.
         // (Every normal way out leaves the queue itself, or holds the lock.)
@@ -206,6 +241,7 @@ impl Engine {
             wait,
             waiter,
             token,
+            from,
             marked: false,
             fresh: true,
         }
@@ -223,6 +259,8 @@ struct Contest<'a> {
     waiter: Waiter,
     /// The token of every attempt, when the protocol keeps one for the whole wait.
     token: Option<&'a str>,
+    /// The hold of ours the attempts turn into another (see [`Engine::convert`]).
+    from: Option<&'a RemoteLock>,
     /// An attempt of ours may have left a contention mark or a queue entry: taken with
     /// us when we leave without the hold.
     marked: bool,
@@ -396,9 +434,19 @@ impl Contest<'_> {
             lease: engine.cfg.lease,
             marks,
         };
+        // A conversion of a hold lost meanwhile (its lease ran out, its hold limit came)
+        // would make a fresh hold out of a dead one.
+        if let Some(reason) = self.from.and_then(|from| from.lost(&engine.counters)) {
+            return Err(Error::Lost(reason));
+        }
+        let paused = self.from.map(|from| Paused::new(engine, from));
         let replies =
             (engine.topology).attempt(&self.route, self.protocol, req, self.wait.deadline());
-        self.judge(token, started, replies)
+        let round = self.judge(token, started, replies);
+        if let (Some(paused), Ok(Round::Acquired(_))) = (paused, &round) {
+            paused.replaced();
+        }
+        round
     }
 
     /// Reads the reply to the attempt the subscriber sent for us.
@@ -568,23 +616,69 @@ impl Contest<'_> {
                 "fence counter {fence} exceeds {MAX_FENCE}"
             )));
         }
-        let cfg = &engine.cfg;
+        // An upgrade wins the write hold.
+        let (protocol, token) = self.protocol.won(token);
+        let lock = engine.new_hold(Acquisition {
+            keys: self.keys.clone(),
+            protocol,
+            token,
+            fence,
+            nodes,
+            started,
+        });
+        Counters::inc(&engine.counters.remote_acquisitions);
+        Ok(lock)
+    }
+}
+
+impl Engine {
+    /// The state of a hold just taken (or made by turning another), with the client's
+    /// lease and renewals.
+    pub(crate) fn new_hold(&self, acquisition: Acquisition) -> Arc<RemoteLock> {
+        let cfg = &self.cfg;
         let lease = cfg.lease;
-        let lock = Arc::new(RemoteLock::new(
-            Acquisition {
-                keys: self.keys.clone(),
-                protocol: self.protocol,
-                token,
-                fence,
-                nodes,
-                started,
-            },
+        Arc::new(RemoteLock::new(
+            acquisition,
             lease,
             cfg.drift(lease),
             cfg.auto_renew.then(|| cfg.renew_every(lease)),
-        ));
-        Counters::inc(&engine.counters.remote_acquisitions);
-        Ok(lock)
+        ))
+    }
+}
+
+/// The renewals of a hold of ours wait while a script that replaces its member (an
+/// upgrade, a downgrade) is in flight: a renewal crossing it would find the member gone
+/// and report the hold lost. Taken like an explicit extend (`RemoteLock::begin_extend`),
+/// and given back when dropped, with the hold's lease unchanged.
+pub(crate) struct Paused<'a> {
+    engine: &'a Engine,
+    hold: &'a RemoteLock,
+}
+
+impl<'a> Paused<'a> {
+    pub fn new(engine: &'a Engine, hold: &'a RemoteLock) -> Self {
+        hold.begin_extend();
+        Paused { engine, hold }
+    }
+
+    /// The script replaced the hold's member: the watchdog forgets the hold before its
+    /// renewals could resume, so that none is sent for a member that is no more.
+    pub fn replaced(self) {
+        if let Some(w) = &self.engine.watchdog {
+            w.unregister(self.hold);
+        }
+    }
+}
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        // Nothing changed the lease: the validity and the next renewal stay as they were.
+        let (hold, counters) = (self.hold, &self.engine.counters);
+        let unchanged = Changed::Unknown {
+            cap: hold.validity(),
+            retry_at: hold.next_due(),
+        };
+        hold.end_extend(self.engine.cfg.lease, unchanged, counters);
     }
 }
 

@@ -117,7 +117,12 @@ impl Engine {
         wait: Wait<'_>,
     ) -> Result<(Arc<RemoteLock>, bool)> {
         let route = self.topology.route(keys);
-        let won = self.contest(keys, route, kind, wait, false);
+        self.watched(self.contest(keys, route, kind, wait, false))
+    }
+
+    /// A contest's outcome, counted when it timed out; the hold won is watched (and
+    /// renewed) by the watchdog. With the hold: whether another process may wait.
+    pub(crate) fn watched(&self, won: Result<Won>) -> Result<(Arc<RemoteLock>, bool)> {
         let Won {
             remote,
             others_wait,

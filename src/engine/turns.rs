@@ -1,22 +1,28 @@
 //! Read-write locks inside one process: a thread's turn on the process's remote read or
 //! write hold (the rules are in `local::shares`), asking Redis for a hold when the turn
-//! says so, checking the budget, and giving the hold back when its last user leaves.
+//! says so, checking the budget, and giving the hold back when its last user leaves; and a
+//! thread's own holds beside the turns: an upgradable read, its upgrade to the write hold,
+//! and the downgrade of a write hold to a read hold.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::ThreadId;
 use std::time::Instant;
 
 use parking_lot::MutexGuard;
 
-use crate::engine::contest::Wait;
+use crate::clock::Stamp;
+use crate::engine::contest::{Paused, Wait};
 use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
-use crate::error::{Error, Result, Unlocked};
+use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing::{self, MAX_LOCAL_SEQ};
-use crate::local::held::RemoteLock;
+use crate::local::held::{Acquisition, RemoteLock};
 use crate::local::shares::{Budget, Mine, Mode, Next, SharesState};
 use crate::proto::keys::Keys;
+use crate::proto::node::may_have_run;
 use crate::proto::protocol::Kind;
+use crate::proto::rw_scripts::Want;
 use crate::stats::{Counters, HoldKind, Path};
 
 static NEXT_SHARER: AtomicU64 = AtomicU64::new(1);
@@ -38,14 +44,15 @@ impl Engine {
         let me = std::thread::current().id();
         let mut st = self.shares.state.lock();
         match st.threads.get_mut(&(keys.clone(), me)) {
-            Some(Mine::Write) => return Err(Error::WouldDeadlock),
+            // An upgradable read: a read could wait behind a writer who waits for it.
+            Some(Mine::Write | Mine::Upgradable) => return Err(Error::WouldDeadlock),
             Some(Mine::Read(..)) if mode == Mode::Write => return Err(Error::WouldDeadlock),
             // A thread that reads already joins its own hold: asking again could wait
             // behind a writer who waits for this thread.
             Some(Mine::Read(remote, token, n)) => {
                 *n += 1;
                 let (remote, token) = (remote.clone(), *token);
-                if let Some(turn) = st.turns.get_mut(&keys) {
+                if let Some(turn) = st.turns.get_mut(&keys).filter(|t| t.holds(&remote)) {
                     turn.readers += 1;
                 }
                 Counters::inc(&self.counters.local_handoffs);
@@ -240,43 +247,192 @@ impl Engine {
     /// The calling thread's write hold of `remote` leaves the local turns (it becomes a
     /// detached guard, released later with `release_shared`): the thread no longer holds
     /// the name, and the local threads waiting for it ask Redis instead.
-    pub(crate) fn detach_write(self: &Arc<Self>, remote: &RemoteLock) {
+    pub(crate) fn detach_write(self: &Arc<Self>, remote: &Arc<RemoteLock>) {
         let me = std::thread::current().id();
         let mut st = self.shares.state.lock();
         st.threads.remove(&(remote.keys.clone(), me));
-        if let Some(turn) = st.turns.get_mut(&remote.keys) {
+        if let Some(turn) = st.turns.get_mut(&remote.keys).filter(|t| t.holds(remote)) {
             turn.detach();
         }
         self.settle(st, &remote.keys, None);
     }
 
-    /// A local reader or writer lets go; the last user of a remote hold that must go
-    /// gives it back in Redis.
+    /// A local reader or writer (or upgradable reader) lets go; the last user of a remote
+    /// hold that must go gives it back in Redis.
     pub(crate) fn leave_turn(self: &Arc<Self>, hold: &Hold, mode: Mode) -> Result<Unlocked> {
         let remote = &hold.remote;
         remote.remove_sharer(hold.sharer);
         let me = std::thread::current().id();
         let mut st = self.shares.state.lock();
         let key = (remote.keys.clone(), me);
-        match st.threads.get_mut(&key) {
-            Some(Mine::Read(_, _, n)) if *n > 1 => *n -= 1,
+        let last = match st.threads.get_mut(&key) {
+            Some(Mine::Read(_, _, n)) if *n > 1 => {
+                *n -= 1;
+                false
+            }
             _ => {
                 st.threads.remove(&key);
+                true
             }
-        }
-        if !self.cfg.local_handoff {
+        };
+        // A hold of the thread's own (an upgradable read and what it becomes, or any hold
+        // without local handoff) goes back when the thread's last guard on it lets go.
+        let Some(turn) = st.turns.get_mut(&remote.keys).filter(|t| t.holds(remote)) else {
             drop(st);
-            return self.release_shared(remote);
-        }
-        let back = st
-            .turns
-            .get_mut(&remote.keys)
-            .and_then(|t| t.leave(mode == Mode::Write));
+            return match last {
+                true => self.release_shared(remote),
+                false => Ok(Unlocked::Released),
+            };
+        };
+        let back = turn.leave(mode == Mode::Write);
         let lost = remote.lost(&self.counters);
         match self.settle(st, &remote.keys, back) {
             Some(outcome) => outcome,
             None if lost.is_some() => Ok(Unlocked::Expired),
             None => Ok(Unlocked::Released),
+        }
+    }
+
+    /// Takes an upgradable read hold of `name`: a remote hold of the thread's own, never
+    /// shared with the process's turns (see `local::shares`).
+    pub(crate) fn upgradable(self: &Arc<Self>, name: &[u8], wait: Wait<'_>) -> Result<Hold> {
+        self.timed(HoldKind::Read, || {
+            let keys = Keys::new(&self.cfg.key_prefix, name)?;
+            let key = (keys.clone(), std::thread::current().id());
+            // Whatever this thread holds of the name, the upgradable read could wait for
+            // it: a writer waiting for this thread's hold holds the upgradable one back.
+            if self.shares.state.lock().threads.contains_key(&key) {
+                return Err(Error::WouldDeadlock);
+            }
+            let (remote, _) = self.acquire_shared(&keys, Kind::Upgradable, wait)?;
+            let token = turn_token(&remote, Mode::Read, 0);
+            self.shares
+                .state
+                .lock()
+                .threads
+                .insert(key, Mine::Upgradable);
+            Ok(self.sharer(remote, token, Path::Remote))
+        })
+    }
+
+    /// Turns the calling thread's upgradable read `hold` into the write hold, waiting (as
+    /// `wait` allows) until the other readers are done. The upgradable hold is retired,
+    /// with no release, once the write hold replaced it; on an error it is left as it was
+    /// (unless the error says it is lost).
+    pub(crate) fn upgrade(self: &Arc<Self>, hold: &Hold, wait: Wait<'_>) -> Result<Hold> {
+        self.timed(HoldKind::Write, || {
+            let from = &hold.remote;
+            let key = self.holding(
+                from,
+                |m| matches!(m, Mine::Upgradable),
+                "an upgradable read",
+            )?;
+            let keys = &from.keys;
+            let route = self.topology.route(keys);
+            let won = self.convert(keys, route, Kind::Upgrade, wait, from);
+            let (remote, _) = self.watched(won).inspect_err(|e| {
+                if let Error::Lost(reason) = e {
+                    from.mark_lost(*reason, &self.counters);
+                }
+            })?;
+            self.retire(from);
+            self.shares.state.lock().threads.insert(key, Mine::Write);
+            let token = turn_token(&remote, Mode::Write, 1);
+            Ok(self.sharer(remote, token, Path::Remote))
+        })
+    }
+
+    /// Turns the calling thread's write `hold` into a read hold of the same token, in one
+    /// script: no writer gets in between. The process's write hold stays the process's (as
+    /// a read hold the local readers may join); a thread's own stays its own. The write
+    /// hold is retired, with no release, once the read hold replaced it; on an error it is
+    /// left to its guard (and a read hold the script may have made is released in the
+    /// background).
+    pub(crate) fn downgrade(self: &Arc<Self>, hold: &Hold) -> Result<Hold> {
+        self.timed(HoldKind::Read, || self.downgrade_now(hold))
+    }
+
+    fn downgrade_now(self: &Arc<Self>, hold: &Hold) -> Result<Hold> {
+        let from = &hold.remote;
+        let keys = &from.keys;
+        let key = self.holding(from, |m| matches!(m, Mine::Write), "a write hold")?;
+        let route = self.topology.route(keys);
+        let protocol = route.protocol(Kind::Read)?;
+        let Some(node) = route.sole() else {
+            return Err(Error::Unsupported(
+                "read-write locks need a single node (not Redlock)",
+            ));
+        };
+        let (member, lease) = (Want::Read.member_like(&from.token), self.cfg.lease);
+        // On the lease clock: the read hold's validity counts from here.
+        let started = Stamp::now();
+        let paused = Paused::new(self, from);
+        match node.downgrade_shared(keys, &from.token, lease, route.retry()) {
+            Ok(true) => paused.replaced(),
+            Ok(false) => {
+                drop(paused);
+                from.mark_lost(LostReason::Deleted, &self.counters);
+                return Err(Error::Lost(LostReason::Deleted));
+            }
+            Err(e) => {
+                drop(paused);
+                if may_have_run(&e) {
+                    let nodes = vec![node.id.clone()];
+                    self.cleanup.release_later(keys, protocol, member, nodes);
+                }
+                return Err(e);
+            }
+        }
+        let remote = self.new_hold(Acquisition {
+            keys: keys.clone(),
+            protocol,
+            token: member,
+            fence: from.fence,
+            nodes: from.nodes.clone(),
+            started,
+        });
+        if let Some(w) = &self.watchdog {
+            w.register(remote.clone(), remote.next_due());
+        }
+        self.retire(from);
+        let token = turn_token(&remote, Mode::Read, 0);
+        let mut st = self.shares.state.lock();
+        st.threads.insert(key, Mine::Read(remote.clone(), token, 1));
+        if let Some(turn) = st.turns.get_mut(keys).filter(|t| t.holds(from)) {
+            turn.downgraded(remote.clone());
+        }
+        drop(st);
+        self.shares.changed.notify_all();
+        Ok(self.sharer(remote, token, Path::Remote))
+    }
+
+    /// The calling thread's entry for the name of `remote`, which it holds as `what` (an
+    /// upgrade or a downgrade is made by the holder: the guards are not `Send`, so this
+    /// holds unless the state is broken) and which is not known lost.
+    fn holding(
+        &self,
+        remote: &RemoteLock,
+        is: fn(&Mine) -> bool,
+        what: &str,
+    ) -> Result<(Keys, ThreadId)> {
+        let key = (remote.keys.clone(), std::thread::current().id());
+        if !self.shares.state.lock().threads.get(&key).is_some_and(is) {
+            return Err(Error::InvalidArgument(format!(
+                "this thread holds no {what} of the name"
+            )));
+        }
+        match remote.lost(&self.counters) {
+            Some(reason) => Err(Error::Lost(reason)),
+            None => Ok(key),
+        }
+    }
+
+    /// A hold of ours that another replaced in Redis (upgraded, downgraded) is retired:
+    /// no renewal is sent for it any more, no release, and it is never reported lost.
+    fn retire(&self, remote: &RemoteLock) {
+        remote.begin_release(&self.counters);
+        if let Some(w) = &self.watchdog {
+            w.unregister(remote);
         }
     }
 }

@@ -25,6 +25,16 @@
 //! (and a write hold serves local readers again); else nobody new is admitted and the last
 //! local user gives the hold back.
 //!
+//! An upgradable read is not shared: it is a remote hold of the thread's own, beside the
+//! process's turns (it excludes the other upgradable reads, so no two threads could share
+//! it anyway), and so is the write hold it upgrades to, and the read hold that one
+//! downgrades to. A thread's own hold goes back in Redis when the thread lets go of it,
+//! as every hold does without local handoff. The process's read hold and a thread's
+//! upgradable hold are two read holds in Redis; an upgrade waits for the process's read
+//! hold to drain like any other process's (Redis tells the process at its next budget
+//! check that a writer waits). A downgrade of the process's write hold keeps it in the
+//! turns, as the process's read hold: the local readers waiting may join it at once.
+//!
 //! This module only decides ([`Turn::next`], [`Turn::leave`]); the engine talks to Redis.
 //! One thread at a time contends or gives the hold back for a name ([`Turn::busy`]), and
 //! one at a time asks for a new budget while the others go on; the others wait for
@@ -64,6 +74,8 @@ pub(crate) enum Mine {
     /// This many read guards of the thread, sharing this remote hold and token.
     Read(Arc<RemoteLock>, u64, usize),
     Write,
+    /// An upgradable read hold of the thread's own.
+    Upgradable,
 }
 
 /// Which remote hold a process has.
@@ -273,6 +285,26 @@ impl Turn {
         self.draining = false;
         self.writers_only = false;
         self.reads_left = None;
+    }
+
+    /// The local writer turned the write hold into `remote`, a read hold of the same token,
+    /// and reads on it: the process's read hold now, which the local readers may join (its
+    /// budget goes on).
+    pub fn downgraded(&mut self, remote: Arc<RemoteLock>) {
+        debug_assert!(self.writing, "only the writer downgrades");
+        self.remote = Some((remote, Mode::Read));
+        self.writing = false;
+        self.writers_only = false;
+        self.reads_left = None;
+        self.admit(false);
+    }
+
+    /// Whether `remote` is the process's hold of the name, on which its threads take turns
+    /// (not a thread's own hold: see the module's docs).
+    pub fn holds(&self, remote: &Arc<RemoteLock>) -> bool {
+        self.remote
+            .as_ref()
+            .is_some_and(|(r, _)| Arc::ptr_eq(r, remote))
     }
 
     /// The remote hold is given back (or the attempt, the check ended): others may go.
@@ -507,9 +539,10 @@ mod tests {
         assert_eq!(t.next(true, BUDGET, false), give_back());
     }
 
-    #[test]
-    fn a_detached_write_hold_sends_the_waiters_to_redis() {
-        let mut t = waiting(1, 0);
+    /// A turn whose local writer writes on the remote write hold, `readers` local readers
+    /// waiting.
+    fn writing(readers: usize) -> Turn {
+        let mut t = waiting(readers, 0);
         t.next(true, BUDGET, false);
         t.acquired(hold(), Mode::Write, false);
         assert_eq!(
@@ -517,6 +550,12 @@ mod tests {
             Next::Wait,
             "the writer writes"
         );
+        t
+    }
+
+    #[test]
+    fn a_detached_write_hold_sends_the_waiters_to_redis() {
+        let mut t = writing(1);
         t.detach();
         assert_eq!(
             t.next(false, BUDGET, false),
@@ -526,6 +565,20 @@ mod tests {
         t.waiting_readers = 0;
         t.released();
         assert!(t.unused());
+    }
+
+    #[test]
+    fn a_downgraded_write_hold_admits_the_local_readers() {
+        let mut t = writing(2);
+        let read = hold();
+        t.downgraded(read.clone());
+        assert!(t.holds(&read));
+        assert_eq!(t.readers, 1, "the writer reads now");
+        assert_eq!(t.next(false, BUDGET, false), Next::Admit, "a reader joins");
+        assert_eq!(t.next(true, BUDGET, false), Next::Wait, "a writer waits");
+        t.waiting_readers = 0;
+        assert!(t.leave(false).is_none());
+        assert!(t.leave(false).is_some(), "the last reader gives it back");
     }
 
     #[test]

@@ -14,6 +14,10 @@
 //!   route's protocol (`Lock` or `FairLock`); the locks of one node and hash slot are
 //!   taken together by `MULTI_ACQUIRE` ([`Protocol::acquire_all`], see `multi_scripts`)
 //!   and given back together ([`Protocol::release_all`]). Redlock routes refuse it.
+//! * [`Protocol::Upgradable`]: the upgradable read hold, one more shared hold; and
+//!   [`Protocol::Upgrade`]: turning it into the write hold, contended for like a hold (an
+//!   attempt of it fails while other readers hold) whose attempts all use the upgradable
+//!   hold's member, and which wins the write hold.
 //!
 //! An enum rather than a trait object: the set is closed and small, the value is `Copy`
 //! (a route and a hold carry it at no cost, a fan-out closure captures it without an
@@ -55,6 +59,10 @@ pub(crate) enum Kind {
     /// Several exclusive locks held together (a multi-lock): each is held with the lock's
     /// protocol, on a route where one node decides alone.
     Multi,
+    /// The upgradable read hold of a read-write lock.
+    Upgradable,
+    /// The write hold, into which an upgradable read hold turns.
+    Upgrade,
 }
 
 /// How one kind of hold is contended for, given back and renewed on a route.
@@ -72,6 +80,14 @@ pub(crate) enum Protocol {
     Write { mark_ttl: Duration },
     /// One permit of a semaphore of `permits` permits.
     Permit { permits: u32 },
+    /// The upgradable read hold; a failed attempt that will wait marks a waiting reader for
+    /// `mark_ttl` (it holds nobody back, but wakes at the release of the upgradable hold in
+    /// its way).
+    Upgradable { mark_ttl: Duration },
+    /// Turning an upgradable read hold into the write hold (the token of its attempts is
+    /// the upgradable hold's member); a failed attempt that will wait marks it as a waiting
+    /// writer for `mark_ttl`, which holds new readers back.
+    Upgrade { mark_ttl: Duration },
 }
 
 /// The fair queue's timings (see `fair_scripts`): how long a waiter's entry lives unless
@@ -149,6 +165,8 @@ impl Protocols {
                     "multi-locks need a single node, Sentinel or Cluster (not Redlock)",
                 ));
             }
+            Kind::Upgradable => Protocol::Upgradable { mark_ttl },
+            Kind::Upgrade => Protocol::Upgrade { mark_ttl },
         };
         if !self.shared {
             return Err(Error::Unsupported(
@@ -219,7 +237,11 @@ impl Protocol {
     pub fn shared(self) -> bool {
         matches!(
             self,
-            Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. }
+            Protocol::Read { .. }
+                | Protocol::Write { .. }
+                | Protocol::Permit { .. }
+                | Protocol::Upgradable { .. }
+                | Protocol::Upgrade { .. }
         )
     }
 
@@ -246,10 +268,14 @@ impl Protocol {
     }
 
     /// Whether a waiter listens for a message to its own token: a fair queue's grant, or
-    /// the wake-up a read-write lock's last release sends to the writer waiting longest.
-    /// Either is only a wake-up: the next attempt confirms.
+    /// the wake-up a read-write lock's last release sends to the writer waiting longest
+    /// (or to the upgrade waiting for the last other reader). Either is only a wake-up: the
+    /// next attempt confirms.
     pub fn awaits_grant(self) -> bool {
-        matches!(self, Protocol::FairLock(_) | Protocol::Write { .. })
+        matches!(
+            self,
+            Protocol::FairLock(_) | Protocol::Write { .. } | Protocol::Upgrade { .. }
+        )
     }
 
     /// Which events wake a waiter.
@@ -289,7 +315,22 @@ impl Protocol {
             Protocol::Read { .. } => Some(Want::Read),
             Protocol::Write { .. } => Some(Want::Write),
             Protocol::Permit { permits } => Some(Want::Permit(permits)),
-            Protocol::Lock { .. } | Protocol::FairLock(_) => None,
+            Protocol::Upgradable { .. } => Some(Want::Upgradable),
+            // Its token is the upgradable hold's: it makes none of its own.
+            Protocol::Lock { .. } | Protocol::FairLock(_) | Protocol::Upgrade { .. } => None,
+        }
+    }
+
+    /// The protocol and token of the hold an attempt of this protocol with `token` wins:
+    /// its own, except an upgrade's, which is the write hold with the write member of the
+    /// same token.
+    pub fn won(self, token: String) -> (Protocol, String) {
+        match self {
+            Protocol::Upgrade { mark_ttl } => (
+                Protocol::Write { mark_ttl },
+                Want::Write.member_like(&token),
+            ),
+            _ => (self, token),
         }
     }
 
@@ -313,14 +354,22 @@ impl Protocol {
         retry: Retry,
         deadline: Option<Instant>,
     ) -> Result<Attempt> {
+        let mark_ttl = match self {
+            Protocol::Read { mark_ttl }
+            | Protocol::Write { mark_ttl }
+            | Protocol::Upgradable { mark_ttl }
+            | Protocol::Upgrade { mark_ttl }
+                if req.marks.leave =>
+            {
+                Some(mark_ttl)
+            }
+            _ => None,
+        };
+        let (keys, token, lease) = (req.keys, req.token, req.lease);
+        if let Protocol::Upgrade { .. } = self {
+            return node.upgrade_shared(keys, token, lease, mark_ttl, retry, deadline);
+        }
         if let Some(want) = self.want() {
-            let mark_ttl = match self {
-                Protocol::Read { mark_ttl } | Protocol::Write { mark_ttl } if req.marks.leave => {
-                    Some(mark_ttl)
-                }
-                _ => None,
-            };
-            let (keys, token, lease) = (req.keys, req.token, req.lease);
             return node.acquire_shared(keys, want, token, lease, mark_ttl, retry, deadline);
         }
         let call = self.lock_call(node, req);
@@ -410,6 +459,12 @@ impl Protocol {
             Some((script, call)) => {
                 node.release_with(script, &call, retry, Some((&RELEASE, &narrow)))
             }
+            // What an upgrade's attempt may have left is the write hold it turns into (the
+            // upgradable hold is not the attempt's to give back).
+            None if matches!(self, Protocol::Upgrade { .. }) => {
+                let (_, member) = self.won(token.to_owned());
+                node.release_shared(keys, &member, retry)
+            }
             None => node.release_shared(keys, token, retry),
         }
     }
@@ -430,7 +485,11 @@ impl Protocol {
                 let call = fair_call(&FAIR_RELEASE, node.site(), keys, token, grant_ms);
                 Some((&FAIR_RELEASE, call))
             }
-            Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. } => None,
+            Protocol::Read { .. }
+            | Protocol::Write { .. }
+            | Protocol::Permit { .. }
+            | Protocol::Upgradable { .. }
+            | Protocol::Upgrade { .. } => None,
         }
     }
 
@@ -547,8 +606,12 @@ impl Protocol {
                 )?;
                 Ok(reply == ReleaseReply::Passed)
             }
-            Protocol::Read { .. } => node.unmark_waiter(keys, token, false).map(|()| false),
-            Protocol::Write { .. } => node.unmark_waiter(keys, token, true).map(|()| false),
+            Protocol::Read { .. } | Protocol::Upgradable { .. } => {
+                node.unmark_waiter(keys, token, false).map(|()| false)
+            }
+            Protocol::Write { .. } | Protocol::Upgrade { .. } => {
+                node.unmark_waiter(keys, token, true).map(|()| false)
+            }
             Protocol::Permit { .. } => Ok(false),
         }
     }
@@ -648,6 +711,32 @@ mod tests {
 
     /// Redlock offers no shared holds and no multi-locks, and a semaphore needs a permit:
     /// typed errors.
+    /// An upgradable read is one more shared hold; an upgrade is contended for like a
+    /// write, with the upgradable hold's member, and wins the write hold.
+    #[test]
+    fn an_upgrade_wins_the_write_hold() {
+        let one = Protocols::of(&Config::default());
+        let upgradable = one.get(Kind::Upgradable).expect("upgradable");
+        assert!(upgradable.shared() && !upgradable.awaits_grant());
+        assert!(upgradable.new_token().starts_with('u'));
+        let upgrade = one.get(Kind::Upgrade).expect("upgrade");
+        assert!(upgrade.shared() && upgrade.keeps_token_across_attempts());
+        assert!(
+            upgrade.awaits_grant(),
+            "the last other reader's release wakes it"
+        );
+        assert_eq!(upgrade.hears(), Hears::Releases);
+        let (won, member) = upgrade.won("uabc".to_owned());
+        assert_eq!(won, one.get(Kind::Write).unwrap());
+        assert_eq!(member, "wabc");
+        assert_eq!(upgradable.won("uabc".to_owned()).1, "uabc");
+        let redlock = Protocols::majority(&Config::default());
+        for kind in [Kind::Upgradable, Kind::Upgrade] {
+            assert!(matches!(redlock.get(kind), Err(Error::Unsupported(_))));
+        }
+    }
+
+    /// Redlock offers no shared holds, and a semaphore needs a permit: typed errors.
     #[test]
     fn a_route_refuses_what_it_cannot_hold() {
         let redlock = Protocols::majority(&Config::default());

@@ -6,7 +6,9 @@
 //! * one *kind member*, with a negative score: `#rw` (score −1) for a read-write lock,
 //!   `#sem` (score −permits) for a semaphore, so the permit count travels with the holds;
 //! * one member per hold, scored by the hold's expiry in server milliseconds (`TIME`):
-//!   `r<token>` a read hold, `w<token>` the write hold, `p<token>` a permit.
+//!   `r<token>` a read hold, `w<token>` the write hold, `u<token>` the upgradable read
+//!   hold (a read hold that excludes writers and other upgradable holds, at most one at a
+//!   time), `p<token>` a permit.
 //!
 //! Every script that reads the holds drops the expired ones (so a crashed holder's hold
 //! ends by itself) and deletes the key when only the kind member is left; a new or renewed
@@ -27,14 +29,24 @@
 //! writer waiting longest alone (like the fair queue's grant, but nothing is reserved:
 //! its next attempt takes the free lock as any would). The others are not woken to fail;
 //! if that writer has gone, they try at their next re-check.
+//!
+//! An upgrade turns the upgradable hold `u<token>` into the write hold `w<token>` in one
+//! script once it is the only hold left; until then each attempt marks it in `…:ww` as a
+//! waiting writer does (so no new read hold is granted, and a process's read hold is given
+//! back at its next budget check), and the release of the last other hold wakes it alone
+//! (`g<u-member>:0`). No writer gets in between: the upgradable hold excludes writers
+//! until it is the write hold. A downgrade turns the write hold `w<token>` into the read
+//! hold `r<token>` in one script, and says `r` when readers wait and no writer does.
 
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use redis::Cmd;
+
+use crate::error::{Error, LostReason, Result};
 use crate::proto::attempt::Attempt;
 use crate::proto::keys::Keys;
-use crate::proto::node::{Node, ReleaseReply, Retry};
+use crate::proto::node::{Node, ReleaseReply, Retry, millis};
 use crate::proto::scripts::{FENCE_FN, Lua};
 use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
@@ -46,6 +58,8 @@ pub(crate) enum Want {
     Write,
     /// One permit of a semaphore of this many permits.
     Permit(u32),
+    /// The upgradable read hold: a read that excludes writers and other upgradable reads.
+    Upgradable,
 }
 
 impl Want {
@@ -55,7 +69,15 @@ impl Want {
             Want::Read => 'r',
             Want::Write => 'w',
             Want::Permit(_) => 'p',
+            Want::Upgradable => 'u',
         }
+    }
+
+    /// The member of this kind of hold with the token of `member` (another hold's): the
+    /// member an upgrade or a downgrade turns `member` into.
+    pub fn member_like(self, member: &str) -> String {
+        let token = member.get(1..).unwrap_or_default();
+        format!("{}{token}", self.tag())
     }
 }
 
@@ -103,25 +125,36 @@ end
 local function first_waiting(set, now)
   return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'LIMIT', 0, 1)[1]
 end
+-- Marks `member` waiting in `set` until `now + ttl`, and drops the marks that expired
+-- (their waiters crashed or gave up unheard): as many as were added, so one call each,
+-- amortized.
+local function mark(set, member, now, ttl)
+  redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
+  redis.call('ZADD', set, now + ttl, member)
+  if redis.call('PTTL', set) < ttl then redis.call('PEXPIRE', set, 2 * ttl) end
+end
 ";
 
 fn lua(body: &str) -> Lua {
     Lua::new(&format!("{PUBLISH_FN}{FENCE_FN}{PRELUDE}{body}"))
 }
 
-/// Read or write hold, idempotently (a retry with the same member refreshes its lease).
+/// Read, write or upgradable read hold, idempotently (a retry with the same member
+/// refreshes its lease).
 ///
-/// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r` or `w`, member, lease
-/// ms, waiting mark TTL ms (0: the caller will not wait), the fence counter's TTL ms.
-/// Returns `{1, fence, others}` (`others`: for a write hold, 1 when a mark of another
+/// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r`, `w` or `u`, member,
+/// lease ms, waiting mark TTL ms (0: the caller will not wait), the fence counter's TTL
+/// ms. Returns `{1, fence, others}` (`others`: for a write hold, 1 when a mark of another
 /// waiting writer or reader is left, maybe an expired one; always 0 for a read hold),
 /// `{0, ms until the earliest obstacle ends}` (−1: unknown), or `{2, 0}` when the key is
 /// another kind of lock.
 ///
-/// A read is granted when no write hold exists and no writer waits; a write when no hold
-/// exists (waiting writers race among themselves). A write attempt that fails and will wait
-/// marks the writer as waiting until the mark's TTL, which it renews at each attempt; a
-/// read attempt that fails and will wait marks a waiting reader the same way.
+/// A read is granted when no write hold exists and no writer waits; an upgradable read
+/// when, besides, no other upgradable hold exists (found by reading the live holds: only
+/// its attempts pay for that); a write when no hold exists (waiting writers race among
+/// themselves). A write attempt that fails and will wait marks the writer as waiting until
+/// the mark's TTL, which it renews at each attempt; a read or upgradable attempt that fails
+/// and will wait marks a waiting reader the same way.
 static RW_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
@@ -137,14 +170,6 @@ local function take()
     hold(KEYS[1], ARGV[2], now, lease)
   end
 end
--- Marks the caller waiting, and drops the marks that expired (their waiters crashed or
--- gave up unheard): as many as were added, so one call each, amortized.
-local function mark(set)
-  local ttl = tonumber(ARGV[4])
-  redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
-  redis.call('ZADD', set, now + ttl, ARGV[2])
-  if redis.call('PTTL', set) < ttl then redis.call('PEXPIRE', set, 2 * ttl) end
-end
 -- Whether somebody else may wait, asked for a write hold only (one command: a mark left
 -- by a waiter that has gone only costs its process a shorter turn).
 local function others()
@@ -157,15 +182,27 @@ if first == ARGV[2] and ARGV[1] == 'w' then
   take()
   return {1, current_fence(KEYS[2]), others()}
 end
-if ARGV[1] == 'r' then
+if ARGV[1] ~= 'w' then
   local w = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  local free = (not first or string.sub(first, 1, 1) == 'r') and not w[1]
+  -- A write hold is the only hold: when it exists, it is the first.
+  local free = (not first or string.sub(first, 1, 1) ~= 'w') and not w[1]
+  if free and ARGV[1] == 'u' then
+    -- One upgradable hold at a time: when another one's ends, if there is one.
+    local holds = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'WITHSCORES')
+    for i = 1, #holds, 2 do
+      if string.sub(holds[i], 1, 1) == 'u' and holds[i] ~= ARGV[2] then
+        free = false
+        until_ = tonumber(holds[i + 1])
+        break
+      end
+    end
+  end
   if free or (first and redis.call('ZSCORE', KEYS[1], ARGV[2])) then
     take()
     redis.call('ZREM', KEYS[4], ARGV[2])
     return {1, current_fence(KEYS[2]), 0}
   end
-  if waits then mark(KEYS[4]) end
+  if waits then mark(KEYS[4], ARGV[2], now, tonumber(ARGV[4])) end
   if w[2] and (not until_ or tonumber(w[2]) < until_) then until_ = tonumber(w[2]) end
 elseif not first then
   -- The fence before the hold: a failed INCR leaves nothing to undo (unlike the plain
@@ -176,10 +213,78 @@ elseif not first then
   redis.call('ZREM', KEYS[3], ARGV[2])
   return {1, fence, others()}
 elseif waits then
-  mark(KEYS[3])
+  mark(KEYS[3], ARGV[2], now, tonumber(ARGV[4]))
 end
 if not until_ then return {0, -1} end
 return {0, until_ - now}
+")
+});
+
+/// Turns the upgradable hold into the write hold once it is the only hold, idempotently
+/// (a retry whose earlier attempt upgraded finds the write hold and refreshes its lease).
+///
+/// KEYS: lock, fence, waiting writers. ARGV: the upgradable member, the write member (the
+/// same token), lease ms, waiting mark TTL ms (0: the caller will not wait), the fence
+/// counter's TTL ms. Returns `{1, fence}` (the write hold is ours, with a fence of its own,
+/// as any write hold's), `{0, ms until the first other hold's lease ends}`, `{2, 0}` when
+/// the key is another kind of lock, or `{4, 0}` when the upgradable hold is gone (expired
+/// or deleted: there is nothing to upgrade).
+///
+/// While other holds remain, an attempt that will wait marks the upgradable member as a
+/// waiting writer: no new read hold is granted meanwhile, and the release of the last other
+/// hold wakes it (see `SHARED_RELEASE`).
+static RW_UPGRADE: LazyLock<Lua> = LazyLock::new(|| {
+    lua(r"
+local now = now_ms()
+local k, _, first = load(KEYS[1], now)
+if k ~= 'none' and k ~= 'rw' then return {2, 0} end
+local lease = tonumber(ARGV[3])
+-- The write hold is the only hold: when it is ours, it is the first.
+if first == ARGV[2] then
+  hold(KEYS[1], ARGV[2], now, lease)
+  return {1, current_fence(KEYS[2])}
+end
+if not (first and redis.call('ZSCORE', KEYS[1], ARGV[1])) then return {4, 0} end
+-- The first two live holds: ours alone, or the first other one and when it ends.
+local two = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 2)
+if #two == 2 then
+  local fence = next_fence(KEYS[2], ARGV[5])
+  if type(fence) == 'table' then return fence end
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  hold(KEYS[1], ARGV[2], now, lease)
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  return {1, fence}
+end
+if ARGV[4] ~= '0' then mark(KEYS[3], ARGV[1], now, tonumber(ARGV[4])) end
+local other = two[2]
+if two[1] == ARGV[1] then other = two[4] end
+return {0, tonumber(other) - now}
+")
+});
+
+/// Turns the write hold into a read hold with the same token, in one step: no writer gets
+/// in between. Idempotent: a retry whose earlier attempt downgraded finds the read hold.
+///
+/// KEYS: lock, waiting writers, waiting readers. ARGV: the write member, the read member,
+/// lease ms, the library's channel, the publish mode. Returns 1 downgraded, 0 the write
+/// hold had expired or was gone, −1 the key is another kind of lock. Publishes `r` when
+/// readers wait and no writer does: they may join now.
+static RW_DOWNGRADE: LazyLock<Lua> = LazyLock::new(|| {
+    lua(r"
+local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
+if type(s) == 'table' and s.err then return -1 end
+local now = now_ms()
+if not s or tonumber(s) <= now then
+  local r = redis.call('ZSCORE', KEYS[1], ARGV[2])
+  if r and tonumber(r) > now then return 1 end
+  return 0
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+hold(KEYS[1], ARGV[2], now, tonumber(ARGV[3]))
+if first_waiting(KEYS[3], now) and not first_waiting(KEYS[2], now) then
+  publish(ARGV[4], 'r')
+end
+return 1
 ")
 });
 
@@ -208,12 +313,15 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 
 /// Ends a hold.
 ///
-/// KEYS: lock, and for a read-write lock its waiting writers. ARGV: member, the library's
-/// channel, the publish mode. Returns 1 released, 0 the hold had expired or was gone, −1
-/// the key is another kind of lock. Publishes `r` when a waiter may now get in: a permit
-/// was freed, or the last hold of a read-write lock ended; but when that last hold ended
-/// while writers wait, `g<member>:0` for the writer waiting longest: writers go first, so
-/// the waiting readers, and the other writers, need not wake to fail.
+/// KEYS: lock, and for a read-write lock its waiting writers and readers. ARGV: member,
+/// the library's channel, the publish mode. Returns 1 released, 0 the hold had expired or
+/// was gone, −1 the key is another kind of lock. Publishes `r` when a waiter may now get
+/// in: a permit was freed, or the last hold of a read-write lock ended; but when that last
+/// hold ended while writers wait, `g<member>:0` for the writer waiting longest: writers go
+/// first, so the waiting readers, and the other writers, need not wake to fail. Of a
+/// read-write lock whose holds remain: when the one left is an upgradable hold waiting to
+/// upgrade, `g<member>:0` for it alone; when the hold that ended was the upgradable one and
+/// readers wait (a waiting upgradable read marks itself so), `r`.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
@@ -222,7 +330,8 @@ if not s then return 0 end
 local now = now_ms()
 redis.call('ZREM', KEYS[1], ARGV[1])
 -- The kind member's score is negative: a live hold is scored after now.
-if not redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 1)[1] then
+local left = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 2)
+if not left[1] then
   redis.call('DEL', KEYS[1])
   -- Writers go first: wake the one waiting longest (its mark is the oldest renewed).
   local w = KEYS[2] and first_waiting(KEYS[2], now)
@@ -232,6 +341,11 @@ if not redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 1)[1] t
     publish(ARGV[2], 'r')
   end
 elseif not KEYS[2] then
+  publish(ARGV[2], 'r')
+elseif not left[2] and string.sub(left[1], 1, 1) == 'u'
+    and tonumber(redis.call('ZSCORE', KEYS[2], left[1]) or 0) > now then
+  publish(ARGV[2], 'g' .. left[1] .. ':0')
+elseif string.sub(ARGV[1], 1, 1) == 'u' and first_waiting(KEYS[3], now) then
   publish(ARGV[2], 'r')
 end
 if tonumber(s) > now then return 1 end
@@ -310,19 +424,20 @@ impl Node {
         retry: Retry,
         deadline: Option<Instant>,
     ) -> Result<Attempt> {
-        let lease_ms = lease.as_millis().max(1) as u64;
+        let lease_ms = millis(lease);
         let (script, call) = match want {
-            Want::Read | Want::Write => {
-                let mark_ms = mark_ttl.map_or(0, |t| t.as_millis().max(1) as u64);
+            Want::Read | Want::Write | Want::Upgradable => {
+                // Tags are ASCII: one byte each.
+                let tag = [want.tag() as u8];
                 let mut call = RW_ACQUIRE.call(4);
                 call.arg(keys.lock())
                     .arg(keys.fence())
                     .arg(keys.writers())
                     .arg(keys.readers())
-                    .arg(if want == Want::Read { "r" } else { "w" })
+                    .arg(&tag[..])
                     .arg(member)
                     .arg(lease_ms)
-                    .arg(mark_ms)
+                    .arg(mark_ttl.map_or(0, millis))
                     .arg(self.fence_ttl_ms());
                 (&*RW_ACQUIRE, call)
             }
@@ -332,8 +447,46 @@ impl Node {
                 (&*SEM_ACQUIRE, call)
             }
         };
+        self.shared_attempt(script, &call, want, retry, deadline)
+    }
+
+    /// One attempt at turning the upgradable hold `member` into the write hold of the same
+    /// token, retried with the same members after an ambiguous failure. `mark_ttl`: the
+    /// caller will wait, so a failed attempt marks it waiting for that long, as a writer.
+    /// [`Error::Lost`] when the upgradable hold is gone.
+    pub fn upgrade_shared(
+        &self,
+        keys: &Keys,
+        member: &str,
+        lease: Duration,
+        mark_ttl: Option<Duration>,
+        retry: Retry,
+        deadline: Option<Instant>,
+    ) -> Result<Attempt> {
+        let mut call = RW_UPGRADE.call(3);
+        call.arg(keys.lock())
+            .arg(keys.fence())
+            .arg(keys.writers())
+            .arg(member)
+            .arg(Want::Write.member_like(member))
+            .arg(millis(lease))
+            .arg(mark_ttl.map_or(0, millis))
+            .arg(self.fence_ttl_ms());
+        self.shared_attempt(&RW_UPGRADE, &call, Want::Write, retry, deadline)
+    }
+
+    /// Runs one shared-hold attempt (`call` of `script`, asking for `want`) and reads its
+    /// reply.
+    fn shared_attempt(
+        &self,
+        script: &Lua,
+        call: &Cmd,
+        want: Want,
+        retry: Retry,
+        deadline: Option<Instant>,
+    ) -> Result<Attempt> {
         // Two numbers, and a third (`others`) when a read-write hold is granted.
-        let reply: Vec<i64> = self.run_script(script, &call, retry, deadline)?;
+        let reply: Vec<i64> = self.run_script(script, call, retry, deadline)?;
         match *reply.as_slice() {
             [1, fence, ..] => Ok(Attempt::Acquired {
                 fence: u64::try_from(fence)
@@ -354,6 +507,7 @@ impl Node {
                     _ => 0,
                 },
             }),
+            [4, _] => Err(Error::Lost(LostReason::Deleted)),
             _ => Err(Error::Protocol(format!("shared acquire replied {reply:?}"))),
         }
     }
@@ -361,15 +515,42 @@ impl Node {
     /// Ends the hold `member` of `keys`.
     pub fn release_shared(&self, keys: &Keys, member: &str, retry: Retry) -> Result<ReleaseReply> {
         let permit = member.starts_with(Want::Permit(0).tag());
-        let mut call = SHARED_RELEASE.call(if permit { 1 } else { 2 });
+        let mut call = SHARED_RELEASE.call(if permit { 1 } else { 3 });
         call.arg(keys.lock());
         if !permit {
-            call.arg(keys.writers());
+            call.arg(keys.writers()).arg(keys.readers());
         }
         call.arg(member)
             .arg(keys.channel())
             .arg(self.publish_mode());
         self.release_by(&SHARED_RELEASE, &call, retry)
+    }
+
+    /// Turns the write hold `member` of `keys` into the read hold of the same token (see
+    /// `RW_DOWNGRADE`), retried after an ambiguous failure as `retry` says. Whether it was
+    /// done: `false` when the write hold had expired or was gone.
+    pub fn downgrade_shared(
+        &self,
+        keys: &Keys,
+        member: &str,
+        lease: Duration,
+        retry: Retry,
+    ) -> Result<bool> {
+        let mut call = RW_DOWNGRADE.call(3);
+        call.arg(keys.lock())
+            .arg(keys.writers())
+            .arg(keys.readers())
+            .arg(member)
+            .arg(Want::Read.member_like(member))
+            .arg(millis(lease))
+            .arg(keys.channel())
+            .arg(self.publish_mode());
+        match self.run_script::<i64>(&RW_DOWNGRADE, &call, retry, None)? {
+            1 => Ok(true),
+            0 => Ok(false),
+            -1 => Err(Error::WrongKind),
+            other => Err(Error::Protocol(format!("downgrade replied {other}"))),
+        }
     }
 
     /// Whether the hold `member` (the write hold if `write`) is live and nobody else

@@ -1,0 +1,589 @@
+//! Upgradable reads, upgrades and downgrades of a read-write lock against a real
+//! redis-server: an upgrade waits for the readers of other processes and wins with no
+//! writer in between, a waiting upgrade holds new readers back, a downgrade keeps a
+//! waiting writer out while readers join, upgradable reads exclude each other across
+//! processes, renewals never report a converted hold lost, the same on every master of a
+//! Cluster, and bad input or paths give typed errors and leave nothing in Redis.
+//!
+//! Children report through Redis keys the parent reads (`writer_in`, `reader_in`) and stop
+//! when the parent sets `stop`: the parent orders events by what it can observe, never by
+//! timing.
+
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redbaton::{Error, HoldKind, LockClient, Unlocked};
+use redbaton_testkit::child;
+use redbaton_testkit::child_only;
+use redbaton_testkit::lock_client;
+use redbaton_testkit::ms;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
+
+const PREFIX: &str = "up:";
+/// Liveness bound of every wait in these tests: generous, never a speed claim.
+const LIVENESS: Duration = Duration::from_secs(30);
+
+fn client(url: &str) -> LockClient {
+    lock_client!(node(url), key_prefix(PREFIX))
+}
+
+#[test]
+fn smoke() {
+    let srv = test_server();
+    let c = client(&srv.url());
+    // Other clients in this thread: a thread's holds through one client are another
+    // client's strangers (`WouldDeadlock` is per client).
+    let (other, third) = (client(&srv.url()), client(&srv.url()));
+    let rw = c.rwlock("smoke");
+    let u = rw.upgradable_read().expect("upgradable read");
+    u.check().expect("held");
+    let read_token = u.fencing_token();
+    // Readers read beside it; writers and other upgradable readers do not get in.
+    let r = other
+        .rwlock("smoke")
+        .try_read()
+        .expect("a reader beside it");
+    assert!(
+        third
+            .rwlock("smoke")
+            .try_write()
+            .unwrap_err()
+            .is_would_block()
+    );
+    assert!(
+        third
+            .rwlock("smoke")
+            .try_upgradable_read()
+            .unwrap_err()
+            .is_would_block()
+    );
+    let info = c.inspect("smoke").expect("inspect");
+    let kinds: Vec<_> = info.holds.iter().map(|h| (h.kind, h.mine)).collect();
+    assert!(kinds.contains(&(HoldKind::Upgradable, true)), "{kinds:?}");
+    // The upgrade waits for that reader: a try gives the guard back.
+    let u = u.try_upgrade().expect_err("a reader holds").into_guard();
+    drop(r);
+    let w = u.try_upgrade().expect("the reader is gone");
+    assert!(w.fencing_token() > read_token, "a writer's token");
+    assert!(
+        other
+            .rwlock("smoke")
+            .try_read()
+            .unwrap_err()
+            .is_would_block()
+    );
+    let write_token = w.fencing_token();
+    let r = w.downgrade().expect("downgrade");
+    assert!(r.fencing_token() > write_token);
+    let joined = other.rwlock("smoke").try_read().expect("readers join");
+    assert!(
+        third
+            .rwlock("smoke")
+            .try_write()
+            .unwrap_err()
+            .is_would_block()
+    );
+    assert_eq!(r.unlock().expect("unlock"), Unlocked::Released);
+    drop(joined);
+    let next = other.rwlock("smoke").try_write().expect("free");
+    assert!(next.fencing_token() > write_token);
+    drop(next);
+    assert_only_fences(&srv);
+}
+
+/// Only fence counters are left under the prefix (every hold, mark and wait is gone).
+fn assert_only_fences(srv: &RedisServer) {
+    let keys = srv.keys("up:*");
+    assert!(
+        keys.iter().all(|k| k.ends_with(b":fence")),
+        "left: {:?}",
+        keys.iter()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .collect::<Vec<_>>()
+    );
+}
+
+/// Waits until the sorted set `key` of the Redis at `url` holds `n` members.
+fn await_marks(url: &str, key: &str, n: i64) {
+    let mut conn = redbaton_testkit::raw_conn(url);
+    let deadline = Instant::now() + LIVENESS;
+    while redis::cmd("ZCARD")
+        .arg(key)
+        .query::<i64>(&mut conn)
+        .unwrap()
+        < n
+    {
+        assert!(Instant::now() < deadline, "fewer than {n} marks in {key}");
+        thread::sleep(ms(5));
+    }
+}
+
+/// Waits until `key` exists.
+fn await_key(conn: &mut redis::Connection, key: &str) {
+    let deadline = Instant::now() + LIVENESS;
+    while !redbaton_testkit::exists(conn, key) {
+        assert!(Instant::now() < deadline, "{key} never set");
+        thread::sleep(ms(10));
+    }
+}
+
+fn get(conn: &mut redis::Connection, key: &str) -> Option<String> {
+    redis::cmd("GET").arg(key).query(conn).unwrap()
+}
+
+fn set(conn: &mut redis::Connection, key: &str, value: impl redis::ToRedisArgs) {
+    redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .query::<()>(conn)
+        .unwrap();
+}
+
+/// The whole of a child that takes a hold of `NAME` with `take`, says `held=1`, and lets
+/// go once `stop` is set.
+fn hold_until_stop<T>(take: impl FnOnce(&redbaton::RwLock) -> redbaton::Result<T>) {
+    child_only!();
+    let url = child::env("REDIS_URL");
+    let held = take(&client(&url).rwlock(child::env("NAME"))).expect("hold");
+    child::print_result(&[("held", "1".to_owned())]);
+    await_key(&mut redbaton_testkit::raw_conn(&url), "stop");
+    drop(held);
+}
+
+/// A child that reads `NAME` until `stop` is set.
+#[test]
+fn child_reader_until_stop() {
+    hold_until_stop(|rw| rw.read());
+}
+
+/// A child that holds the upgradable read of `NAME` until `stop` is set.
+#[test]
+fn child_upgradable_until_stop() {
+    hold_until_stop(|rw| rw.upgradable_read());
+}
+
+/// The whole of a child that waits for a hold of `NAME` (`take` gives it and its fencing
+/// token), then sets `key` to the token and says it; keeps the hold until `stop` is set
+/// if `until_stop`.
+fn wait_then_say<T>(
+    key: &str,
+    until_stop: bool,
+    take: impl FnOnce(&redbaton::RwLock) -> redbaton::Result<(T, u64)>,
+) {
+    child_only!();
+    let url = child::env("REDIS_URL");
+    let (held, token) = take(&client(&url).rwlock(child::env("NAME"))).expect("hold");
+    let mut conn = redbaton_testkit::raw_conn(&url);
+    set(&mut conn, key, token);
+    child::print_result(&[("token", token.to_string())]);
+    if until_stop {
+        await_key(&mut conn, "stop");
+    }
+    drop(held);
+}
+
+/// A child that waits to write `NAME`, and once it writes sets `writer_in` to its token.
+#[test]
+fn child_writer_waits() {
+    wait_then_say("writer_in", false, |rw| {
+        rw.try_write_for(LIVENESS).map(|w| {
+            let token = w.fencing_token();
+            (w, token)
+        })
+    });
+}
+
+/// A child that waits to read `NAME`, sets `reader_in` while it reads, and lets go once
+/// `stop` is set.
+#[test]
+fn child_reader_waits() {
+    wait_then_say("reader_in", true, |rw| {
+        rw.try_read_for(LIVENESS).map(|r| {
+            let token = r.fencing_token();
+            (r, token)
+        })
+    });
+}
+
+fn envs(srv: &RedisServer, name: &str) -> [(&'static str, String); 2] {
+    [("REDIS_URL", srv.url()), ("NAME", name.to_owned())]
+}
+
+/// Starts the child `test` and waits until it says it holds.
+fn holder(test: &str, envs: &[(&str, String)]) -> std::process::Child {
+    let mut c = child::spawn_self(test, envs);
+    child::wait_for_line(&mut c, "held=1", LIVENESS);
+    c
+}
+
+#[test]
+fn an_upgrade_waits_for_other_processes_readers_and_no_writer_gets_in_first() {
+    let srv = test_server();
+    let envs = envs(&srv, "up");
+    let c = client(&srv.url());
+    let u = c.rwlock("up").upgradable_read().expect("upgradable read");
+    let readers = [
+        holder("child_reader_until_stop", &envs),
+        holder("child_reader_until_stop", &envs),
+    ];
+    let writer = child::spawn_self("child_writer_waits", &envs);
+    await_marks(&srv.url(), "up:{up}:ww", 1);
+    // Once the upgrade is marked waiting too, no new reader gets in; then the readers go.
+    let url = srv.url();
+    let stopper = thread::spawn(move || {
+        await_marks(&url, "up:{up}:ww", 2);
+        let late = client(&url).rwlock("up").try_read();
+        assert!(late.unwrap_err().is_would_block(), "a new reader got in");
+        set(&mut redbaton_testkit::raw_conn(&url), "stop", 1);
+    });
+    let t = Instant::now();
+    let w = u.upgrade().expect("upgrade");
+    eprintln!("upgrade waited {:?} for two readers", t.elapsed());
+    stopper.join().expect("stopper");
+    let mut conn = srv.conn();
+    assert_eq!(get(&mut conn, "stop").as_deref(), Some("1"), "it waited");
+    assert_eq!(get(&mut conn, "writer_in"), None, "a writer got in first");
+    w.check().expect("the write hold is ours");
+    let ours = w.fencing_token();
+    drop(w);
+    for r in readers {
+        child::wait_ok(r, LIVENESS);
+    }
+    let out = child::wait_ok(writer, LIVENESS);
+    let theirs: u64 = child::field(&child::result_with(&out, "token"), "token");
+    assert!(
+        theirs > ours,
+        "the waiting writer came after: {theirs} > {ours}"
+    );
+    assert_only_fences(&srv);
+}
+
+#[test]
+fn a_waiting_upgrade_holds_new_readers_back() {
+    let srv = test_server();
+    let (a, b) = (client(&srv.url()), client(&srv.url()));
+    let u = a.rwlock("back").upgradable_read().expect("upgradable read");
+    let (release, released) = mpsc::channel::<()>();
+    let (reading, read) = mpsc::channel::<()>();
+    let reader = thread::spawn(move || {
+        let r = b.rwlock("back").read().expect("read");
+        reading.send(()).unwrap();
+        released.recv().unwrap();
+        drop(r);
+    });
+    read.recv().unwrap();
+    let url = srv.url();
+    let checker = thread::spawn(move || {
+        await_marks(&url, "up:{back}:ww", 1);
+        let late = client(&url).rwlock("back").try_read();
+        assert!(late.unwrap_err().is_would_block(), "a new reader got in");
+        release.send(()).unwrap();
+    });
+    let w = u.upgrade().expect("upgrade");
+    checker.join().expect("checker");
+    reader.join().expect("reader");
+    drop(w);
+    assert_only_fences(&srv);
+}
+
+#[test]
+fn a_downgrade_keeps_a_waiting_writer_out_and_lets_local_readers_join() {
+    let srv = test_server();
+    let envs = envs(&srv, "down");
+    // Local readers join the process's read hold while its budget lasts (then Redis says a
+    // writer waits, and they stop): a budget longer than the test.
+    let c = lock_client!(
+        node(srv.url()),
+        key_prefix(PREFIX),
+        handoff_slice(Duration::from_secs(600))
+    );
+    let rw = c.rwlock("down");
+    let w = rw.write().expect("write");
+    let writer = child::spawn_self("child_writer_waits", &envs);
+    await_marks(&srv.url(), "up:{down}:ww", 1);
+    let r = w.downgrade().expect("downgrade");
+    r.check().expect("the downgraded read holds");
+    let mut conn = srv.conn();
+    assert_eq!(
+        get(&mut conn, "writer_in"),
+        None,
+        "the writer got in between"
+    );
+    // Another thread of this process joins the read; a writer still waits (writers
+    // first, so another process's new reader is held back too).
+    thread::scope(|s| {
+        s.spawn(|| drop(rw.try_read().expect("a local reader joins")));
+        assert!(s.spawn(|| rw.try_write().is_err()).join().unwrap());
+    });
+    let other = client(&srv.url());
+    assert!(
+        other
+            .rwlock("down")
+            .try_read()
+            .unwrap_err()
+            .is_would_block()
+    );
+    let info = c.inspect("down").expect("inspect");
+    assert_eq!(info.holds.len(), 1, "{info:?}");
+    assert_eq!(
+        (info.holds[0].kind, info.holds[0].mine),
+        (HoldKind::Read, true)
+    );
+    assert_eq!(info.waiting_writers.len(), 1, "{info:?}");
+    assert_eq!(get(&mut conn, "writer_in"), None);
+    let read_token = r.fencing_token();
+    assert_eq!(r.unlock().expect("unlock"), Unlocked::Released);
+    let out = child::wait_ok(writer, LIVENESS);
+    let theirs: u64 = child::field(&child::result_with(&out, "token"), "token");
+    assert!(theirs > read_token, "{theirs} > {read_token}");
+    assert_only_fences(&srv);
+}
+
+#[test]
+fn a_downgrade_wakes_other_processes_readers() {
+    let srv = test_server();
+    let envs = envs(&srv, "wake");
+    let c = client(&srv.url());
+    let w = c.rwlock("wake").write().expect("write");
+    let reader = child::spawn_self("child_reader_waits", &envs);
+    await_marks(&srv.url(), "up:{wake}:wr", 1);
+    let r = w.downgrade().expect("downgrade");
+    let mut conn = srv.conn();
+    // The reader of the other process reads while the downgraded read holds.
+    await_key(&mut conn, "reader_in");
+    r.check().expect("still reading");
+    let theirs: u64 = get(&mut conn, "reader_in").unwrap().parse().unwrap();
+    assert_eq!(theirs, r.fencing_token(), "both read after the same write");
+    set(&mut conn, "stop", 1);
+    drop(r);
+    child::wait_ok(reader, LIVENESS);
+    assert_only_fences(&srv);
+}
+
+#[test]
+fn upgradable_reads_exclude_each_other() {
+    let srv = test_server();
+    let envs = envs(&srv, "one");
+    let held = holder("child_upgradable_until_stop", &envs);
+    let c = client(&srv.url());
+    let rw = c.rwlock("one");
+    assert!(rw.try_upgradable_read().unwrap_err().is_would_block());
+    assert!(
+        rw.try_upgradable_read_for(ms(100))
+            .unwrap_err()
+            .is_timeout()
+    );
+    drop(rw.try_read().expect("a reader reads beside it"));
+    // The child lets go once this one waits for it (its mark is in the readers' set).
+    let url = srv.url();
+    let stopper = thread::spawn(move || {
+        await_marks(&url, "up:{one}:wr", 1);
+        set(&mut redbaton_testkit::raw_conn(&url), "stop", 1);
+    });
+    let u = rw
+        .try_upgradable_read_for(LIVENESS)
+        .expect("after the child's");
+    stopper.join().unwrap();
+    child::wait_ok(held, LIVENESS);
+    // Threads of one process exclude each other too: the hold is not shared locally.
+    thread::scope(|s| {
+        let busy = s.spawn(|| rw.try_upgradable_read().unwrap_err().is_would_block());
+        assert!(busy.join().unwrap());
+    });
+    drop(u);
+    assert_only_fences(&srv);
+}
+
+#[test]
+fn bad_input_and_paths_are_typed_errors() {
+    let srv = test_server();
+    let c = client(&srv.url());
+    assert!(matches!(
+        c.rwlock("").upgradable_read(),
+        Err(Error::InvalidName(_))
+    ));
+    let too_long = vec![b'x'; redbaton::MAX_NAME_LEN + 1];
+    assert!(
+        c.rwlock(&too_long)
+            .try_upgradable_read()
+            .unwrap_err()
+            .is_invalid_input()
+    );
+    // One name, one kind.
+    let plain = c.lock("kind").expect("lock");
+    assert!(
+        c.rwlock("kind")
+            .try_upgradable_read()
+            .unwrap_err()
+            .is_wrong_kind()
+    );
+    drop(plain);
+    let u = c.rwlock("kind").upgradable_read().expect("free again");
+    assert!(c.try_lock("kind").unwrap_err().is_wrong_kind());
+    assert!(
+        c.semaphore("kind", 2)
+            .try_acquire()
+            .unwrap_err()
+            .is_wrong_kind()
+    );
+    // A thread never waits for itself.
+    let rw = c.rwlock("kind");
+    for taken in [
+        rw.try_read().err(),
+        rw.try_write().err(),
+        rw.try_upgradable_read().err(),
+    ] {
+        assert!(matches!(taken, Some(Error::WouldDeadlock)), "{taken:?}");
+    }
+    drop(u);
+    let r = rw.read().expect("read");
+    assert!(matches!(rw.upgradable_read(), Err(Error::WouldDeadlock)));
+    drop(r);
+    let w = rw.write().expect("write");
+    assert!(matches!(rw.upgradable_read(), Err(Error::WouldDeadlock)));
+    drop(w);
+    // A hold deleted under it: the upgrade and the downgrade say it is lost.
+    let mut conn = srv.conn();
+    let u = rw.upgradable_read().expect("upgradable read");
+    redis::cmd("DEL")
+        .arg("up:{kind}")
+        .query::<()>(&mut conn)
+        .unwrap();
+    let e = u.try_upgrade_for(LIVENESS).expect_err("gone");
+    assert!(e.error().is_lost(), "{e:?}");
+    let (u, _) = e.into_parts();
+    assert!(u.check().unwrap_err().is_lost());
+    drop(u);
+    let w = rw.write().expect("write");
+    redis::cmd("DEL")
+        .arg("up:{kind}")
+        .query::<()>(&mut conn)
+        .unwrap();
+    assert!(w.downgrade().unwrap_err().is_lost());
+    // An upgrade that times out gives the guard back, still holding, with no mark left.
+    let other = client(&srv.url());
+    let u = rw.upgradable_read().expect("upgradable read");
+    let r = other.rwlock("kind").read().expect("a reader");
+    let e = u.try_upgrade_for(ms(100)).expect_err("a reader holds");
+    assert!(e.error().is_timeout(), "{e:?}");
+    let as_error: Error = e.into_guard().try_upgrade().expect_err("still").into();
+    assert!(as_error.is_would_block(), "{as_error:?}");
+    assert!(!redbaton_testkit::exists(&mut conn, "up:{kind}:ww"));
+    drop(r);
+    // Upgrades and downgrades of a thread's own holds; a second guard on an own read
+    // keeps it.
+    let w = rw.upgradable_read().unwrap().upgrade().expect("upgrade");
+    let r = w.downgrade().expect("downgrade");
+    let again = rw.read().expect("the thread reads again");
+    drop(r);
+    again.check().expect("still held");
+    assert_eq!(c.inspect("kind").unwrap().holds.len(), 1);
+    drop(again);
+    assert_only_fences(&srv);
+    // Redlock offers no read-write locks.
+    let servers = [test_server(), test_server(), test_server()];
+    let redlock = lock_client!(nodes(servers.iter().map(|s| s.url())));
+    assert!(
+        redlock
+            .rwlock("r")
+            .try_upgradable_read()
+            .unwrap_err()
+            .is_unsupported()
+    );
+}
+
+/// Every hold without local handoff is a thread's own: a thread that reads twice shares
+/// one remote hold, which goes back with its last guard.
+#[test]
+fn without_local_handoff_a_second_read_guard_keeps_the_hold() {
+    let srv = test_server();
+    let c = lock_client!(node(srv.url()), key_prefix(PREFIX), local_handoff(false));
+    let rw = c.rwlock("own");
+    let first = rw.read().expect("read");
+    let second = rw.read().expect("again");
+    drop(first);
+    second.check().expect("held");
+    let other = client(&srv.url());
+    assert!(
+        other
+            .rwlock("own")
+            .try_write()
+            .unwrap_err()
+            .is_would_block()
+    );
+    assert_eq!(second.unlock().expect("unlock"), Unlocked::Released);
+    let w = rw.write().expect("write");
+    let r = w.downgrade().expect("downgrade");
+    assert!(
+        other
+            .rwlock("own")
+            .try_write()
+            .unwrap_err()
+            .is_would_block()
+    );
+    drop(r);
+    assert_only_fences(&srv);
+}
+
+/// Renewals never report a hold lost because an upgrade or a downgrade replaced it: with
+/// renewals every few milliseconds (the lease is long: nothing expires), many conversions
+/// in a row meet renewals in flight and lose nothing.
+#[test]
+fn renewals_never_cross_a_conversion() {
+    let srv = test_server();
+    let c = lock_client!(
+        node(srv.url()),
+        key_prefix(PREFIX),
+        lease(Duration::from_secs(10)),
+        renew_interval(ms(2))
+    );
+    let rw = c.rwlock("renewed");
+    let (mut conversions, t) = (0u64, Instant::now());
+    while t.elapsed() < Duration::from_secs(2) {
+        // Holds of a few renewal intervals each, of varied length.
+        let hold = || thread::sleep(Duration::from_micros(1000 + conversions % 7 * 500));
+        let u = rw.upgradable_read().unwrap();
+        hold();
+        let w = u.upgrade().expect("upgrade");
+        hold();
+        let r = w.downgrade().expect("downgrade");
+        hold();
+        r.check().expect("held");
+        conversions += 2;
+    }
+    let stats = c.stats();
+    eprintln!(
+        "{conversions} conversions, {} renewals",
+        stats.renewals_sent
+    );
+    assert!(stats.renewals_sent > 0, "{stats:?}");
+    assert_eq!(stats.locks_lost, 0, "{stats:?}");
+    assert_only_fences(&srv);
+}
+
+/// Redis Cluster: upgrades and downgrades on names served by every master (each script's
+/// keys share the name's slot).
+#[test]
+fn upgrades_and_downgrades_on_every_master_of_a_cluster() {
+    let cluster = redbaton_testkit::cluster::Cluster::start();
+    let build = || lock_client!(cluster(cluster.seed_urls()), key_prefix(PREFIX));
+    let (a, b) = (build(), build());
+    for i in 0..9 {
+        let name = format!("up-{i}");
+        let u = a.rwlock(&name).upgradable_read().expect("upgradable read");
+        let r = b.rwlock(&name).read().expect("a reader beside it");
+        let u = u.try_upgrade().expect_err("a reader holds").into_guard();
+        drop(r);
+        let w = u.upgrade().expect("upgrade");
+        assert!(b.rwlock(&name).try_read().unwrap_err().is_would_block());
+        let written = w.fencing_token();
+        let r = w.downgrade().expect("downgrade");
+        assert!(r.fencing_token() > written);
+        drop(b.rwlock(&name).try_read().expect("readers join"));
+        drop(r);
+        let next = b.rwlock(&name).try_write().expect("free");
+        assert!(next.fencing_token() > written);
+    }
+}
