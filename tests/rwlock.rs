@@ -134,6 +134,15 @@ fn await_marks(srv: &RedisServer, key: &str, n: i64) {
     }
 }
 
+/// Waits until `client` has failed `n` attempts (it is then waiting for an event).
+fn await_failed_attempts(client: &LockClient, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while client.stats().failed_attempts < n {
+        assert!(Instant::now() < deadline, "fewer than {n} failed attempts");
+        thread::sleep(ms(5));
+    }
+}
+
 /// A thread that takes the write lock `name` with `client`, holds it 300 ms, and returns
 /// the client for its stats.
 fn writer_holding(client: LockClient, name: &'static str) -> thread::JoinHandle<LockClient> {
@@ -178,13 +187,20 @@ fn the_writer_waiting_longest_alone_is_woken() {
     let srv = test_server();
     let (a, b, c) = (client(&srv.url()), client(&srv.url()), client(&srv.url()));
     let first = a.rwlock("queue").write().expect("write");
+    let waiting = b.clone();
     let b = writer_holding(b, "queue");
     await_marks(&srv, "rw:{queue}:ww", 1);
+    await_failed_attempts(&waiting, 2);
     // The second waiting writer marks itself later: its mark is renewed later, so it
     // expires later and comes second.
     thread::sleep(ms(50));
+    let waiting = c.clone();
     let c = writer_holding(c, "queue");
     await_marks(&srv, "rw:{queue}:ww", 2);
+    // Its mark is there from its first attempt; it waits once its second one (made after
+    // its subscription is confirmed) has failed too. A release before that could be
+    // raced by that attempt.
+    await_failed_attempts(&waiting, 2);
     first.unlock().expect("unlock");
     let (b, c) = (b.join().unwrap(), c.join().unwrap());
     let (sb, sc) = (b.stats(), c.stats());
