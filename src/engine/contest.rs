@@ -410,13 +410,14 @@ impl Contest<'_> {
                 granted,
                 behind,
                 others_wait,
+                previous_lost,
             } => {
                 // Redlock: only nodes behind need it; with counters in step there is no
                 // extra round trip.
                 if !behind.is_empty() {
                     engine.raise_fences(self.keys, &self.route, fence, &behind);
                 }
-                let remote = self.acquired(token, fence, granted, started)?;
+                let remote = self.acquired(token, (fence, previous_lost), granted, started)?;
                 Ok(Round::Acquired(Won {
                     remote,
                     others_wait,
@@ -466,6 +467,7 @@ impl Contest<'_> {
                 route,
                 protocol,
                 &token,
+                None,
                 &undo.granted,
             );
             undo.granted.clear();
@@ -475,7 +477,7 @@ impl Contest<'_> {
             // Not waited for: one bounded worker per client (see `cleanup`).
             engine
                 .cleanup
-                .release_later(self.keys, self.protocol, token, undo.unknown);
+                .release_later(self.keys, self.protocol, token, None, undo.unknown);
         }
     }
 
@@ -505,6 +507,7 @@ impl Contest<'_> {
                         keys,
                         protocol,
                         token.to_owned(),
+                        None,
                         vec![node.id.clone()],
                     );
                 }
@@ -512,11 +515,12 @@ impl Contest<'_> {
         }
     }
 
-    /// The hold is ours: its state, for the guard(s) and the watchdog.
+    /// The hold is ours: its state, for the guard(s) and the watchdog. `previous_lost`:
+    /// the hold before it ended without a release (see `Attempt::Acquired`).
     fn acquired(
         &self,
         token: String,
-        fence: u64,
+        (fence, previous_lost): (u64, bool),
         nodes: Vec<NodeId>,
         started: Stamp,
     ) -> Result<Arc<RemoteLock>> {
@@ -528,6 +532,7 @@ impl Contest<'_> {
                 &self.route,
                 self.protocol,
                 &token,
+                None,
                 &nodes,
             );
             return Err(Error::Protocol(format!(
@@ -542,6 +547,7 @@ impl Contest<'_> {
                 protocol: self.protocol,
                 token,
                 fence,
+                previous_lost,
                 nodes,
                 started,
             },

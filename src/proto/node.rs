@@ -321,8 +321,8 @@ impl Node {
         }
     }
 
-    /// Runs an acquire `call` of `script` (its reply: 1 when it took the lock, and a
-    /// number), retried as `retry` says within `deadline`. When it took the lock and
+    /// Runs an acquire `call` of `script` (its reply: 1 when it took the lock, and two
+    /// numbers), retried as `retry` says within `deadline`. When it took the lock and
     /// `replica_ack` asks, `WAIT`s on the same connection (`WAIT` counts that
     /// connection's writes); the reply, and how many replicas acknowledged when fewer
     /// than asked.
@@ -332,9 +332,9 @@ impl Node {
         call: &Cmd,
         retry: Retry,
         deadline: Option<Instant>,
-    ) -> Result<((i64, i64), Option<usize>)> {
+    ) -> Result<((i64, i64, i64), Option<usize>)> {
         let (reply, acked) = self.run_whole(retry, deadline, |c, before| {
-            let reply: (i64, i64) = script.run(call, c, before)?;
+            let reply: (i64, i64, i64) = script.run(call, c, before)?;
             let acked = match (reply.0, self.ack) {
                 (1, Some(_)) => Some(self.wait_replicas(c)?),
                 _ => None,

@@ -349,26 +349,30 @@ impl Protocol {
     }
 
     /// Gives back `token`'s hold on `node`: compare-and-delete, (fair queue) a grant to
-    /// the head of the queue, or the end of a shared hold. `retry` may be non-zero: a
-    /// repeated release is harmless, and reports [`ReleaseReply::GoneAfterRetry`] for a
-    /// key that the first attempt may have deleted ([`ReleaseReply::OtherAfterRetry`]:
-    /// passed on, or deleted and taken since).
+    /// the head of the queue, or the end of a shared hold. `fence`: the holder's, which
+    /// marks the name's fence counter released (`None`: an attempt nobody used is given
+    /// back; see `scripts::fence_arg`). `retry` may be non-zero: a repeated release is
+    /// harmless, and reports [`ReleaseReply::GoneAfterRetry`] for a key that the first
+    /// attempt may have deleted ([`ReleaseReply::OtherAfterRetry`]: passed on, or deleted
+    /// and taken since).
     pub fn release(
         self,
         node: &Node,
         keys: &Keys,
         token: &str,
+        fence: Option<u64>,
         retry: Retry,
     ) -> Result<ReleaseReply> {
         // Redis Cluster, the lock's slot half-way through a migration: the server refuses
         // a script whose keys are not all on one side (`TRYAGAIN`). The narrow release names
         // the lock key alone, which the server always serves: on the source while the key
         // is there, else (`ASK`) on the target; its lease record, if any, is left to its
-        // TTL (at most the lease).
-        let narrow = || release_call(node.site(), keys, token, false);
+        // TTL (at most the lease), and its fence counter stays held: the next holder is
+        // told the hold before it was lost, which errs on the side of caution.
+        let narrow = || release_call(node.site(), keys, token, fence, false);
         match self {
             Protocol::Lock { .. } => {
-                let call = release_call(node.site(), keys, token, true);
+                let call = release_call(node.site(), keys, token, fence, true);
                 node.release_with(&RELEASE, &call, retry, Some((&RELEASE, &narrow)))
             }
             Protocol::FairLock(fair) => {
@@ -383,11 +387,12 @@ impl Protocol {
                     keys,
                     token,
                     millis(fair.grant_lease),
+                    fence,
                 );
                 node.release_with(&FAIR_RELEASE, &call, retry, Some((&RELEASE, &narrow)))
             }
             Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. } => {
-                node.release_shared(keys, token, retry)
+                node.release_shared(keys, token, fence, retry)
             }
         }
     }
@@ -412,12 +417,13 @@ impl Protocol {
                     keys,
                     token,
                     millis(fair.grant_lease),
+                    None,
                 );
                 // Redis Cluster, the slot half-way through a migration: refused like the
                 // fair release (see `release`), leaving is the plain compare-and-delete of
                 // our token, which gives back a grant that raced our leaving; our queue
                 // entry expires.
-                let narrow = || release_call(node.site(), keys, token, false);
+                let narrow = || release_call(node.site(), keys, token, None, false);
                 let reply = node.release_with(
                     &FAIR_LEAVE,
                     &call,
@@ -469,7 +475,7 @@ impl Protocol {
 }
 
 /// Reads an acquire script's reply on `node`, counting a failed attempt.
-fn attempt_of(node: &Node, reply: (i64, i64)) -> Result<Attempt> {
+fn attempt_of(node: &Node, reply: (i64, i64, i64)) -> Result<Attempt> {
     let attempt = acquire_reply(reply)?;
     if let Attempt::Held { .. } = attempt {
         Counters::inc(&node.counters().failed_attempts);

@@ -20,7 +20,9 @@
 //! the same marks for waiting readers: they hold nobody back, but tell a process that
 //! keeps its hold for its own threads that another process waits. Both sets expire at the
 //! latest twice a mark's TTL after the last mark. The fence counter `p{n}:fence` is the
-//! plain lock's: a write hold increments it (and refreshes its TTL, see `FENCE_FN`).
+//! plain lock's: a write hold issues the next fence and marks the counter held until its
+//! release (and refreshes its TTL, see `FENCE_FN`), so that the next write hold learns
+//! whether it was released or expired; read holds only read it.
 //!
 //! On the library's channel a release says `r` (a waiter may get in) or, when the last
 //! hold of a read-write lock ended while writers wait, `g<member>:0`, a wake-up for the
@@ -35,7 +37,7 @@ use crate::error::{Error, Result};
 use crate::proto::attempt::Attempt;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, ReleaseReply, Retry};
-use crate::proto::scripts::{FENCE_FN, Lua};
+use crate::proto::scripts::{END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, fence_arg};
 use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
 
@@ -106,24 +108,33 @@ end
 ";
 
 fn lua(body: &str) -> Lua {
-    Lua::new(&format!("{PUBLISH_FN}{FENCE_FN}{PRELUDE}{body}"))
+    Lua::new(&format!("{PUBLISH_FN}{PRELUDE}{body}"))
+}
+
+/// [`lua`], for a script that also issues, reads or releases the fence counter.
+fn fenced(body: &str) -> Lua {
+    Lua::new(&format!(
+        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{PRELUDE}{body}"
+    ))
 }
 
 /// Read or write hold, idempotently (a retry with the same member refreshes its lease).
 ///
 /// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r` or `w`, member, lease
 /// ms, waiting mark TTL ms (0: the caller will not wait), the fence counter's TTL ms.
-/// Returns `{1, fence, others}` (`others`: for a write hold, 1 when a mark of another
-/// waiting writer or reader is left, maybe an expired one; always 0 for a read hold),
-/// `{0, ms until the earliest obstacle ends}` (−1: unknown), or `{2, 0}` when the key is
-/// another kind of lock.
+/// Returns `{1, fence, others, after lost}` (`others`: for a write hold, 1 when a mark of
+/// another waiting writer or reader is left, maybe an expired one; `after lost`: for a
+/// write hold, 1 when the write hold before ended without a release, see `FENCE_FN`; both
+/// always 0 for a read hold), `{0, ms until the earliest obstacle ends}` (−1: unknown), or
+/// `{2, 0}` when the key is another kind of lock.
 ///
 /// A read is granted when no write hold exists and no writer waits; a write when no hold
 /// exists (waiting writers race among themselves). A write attempt that fails and will wait
 /// marks the writer as waiting until the mark's TTL, which it renews at each attempt; a
 /// read attempt that fails and will wait marks a waiting reader the same way.
 static RW_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
-    lua(r"
+    fenced(
+        r"
 local now = now_ms()
 local k, _, first, until_ = load(KEYS[1], now)
 if k ~= 'none' and k ~= 'rw' then return {2, 0} end
@@ -155,7 +166,8 @@ end
 -- hold is then the only hold; a read hold is looked for only when it could not be taken.
 if first == ARGV[2] and ARGV[1] == 'w' then
   take()
-  return {1, current_fence(KEYS[2]), others()}
+  local fence, after_lost = hold_fence(KEYS[2])
+  return {1, fence, others(), after_lost and 1 or 0}
 end
 if ARGV[1] == 'r' then
   local w = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
@@ -163,24 +175,25 @@ if ARGV[1] == 'r' then
   if free or (first and redis.call('ZSCORE', KEYS[1], ARGV[2])) then
     take()
     redis.call('ZREM', KEYS[4], ARGV[2])
-    return {1, current_fence(KEYS[2]), 0}
+    return {1, current_fence(KEYS[2]), 0, 0}
   end
   if waits then mark(KEYS[4]) end
   if w[2] and (not until_ or tonumber(w[2]) < until_) then until_ = tonumber(w[2]) end
 elseif not first then
-  -- The fence before the hold: a failed INCR leaves nothing to undo (unlike the plain
+  -- The fence before the hold: a failed SET leaves nothing to undo (unlike the plain
   -- lock's `take_fenced`, whose SET NX is its test of a free lock).
-  local fence = next_fence(KEYS[2], ARGV[5])
+  local fence, after_lost = next_fence(KEYS[2], ARGV[5], false)
   if type(fence) == 'table' then return fence end
   take()
   redis.call('ZREM', KEYS[3], ARGV[2])
-  return {1, fence, others()}
+  return {1, fence, others(), after_lost and 1 or 0}
 elseif waits then
   mark(KEYS[3])
 end
 if not until_ then return {0, -1} end
 return {0, until_ - now}
-")
+",
+    )
 });
 
 /// One permit, idempotently.
@@ -208,14 +221,18 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 
 /// Ends a hold.
 ///
-/// KEYS: lock, and for a read-write lock its waiting writers. ARGV: member, the library's
-/// channel, the publish mode. Returns 1 released, 0 the hold had expired or was gone, −1
-/// the key is another kind of lock. Publishes `r` when a waiter may now get in: a permit
-/// was freed, or the last hold of a read-write lock ended; but when that last hold ended
-/// while writers wait, `g<member>:0` for the writer waiting longest: writers go first, so
-/// the waiting readers, and the other writers, need not wake to fail.
+/// KEYS: lock, and for a read-write lock its waiting writers and its fence counter. ARGV:
+/// member, the library's channel, the holder's fence (a write hold's, see `end_fence` of
+/// `END_FENCE_FN`; `0` for other holds, or a write attempt nobody used), the publish mode.
+/// Returns 1 released, 0 the hold had expired or was gone, −1 the key is another kind of
+/// lock. A write hold released before it expired marks the counter released. Publishes
+/// `r` when a waiter may now get in: a permit was freed, or the last hold of a read-write
+/// lock ended; but when that last hold ended while writers wait, `g<member>:0` for the
+/// writer waiting longest: writers go first, so the waiting readers, and the other
+/// writers, need not wake to fail.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
-    lua(r"
+    fenced(
+        r"
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
 if not s then return 0 end
@@ -234,9 +251,11 @@ if not redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 1)[1] t
 elseif not KEYS[2] then
   publish(ARGV[2], 'r')
 end
-if tonumber(s) > now then return 1 end
-return 0
-")
+if tonumber(s) <= now then return 0 end
+if KEYS[3] and string.sub(ARGV[1], 1, 1) == 'w' then end_fence(KEYS[3], ARGV[3]) end
+return 1
+",
+    )
 });
 
 /// Renews many holds of one node in one round trip.
@@ -339,6 +358,7 @@ impl Node {
                 fence: u64::try_from(fence)
                     .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
                 others_wait: reply.get(2) == Some(&1),
+                previous_lost: reply.get(3) == Some(&1),
             }),
             [0, ms] => {
                 Counters::inc(&self.counters().failed_attempts);
@@ -358,16 +378,24 @@ impl Node {
         }
     }
 
-    /// Ends the hold `member` of `keys`.
-    pub fn release_shared(&self, keys: &Keys, member: &str, retry: Retry) -> Result<ReleaseReply> {
+    /// Ends the hold `member` of `keys`; `fence`: a write holder's (see
+    /// `scripts::fence_arg`).
+    pub fn release_shared(
+        &self,
+        keys: &Keys,
+        member: &str,
+        fence: Option<u64>,
+        retry: Retry,
+    ) -> Result<ReleaseReply> {
         let permit = member.starts_with(Want::Permit(0).tag());
-        let mut call = SHARED_RELEASE.call(if permit { 1 } else { 2 });
+        let mut call = SHARED_RELEASE.call(if permit { 1 } else { 3 });
         call.arg(keys.lock());
         if !permit {
-            call.arg(keys.writers());
+            call.arg(keys.writers()).arg(keys.fence());
         }
         call.arg(member)
             .arg(keys.channel())
+            .arg(fence_arg(fence))
             .arg(self.publish_mode());
         self.release_by(&SHARED_RELEASE, &call, retry)
     }
