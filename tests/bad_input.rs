@@ -38,7 +38,7 @@ const KEYS: Keys = Keys::DEFAULT;
 ///   and the waiters' contention mark next to them;
 /// * `+evalsha` (every operation) and `+script|load` (redis-rs loads a script after
 ///   `NOSCRIPT`: first use, server restart, `SCRIPT FLUSH`);
-/// * inside the scripts, which run with the caller's ACL: `+get +set +del +incr +pttl`
+/// * inside the scripts, which run with the caller's ACL: `+get +set +del +pttl`
 ///   (acquire and release fail without them), `+pexpire` (renewals: without it every lock
 ///   is lost after one lease), `+publish` (the release message that wakes waiters;
 ///   without it, and without keyspace events, waiters sleep until the re-check interval)
@@ -59,7 +59,7 @@ const KEYS: Keys = Keys::DEFAULT;
 /// build and at every subscriber reconnect); without them it relies on its release channel
 /// (one warning), which `acl_minimal_user_without_config` shows working.
 const MINIMAL_ACL: &str = "resetkeys ~redbaton:* resetchannels &redbaton:* &__keyspace@* \
-     -@all +evalsha +script|load +get +set +del +pexpire +pttl +incr +publish \
+     -@all +evalsha +script|load +get +set +del +pexpire +pttl +publish \
      +exists +time +zadd +zrem +zrange +zrangebyscore +zcard +zscore +zremrangebyscore \
      +subscribe +unsubscribe +ping +client|setname";
 

@@ -17,7 +17,7 @@ use redbaton::{Builder, Error, LockClient, LostReason, Stats, Unlocked};
 use redbaton_testkit::child;
 use redbaton_testkit::child_only;
 use redbaton_testkit::exists;
-use redbaton_testkit::keys::{Keys, fence_of, handoff_of};
+use redbaton_testkit::keys::{Counter, Keys, fence_of, handoff_of};
 use redbaton_testkit::lock_builder;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
@@ -97,13 +97,10 @@ fn smoke() {
     assert_eq!(guard.name(), b"smoke");
     // A first remote acquisition: the counter it created (at the server's clock in µs), no
     // local handoff.
-    let fence: u64 = redis::cmd("GET")
-        .arg(KEYS.fence("smoke"))
-        .query(&mut srv.conn())
-        .unwrap();
+    let counter = Counter::read(&mut srv.conn(), KEYS.fence("smoke").as_bytes());
     assert_eq!(
-        fence_of(guard.fencing_token()),
-        fence,
+        counter.map(|c| c.fence),
+        Some(fence_of(guard.fencing_token())),
         "first remote acquisition"
     );
     assert_eq!(handoff_of(guard.fencing_token()), 0);

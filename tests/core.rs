@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use redbaton::{Error, LockClient, Unlocked};
 use redbaton_testkit::child;
 use redbaton_testkit::child_only;
-use redbaton_testkit::keys::{FENCE_STEP, Keys, fence_of, fences_issued};
+use redbaton_testkit::keys::{Counter, FENCE_STEP, FenceCount, Keys, fence_of};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{join_within, wait_until};
@@ -89,6 +89,7 @@ const SECTIONS: usize = 200;
 /// sections, in the order the sections ran, strictly increase.
 fn mutual_exclusion(local_handoff: bool) {
     let srv = test_server();
+    let fences = FenceCount::start(&srv);
     let url = srv.url();
     let client = lock_client!(node(&url), local_handoff(local_handoff));
     let name = b"counter-lock";
@@ -137,7 +138,7 @@ fn mutual_exclusion(local_handoff: bool) {
     assert_eq!(tokens.len(), THREADS * SECTIONS);
     assert_strictly_increasing(&tokens, "one process");
     // Every remote acquisition issued exactly one fence, and the counter holds the last.
-    assert_eq!(fences_issued(&srv), stats.remote_acquisitions);
+    assert_eq!(fences.issued(), stats.remote_acquisitions);
     assert_eq!(
         get_u64(&mut conn, &KEYS.fence_bytes(name)),
         Some(fence_of(*tokens.last().unwrap()))
@@ -232,6 +233,7 @@ fn child_mutex_worker() {
 #[test]
 fn mutual_exclusion_across_processes() {
     let srv = test_server();
+    let fences = FenceCount::start(&srv);
     let url = srv.url();
     let started = Instant::now();
     let children = child::spawn_many(
@@ -300,8 +302,7 @@ fn mutual_exclusion_across_processes() {
     );
     // Each remote acquisition of every process issued exactly one fence, and the counter
     // holds the last.
-    // (Each child also counted itself into the start barrier with one `INCR`.)
-    assert_eq!(fences_issued(&srv) - PROCS as u64, remote_sum);
+    assert_eq!(fences.issued(), remote_sum);
     assert_eq!(
         get_u64(&mut conn, &KEYS.fence_bytes(b"xproc")),
         Some(fence_of(*tokens.last().unwrap()))
@@ -530,7 +531,8 @@ fn lost_acquire_reply_is_retried_idempotently() {
     let fence = fence_of(guard.fencing_token());
     assert_eq!(guard.fencing_token(), fence * FENCE_STEP, "{fence:#x}");
     let guard_token = guard.fencing_token();
-    assert_eq!(get_u64(&mut conn, &KEYS.fence_bytes(name)), Some(fence));
+    let counter = Counter::read(&mut conn, &KEYS.fence_bytes(name)).expect("counter");
+    assert_eq!((counter.fence, counter.held), (fence, true));
     assert_eq!(
         client.stats().remote_acquisitions,
         before.remote_acquisitions + 1
@@ -908,8 +910,8 @@ fn binary_names_map_to_exact_keys() {
         let key = KEYS.lock_bytes(name);
         assert_eq!(lock_keys(&srv), vec![key.clone()], "key for {name:?}");
         assert!(get(&mut conn, &key).is_some());
-        let fence = get_u64(&mut conn, &KEYS.fence_bytes(name));
-        assert_eq!(fence, Some(fence_of(g.fencing_token())), "{name:?}");
+        let counter = Counter::read(&mut conn, &KEYS.fence_bytes(name)).expect("counter");
+        assert_eq!(counter.fence, fence_of(g.fencing_token()), "{name:?}");
         // Another client sees the same key.
         let other = self::client(&srv.url());
         assert!(other.try_lock(name).unwrap_err().is_would_block());

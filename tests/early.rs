@@ -9,7 +9,7 @@ use std::thread;
 
 use crossbeam_channel::Receiver;
 use redbaton::{LockClient, Unlocked};
-use redbaton_testkit::keys::{fence_of, fences_issued};
+use redbaton_testkit::keys::{FenceCount, fence_of};
 use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::proxy::Proxy;
@@ -71,12 +71,13 @@ fn handoff(
 #[test]
 fn smoke() {
     let srv = RedisServer::start();
+    let fences = FenceCount::start(&srv);
     let (holder, waiter) = (client(&srv.url()), client(&srv.url()));
     let (held, got) = handoff(&holder, &waiter, "smoke", || {});
     let s = waiter.stats();
     eprintln!("early smoke: {s:?}");
     assert!(got > held, "{got:#x} after {held:#x}");
-    assert_eq!(fences_issued(&srv), 2, "one fence for each holder");
+    assert_eq!(fences.issued(), 2, "one fence for each holder");
     assert_eq!(s.early_attempts, 1, "{s:?}");
     assert_eq!(s.remote_acquisitions, 1, "{s:?}");
     assert!(srv.keys("redbaton:{smoke}").is_empty(), "lock key left");
@@ -87,6 +88,7 @@ fn smoke() {
 #[test]
 fn noscript_reply_is_retried() {
     let srv = RedisServer::start();
+    let fences = FenceCount::start(&srv);
     let (holder, waiter) = (client(&srv.url()), client(&srv.url()));
     let (held, got) = handoff(&holder, &waiter, "noscript", || {
         redis::cmd("SCRIPT")
@@ -98,7 +100,7 @@ fn noscript_reply_is_retried() {
     // still meets a server without the acquire script.
     let s = waiter.stats();
     assert!(got > held, "{got:#x} after {held:#x}: {s:?}");
-    assert_eq!(fences_issued(&srv), 2, "one fence for each holder: {s:?}");
+    assert_eq!(fences.issued(), 2, "one fence for each holder: {s:?}");
     assert_eq!(s.early_attempts, 1, "{s:?}");
     assert!(srv.keys("redbaton:{noscript}").is_empty(), "lock key left");
 }
@@ -109,6 +111,7 @@ fn noscript_reply_is_retried() {
 #[test]
 fn lost_early_reply_returns_the_first_fence() {
     let srv = RedisServer::start();
+    let fences = FenceCount::start(&srv);
     let proxy = Proxy::start(srv.addr());
     let holder = client(&srv.url());
     let waiter = client(&proxy.url());
@@ -119,7 +122,7 @@ fn lost_early_reply_returns_the_first_fence() {
     eprintln!("lost early reply: {s:?}");
     assert_eq!(proxy.replies_dropped(), 1, "the fault did not fire");
     assert!(got > held, "{got:#x} after {held:#x}: {s:?}");
-    assert_eq!(fences_issued(&srv), 2, "the retry took a new fence: {s:?}");
+    assert_eq!(fences.issued(), 2, "the retry took a new fence: {s:?}");
     assert_eq!(s.early_attempts, 1, "{s:?}");
     assert!(
         srv.keys("redbaton:{lost-reply}").is_empty(),

@@ -12,7 +12,7 @@ use std::time::Duration;
 use redbaton::{Builder, Error, LockClient};
 use redbaton_testkit::child;
 use redbaton_testkit::child_only;
-use redbaton_testkit::keys::{FENCE_STEP, Keys, fences_issued};
+use redbaton_testkit::keys::{FENCE_STEP, FenceCount, Keys};
 use redbaton_testkit::logs;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::test_server;
@@ -278,6 +278,7 @@ fn eviction_policy_that_can_evict_lock_keys_warns_at_build() {
 #[test]
 fn a_grant_carries_the_whole_fence() {
     let srv = test_server();
+    let fences = FenceCount::start(&srv);
     let holder = short_fence(&srv.url()).build().expect("client");
     let waiter = Arc::new(
         short_fence(&srv.url())
@@ -311,7 +312,7 @@ fn a_grant_carries_the_whole_fence() {
     // grant's lease ran out).
     assert!(token > held_token, "{token:#x} after {held_token:#x}");
     assert_eq!(token & (FENCE_STEP - 1), 0);
-    assert_eq!(fences_issued(&srv), 2, "the grant's fence");
+    assert_eq!(fences.issued(), 2, "the grant's fence");
     // Liveness, generous: a waiter that missed the message would wait for its re-check
     // (30 s) or the grant's lease.
     let waited = got_at.duration_since(released);

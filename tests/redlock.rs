@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use redbaton::{Builder, Error, LockClient, LockGuard, LostReason, Stats, Unlocked};
 use redbaton_testkit::child;
 use redbaton_testkit::child_only;
-use redbaton_testkit::keys::{Keys, fence_of};
+use redbaton_testkit::keys::{Counter, Keys, fence_of};
 use redbaton_testkit::lock_builder;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer};
@@ -93,11 +93,7 @@ fn pttl(srv: &RedisServer, name: &str) -> i64 {
 }
 
 fn fence(srv: &RedisServer, name: &str) -> u64 {
-    redis::cmd("GET")
-        .arg(KEYS.fence(name))
-        .query::<Option<u64>>(&mut srv.conn())
-        .expect("GET fence")
-        .unwrap_or(0)
+    Counter::read(&mut srv.conn(), KEYS.fence(name).as_bytes()).map_or(0, |c| c.fence)
 }
 
 /// Resumes paused servers when dropped, also when an assertion fails midway (the servers'

@@ -15,11 +15,12 @@ use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::lock_builder;
+use redbaton_testkit::monitor::{Monitor, parse_line};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::test_server;
 use redbaton_testkit::{child, init_log, ms};
 use redbaton_testkit::{exists, pttl};
-use redis::{Connection, Value};
+use redis::Connection;
 
 const PREFIX: &str = "wd:";
 const KEYS: Keys = Keys::new(PREFIX);
@@ -207,7 +208,7 @@ fn deleted_key_fires_lost_and_drop_spares_the_next_holder() {
         .try_lock(name)
         .expect("the key is free for another client");
     let b_token = get(&mut conn, &key).expect("b's key");
-    let fence_before: u64 = redis::cmd("GET")
+    let fence_before: String = redis::cmd("GET")
         .arg(format!("{key}:fence"))
         .query(&mut conn)
         .unwrap();
@@ -215,7 +216,7 @@ fn deleted_key_fires_lost_and_drop_spares_the_next_holder() {
     drop(guard);
     assert_eq!(get(&mut conn, &key).as_deref(), Some(b_token.as_str()));
     assert!(pttl(&mut conn, &key) > 5000, "b's lease untouched");
-    let fence_after: u64 = redis::cmd("GET")
+    let fence_after: String = redis::cmd("GET")
         .arg(format!("{key}:fence"))
         .query(&mut conn)
         .unwrap();
@@ -548,7 +549,7 @@ fn a_thousand_key_extend_batch_works() {
         let Some(line) = monitor.next_line(left) else {
             break false;
         };
-        let full = parse_monitor(&line)
+        let full = parse_line(&line)
             .and_then(|(_, args)| EvalCall::parse(&args))
             .is_some_and(|c| c.kind == Kind::Extend && c.keys.len() == N);
         lines.push(line);
@@ -606,7 +607,7 @@ enum Kind {
 
 /// One EVALSHA seen by MONITOR, classified by its shape: acquire's second key is the
 /// fence counter and it has eight ARGV (the fair queue's release names the fence too, with
-/// five); extend's ARGV are the lease in ms (a number) then one token per key; release's
+/// six); extend's ARGV are the lease in ms (a number) then one token per key; release's
 /// first ARGV is the token.
 #[derive(Debug)]
 struct EvalCall {
@@ -637,7 +638,7 @@ impl EvalCall {
                 .chain(argv[1..].iter().step_by(2).cloned())
                 .collect();
         }
-        let kind = if keys.get(1).is_some_and(|k| k.ends_with(":fence")) && argv.len() >= 6 {
+        let kind = if keys.get(1).is_some_and(|k| k.ends_with(":fence")) && argv.len() >= 8 {
             Kind::Acquire
         } else if argv.first()?.parse::<u64>().is_ok() && argv.len() == keys.len() + 1 {
             Kind::Extend
@@ -662,46 +663,6 @@ impl EvalCall {
     }
 }
 
-/// A MONITOR line (`1700000000.123456 [0 127.0.0.1:5000] "EVALSHA" "..." ...`): the
-/// client (`127.0.0.1:5000`, or `lua` for commands run by a script) and the arguments.
-fn parse_monitor(line: &str) -> Option<(String, Vec<String>)> {
-    let open = line.find('[')?;
-    let close = open + line[open..].find("] ")?;
-    let client = line[open + 1..close].split_once(' ')?.1.to_string();
-    let mut out = Vec::new();
-    let mut chars = line[close + 2..].chars().peekable();
-    loop {
-        while chars.peek() == Some(&' ') {
-            chars.next();
-        }
-        match chars.next() {
-            None => return Some((client, out)),
-            Some('"') => {}
-            Some(_) => return None,
-        }
-        let mut arg = String::new();
-        loop {
-            match chars.next()? {
-                '"' => break,
-                '\\' => match chars.next()? {
-                    'n' => arg.push('\n'),
-                    'r' => arg.push('\r'),
-                    't' => arg.push('\t'),
-                    'a' => arg.push('\x07'),
-                    'b' => arg.push('\x08'),
-                    'x' => {
-                        let hex: String = [chars.next()?, chars.next()?].iter().collect();
-                        arg.push(char::from(u8::from_str_radix(&hex, 16).ok()?));
-                    }
-                    c => arg.push(c),
-                },
-                c => arg.push(c),
-            }
-        }
-        out.push(arg);
-    }
-}
-
 /// The EVALSHA calls that ran, in server order. An EVALSHA answered NOSCRIPT (the first
 /// of each script after a start) is followed on its connection by redis-rs's
 /// `SCRIPT LOAD` and the same EVALSHA again: the failed one is left out.
@@ -709,7 +670,7 @@ fn eval_calls(lines: &[String]) -> Vec<EvalCall> {
     let mut calls: Vec<(EvalCall, bool)> = Vec::new();
     let mut last_eval: HashMap<String, usize> = HashMap::new();
     for line in lines {
-        let Some((client, args)) = parse_monitor(line) else {
+        let Some((client, args)) = parse_line(line) else {
             continue;
         };
         if let Some(call) = EvalCall::parse(&args) {
@@ -730,58 +691,9 @@ fn eval_calls(lines: &[String]) -> Vec<EvalCall> {
         .collect()
 }
 
-/// A raw connection in MONITOR mode, read by a thread.
-struct Monitor {
-    lines: crossbeam_channel::Receiver<String>,
-}
-
-impl Monitor {
-    fn start(srv: &RedisServer) -> Monitor {
-        let mut conn = srv.conn();
-        let () = redis::cmd("MONITOR").query(&mut conn).expect("MONITOR");
-        let (tx, lines) = crossbeam_channel::unbounded();
-        // Ends when the server closes the connection (the server is dropped at the
-        // latest) or the receiver is gone.
-        thread::spawn(move || {
-            while let Ok(v) = conn.recv_response() {
-                if let Value::SimpleString(s) = v
-                    && tx.send(s).is_err()
-                {
-                    return;
-                }
-            }
-        });
-        Monitor { lines }
-    }
-
-    /// The next line, if one comes within `timeout`.
-    fn next_line(&self, timeout: Duration) -> Option<String> {
-        self.lines.recv_timeout(timeout).ok()
-    }
-
-    /// Every line up to now (a sentinel command marks "now").
-    fn flush(&self, srv: &RedisServer) -> Vec<String> {
-        let sentinel = "wd-monitor-sentinel";
-        let _: String = redis::cmd("ECHO")
-            .arg(sentinel)
-            .query(&mut srv.conn())
-            .expect("ECHO");
-        let mut lines = Vec::new();
-        loop {
-            let line = self
-                .next_line(Duration::from_secs(10))
-                .expect("MONITOR line (sentinel never seen)");
-            if line.contains(sentinel) {
-                return lines;
-            }
-            lines.push(line);
-        }
-    }
-
-    /// Everything seen up to now, as the EVALSHA calls that ran.
-    fn finish(self, srv: &RedisServer) -> Vec<EvalCall> {
-        eval_calls(&self.flush(srv))
-    }
+/// Everything `monitor` saw up to now, as the EVALSHA calls that ran.
+fn finish(monitor: Monitor, srv: &RedisServer) -> Vec<EvalCall> {
+    eval_calls(&monitor.flush(srv))
 }
 
 #[test]
@@ -802,7 +714,7 @@ fn monitor_line_parsing() {
     assert_eq!(calls[0].token_for("wd:{c:1}"), Some("t-1"));
     assert_eq!(calls[1].kind, Kind::Release);
     assert_eq!(calls[1].argv, ["t-2", ""]);
-    let (client, args) = parse_monitor(&lines[4]).unwrap();
+    let (client, args) = parse_line(&lines[4]).unwrap();
     assert_eq!(client, "lua");
     assert_eq!(args, ["GET", "a\"bA"]);
 }
@@ -826,7 +738,7 @@ fn no_renewal_reaches_redis_after_unlock_returns() {
     let stats = client.stats();
     // Renewals that were going to leak would show up now.
     thread::sleep(ms(300));
-    let calls = monitor.finish(&srv);
+    let calls = finish(monitor, &srv);
 
     // Each script SHA is one kind of call.
     let mut sha_kind: HashMap<&str, Kind> = HashMap::new();

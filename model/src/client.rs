@@ -27,7 +27,8 @@
 //!   validity becomes `sent_at + lease − drift`.
 //! - `Proc::unlock`: `LockGuard::unlock` (`engine::release`, `Table::release`): a
 //!   valid lock may go to the next local waiter (token `fence << k | seq`, `seq` + 1),
-//!   else `FAIR_RELEASE`/`RELEASE` after any renewal in flight.
+//!   else `FAIR_RELEASE`/`RELEASE`, with the hold's fence, after any renewal in flight.
+//!   The cleanup after a plain attempt's timeout gives its token back without one.
 //!
 //! Steps are taken at the start of a tick (`Proc::begin_tick`, then `Proc::act` with
 //! what the threads chose) or at once in reaction to a reply or a message (`on_reply`,
@@ -73,6 +74,8 @@ pub struct Hold {
     pub extended: bool,
     /// Whether the hold began with a grant (model bookkeeping, for the vacuity checks).
     pub granted: bool,
+    /// What the acquisition said of the hold before (`LockGuard::previous_lost`).
+    pub previous_lost: bool,
 }
 
 /// The process's remote side: one thing at a time.
@@ -372,7 +375,10 @@ impl Proc {
                 fx.began = Some((h.fence, h.handoffs));
             }
             None => {
-                let op = Op::Release { token: h.token };
+                let op = Op::Release {
+                    token: h.token,
+                    fence: Some(h.fence),
+                };
                 self.remote = Remote::Releasing;
                 self.send(now, op, true, fx);
             }
@@ -412,7 +418,7 @@ impl Proc {
                 }
                 let cleanup = match cfg.mode {
                     Mode::Fair => Op::Leave { token },
-                    Mode::Plain => Op::Release { token },
+                    Mode::Plain => Op::Release { token, fence: None },
                 };
                 self.send(now, cleanup, false, fx);
                 self.next_contender(now, fx);
@@ -439,7 +445,15 @@ impl Proc {
     ) {
         self.pending = None;
         match (request.op, answer, &mut self.remote) {
-            (Op::Acquire { token }, Answer::Won { fence, fresh }, Remote::Contend { .. }) => {
+            (
+                Op::Acquire { token },
+                Answer::Won {
+                    fence,
+                    fresh,
+                    previous_lost,
+                },
+                Remote::Contend { .. },
+            ) => {
                 let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
                 if valid_until <= now {
                     // No validity left: the attempt counts as failed (a guard is never
@@ -464,6 +478,7 @@ impl Proc {
                     handoffs: 0,
                     extended: false,
                     granted: !fresh,
+                    previous_lost,
                 });
                 fx.began = Some((fence, 0));
             }
@@ -520,6 +535,7 @@ impl Proc {
                     handoffs: 0,
                     extended: false,
                     granted: true,
+                    previous_lost: false,
                 });
                 fx.began = Some((fence, 0));
             }

@@ -73,6 +73,18 @@ fn a_grant_trusted_without_confirmation_breaks_exclusion() {
     assert_eq!(name, "mutual exclusion");
 }
 
+/// Holds nobody used must leave the counter as they found it: issued held, a grant whose
+/// waiter never confirmed it reads as a loss when it expires (and a given-back attempt
+/// hides one).
+#[test]
+fn unused_holds_that_mark_the_counter_make_previous_lost_wrong() {
+    let (name, _) = first_violation(Config::ci().with_rules(Rules {
+        transparent_unused: false,
+        ..Rules::FIXED
+    }));
+    assert_eq!(name, "previous_lost tells a lost hold, and only one");
+}
+
 /// The starvation bound is tight: one tick less and the checker finds a waiter left
 /// behind a free lock (asleep until its re-check while nobody told it), so the property
 /// is not vacuous.

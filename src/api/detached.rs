@@ -144,6 +144,22 @@ macro_rules! detached_methods {
             self.0.hold.token
         }
 
+        #[doc = concat!("Whether the hold before this ", $what, " ended without a release (its lease ran out, or its key was deleted): what the guard said before it was detached (see [`LockGuard::previous_lost`](crate::LockGuard::previous_lost)).")]
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # fn main() -> Result<(), redbaton::Error> {
+        /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+        #[doc = concat!("let guard = ", $get, "?;")]
+        /// let lost = guard.previous_lost();
+        /// assert_eq!(guard.detach().previous_lost(), lost);
+        /// # Ok(()) }
+        /// ```
+        pub fn previous_lost(&self) -> bool {
+            self.0.hold.previous_lost()
+        }
+
         #[doc = concat!("Until when the ", $what, " is surely held: its acquisition or last lease change, plus the lease, minus a drift margin (lease × 1% + 2 ms).")]
         ///
         /// # Examples

@@ -140,6 +140,40 @@ impl LockGuard {
         fencing::token(self.remote.fence, self.seq)
     }
 
+    /// Whether the hold before this one ended without a release: its holder's lease ran
+    /// out (it crashed, stalled past its lease, or lost Redis for longer) or its key was
+    /// deleted ([`force_release`](crate::LockClient::force_release), by hand). Like a
+    /// poisoned [`std::sync::Mutex`]: what that holder was changing may be half-changed,
+    /// so check or repair it before relying on it. False after a release, and for a lock
+    /// handed to this thread by another thread of this process (the baton: a clean
+    /// release).
+    ///
+    /// The acquisition reads it from the name's fence counter, which says whether its last
+    /// hold was released: no extra round trip or command. It errs on the side of caution,
+    /// and can say true when no thread of any process used the hold that expired (an
+    /// attempt whose reply was lost and that could not be given back; a release sent while
+    /// a Redis Cluster slot migrates). It says false when the counter is gone (the first
+    /// acquisition of a name, or after [`fence_ttl`](crate::Builder::fence_ttl) idle, an
+    /// eviction, a restart without data): there is nothing left to tell. With Redlock it
+    /// is true when any node that granted the lock saw a hold end without a release.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// client.lock("previous-lost-doc")?.unlock()?;
+    /// let guard = client.lock("previous-lost-doc")?;
+    /// assert!(!guard.previous_lost(), "the last holder released it");
+    /// if guard.previous_lost() {
+    ///     // The last holder died inside: check what it was changing first.
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn previous_lost(&self) -> bool {
+        self.remote.previous_lost_for(path_of(self.seq))
+    }
+
     /// Until when the lock is surely held: when the last successful acquisition or lease
     /// change was sent, plus its lease, minus a clock-drift margin (lease × 1% + 2 ms). A
     /// change whose outcome is unknown (an [`extend`](LockGuard::extend) that failed on a

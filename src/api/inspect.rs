@@ -388,7 +388,8 @@ impl LockClient {
     /// again since it was inspected is never deleted. In one script: the fence counter is
     /// compared, and the lock key and its lease record deleted, and `r` published on the
     /// lock's channel as a release does, so that its waiters wake at once. The holder
-    /// learns it lost the lock at its next renewal.
+    /// learns it lost the lock at its next renewal, and the next holder that its hold
+    /// ended without a release ([`LockGuard::previous_lost`](crate::LockGuard::previous_lost)).
     ///
     /// For operators, about a holder that is stuck (a process paused or hung while its
     /// watchdog still renews): it does not stop that holder, which may still act on what

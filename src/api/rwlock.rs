@@ -601,6 +601,10 @@ impl SharedGuard {
         self.hold.token
     }
 
+    pub(crate) fn previous_lost(&self) -> bool {
+        self.hold.previous_lost()
+    }
+
     pub(crate) fn name(&self) -> &[u8] {
         self.hold.remote.keys.name()
     }
@@ -832,6 +836,26 @@ impl WriteGuard {
     /// ```
     pub fn fencing_token(&self) -> u64 {
         self.0.token()
+    }
+
+    /// Whether the write hold before this one ended without a release (its lease ran out:
+    /// its writer crashed or stalled): what it was changing may be half-changed (see
+    /// [`LockGuard::previous_lost`](crate::LockGuard::previous_lost)). False after a
+    /// release, and for a write that took a turn on this process's write hold. Read holds
+    /// leave the counter as it is: a read guard has no such answer.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let rw = client.rwlock("previous-lost-rw-doc");
+    /// rw.write()?.unlock()?;
+    /// assert!(!rw.write()?.previous_lost(), "the last writer released it");
+    /// # Ok(()) }
+    /// ```
+    pub fn previous_lost(&self) -> bool {
+        self.0.previous_lost()
     }
 
     /// Takes the write hold out of this thread's hands: the [`DetachedWriteGuard`]

@@ -16,8 +16,13 @@ impl Engine {
         lock.begin_release(&self.counters);
         let route = self.topology.route(&lock.keys);
         let every = route.nodes().iter().map(|n| n.id.clone()).collect();
-        self.cleanup
-            .release_later(&lock.keys, lock.protocol, lock.token.clone(), every);
+        self.cleanup.release_later(
+            &lock.keys,
+            lock.protocol,
+            lock.token.clone(),
+            Some(lock.fence),
+            every,
+        );
         if !detached {
             self.table.released(&lock.keys, false);
         }

@@ -27,11 +27,13 @@ use crate::topology::{Route, Topology};
 /// Releases waiting for the cleanup thread, at most.
 pub(crate) const QUEUE: usize = 1024;
 
-/// One release to make: the key, our token, and the nodes that may hold it.
+/// One release to make: the key, our token, the holder's fence (`None`: an attempt nobody
+/// used, see `Protocol::release`), and the nodes that may hold it.
 struct Job {
     keys: Keys,
     protocol: Protocol,
     token: String,
+    fence: Option<u64>,
     nodes: Vec<NodeId>,
     queued_at: Instant,
 }
@@ -61,20 +63,22 @@ impl Cleanup {
         }
     }
 
-    /// Queues a compare-and-delete of `token` on `nodes`; never blocks. When the queue is
-    /// full (or the thread cannot start) the release is dropped, counted, and the key
-    /// expires with its lease.
+    /// Queues a compare-and-delete of `token` on `nodes` (`fence`: the holder's, see
+    /// `Protocol::release`); never blocks. When the queue is full (or the thread cannot
+    /// start) the release is dropped, counted, and the key expires with its lease.
     pub fn release_later(
         &self,
         keys: &Keys,
         protocol: Protocol,
         token: String,
+        fence: Option<u64>,
         nodes: Vec<NodeId>,
     ) {
         let job = Job {
             keys: keys.clone(),
             protocol,
             token,
+            fence,
             nodes,
             queued_at: Instant::now(),
         };
@@ -128,6 +132,7 @@ impl Cleanup {
                             &route,
                             job.protocol,
                             &job.token,
+                            job.fence,
                             &job.nodes,
                         )
                     }));
@@ -167,13 +172,15 @@ impl Drop for Cleanup {
 
 /// Compare-and-delete of `token` where the nodes `ids` left it: those of them on
 /// `route`, or the route's node now when the lock follows its route (Redis Cluster: a
-/// failover or a reshard since moved it), in parallel; the replies.
+/// failover or a reshard since moved it), in parallel; the replies. `fence`: the holder's
+/// (see `Protocol::release`).
 pub(crate) fn release_on(
     topology: &Topology,
     keys: &Keys,
     route: &Route,
     protocol: Protocol,
     token: &str,
+    fence: Option<u64>,
     ids: &[NodeId],
 ) -> Vec<Result<ReleaseReply>> {
     if ids.is_empty() {
@@ -186,10 +193,12 @@ pub(crate) fn release_on(
         route.retry(),
         protocol,
         token,
+        fence,
     )
 }
 
-/// Compare-and-delete of `token`'s hold of `protocol` on `nodes`, in parallel.
+/// Compare-and-delete of `token`'s hold of `protocol` on `nodes`, in parallel; `fence`:
+/// the holder's (see `Protocol::release`).
 pub(crate) fn release_at(
     topology: &Topology,
     keys: &Keys,
@@ -197,10 +206,13 @@ pub(crate) fn release_at(
     retry: Retry,
     protocol: Protocol,
     token: &str,
+    fence: Option<u64>,
 ) -> Vec<Result<ReleaseReply>> {
     if let [node] = nodes {
-        return vec![protocol.release(node, keys, token, retry)];
+        return vec![protocol.release(node, keys, token, fence, retry)];
     }
     let (k, t) = (keys.clone(), token.to_owned());
-    topology.fan_out(nodes, move |node| protocol.release(node, &k, &t, retry))
+    topology.fan_out(nodes, move |node| {
+        protocol.release(node, &k, &t, fence, retry)
+    })
 }

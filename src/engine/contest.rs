@@ -492,13 +492,14 @@ impl Contest<'_> {
                 granted,
                 behind,
                 others_wait,
+                previous_lost,
             } => {
                 // Redlock: only nodes behind need it; with counters in step there is no
                 // extra round trip.
                 if !behind.is_empty() {
                     engine.raise_fences(self.keys, &self.route, fence, &behind);
                 }
-                let remote = self.acquired(token, fence, granted, started)?;
+                let remote = self.acquired(token, (fence, previous_lost), granted, started)?;
                 Ok(Round::Acquired(Won {
                     remote,
                     others_wait,
@@ -548,6 +549,7 @@ impl Contest<'_> {
                 route,
                 protocol,
                 &token,
+                None,
                 &undo.granted,
             );
             undo.granted.clear();
@@ -557,7 +559,7 @@ impl Contest<'_> {
             // Not waited for: one bounded worker per client (see `cleanup`).
             engine
                 .cleanup
-                .release_later(self.keys, self.protocol, token, undo.unknown);
+                .release_later(self.keys, self.protocol, token, None, undo.unknown);
         }
     }
 
@@ -587,6 +589,7 @@ impl Contest<'_> {
                         keys,
                         protocol,
                         token.to_owned(),
+                        None,
                         vec![node.id.clone()],
                     );
                 }
@@ -594,11 +597,12 @@ impl Contest<'_> {
         }
     }
 
-    /// The hold is ours: its state, for the guard(s) and the watchdog.
+    /// The hold is ours: its state, for the guard(s) and the watchdog. `previous_lost`:
+    /// the hold before it ended without a release (see `Attempt::Acquired`).
     fn acquired(
         &self,
         token: String,
-        fence: u64,
+        (fence, previous_lost): (u64, bool),
         nodes: Vec<NodeId>,
         started: Stamp,
     ) -> Result<Arc<RemoteLock>> {
@@ -610,6 +614,7 @@ impl Contest<'_> {
                 &self.route,
                 self.protocol,
                 &token,
+                None,
                 &nodes,
             );
             return Err(Error::Protocol(format!(
@@ -623,6 +628,7 @@ impl Contest<'_> {
             protocol,
             token,
             fence,
+            previous_lost,
             nodes,
             started,
         });

@@ -226,12 +226,13 @@ impl Engine {
             locks.iter().for_each(|l| w.unregister(l));
         }
         let keys: Vec<Keys> = locks.iter().map(|l| l.keys.clone()).collect();
+        let fences: Vec<Option<u64>> = locks.iter().map(|l| Some(l.fence)).collect();
         let (protocol, token) = (first.protocol, first.token.as_str());
         let route = self.topology.route(&first.keys);
         // One reply per lock; one error for the group, which a failover rides through.
         let (_, replies) = self.release_riding(first, route, |route| {
             match on_sole(route, |node| {
-                protocol.release_all(node, &keys, token, route.retry())
+                protocol.release_all(node, &keys, token, &fences, route.retry())
             }) {
                 Ok(replies) => replies.into_iter().map(Ok).collect(),
                 Err(e) => vec![Err(e)],
@@ -450,6 +451,9 @@ impl GroupContest<'_> {
                 protocol: self.protocol,
                 token: token.clone(),
                 fence,
+                // A multi-lock's guard does not say (its names' counters are kept as
+                // the lock's are: held while held, released by its release).
+                previous_lost: false,
                 nodes: nodes.clone(),
                 started,
             };
@@ -465,8 +469,10 @@ impl GroupContest<'_> {
         if !past(self.wait.deadline()) {
             let route = &self.route;
             let released = on_sole(route, |node| {
+                // Attempts nobody used: the counters say what they said before.
+                let unused = vec![None; self.keys.len()];
                 self.protocol
-                    .release_all(node, self.keys, &token, route.retry())
+                    .release_all(node, self.keys, &token, &unused, route.retry())
             });
             match released {
                 Ok(_) => return,
@@ -481,7 +487,13 @@ impl GroupContest<'_> {
     fn release_later(&self, token: String) {
         let nodes: Vec<_> = self.route.nodes().iter().map(|n| n.id.clone()).collect();
         for keys in self.keys {
-            (self.engine.cleanup).release_later(keys, self.protocol, token.clone(), nodes.clone());
+            (self.engine.cleanup).release_later(
+                keys,
+                self.protocol,
+                token.clone(),
+                None,
+                nodes.clone(),
+            );
         }
     }
 

@@ -114,6 +114,7 @@ impl Engine {
                 retry,
                 lock.protocol,
                 token,
+                Some(lock.fence),
             )
         })
     }

@@ -36,6 +36,12 @@ impl Hold {
             since: Instant::now(),
         }
     }
+
+    /// Whether the hold before this one ended without a release, as this holder is told
+    /// (see `LockGuard::previous_lost`).
+    pub fn previous_lost(&self) -> bool {
+        self.remote.previous_lost_for(self.path)
+    }
 }
 
 impl Engine {

@@ -367,7 +367,7 @@ impl Engine {
         // On the lease clock: the read hold's validity counts from here.
         let started = Stamp::now();
         let paused = Paused::new(self, from);
-        match node.downgrade_shared(keys, &from.token, lease, route.retry()) {
+        match node.downgrade_shared(keys, &from.token, from.fence, lease, route.retry()) {
             Ok(true) => paused.replaced(),
             Ok(false) => {
                 drop(paused);
@@ -378,7 +378,8 @@ impl Engine {
                 drop(paused);
                 if may_have_run(&e) {
                     let nodes = vec![node.id.clone()];
-                    self.cleanup.release_later(keys, protocol, member, nodes);
+                    self.cleanup
+                        .release_later(keys, protocol, member, None, nodes);
                 }
                 return Err(e);
             }
@@ -388,6 +389,7 @@ impl Engine {
             protocol,
             token: member,
             fence: from.fence,
+            previous_lost: false,
             nodes: from.nodes.clone(),
             started,
         });

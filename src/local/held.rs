@@ -12,7 +12,7 @@ use crate::error::LostReason;
 use crate::proto::keys::Keys;
 use crate::proto::node::NodeId;
 use crate::proto::protocol::Protocol;
-use crate::stats::Counters;
+use crate::stats::{Counters, Path};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -24,6 +24,10 @@ pub(crate) struct RemoteLock {
     /// The Redis fencing counter of this acquisition (Redlock: the highest of the nodes
     /// that granted it).
     pub fence: u64,
+    /// The hold before this acquisition ended without a release (its lease ran out, its
+    /// key was deleted), as the fence counter said (Redlock: on any node that granted).
+    /// What the first holder is told; a local handoff passes the hold on cleanly.
+    pub previous_lost: bool,
     /// The nodes that granted the lock.
     pub nodes: Vec<NodeId>,
     /// When the acquisition round began, for comparing with other `Instant`s (when a
@@ -93,6 +97,7 @@ pub(crate) struct Acquisition {
     pub protocol: Protocol,
     pub token: String,
     pub fence: u64,
+    pub previous_lost: bool,
     pub nodes: Vec<NodeId>,
     /// When the round began, on the lease clock: validity counts from here, not from the
     /// reply.
@@ -106,6 +111,7 @@ impl RemoteLock {
             protocol,
             token,
             fence,
+            previous_lost,
             nodes,
             started,
         }: Acquisition,
@@ -118,6 +124,7 @@ impl RemoteLock {
             keys,
             token,
             fence,
+            previous_lost,
             nodes,
             acquired_at: started.to_instant(),
             acquired: started,
@@ -137,6 +144,13 @@ impl RemoteLock {
             }),
             renew_done: Condvar::new(),
         }
+    }
+
+    /// What a holder that got this hold by `path` is told of the hold before it (see
+    /// `LockGuard::previous_lost`): the acquisition's news for the thread that took it
+    /// from Redis; nothing for a local handoff, which passes the hold on cleanly.
+    pub fn previous_lost_for(&self, path: Path) -> bool {
+        path == Path::Remote && self.previous_lost
     }
 
     /// When the watchdog should look at this lock next.

@@ -340,6 +340,7 @@ mod tests {
                 .unwrap(),
             token: "r1".to_owned(),
             fence: 1,
+            previous_lost: false,
             nodes: Vec::new(),
             started: crate::clock::Stamp::now(),
         };

@@ -477,6 +477,7 @@ mod tests {
                 protocol: crate::proto::protocol::Protocols::of(&Config::default()).lock(),
                 token: "tok".to_owned(),
                 fence: 1,
+                previous_lost: false,
                 nodes: vec![NodeId::new("127.0.0.1:1/0")],
                 started: crate::clock::Stamp::now() - Duration::from_secs(60),
             },

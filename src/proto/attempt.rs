@@ -6,9 +6,15 @@ use std::time::Duration;
 /// The reply to one acquire attempt on one node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Attempt {
-    /// The hold is ours: `fence` is the node's fencing counter for it, and `others_wait`
-    /// says (a write hold) that another process may wait for it.
-    Acquired { fence: u64, others_wait: bool },
+    /// The hold is ours: `fence` is the node's fencing counter for it, `others_wait` says
+    /// (a write hold) that another process may wait for it, and `previous_lost` that the
+    /// node's counter said the hold before this one ended without a release (see
+    /// `scripts::FENCE_FN`).
+    Acquired {
+        fence: u64,
+        others_wait: bool,
+        previous_lost: bool,
+    },
     /// Someone else holds it; `pttl` is what remains of their lease (`None`: no TTL).
     Held { pttl: Option<Duration> },
     /// The script took the lock, but fewer replicas than asked acknowledged it in time

@@ -7,10 +7,11 @@
 //! waiter's next attempt refreshes it (server time, ms). A waiter's entry is its contender
 //! token, the same for every attempt of one wait.
 //!
-//! A grant is `SET L <head> PX <grant lease>`, an `INCR` of the fence and a publish of
-//! `g<head>:<fence>` on the lock's channel (sharded where the node has it, see `sharded`).
-//! The message is only a wake-up: the grantee's next attempt confirms the grant (it finds
-//! its own token in the key, sets the full lease and reads the fence as it is then). The
+//! A grant is `SET L <head> PX <grant lease>`, a fence issued in the grant's form (see
+//! `FENCE_FN`) and a publish of `g<head>:<fence>` on the lock's channel (sharded where the
+//! node has it, see `sharded`). The message is only a wake-up: the grantee's next attempt
+//! confirms the grant (it finds its own token in the key, sets the full lease, reads the
+//! fence as it is then and marks the counter held: from then on the hold can be lost). The
 //! message alone proves nothing about now — it may be read after the grant's short lease
 //! ran out, or be an older grant than the key's. The short grant lease bounds what a dead
 //! grantee costs the others; a lost message is recovered by the grantee's next attempt.
@@ -27,7 +28,9 @@ use std::sync::LazyLock;
 use redis::Cmd;
 
 use super::keys::Keys;
-use super::scripts::{FENCE_FN, Lua, OWNER_FN, Site};
+use super::scripts::{
+    END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, OWNER_FN, Site, fence_arg,
+};
 use super::sharded::PUBLISH_FN;
 
 /// Shared Lua: the server clock, pruning of expired entries, and a grant to the head.
@@ -55,10 +58,11 @@ local function keep_for(key, ms)
     redis.call('PEXPIRE', key, ms)
   end
 end
-local function grant(head, q, qx, channel, grant_ms)
+-- `after_lost`: what the grantee is told of the hold before (nil: the counter says).
+local function grant(head, q, qx, channel, grant_ms, after_lost)
   redis.call('SET', KEYS[1], head, 'PX', grant_ms)
   -- The fence counter's TTL is the argument before the publish mode, in every script.
-  local fence = next_fence(KEYS[2], ARGV[#ARGV - 1])
+  local fence = next_fence(KEYS[2], ARGV[#ARGV - 1], true, after_lost)
   if type(fence) == 'table' then error(fence.err) end
   -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
   fence = string.format('%.0f', fence)
@@ -67,17 +71,32 @@ local function grant(head, q, qx, channel, grant_ms)
   publish(channel, 'g' .. head .. ':' .. fence)
   return fence
 end
--- Gives a lock that `token` holds to the head of the queue, or deletes it.
+";
+
+/// Shared Lua of the scripts that end a hold (release, leave), after `COMMON` and
+/// `END_FENCE_FN`: passing the lock on.
+const PASS_ON: &str = r"
+-- What a grant made as a hold ends tells its grantee: nothing after a holder's release
+-- (`fence`, its fence), else (`fence` '0': an attempt nobody used) what the hold given
+-- back had been told.
+local function grant_lost(fence)
+  if fence ~= '0' then return false end
+  local _, held, after_lost = fence_read(redis.pcall('GET', KEYS[2]))
+  return held and after_lost
+end
+-- Gives a lock that `token` holds to the head of the queue, or deletes it; `fence`: the
+-- holder's fence, or '0' for an attempt nobody used (see `end_fence` of `END_FENCE_FN`).
 -- 2: granted to the head; 1: released.
 -- A queue with expired entries left after the prune has no head anybody knows is alive:
 -- the lock is freed for whoever comes next.
-local function pass_on(q, qx, channel, grant_ms, now_ms)
+local function pass_on(q, qx, channel, grant_ms, now_ms, fence)
   local head = prune(q, qx, now_ms) and redis.call('ZRANGE', q, 0, 0)[1]
   if head then
-    grant(head, q, qx, channel, grant_ms)
+    grant(head, q, qx, channel, grant_ms, grant_lost(fence))
     return 2
   end
   redis.call('DEL', KEYS[1])
+  end_fence(KEYS[2], fence)
   publish(channel, 'r')
   return 1
 end
@@ -89,11 +108,13 @@ end
 /// entry TTL ms (0: the caller will not wait, so it is not queued; otherwise also the
 /// least TTL, plus a margin, that the queue's keys get), grant lease ms, fence counter TTL
 /// ms (see `FENCE_FN`), publish mode.
-/// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when it is not (and the caller,
-/// if it waits, is queued), `{2, 0}` when the name holds another kind of lock.
+/// Returns `{1, fence, after lost}` when the lock is ours (`after lost`: 1 when the hold
+/// before ended without a release, see `FENCE_FN`), `{0, pttl, 0}` when it is not (and
+/// the caller, if it waits, is queued), `{2, 0, 0}` when the name holds another kind of
+/// lock.
 ///
 /// The lock is taken with `take_fenced` (see `FENCE_FN`), which deletes it again when the
-/// fence's `INCR` fails.
+/// fence's `SET` fails.
 ///
 /// A free lock goes to the caller only when the queue is empty or the caller is its head;
 /// a free lock with another head is granted to that head on the spot (its grant was lost,
@@ -102,39 +123,42 @@ end
 /// or from a non-empty queue.
 pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{}{HOLD_FENCE_FN}{COMMON}{}",
         r"
--- The common case first: nobody queued and the lock free (four calls, as without the
--- queue but for the EXISTS).
+-- The common case first: nobody queued and the lock free (three calls, as without the
+-- queue but for the EXISTS), before the functions of the other cases are defined.
 if redis.call('EXISTS', KEYS[3]) == 0 then
-  local fence = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[#ARGV - 1])
+  local fence, after_lost = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[#ARGV - 1])
   if type(fence) == 'table' then return fence end
-  if fence then return {1, fence} end
+  if fence then return won(fence, after_lost) end
 end
+",
+        r"
 local now = clock_us()
 local now_ms = math.floor(now / 1000)
 local clean = prune(KEYS[3], KEYS[4], now_ms)
 local cur = redis.pcall('GET', KEYS[1])
-if type(cur) == 'table' then return {2, 0} end
+if type(cur) == 'table' then return {2, 0, 0} end
 if cur == ARGV[1] then
   -- Ours: granted to us, or a retry after a lost reply. Only lengthened: an attempt that
   -- was delayed on the way must not cut short a longer lease an extend set since.
   if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
-  return {1, current_fence(KEYS[2])}
+  return won(hold_fence(KEYS[2]))
 end
 if not cur then
   -- Expired entries left over (see prune): no known live head, the lock goes to us.
   local head = clean and redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   if not head or head == ARGV[1] then
     -- Free (read above, in this script), so the SET NX takes it.
-    local fence = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[#ARGV - 1])
+    local fence, after_lost = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[#ARGV - 1])
     if type(fence) == 'table' then return fence end
     redis.call('ZREM', KEYS[3], ARGV[1])
     redis.call('ZREM', KEYS[4], ARGV[1])
-    return {1, fence}
+    return won(fence, after_lost)
   end
+  -- Free with a live head: the hold before ended, released or not, as the counter says.
   grant(head, KEYS[3], KEYS[4], ARGV[3], ARGV[6])
 end
 if ARGV[5] ~= '0' then
@@ -145,7 +169,7 @@ if ARGV[5] ~= '0' then
   keep_for(KEYS[4], entry_ms + QUEUE_MARGIN_MS)
   publish(ARGV[3], 'c' .. ARGV[4])
 end
-return {0, redis.call('PTTL', KEYS[1])}
+return {0, redis.call('PTTL', KEYS[1]), 0}
 "
     ))
 });
@@ -155,24 +179,30 @@ return {0, redis.call('PTTL', KEYS[1])}
 ///
 /// KEYS: lock, fence, queue, queue expiries, lease record (deleted with the lock; a grant
 /// leaves it to the next holder's first lease change, or its TTL). ARGV: token, channel,
-/// grant lease ms, fence counter TTL ms, publish mode. Returns 2 granted to the next
-/// waiter, 1 released, 0 the key was gone, -1 another token (or another kind) holds it.
+/// grant lease ms, the holder's fence (`0`: an attempt nobody used is given back, see
+/// `end_fence` of `END_FENCE_FN`), fence counter TTL ms, publish mode. Returns 2 granted to
+/// the next waiter, 1 released, 0 the key was gone, -1 another token (or another kind)
+/// holds it.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FN}{OWNER_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}{FENCE_FN}{COMMON}{PASS_ON}{}",
         r"
 local status = ownership(KEYS[1], ARGV[1])
 if status ~= 1 then return status end
+-- Nobody queued: released, before the functions of a grant are defined.
 if redis.call('EXISTS', KEYS[3]) == 0 then
   redis.call('DEL', KEYS[1], KEYS[5])
+  end_fence(KEYS[2], ARGV[4])
   publish(ARGV[2], 'r')
   return 1
 end
+",
+        r"
 -- A token that gives the lock back waits no more (a cleanup of a waiter that could not
 -- leave): never granted to itself.
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
-return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000))
+return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000), ARGV[4])
 "
     ))
 });
@@ -180,17 +210,18 @@ return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000)
 /// A waiter leaves: out of the queue, and a grant that raced its leaving passed on.
 ///
 /// KEYS: lock, fence, queue, queue expiries, lease record (unused: the release's call
-/// shape). ARGV: token, channel, grant lease ms, fence counter TTL ms, publish mode.
+/// shape). ARGV: token, channel, grant lease ms, a fence (unused: a lock a waiter leaves
+/// with is one nobody used, given back as such), fence counter TTL ms, publish mode.
 /// Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0 nothing was
 /// ours.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FN}{OWNER_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{END_FENCE_FN}{OWNER_FN}{COMMON}{PASS_ON}{}",
         r"
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 if ownership(KEYS[1], ARGV[1]) == 1 then
-  return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000))
+  return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000), '0')
 end
 return 0
 "
@@ -225,13 +256,14 @@ pub(crate) fn fair_acquire_call(
 }
 
 /// A call of [`FAIR_RELEASE`] or [`FAIR_LEAVE`]: the same keys and arguments; a grant
-/// lasts `grant_ms`.
+/// lasts `grant_ms`; `fence`: the holder's (see `scripts::fence_arg`).
 pub(crate) fn fair_call(
     script: &Lua,
     site: Site<'_>,
     keys: &Keys,
     token: &str,
     grant_ms: u64,
+    fence: Option<u64>,
 ) -> Cmd {
     let mut call = script.call(5);
     call.arg(keys.lock())
@@ -242,6 +274,7 @@ pub(crate) fn fair_call(
         .arg(token)
         .arg(keys.channel())
         .arg(grant_ms)
+        .arg(fence_arg(fence))
         .arg(site.fence_ttl_ms)
         .arg(site.publish);
     call

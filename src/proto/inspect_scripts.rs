@@ -59,9 +59,11 @@ return {t[1], t[2], ty, get(KEYS[1]), redis.call('PTTL', KEYS[1]), get(KEYS[2]),
 /// KEYS: lock, fence, lease record. ARGV: the fence (decimal), the library's channel, the
 /// publish mode. Returns `{status, counter}`: 1 deleted (the lock and its lease record,
 /// and `r` published so that waiters wake, as `RELEASE` does), 0 no lock, −1 the counter
-/// is another value (nothing deleted), 2 the key is not a plain lock (a read-write lock, a
+/// is another fence (nothing deleted), 2 the key is not a plain lock (a read-write lock, a
 /// semaphore, or a value of another type: nothing deleted). `counter` is the fence
-/// counter as read (nil when gone).
+/// counter as read (nil when gone; in any of its forms, see `scripts::FENCE_FN`). The
+/// counter is left as it is: held, so that the next holder is told that the hold before
+/// it ended without a release.
 static FORCE_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{}",
@@ -71,7 +73,8 @@ if type(cur) ~= 'string' then cur = false end
 local ty = redis.call('TYPE', KEYS[1]).ok
 if ty == 'none' then return {0, cur} end
 if ty ~= 'string' then return {2, cur} end
-if cur ~= ARGV[1] then return {-1, cur} end
+local n = cur and tonumber(cur)
+if not n or math.abs(n) ~= tonumber(ARGV[1]) then return {-1, cur} end
 redis.call('DEL', KEYS[1], KEYS[3])
 publish(ARGV[2], 'r')
 return {1, cur}
@@ -147,7 +150,7 @@ fn parse_snapshot(reply: Value) -> std::result::Result<Snapshot, String> {
         key_type: text(&ty).unwrap_or_default(),
         value: text(&value),
         pttl: int(&pttl)?,
-        fence: text(&fence).and_then(|f| f.parse().ok()),
+        fence: text(&fence).as_deref().and_then(counter_fence),
         mark: text(&mark).map(|m| (m, int(&mark_pttl).unwrap_or(-2))),
         holds: scored(&holds)?,
         queue: scored(&q)?,
@@ -155,6 +158,16 @@ fn parse_snapshot(reply: Value) -> std::result::Result<Snapshot, String> {
         writers: scored(&ww)?,
         readers: scored(&wr)?,
     })
+}
+
+/// The fence a counter's value says, in any of its forms (`<f>`, `-<f>`, `-0<f>`: see
+/// `scripts::FENCE_FN`); `None` for a value that is not one.
+pub(crate) fn counter_fence(value: &str) -> Option<u64> {
+    value
+        .parse::<i64>()
+        .ok()
+        .map(i64::unsigned_abs)
+        .filter(|&f| f > 0)
 }
 
 fn text(v: &Value) -> Option<String> {
@@ -221,7 +234,7 @@ pub(crate) fn force_release(node: &Node, keys: &Keys, fence: u64) -> Result<Forc
     Ok(match status {
         1 => Forced::Released,
         0 => Forced::NotHeld,
-        -1 => Forced::OtherFence(counter.and_then(|c| c.parse().ok())),
+        -1 => Forced::OtherFence(counter.as_deref().and_then(counter_fence)),
         2 => Forced::NotALock,
         n => return Err(Error::Protocol(format!("force release replied {n}"))),
     })
@@ -409,6 +422,20 @@ mod tests {
         ];
         for (p, t, want) in cases {
             assert_eq!(glob_match(p.as_bytes(), t.as_bytes()), want, "{p} ~ {t}");
+        }
+    }
+
+    #[test]
+    fn a_counter_reads_as_its_fence_in_every_form() {
+        for (value, fence) in [
+            ("1712345678901234", Some(1_712_345_678_901_234)),
+            ("-1712345678901234", Some(1_712_345_678_901_234)),
+            ("-01712345678901234", Some(1_712_345_678_901_234)),
+            ("0", None),
+            ("x", None),
+            ("", None),
+        ] {
+            assert_eq!(counter_fence(value), fence, "{value:?}");
         }
     }
 

@@ -21,7 +21,9 @@ use redis::Cmd;
 use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, Retry};
-use crate::proto::scripts::{FENCE_FN, Lua, OWNER_FN, Site};
+use crate::proto::scripts::{
+    END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, OWNER_FN, Site,
+};
 use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
 
@@ -43,14 +45,16 @@ use crate::stats::Counters;
 ///   after a lost reply: one lock, one fence). Otherwise nothing is taken, and a key
 ///   holding our token is deleted (a retry whose first try ran, then a lock of ours
 ///   expired and was taken by another: no lock is left held without the others). A fence
-///   whose `INCR` fails deletes what the call took before returning the error.
+///   counter that cannot be written deletes what the call took before returning the
+///   error; a lock given back here marks its counter as an attempt nobody used (see
+///   `END_FENCE_FN`).
 /// * **Marks.** A failed attempt of a caller that will wait leaves its mark id on each
 ///   key held by another, and publishes `c<mark id>` on that lock's channel, as `ACQUIRE`
 ///   does: the holders' processes apply their fairness budget. The queue of the fair
 ///   lock is not joined: a multi-lock takes a name when its key is free.
 pub(crate) static MULTI_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FN}{OWNER_FN}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{OWNER_FN}{}",
         r"
 local n = #KEYS / 3
 local token, lease = ARGV[1], ARGV[2]
@@ -70,6 +74,7 @@ if held then
   for i = 1, n do
     if owners[i] == token then
       redis.call('DEL', KEYS[3 * i - 2])
+      end_fence(KEYS[3 * i - 1], '0')
       publish(ARGV[6 + i], 'r')
     elseif owners[i] and ARGV[4] ~= '0' then
       redis.call('SET', KEYS[3 * i], ARGV[3], 'PX', ARGV[4])
@@ -91,6 +96,7 @@ for i = 1, n do
       for j = 1, i - 1 do
         if redis.call('GET', KEYS[3 * j - 2]) == token then
           redis.call('DEL', KEYS[3 * j - 2])
+          end_fence(KEYS[3 * j - 1], '0')
           publish(ARGV[6 + j], 'r')
         end
       end

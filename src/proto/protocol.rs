@@ -373,7 +373,7 @@ impl Protocol {
             return node.acquire_shared(keys, want, token, lease, mark_ttl, retry, deadline);
         }
         let call = self.lock_call(node, req);
-        let took = |reply: &(i64, i64)| reply.0 == 1;
+        let took = |reply: &(i64, i64, i64)| reply.0 == 1;
         let (reply, unacked) =
             node.run_acquire(self.acquire_script(), &call, retry, deadline, took)?;
         match (attempt_of(node, reply)?, unacked) {
@@ -434,28 +434,32 @@ impl Protocol {
     }
 
     /// Gives back `token`'s hold on `node`: compare-and-delete, (fair queue) a grant to
-    /// the head of the queue, or the end of a shared hold. `retry` may be non-zero: a
-    /// repeated release is harmless, and reports [`ReleaseReply::GoneAfterRetry`] for a
-    /// key that the first attempt may have deleted ([`ReleaseReply::OtherAfterRetry`]:
-    /// passed on, or deleted and taken since).
+    /// the head of the queue, or the end of a shared hold. `fence`: the holder's, which
+    /// marks the name's fence counter released (`None`: an attempt nobody used is given
+    /// back; see `scripts::fence_arg`). `retry` may be non-zero: a repeated release is
+    /// harmless, and reports [`ReleaseReply::GoneAfterRetry`] for a key that the first
+    /// attempt may have deleted ([`ReleaseReply::OtherAfterRetry`]: passed on, or deleted
+    /// and taken since).
     pub fn release(
         self,
         node: &Node,
         keys: &Keys,
         token: &str,
+        fence: Option<u64>,
         retry: Retry,
     ) -> Result<ReleaseReply> {
         // Redis Cluster, the lock's slot half-way through a migration: the server refuses
         // a script whose keys are not all on one side (`TRYAGAIN`). The narrow release names
         // the lock key alone, which the server always serves: on the source while the key
         // is there, else (`ASK`) on the target; its lease record, if any, is left to its
-        // TTL (at most the lease).
-        let narrow = || release_call(node.site(), keys, token, false);
+        // TTL (at most the lease), and its fence counter stays held: the next holder is
+        // told the hold before it was lost, which errs on the side of caution.
+        let narrow = || release_call(node.site(), keys, token, fence, false);
         // The fair release names the lock, its counter and its queue, and an empty queue
         // has no key: during a migration the narrow release is the fair release of a lock
         // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
         // and its head takes the lock at its next attempt once the slot has moved.
-        match self.exclusive_release(node, keys, token) {
+        match self.exclusive_release(node, keys, token, fence) {
             Some((script, call)) => {
                 node.release_with(script, &call, retry, Some((&RELEASE, &narrow)))
             }
@@ -463,26 +467,30 @@ impl Protocol {
             // upgradable hold is not the attempt's to give back).
             None if matches!(self, Protocol::Upgrade { .. }) => {
                 let (_, member) = self.won(token.to_owned());
-                node.release_shared(keys, &member, retry)
+                node.release_shared(keys, &member, fence, retry)
             }
-            None => node.release_shared(keys, token, retry),
+            None => node.release_shared(keys, token, fence, retry),
         }
     }
 
     /// The call that gives back `token`'s exclusive lock `keys` on `node`: the plain
     /// compare-and-delete, or (fair queue) the release that grants the lock to the head
-    /// of the queue; `None` for a shared hold.
+    /// of the queue; `None` for a shared hold. `fence` as for [`release`](Self::release).
     fn exclusive_release(
         self,
         node: &Node,
         keys: &Keys,
         token: &str,
+        fence: Option<u64>,
     ) -> Option<(&'static Lua, Cmd)> {
         match self {
-            Protocol::Lock { .. } => Some((&RELEASE, release_call(node.site(), keys, token, true))),
+            Protocol::Lock { .. } => Some((
+                &RELEASE,
+                release_call(node.site(), keys, token, fence, true),
+            )),
             Protocol::FairLock(fair) => {
                 let grant_ms = millis(fair.grant_lease);
-                let call = fair_call(&FAIR_RELEASE, node.site(), keys, token, grant_ms);
+                let call = fair_call(&FAIR_RELEASE, node.site(), keys, token, grant_ms, fence);
                 Some((&FAIR_RELEASE, call))
             }
             Protocol::Read { .. }
@@ -528,18 +536,21 @@ impl Protocol {
     /// Gives back `token`'s locks `keys` on `node` (a multi-lock's group), each as
     /// [`release`](Self::release) does, in one pipelined round trip; one by one when the
     /// server refuses their keys together (a Redis Cluster slot migrating) or there is
-    /// one. One reply per lock, in order.
+    /// one. One reply per lock, in order. `fences`: each lock's, as for
+    /// [`release`](Self::release).
     pub fn release_all(
         self,
         node: &Node,
         keys: &[Keys],
         token: &str,
+        fences: &[Option<u64>],
         retry: Retry,
     ) -> Result<Vec<ReleaseReply>> {
         if keys.len() > 1 {
             let calls: Option<Vec<(&Lua, Cmd)>> = keys
                 .iter()
-                .map(|k| self.exclusive_release(node, k, token))
+                .zip(fences)
+                .map(|(k, &f)| self.exclusive_release(node, k, token, f))
                 .collect();
             if let Some(calls) = calls {
                 let (scripts, calls): (Vec<&Lua>, Vec<Cmd>) = calls.into_iter().unzip();
@@ -549,7 +560,8 @@ impl Protocol {
             }
         }
         keys.iter()
-            .map(|k| self.release(node, k, token, retry))
+            .zip(fences)
+            .map(|(k, &f)| self.release(node, k, token, f, retry))
             .collect()
     }
 
@@ -592,12 +604,13 @@ impl Protocol {
                     keys,
                     token,
                     millis(fair.grant_lease),
+                    None,
                 );
                 // Redis Cluster, the slot half-way through a migration: refused like the
                 // fair release (see `release`), leaving is the plain compare-and-delete of
                 // our token, which gives back a grant that raced our leaving; our queue
                 // entry expires.
-                let narrow = || release_call(node.site(), keys, token, false);
+                let narrow = || release_call(node.site(), keys, token, None, false);
                 let reply = node.release_with(
                     &FAIR_LEAVE,
                     &call,
@@ -653,7 +666,7 @@ impl Protocol {
 }
 
 /// Reads an acquire script's reply on `node`, counting a failed attempt.
-fn attempt_of(node: &Node, reply: (i64, i64)) -> Result<Attempt> {
+fn attempt_of(node: &Node, reply: (i64, i64, i64)) -> Result<Attempt> {
     let attempt = acquire_reply(reply)?;
     if let Attempt::Held { .. } = attempt {
         Counters::inc(&node.counters().failed_attempts);

@@ -10,7 +10,7 @@ use redis::Cmd;
 
 use crate::error::{Error, Result};
 use crate::proto::node::{Call, Node, Retry, millis};
-use crate::proto::scripts::{self, Lua, OWNER_FN};
+use crate::proto::scripts::{self, EXTEND_OWNED_FN, Lua, OWNER_FN};
 
 /// Compare-and-`PEXPIRE` for a batch of locks in one round trip (the watchdog renews every
 /// due lock of a node with one call; an explicit extend is a batch of one), each lease
@@ -47,10 +47,10 @@ use crate::proto::scripts::{self, Lua, OWNER_FN};
 /// A lock's first lease comes from the acquire (change number 0, no record); the first
 /// change writes the record. The acquire and release scripts never read it.
 ///
-/// Each lock is `extend_owned` with its record (see [`OWNER_FN`]).
+/// Each lock is `extend_owned` with its record (see [`EXTEND_OWNED_FN`]).
 pub(crate) static EXTEND: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{OWNER_FN}{}",
+        "{OWNER_FN}{EXTEND_OWNED_FN}{}",
         r"
 local out = {}
 for i = 1, #KEYS / 2 do
@@ -69,10 +69,10 @@ return out
 ///
 /// KEYS: lock keys. ARGV: lease in ms, then one token per key. Returns one status per key:
 /// 1 extended, 0 gone, -1 another owner (each lock `extend_owned` without a record, see
-/// [`OWNER_FN`]).
+/// [`EXTEND_OWNED_FN`]).
 pub(crate) static EXTEND_UNORDERED: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{OWNER_FN}{}",
+        "{OWNER_FN}{EXTEND_OWNED_FN}{}",
         r"
 local out = {}
 for i = 1, #KEYS do

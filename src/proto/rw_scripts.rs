@@ -22,7 +22,9 @@
 //! the same marks for waiting readers: they hold nobody back, but tell a process that
 //! keeps its hold for its own threads that another process waits. Both sets expire at the
 //! latest twice a mark's TTL after the last mark. The fence counter `p{n}:fence` is the
-//! plain lock's: a write hold increments it (and refreshes its TTL, see `FENCE_FN`).
+//! plain lock's: a write hold issues the next fence and marks the counter held until its
+//! release (and refreshes its TTL, see `FENCE_FN`), so that the next write hold learns
+//! whether it was released or expired; read holds only read it.
 //!
 //! On the library's channel a release says `r` (a waiter may get in) or, when the last
 //! hold of a read-write lock ended while writers wait, `g<member>:0`, a wake-up for the
@@ -47,7 +49,7 @@ use crate::error::{Error, LostReason, Result};
 use crate::proto::attempt::Attempt;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, ReleaseReply, Retry, millis};
-use crate::proto::scripts::{FENCE_FN, Lua};
+use crate::proto::scripts::{END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, fence_arg};
 use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
 
@@ -136,7 +138,14 @@ end
 ";
 
 fn lua(body: &str) -> Lua {
-    Lua::new(&format!("{PUBLISH_FN}{FENCE_FN}{PRELUDE}{body}"))
+    Lua::new(&format!("{PUBLISH_FN}{PRELUDE}{body}"))
+}
+
+/// [`lua`], for a script that also issues, reads or releases the fence counter.
+fn fenced(body: &str) -> Lua {
+    Lua::new(&format!(
+        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{PRELUDE}{body}"
+    ))
 }
 
 /// Read, write or upgradable read hold, idempotently (a retry with the same member
@@ -144,10 +153,11 @@ fn lua(body: &str) -> Lua {
 ///
 /// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r`, `w` or `u`, member,
 /// lease ms, waiting mark TTL ms (0: the caller will not wait), the fence counter's TTL
-/// ms. Returns `{1, fence, others}` (`others`: for a write hold, 1 when a mark of another
-/// waiting writer or reader is left, maybe an expired one; always 0 for a read hold),
-/// `{0, ms until the earliest obstacle ends}` (−1: unknown), or `{2, 0}` when the key is
-/// another kind of lock.
+/// ms. Returns `{1, fence, others, after lost}` (`others`: for a write hold, 1 when a mark
+/// of another waiting writer or reader is left, maybe an expired one; `after lost`: for a
+/// write hold, 1 when the write hold before ended without a release, see `FENCE_FN`; both
+/// always 0 for a read or upgradable hold), `{0, ms until the earliest obstacle ends}`
+/// (−1: unknown), or `{2, 0}` when the key is another kind of lock.
 ///
 /// A read is granted when no write hold exists and no writer waits; an upgradable read
 /// when, besides, no other upgradable hold exists (found by reading the live holds: only
@@ -156,7 +166,8 @@ fn lua(body: &str) -> Lua {
 /// the mark's TTL, which it renews at each attempt; a read or upgradable attempt that fails
 /// and will wait marks a waiting reader the same way.
 static RW_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
-    lua(r"
+    fenced(
+        r"
 local now = now_ms()
 local k, _, first, until_ = load(KEYS[1], now)
 if k ~= 'none' and k ~= 'rw' then return {2, 0} end
@@ -180,7 +191,8 @@ end
 -- hold is then the only hold; a read hold is looked for only when it could not be taken.
 if first == ARGV[2] and ARGV[1] == 'w' then
   take()
-  return {1, current_fence(KEYS[2]), others()}
+  local fence, after_lost = hold_fence(KEYS[2])
+  return {1, fence, others(), after_lost and 1 or 0}
 end
 if ARGV[1] ~= 'w' then
   local w = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
@@ -200,24 +212,25 @@ if ARGV[1] ~= 'w' then
   if free or (first and redis.call('ZSCORE', KEYS[1], ARGV[2])) then
     take()
     redis.call('ZREM', KEYS[4], ARGV[2])
-    return {1, current_fence(KEYS[2]), 0}
+    return {1, current_fence(KEYS[2]), 0, 0}
   end
   if waits then mark(KEYS[4], ARGV[2], now, tonumber(ARGV[4])) end
   if w[2] and (not until_ or tonumber(w[2]) < until_) then until_ = tonumber(w[2]) end
 elseif not first then
-  -- The fence before the hold: a failed INCR leaves nothing to undo (unlike the plain
+  -- The fence before the hold: a failed SET leaves nothing to undo (unlike the plain
   -- lock's `take_fenced`, whose SET NX is its test of a free lock).
-  local fence = next_fence(KEYS[2], ARGV[5])
+  local fence, after_lost = next_fence(KEYS[2], ARGV[5], false)
   if type(fence) == 'table' then return fence end
   take()
   redis.call('ZREM', KEYS[3], ARGV[2])
-  return {1, fence, others()}
+  return {1, fence, others(), after_lost and 1 or 0}
 elseif waits then
   mark(KEYS[3], ARGV[2], now, tonumber(ARGV[4]))
 end
 if not until_ then return {0, -1} end
 return {0, until_ - now}
-")
+",
+    )
 });
 
 /// Turns the upgradable hold into the write hold once it is the only hold, idempotently
@@ -234,7 +247,8 @@ return {0, until_ - now}
 /// waiting writer: no new read hold is granted meanwhile, and the release of the last other
 /// hold wakes it (see `SHARED_RELEASE`).
 static RW_UPGRADE: LazyLock<Lua> = LazyLock::new(|| {
-    lua(r"
+    fenced(
+        r"
 local now = now_ms()
 local k, _, first = load(KEYS[1], now)
 if k ~= 'none' and k ~= 'rw' then return {2, 0} end
@@ -259,18 +273,22 @@ if ARGV[4] ~= '0' then mark(KEYS[3], ARGV[1], now, tonumber(ARGV[4])) end
 local other = two[2]
 if two[1] == ARGV[1] then other = two[4] end
 return {0, tonumber(other) - now}
-")
+",
+    )
 });
 
 /// Turns the write hold into a read hold with the same token, in one step: no writer gets
 /// in between. Idempotent: a retry whose earlier attempt downgraded finds the read hold.
 ///
-/// KEYS: lock, waiting writers, waiting readers. ARGV: the write member, the read member,
-/// lease ms, the library's channel, the publish mode. Returns 1 downgraded, 0 the write
-/// hold had expired or was gone, −1 the key is another kind of lock. Publishes `r` when
-/// readers wait and no writer does: they may join now.
+/// KEYS: lock, waiting writers, waiting readers, fence counter. ARGV: the write member,
+/// the read member, lease ms, the library's channel, the write hold's fence, the publish
+/// mode. Returns 1 downgraded, 0 the write hold had expired or was gone, −1 the key is
+/// another kind of lock. The write hold ends cleanly, so the counter is marked released
+/// (see `END_FENCE_FN`): the next writer is not told of a loss. Publishes `r` when readers
+/// wait and no writer does: they may join now.
 static RW_DOWNGRADE: LazyLock<Lua> = LazyLock::new(|| {
-    lua(r"
+    fenced(
+        r"
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
 local now = now_ms()
@@ -281,11 +299,13 @@ if not s or tonumber(s) <= now then
 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 hold(KEYS[1], ARGV[2], now, tonumber(ARGV[3]))
+end_fence(KEYS[4], ARGV[5])
 if first_waiting(KEYS[3], now) and not first_waiting(KEYS[2], now) then
   publish(ARGV[4], 'r')
 end
 return 1
-")
+",
+    )
 });
 
 /// One permit, idempotently.
@@ -313,17 +333,21 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 
 /// Ends a hold.
 ///
-/// KEYS: lock, and for a read-write lock its waiting writers and readers. ARGV: member,
-/// the library's channel, the publish mode. Returns 1 released, 0 the hold had expired or
-/// was gone, −1 the key is another kind of lock. Publishes `r` when a waiter may now get
-/// in: a permit was freed, or the last hold of a read-write lock ended; but when that last
-/// hold ended while writers wait, `g<member>:0` for the writer waiting longest: writers go
-/// first, so the waiting readers, and the other writers, need not wake to fail. Of a
-/// read-write lock whose holds remain: when the one left is an upgradable hold waiting to
-/// upgrade, `g<member>:0` for it alone; when the hold that ended was the upgradable one and
-/// readers wait (a waiting upgradable read marks itself so), `r`.
+/// KEYS: lock, and for a read-write lock its waiting writers and readers and its fence
+/// counter. ARGV: member, the library's channel, the holder's fence (a write hold's, see
+/// `end_fence` of `END_FENCE_FN`; `0` for other holds, or a write attempt nobody used), the
+/// publish mode. Returns 1 released, 0 the hold had expired or was gone, −1 the key is
+/// another kind of lock. A write hold released before it expired marks the counter
+/// released. Publishes `r` when a waiter may now get in: a permit was freed, or the last
+/// hold of a read-write lock ended; but when that last hold ended while writers wait,
+/// `g<member>:0` for the writer waiting longest: writers go first, so the waiting readers,
+/// and the other writers, need not wake to fail. Of a read-write lock whose holds remain:
+/// when the one left is an upgradable hold waiting to upgrade, `g<member>:0` for it alone;
+/// when the hold that ended was the upgradable one and readers wait (a waiting upgradable
+/// read marks itself so), `r`.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
-    lua(r"
+    fenced(
+        r"
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
 if not s then return 0 end
@@ -348,9 +372,11 @@ elseif not left[2] and string.sub(left[1], 1, 1) == 'u'
 elseif string.sub(ARGV[1], 1, 1) == 'u' and first_waiting(KEYS[3], now) then
   publish(ARGV[2], 'r')
 end
-if tonumber(s) > now then return 1 end
-return 0
-")
+if tonumber(s) <= now then return 0 end
+if KEYS[4] and string.sub(ARGV[1], 1, 1) == 'w' then end_fence(KEYS[4], ARGV[3]) end
+return 1
+",
+    )
 });
 
 /// Renews many holds of one node in one round trip.
@@ -492,6 +518,7 @@ impl Node {
                 fence: u64::try_from(fence)
                     .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
                 others_wait: reply.get(2) == Some(&1),
+                previous_lost: reply.get(3) == Some(&1),
             }),
             [0, ms] => {
                 Counters::inc(&self.counters().failed_attempts);
@@ -512,16 +539,26 @@ impl Node {
         }
     }
 
-    /// Ends the hold `member` of `keys`.
-    pub fn release_shared(&self, keys: &Keys, member: &str, retry: Retry) -> Result<ReleaseReply> {
+    /// Ends the hold `member` of `keys`; `fence`: a write holder's (see
+    /// `scripts::fence_arg`).
+    pub fn release_shared(
+        &self,
+        keys: &Keys,
+        member: &str,
+        fence: Option<u64>,
+        retry: Retry,
+    ) -> Result<ReleaseReply> {
         let permit = member.starts_with(Want::Permit(0).tag());
-        let mut call = SHARED_RELEASE.call(if permit { 1 } else { 3 });
+        let mut call = SHARED_RELEASE.call(if permit { 1 } else { 4 });
         call.arg(keys.lock());
         if !permit {
-            call.arg(keys.writers()).arg(keys.readers());
+            call.arg(keys.writers())
+                .arg(keys.readers())
+                .arg(keys.fence());
         }
         call.arg(member)
             .arg(keys.channel())
+            .arg(fence_arg(fence))
             .arg(self.publish_mode());
         self.release_by(&SHARED_RELEASE, &call, retry)
     }
@@ -533,17 +570,20 @@ impl Node {
         &self,
         keys: &Keys,
         member: &str,
+        fence: u64,
         lease: Duration,
         retry: Retry,
     ) -> Result<bool> {
-        let mut call = RW_DOWNGRADE.call(3);
+        let mut call = RW_DOWNGRADE.call(4);
         call.arg(keys.lock())
             .arg(keys.writers())
             .arg(keys.readers())
+            .arg(keys.fence())
             .arg(member)
             .arg(Want::Read.member_like(member))
             .arg(millis(lease))
             .arg(keys.channel())
+            .arg(fence_arg(Some(fence)))
             .arg(self.publish_mode());
         match self.run_script::<i64>(&RW_DOWNGRADE, &call, retry, None)? {
             1 => Ok(true),

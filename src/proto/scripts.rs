@@ -95,14 +95,50 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
     e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
-/// The Lua helpers every script that issues or reads a fencing counter starts with.
+/// The Lua helpers every script that issues or reads a fencing counter has, after
+/// [`FENCE_FORM_FN`].
 ///
-/// `next_fence(key, ttl)` issues the next fence of the counter `key`: one more than the
-/// last, and never below the server's clock in microseconds (`TIME`); the counter is kept
-/// `ttl` ms more, so that the counter of a name nobody locks any more expires.
+/// # The counter's forms
+///
+/// The counter keeps the last fence issued and whether that hold was released, so that
+/// the next holder learns whether the hold before it ended without a release (its lease
+/// ran out, its key was deleted): `LockGuard::previous_lost`.
+///
+/// * `<f>`: released (or never held: the form an older version of the library wrote);
+/// * `-<f>`: held (the holder's release writes `<f>` back, see [`END_FENCE_FN`]);
+/// * `-0<f>`: held, by a hold that began after one that ended without a release (the
+///   leading zero carries that news to a retry or a grantee that reads the counter later,
+///   see `hold_fence`). `tonumber` reads both held forms as `-f`.
+///
+/// A counter found held when a hold begins means the hold before ended without a release.
+/// A hold that nobody used is transparent: an attempt given back (the undo of a lost
+/// round, a waiter leaving with a grant) leaves what the hold before it left (released
+/// stays released, a loss stays news for the next holder), and a grant is issued in the
+/// released form, marked held by the grantee's confirming attempt: a grant whose waiter
+/// never confirmed it says nothing was lost when it expires. A counter that is gone
+/// (expired after `fence_ttl` idle, evicted, deleted, lost in a restart) says nothing
+/// either: the next holder is told nothing was lost.
+///
+/// `fence_form(fence, held, after_lost)` writes a form; `fence_read(value)` reads a `GET`'s
+/// or `SET … GET`'s reply: the fence (0 when there is none: no key, a value of another
+/// type, a string that is not a number), whether it is held, and whether after a loss.
+///
+/// # Issuing a fence
+///
+/// `next_fence(key, ttl, grant, after_lost)` issues the next fence of the counter `key`:
+/// one more than the last, and never below the server's clock in microseconds (`TIME`);
+/// the counter is kept `ttl` ms more, so that the counter of a name nobody locks any more
+/// expires. One `SET … PX … GET` writes the clock and reads the last value; a second `SET`
+/// (keeping the TTL) only when the last value was not below the clock or the form guessed
+/// was wrong. `after_lost`: what the new hold is told of the hold before it; `nil` to learn
+/// it from the counter (held: that hold was never released), as an acquisition does.
+/// `grant`: the fence is a grant's, written in the released form unless `after_lost` (see
+/// above); otherwise held. Returns the fence and `after_lost`, or the error table of a
+/// failed `SET` (a key of another type, an ACL without `set`): the caller undoes what it
+/// did first. A string that is not a number counts as no counter.
 ///
 /// Why tokens then strictly increase, also when the counter expires, is evicted, deleted,
-/// or lost in a restart or a failover to a replica that missed the last increments: every
+/// or lost in a restart or a failover to a replica that missed the last fences: every
 /// fence is `max(last + 1, now)`, so while the counter lives it increases; and a fence is
 /// never ahead of the clock of the server that issued it (acquisitions of one name are
 /// scripts on one key, run one at a time, each taking more than a microsecond: by
@@ -114,48 +150,115 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// and on fewer than one fence per microsecond on one name, on average (a burst above
 /// that puts the counter ahead of the clock by at most the burst's excess). The value is
 /// written with `%.0f`: Lua numbers are doubles, exact to 2^53, and a token keeps 52 bits
-/// for it (`fencing::MAX_FENCE`).
-///
-/// Returns the new value, or the error table of a failed `INCR` (a foreign value in the
-/// key, an ACL without `incr`): the caller undoes what it did first.
+/// for it (`fencing::MAX_FENCE`). The forms change nothing here: `last` is the value
+/// without its sign, and a release writes back its hold's own fence, the last issued.
 ///
 /// `take_fenced(lock, token, lease, key, ttl)` takes a free lock and issues its fence:
-/// `SET lock token NX PX lease`, then `next_fence(key, ttl)`, so four commands when it
-/// wins (`SET NX PX`, `INCR`, `TIME`, `SET` or `PEXPIRE`) and one when the lock exists.
-/// Returns `false` when the lock exists (nothing changed), else what `next_fence` returned.
-/// A script that fails half-way is not rolled back, so when the `INCR` fails it deletes the
+/// `SET lock token NX PX lease`, then `next_fence(key, ttl, false)`, so three commands when
+/// it wins (`SET NX PX`, `TIME`, `SET … GET`) and one when the lock exists. Returns `false`
+/// when the lock exists (nothing changed), else what `next_fence` returned. A script that
+/// fails half-way is not rolled back, so when the counter's `SET` fails it deletes the
 /// lock it just set before returning the error table: no lock without a fence is left.
 ///
-/// `current_fence(key)` is the counter as it is, for a holder that does not increment it
-/// (a read hold, a retry finding its own acquisition): when the counter is gone, the
-/// server's clock, which the next `next_fence` will reach or exceed.
+/// # Reading it
+///
+/// `current_fence(key)` ([`HOLD_FENCE_FN`]) is the counter's fence as it is, for a holder
+/// that does not issue one (a read hold); when the counter is gone, the server's clock,
+/// which the next `next_fence` will reach or exceed. `hold_fence(key)` is the same, and
+/// `after_lost`, for an exclusive holder that finds its own token in the key (a retry
+/// after a lost reply, a grantee confirming its grant); it marks the counter held when it
+/// is in the released form (a grant's): from then on the hold is one that can be lost.
+/// `won(fence, after_lost)`: an acquire script's reply when the hold is ours, `{1, fence,
+/// 0 or 1}`.
 pub(crate) const FENCE_FN: &str = r"
 local function clock_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local function next_fence(key, ttl)
-  local fence = redis.pcall('INCR', key)
-  if type(fence) == 'table' then return fence end
+local function next_fence(key, ttl, grant, after_lost)
   local now = clock_us()
-  if fence < now then
-    fence = now
-    redis.call('SET', key, string.format('%.0f', fence), 'PX', ttl)
-  else
-    redis.call('PEXPIRE', key, ttl)
+  local lost = after_lost == true
+  local old = redis.pcall('SET', key, fence_form(now, lost or not grant, lost), 'PX', ttl, 'GET')
+  if type(old) == 'table' then return old end
+  local last, was_held = fence_read(old)
+  local fence = now
+  if last >= now then fence = last + 1 end
+  if after_lost == nil and was_held then
+    lost = true
+  elseif fence == now then
+    return fence, lost
   end
-  return fence
+  redis.call('SET', key, fence_form(fence, lost or not grant, lost), 'KEEPTTL')
+  return fence, lost
 end
 local function take_fenced(lock, token, lease, key, ttl)
   if not redis.call('SET', lock, token, 'NX', 'PX', lease) then return false end
-  local fence = next_fence(key, ttl)
+  local fence, after_lost = next_fence(key, ttl, false)
   if type(fence) == 'table' then redis.call('DEL', lock) end
+  return fence, after_lost
+end
+local function won(fence, after_lost)
+  if after_lost then return {1, fence, 1} end
+  return {1, fence, 0}
+end
+";
+
+/// The fence counter read by a holder that issues no fence (see [`FENCE_FN`], after
+/// which it comes): `current_fence` and `hold_fence`. Apart, so that an acquisition that
+/// takes a free lock defines neither: a script's Lua functions are created each time it
+/// runs, as far as it runs.
+pub(crate) const HOLD_FENCE_FN: &str = r"
+local function current_fence(key)
+  local fence = fence_read(redis.pcall('GET', key))
+  if fence == 0 then return clock_us() end
   return fence
 end
-local function current_fence(key)
-  local fence = redis.call('GET', key)
-  if fence then return tonumber(fence) end
-  return clock_us()
+local function hold_fence(key)
+  local fence, held, after_lost = fence_read(redis.pcall('GET', key))
+  if fence == 0 then return clock_us(), false end
+  if not held then redis.call('SET', key, fence_form(fence, true, false), 'KEEPTTL') end
+  return fence, after_lost
+end
+";
+
+/// The fence counter's forms (see [`FENCE_FN`]): `fence_form` and `fence_read`, which
+/// every script that reads or writes the counter starts with. Apart from the rest, so
+/// that a release defines no more Lua functions than it calls.
+pub(crate) const FENCE_FORM_FN: &str = r"
+local function fence_form(fence, held, after_lost)
+  if not held then return string.format('%.0f', fence) end
+  if after_lost then return string.format('-0%.0f', fence) end
+  return string.format('-%.0f', fence)
+end
+local function fence_read(v)
+  local n = tonumber(v)
+  if not n or n ~= n or n >= 2 ^ 53 or n <= -2 ^ 53 then return 0, false, false end
+  if n >= 0 then return n, false, false end
+  return -n, true, string.byte(v, 2) == 48
+end
+";
+
+/// How a hold's end marks the fence counter (see [`FENCE_FN`]), after [`FENCE_FORM_FN`].
+///
+/// `end_fence(key, fence)`, after a hold of `key`'s lock ended by the call (the caller
+/// checked the token): `fence` is the holder's fence (a decimal string; Redlock: the
+/// highest of the granting nodes'), written back released, keeping the TTL, in one
+/// `SET … XX KEEPTTL`. It is the last fence the node issued: while a hold lives, only its
+/// own scripts write the counter (a Redlock raise that comes late brings an earlier
+/// holder's fence, below this one, which is the highest of a majority overlapping that
+/// holder's). `0` gives back an attempt nobody used: one `GET`, and a held counter becomes
+/// released only if that hold began after a clean release (`-<f>`), else (`-0<f>`) stays
+/// as it is. A counter that is gone stays gone (no key without a TTL).
+pub(crate) const END_FENCE_FN: &str = r"
+local function end_fence(key, fence)
+  if fence ~= '0' then
+    redis.call('SET', key, fence, 'XX', 'KEEPTTL')
+    return
+  end
+  local last, held, after_lost = fence_read(redis.pcall('GET', key))
+  if held and not after_lost then
+    redis.call('SET', key, fence_form(last, false), 'KEEPTTL')
+  end
 end
 ";
 
@@ -168,14 +271,6 @@ end
 /// `delete_owned(keys, token)`, compare-and-delete: when `keys[1]` holds `token`, deletes
 /// all of `keys` with one `DEL` (a lock and the keys that end with it). Returns
 /// `ownership` of `keys[1]`.
-///
-/// `extend_owned(lock, token, lease, record, change)`, compare-and-`PEXPIRE`: when `lock`
-/// holds `token`, sets its TTL to `lease` ms. With a lease record and the change's number
-/// (the string sent), the change is ordered by the rule of lease changes (see [`EXTEND`]):
-/// refused (2, nothing changed) when the record holds a higher number of this token's;
-/// else applied and the record set to `<change>:<token>` with the same lease. Without,
-/// unordered (see [`EXTEND_UNORDERED`]). Returns 1 extended, else `ownership` of `lock`
-/// (0 gone, -1 another owner) or 2. A lock that is gone is never recreated.
 pub(crate) const OWNER_FN: &str = r"
 local function ownership(key, token)
   local cur = redis.pcall('GET', key)
@@ -188,6 +283,18 @@ local function delete_owned(keys, token)
   if status == 1 then redis.call('DEL', unpack(keys)) end
   return status
 end
+";
+
+/// The lease change of the renewal scripts, after [`OWNER_FN`].
+///
+/// `extend_owned(lock, token, lease, record, change)`, compare-and-`PEXPIRE`: when `lock`
+/// holds `token`, sets its TTL to `lease` ms. With a lease record and the change's number
+/// (the string sent), the change is ordered by the rule of lease changes (see [`EXTEND`]):
+/// refused (2, nothing changed) when the record holds a higher number of this token's;
+/// else applied and the record set to `<change>:<token>` with the same lease. Without,
+/// unordered (see [`EXTEND_UNORDERED`]). Returns 1 extended, else `ownership` of `lock`
+/// (0 gone, -1 another owner) or 2. A lock that is gone is never recreated.
+pub(crate) const EXTEND_OWNED_FN: &str = r"
 local function extend_owned(lock, token, lease, record, change)
   local status = ownership(lock, token)
   if status ~= 1 then return status end
@@ -212,56 +319,64 @@ end
 /// id, the mark's TTL in ms (0: the caller will not wait, so leave no mark), `1` if this
 /// caller marked before (its mark is deleted when it wins), the fence counter's TTL in ms
 /// (see [`FENCE_FN`]), the publish mode (see `sharded`).
-/// Returns `{1, fence}` when the lock is ours, `{0, pttl}` when someone else holds it,
-/// `{2, 0}` when the key is a read-write lock or a semaphore (checked on the failure path
-/// only: `SET NX` fails on any existing key, so the success path stays as it is).
+/// Returns `{1, fence, after lost}` when the lock is ours (`after lost`: 1 when the hold
+/// before ended without a release, see [`FENCE_FN`]), `{0, pttl, 0}` when someone else
+/// holds it, `{2, 0, 0}` when the key is a read-write lock or a semaphore (checked on the
+/// failure path only: `SET NX` fails on any existing key, so the success path stays as it
+/// is).
 ///
-/// The common case comes first and costs four calls: `take_fenced` (see [`FENCE_FN`]),
-/// which also deletes the key it set when the fence's `INCR` fails: no lock is left
+/// The common case comes first and costs three calls: `take_fenced` (see [`FENCE_FN`]),
+/// which also deletes the key it set when the fence's `SET` fails: no lock is left
 /// behind. The winner's own mark, if it marked before, is compare-and-deleted (see
 /// [`OWNER_FN`]).
 ///
 /// When the key already holds *our* token (a retry after the reply to a first attempt was
-/// lost), the lease is refreshed and the fence the first attempt created is returned: one
-/// lock, one fence, no stray key. The refresh only lengthens the lease: an attempt delayed
-/// on the way can land after a lease change of the hold it started (see [`EXTEND`]), and
-/// must not cut short a longer lease that change set (the holder's validity counts from
-/// before the first attempt, so any refresh covers it). A failed attempt publishes `c<client id>` on the lock's
+/// lost), the lease is refreshed and the fence the first attempt created is returned (with
+/// what it found, see `hold_fence`): one lock, one fence, no stray key. The refresh only
+/// lengthens the lease: an attempt delayed on the way can land after a lease change of the
+/// hold it started (see [`EXTEND`]), and must not cut short a longer lease that change set
+/// (the holder's validity counts from before the first attempt, so any refresh covers
+/// it). A failed attempt publishes `c<client id>` on the lock's
 /// channel, and leaves its client id in the mark key, so that the holder's process knows
 /// another process is waiting (the fairness budget only applies then): live when it is
 /// subscribed, through the mark when it subscribed too late to hear. Marks are published
 /// with `pcall`: an ACL user without channel permissions still locks.
 pub(crate) static ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FN}{OWNER_FN}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{OWNER_FN}{}{HOLD_FENCE_FN}{}",
         r"
-local fence = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[7])
+local fence, after_lost = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[7])
 if type(fence) == 'table' then return fence end
 if fence then
   if ARGV[6] == '1' then delete_owned({KEYS[3]}, ARGV[4]) end
-  return {1, fence}
+  return won(fence, after_lost)
 end
+",
+        r"
 local cur = redis.pcall('GET', KEYS[1])
-if type(cur) == 'table' then return {2, 0} end
+if type(cur) == 'table' then return {2, 0, 0} end
 if cur == ARGV[1] then
   if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-  return {1, current_fence(KEYS[2])}
+  return won(hold_fence(KEYS[2]))
 end
 if ARGV[5] ~= '0' then
   redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
   publish(ARGV[3], 'c' .. ARGV[4])
 end
-return {0, redis.call('PTTL', KEYS[1])}
+return {0, redis.call('PTTL', KEYS[1]), 0}
 "
     ))
 });
 
-/// Compare-and-delete (`delete_owned`, see [`OWNER_FN`]).
+/// Compare-and-delete (`delete_owned`, see [`OWNER_FN`]), and the fence counter marked
+/// released (`end_fence`, see [`END_FENCE_FN`]).
 ///
-/// KEYS: lock, and its lease record (see [`EXTEND`]; deleted with the lock by the same
-/// `DEL`: no key of the hold outlives its release, at no extra command) except where a
-/// Redis Cluster slot migration refuses the pair (the record then ends with its TTL). ARGV: token, the
-/// library's channel, the publish mode. `r` is published on
+/// KEYS: lock, its lease record (see [`EXTEND`]; deleted with the lock by the same
+/// `DEL`: no key of the hold outlives its release, at no extra command) and its fence
+/// counter, except where a Redis Cluster slot migration refuses them (the lock alone: the
+/// record then ends with its TTL, and the counter stays held, so the next holder is told
+/// the hold before it was lost). ARGV: token, the library's channel, the holder's fence
+/// (`0`: an attempt nobody used is given back), the publish mode. `r` is published on
 /// the channel after a release. Always, even when keyspace notifications are on: waiters
 /// of another ACL user may not be allowed keyspace channels, and a server restart forgets
 /// a `CONFIG SET`. The subscriber pairs each `r` with the `del` event before it, so nobody
@@ -270,10 +385,13 @@ return {0, redis.call('PTTL', KEYS[1])}
 /// holds it.
 pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{OWNER_FN}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}",
         r"
-local status = delete_owned(KEYS, ARGV[1])
-if status == 1 then publish(ARGV[2], 'r') end
+local status = delete_owned({KEYS[1], KEYS[2]}, ARGV[1])
+if status == 1 then
+  if KEYS[3] then end_fence(KEYS[3], ARGV[3]) end
+  publish(ARGV[2], 'r')
+end
 return status
 "
     ))
@@ -294,20 +412,25 @@ return 0
 });
 
 /// Raises a fencing counter to at least a value (Redlock: the highest counter of the
-/// granting majority), and keeps it for the counter's TTL, as an increment would.
+/// granting majority), and keeps it for the counter's TTL, as issuing a fence would. The
+/// counter keeps its form (see [`FENCE_FN`]): held stays held, with what it says of the
+/// hold before.
 ///
 /// KEYS: fence. ARGV: the value, the counter's TTL in ms.
 pub(crate) static RAISE_FENCE: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(
+    Lua::new(&format!(
+        "{FENCE_FORM_FN}{}",
         r"
-if (tonumber(redis.call('GET', KEYS[1]) or '0')) < tonumber(ARGV[1]) then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local last, held, after_lost = fence_read(redis.pcall('GET', KEYS[1]))
+local raised = tonumber(ARGV[1])
+if last < raised then
+  redis.call('SET', KEYS[1], fence_form(raised, held, after_lost), 'PX', ARGV[2])
 else
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
-",
-    )
+"
+    ))
 });
 
 /// What a call needs from the node it is sent to: this client's id (sent with failed
@@ -346,34 +469,53 @@ pub(crate) fn acquire_call(
     call
 }
 
-/// Reads an acquire script's reply ([`ACQUIRE`]'s and the fair queue's alike): 1 and the
-/// fence, 0 and the holder's PTTL, 2 for a key of another kind.
-pub(crate) fn acquire_reply(reply: (i64, i64)) -> Result<Attempt> {
+/// Reads an acquire script's reply ([`ACQUIRE`]'s and the fair queue's alike): 1, the
+/// fence and whether the hold before ended without a release; 0 and the holder's PTTL; 2
+/// for a key of another kind.
+pub(crate) fn acquire_reply(reply: (i64, i64, i64)) -> Result<Attempt> {
     match reply {
-        (1, fence) => Ok(Attempt::Acquired {
+        (1, fence, after_lost) => Ok(Attempt::Acquired {
             fence: u64::try_from(fence)
                 .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
             others_wait: false,
+            previous_lost: after_lost == 1,
         }),
-        (0, pttl) => Ok(Attempt::Held {
+        (0, pttl, _) => Ok(Attempt::Held {
             pttl: u64::try_from(pttl).ok().map(Duration::from_millis),
         }),
-        (2, _) => Err(Error::WrongKind),
+        (2, ..) => Err(Error::WrongKind),
         other => Err(Error::Protocol(format!("acquire replied {other:?}"))),
     }
 }
 
 /// The plain compare-and-delete of `token`'s lock ([`RELEASE`]): its key and, with
-/// `record`, its lease record (deleted with it); without, its key alone (a Redis Cluster
-/// slot migration refuses the pair: see `Protocol::release`).
-pub(crate) fn release_call(site: Site<'_>, keys: &Keys, token: &str, record: bool) -> Cmd {
-    let mut call = RELEASE.call(if record { 2 } else { 1 });
+/// `whole`, its lease record (deleted with it) and its fence counter (marked released, see
+/// [`fence_arg`]); without, its key alone (a Redis Cluster slot migration refuses the
+/// others: see `Protocol::release`).
+pub(crate) fn release_call(
+    site: Site<'_>,
+    keys: &Keys,
+    token: &str,
+    fence: Option<u64>,
+    whole: bool,
+) -> Cmd {
+    let mut call = RELEASE.call(if whole { 3 } else { 1 });
     call.arg(keys.lock());
-    if record {
-        call.arg(keys.lease());
+    if whole {
+        call.arg(keys.lease()).arg(keys.fence());
     }
-    call.arg(token).arg(keys.channel()).arg(site.publish);
+    call.arg(token)
+        .arg(keys.channel())
+        .arg(fence_arg(fence))
+        .arg(site.publish);
     call
+}
+
+/// The fence a release script is given (see `end_fence` in [`END_FENCE_FN`]): the holder's,
+/// or 0 when the hold given back is an attempt nobody used (an undone round, a cleanup
+/// after a lost reply), which leaves the counter saying what the hold before it said.
+pub(crate) fn fence_arg(fence: Option<u64>) -> u64 {
+    fence.unwrap_or(0)
 }
 
 /// The call of [`UNMARK`]: our own contention mark goes.

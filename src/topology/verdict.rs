@@ -14,12 +14,15 @@ use crate::proto::protocol::Attempt;
 #[derive(Debug)]
 pub(crate) enum Vote {
     /// The lock is ours: the highest fence among the granting nodes, those nodes, and the
-    /// ones among them whose counter is behind that fence (to be raised).
+    /// ones among them whose counter is behind that fence (to be raised). `previous_lost`:
+    /// a granting node's counter said the hold before ended without a release (Redlock:
+    /// any of them, since a lost hold's majority and this one share at least one node).
     Won {
         fence: u64,
         granted: Vec<NodeId>,
         behind: Vec<NodeId>,
         others_wait: bool,
+        previous_lost: bool,
     },
     /// Held elsewhere: wait until the first of an event and `hint` (the holder's
     /// remaining lease, or a jitter after a split vote), after releasing our token on
@@ -81,15 +84,18 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
             .filter_map(|(_, r)| fence_of(r))
             .max()
             .unwrap_or(0);
-        let others_wait = replies.iter().any(|(_, r)| {
-            matches!(
-                r,
-                Ok(Attempt::Acquired {
-                    others_wait: true,
-                    ..
-                })
-            )
-        });
+        // Either said by any granting node.
+        let (others_wait, previous_lost) =
+            replies
+                .iter()
+                .fold((false, false), |(wait, lost), (_, r)| match r {
+                    Ok(Attempt::Acquired {
+                        others_wait,
+                        previous_lost,
+                        ..
+                    }) => (wait | others_wait, lost | previous_lost),
+                    _ => (wait, lost),
+                });
         let among = |keep: &dyn Fn(u64) -> bool| -> Vec<NodeId> {
             replies
                 .iter()
@@ -99,6 +105,7 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
         };
         return Vote::Won {
             others_wait,
+            previous_lost,
             fence,
             granted: among(&|_| true),
             behind: among(&|f| f < fence),
@@ -284,6 +291,7 @@ mod tests {
         Ok(Attempt::Acquired {
             fence,
             others_wait: false,
+            previous_lost: false,
         })
     }
 
@@ -320,6 +328,33 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A lost hold's majority and the next one share a node: the one node that saw the
+    /// loss is enough to say so.
+    #[test]
+    fn a_loss_any_granting_node_saw_is_told() {
+        let lost = Ok(Attempt::Acquired {
+            fence: 8,
+            others_wait: false,
+            previous_lost: true,
+        });
+        let replies = vec![(id(1), acquired(7)), (id(2), lost), (id(3), acquired(9))];
+        assert!(matches!(
+            vote(replies, rules(2, false)),
+            Vote::Won {
+                previous_lost: true,
+                ..
+            }
+        ));
+        let clean = vec![(id(1), acquired(7)), (id(3), acquired(9))];
+        assert!(matches!(
+            vote(clean, rules(2, false)),
+            Vote::Won {
+                previous_lost: false,
+                ..
+            }
+        ));
     }
 
     #[test]

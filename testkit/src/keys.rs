@@ -8,6 +8,10 @@
 //! digits of the name's FNV-1a-64 hash, so that all of a lock's keys share one slot.
 //! A fencing token is the counter's value shifted left by [`HANDOFF_BITS`], plus the number
 //! of local handoffs since the lock was last taken from Redis.
+//!
+//! The counter also says whether its last hold was released ([`Counter`]): `<f>` released
+//! (or a fair grant its waiter has not confirmed yet), `-<f>` held, `-0<f>` held by a hold
+//! that began after one that ended without a release.
 
 /// The prefix a client uses unless `Builder::key_prefix` says otherwise.
 pub const DEFAULT_PREFIX: &str = "redbaton:";
@@ -23,11 +27,87 @@ pub const MAX_HANDOFFS: u32 = (1 << HANDOFF_BITS) - 1;
 /// How much one remote acquisition (one step of the fencing counter) adds to a token.
 pub const FENCE_STEP: u64 = 1 << HANDOFF_BITS;
 
-/// How many fences `srv` issued: each acquisition increments the name's counter with
-/// one `INCR` (the scripts' calls are counted too), and a fence is `max(last + 1, the
-/// server's clock in µs)`, so values alone cannot tell one increment from two.
-pub fn fences_issued(srv: &crate::server::RedisServer) -> u64 {
-    srv.command_count("incr")
+/// What a fence counter's value says (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counter {
+    /// The last fence issued.
+    pub fence: u64,
+    /// Its hold has not been released: it is held, or it ended without a release.
+    pub held: bool,
+    /// Held, by a hold that began after one that ended without a release.
+    pub after_lost: bool,
+}
+
+impl Counter {
+    /// Reads a counter's value; `None` for one that is not a fence.
+    ///
+    /// ```
+    /// use redbaton_testkit::keys::Counter;
+    ///
+    /// assert_eq!(Counter::parse("12"), Some(Counter { fence: 12, held: false, after_lost: false }));
+    /// assert_eq!(Counter::parse("-12"), Some(Counter { fence: 12, held: true, after_lost: false }));
+    /// assert_eq!(Counter::parse("-012"), Some(Counter { fence: 12, held: true, after_lost: true }));
+    /// assert_eq!(Counter::parse("x"), None);
+    /// ```
+    pub fn parse(value: &str) -> Option<Counter> {
+        let n: i64 = value.parse().ok()?;
+        (n != 0).then(|| Counter {
+            fence: n.unsigned_abs(),
+            held: n < 0,
+            after_lost: value.starts_with("-0"),
+        })
+    }
+
+    /// The counter `key` on `conn`, if it holds a fence.
+    pub fn read(conn: &mut redis::Connection, key: &[u8]) -> Option<Counter> {
+        let value: Option<String> = redis::cmd("GET").arg(key).query(conn).expect("GET");
+        value.as_deref().and_then(Counter::parse)
+    }
+}
+
+/// Counts the fences a server issues from the moment it is started, through `MONITOR`
+/// (which shows the commands scripts call): each issuance writes the name's counter with
+/// one `SET <…:fence> <value> PX <ttl> GET`, and no other write of a counter has both
+/// `PX` and `GET` (a release keeps the TTL, a second write of the same issuance too). A
+/// fence is `max(last + 1, the server's clock in µs)`, so values alone cannot tell one
+/// issuance from two.
+///
+/// Start it before the acquisitions it should count; [`FenceCount::issued`] then counts
+/// every fence issued until it is called, by any client.
+pub struct FenceCount<'a> {
+    srv: &'a crate::server::RedisServer,
+    monitor: crate::monitor::Monitor,
+    seen: std::cell::Cell<u64>,
+}
+
+impl<'a> FenceCount<'a> {
+    /// Starts counting the fences `srv` issues.
+    pub fn start(srv: &'a crate::server::RedisServer) -> FenceCount<'a> {
+        FenceCount {
+            srv,
+            monitor: crate::monitor::Monitor::start(srv),
+            seen: std::cell::Cell::new(0),
+        }
+    }
+
+    /// The fences issued since [`start`](Self::start), up to now.
+    pub fn issued(&self) -> u64 {
+        let issues = self
+            .monitor
+            .flush(self.srv)
+            .iter()
+            .filter_map(|l| crate::monitor::parse_line(l))
+            .filter(|(_, args)| {
+                let has = |word: &str| args.iter().any(|a| a.eq_ignore_ascii_case(word));
+                args.first().is_some_and(|c| c.eq_ignore_ascii_case("set"))
+                    && args.get(1).is_some_and(|k| k.ends_with(":fence"))
+                    && has("px")
+                    && has("get")
+            })
+            .count();
+        self.seen.set(self.seen.get() + issues as u64);
+        self.seen.get()
+    }
 }
 
 /// The fencing counter's part of a token.

@@ -12,6 +12,7 @@
 //! * [`keys`]: the Redis keys and fencing-token layout of the lock protocol, as the
 //!   tests observe them from outside.
 //! * [`logs`]: the `log` records of the test process, to check what a client warned of.
+//! * [`monitor`]: `MONITOR`, every command a server runs, scripts' calls included.
 //! * [`leftover`]: every kind of key the library writes and how long each may stay.
 //! * [`history`]: seeds, histories and violations of replayable randomized tests.
 //! * [`stalls`]: when the test process itself did not run (a loaded machine), so that
@@ -48,6 +49,7 @@ pub mod intervals;
 pub mod keys;
 pub mod leftover;
 pub mod logs;
+pub mod monitor;
 pub mod proxy;
 pub mod sections;
 pub mod sentinel;
