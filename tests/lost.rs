@@ -529,3 +529,71 @@ fn redlock_reports_a_loss_any_granting_node_saw() {
     drop(g);
     assert!(!c.lock("rl").expect("lock").previous_lost());
 }
+
+// --- the other primitives keep the counter's forms -----------------------------------
+
+#[test]
+fn a_downgraded_write_ended_cleanly() {
+    let srv = test_server();
+    let c = client(&srv.url());
+    let rw = c.rwlock("down");
+    let read = rw.write().expect("write").downgrade().expect("downgrade");
+    let released = counter(&srv, "down").expect("counter");
+    assert!(
+        !released.held,
+        "the write hold ended in the downgrade: {released:?}"
+    );
+    drop(read);
+    let next = rw.write().expect("write");
+    assert!(
+        !next.previous_lost(),
+        "the write hold before was downgraded, not lost"
+    );
+}
+
+#[test]
+fn an_upgraded_write_released_is_not_lost() {
+    let srv = test_server();
+    let c = client(&srv.url());
+    let rw = c.rwlock("up");
+    let write = rw
+        .upgradable_read()
+        .expect("upgradable")
+        .upgrade()
+        .expect("upgrade");
+    assert!(
+        counter(&srv, "up").expect("counter").held,
+        "the upgrade holds the write"
+    );
+    assert_eq!(write.unlock().unwrap(), Unlocked::Released);
+    let next = rw.write().expect("write");
+    assert!(
+        !next.previous_lost(),
+        "the upgraded write hold was released"
+    );
+}
+
+#[test]
+fn a_multi_lock_released_is_not_lost() {
+    let srv = test_server();
+    let c = client(&srv.url());
+    let both = c.multi_lock(["{m}a", "{m}b"]).expect("multi-lock");
+    for name in ["{m}a", "{m}b"] {
+        assert!(counter(&srv, name).expect("counter").held, "{name} held");
+    }
+    assert_eq!(both.unlock().unwrap(), Unlocked::Released);
+    for name in ["{m}a", "{m}b"] {
+        let g = c.lock(name).expect("lock");
+        assert!(!g.previous_lost(), "{name}: the multi-lock released it");
+    }
+    // A multi-lock that cannot have every name takes none: the counters say what they
+    // said before.
+    let held = c.lock("{m}b").expect("lock");
+    let err = client(&srv.url())
+        .try_multi_lock(["{m}a", "{m}b"])
+        .expect_err("b is held");
+    assert!(err.is_would_block(), "{err:?}");
+    drop(held);
+    let a = c.lock("{m}a").expect("lock");
+    assert!(!a.previous_lost(), "nothing was lost on a");
+}
