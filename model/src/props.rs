@@ -115,5 +115,18 @@ pub fn properties(model: &LockModel) -> Vec<Property<LockModel>> {
                 .any(|h| h.granted && s.now < h.valid_until)
         }));
     }
+    if model.cfg.mode == crate::config::Mode::Fair
+        && model.cfg.rules.grants == crate::config::Grants::Trusted
+    {
+        props.push(Property::sometimes(
+            "a grant taken without a confirming attempt",
+            |_, s: &State| {
+                s.procs
+                    .iter()
+                    .filter_map(|p| p.hold())
+                    .any(|h| h.trusted && s.now < h.valid_until)
+            },
+        ));
+    }
     props
 }

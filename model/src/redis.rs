@@ -45,6 +45,8 @@ pub struct Key {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Entry {
     pub token: Token,
+    /// The nonce of the latest attempt that queued or refreshed it (`L:qn`).
+    pub nonce: u8,
     /// Dead once `now >= expires` (`ZRANGEBYSCORE qx -inf now`).
     pub expires: u8,
 }
@@ -52,8 +54,9 @@ pub struct Entry {
 /// A script call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
-    /// An acquisition attempt that waits if it fails (queues, fair).
-    Acquire { token: Token },
+    /// An acquisition attempt that waits if it fails (queues, fair); `nonce`: the
+    /// attempt's, stored with the queue entry it queues or refreshes (fair).
+    Acquire { token: Token, nonce: u8 },
     /// Compare-and-delete, or in fair mode a pass to the head of the queue.
     Release { token: Token },
     /// A lease change: the watchdog's renewal (`renew`) or the holder's `extend`.
@@ -70,7 +73,7 @@ pub enum Op {
 impl Op {
     pub fn token(&self) -> Token {
         match *self {
-            Op::Acquire { token }
+            Op::Acquire { token, .. }
             | Op::Release { token }
             | Op::Extend { token, .. }
             | Op::Leave { token } => token,
@@ -103,8 +106,9 @@ pub enum Answer {
 pub enum Publish {
     /// `r`: released.
     Released,
-    /// `g<token>:<fence>`: granted to `token`.
-    Granted { token: Token, fence: u8 },
+    /// `g<token>:<nonce>:<fence>:<grant ms>`: granted to `token`, whose entry held the
+    /// nonce `nonce` (the grant lease is the configuration's).
+    Granted { token: Token, nonce: u8, fence: u8 },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -130,8 +134,8 @@ impl Redis {
     /// Runs `op` at `now`: the reply, and what it published.
     pub fn run(&mut self, cfg: &Config, now: u8, op: Op) -> (Answer, Option<Publish>) {
         match (op, cfg.mode) {
-            (Op::Acquire { token }, Mode::Plain) => (self.acquire(cfg, now, token), None),
-            (Op::Acquire { token }, Mode::Fair) => self.fair_acquire(cfg, now, token),
+            (Op::Acquire { token, .. }, Mode::Plain) => (self.acquire(cfg, now, token), None),
+            (Op::Acquire { token, nonce }, Mode::Fair) => self.fair_acquire(cfg, now, token, nonce),
             (Op::Release { token }, Mode::Plain) => self.release(token),
             (Op::Release { token }, Mode::Fair) => self.fair_release(cfg, now, token),
             (
@@ -189,7 +193,13 @@ impl Redis {
     }
 
     /// `FAIR_ACQUIRE`.
-    fn fair_acquire(&mut self, cfg: &Config, now: u8, token: Token) -> (Answer, Option<Publish>) {
+    fn fair_acquire(
+        &mut self,
+        cfg: &Config,
+        now: u8,
+        token: Token,
+        nonce: u8,
+    ) -> (Answer, Option<Publish>) {
         let mut published = None;
         match self.lock {
             Some(k) if k.token == token => {
@@ -204,12 +214,12 @@ impl Redis {
                 );
             }
             Some(_) => {}
-            None => match self.queue.first().map(|e| e.token) {
+            None => match self.queue.first().copied() {
                 None => {
                     let fence = self.set(token, now + cfg.lease);
                     return (Answer::Won { fence, fresh: true }, None);
                 }
-                Some(head) if head == token => {
+                Some(head) if head.token == token => {
                     let fence = self.set(token, now + cfg.lease);
                     self.dequeue(token);
                     return (Answer::Won { fence, fresh: true }, None);
@@ -217,11 +227,18 @@ impl Redis {
                 Some(head) => published = Some(self.grant(cfg, now, head)),
             },
         }
-        // Queue us (`ZADD NX` keeps our place, the expiry is refreshed).
+        // Queue us (`ZADD NX` keeps our place, the expiry and the nonce are refreshed).
         let expires = now + cfg.entry_ttl();
         match self.queue.iter_mut().find(|e| e.token == token) {
-            Some(e) => e.expires = expires,
-            None => self.queue.push(Entry { token, expires }),
+            Some(e) => {
+                e.expires = expires;
+                e.nonce = nonce;
+            }
+            None => self.queue.push(Entry {
+                token,
+                nonce,
+                expires,
+            }),
         }
         (
             Answer::Held {
@@ -232,11 +249,15 @@ impl Redis {
     }
 
     /// `grant` of `COMMON`: the key to `head` for the grant lease, out of the queue, and
-    /// `g<head>:<fence>` published.
-    fn grant(&mut self, cfg: &Config, now: u8, head: Token) -> Publish {
-        let fence = self.set(head, now + cfg.grant_lease);
-        self.dequeue(head);
-        Publish::Granted { token: head, fence }
+    /// `g<head>:<nonce>:<fence>:<grant ms>` published with the nonce its entry held.
+    fn grant(&mut self, cfg: &Config, now: u8, head: Entry) -> Publish {
+        let fence = self.set(head.token, now + cfg.grant_lease);
+        self.dequeue(head.token);
+        Publish::Granted {
+            token: head.token,
+            nonce: head.nonce,
+            fence,
+        }
     }
 
     fn dequeue(&mut self, token: Token) {
@@ -245,11 +266,8 @@ impl Redis {
 
     /// `pass_on` of `COMMON`: grant to the head, or delete and publish `r`.
     fn pass_on(&mut self, cfg: &Config, now: u8) -> Publish {
-        match self.queue.first() {
-            Some(head) => {
-                let head = head.token;
-                self.grant(cfg, now, head)
-            }
+        match self.queue.first().copied() {
+            Some(head) => self.grant(cfg, now, head),
             None => {
                 self.lock = None;
                 Publish::Released
