@@ -59,12 +59,26 @@ pub(crate) fn grant_of(payload: &[u8]) -> Option<(&[u8], Grant)> {
         && let (Some(ms), Some(fence), Some(nonce)) = (number(ms), number(fence), number(nonce))
     {
         let lease = Duration::from_millis(ms);
-        return Some((token, Grant { nonce, fence, lease }));
+        return Some((
+            token,
+            Grant {
+                nonce,
+                fence,
+                lease,
+            },
+        ));
     }
     let colon = rest.iter().rposition(|&b| b == b':')?;
     let fence = number(&rest[colon + 1..])?;
     let lease = Duration::ZERO;
-    Some((&rest[..colon], Grant { nonce: 0, fence, lease }))
+    Some((
+        &rest[..colon],
+        Grant {
+            nonce: 0,
+            fence,
+            lease,
+        },
+    ))
 }
 
 /// What one message says about its key.
