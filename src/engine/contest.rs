@@ -701,7 +701,7 @@ impl Contest<'_> {
             started,
         };
         let lock = match granted {
-            Some(until) => Arc::new(engine.remote_lock(acquisition).from_grant(until)),
+            Some(until) => Arc::new(engine.remote_lock(acquisition).granted_until(until)),
             None => engine.new_hold(acquisition),
         };
         Counters::inc(&engine.counters.remote_acquisitions);

@@ -142,7 +142,7 @@ impl RemoteLock {
     /// A hold taken from a fair queue's grant message, with no confirming attempt: surely
     /// held only until `valid_until` (the grant lease from the send of the attempt the
     /// grant followed), and due for its first renewal now, which gives it the full lease.
-    pub fn from_grant(self, valid_until: Stamp) -> Self {
+    pub fn granted_until(self, valid_until: Stamp) -> Self {
         {
             let mut st = self.state.lock();
             st.valid_until = st.valid_until.min(valid_until);
