@@ -38,10 +38,13 @@ fn queued(srv: &RedisServer) -> usize {
 
 /// The queued tokens and the nonce each one's latest attempt stored.
 fn nonces(srv: &RedisServer) -> Vec<(String, u64)> {
-    redis::cmd("HGETALL")
+    redis::cmd("ZRANGE")
         .arg(NONCES)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
         .query(&mut srv.conn())
-        .expect("HGETALL")
+        .expect("ZRANGE")
 }
 
 fn keys_left(srv: &RedisServer) -> Vec<String> {

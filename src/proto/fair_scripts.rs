@@ -4,8 +4,9 @@
 //! Keys of a lock `L` (all share its hash tag): `L` itself, its fence counter, its mark,
 //! `L:q` — a sorted set of the waiting contenders' tokens scored by arrival (server time,
 //! µs) — `L:qx`, the same tokens scored by when their entry expires unless the waiter's
-//! next attempt refreshes it (server time, ms), and `L:qn`, a hash of the same tokens to
-//! the nonce of the latest attempt that queued or refreshed them. A waiter's entry is its
+//! next attempt refreshes it (server time, ms), and `L:qn`, the same tokens scored by the
+//! nonce of the latest attempt that queued or refreshed them (a sorted set, so that the
+//! queue needs no command beyond the sorted-set ones). A waiter's entry is its
 //! contender token, the same for every attempt of one wait; each attempt has a new nonce.
 //!
 //! A grant is `SET L <head> PX <grant lease>`, an `INCR` of the fence and a publish of
@@ -51,7 +52,7 @@ local function prune(q, qx, qn, now_ms)
   if #dead > 0 then
     redis.call('ZREM', q, unpack(dead))
     redis.call('ZREM', qx, unpack(dead))
-    redis.call('HDEL', qn, unpack(dead))
+    redis.call('ZREM', qn, unpack(dead))
   end
   return #dead < PRUNE_CHUNK
 end
@@ -59,7 +60,7 @@ end
 local function dequeue(q, qx, qn, token)
   redis.call('ZREM', q, token)
   redis.call('ZREM', qx, token)
-  redis.call('HDEL', qn, token)
+  redis.call('ZREM', qn, token)
 end
 -- Keeps `key` for at least `ms`: a queue lives as long as its longest-lived entry, and an
 -- abandoned one (its waiters all gone) disappears with it.
@@ -76,7 +77,8 @@ local function grant(head, q, qx, qn, channel, grant_ms)
   -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
   fence = string.format('%.0f', fence)
   -- 0 (no attempt's nonce): an entry queued before nonces were kept, only a wake-up.
-  local nonce = redis.call('HGET', qn, head) or '0'
+  local nonce = redis.call('ZSCORE', qn, head)
+  nonce = nonce and string.format('%.0f', tonumber(nonce)) or '0'
   dequeue(q, qx, qn, head)
   publish(channel, 'g' .. head .. ':' .. nonce .. ':' .. fence .. ':' .. grant_ms)
   return fence
@@ -154,7 +156,7 @@ if ARGV[5] ~= '0' then
   local entry_ms = tonumber(ARGV[5])
   redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
   redis.call('ZADD', KEYS[4], now_ms + entry_ms, ARGV[1])
-  redis.call('HSET', KEYS[5], ARGV[1], ARGV[7])
+  redis.call('ZADD', KEYS[5], ARGV[7], ARGV[1])
   keep_for(KEYS[3], entry_ms + QUEUE_MARGIN_MS)
   keep_for(KEYS[4], entry_ms + QUEUE_MARGIN_MS)
   keep_for(KEYS[5], entry_ms + QUEUE_MARGIN_MS)

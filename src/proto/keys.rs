@@ -69,8 +69,8 @@ pub(crate) struct KeyBytes {
 /// - `:ww`, `:wr`: a read-write lock's waiting writers and readers (see `rw_scripts`);
 /// - `:latch`: a countdown latch of the same name (see `latch_scripts`): a key of its own,
 ///   so a name can be a lock and a latch at once;
-/// - `:qn`: the fair queue's nonces: each waiting contender's latest attempt's, which a
-///   grant tells it (see `fair_scripts`).
+/// - `:qn`: the fair queue's nonces: the waiting contenders scored by their latest
+///   attempt's nonce, which a grant tells them (see `fair_scripts`).
 const SUFFIXES: [&[u8]; 10] = [
     b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr", b":latch", b":qn",
 ];
@@ -175,7 +175,7 @@ impl Keys {
         self.suffixed(8)
     }
 
-    /// The fair queue's nonces: a hash of each waiting token's latest attempt's nonce.
+    /// The fair queue's nonces: each waiting token scored by its latest attempt's nonce.
     pub fn queue_nonce(&self) -> &[u8] {
         self.suffixed(9)
     }
