@@ -42,8 +42,8 @@ const KEYS: Keys = Keys::DEFAULT;
 ///   (acquire and release fail without them), `+pexpire` (renewals: without it every lock
 ///   is lost after one lease), `+publish` (the release message that wakes waiters;
 ///   without it, and without keyspace events, waiters sleep until the re-check interval)
-///   and, for the fair queue, `+exists +time +zadd +zrem +zrange +zrangebyscore +zcard`
-///   (with `+zscore +zremrangebyscore`, also for read-write locks and semaphores);
+///   and, for the fair queue, `+exists +time +zadd +zrem +zrange +zrangebyscore +zcard
+///   +zscore` (with `+zremrangebyscore`, also for read-write locks and semaphores);
 /// * the subscriber: `+subscribe +unsubscribe` and the channel `&redbaton:*` (the library's
 ///   channel `redbaton:{name}:ev`); without them locks still work but waiters fall back to
 ///   retrying with a backoff (about 1.6 s to notice a release here);

@@ -218,7 +218,7 @@ fn an_acl_user_with_shard_channels_only() {
     let rules = format!(
         "resetkeys ~redbaton:* resetchannels &redbaton:* -@all \
          +evalsha +script|load +get +set +del +pexpire +pttl +incr \
-         +exists +time +zadd +zrem +zrange +zrangebyscore +zcard \
+         +exists +time +zadd +zrem +zrange +zrangebyscore +zcard +zscore \
          {channel_commands} +ping +client|setname"
     );
     let srv = RedisServer::builder()

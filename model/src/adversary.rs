@@ -8,7 +8,8 @@
 //!   than the client's timeout is thrown away (as if lost), and one late but within it
 //!   would only make the client act later in the same tick. A paused process gets no
 //!   reply (its timeout comes first when it resumes); its messages wait for it, then are
-//!   **heard** or **dropped**.
+//!   **heard**, **repeated** (heard with a copy left in flight: a duplicate, one fault)
+//!   or **dropped**.
 //! - **Tick**: time advances by one; the adversary chooses which process (at most one)
 //!   is paused during the new tick — a paused process takes no step and receives nothing
 //!   while time goes on — and each running process, in turn, times out what went
@@ -37,6 +38,8 @@ pub enum Move {
     DropRequest(Request),
     /// A message that waited for a paused process reaches it.
     Hear(Message),
+    /// The same, and a copy of it stays in flight: a duplicated message.
+    Repeat(Message),
     DropMessage(Message),
     /// Time advances; `pause`: the process paused during the new tick; `choices`: what
     /// each process's threads do at its start.
@@ -82,6 +85,9 @@ pub fn moves(cfg: &Config, s: &State, out: &mut Vec<Move>) {
     for &m in dedup(&s.net.messages) {
         if !s.procs[usize::from(m.to)].paused {
             out.push(Move::Hear(m));
+            if faults > 0 {
+                out.push(Move::Repeat(m));
+            }
         }
         if faults > 0 {
             out.push(Move::DropMessage(m));
@@ -200,6 +206,10 @@ pub fn apply(cfg: &Config, s: &mut State, mv: Move) {
         }
         Move::Hear(m) => {
             take(&mut s.net.messages, &m);
+            hear(cfg, s, m);
+        }
+        Move::Repeat(m) => {
+            s.history.lose();
             hear(cfg, s, m);
         }
         Move::DropRequest(r) => {

@@ -10,9 +10,12 @@
 //!   one sleeps until the holder's remaining lease or the re-check ceiling, whichever
 //!   comes first, or at once if a message came since the attempt was sent (the waiter's
 //!   snapshots).
-//! - `Proc::hear`: the subscriber's `r` and `g<token>:<fence>`. Both only wake the
-//!   contender (`Waiter::take_grant` then the confirming attempt of `engine::contend`),
-//!   unless `Rules::confirm_grants` is off.
+//! - `Proc::hear`: the subscriber's `r` and `g<token>:<nonce>:<fence>:<ms>`. Both wake the
+//!   contender; a grant is kept for it (`Waiter::take_grant`). Before its next attempt
+//!   (`engine::contest`) the contender takes a grant carrying the nonce of its latest
+//!   attempt as the lock, valid until that attempt's `sent + grant lease − drift`, and
+//!   has the watchdog renew at once; any other grant is confirmed by the attempt
+//!   (`Rules::grants`). Every attempt of a wait carries the next nonce.
 //! - `Proc::give_up`: a read timeout. An attempt's makes `lock` fail (one node does not
 //!   ride through errors): the thread is told, the process leaves the queue
 //!   (`FAIR_LEAVE`) or, plain, releases the token it tried (`engine::cleanup`), and the
@@ -27,15 +30,14 @@
 //!   validity becomes `sent_at + lease − drift`.
 //! - `Proc::unlock`: `LockGuard::unlock` (`engine::release`, `Table::release`): a
 //!   valid lock may go to the next local waiter (token `fence << k | seq`, `seq` + 1),
-//!   else `FAIR_RELEASE`/`RELEASE`, with the hold's fence, after any renewal in flight.
-//!   The cleanup after a plain attempt's timeout gives its token back without one.
+//!   else `FAIR_RELEASE`/`RELEASE` after any renewal in flight.
 //!
 //! Steps are taken at the start of a tick (`Proc::begin_tick`, then `Proc::act` with
 //! what the threads chose) or at once in reaction to a reply or a message (`on_reply`,
 //! `hear`). Every lease change of a hold carries the hold's next sequence number
 //! (1, 2, …), in the order sent; see `redis::Key::seq`.
 
-use crate::config::{Config, Mode};
+use crate::config::{Config, Grants, Mode};
 use crate::net::Request;
 use crate::redis::{Answer, Op, Publish, Token};
 
@@ -74,8 +76,9 @@ pub struct Hold {
     pub extended: bool,
     /// Whether the hold began with a grant (model bookkeeping, for the vacuity checks).
     pub granted: bool,
-    /// What the acquisition said of the hold before (`LockGuard::previous_lost`).
-    pub previous_lost: bool,
+    /// Whether it began with a grant message taken as the lock, with no confirming
+    /// attempt (model bookkeeping, for the vacuity checks).
+    pub trusted: bool,
 }
 
 /// The process's remote side: one thing at a time.
@@ -83,10 +86,15 @@ pub struct Hold {
 pub enum Remote {
     Free,
     /// Contending with `token`; between attempts, asleep until `wake` unless `heard`.
+    /// Fair: `nonce` and `sent` are the latest attempt's, `grant` the nonce and fence of
+    /// the latest grant heard for `token` and not yet judged.
     Contend {
         token: Token,
         wake: u8,
         heard: bool,
+        nonce: u8,
+        sent: u8,
+        grant: Option<(u8, u8)>,
     },
     Hold(Hold),
     /// The remote release was sent; local waiters contend once it is answered.
@@ -291,8 +299,11 @@ impl Proc {
             token,
             wake: now,
             heard: false,
+            nonce: 1,
+            sent: now,
+            grant: None,
         };
-        self.send(now, Op::Acquire { token }, true, fx);
+        self.send(now, Op::Acquire { token, nonce: 1 }, true, fx);
     }
 
     /// After the remote side is done with a hold or a wait: the next local waiter, if
@@ -315,15 +326,93 @@ impl Proc {
         // Plain: a token per attempt; fair: one per wait, so that its place in the queue
         // and a grant to it survive.
         let fresh = (cfg.mode == Mode::Plain).then(|| self.new_token());
-        let Remote::Contend { token, heard, .. } = &mut self.remote else {
+        if self.take_granted(cfg, now, fx) {
+            return;
+        }
+        let Remote::Contend {
+            token,
+            heard,
+            nonce,
+            sent,
+            ..
+        } = &mut self.remote
+        else {
             return;
         };
         if let Some(t) = fresh {
             *token = t;
+        } else {
+            *nonce += 1;
+            *sent = now;
         }
         *heard = false;
-        let op = Op::Acquire { token: *token };
+        let op = Op::Acquire {
+            token: *token,
+            nonce: *nonce,
+        };
         self.send(now, op, true, fx);
+    }
+
+    /// Before an attempt: a grant heard that carries the nonce of the latest attempt
+    /// (`Grants::Trusted`) is the lock. Redis ran that attempt before the grant, so after
+    /// it was sent: the grant lease ends no earlier than `sent + grant lease`. Whether the
+    /// contender took it (and the watchdog's first renewal went out).
+    fn take_granted(&mut self, cfg: &Config, now: u8, fx: &mut Effects) -> bool {
+        let Remote::Contend {
+            token,
+            nonce,
+            sent,
+            grant,
+            ..
+        } = &mut self.remote
+        else {
+            return false;
+        };
+        let Some((of, fence)) = grant.take() else {
+            return false;
+        };
+        let ours = match cfg.rules.grants {
+            Grants::Trusted => of == *nonce,
+            Grants::AnyNonce => true,
+            Grants::Confirmed | Grants::FromHearing => false,
+        };
+        let valid_until = (*sent + cfg.grant_lease).saturating_sub(cfg.drift);
+        if !ours || valid_until <= now {
+            return false; // only a wake-up: the attempt confirms
+        }
+        let token = *token;
+        self.begin_granted(cfg, token, fence, valid_until, now, fx);
+        // The watchdog renews at once: the full lease, counted from this renewal's send.
+        self.renew(now, fx);
+        true
+    }
+
+    /// The waiting thread holds the lock, granted by a message with `fence`; the first
+    /// renewal is due at `renew_at`.
+    fn begin_granted(
+        &mut self,
+        cfg: &Config,
+        token: Token,
+        fence: u8,
+        valid_until: u8,
+        renew_at: u8,
+        fx: &mut Effects,
+    ) {
+        let holder = self.waiting().expect("a contender waits");
+        self.threads[holder].role = Role::Holding;
+        self.remote = Remote::Hold(Hold {
+            token,
+            fence,
+            valid_until,
+            lease: cfg.lease,
+            seq: 0,
+            renew_at,
+            handoffs: 0,
+            extended: false,
+            granted: true,
+            trusted: true,
+        });
+        fx.began = Some((fence, 0));
     }
 
     /// Whether the watchdog renews now.
@@ -375,10 +464,7 @@ impl Proc {
                 fx.began = Some((h.fence, h.handoffs));
             }
             None => {
-                let op = Op::Release {
-                    token: h.token,
-                    fence: Some(h.fence),
-                };
+                let op = Op::Release { token: h.token };
                 self.remote = Remote::Releasing;
                 self.send(now, op, true, fx);
             }
@@ -409,7 +495,7 @@ impl Proc {
         };
         fx.timed_out = true;
         match (request.op, &mut self.remote) {
-            (Op::Acquire { token }, Remote::Contend { .. }) => {
+            (Op::Acquire { token, .. }, Remote::Contend { .. }) => {
                 // `lock()` fails for the contender; what the attempt may have left is
                 // cleaned up, not waited for.
                 if let Some(t) = self.waiting() {
@@ -418,7 +504,7 @@ impl Proc {
                 }
                 let cleanup = match cfg.mode {
                     Mode::Fair => Op::Leave { token },
-                    Mode::Plain => Op::Release { token, fence: None },
+                    Mode::Plain => Op::Release { token },
                 };
                 self.send(now, cleanup, false, fx);
                 self.next_contender(now, fx);
@@ -446,23 +532,16 @@ impl Proc {
         self.pending = None;
         match (request.op, answer, &mut self.remote) {
             (
-                Op::Acquire { token },
-                Answer::Won {
-                    fence,
-                    fresh,
-                    previous_lost,
-                },
-                Remote::Contend { .. },
+                Op::Acquire { token, .. },
+                Answer::Won { fence, fresh },
+                Remote::Contend { wake, heard, .. },
             ) => {
                 let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
                 if valid_until <= now {
                     // No validity left: the attempt counts as failed (a guard is never
                     // born dead), try again.
-                    self.remote = Remote::Contend {
-                        token,
-                        wake: now,
-                        heard: false,
-                    };
+                    *wake = now;
+                    *heard = false;
                     self.react(cfg, now, fx);
                     return;
                 }
@@ -478,7 +557,7 @@ impl Proc {
                     handoffs: 0,
                     extended: false,
                     granted: !fresh,
-                    previous_lost,
+                    trusted: false,
                 });
                 fx.began = Some((fence, 0));
             }
@@ -513,31 +592,37 @@ impl Proc {
 
     /// A published message reaches this process.
     pub fn hear(&mut self, cfg: &Config, now: u8, what: Publish, fx: &mut Effects) {
-        let Remote::Contend { token, heard, .. } = &mut self.remote else {
+        let Remote::Contend {
+            token,
+            heard,
+            grant,
+            ..
+        } = &mut self.remote
+        else {
             return;
         };
         match what {
-            Publish::Granted { token: to, fence } if !cfg.rules.confirm_grants && to == *token => {
+            Publish::Granted {
+                token: to, fence, ..
+            } if cfg.rules.grants == Grants::FromHearing && to == *token => {
                 // The unsafe variant: the message is taken for the lock, valid for the grant
                 // lease from now.
                 let token = *token;
-                let holder = self.waiting().expect("a contender waits");
-                self.threads[holder].role = Role::Holding;
                 // An attempt in flight is forgotten.
                 self.pending = None;
-                self.remote = Remote::Hold(Hold {
-                    token,
-                    fence,
-                    valid_until: (now + cfg.grant_lease).saturating_sub(cfg.drift),
-                    lease: cfg.lease,
-                    seq: 0,
-                    renew_at: now + cfg.renew_every(cfg.grant_lease),
-                    handoffs: 0,
-                    extended: false,
-                    granted: true,
-                    previous_lost: false,
-                });
-                fx.began = Some((fence, 0));
+                let valid_until = (now + cfg.grant_lease).saturating_sub(cfg.drift);
+                let renew_at = now + cfg.renew_every(cfg.grant_lease);
+                self.begin_granted(cfg, token, fence, valid_until, renew_at, fx);
+            }
+            Publish::Granted {
+                token: to,
+                nonce,
+                fence,
+            } if to == *token => {
+                // Kept for the contender, which judges it before its next attempt.
+                *grant = Some((nonce, fence));
+                *heard = true;
+                self.react(cfg, now, fx);
             }
             _ => {
                 *heard = true;

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use stateright::{Checker, HasDiscoveries, Model};
 
 pub use adversary::Move;
-pub use config::{Config, Mode, Rules};
+pub use config::{Config, Grants, Mode, Rules};
 pub use system::{LockModel, State};
 
 /// The outcome of a check.

@@ -573,10 +573,13 @@ impl Builder {
     /// On: a process that fails to get the lock and waits is queued in Redis beside the
     /// lock (one entry per process and name: its other threads queue locally behind it),
     /// and a release grants the lock to the first process in the queue, in the same
-    /// script call, telling it on the lock's channel. That process's next attempt, sent at
-    /// once, finds its token in the key and takes the lock with the current fence (its
-    /// validity counts from that round trip, since the message may have been late): a turn
-    /// passes between processes with no stampede of waiters. A free lock goes
+    /// script call, telling it on the lock's channel. The message names the waiter's latest
+    /// attempt, and the grant ran after Redis ran that attempt: the waiter takes the lock
+    /// from the message alone, valid until that attempt's send plus the grant lease (less
+    /// the drift margin), and its first renewal goes out at once. A message that came too
+    /// late for that, or names an older attempt, only wakes it: its next attempt finds its
+    /// token in the key and takes the lock with the current fence. A turn passes between
+    /// processes with one message and no stampede of waiters. A free lock goes
     /// only to the head of the queue. The local fairness budget
     /// ([`max_handoffs`](Self::max_handoffs), [`handoff_slice`](Self::handoff_slice)) then
     /// hands the lock to the next process, and this one queues again at the tail.

@@ -7,6 +7,7 @@
 //! read into the write hold): every attempt then uses that hold's member as its token, and
 //! the hold's renewals wait while an attempt is in flight (see [`Paused`]).
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,7 @@ use crate::topology::Route;
 use crate::topology::ride::Ride;
 use crate::topology::verdict::{Undo, Vote, lease_left, vote};
 use crate::wake::early::Shot;
+use crate::wake::events::Grant;
 
 /// The caller's wait policy: no wait, or a wait until the deadline (`None`: without one)
 /// or until the caller cancels it, whichever comes first. A cancelled wait ends as one
@@ -244,6 +246,8 @@ impl Engine {
             from,
             marked: false,
             fresh: true,
+            nonce: Cell::new(0),
+            last: Cell::new(None),
         }
         .run(yield_first)
     }
@@ -267,6 +271,11 @@ struct Contest<'a> {
     /// The route was read by the caller for the first attempt: one lookup per
     /// uncontended acquisition.
     fresh: bool,
+    /// The last nonce given to an attempt (fair queue: see `fair_scripts`).
+    nonce: Cell<u64>,
+    /// The nonce of the latest attempt sent, and when it was sent first: a grant that
+    /// carries it ran after then (see [`Contest::trust`]).
+    last: Cell<Option<(u64, Stamp)>>,
 }
 
 impl Contest<'_> {
@@ -289,17 +298,18 @@ impl Contest<'_> {
         let mut ride = Ride::new(&engine.topology, &engine.counters);
         let mut carried: Option<String> = None;
         let mut end = WaitEnd::new(&engine.cfg);
-        // A grant heard when the wait was cancelled (or timed out): the next attempt
-        // confirms it.
-        let mut confirm = false;
+        // Grants heard and not yet judged: at the deadline, or while the subscriber's
+        // early attempt was in flight.
+        let mut heard = Vec::new();
         loop {
             // A release granted us the lock (fair queue), or woke us as the writer
-            // waiting longest. The attempt below confirms it: it finds our token in the
-            // key and returns the fence counter as it is now, its lease counted from this
-            // round trip. The message alone proves neither: it may have come after the
-            // grant's short lease ran out (a slow network, a stopped process), or be an
-            // older grant than the one the key holds now.
-            let granted = std::mem::take(&mut confirm) || self.waiter.take_grant();
+            // waiting longest. A fair grant that carries our latest attempt's nonce is
+            // the lock (see `trust`); any other is confirmed by the attempt below: it
+            // finds our token in the key and returns the fence counter as it is now, its
+            // lease counted from this round trip.
+            let mut grants = std::mem::take(&mut heard);
+            self.waiter.take_grants(&mut grants);
+            let granted = !grants.is_empty();
             if granted {
                 Counters::inc(&engine.counters.grants_received);
             }
@@ -309,15 +319,27 @@ impl Contest<'_> {
             let (before, marks, outcome) = match self.waiter.take_early() {
                 // The subscriber sent our attempt when the key was freed.
                 Some((shot, pending)) => {
-                    let marks = pending.marks;
-                    (Some(vec![shot.at]), marks, self.finish_early(shot, pending))
+                    let (marks, at) = (pending.marks, shot.at);
+                    let outcome = self.finish_early(shot, pending);
+                    // A grant heard while it was in flight may carry its nonce: judged
+                    // next, with no sleep.
+                    if granted && matches!(outcome, Ok(Round::Held(_))) {
+                        self.marked |= marks.leave;
+                        heard = grants;
+                        continue;
+                    }
+                    (Some(vec![at]), marks, outcome)
                 }
                 None => {
                     // Cancelled while asleep: no new attempt (one the subscriber sent for
-                    // us is read above, and a grant heard is confirmed: the hold wins).
+                    // us is read above, and a grant heard is taken or confirmed: the hold
+                    // wins).
                     if wait.cancelled() && !granted {
                         self.leave();
                         return Err(Error::Cancelled);
+                    }
+                    if let Some(won) = self.trust(&grants)? {
+                        return Ok(won);
                     }
                     // The first attempt goes where the caller's route, read just now, says.
                     if !std::mem::take(&mut self.fresh) {
@@ -389,9 +411,10 @@ impl Contest<'_> {
             let deadline = match end.next(wait) {
                 Next::Stop(e) => return Err(e),
                 Next::Over(e) => {
-                    // A grant heard at the deadline: one more attempt confirms (and takes) it.
-                    if self.waiter.take_grant() {
-                        confirm = true;
+                    // A grant heard at the deadline: taken, or one more attempt confirms (and
+                    // takes) it.
+                    self.waiter.take_grants(&mut heard);
+                    if !heard.is_empty() {
                         continue;
                     }
                     self.leave();
@@ -406,9 +429,10 @@ impl Contest<'_> {
                 self.route = engine.topology.route(keys);
             }
             let (route, protocol, marked) = (&self.route, self.protocol, self.marked);
+            let nonce = self.next_nonce();
             self.waiter
                 .sleep(keys, engine, route, before, hint, deadline, |w| {
-                    w.arm(keys, engine, route, protocol, marked, deadline);
+                    w.arm(keys, engine, route, protocol, marked, nonce, deadline);
                 });
         }
     }
@@ -426,13 +450,16 @@ impl Contest<'_> {
     fn round(&self, marks: Marks, token: Option<String>) -> Result<Round> {
         let engine = self.engine;
         let token = token.unwrap_or_else(|| self.protocol.new_token());
+        let nonce = self.next_nonce();
         // On the lease clock: the validity counts from here.
         let started = Stamp::now();
+        self.last.set(Some((nonce, started)));
         let req = Request {
             keys: self.keys,
             token: &token,
             lease: engine.cfg.lease,
             marks,
+            nonce,
         };
         // A conversion of a hold lost meanwhile (its lease ran out, its hold limit came)
         // would make a fresh hold out of a dead one.
@@ -464,7 +491,53 @@ impl Contest<'_> {
             ));
         }
         let sent = Stamp::from_instant(shot.sent);
+        self.last.set(Some((pending.nonce, sent)));
         self.judge(pending.token, sent, replies)
+    }
+
+    /// The next attempt's nonce.
+    fn next_nonce(&self) -> u64 {
+        let nonce = self.nonce.get() + 1;
+        self.nonce.set(nonce);
+        nonce
+    }
+
+    /// Fair queue: takes a grant heard as the lock, with no round trip, when it carries
+    /// the nonce of our latest attempt. Redis ran that attempt before the grant, so after
+    /// we sent it: the grant's lease ends no earlier than `sent + grant lease`, and the
+    /// hold is ours until then, less the drift margin. The watchdog's first renewal goes
+    /// out at once and gives it the full lease. A grant of an older attempt (it may be of
+    /// an earlier entry, whose lease ran out and whose fence another holder followed), or
+    /// one heard after that bound (a slow network, a stopped process), is only a wake-up:
+    /// `None`, and the next attempt confirms it. So is any grant where the next attempt
+    /// must decide: without renewals (the bound would be the whole hold), with replica
+    /// acknowledgements (a grant is not known to be replicated), on more than one node.
+    fn trust(&self, grants: &[Grant]) -> Result<Option<Won>> {
+        let cfg = &self.engine.cfg;
+        let (Some((nonce, sent)), Some(node)) = (self.last.get(), self.route.sole()) else {
+            return Ok(None);
+        };
+        let trusted = self.protocol.release_may_grant()
+            && self.from.is_none()
+            && cfg.auto_renew
+            && cfg.replica_ack.is_none();
+        let Some(grant) = grants.iter().rev().find(|g| trusted && g.nonce == nonce) else {
+            return Ok(None);
+        };
+        let until = sent + grant.lease.saturating_sub(cfg.drift(grant.lease));
+        if Stamp::now() >= until {
+            return Ok(None);
+        }
+        let token = self.token.map(str::to_owned).unwrap_or_default();
+        let nodes = vec![node.id.clone()];
+        // A grant with a nonce follows a release (after a loss it carries none, so that
+        // the confirming attempt tells of it): nothing was lost before it.
+        let remote = self.acquired(token, (grant.fence, false), nodes, sent, Some(until))?;
+        Counters::inc(&self.engine.counters.grants_trusted);
+        Ok(Some(Won {
+            remote,
+            others_wait: false,
+        }))
     }
 
     /// Acts on the topology's verdict on a round's replies.
@@ -499,7 +572,8 @@ impl Contest<'_> {
                 if !behind.is_empty() {
                     engine.raise_fences(self.keys, &self.route, fence, &behind);
                 }
-                let remote = self.acquired(token, (fence, previous_lost), granted, started)?;
+                let remote =
+                    self.acquired(token, (fence, previous_lost), granted, started, None)?;
                 Ok(Round::Acquired(Won {
                     remote,
                     others_wait,
@@ -598,13 +672,16 @@ impl Contest<'_> {
     }
 
     /// The hold is ours: its state, for the guard(s) and the watchdog. `previous_lost`:
-    /// the hold before it ended without a release (see `Attempt::Acquired`).
+    /// the hold before it ended without a release (see `Attempt::Acquired`). `granted`:
+    /// taken from a grant message, held until then unless the first renewal (due at once)
+    /// lengthens it.
     fn acquired(
         &self,
         token: String,
         (fence, previous_lost): (u64, bool),
         nodes: Vec<NodeId>,
         started: Stamp,
+        granted: Option<Stamp>,
     ) -> Result<Arc<RemoteLock>> {
         let engine = self.engine;
         if fence > MAX_FENCE {
@@ -623,7 +700,7 @@ impl Contest<'_> {
         }
         // An upgrade wins the write hold.
         let (protocol, token) = self.protocol.won(token);
-        let lock = engine.new_hold(Acquisition {
+        let acquisition = Acquisition {
             keys: self.keys.clone(),
             protocol,
             token,
@@ -631,7 +708,11 @@ impl Contest<'_> {
             previous_lost,
             nodes,
             started,
-        });
+        };
+        let lock = match granted {
+            Some(until) => Arc::new(engine.remote_lock(acquisition).granted_until(until)),
+            None => engine.new_hold(acquisition),
+        };
         Counters::inc(&engine.counters.remote_acquisitions);
         Ok(lock)
     }
@@ -641,14 +722,18 @@ impl Engine {
     /// The state of a hold just taken (or made by turning another), with the client's
     /// lease and renewals.
     pub(crate) fn new_hold(&self, acquisition: Acquisition) -> Arc<RemoteLock> {
+        Arc::new(self.remote_lock(acquisition))
+    }
+
+    fn remote_lock(&self, acquisition: Acquisition) -> RemoteLock {
         let cfg = &self.cfg;
         let lease = cfg.lease;
-        Arc::new(RemoteLock::new(
+        RemoteLock::new(
             acquisition,
             lease,
             cfg.drift(lease),
             cfg.auto_renew.then(|| cfg.renew_every(lease)),
-        ))
+        )
     }
 }
 

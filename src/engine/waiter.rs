@@ -17,7 +17,7 @@ use crate::proto::protocol::{Marks, Protocol, Request};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::wake::early::{Armed, Shot};
-use crate::wake::events::{Hears, Snapshot};
+use crate::wake::events::{Grant, Hears, Snapshot};
 use crate::wake::subscriber::{Subscriber, Watch};
 
 /// Why a wait ended.
@@ -62,6 +62,8 @@ pub(crate) struct Waiter {
 /// An armed attempt, as the contender needs it when it reads the reply.
 pub(crate) struct Pending {
     pub token: String,
+    /// The attempt's nonce (fair queue: see `fair_scripts`).
+    pub nonce: u64,
     pub marks: Marks,
     pub call: Cmd,
 }
@@ -113,8 +115,9 @@ impl Waiter {
         tx
     }
 
-    /// Before sleeping: leaves the next attempt (with a fresh token) for the subscriber to
-    /// send the moment the key may be free. One node only.
+    /// Before sleeping: leaves the next attempt (with a fresh token, or the wait's, and
+    /// `nonce`) for the subscriber to send the moment the key may be free. One node only.
+    #[allow(clippy::too_many_arguments)]
     pub fn arm(
         &mut self,
         keys: &Keys,
@@ -122,6 +125,7 @@ impl Waiter {
         route: &Route,
         protocol: Protocol,
         marked: bool,
+        nonce: u64,
         deadline: Option<Instant>,
     ) {
         if client.cfg.replica_ack.is_some() {
@@ -144,12 +148,18 @@ impl Waiter {
             token: &token,
             lease: client.cfg.lease,
             marks,
+            nonce,
         };
         let Some((node, call)) = client.topology.early_call(route, protocol, req) else {
             return;
         };
         if watch.arm(Armed::new(node.pool.clone(), &call, deadline)) {
-            self.pending = Some(Pending { token, marks, call });
+            self.pending = Some(Pending {
+                token,
+                nonce,
+                marks,
+                call,
+            });
         }
     }
 
@@ -258,9 +268,12 @@ impl Waiter {
         }
     }
 
-    /// Whether a grant to this waiter was heard (taken: it wakes the waiter once).
-    pub fn take_grant(&self) -> bool {
-        self.grant_token.is_some() && self.watches.iter().any(Watch::take_grant)
+    /// The grants to this waiter heard since the last call (taken: each wakes the waiter
+    /// once), added to `into`.
+    pub fn take_grants(&self, into: &mut Vec<Grant>) {
+        if self.grant_token.is_some() {
+            self.watches.iter().for_each(|w| w.take_grants(into));
+        }
     }
 
     pub fn watching(&self) -> bool {

@@ -153,6 +153,18 @@ impl RemoteLock {
         path == Path::Remote && self.previous_lost
     }
 
+    /// A hold taken from a fair queue's grant message, with no confirming attempt: surely
+    /// held only until `valid_until` (the grant lease from the send of the attempt the
+    /// grant followed), and due for its first renewal now, which gives it the full lease.
+    pub fn granted_until(self, valid_until: Stamp) -> Self {
+        {
+            let mut st = self.state.lock();
+            st.valid_until = st.valid_until.min(valid_until);
+            st.next_renew = Stamp::now();
+        }
+        self
+    }
+
     /// When the watchdog should look at this lock next.
     pub fn next_due(&self) -> Stamp {
         let st = self.state.lock();

@@ -3,18 +3,28 @@
 //!
 //! Keys of a lock `L` (all share its hash tag): `L` itself, its fence counter, its mark,
 //! `L:q` — a sorted set of the waiting contenders' tokens scored by arrival (server time,
-//! µs) — and `L:qx`, the same tokens scored by when their entry expires unless the
-//! waiter's next attempt refreshes it (server time, ms). A waiter's entry is its contender
-//! token, the same for every attempt of one wait.
+//! µs) — `L:qx`, the same tokens scored by when their entry expires unless the waiter's
+//! next attempt refreshes it (server time, ms), and `L:qn`, the same tokens scored by the
+//! nonce of the latest attempt that queued or refreshed them (a sorted set, so that the
+//! queue needs no command beyond the sorted-set ones). A waiter's entry is its
+//! contender token, the same for every attempt of one wait; each attempt has a new nonce.
 //!
-//! A grant is `SET L <head> PX <grant lease>`, a fence issued in the grant's form (see
-//! `FENCE_FN`) and a publish of `g<head>:<fence>` on the lock's channel (sharded where the
-//! node has it, see `sharded`). The message is only a wake-up: the grantee's next attempt
-//! confirms the grant (it finds its own token in the key, sets the full lease, reads the
-//! fence as it is then and marks the counter held: from then on the hold can be lost). The
-//! message alone proves nothing about now — it may be read after the grant's short lease
-//! ran out, or be an older grant than the key's. The short grant lease bounds what a dead
-//! grantee costs the others; a lost message is recovered by the grantee's next attempt.
+//! A grant is `SET L <head> PX <grant lease>`, a fence (the counter written held: see
+//! `FENCE_FN`) and a publish of `g<head>:<nonce>:<fence>:<grant ms>` on the lock's channel
+//! (sharded where the node has it, see `sharded`), `nonce` being the head's entry's. The
+//! grant ran after the attempt that stored that nonce, so after the waiter sent it: the
+//! grant's lease ends no earlier than that send plus the grant lease. A grantee that knows
+//! when it sent the attempt of that nonce (its latest) holds the lock until then, less its
+//! drift margin, with no round trip; its watchdog's first renewal, sent at once, gives it
+//! the full lease. A grant of an older nonce, or read after that bound (a slow network, a
+//! stopped process), is only a wake-up: the next attempt confirms it (it finds its own
+//! token in the key, sets the full lease and reads the fence as it is then). A grant that
+//! follows a hold which ended without a release carries nonce 0, so that its grantee
+//! confirms it and the confirming attempt's reply tells it of the loss
+//! (`previous_lost`). The counter is held from the grant on: a grantee may hold the lock
+//! without another call, so a grant that expires unconfirmed tells the next holder of a
+//! loss (erring on the side of caution). The short grant lease bounds what a dead grantee
+//! costs the others; a lost message is recovered by the grantee's next attempt.
 //!
 //! Bounds, so that no queue can stop the scripts: each call drops at most `PRUNE_CHUNK`
 //! expired entries (a mass crash leaves thousands; they drain over the calls that follow,
@@ -34,7 +44,7 @@ use super::scripts::{
 use super::sharded::PUBLISH_FN;
 
 /// Shared Lua: the server clock, pruning of expired entries, and a grant to the head.
-/// KEYS[1] lock, KEYS[2] fence; `q`, `qx` and the channel are passed in; the publish
+/// KEYS[1] lock, KEYS[2] fence; `q`, `qx`, `qn` and the channel are passed in; the publish
 /// mode is the last argument (`PUBLISH_FN`, which comes first).
 const COMMON: &str = r"
 local PRUNE_CHUNK = 256
@@ -43,13 +53,20 @@ local QUEUE_MARGIN_MS = 1000
 -- Lua unpacks at most a few thousand values) however many waiters crashed; the queue
 -- drains over the calls that follow. True when no expired entry is left, so that the
 -- head is a live waiter; false when some may be (the caller then grants to nobody).
-local function prune(q, qx, now_ms)
+local function prune(q, qx, qn, now_ms)
   local dead = redis.call('ZRANGEBYSCORE', qx, '-inf', now_ms, 'LIMIT', 0, PRUNE_CHUNK)
   if #dead > 0 then
     redis.call('ZREM', q, unpack(dead))
     redis.call('ZREM', qx, unpack(dead))
+    redis.call('ZREM', qn, unpack(dead))
   end
   return #dead < PRUNE_CHUNK
+end
+-- Takes `token` out of the queue.
+local function dequeue(q, qx, qn, token)
+  redis.call('ZREM', q, token)
+  redis.call('ZREM', qx, token)
+  redis.call('ZREM', qn, token)
 end
 -- Keeps `key` for at least `ms`: a queue lives as long as its longest-lived entry, and an
 -- abandoned one (its waiters all gone) disappears with it.
@@ -59,16 +76,21 @@ local function keep_for(key, ms)
   end
 end
 -- `after_lost`: what the grantee is told of the hold before (nil: the counter says).
-local function grant(head, q, qx, channel, grant_ms, after_lost)
+local function grant(head, q, qx, qn, channel, grant_ms, after_lost)
   redis.call('SET', KEYS[1], head, 'PX', grant_ms)
   -- The fence counter's TTL is the argument before the publish mode, in every script.
-  local fence = next_fence(KEYS[2], ARGV[#ARGV - 1], true, after_lost)
+  -- Written held: the grantee may hold the lock from the message alone.
+  local fence, lost = next_fence(KEYS[2], ARGV[#ARGV - 1], false, after_lost)
   if type(fence) == 'table' then error(fence.err) end
   -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
   fence = string.format('%.0f', fence)
-  redis.call('ZREM', q, head)
-  redis.call('ZREM', qx, head)
-  publish(channel, 'g' .. head .. ':' .. fence)
+  -- 0 (no attempt's nonce) is only a wake-up: an entry queued before nonces were kept,
+  -- or a grant after a hold that ended without a release, whose grantee must confirm it
+  -- to be told of the loss.
+  local nonce = not lost and redis.call('ZSCORE', qn, head)
+  nonce = nonce and string.format('%.0f', tonumber(nonce)) or '0'
+  dequeue(q, qx, qn, head)
+  publish(channel, 'g' .. head .. ':' .. nonce .. ':' .. fence .. ':' .. grant_ms)
   return fence
 end
 ";
@@ -89,10 +111,10 @@ end
 -- 2: granted to the head; 1: released.
 -- A queue with expired entries left after the prune has no head anybody knows is alive:
 -- the lock is freed for whoever comes next.
-local function pass_on(q, qx, channel, grant_ms, now_ms, fence)
-  local head = prune(q, qx, now_ms) and redis.call('ZRANGE', q, 0, 0)[1]
+local function pass_on(q, qx, qn, channel, grant_ms, now_ms, fence)
+  local head = prune(q, qx, qn, now_ms) and redis.call('ZRANGE', q, 0, 0)[1]
   if head then
-    grant(head, q, qx, channel, grant_ms, grant_lost(fence))
+    grant(head, q, qx, qn, channel, grant_ms, grant_lost(fence))
     return 2
   end
   redis.call('DEL', KEYS[1])
@@ -104,10 +126,11 @@ end
 
 /// Acquire, fairly and idempotently.
 ///
-/// KEYS: lock, fence, queue, queue expiries. ARGV: token, lease ms, channel, client id,
-/// entry TTL ms (0: the caller will not wait, so it is not queued; otherwise also the
-/// least TTL, plus a margin, that the queue's keys get), grant lease ms, fence counter TTL
-/// ms (see `FENCE_FN`), publish mode.
+/// KEYS: lock, fence, queue, queue expiries, queue nonces. ARGV: token, lease ms,
+/// channel, client id, entry TTL ms (0: the caller will not wait, so it is not queued;
+/// otherwise also the least TTL, plus a margin, that the queue's keys get), grant lease
+/// ms, the attempt's nonce (stored with its entry), fence counter TTL ms (see
+/// `FENCE_FN`), publish mode.
 /// Returns `{1, fence, after lost}` when the lock is ours (`after lost`: 1 when the hold
 /// before ended without a release, see `FENCE_FN`), `{0, pttl, 0}` when it is not (and
 /// the caller, if it waits, is queued), `{2, 0, 0}` when the name holds another kind of
@@ -136,15 +159,14 @@ end
         r"
 local now = clock_us()
 local now_ms = math.floor(now / 1000)
-local clean = prune(KEYS[3], KEYS[4], now_ms)
+local clean = prune(KEYS[3], KEYS[4], KEYS[5], now_ms)
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return {2, 0, 0} end
 if cur == ARGV[1] then
   -- Ours: granted to us, or a retry after a lost reply. Only lengthened: an attempt that
   -- was delayed on the way must not cut short a longer lease an extend set since.
   if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  redis.call('ZREM', KEYS[4], ARGV[1])
+  dequeue(KEYS[3], KEYS[4], KEYS[5], ARGV[1])
   return won(hold_fence(KEYS[2]))
 end
 if not cur then
@@ -154,19 +176,20 @@ if not cur then
     -- Free (read above, in this script), so the SET NX takes it.
     local fence, after_lost = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[#ARGV - 1])
     if type(fence) == 'table' then return fence end
-    redis.call('ZREM', KEYS[3], ARGV[1])
-    redis.call('ZREM', KEYS[4], ARGV[1])
+    dequeue(KEYS[3], KEYS[4], KEYS[5], ARGV[1])
     return won(fence, after_lost)
   end
   -- Free with a live head: the hold before ended, released or not, as the counter says.
-  grant(head, KEYS[3], KEYS[4], ARGV[3], ARGV[6])
+  grant(head, KEYS[3], KEYS[4], KEYS[5], ARGV[3], ARGV[6])
 end
 if ARGV[5] ~= '0' then
   local entry_ms = tonumber(ARGV[5])
   redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
   redis.call('ZADD', KEYS[4], now_ms + entry_ms, ARGV[1])
+  redis.call('ZADD', KEYS[5], ARGV[7], ARGV[1])
   keep_for(KEYS[3], entry_ms + QUEUE_MARGIN_MS)
   keep_for(KEYS[4], entry_ms + QUEUE_MARGIN_MS)
+  keep_for(KEYS[5], entry_ms + QUEUE_MARGIN_MS)
   publish(ARGV[3], 'c' .. ARGV[4])
 end
 return {0, redis.call('PTTL', KEYS[1]), 0}
@@ -178,11 +201,11 @@ return {0, redis.call('PTTL', KEYS[1]), 0}
 /// see `OWNER_FN`).
 ///
 /// KEYS: lock, fence, queue, queue expiries, lease record (deleted with the lock; a grant
-/// leaves it to the next holder's first lease change, or its TTL). ARGV: token, channel,
-/// grant lease ms, the holder's fence (`0`: an attempt nobody used is given back, see
-/// `end_fence` of `END_FENCE_FN`), fence counter TTL ms, publish mode. Returns 2 granted to
-/// the next waiter, 1 released, 0 the key was gone, -1 another token (or another kind)
-/// holds it.
+/// leaves it to the next holder's first lease change, or its TTL), queue nonces. ARGV:
+/// token, channel, grant lease ms, the holder's fence (`0`: an attempt nobody used is
+/// given back, see `end_fence` of `END_FENCE_FN`), fence counter TTL ms, publish mode.
+/// Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
+/// (or another kind) holds it.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}{FENCE_FN}{COMMON}{PASS_ON}{}",
@@ -200,9 +223,8 @@ end
         r"
 -- A token that gives the lock back waits no more (a cleanup of a waiter that could not
 -- leave): never granted to itself.
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000), ARGV[4])
+dequeue(KEYS[3], KEYS[4], KEYS[6], ARGV[1])
+return pass_on(KEYS[3], KEYS[4], KEYS[6], ARGV[2], ARGV[3], math.floor(clock_us() / 1000), ARGV[4])
 "
     ))
 });
@@ -210,18 +232,18 @@ return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000)
 /// A waiter leaves: out of the queue, and a grant that raced its leaving passed on.
 ///
 /// KEYS: lock, fence, queue, queue expiries, lease record (unused: the release's call
-/// shape). ARGV: token, channel, grant lease ms, a fence (unused: a lock a waiter leaves
-/// with is one nobody used, given back as such), fence counter TTL ms, publish mode.
+/// shape), queue nonces. ARGV: token, channel, grant lease ms, a fence (unused: a lock a
+/// waiter leaves with is one nobody used, given back as such), fence counter TTL ms,
+/// publish mode.
 /// Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0 nothing was
 /// ours.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{END_FENCE_FN}{OWNER_FN}{COMMON}{PASS_ON}{}",
         r"
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
+dequeue(KEYS[3], KEYS[4], KEYS[6], ARGV[1])
 if ownership(KEYS[1], ARGV[1]) == 1 then
-  return pass_on(KEYS[3], KEYS[4], ARGV[2], ARGV[3], math.floor(clock_us() / 1000), '0')
+  return pass_on(KEYS[3], KEYS[4], KEYS[6], ARGV[2], ARGV[3], math.floor(clock_us() / 1000), '0')
 end
 return 0
 "
@@ -229,27 +251,29 @@ return 0
 });
 
 /// The call of [`FAIR_ACQUIRE`] (see it for the arguments): a waiter's failed attempt
-/// queues with an entry that lives `entry_ms` (0: it will not wait); a grant it makes to
-/// a live head of the queue (see `pass_on`) lasts `grant_ms`.
+/// queues with an entry that lives `entry_ms` (0: it will not wait) and holds `nonce`; a
+/// grant it makes to a live head of the queue (see `pass_on`) lasts `grant_ms`.
 pub(crate) fn fair_acquire_call(
     site: Site<'_>,
     keys: &Keys,
     token: &str,
     lease_ms: u64,
-    entry_ms: u64,
-    grant_ms: u64,
+    (entry_ms, grant_ms): (u64, u64),
+    nonce: u64,
 ) -> Cmd {
-    let mut call = FAIR_ACQUIRE.call(4);
+    let mut call = FAIR_ACQUIRE.call(5);
     call.arg(keys.lock())
         .arg(keys.fence())
         .arg(keys.queue())
         .arg(keys.queue_expiry())
+        .arg(keys.queue_nonce())
         .arg(token)
         .arg(lease_ms)
         .arg(keys.channel())
         .arg(site.client_id)
         .arg(entry_ms)
         .arg(grant_ms)
+        .arg(nonce)
         .arg(site.fence_ttl_ms)
         .arg(site.publish);
     call
@@ -265,12 +289,13 @@ pub(crate) fn fair_call(
     grant_ms: u64,
     fence: Option<u64>,
 ) -> Cmd {
-    let mut call = script.call(5);
+    let mut call = script.call(6);
     call.arg(keys.lock())
         .arg(keys.fence())
         .arg(keys.queue())
         .arg(keys.queue_expiry())
         .arg(keys.lease())
+        .arg(keys.queue_nonce())
         .arg(token)
         .arg(keys.channel())
         .arg(grant_ms)

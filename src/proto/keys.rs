@@ -68,9 +68,11 @@ pub(crate) struct KeyBytes {
 ///   see `renewal::EXTEND`);
 /// - `:ww`, `:wr`: a read-write lock's waiting writers and readers (see `rw_scripts`);
 /// - `:latch`: a countdown latch of the same name (see `latch_scripts`): a key of its own,
-///   so a name can be a lock and a latch at once.
-const SUFFIXES: [&[u8]; 9] = [
-    b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr", b":latch",
+///   so a name can be a lock and a latch at once;
+/// - `:qn`: the fair queue's nonces: the waiting contenders scored by their latest
+///   attempt's nonce, which a grant tells them (see `fair_scripts`).
+const SUFFIXES: [&[u8]; 10] = [
+    b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr", b":latch", b":qn",
 ];
 
 impl PartialEq for Keys {
@@ -171,6 +173,11 @@ impl Keys {
     /// A countdown latch's count (see `latch_scripts`).
     pub fn latch(&self) -> &[u8] {
         self.suffixed(8)
+    }
+
+    /// The fair queue's nonces: each waiting token scored by its latest attempt's nonce.
+    pub fn queue_nonce(&self) -> &[u8] {
+        self.suffixed(9)
     }
 
     /// The name for log lines.
@@ -429,6 +436,7 @@ mod tests {
                 );
                 assert_eq!(name_of_key(p, k.fence()), Some((name, &b":fence"[..])));
                 assert_eq!(name_of_key(p, k.queue()), Some((name, &b":q"[..])));
+                assert_eq!(name_of_key(p, k.queue_nonce()), Some((name, &b":qn"[..])));
                 assert_eq!(name_of_key(p, k.writers()), Some((name, &b":ww"[..])));
             }
         }

@@ -185,6 +185,9 @@ pub(crate) struct Request<'a> {
     pub token: &'a str,
     pub lease: Duration,
     pub marks: Marks,
+    /// Fair queue: the attempt's nonce, kept with its queue entry and told by a grant to
+    /// it (see `fair_scripts`); unused otherwise.
+    pub nonce: u64,
 }
 
 /// What an acquire attempt does with contention marks.
@@ -396,6 +399,7 @@ impl Protocol {
             token,
             lease,
             marks,
+            nonce,
         } = req;
         let (site, lease_ms) = (node.site(), millis(lease));
         match self {
@@ -406,7 +410,7 @@ impl Protocol {
                     0
                 };
                 let grant_ms = millis(fair.grant_lease);
-                fair_acquire_call(site, keys, token, lease_ms, entry_ms, grant_ms)
+                fair_acquire_call(site, keys, token, lease_ms, (entry_ms, grant_ms), nonce)
             }
             _ => {
                 let mark_ms = match self {

@@ -26,10 +26,11 @@ impl Lua {
     }
 
     /// An `EVALSHA` of this script with `keys` keys: append the keys, then the arguments.
-    /// Its buffers are sized for the lock scripts' calls (a dozen arguments, keys of a
-    /// few dozen bytes), so that building one does not grow them step by step.
+    /// Its buffers are sized for the lock scripts' calls (up to 17 arguments with
+    /// `FAIR_ACQUIRE`, keys of a few dozen bytes), so that building one does not grow them
+    /// step by step.
     pub fn call(&self, keys: usize) -> Cmd {
-        let mut cmd = Cmd::with_capacity(16, 512);
+        let mut cmd = Cmd::with_capacity(20, 512);
         cmd.arg("EVALSHA");
         cmd.arg(self.0.get_hash()).arg(keys);
         cmd

@@ -255,6 +255,9 @@ counters! {
     failovers => ("redbaton_failovers_total"),
     /// Fair queue: locks this client was granted by another process's release.
     grants_received => ("redbaton_fair_grants_received_total"),
+    /// Fair queue: of those, grants taken as the lock from the message alone (it carried
+    /// the nonce of the waiter's latest attempt, in time), with no confirming attempt.
+    grants_trusted => ("redbaton_fair_grants_trusted_total"),
     /// Fair queue: locks this client's releases granted to the next process in the queue.
     grants_passed => ("redbaton_fair_grants_passed_total"),
     /// Fair queue: waits that ended without the lock and left the queue.

@@ -284,12 +284,14 @@ impl Topology {
             return vec![(node.id.clone(), reply)];
         }
         let (k, t, lease, marks) = (req.keys.clone(), req.token.to_owned(), req.lease, req.marks);
+        let nonce = req.nonce;
         self.fan_out(route.nodes(), move |node| {
             let req = Request {
                 keys: &k,
                 token: &t,
                 lease,
                 marks,
+                nonce,
             };
             (
                 node.id.clone(),

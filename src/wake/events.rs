@@ -10,8 +10,11 @@
 //!
 //! The waiters of read-write locks and semaphores hear only the library's messages (their
 //! holds expire inside the key, with no keyspace event): `r`, and a writer its own
-//! wake-up `g<member>:0`.
+//! wake-up `g<member>:0`. A fair queue's grant is `g<token>:<nonce>:<fence>:<grant ms>`
+//! (see `fair_scripts`).
 //! The waiters of a countdown latch hear only the library's `z`: its count reached zero.
+
+use std::time::Duration;
 
 use crate::proto::keys::{lock_of_channel, lock_of_keyspace_channel};
 
@@ -35,12 +38,47 @@ pub(crate) struct Snapshot {
 
 pub(crate) use crate::proto::protocol::Hears;
 
-/// The token and fence of a grant message (`g<token>:<fence>`).
-pub(crate) fn grant_of(payload: &[u8]) -> Option<(&[u8], u64)> {
+/// What a grant message says to its token's waiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// The nonce of the attempt whose queue entry was granted; 0 for a writer's wake-up
+    /// (`g<member>:0`), which is never an attempt's.
+    pub nonce: u64,
+    pub fence: u64,
+    /// The grant's lease, counted from when the grant ran.
+    pub lease: Duration,
+}
+
+/// The token of a grant message and what it says: `g<token>:<nonce>:<fence>:<grant ms>`
+/// (a fair queue's grant), or `g<member>:<n>` (a writer's wake-up: nonce 0).
+pub(crate) fn grant_of(payload: &[u8]) -> Option<(&[u8], Grant)> {
     let rest = payload.strip_prefix(b"g")?;
+    let number = |field: &[u8]| -> Option<u64> { std::str::from_utf8(field).ok()?.parse().ok() };
+    let fields: Vec<&[u8]> = rest.rsplitn(4, |&b| b == b':').collect();
+    if let [ms, fence, nonce, token] = fields[..]
+        && let (Some(ms), Some(fence), Some(nonce)) = (number(ms), number(fence), number(nonce))
+    {
+        let lease = Duration::from_millis(ms);
+        return Some((
+            token,
+            Grant {
+                nonce,
+                fence,
+                lease,
+            },
+        ));
+    }
     let colon = rest.iter().rposition(|&b| b == b':')?;
-    let fence = std::str::from_utf8(&rest[colon + 1..]).ok()?.parse().ok()?;
-    Some((&rest[..colon], fence))
+    let fence = number(&rest[colon + 1..])?;
+    let lease = Duration::ZERO;
+    Some((
+        &rest[..colon],
+        Grant {
+            nonce: 0,
+            fence,
+            lease,
+        },
+    ))
 }
 
 /// What one message says about its key.
@@ -56,7 +94,8 @@ pub(crate) enum Event {
     Taken,
     /// Another client failed to get the key.
     Contended,
-    /// A release granted the lock to a queued waiter (`g<token>:<fence>`).
+    /// A release granted the lock to a queued waiter (`g<token>:<nonce>:<fence>:<ms>`),
+    /// or woke a waiting writer (`g<member>:0`).
     Granted,
     /// A countdown latch of the name reached zero (`z`).
     Opened,
@@ -130,7 +169,21 @@ mod tests {
         assert_eq!(kind(b"?"), Some(Event::Ignored));
         assert_eq!(kind(b"gtok:12"), Some(Event::Granted));
         assert_eq!(kind(b"z"), Some(Event::Opened));
-        assert_eq!(grant_of(b"gtok-1:12"), Some((&b"tok-1"[..], 12)));
+        let wake = Grant {
+            nonce: 0,
+            fence: 12,
+            lease: Duration::ZERO,
+        };
+        assert_eq!(grant_of(b"gtok-1:12"), Some((&b"tok-1"[..], wake)));
+        let granted = Grant {
+            nonce: 7,
+            fence: 12,
+            lease: Duration::from_millis(1000),
+        };
+        assert_eq!(
+            grant_of(b"gtok-1:7:12:1000"),
+            Some((&b"tok-1"[..], granted))
+        );
         assert_eq!(grant_of(b"gtok"), None);
         assert_eq!(grant_of(b"gtok:x"), None);
         assert_eq!(classify(ch, b"r", ME).map(|(l, _)| l), Some(&b"p:{k}"[..]));

@@ -27,7 +27,7 @@ use crate::proto::keys::{lock_of_channel, lock_of_keyspace_channel};
 use crate::proto::node::NodeId;
 use crate::proto::sharded::ChannelKind;
 use crate::wake::early::{Armed, Early};
-use crate::wake::events::{Event, Hears, Snapshot, classify, grant_of};
+use crate::wake::events::{Event, Grant, Hears, Snapshot, classify, grant_of};
 use crate::wake::stream::Incoming;
 
 /// How long a subscription outlives its last waiter, so that a key locked again and again
@@ -65,11 +65,10 @@ pub(super) struct KeySub {
     /// them (or this instant) before its first attempt.
     pub(super) yield_until: Option<(Instant, u64)>,
     pub(super) listeners: Vec<(u64, Hears, Sender<()>)>,
-    /// Fair queue: the contender token each listener waits to be granted, and the tokens
-    /// grants were heard for (a wake-up: the contender's next attempt confirms the grant
-    /// and reads its fence).
+    /// Fair queue: the contender token each listener waits to be granted, and the grants
+    /// heard for those tokens (the contender judges them: see `engine::contest`).
     pub(super) awaiting: Vec<(u64, Vec<u8>)>,
-    pub(super) grants: Vec<Vec<u8>>,
+    pub(super) grants: Vec<(Vec<u8>, Grant)>,
     /// One contender's next attempt, to send when the key is freed (`early`).
     pub(super) early: Option<(u64, Early)>,
 }
@@ -298,13 +297,13 @@ impl Shared {
                 return;
             }
             Event::Granted => {
-                let Some((token, _)) = grant_of(payload) else {
+                let Some((token, grant)) = grant_of(payload) else {
                     return;
                 };
                 if !ks.awaiting.iter().any(|(_, t)| t == token) {
                     return; // another process's turn
                 }
-                ks.grants.push(token.to_vec());
+                ks.grants.push((token.to_vec(), grant));
             }
             Event::Ignored => return,
         }

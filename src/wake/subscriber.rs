@@ -39,7 +39,7 @@ use crate::proto::keys::Keys;
 use crate::proto::node::NodeId;
 use crate::stats::Counters;
 use crate::wake::early::{Armed, Early, Shot};
-use crate::wake::events::{Hears, Snapshot};
+use crate::wake::events::{Grant, Hears, Snapshot};
 pub(crate) use crate::wake::listen::Connector;
 use crate::wake::state::{KeySub, Shared, State};
 
@@ -291,7 +291,7 @@ impl Drop for Interest {
                 ks.listeners.retain(|(l, _, _)| *l != id);
                 if let Some(i) = ks.awaiting.iter().position(|(l, _)| *l == id) {
                     let (_, token) = ks.awaiting.swap_remove(i);
-                    ks.grants.retain(|t| *t != token);
+                    ks.grants.retain(|(t, _)| *t != token);
                 }
                 if ks.early.as_ref().is_some_and(|(l, _)| *l == id) {
                     ks.early = None;
@@ -374,26 +374,30 @@ impl Watch {
         ks.awaiting
             .iter()
             .filter(|(l, _)| Some(*l) == self.interest.listener)
-            .any(|(_, t)| ks.grants.contains(t))
+            .any(|(_, t)| ks.grants.iter().any(|(g, _)| g == t))
     }
 
-    /// Takes the grants heard for this waiter's token: whether there was one.
-    pub fn take_grant(&self) -> bool {
+    /// Takes the grants heard for this waiter's token, in the order heard.
+    pub fn take_grants(&self, into: &mut Vec<Grant>) {
         let mut st = self.interest.shared.state.lock();
         let Some(ks) = st.keys.get_mut(&self.interest.lock) else {
-            return false;
+            return;
         };
         let Some((_, token)) = ks
             .awaiting
             .iter()
             .find(|(l, _)| Some(*l) == self.interest.listener)
         else {
-            return false;
+            return;
         };
-        let before = ks.grants.len();
         let token = token.clone();
-        ks.grants.retain(|g| *g != token);
-        ks.grants.len() != before
+        ks.grants.retain(|(t, g)| {
+            let ours = *t == token;
+            if ours {
+                into.push(*g);
+            }
+            !ours
+        });
     }
 
     pub fn snapshot(&self) -> Snapshot {

@@ -10,7 +10,7 @@
 //! | `L:fence` | every remote acquisition | see [`KeyPolicy::fence`] |
 //! | `L:lease` | a lease change (renewal, extend) of an exclusive lock | its lease |
 //! | `L:w` | a failed non-fair acquire that waits (the contention mark) | the mark TTL |
-//! | `L:q`, `L:qx` | the fair queue | see [`KeyPolicy::queue`] |
+//! | `L:q`, `L:qx`, `L:qn` | the fair queue | see [`KeyPolicy::queue`] |
 //! | `L:ww`, `L:wr` | waiting writers and readers of a read-write lock | twice the mark TTL |
 //!
 //! The mark TTL is twice the client's re-check interval (a waiter renews its mark at each
@@ -41,6 +41,8 @@ pub enum KeyKind {
     Queue,
     /// `L:qx`: the fair queue's entry expiries.
     QueueExpiry,
+    /// `L:qn`: the fair queue's nonces (each entry's latest attempt's).
+    QueueNonce,
     /// `L:ww`: writers waiting for a read-write lock.
     WaitingWriters,
     /// `L:wr`: readers waiting for a read-write lock.
@@ -57,19 +59,21 @@ impl KeyKind {
             KeyKind::Mark => ":w",
             KeyKind::Queue => ":q",
             KeyKind::QueueExpiry => ":qx",
+            KeyKind::QueueNonce => ":qn",
             KeyKind::WaitingWriters => ":ww",
             KeyKind::WaitingReaders => ":wr",
         }
     }
 
     /// Every kind the library writes.
-    pub const ALL: [KeyKind; 8] = [
+    pub const ALL: [KeyKind; 9] = [
         KeyKind::Lock,
         KeyKind::Fence,
         KeyKind::LeaseRecord,
         KeyKind::Mark,
         KeyKind::Queue,
         KeyKind::QueueExpiry,
+        KeyKind::QueueNonce,
         KeyKind::WaitingWriters,
         KeyKind::WaitingReaders,
     ];
@@ -103,7 +107,7 @@ pub struct KeyPolicy {
     /// The fence counter: within the client's `fence_ttl` (7 days by default; set it for
     /// clients built with another).
     pub fence: Allowed,
-    /// The fair queue `L:q` / `L:qx`. By default it must expire within twice the longer
+    /// The fair queue `L:q` / `L:qx` / `L:qn`. By default it must expire within twice the longer
     /// of an entry's TTL and the lease: a queue outlives its last live entry by at most
     /// that much.
     pub queue: Allowed,
@@ -129,7 +133,7 @@ impl KeyPolicy {
             KeyKind::Lock | KeyKind::LeaseRecord => Allowed::Within(self.lease),
             KeyKind::Fence => self.fence,
             KeyKind::Mark => Allowed::Within(self.mark_ttl),
-            KeyKind::Queue | KeyKind::QueueExpiry => self.queue,
+            KeyKind::Queue | KeyKind::QueueExpiry | KeyKind::QueueNonce => self.queue,
             KeyKind::WaitingWriters | KeyKind::WaitingReaders => Allowed::Within(self.mark_ttl * 2),
         }
     }

@@ -1,0 +1,287 @@
+//! The fair queue's grants taken without a round trip: a grant that carries the nonce of
+//! the waiter's latest attempt is the lock until that attempt's send plus the grant lease;
+//! any other grant, or one heard after that bound, only wakes the waiter, whose next
+//! attempt confirms it. Real `redis-server`, the fault-injecting proxy, and real child
+//! processes where a process is stopped. No assertion on how long anything took: each
+//! test checks who held the lock when.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::Duration;
+
+use redbaton::LockClient;
+use redbaton_testkit::child_only;
+use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::lock_client;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::test_server;
+use redbaton_testkit::wait::wait_for;
+use redbaton_testkit::{child, ms, secs};
+
+const LOCK: &str = "redbaton:{k}";
+const QUEUE: &str = "redbaton:{k}:q";
+const NONCES: &str = "redbaton:{k}:qn";
+const CHANNEL: &str = "redbaton:{k}:ev";
+
+fn client(url: &str) -> LockClient {
+    lock_client!(node(url), lease(secs(30)))
+}
+
+fn queued(srv: &RedisServer) -> usize {
+    redis::cmd("ZCARD")
+        .arg(QUEUE)
+        .query(&mut srv.conn())
+        .expect("ZCARD")
+}
+
+/// The queued tokens and the nonce each one's latest attempt stored.
+fn nonces(srv: &RedisServer) -> Vec<(String, u64)> {
+    redis::cmd("ZRANGE")
+        .arg(NONCES)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(&mut srv.conn())
+        .expect("ZRANGE")
+}
+
+fn keys_left(srv: &RedisServer) -> Vec<String> {
+    srv.keys("redbaton:*")
+        .into_iter()
+        .map(|k| String::from_utf8_lossy(&k).into_owned())
+        .filter(|k| !k.ends_with(":fence"))
+        .collect()
+}
+
+/// Waits until one waiter is queued and asleep (its subscription confirmed).
+fn wait_queued(srv: &RedisServer) {
+    wait_for(secs(20), "the waiter queued", || queued(srv) == 1);
+    wait_for(secs(20), "the waiter's subscription", || {
+        srv.client_list().iter().any(|c| {
+            c.get("sub").is_some_and(|n| n != "0") || c.get("ssub").is_some_and(|n| n != "0")
+        })
+    });
+    thread::sleep(ms(200)); // its attempt after subscribing is answered: it sleeps
+}
+
+/// A waiter thread on `c`: locks "k" once `released` may be read, and returns whether
+/// `released` was set when it got the lock, its fencing token and its guard's check.
+fn waiter(c: &LockClient, released: &Arc<AtomicBool>) -> thread::JoinHandle<(bool, u64, bool)> {
+    let (c, released) = (c.clone(), released.clone());
+    thread::spawn(move || {
+        let g = c.try_lock_for("k", secs(30)).expect("the waiter's turn");
+        let after = released.load(Ordering::SeqCst);
+        let token = g.fencing_token();
+        let valid = g.check().is_ok();
+        g.unlock().expect("unlock");
+        (after, token, valid)
+    })
+}
+
+/// The common case: the grant is heard in time and taken as the lock, with no attempt;
+/// the watchdog's first renewal gives it the full lease at once.
+#[test]
+fn a_grant_heard_in_time_is_the_lock_and_renewed_at_once() {
+    let srv = test_server();
+    let holder = client(&srv.url());
+    let g = holder.lock("k").expect("lock");
+    let first = g.fencing_token();
+    let w = client(&srv.url());
+    let url = srv.url();
+    let waiting = {
+        let w = w.clone();
+        thread::spawn(move || {
+            let g = w.try_lock_for("k", secs(30)).expect("the waiter's turn");
+            // The grant lease is 1 s: a lease of more proves the first renewal applied.
+            let mut conn = redbaton_testkit::raw_conn(&url);
+            wait_for(secs(20), "the first renewal", || {
+                redbaton_testkit::pttl(&mut conn, LOCK) > 5_000
+            });
+            let token = g.fencing_token();
+            assert!(g.check().is_ok());
+            g.unlock().expect("unlock");
+            token
+        })
+    };
+    wait_queued(&srv);
+    g.unlock().expect("unlock");
+    let token = waiting.join().expect("waiter");
+    assert!(token > first, "{token} <= {first}");
+    let s = w.stats();
+    assert_eq!(s.grants_received, 1, "{s:?}");
+    assert_eq!(
+        s.grants_trusted, 1,
+        "the grant was taken as the lock: {s:?}"
+    );
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// A grant that reaches its grantee after its bound (a proxy delays everything the server
+/// sends the grantee by 1.5 s; the grant lease is 1 s) is not taken as a lock: another
+/// client takes the expired grant's key meanwhile, and the grantee gets the lock only
+/// after that holder lets go.
+#[test]
+fn a_grant_delayed_past_its_bound_is_not_a_lock() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let holder = client(&srv.url());
+    let g = holder.lock("k").expect("lock");
+    let w = client(&proxy.url());
+    let released = Arc::new(AtomicBool::new(false));
+    let waiting = waiter(&w, &released);
+    wait_queued(&srv);
+    proxy.set_delay(ms(1500));
+    g.unlock().expect("unlock"); // granted to the waiter, with a 1 s lease
+    thread::sleep(ms(1200));
+    let other = client(&srv.url());
+    let taken = other
+        .try_lock_for("k", secs(5))
+        .expect("the expired grant's key is free");
+    thread::sleep(ms(1000)); // the grant reaches the waiter meanwhile
+    proxy.set_delay(Duration::ZERO);
+    released.store(true, Ordering::SeqCst);
+    let token = taken.fencing_token();
+    taken.unlock().expect("unlock");
+    let (after, got, valid) = waiting.join().expect("waiter");
+    assert!(
+        after,
+        "the late grantee took the lock while another held it"
+    );
+    assert!(got > token, "{got} <= {token}");
+    assert!(valid);
+    assert!(w.stats().grants_received >= 1, "{:?}", w.stats());
+}
+
+/// A grant of an earlier attempt's queue entry, heard after a newer attempt, is only a
+/// wake-up: the waiter's next attempt finds the lock held and waits on. (The message is
+/// published here as a grant that came late would be: to the waiter's token, with the
+/// nonce of one of its earlier attempts.)
+#[test]
+fn a_stale_grant_heard_after_a_newer_attempt_is_only_a_wake_up() {
+    let srv = test_server();
+    let holder = client(&srv.url());
+    let g = holder.lock("k").expect("lock");
+    // Attempts every 300 ms: the entry's nonce moves on.
+    let w: LockClient = lock_client!(node(srv.url()), lease(secs(30)), recheck_interval(ms(300)));
+    let released = Arc::new(AtomicBool::new(false));
+    let waiting = waiter(&w, &released);
+    wait_queued(&srv);
+    let queued_nonces = nonces(&srv);
+    let [(token, old)] = &queued_nonces[..] else {
+        panic!("one queued nonce: {queued_nonces:?}");
+    };
+    let old = *old;
+    wait_for(secs(20), "a newer attempt", || {
+        nonces(&srv).first().is_some_and(|(_, n)| *n > old)
+    });
+    let stale = format!("g{token}:{old}:999:1000");
+    let mut conn = srv.conn();
+    for publish in ["SPUBLISH", "PUBLISH"] {
+        let _: redis::RedisResult<u64> = redis::cmd(publish)
+            .arg(CHANNEL)
+            .arg(&stale)
+            .query(&mut conn);
+    }
+    wait_for(secs(20), "the stale grant heard", || {
+        w.stats().grants_received == 1
+    });
+    thread::sleep(ms(300)); // its confirming attempt is answered
+    assert!(g.check().is_ok(), "the holder still holds the lock");
+    assert!(
+        !waiting.is_finished(),
+        "a stale grant was taken as the lock"
+    );
+    assert_eq!(w.stats().grants_trusted, 0, "{:?}", w.stats());
+    released.store(true, Ordering::SeqCst);
+    let first = g.fencing_token();
+    g.unlock().expect("unlock");
+    let (after, got, valid) = waiting.join().expect("waiter");
+    assert!(after && valid);
+    assert!(got > first, "{got} <= {first}");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// Child: waits for "k", then reports when it got it, whether its guard's check held, and
+/// how many grants it took as the lock.
+#[test]
+fn child_grantee() {
+    child_only!();
+    let c = client(&child::env("G_URL"));
+    println!("waiting");
+    let g = c.try_lock_for("k", secs(30)).expect("child: lock");
+    let got = mono_ns();
+    let s = c.stats();
+    child::print_result(&[
+        ("got_ns", got.to_string()),
+        ("valid", u8::from(g.check().is_ok()).to_string()),
+        ("received", s.grants_received.to_string()),
+        ("trusted", s.grants_trusted.to_string()),
+        ("reconnects", s.wakeups_reconnect.to_string()),
+    ]);
+    g.unlock().expect("child: unlock");
+}
+
+/// A grantee stopped (SIGSTOP) across its grant: the others get the lock once the grant
+/// lease ran out; resumed, it does not believe it holds, and gets the lock only after the
+/// holder of the moment lets go. (On Linux the resumed subscriber's read fails with
+/// `EINTR` and it reconnects, so the grant is usually lost rather than late: either way
+/// only a wake-up. A grant read late is `a_grant_delayed_past_its_bound_is_not_a_lock`.)
+#[test]
+fn a_grantee_stopped_across_its_grant_does_not_believe_it_holds() {
+    let srv = test_server();
+    let holder = client(&srv.url());
+    let g = holder.lock("k").expect("lock");
+    let mut grantee = child::spawn_self("child_grantee", &[("G_URL", srv.url())]);
+    child::wait_for_line(&mut grantee, "waiting", secs(20));
+    wait_queued(&srv);
+    child::kill_child(&mut grantee, libc::SIGSTOP);
+    g.unlock().expect("unlock"); // granted to the stopped child
+    let other = client(&srv.url());
+    let taken = other
+        .try_lock_for("k", secs(20))
+        .expect("the others get the lock after the grant lease");
+    child::kill_child(&mut grantee, libc::SIGCONT);
+    thread::sleep(ms(500)); // the child hears its grant, and its attempt finds the key taken
+    assert!(taken.check().is_ok());
+    let released = mono_ns();
+    taken.unlock().expect("unlock");
+    let out = child::wait_ok(grantee, secs(30));
+    let r = child::result_with(&out, "got_ns");
+    let got: u64 = child::field(&r, "got_ns");
+    assert!(
+        got > released,
+        "the resumed grantee took the lock while another held it ({got} <= {released}): {out}"
+    );
+    assert_eq!(child::field::<u8>(&r, "valid"), 1);
+    eprintln!("the resumed grantee: {r:?}");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// A grant message lost entirely (the grantee's connections drop it, then are reset): the
+/// grantee's next attempt, after its subscriber reconnects, gets the lock.
+#[test]
+fn a_lost_grant_message_is_recovered_by_the_next_attempt() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let holder = client(&srv.url());
+    let g = holder.lock("k").expect("lock");
+    let w = client(&proxy.url());
+    let released = Arc::new(AtomicBool::new(false));
+    let waiting = waiter(&w, &released);
+    wait_queued(&srv);
+    proxy.blackhole(true);
+    released.store(true, Ordering::SeqCst);
+    let first = g.fencing_token();
+    g.unlock().expect("unlock"); // the grant message is dropped on its way
+    proxy.blackhole(false);
+    proxy.kill_all();
+    let (after, got, valid) = waiting.join().expect("waiter");
+    assert!(after && valid);
+    assert!(got > first, "{got} <= {first}");
+    let s = w.stats();
+    assert_eq!(s.grants_received, 0, "the grant message was lost: {s:?}");
+    assert_eq!(s.grants_trusted, 0, "{s:?}");
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
