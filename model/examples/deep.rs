@@ -12,7 +12,7 @@ fn main() {
         .unwrap_or(2);
     let cfg = Config::deep();
     println!("checking {cfg:?} on {threads} threads");
-    let report = check(cfg, threads, false);
+    let report = check(cfg, threads, None);
     println!(
         "{} states, depth {}, {:.1?}, complete: {}",
         report.states, report.depth, report.elapsed, report.complete

@@ -30,7 +30,8 @@
 //!   validity becomes `sent_at + lease − drift`.
 //! - `Proc::unlock`: `LockGuard::unlock` (`engine::release`, `Table::release`): a
 //!   valid lock may go to the next local waiter (token `fence << k | seq`, `seq` + 1),
-//!   else `FAIR_RELEASE`/`RELEASE` after any renewal in flight.
+//!   else `FAIR_RELEASE`/`RELEASE`, with the hold's fence, after any renewal in flight.
+//!   The cleanup after a plain attempt's timeout gives its token back without one.
 //!
 //! Steps are taken at the start of a tick (`Proc::begin_tick`, then `Proc::act` with
 //! what the threads chose) or at once in reaction to a reply or a message (`on_reply`,
@@ -79,6 +80,9 @@ pub struct Hold {
     /// Whether it began with a grant message taken as the lock, with no confirming
     /// attempt (model bookkeeping, for the vacuity checks).
     pub trusted: bool,
+    /// What the acquisition said of the hold before (`LockGuard::previous_lost`); a
+    /// local handoff passes the hold on as no news, and keeps it for the vacuity check.
+    pub previous_lost: bool,
 }
 
 /// The process's remote side: one thing at a time.
@@ -136,6 +140,10 @@ pub struct Effects {
     pub began: Option<(u8, u8)>,
     /// A request went unanswered: a fault, for the starvation count.
     pub timed_out: bool,
+    /// A hold began from a grant message to this token alone, told that nothing was
+    /// lost before it (a grant with a nonce follows a release): an answer the system
+    /// checks against the truth.
+    pub trusted: Option<Token>,
 }
 
 impl Proc {
@@ -411,8 +419,10 @@ impl Proc {
             extended: false,
             granted: true,
             trusted: true,
+            previous_lost: false,
         });
         fx.began = Some((fence, 0));
+        fx.trusted = Some(token);
     }
 
     /// Whether the watchdog renews now.
@@ -464,7 +474,10 @@ impl Proc {
                 fx.began = Some((h.fence, h.handoffs));
             }
             None => {
-                let op = Op::Release { token: h.token };
+                let op = Op::Release {
+                    token: h.token,
+                    fence: Some(h.fence),
+                };
                 self.remote = Remote::Releasing;
                 self.send(now, op, true, fx);
             }
@@ -504,7 +517,7 @@ impl Proc {
                 }
                 let cleanup = match cfg.mode {
                     Mode::Fair => Op::Leave { token },
-                    Mode::Plain => Op::Release { token },
+                    Mode::Plain => Op::Release { token, fence: None },
                 };
                 self.send(now, cleanup, false, fx);
                 self.next_contender(now, fx);
@@ -533,7 +546,11 @@ impl Proc {
         match (request.op, answer, &mut self.remote) {
             (
                 Op::Acquire { token, .. },
-                Answer::Won { fence, fresh },
+                Answer::Won {
+                    fence,
+                    fresh,
+                    previous_lost,
+                },
                 Remote::Contend { wake, heard, .. },
             ) => {
                 let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
@@ -558,6 +575,7 @@ impl Proc {
                     extended: false,
                     granted: !fresh,
                     trusted: false,
+                    previous_lost,
                 });
                 fx.began = Some((fence, 0));
             }

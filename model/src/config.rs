@@ -33,6 +33,16 @@ pub struct Rules {
     pub ordered_refresh: bool,
     /// What a waiter makes of a grant message to its token.
     pub grants: Grants,
+    /// A grant that follows a hold which ended without a release carries nonce 0, so
+    /// that its grantee never trusts it: the attempt that confirms it reads the counter,
+    /// and its reply tells of the loss. Without it the grant carries its entry's nonce,
+    /// and a grantee that takes it as the lock is told nothing was lost.
+    pub confirm_after_loss: bool,
+    /// An attempt given back unused (the cleanup after a lost reply, a waiter leaving
+    /// with a grant) leaves the counter saying what the hold before it said: a loss stays
+    /// news for the next holder. Without it every give-back ends the hold as a release
+    /// does, hiding a loss before it.
+    pub transparent_give_back: bool,
 }
 
 /// What a waiter makes of a grant message to its token (`g<token>:<nonce>:<fence>:<ms>`).
@@ -61,6 +71,8 @@ impl Rules {
         ordered_changes: true,
         ordered_refresh: true,
         grants: Grants::Trusted,
+        confirm_after_loss: true,
+        transparent_give_back: true,
     };
 }
 
@@ -139,9 +151,9 @@ impl Config {
         }
     }
 
-    /// The longer check: two more ticks (33 million states, about 75 s and 5 GB on two
-    /// threads; each tick roughly doubles the states, and two locks per thread outgrow
-    /// 9 GB at six ticks already).
+    /// The longer check: two more ticks (81 million states, about 4 minutes and 11 GB on
+    /// two threads; each tick roughly doubles the states, and two locks per thread
+    /// outgrow 9 GB at six ticks already).
     pub fn deep() -> Config {
         Config {
             horizon: 7,

@@ -56,15 +56,16 @@ pub struct Report {
     pub complete: bool,
 }
 
-/// Checks `cfg` breadth-first on `threads` threads. With `stop_at_violation`, stops at
-/// the first violation (the path is then a shortest one).
-pub fn check(cfg: Config, threads: usize, stop_at_violation: bool) -> Report {
+/// Checks `cfg` breadth-first on `threads` threads. With `until`, stops once that
+/// property is violated (its path is then a shortest one; violations of others found
+/// on the way are reported too).
+pub fn check(cfg: Config, threads: usize, until: Option<&'static str>) -> Report {
     let model = LockModel::new(cfg);
     let props = model.properties();
     let started = Instant::now();
     let mut builder = model.checker().threads(threads);
-    if stop_at_violation {
-        builder = builder.finish_when(HasDiscoveries::AnyFailures);
+    if let Some(name) = until {
+        builder = builder.finish_when(HasDiscoveries::AnyOf([name].into()));
     }
     let checker = builder.spawn_bfs().join();
     let elapsed = started.elapsed();

@@ -12,12 +12,26 @@
 //!   they go on; the bound says that once they stop, the protocol itself never leaves a
 //!   waiter behind a free lock.
 //!
+//! - **the news of a lost hold**: every `previous_lost` answer (an acquisition's, from
+//!   the fence counter's forms, or a trusted grant's: nothing was lost) is the ghost
+//!   truth `redis::Truth` kept from the events themselves: true exactly when the last
+//!   hold ended without a release (its key expired, a grant that ran out unconfirmed
+//!   included), where a holder's release clears it, an attempt given back unused leaves
+//!   it, and a local handoff passes the hold on as no news (`Hold::previous_lost` is the
+//!   remote acquisition's).
+//!
 //! `sometimes` properties show that the paths are taken at all: a lock held, a grant
-//! confirmed (fair), a local handoff, an `extend` applied.
+//! confirmed (fair), a grant taken without a confirming attempt (fair), a local handoff,
+//! an `extend` applied, a lost hold reported.
 
 use stateright::Property;
 
 use crate::system::{LockModel, State};
+
+/// The names of the `always` properties that the broken variants' checks look for.
+pub const EXCLUSION: &str = "mutual exclusion";
+pub const LOST_NEWS: &str = "previous_lost tells a lost hold, and only one";
+pub const STARVATION: &str = "no waiter starves behind a free lock";
 
 /// What the properties remember of the past.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -85,20 +99,26 @@ pub fn starving(s: &State) -> bool {
 
 pub fn properties(model: &LockModel) -> Vec<Property<LockModel>> {
     let mut props = vec![
-        Property::always("mutual exclusion", |_, s: &State| believers(s) <= 1),
+        Property::always(EXCLUSION, |_, s: &State| believers(s) <= 1),
         Property::always("fencing tokens increase", |_, s: &State| {
             !s.history.token_regressed
         }),
-        Property::always(
-            "no waiter starves behind a free lock",
-            |m: &LockModel, s: &State| s.history.starving <= m.cfg.starve_bound,
-        ),
+        Property::always(LOST_NEWS, |_, s: &State| !s.redis.truth.wrong),
+        Property::always(STARVATION, |m: &LockModel, s: &State| {
+            s.history.starving <= m.cfg.starve_bound
+        }),
         Property::sometimes("a lock is held", |_, s: &State| believers(s) == 1),
         Property::sometimes("a local handoff", |_, s: &State| {
             s.procs
                 .iter()
                 .filter_map(|p| p.hold())
                 .any(|h| h.handoffs > 0)
+        }),
+        Property::sometimes("a lost hold reported", |_, s: &State| {
+            s.procs
+                .iter()
+                .filter_map(|p| p.hold())
+                .any(|h| h.previous_lost && s.now < h.valid_until)
         }),
         Property::sometimes("an extend applied", |m: &LockModel, s: &State| {
             s.procs

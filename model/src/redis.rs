@@ -1,6 +1,12 @@
 //! The Redis server: the lock key with its TTL, the fence counter and the fair queue, and
 //! the scripts as atomic steps on them.
 //!
+//! The fence counter keeps, next to the last fence, whether that hold was released
+//! (`proto::scripts::FENCE_FN`'s forms `<f>`, `-<f>`, `-0<f>`), from which an acquisition
+//! learns whether the hold before it ended without a release (`previous_lost`). Beside
+//! the real state, Redis keeps a ghost of what that answer should be ([`Truth`]), from
+//! the events themselves: a property checks that every answer equals it.
+//!
 //! Each script runs at one tick, the tick at which the adversary delivers its request.
 //! What each step mirrors:
 //!
@@ -57,8 +63,11 @@ pub enum Op {
     /// An acquisition attempt that waits if it fails (queues, fair); `nonce`: the
     /// attempt's, stored with the queue entry it queues or refreshes (fair).
     Acquire { token: Token, nonce: u8 },
-    /// Compare-and-delete, or in fair mode a pass to the head of the queue.
-    Release { token: Token },
+    /// Compare-and-delete, or in fair mode a pass to the head of the queue. `fence`: the
+    /// holder's, whose release marks the counter released; `None`: an attempt nobody used
+    /// is given back (the cleanup after a lost reply), which leaves the counter saying
+    /// what the hold before it said.
+    Release { token: Token, fence: Option<u8> },
     /// A lease change: the watchdog's renewal (`renew`) or the holder's `extend`.
     Extend {
         token: Token,
@@ -74,7 +83,7 @@ impl Op {
     pub fn token(&self) -> Token {
         match *self {
             Op::Acquire { token, .. }
-            | Op::Release { token }
+            | Op::Release { token, .. }
             | Op::Extend { token, .. }
             | Op::Leave { token } => token,
         }
@@ -84,9 +93,15 @@ impl Op {
 /// A script's reply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Answer {
-    /// `{1, fence}`. `fresh`: the key was set by this call (else it held our token
-    /// already: a grant, or a retry after a lost reply). Only the model reads `fresh`.
-    Won { fence: u8, fresh: bool },
+    /// `{1, fence, after lost}`. `fresh`: the key was set by this call (else it held our
+    /// token already: a grant, or a retry after a lost reply). Only the model reads
+    /// `fresh`. `previous_lost`: the hold before ended without a release, as the counter
+    /// said.
+    Won {
+        fence: u8,
+        fresh: bool,
+        previous_lost: bool,
+    },
     /// `{0, pttl}`.
     Held { pttl: u8 },
     /// Release: 1 (released) or 2 (passed to the next waiter).
@@ -107,17 +122,44 @@ pub enum Publish {
     /// `r`: released.
     Released,
     /// `g<token>:<nonce>:<fence>:<grant ms>`: granted to `token`, whose entry held the
-    /// nonce `nonce` (the grant lease is the configuration's).
+    /// nonce `nonce`, or 0 after a hold that ended without a release (the grant lease is
+    /// the configuration's).
     Granted { token: Token, nonce: u8, fence: u8 },
+}
+
+/// The fence counter (`FENCE_FN`): the last fence, and whether its hold is marked held
+/// (`-<f>`, `-0<f>`; else released, `<f>`), and if so whether that hold began after a
+/// hold that ended without a release (`-0<f>`). The model never loses the counter: with
+/// it gone there is nothing to tell, and fences start again at the server's clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Counter {
+    pub fence: u8,
+    pub held: bool,
+    pub after_lost: bool,
+}
+
+/// Ghost state, not in Redis: what an acquisition must be told, from the events alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Truth {
+    /// Whether the last hold ended without a release: its key expired, be it an
+    /// acquisition's or a grant's (a grantee may hold the lock from the message alone, so
+    /// a grant that expires unconfirmed may have been held). A holder's release clears it;
+    /// an attempt given back unused leaves it as the hold before it left it. It changes
+    /// only as a hold ends, so while a key lives it is what that hold's holder must be
+    /// told.
+    pub lost: bool,
+    /// An answer differed from the truth.
+    pub wrong: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Redis {
     pub lock: Option<Key>,
-    /// The fence counter (`INCR`).
-    pub fence: u8,
+    /// The fence counter (`SET … GET` of `FENCE_FN`).
+    pub fence: Counter,
     /// The fair queue in arrival order.
     pub queue: Vec<Entry>,
+    pub truth: Truth,
 }
 
 impl Redis {
@@ -126,6 +168,8 @@ impl Redis {
     /// gives the same results and keeps states canonical.
     pub fn expire(&mut self, now: u8) {
         if self.lock.is_some_and(|k| k.expires <= now) {
+            // The hold ended without a release: news for the next holder.
+            self.truth.lost = true;
             self.lock = None;
         }
         self.queue.retain(|e| e.expires > now);
@@ -136,8 +180,8 @@ impl Redis {
         match (op, cfg.mode) {
             (Op::Acquire { token, .. }, Mode::Plain) => (self.acquire(cfg, now, token), None),
             (Op::Acquire { token, nonce }, Mode::Fair) => self.fair_acquire(cfg, now, token, nonce),
-            (Op::Release { token }, Mode::Plain) => self.release(token),
-            (Op::Release { token }, Mode::Fair) => self.fair_release(cfg, now, token),
+            (Op::Release { token, fence }, Mode::Plain) => self.release(&cfg.rules, token, fence),
+            (Op::Release { token, fence }, Mode::Fair) => self.fair_release(cfg, now, token, fence),
             (
                 Op::Extend {
                     token, lease, seq, ..
@@ -148,15 +192,85 @@ impl Redis {
         }
     }
 
-    /// Sets the key to `token` and increments the fence.
-    fn set(&mut self, token: Token, expires: u8) -> u8 {
+    /// Sets the key to `token` and issues the next fence (`next_fence` of `FENCE_FN`),
+    /// the counter written held: an acquisition's hold, and a grant's too, since its
+    /// grantee may hold the lock from the message alone. `after_lost`: what the new hold
+    /// is told of the hold before; `None` to learn it from the counter (held: that hold
+    /// was never released), as an acquisition does. Returns the fence and what the
+    /// holder is told.
+    fn set(&mut self, token: Token, expires: u8, after_lost: Option<bool>) -> (u8, bool) {
+        let told = after_lost.unwrap_or(self.fence.held);
+        let fence = self.fence.fence + 1;
+        self.fence = Counter {
+            fence,
+            held: true,
+            after_lost: told,
+        };
         self.lock = Some(Key {
             token,
             expires,
             seq: 0,
         });
-        self.fence += 1;
-        self.fence
+        (fence, told)
+    }
+
+    /// An answer telling a holder `told` of the hold before it: checked against the truth.
+    pub fn answer(&mut self, told: bool) {
+        if told != self.truth.lost {
+            self.truth.wrong = true;
+        }
+    }
+
+    /// A grantee holds the lock from a grant message to `token` alone, told that nothing
+    /// was lost: checked while the grant's key lives. (It does whenever a grantee may
+    /// trust its grant: the key lasts the grant lease from the grant, which ran after the
+    /// attempt whose send bounds the grantee's validity. Only the broken
+    /// `Grants::FromHearing` reads a grant after its key is gone, which mutual exclusion
+    /// judges.)
+    pub fn trusted(&mut self, token: Token) {
+        if self.lock.is_some_and(|k| k.token == token) {
+            self.answer(false);
+        }
+    }
+
+    /// A holder that finds its own token confirms its hold (`hold_fence` of `FENCE_FN`):
+    /// the counter as it is (marked held if it was not), and what it says of the hold
+    /// before.
+    fn confirm(&mut self) -> Answer {
+        let told = self.fence.held && self.fence.after_lost;
+        self.fence.held = true;
+        self.answer(told);
+        Answer::Won {
+            fence: self.fence.fence,
+            fresh: false,
+            previous_lost: told,
+        }
+    }
+
+    /// The ghost as the key's hold ends by a call: a holder's release (`fence`) is clean;
+    /// an attempt given back unused changes nothing.
+    fn ended(&mut self, fence: Option<u8>) {
+        if fence.is_some() {
+            self.truth.lost = false;
+        }
+    }
+
+    /// Whether the key's hold, ending by a call, leaves a loss as news for the next
+    /// holder: only an attempt given back unused (`fence` `None`) that had been told of
+    /// one (`-0<f>`), with `Rules::transparent_give_back`.
+    fn loss_left(&self, rules: &Rules, fence: Option<u8>) -> bool {
+        fence.is_none() && rules.transparent_give_back && self.fence.held && self.fence.after_lost
+    }
+
+    /// The counter as the key's hold ends with nobody to grant it to (`end_fence` of
+    /// `END_FENCE_FN`): a holder's release writes its fence back, released; an attempt
+    /// nobody used marks it released unless it leaves a loss as news.
+    fn end(&mut self, rules: &Rules, fence: Option<u8>) {
+        if !self.loss_left(rules, fence) {
+            self.fence.fence = fence.unwrap_or(self.fence.fence);
+            self.fence.held = false;
+        }
+        self.ended(fence);
     }
 
     /// The `PEXPIRE` of an acquisition that finds its own token: change number 0.
@@ -172,23 +286,28 @@ impl Redis {
         self.lock.map_or(0, |k| k.expires - now)
     }
 
-    /// `ACQUIRE`: `SET NX PX` and `INCR`; our own token refreshes the lease.
+    /// `ACQUIRE`: `SET NX PX` and the next fence; our own token refreshes the lease.
     fn acquire(&mut self, cfg: &Config, now: u8, token: Token) -> Answer {
         match self.lock {
-            None => Answer::Won {
-                fence: self.set(token, now + cfg.lease),
-                fresh: true,
-            },
+            None => self.take(token, now + cfg.lease),
             Some(k) if k.token == token => {
                 self.refresh(&cfg.rules, now, cfg.lease);
-                Answer::Won {
-                    fence: self.fence,
-                    fresh: false,
-                }
+                self.confirm()
             }
             Some(_) => Answer::Held {
                 pttl: self.pttl(now),
             },
+        }
+    }
+
+    /// `take_fenced`: the key is free, and ours.
+    fn take(&mut self, token: Token, expires: u8) -> Answer {
+        let (fence, previous_lost) = self.set(token, expires, None);
+        self.answer(previous_lost);
+        Answer::Won {
+            fence,
+            fresh: true,
+            previous_lost,
         }
     }
 
@@ -205,26 +324,18 @@ impl Redis {
             Some(k) if k.token == token => {
                 self.refresh(&cfg.rules, now, cfg.lease);
                 self.dequeue(token);
-                return (
-                    Answer::Won {
-                        fence: self.fence,
-                        fresh: false,
-                    },
-                    None,
-                );
+                return (self.confirm(), None);
             }
             Some(_) => {}
             None => match self.queue.first().copied() {
-                None => {
-                    let fence = self.set(token, now + cfg.lease);
-                    return (Answer::Won { fence, fresh: true }, None);
-                }
+                None => return (self.take(token, now + cfg.lease), None),
                 Some(head) if head.token == token => {
-                    let fence = self.set(token, now + cfg.lease);
+                    let won = self.take(token, now + cfg.lease);
                     self.dequeue(token);
-                    return (Answer::Won { fence, fresh: true }, None);
+                    return (won, None);
                 }
-                Some(head) => published = Some(self.grant(cfg, now, head)),
+                // Free with a live head: the hold before ended, as the counter says.
+                Some(head) => published = Some(self.grant(cfg, now, head, None)),
             },
         }
         // Queue us (`ZADD NX` keeps our place, the expiry and the nonce are refreshed).
@@ -249,13 +360,21 @@ impl Redis {
     }
 
     /// `grant` of `COMMON`: the key to `head` for the grant lease, out of the queue, and
-    /// `g<head>:<nonce>:<fence>:<grant ms>` published with the nonce its entry held.
-    fn grant(&mut self, cfg: &Config, now: u8, head: Entry) -> Publish {
-        let fence = self.set(head.token, now + cfg.grant_lease);
+    /// `g<head>:<nonce>:<fence>:<grant ms>` published with the nonce its entry held;
+    /// `after_lost` as for [`Redis::set`]. A grant after a loss carries nonce 0
+    /// (`Rules::confirm_after_loss`): its grantee never trusts it, and the reply to the
+    /// attempt that confirms it tells it of the loss.
+    fn grant(&mut self, cfg: &Config, now: u8, head: Entry, after_lost: Option<bool>) -> Publish {
+        let (fence, told) = self.set(head.token, now + cfg.grant_lease, after_lost);
         self.dequeue(head.token);
+        let nonce = if told && cfg.rules.confirm_after_loss {
+            0
+        } else {
+            head.nonce
+        };
         Publish::Granted {
             token: head.token,
-            nonce: head.nonce,
+            nonce,
             fence,
         }
     }
@@ -264,12 +383,20 @@ impl Redis {
         self.queue.retain(|e| e.token != token);
     }
 
-    /// `pass_on` of `COMMON`: grant to the head, or delete and publish `r`.
-    fn pass_on(&mut self, cfg: &Config, now: u8) -> Publish {
+    /// `pass_on` of `COMMON`: grant to the head, or delete and publish `r`; `fence`: the
+    /// holder's, or `None` for a hold given back unused. A grant tells its grantee nothing
+    /// was lost after a holder's release, else what the given-back hold had been told
+    /// (`grant_lost`).
+    fn pass_on(&mut self, cfg: &Config, now: u8, fence: Option<u8>) -> Publish {
         match self.queue.first().copied() {
-            Some(head) => self.grant(cfg, now, head),
+            Some(head) => {
+                let told = self.loss_left(&cfg.rules, fence);
+                self.ended(fence);
+                self.grant(cfg, now, head, Some(told))
+            }
             None => {
                 self.lock = None;
+                self.end(&cfg.rules, fence);
                 Publish::Released
             }
         }
@@ -285,10 +412,16 @@ impl Redis {
     }
 
     /// `RELEASE`.
-    fn release(&mut self, token: Token) -> (Answer, Option<Publish>) {
+    fn release(
+        &mut self,
+        rules: &Rules,
+        token: Token,
+        fence: Option<u8>,
+    ) -> (Answer, Option<Publish>) {
         match self.compare(token) {
             Ok(()) => {
                 self.lock = None;
+                self.end(rules, fence);
                 (Answer::Released, Some(Publish::Released))
             }
             Err(answer) => (answer, None),
@@ -296,18 +429,24 @@ impl Redis {
     }
 
     /// `FAIR_RELEASE`.
-    fn fair_release(&mut self, cfg: &Config, now: u8, token: Token) -> (Answer, Option<Publish>) {
+    fn fair_release(
+        &mut self,
+        cfg: &Config,
+        now: u8,
+        token: Token,
+        fence: Option<u8>,
+    ) -> (Answer, Option<Publish>) {
         match self.compare(token) {
-            Ok(()) => (Answer::Released, Some(self.pass_on(cfg, now))),
+            Ok(()) => (Answer::Released, Some(self.pass_on(cfg, now, fence))),
             Err(answer) => (answer, None),
         }
     }
 
-    /// `FAIR_LEAVE`.
+    /// `FAIR_LEAVE`: a grant that raced the leaving is given back unused.
     fn leave(&mut self, cfg: &Config, now: u8, token: Token) -> (Answer, Option<Publish>) {
         self.dequeue(token);
         match self.compare(token) {
-            Ok(()) => (Answer::Released, Some(self.pass_on(cfg, now))),
+            Ok(()) => (Answer::Released, Some(self.pass_on(cfg, now, None))),
             Err(_) => (Answer::Gone, None),
         }
     }

@@ -43,6 +43,9 @@ impl State {
         if let Some(token) = fx.began {
             self.history.began(token);
         }
+        if let Some(token) = fx.trusted {
+            self.redis.trusted(token);
+        }
         if fx.timed_out {
             self.history.fault();
         }

@@ -2,6 +2,7 @@
 //! property, and each protocol rule left out makes the checker find the violation it
 //! prevents.
 
+use redbaton_model::props::{EXCLUSION, LOST_NEWS, STARVATION};
 use redbaton_model::{Config, Grants, Rules, check};
 
 /// Checker threads: the CI machines have 2 cores.
@@ -11,7 +12,7 @@ const THREADS: usize = 2;
 fn ci_configuration_holds_every_property() {
     let cfg = Config::ci();
     println!("checking {cfg:?}");
-    let report = check(cfg, THREADS, false);
+    let report = check(cfg, THREADS, None);
     println!(
         "{} states, depth {}, {:.1?} on {THREADS} threads",
         report.states, report.depth, report.elapsed
@@ -28,59 +29,86 @@ fn ci_configuration_holds_every_property() {
     );
 }
 
-/// Checks `cfg` until the first violation and returns its property and path length.
-fn first_violation(cfg: Config) -> (&'static str, usize) {
-    let report = check(cfg, THREADS, true);
-    let (name, steps, path) = report
-        .violations
-        .first()
-        .expect("the checker finds a violation");
-    println!(
-        "{name}: a path of {steps} steps ({} states, {:.1?}):\n{path}",
-        report.states, report.elapsed
-    );
-    (name, *steps)
+/// Checks `cfg` until `property` is violated, and returns the length of the shortest path
+/// to that (a variant may break other properties on the way: they are printed too).
+fn violation(cfg: Config, property: &'static str) -> usize {
+    let report = check(cfg, THREADS, Some(property));
+    for (name, steps, path) in &report.violations {
+        println!(
+            "{name}: a path of {steps} steps ({} states, {:.1?}):\n{path}",
+            report.states, report.elapsed
+        );
+    }
+    let found = report.violations.iter().find(|v| v.0 == property);
+    found.expect("the checker finds the violation").1
 }
 
 #[test]
 fn without_the_extend_fix_exclusion_breaks() {
-    let (name, steps) = first_violation(Config::ci().without_extend_fix());
-    assert_eq!(name, "mutual exclusion");
+    let steps = violation(Config::ci().without_extend_fix(), EXCLUSION);
     println!("counterexample path length: {steps}");
 }
 
 #[test]
 fn without_the_min_rule_a_lost_extend_reply_breaks_exclusion() {
-    let (name, _) = first_violation(Config::ci().with_rules(Rules {
-        min_on_unknown: false,
-        ..Rules::FIXED
-    }));
-    assert_eq!(name, "mutual exclusion");
+    violation(
+        Config::ci().with_rules(Rules {
+            min_on_unknown: false,
+            ..Rules::FIXED
+        }),
+        EXCLUSION,
+    );
 }
 
 #[test]
 fn without_ordered_lease_changes_a_late_renewal_breaks_exclusion() {
-    let (name, _) = first_violation(Config::ci().with_rules(Rules {
-        ordered_changes: false,
-        ..Rules::FIXED
-    }));
-    assert_eq!(name, "mutual exclusion");
+    violation(
+        Config::ci().with_rules(Rules {
+            ordered_changes: false,
+            ..Rules::FIXED
+        }),
+        EXCLUSION,
+    );
 }
 
 /// The library before grants were confirmed: the message taken for the lock, valid for
 /// the grant lease from when it was read.
 #[test]
 fn a_grant_trusted_from_hearing_breaks_exclusion() {
-    let (name, _) = first_violation(Config::ci().with_grants(Grants::FromHearing));
-    assert_eq!(name, "mutual exclusion");
+    violation(Config::ci().with_grants(Grants::FromHearing), EXCLUSION);
 }
 
 /// A grant taken whatever attempt's nonce it carries, bounded by the latest attempt's
 /// send: an older grant, heard late, outlives its lease.
 #[test]
 fn a_grant_taken_with_any_nonce_breaks_exclusion() {
-    let (name, _) = first_violation(Config::ci().with_grants(Grants::AnyNonce));
-    assert_eq!(name, "mutual exclusion");
+    violation(Config::ci().with_grants(Grants::AnyNonce), EXCLUSION);
+}
+
+/// A grant after a loss must carry no nonce: one that carries its entry's is taken as
+/// the lock by its grantee, which is then told nothing was lost.
+#[test]
+fn a_grant_after_a_loss_with_a_nonce_makes_previous_lost_wrong() {
+    violation(
+        Config::ci().with_rules(Rules {
+            confirm_after_loss: false,
+            ..Rules::FIXED
+        }),
+        LOST_NEWS,
+    );
+}
+
+/// An attempt given back unused must leave the counter as the hold before it left it:
+/// one that marks it released hides a loss from the next holder.
+#[test]
+fn a_give_back_that_marks_the_counter_released_makes_previous_lost_wrong() {
+    violation(
+        Config::ci().with_rules(Rules {
+            transparent_give_back: false,
+            ..Rules::FIXED
+        }),
+        LOST_NEWS,
+    );
 }
 
 /// Every grant confirmed by an attempt (the library before grants were trusted) holds
@@ -91,7 +119,7 @@ fn confirmed_grants_hold_every_property() {
         horizon: 4,
         ..Config::ci().with_grants(Grants::Confirmed)
     };
-    let report = check(cfg, THREADS, false);
+    let report = check(cfg, THREADS, None);
     for (name, steps, path) in &report.violations {
         println!("VIOLATED {name} after {steps} steps:\n{path}");
     }
@@ -108,8 +136,7 @@ fn the_starvation_bound_is_tight() {
         starve_bound: cfg.starve_bound - 1,
         ..cfg
     };
-    let (name, _) = first_violation(tighter);
-    assert_eq!(name, "no waiter starves behind a free lock");
+    violation(tighter, STARVATION);
 }
 
 /// The plain scripts (no queue) under the same bounds, with a shorter horizon.
@@ -119,7 +146,7 @@ fn plain_scripts_hold_every_property() {
         horizon: 4,
         ..Config::ci().plain()
     };
-    let report = check(cfg, THREADS, false);
+    let report = check(cfg, THREADS, None);
     println!("plain: {} states, {:.1?}", report.states, report.elapsed);
     for (name, steps, path) in &report.violations {
         println!("VIOLATED {name} after {steps} steps:\n{path}");
@@ -136,7 +163,7 @@ fn plain_scripts_hold_every_property() {
 #[test]
 #[ignore = "the long check: run with --release -- --ignored"]
 fn deep_configuration_holds_every_property() {
-    let report = check(Config::deep(), THREADS, false);
+    let report = check(Config::deep(), THREADS, None);
     println!(
         "{} states, depth {}, {:.1?}",
         report.states, report.depth, report.elapsed
