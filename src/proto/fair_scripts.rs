@@ -80,7 +80,7 @@ local function grant(head, q, qx, qn, channel, grant_ms, after_lost)
   redis.call('SET', KEYS[1], head, 'PX', grant_ms)
   -- The fence counter's TTL is the argument before the publish mode, in every script.
   -- Written held: the grantee may hold the lock from the message alone.
-  local fence, lost = next_fence(KEYS[2], ARGV[#ARGV - 1], false, after_lost)
+  local fence, lost = next_fence(KEYS[2], ARGV[#ARGV - 1], after_lost)
   if type(fence) == 'table' then error(fence.err) end
   -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
   fence = string.format('%.0f', fence)

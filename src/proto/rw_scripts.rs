@@ -219,7 +219,7 @@ if ARGV[1] ~= 'w' then
 elseif not first then
   -- The fence before the hold: a failed SET leaves nothing to undo (unlike the plain
   -- lock's `take_fenced`, whose SET NX is its test of a free lock).
-  local fence, after_lost = next_fence(KEYS[2], ARGV[5], false)
+  local fence, after_lost = next_fence(KEYS[2], ARGV[5])
   if type(fence) == 'table' then return fence end
   take()
   redis.call('ZREM', KEYS[3], ARGV[2])

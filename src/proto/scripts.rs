@@ -114,9 +114,10 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// A counter found held when a hold begins means the hold before ended without a release.
 /// A hold that nobody used is transparent: an attempt given back (the undo of a lost
 /// round, a waiter leaving with a grant) leaves what the hold before it left (released
-/// stays released, a loss stays news for the next holder), and a grant is issued in the
-/// released form, marked held by the grantee's confirming attempt: a grant whose waiter
-/// never confirmed it says nothing was lost when it expires. A counter that is gone
+/// stays released, a loss stays news for the next holder). A grant is issued held, as any
+/// hold: its grantee may hold the lock from the grant message alone (see `fair_scripts`),
+/// so a grant that expires unconfirmed is news of a loss for the next holder, erring on
+/// the side of caution. A counter that is gone
 /// (expired after `fence_ttl` idle, evicted, deleted, lost in a restart) says nothing
 /// either: the next holder is told nothing was lost.
 ///
@@ -126,15 +127,14 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 ///
 /// # Issuing a fence
 ///
-/// `next_fence(key, ttl, grant, after_lost)` issues the next fence of the counter `key`:
+/// `next_fence(key, ttl, after_lost)` issues the next fence of the counter `key`:
 /// one more than the last, and never below the server's clock in microseconds (`TIME`);
 /// the counter is kept `ttl` ms more, so that the counter of a name nobody locks any more
 /// expires. One `SET … PX … GET` writes the clock and reads the last value; a second `SET`
 /// (keeping the TTL) only when the last value was not below the clock or the form guessed
 /// was wrong. `after_lost`: what the new hold is told of the hold before it; `nil` to learn
 /// it from the counter (held: that hold was never released), as an acquisition does.
-/// `grant`: the fence is a grant's, written in the released form unless `after_lost` (see
-/// above); otherwise held. Returns the fence and `after_lost`, or the error table of a
+/// The counter is written held. Returns the fence and `after_lost`, or the error table of a
 /// failed `SET` (a key of another type, an ACL without `set`): the caller undoes what it
 /// did first. A string that is not a number counts as no counter.
 ///
@@ -155,7 +155,7 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// without its sign, and a release writes back its hold's own fence, the last issued.
 ///
 /// `take_fenced(lock, token, lease, key, ttl)` takes a free lock and issues its fence:
-/// `SET lock token NX PX lease`, then `next_fence(key, ttl, false)`, so three commands when
+/// `SET lock token NX PX lease`, then `next_fence(key, ttl)`, so three commands when
 /// it wins (`SET NX PX`, `TIME`, `SET … GET`) and one when the lock exists. Returns `false`
 /// when the lock exists (nothing changed), else what `next_fence` returned. A script that
 /// fails half-way is not rolled back, so when the counter's `SET` fails it deletes the
@@ -168,7 +168,8 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// which the next `next_fence` will reach or exceed. `hold_fence(key)` is the same, and
 /// `after_lost`, for an exclusive holder that finds its own token in the key (a retry
 /// after a lost reply, a grantee confirming its grant); it marks the counter held when it
-/// is in the released form (a grant's): from then on the hold is one that can be lost.
+/// is in the released form (a counter written by an earlier version of the library): from
+/// then on the hold is one that can be lost.
 /// `won(fence, after_lost)`: an acquire script's reply when the hold is ours, `{1, fence,
 /// 0 or 1}`.
 pub(crate) const FENCE_FN: &str = r"
@@ -176,10 +177,10 @@ local function clock_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local function next_fence(key, ttl, grant, after_lost)
+local function next_fence(key, ttl, after_lost)
   local now = clock_us()
   local lost = after_lost == true
-  local old = redis.pcall('SET', key, fence_form(now, lost or not grant, lost), 'PX', ttl, 'GET')
+  local old = redis.pcall('SET', key, fence_form(now, true, lost), 'PX', ttl, 'GET')
   if type(old) == 'table' then return old end
   local last, was_held = fence_read(old)
   local fence = now
@@ -189,12 +190,12 @@ local function next_fence(key, ttl, grant, after_lost)
   elseif fence == now then
     return fence, lost
   end
-  redis.call('SET', key, fence_form(fence, lost or not grant, lost), 'KEEPTTL')
+  redis.call('SET', key, fence_form(fence, true, lost), 'KEEPTTL')
   return fence, lost
 end
 local function take_fenced(lock, token, lease, key, ttl)
   if not redis.call('SET', lock, token, 'NX', 'PX', lease) then return false end
-  local fence, after_lost = next_fence(key, ttl, false)
+  local fence, after_lost = next_fence(key, ttl)
   if type(fence) == 'table' then redis.call('DEL', lock) end
   return fence, after_lost
 end
