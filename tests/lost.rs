@@ -602,3 +602,26 @@ fn a_multi_lock_released_is_not_lost() {
     let a = c.lock("{m}a").expect("lock");
     assert!(!a.previous_lost(), "nothing was lost on a");
 }
+
+#[test]
+fn a_multi_lock_is_told_of_a_lost_name() {
+    let srv = test_server();
+    let c = client(&srv.url());
+    let held = c.lock("{n}b").expect("lock");
+    // Its key deleted by hand: the hold ends without a release.
+    run(&srv, &["DEL", &KEYS.lock("{n}b")]);
+    drop(held);
+    let both = client(&srv.url())
+        .multi_lock(["{n}a", "{n}b"])
+        .expect("multi-lock");
+    assert!(
+        both.previous_lost(),
+        "the hold of b before ended without a release"
+    );
+    assert_eq!(both.unlock().unwrap(), Unlocked::Released);
+    let again = c.multi_lock(["{n}a", "{n}b"]).expect("multi-lock");
+    assert!(
+        !again.previous_lost(),
+        "the multi-lock before released both"
+    );
+}

@@ -284,6 +284,26 @@ impl MultiGuard {
             .collect()
     }
 
+    /// Whether the hold before this one ended without a release on any of the names (its
+    /// holder died or stalled past its lease, or its key was deleted), as
+    /// [`LockGuard::previous_lost`](crate::LockGuard::previous_lost) says for one name:
+    /// check what the last holders were changing before relying on it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+    /// let guard = client.multi_lock(["ledger:1", "ledger:2"])?;
+    /// if guard.previous_lost() {
+    ///     // a holder died holding one of them: repair before writing
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn previous_lost(&self) -> bool {
+        self.held.names.iter().any(|lock| lock.previous_lost)
+    }
+
     /// The fencing token of `name` (see [`fencing_tokens`](Self::fencing_tokens));
     /// `None` when the multi-lock does not hold that name.
     ///

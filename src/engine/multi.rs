@@ -432,11 +432,11 @@ impl GroupContest<'_> {
     fn acquired(
         &self,
         token: String,
-        fences: Vec<u64>,
+        fences: Vec<(u64, bool)>,
         started: Stamp,
     ) -> Result<Vec<Arc<RemoteLock>>> {
         let engine = self.engine;
-        if let Some(fence) = fences.iter().find(|&&f| f > MAX_FENCE) {
+        if let Some((fence, _)) = fences.iter().find(|&&(f, _)| f > MAX_FENCE) {
             let e = Error::Protocol(format!("fence counter {fence} exceeds {MAX_FENCE}"));
             self.give_back(token);
             return Err(e);
@@ -444,22 +444,24 @@ impl GroupContest<'_> {
         let nodes: Vec<_> = self.route.nodes().iter().map(|n| n.id.clone()).collect();
         let cfg = &engine.cfg;
         let lease = cfg.lease;
-        let locks = self.keys.iter().zip(fences).map(|(keys, fence)| {
-            Counters::inc(&engine.counters.remote_acquisitions);
-            let acquisition = Acquisition {
-                keys: keys.clone(),
-                protocol: self.protocol,
-                token: token.clone(),
-                fence,
-                // A multi-lock's guard does not say (its names' counters are kept as
-                // the lock's are: held while held, released by its release).
-                previous_lost: false,
-                nodes: nodes.clone(),
-                started,
-            };
-            let renew = cfg.auto_renew.then(|| cfg.renew_every(lease));
-            Arc::new(RemoteLock::new(acquisition, lease, cfg.drift(lease), renew))
-        });
+        let locks = self
+            .keys
+            .iter()
+            .zip(fences)
+            .map(|(keys, (fence, previous_lost))| {
+                Counters::inc(&engine.counters.remote_acquisitions);
+                let acquisition = Acquisition {
+                    keys: keys.clone(),
+                    protocol: self.protocol,
+                    token: token.clone(),
+                    fence,
+                    previous_lost,
+                    nodes: nodes.clone(),
+                    started,
+                };
+                let renew = cfg.auto_renew.then(|| cfg.renew_every(lease));
+                Arc::new(RemoteLock::new(acquisition, lease, cfg.drift(lease), renew))
+            });
         Ok(locks.collect())
     }
 

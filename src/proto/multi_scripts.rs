@@ -35,7 +35,8 @@ use crate::stats::Counters;
 /// are deleted when it wins), the fence counter's TTL in ms, then one library channel per
 /// lock, then the publish mode (see `sharded`).
 ///
-/// Returns `{1, fence…}` (one fence per lock, in order) when every lock is ours;
+/// Returns `{1, fence…}` (one fence per lock, in order; negative when the hold before
+/// that lock's ended without a release, see `FENCE_FN`) when every lock is ours;
 /// `{0, pttl}` when another holder has at least one, with the soonest end of their leases
 /// (`-1`: none of them has a TTL); `{2, 0}` when a key is a read-write lock or a semaphore.
 ///
@@ -89,9 +90,13 @@ for i = 1, n do
   local fence
   if owners[i] == token then
     if redis.call('PTTL', lock) < tonumber(lease) then redis.call('PEXPIRE', lock, lease) end
-    fence = current_fence(counter)
+    local after_lost
+    fence, after_lost = hold_fence(counter)
+    if after_lost then fence = -fence end
   else
-    fence = take_fenced(lock, token, lease, counter, ARGV[6])
+    local after_lost
+    fence, after_lost = take_fenced(lock, token, lease, counter, ARGV[6])
+    if after_lost then fence = -fence end
     if type(fence) == 'table' then
       for j = 1, i - 1 do
         if redis.call('GET', KEYS[3 * j - 2]) == token then
@@ -116,8 +121,9 @@ return out
 /// What one all-or-nothing attempt at a group found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Taken {
-    /// Every lock of the group is ours: their fences, in the group's order.
-    All(Vec<u64>),
+    /// Every lock of the group is ours: their fences, in the group's order, each with
+    /// whether the hold before it ended without a release (see `FENCE_FN`).
+    All(Vec<(u64, bool)>),
     /// Another holder has at least one of them (nothing was taken); `pttl`: the soonest
     /// end of their leases (`None`: none of them has a TTL).
     Held { pttl: Option<Duration> },
@@ -157,8 +163,14 @@ pub(crate) fn acquire_call(
 
 /// Reads [`MULTI_ACQUIRE`]'s reply for a group of `locks` locks.
 fn taken_of(reply: Vec<i64>, locks: usize) -> Result<Taken> {
-    let fence =
-        |f: i64| u64::try_from(f).map_err(|_| Error::Protocol(format!("negative fence {f}")));
+    // A negative fence: the hold before that one ended without a release.
+    let fence = |f: i64| {
+        let lost = f < 0;
+        match f.unsigned_abs() {
+            0 => Err(Error::Protocol(format!("fence {f}"))),
+            fence => Ok((fence, lost)),
+        }
+    };
     match reply.as_slice() {
         [1, fences @ ..] if fences.len() == locks => Ok(Taken::All(
             fences.iter().map(|&f| fence(f)).collect::<Result<_>>()?,
@@ -208,7 +220,11 @@ mod tests {
     fn replies_are_read() {
         assert_eq!(
             taken_of(vec![1, 7, 9], 2).expect("all"),
-            Taken::All(vec![7, 9])
+            Taken::All(vec![(7, false), (9, false)])
+        );
+        assert_eq!(
+            taken_of(vec![1, -7, 9], 2).expect("all"),
+            Taken::All(vec![(7, true), (9, false)])
         );
         assert_eq!(
             taken_of(vec![0, 250], 2).expect("held"),
@@ -221,7 +237,7 @@ mod tests {
             Taken::Held { pttl: None }
         );
         assert!(matches!(taken_of(vec![2, 0], 1), Err(Error::WrongKind)));
-        for bad in [vec![1, 7], vec![1, -3, 4], vec![], vec![5, 5]] {
+        for bad in [vec![1, 7], vec![1, 0, 4], vec![], vec![5, 5]] {
             assert!(
                 matches!(taken_of(bad.clone(), 2), Err(Error::Protocol(_))),
                 "{bad:?}"
