@@ -34,14 +34,7 @@ fn info(c: &LockClient, name: &str) -> LockInfo {
 
 /// Every key under the default prefix but the fence counters.
 fn keys_left(srv: &RedisServer) -> Vec<String> {
-    let mut keys: Vec<String> = srv
-        .keys("redbaton:*")
-        .into_iter()
-        .map(|k| String::from_utf8_lossy(&k).into_owned())
-        .filter(|k| !k.ends_with(":fence"))
-        .collect();
-    keys.sort();
-    keys
+    srv.keys_but_fences("redbaton:*")
 }
 
 /// Nothing of a waiter is left: no fair-queue entry, no contention or waiting marks, and

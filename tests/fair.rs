@@ -21,18 +21,11 @@ fn client(url: &str) -> LockClient {
 }
 
 fn queued(srv: &RedisServer) -> usize {
-    redis::cmd("ZCARD")
-        .arg(QUEUE)
-        .query(&mut srv.conn())
-        .expect("ZCARD")
+    srv.zcard(QUEUE)
 }
 
 fn keys_left(srv: &RedisServer) -> Vec<String> {
-    srv.keys("redbaton:*")
-        .into_iter()
-        .map(|k| String::from_utf8_lossy(&k).into_owned())
-        .filter(|k| !k.ends_with(":fence"))
-        .collect()
+    srv.keys_but_fences("redbaton:*")
 }
 
 /// Child: waits for "k" (up to `F_WAIT_MS`), prints when it got it, holds it `F_HOLD_MS`,

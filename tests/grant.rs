@@ -30,10 +30,7 @@ fn client(url: &str) -> LockClient {
 }
 
 fn queued(srv: &RedisServer) -> usize {
-    redis::cmd("ZCARD")
-        .arg(QUEUE)
-        .query(&mut srv.conn())
-        .expect("ZCARD")
+    srv.zcard(QUEUE)
 }
 
 /// The queued tokens and the nonce each one's latest attempt stored.
@@ -48,11 +45,7 @@ fn nonces(srv: &RedisServer) -> Vec<(String, u64)> {
 }
 
 fn keys_left(srv: &RedisServer) -> Vec<String> {
-    srv.keys("redbaton:*")
-        .into_iter()
-        .map(|k| String::from_utf8_lossy(&k).into_owned())
-        .filter(|k| !k.ends_with(":fence"))
-        .collect()
+    srv.keys_but_fences("redbaton:*")
 }
 
 /// Waits until one waiter is queued and asleep (its subscription confirmed).

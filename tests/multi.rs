@@ -33,14 +33,7 @@ fn client(url: &str) -> LockClient {
 
 /// Every key of the prefix but the fence counters, sorted.
 fn keys_left(srv: &RedisServer) -> Vec<String> {
-    let mut keys: Vec<String> = srv
-        .keys(&format!("{PREFIX}*"))
-        .into_iter()
-        .map(|k| String::from_utf8_lossy(&k).into_owned())
-        .filter(|k| !k.ends_with(":fence"))
-        .collect();
-    keys.sort();
-    keys
+    srv.keys_but_fences(&format!("{PREFIX}*"))
 }
 
 fn value(srv: &RedisServer, key: &str) -> Option<String> {

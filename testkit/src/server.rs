@@ -471,6 +471,27 @@ impl RedisServer {
             .collect()
     }
 
+    /// Keys matching a glob pattern but the fence counters (which outlive every hold by
+    /// design), as strings, sorted: what a test expects to be gone after a release.
+    pub fn keys_but_fences(&self, pattern: &str) -> Vec<String> {
+        let mut keys: Vec<String> = self
+            .keys(pattern)
+            .into_iter()
+            .map(|k| String::from_utf8_lossy(&k).into_owned())
+            .filter(|k| !k.ends_with(":fence"))
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    /// The number of members of the sorted set `key` (0 when it is gone).
+    pub fn zcard(&self, key: &str) -> usize {
+        redis::cmd("ZCARD")
+            .arg(key)
+            .query(&mut self.conn())
+            .expect("ZCARD")
+    }
+
     /// Keys matching a glob pattern, via `SCAN` (sorted, for stable asserts).
     pub fn keys(&self, pattern: &str) -> Vec<Vec<u8>> {
         let mut admin = self.admin.lock();
