@@ -95,6 +95,11 @@ const RATIO_BLOCK: usize = 250;
 /// In test mode (`cargo test --benches`) the loop only proves it runs.
 const RATIO_OPS_TEST: usize = 200;
 const TARGET: f64 = 1.15;
+/// The commands each side sends (`INFO commandstats` names): the floor's `SET` and its
+/// compare-and-delete script; the library's acquire and release scripts (its own counters
+/// confirm two commands per op, printed below).
+const FLOOR_SENDS: &[&str] = &["set", "evalsha"];
+const LIB_SENDS: &[&str] = &["evalsha"];
 
 fn url() -> &'static str {
     URL.get().expect("URL set in main")
@@ -198,7 +203,9 @@ struct Cost {
     wall: Duration,
     /// CPU time of the calling thread (user + sys: the client's code and its syscalls).
     client_cpu: Duration,
-    /// Time Redis spent executing the block's commands (`INFO commandstats`, `usec`).
+    /// Time Redis spent executing the commands the block sent (`INFO commandstats`,
+    /// `usec` of those commands; a script's `usec` includes the commands it calls, which
+    /// Redis also counts under their own names, so only the sent ones are summed).
     server_cmd_us: f64,
     /// CPU time of the Redis process (`INFO cpu`): commands plus parsing, replies, I/O.
     server_cpu_s: f64,
@@ -227,9 +234,9 @@ fn thread_cpu() -> Duration {
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
-/// Reads the server's counters on a side connection: (command µs except INFO's own,
-/// process CPU seconds).
-fn server_counters(admin: &mut redis::Connection) -> (f64, f64) {
+/// Reads the server's counters on a side connection: (µs spent in the commands named in
+/// `sent`, process CPU seconds).
+fn server_counters(admin: &mut redis::Connection, sent: &[&str]) -> (f64, f64) {
     let text: String = redis::cmd("INFO")
         .arg("commandstats")
         .arg("cpu")
@@ -240,7 +247,10 @@ fn server_counters(admin: &mut redis::Connection) -> (f64, f64) {
     for line in text.lines() {
         let line = line.trim();
         if let Some(rest) = line.strip_prefix("cmdstat_") {
-            if rest.starts_with("info:") {
+            if !sent
+                .iter()
+                .any(|c| rest.strip_prefix(c).is_some_and(|r| r.starts_with(':')))
+            {
                 continue;
             }
             let usec = rest
@@ -258,9 +268,9 @@ fn server_counters(admin: &mut redis::Connection) -> (f64, f64) {
     (cmd_us, cpu_s)
 }
 
-/// Runs `n` operations and says what they cost.
-fn measure(admin: &mut redis::Connection, n: usize, mut op: impl FnMut()) -> Cost {
-    let (cmd0, cpu0) = server_counters(admin);
+/// Runs `n` operations, which send the commands named in `sent`, and says what they cost.
+fn measure(admin: &mut redis::Connection, sent: &[&str], n: usize, mut op: impl FnMut()) -> Cost {
+    let (cmd0, cpu0) = server_counters(admin, sent);
     let a0 = ALLOCATIONS.load(Relaxed);
     let (t0, c0) = (Instant::now(), thread_cpu());
     for _ in 0..n {
@@ -268,7 +278,7 @@ fn measure(admin: &mut redis::Connection, n: usize, mut op: impl FnMut()) -> Cos
     }
     let (wall, client_cpu) = (t0.elapsed(), thread_cpu() - c0);
     let allocs = ALLOCATIONS.load(Relaxed) - a0;
-    let (cmd1, cpu1) = server_counters(admin);
+    let (cmd1, cpu1) = server_counters(admin, sent);
     Cost {
         wall,
         client_cpu,
@@ -298,9 +308,10 @@ fn ratio(ops: usize) {
     for i in 0..ops.div_ceil(block) {
         let n = block.min(ops - i * block);
         let mut time_floor =
-            |admin: &mut redis::Connection| measure(admin, n, || floor.lock_unlock());
-        let time_lib =
-            |admin: &mut redis::Connection| measure(admin, n, || lib_lock_unlock(&client, "lib"));
+            |admin: &mut redis::Connection| measure(admin, FLOOR_SENDS, n, || floor.lock_unlock());
+        let time_lib = |admin: &mut redis::Connection| {
+            measure(admin, LIB_SENDS, n, || lib_lock_unlock(&client, "lib"))
+        };
         let (f, l) = if i % 2 == 0 {
             let f = time_floor(&mut admin);
             (f, time_lib(&mut admin))
