@@ -16,9 +16,9 @@ use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::lock_client;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::test_server;
 use redbaton_testkit::wait::wait_for;
 use redbaton_testkit::{child, ms, secs};
+use redbaton_testkit::{test_server, test_server_and};
 
 const LOCK: &str = "redbaton:{k}";
 const QUEUE: &str = "redbaton:{k}:q";
@@ -119,8 +119,7 @@ impl Queued {
 /// the watchdog's first renewal gives it the full lease at once.
 #[test]
 fn a_grant_heard_in_time_is_the_lock_and_renewed_at_once() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let g = holder.lock("k").expect("lock");
     let first = g.fencing_token();
     let w = client(&srv.url());
@@ -250,8 +249,7 @@ fn child_grantee() {
 /// only a wake-up. A grant read late is `a_grant_delayed_past_its_bound_is_not_a_lock`.)
 #[test]
 fn a_grantee_stopped_across_its_grant_does_not_believe_it_holds() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let g = holder.lock("k").expect("lock");
     let mut grantee = child::spawn_self("child_grantee", &[("G_URL", srv.url())]);
     child::wait_for_line(&mut grantee, "waiting", secs(20));

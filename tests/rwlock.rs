@@ -16,8 +16,8 @@ use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::spin;
-use redbaton_testkit::test_server;
 use redbaton_testkit::wait::join_all;
+use redbaton_testkit::{test_server, test_server_and};
 
 const PREFIX: &str = "rw:";
 
@@ -52,8 +52,7 @@ fn smoke() {
 
 #[test]
 fn one_name_one_kind() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (_srv, c) = test_server_and(client);
     let (rw, sem) = (c.rwlock("k"), c.semaphore("k", 2));
     let plain = c.lock("k").expect("lock");
     assert!(rw.try_read().unwrap_err().is_wrong_kind());
@@ -434,8 +433,7 @@ fn a_killed_readers_hold_expires_alone() {
 /// 20 idle waiters (10 readers, 10 writers) behind a writer cost Redis almost nothing.
 #[test]
 fn idle_waiters_cost_almost_no_commands() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let w = holder.rwlock("idle").write().expect("write");
     let waiters = client(&srv.url());
     let handles: Vec<_> = (0..20)

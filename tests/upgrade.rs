@@ -19,7 +19,7 @@ use redbaton_testkit::child_only;
 use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::test_server;
+use redbaton_testkit::{test_server, test_server_and};
 
 const PREFIX: &str = "up:";
 /// Liveness bound of every wait in these tests: generous, never a speed claim.
@@ -31,8 +31,7 @@ fn client(url: &str) -> LockClient {
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     // Other clients in this thread: a thread's holds through one client are another
     // client's strangers (`WouldDeadlock` is per client).
     let other = client(&srv.url()).rwlock("smoke");
@@ -359,8 +358,7 @@ fn upgradable_reads_exclude_each_other() {
 
 #[test]
 fn bad_input_and_paths_are_typed_errors() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     assert!(matches!(
         c.rwlock("").upgradable_read(),
         Err(Error::InvalidName(_))
