@@ -9,10 +9,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{Cancel, Error, LockClient, LockInfo, Unlocked};
+use redbaton::{Cancel, Error, LockClient, LockGuard, LockInfo, Unlocked};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{lock_client, ms, secs, test_server};
+use redbaton_testkit::{lock_client, ms, secs, test_server, test_server_and};
 
 /// Generous bound for a cancelled call to return: liveness, not a latency assertion.
 const LIVENESS: Duration = Duration::from_secs(5);
@@ -26,6 +26,13 @@ fn two_clients() -> (RedisServer, LockClient, LockClient) {
     let srv = test_server();
     let (a, b) = (client(&srv.url()), client(&srv.url()));
     (srv, a, b)
+}
+
+/// `c`'s lock of `name`, and the keys there are while it is held: what a cancelled wait for
+/// it leaves as it found.
+fn lock_and_list(srv: &RedisServer, c: &LockClient, name: &str) -> (LockGuard, Vec<String>) {
+    let held = c.lock(name).expect("lock");
+    (held, keys_left(srv))
 }
 
 fn info(c: &LockClient, name: &str) -> LockInfo {
@@ -105,8 +112,7 @@ fn assert_cancelled<T>(r: redbaton::Result<T>) {
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (_srv, c) = test_server_and(client);
     let cancel = Cancel::new();
     assert!(!cancel.is_cancelled());
     let g = c.lock_cancellable("smoke", &cancel).expect("free lock");
@@ -133,8 +139,7 @@ fn the_token_is_clone_send_sync_and_clones_share_the_flag() {
 #[test]
 fn a_remote_wait_is_cancelled_and_leaves_no_queue_entry() {
     let (srv, holder, waiter) = two_clients();
-    let held = holder.lock("k").expect("lock");
-    let before = keys_left(&srv);
+    let (held, before) = lock_and_list(&srv, &holder, "k");
     let cancel = Cancel::new();
     let (r, took) = cancel_remote_lock_wait(&holder, &waiter, "k", &cancel);
     assert_cancelled(r);
@@ -150,8 +155,7 @@ fn a_remote_wait_is_cancelled_and_leaves_no_queue_entry() {
 #[test]
 fn a_wait_behind_a_local_holder_is_cancelled_and_leaves_the_local_queue() {
     let (srv, c, other) = two_clients();
-    let held = c.lock("k").expect("lock");
-    let before = keys_left(&srv);
+    let (held, before) = lock_and_list(&srv, &c, "k");
     let cancel = Cancel::new();
     let (r, took) = cancel_during(&cancel, || c.lock_cancellable("k", &cancel).map(drop), None);
     assert_cancelled(r);
@@ -206,8 +210,7 @@ fn a_remote_write_wait_is_cancelled_and_its_mark_does_not_hold_readers_back() {
 
 #[test]
 fn local_read_and_write_turn_waits_are_cancelled() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let rw = c.rwlock("rw");
     for writer_waits in [true, false] {
         // A local writer waits for the local readers' turn to end; a local reader, for the
@@ -358,8 +361,7 @@ fn a_cancel_racing_an_acquisition_never_loses_the_lock() {
 #[test]
 fn cancel_latency() {
     let (srv, holder, c) = two_clients();
-    let _held = holder.lock("lat").expect("lock");
-    let before = keys_left(&srv);
+    let (_held, before) = lock_and_list(&srv, &holder, "lat");
     let mut took = Vec::new();
     for _ in 0..50 {
         let cancel = Cancel::new();

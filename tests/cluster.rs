@@ -114,10 +114,7 @@ const NAMES: usize = 64;
 #[test]
 fn child_cluster_worker() {
     child_only!();
-    let seeds: Vec<String> = child::env("C_SEEDS")
-        .split(',')
-        .map(str::to_owned)
-        .collect();
+    let seeds = child::env_list("C_SEEDS");
     let threads: usize = child::env("C_THREADS").parse().expect("threads");
     let rounds: usize = child::env("C_ROUNDS").parse().expect("rounds");
     let names: usize = child::env("C_NAMES").parse().expect("names");
@@ -193,6 +190,25 @@ impl Run {
     }
 }
 
+/// What each `child_cluster_worker` on `cluster` is told: 4 threads, each doing `rounds`
+/// sections at most, for `run` at most, on `names` names, with a `lease`.
+fn worker_envs(
+    cluster: &Cluster,
+    rounds: usize,
+    names: usize,
+    run: Duration,
+    lease: Duration,
+) -> Vec<(&'static str, String)> {
+    vec![
+        ("C_SEEDS", cluster.seed_urls().join(",")),
+        ("C_THREADS", "4".to_owned()),
+        ("C_ROUNDS", rounds.to_string()),
+        ("C_NAMES", names.to_string()),
+        ("C_RUN_MS", run.as_millis().to_string()),
+        ("C_LEASE_MS", lease.as_millis().to_string()),
+    ]
+}
+
 fn run_children(procs: usize, envs: &[(&str, String)], fault: impl FnOnce()) -> Run {
     let children = child::spawn_many(procs, "child_cluster_worker", envs);
     fault();
@@ -240,15 +256,8 @@ fn exclusion_across_processes() {
     init_log();
     let cluster = Cluster::start();
     let dir = tempfile_dir();
-    let envs = [
-        ("C_SEEDS", cluster.seed_urls().join(",")),
-        ("C_THREADS", "4".to_owned()),
-        ("C_ROUNDS", "40".to_owned()),
-        ("C_NAMES", NAMES.to_string()),
-        ("C_RUN_MS", "120000".to_owned()),
-        ("C_LEASE_MS", "10000".to_owned()),
-        ("C_DIR", dir.clone()),
-    ];
+    let mut envs = worker_envs(&cluster, 40, NAMES, secs(120), secs(10));
+    envs.push(("C_DIR", dir.clone()));
     let run = run_children(4, &envs, || ());
     assert_eq!(run.threads, 16);
     assert_eq!(run.sections.len(), 16 * 40, "every section done");
@@ -386,14 +395,7 @@ fn failover_under_load() {
     init_log();
     let cluster = Cluster::start();
     let names = 12;
-    let envs = [
-        ("C_SEEDS", cluster.seed_urls().join(",")),
-        ("C_THREADS", "4".to_owned()),
-        ("C_ROUNDS", "1000000".to_owned()),
-        ("C_NAMES", names.to_string()),
-        ("C_RUN_MS", "16000".to_owned()),
-        ("C_LEASE_MS", "2000".to_owned()),
-    ];
+    let envs = worker_envs(&cluster, 1_000_000, names, secs(16), secs(2));
     // The names of the killed master, when it died, and when its replica had taken over.
     let mut killed: Option<(HashSet<String>, u64, u64)> = None;
     let run = run_children(4, &envs, || {
@@ -535,14 +537,8 @@ fn a_master_replaced_then_lost_for_good() {
 #[test]
 fn child_idle_waiter() {
     child_only!();
-    let seeds: Vec<String> = child::env("I_SEEDS")
-        .split(',')
-        .map(str::to_owned)
-        .collect();
-    let names: Vec<String> = child::env("I_NAMES")
-        .split(',')
-        .map(str::to_owned)
-        .collect();
+    let seeds = child::env_list("I_SEEDS");
+    let names = child::env_list("I_NAMES");
     let client = builder(seeds)
         .recheck_interval(secs(60))
         .build()

@@ -72,6 +72,14 @@ fn started(lease: Duration) -> (Cluster, LockClient) {
     (cluster, client)
 }
 
+/// The slot of `name`'s lock, the master that serves it, and another master to migrate it
+/// to.
+fn slot_and_masters(cluster: &Cluster, name: &str) -> (u16, u16, u16) {
+    let slot = cluster.keyslot(&KEYS.lock_bytes(name.as_bytes()));
+    let from = cluster.owner(slot);
+    (slot, from, cluster.other_master(from))
+}
+
 /// Runs `f`, returning its result and how long it took.
 fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
     let t = Instant::now();
@@ -136,9 +144,7 @@ fn a_free_lock_while_its_slot_migrates() {
 
     // A fresh name: no key anywhere.
     let fresh = "mig-fresh";
-    let slot = cluster.keyslot(&KEYS.lock_bytes(fresh.as_bytes()));
-    let from = cluster.owner(slot);
-    let to = cluster.other_master(from);
+    let (slot, from, to) = slot_and_masters(cluster, fresh);
     let migration = cluster.open_migration(slot, to);
     check(fresh, "no keys", from, to);
     migration.finish();
@@ -148,9 +154,7 @@ fn a_free_lock_while_its_slot_migrates() {
 
     // A name locked before: its fencing counter is on the source.
     let used = "mig-used";
-    let slot = cluster.keyslot(&KEYS.lock_bytes(used.as_bytes()));
-    let from = cluster.owner(slot);
-    let to = cluster.other_master(from);
+    let (slot, from, to) = slot_and_masters(cluster, used);
     let before = client.lock(used).expect("lock before");
     let token = before.fencing_token();
     before.unlock().expect("unlock before");
@@ -197,9 +201,7 @@ fn waiter_through_a_migration(
     queued_before: bool,
 ) {
     let key = KEYS.lock_bytes(name.as_bytes());
-    let slot = cluster.keyslot(&key);
-    let from = cluster.owner(slot);
-    let to = cluster.other_master(from);
+    let (slot, from, to) = slot_and_masters(cluster, name);
     let client = || builder(cluster.seed_urls()).fair(fair).build();
     let a = client().expect("a");
     let b = client().expect("b");
@@ -304,9 +306,8 @@ fn held_locks_are_renewed_while_their_slot_migrates() {
 fn a_queued_waiter_leaves_by_its_deadline_while_the_slot_migrates() {
     let (cluster, holder) = &started(LEASE);
     let name = "mig-leave";
-    let slot = cluster.keyslot(&KEYS.lock_bytes(name.as_bytes()));
-    let to = cluster.other_master(cluster.owner(slot));
     let held = holder.lock(name).expect("lock");
+    let (slot, _, to) = slot_and_masters(cluster, name);
     let waiter = builder(cluster.seed_urls()).build().expect("waiter");
     let wait = secs(4);
     let t = thread::spawn(move || timed(|| waiter.try_lock_for(name, wait).map(drop)));
@@ -336,9 +337,7 @@ fn a_queued_waiter_leaves_by_its_deadline_while_the_slot_migrates() {
 fn a_script_reloaded_after_ask_is_sent_with_asking_again() {
     let (cluster, client) = &started(LEASE);
     let name = "mig-noscript";
-    let slot = cluster.keyslot(&KEYS.lock_bytes(name.as_bytes()));
-    let from = cluster.owner(slot);
-    let to = cluster.other_master(from);
+    let (slot, _, to) = slot_and_masters(cluster, name);
     let migration = cluster.open_migration(slot, to);
     let () = redis::cmd("SCRIPT")
         .arg("FLUSH")

@@ -16,7 +16,7 @@ use redbaton_testkit::keys::{Counter, FENCE_STEP, FenceCount, Keys, fence_of};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{join_within, wait_until};
-use redbaton_testkit::{dead_url, test_server};
+use redbaton_testkit::{dead_url, test_server, test_server_and};
 use redbaton_testkit::{init_log, ms};
 use redbaton_testkit::{lock_builder, lock_client};
 use redbaton_testkit::{pttl, raw_conn};
@@ -68,8 +68,7 @@ fn assert_strictly_increasing(tokens: &[u64], what: &str) {
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let client = client(&srv.url());
+    let (srv, client) = test_server_and(client);
     let guard = client.lock("smoke").expect("lock");
     assert_eq!(guard.name(), b"smoke");
     assert!(guard.fencing_token() > 0);
@@ -317,8 +316,7 @@ fn mutual_exclusion_across_processes() {
 
 #[test]
 fn panic_in_with_lock_releases() {
-    let srv = test_server();
-    let a = client(&srv.url());
+    let (srv, a) = test_server_and(client);
     let b = client(&srv.url());
     let name = "panicky";
 
@@ -430,8 +428,7 @@ fn panic_in_with_lock_releases() {
 
 #[test]
 fn try_lock_on_a_held_key() {
-    let srv = test_server();
-    let a = client(&srv.url());
+    let (srv, a) = test_server_and(client);
     let b = client(&srv.url());
     let name = b"busy";
     let mut conn = srv.conn();
@@ -685,8 +682,7 @@ fn blackholed_server_is_a_connection_error() {
 
 #[test]
 fn bad_names_are_invalid_and_touch_nothing() {
-    let srv = test_server();
-    let client = client(&srv.url());
+    let (srv, client) = test_server_and(client);
     srv.reset_stats();
     let long = vec![b'n'; redbaton::MAX_NAME_LEN + 1];
     let checks: Vec<(&str, Result<(), Error>)> = vec![
@@ -821,8 +817,7 @@ fn same_thread_twice_would_deadlock() {
 
 #[test]
 fn with_lock_returns_the_closures_value() {
-    let srv = test_server();
-    let client = client(&srv.url());
+    let (srv, client) = test_server_and(client);
     let seen = client
         .with_lock("value", || {
             assert_eq!(lock_keys(&srv), vec![KEYS.lock_bytes(b"value")]);
@@ -836,8 +831,7 @@ fn with_lock_returns_the_closures_value() {
 
 #[test]
 fn try_lock_until_a_past_deadline_makes_one_attempt() {
-    let srv = test_server();
-    let a = client(&srv.url());
+    let (srv, a) = test_server_and(client);
     let b = client(&srv.url());
     // Free: one attempt is enough.
     let past = Instant::now();
@@ -864,8 +858,7 @@ fn try_lock_until_a_past_deadline_makes_one_attempt() {
 
 #[test]
 fn stats_count_a_remote_acquisition() {
-    let srv = test_server();
-    let client = client(&srv.url());
+    let (_srv, client) = test_server_and(client);
     let before = client.stats();
     let g = client.lock("counted").expect("lock");
     let mid = client.stats();
@@ -881,8 +874,7 @@ fn stats_count_a_remote_acquisition() {
 
 #[test]
 fn dropping_the_guard_releases() {
-    let srv = test_server();
-    let a = client(&srv.url());
+    let (srv, a) = test_server_and(client);
     let b = client(&srv.url());
     {
         let _g = a.lock("dropped").expect("lock");
@@ -896,8 +888,7 @@ fn dropping_the_guard_releases() {
 
 #[test]
 fn binary_names_map_to_exact_keys() {
-    let srv = test_server();
-    let client = client(&srv.url());
+    let (srv, client) = test_server_and(client);
     let mut conn = srv.conn();
     let names: [&[u8]; 4] = [
         &[0xff, 0x00, b'}', 0x80, b'{'],

@@ -12,7 +12,7 @@ use redbaton::{Builder, Error, LockClient, LockGuard, LostReason, ReadGuard, Unl
 use redbaton_testkit::keys::{Keys, fence_of, handoff_of};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::join_within;
-use redbaton_testkit::{exists, lock_builder, ms, pttl, test_server};
+use redbaton_testkit::{exists, lock_builder, ms, pttl, test_server, test_server_and};
 
 const PREFIX: &str = "dt:";
 const KEYS: Keys = Keys::new(PREFIX);
@@ -28,8 +28,7 @@ fn client(url: &str) -> LockClient {
 
 /// A server, a client of it, and that client's guard of `name`.
 fn locked(name: &str) -> (RedisServer, LockClient, LockGuard) {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let guard = c.lock(name).expect("lock");
     (srv, c, guard)
 }
@@ -117,8 +116,7 @@ fn smoke() {
 
 #[test]
 fn unlocked_from_another_thread() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let detached = c.lock("moved").expect("lock").detach();
     let outcome = elsewhere(move || detached.unlock());
     assert_eq!(outcome.expect("unlock"), Unlocked::Released);
@@ -160,8 +158,7 @@ fn a_local_waiter_waits_for_the_detached_release() {
 /// baton goes no further.
 #[test]
 fn a_handed_off_guard_detaches_with_its_token() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let first = c.lock("baton").expect("lock");
     let (tx, rx) = crossbeam_channel::bounded(1);
     let second = {
@@ -210,8 +207,7 @@ fn extend_and_check_from_another_thread() {
 
 #[test]
 fn dropping_a_detached_guard_releases() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let detached = c.lock("dropped").expect("lock").detach();
     elsewhere(move || drop(detached));
     assert!(!exists(&mut srv.conn(), KEYS.lock("dropped")));
@@ -250,8 +246,7 @@ fn a_detached_guard_hears_that_its_lock_is_lost() {
 /// client waits: the reader gets its read hold in Redis after the release.
 #[test]
 fn a_detached_write_hold_unlocked_elsewhere_lets_the_local_reader_in() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (_srv, c) = test_server_and(client);
     let rw = c.rwlock("catalog");
     let w = rw.write().expect("write");
     let token = w.fencing_token();

@@ -8,7 +8,7 @@
 use std::thread;
 
 use crossbeam_channel::Receiver;
-use redbaton::{LockClient, Unlocked};
+use redbaton::{LockClient, Stats, Unlocked};
 use redbaton_testkit::keys::{FenceCount, fence_of};
 use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
@@ -68,19 +68,34 @@ fn handoff(
     (held, got)
 }
 
+/// [`handoff`] of `name` on `srv`, checked for what every handoff here promises: the
+/// waiter's fence comes after the holder's, each holder took one fence (a retry with the
+/// same token takes none), the waiter made one early attempt, and no lock key is left.
+/// Returns the waiter's fence and stats.
+fn checked_handoff(
+    srv: &RedisServer,
+    (holder, waiter): (&LockClient, &LockClient),
+    name: &str,
+    fault: impl FnOnce(),
+) -> (u64, Stats) {
+    let fences = FenceCount::start(srv);
+    let (held, got) = handoff(holder, waiter, name, fault);
+    let s = waiter.stats();
+    eprintln!("{name}: {s:?}");
+    assert!(got > held, "{got:#x} after {held:#x}: {s:?}");
+    assert_eq!(fences.issued(), 2, "one fence for each holder: {s:?}");
+    assert_eq!(s.early_attempts, 1, "{s:?}");
+    let key = format!("redbaton:{{{name}}}");
+    assert!(srv.keys(&key).is_empty(), "lock key left");
+    (got, s)
+}
+
 #[test]
 fn smoke() {
     let srv = RedisServer::start();
-    let fences = FenceCount::start(&srv);
     let (holder, waiter) = (client(&srv.url()), client(&srv.url()));
-    let (held, got) = handoff(&holder, &waiter, "smoke", || {});
-    let s = waiter.stats();
-    eprintln!("early smoke: {s:?}");
-    assert!(got > held, "{got:#x} after {held:#x}");
-    assert_eq!(fences.issued(), 2, "one fence for each holder");
-    assert_eq!(s.early_attempts, 1, "{s:?}");
+    let (_, s) = checked_handoff(&srv, (&holder, &waiter), "smoke", || {});
     assert_eq!(s.remote_acquisitions, 1, "{s:?}");
-    assert!(srv.keys("redbaton:{smoke}").is_empty(), "lock key left");
 }
 
 /// The server lost its scripts (`SCRIPT FLUSH`, as after a restart) while the attempt was
@@ -88,21 +103,15 @@ fn smoke() {
 #[test]
 fn noscript_reply_is_retried() {
     let srv = RedisServer::start();
-    let fences = FenceCount::start(&srv);
     let (holder, waiter) = (client(&srv.url()), client(&srv.url()));
-    let (held, got) = handoff(&holder, &waiter, "noscript", || {
+    // The holder's release reloads the release script; the waiter's early acquire then
+    // still meets a server without the acquire script.
+    checked_handoff(&srv, (&holder, &waiter), "noscript", || {
         redis::cmd("SCRIPT")
             .arg("FLUSH")
             .query::<()>(&mut srv.conn())
             .expect("SCRIPT FLUSH");
     });
-    // The holder's release reloads the release script; the waiter's early acquire then
-    // still meets a server without the acquire script.
-    let s = waiter.stats();
-    assert!(got > held, "{got:#x} after {held:#x}: {s:?}");
-    assert_eq!(fences.issued(), 2, "one fence for each holder: {s:?}");
-    assert_eq!(s.early_attempts, 1, "{s:?}");
-    assert!(srv.keys("redbaton:{noscript}").is_empty(), "lock key left");
 }
 
 /// The early attempt ran in Redis but its reply was lost (the connection closed): the
@@ -111,23 +120,13 @@ fn noscript_reply_is_retried() {
 #[test]
 fn lost_early_reply_returns_the_first_fence() {
     let srv = RedisServer::start();
-    let fences = FenceCount::start(&srv);
     let proxy = Proxy::start(srv.addr());
     let holder = client(&srv.url());
     let waiter = client(&proxy.url());
-    let (held, got) = handoff(&holder, &waiter, "lost-reply", || {
+    let (got, _) = checked_handoff(&srv, (&holder, &waiter), "lost-reply", || {
         proxy.drop_next_reply_matching(b"EVALSHA");
     });
-    let s = waiter.stats();
-    eprintln!("lost early reply: {s:?}");
     assert_eq!(proxy.replies_dropped(), 1, "the fault did not fire");
-    assert!(got > held, "{got:#x} after {held:#x}: {s:?}");
-    assert_eq!(fences.issued(), 2, "the retry took a new fence: {s:?}");
-    assert_eq!(s.early_attempts, 1, "{s:?}");
-    assert!(
-        srv.keys("redbaton:{lost-reply}").is_empty(),
-        "lock key left"
-    );
     let fence: u64 = redis::cmd("GET")
         .arg("redbaton:{lost-reply}:fence")
         .query(&mut srv.conn())

@@ -10,9 +10,9 @@ use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::lock_client;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::test_server;
 use redbaton_testkit::wait::{join_all, wait_for};
 use redbaton_testkit::{child, ms, secs};
+use redbaton_testkit::{test_server, test_server_and};
 
 const QUEUE: &str = "redbaton:{k}:q";
 
@@ -78,8 +78,7 @@ fn queue_waiter(srv: &RedisServer, wait_ms: u64, hold_ms: u64) -> std::process::
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let guard = holder.lock("k").expect("lock");
     let waiter = queue_waiter(&srv, 20_000, 0);
     guard.unlock().expect("unlock: granted to the waiter");
@@ -97,8 +96,7 @@ fn smoke() {
 /// Processes get their turns in the order they queued.
 #[test]
 fn turns_follow_the_queue_order() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let guard = holder.lock("k").expect("lock");
     let children: Vec<_> = (0..4).map(|_| queue_waiter(&srv, 30_000, 50)).collect();
     guard.unlock().expect("unlock");
@@ -120,8 +118,7 @@ fn turns_follow_the_queue_order() {
 /// A queued process killed before its turn: the others go on within the grant lease.
 #[test]
 fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let guard = holder.lock("k").expect("lock");
     let mut dead = queue_waiter(&srv, 30_000, 0);
     let next = queue_waiter(&srv, 30_000, 0);
@@ -140,8 +137,7 @@ fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
 /// A queued process stopped past the bound: the others go on; it resumes and finishes.
 #[test]
 fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let guard = holder.lock("k").expect("lock");
     let mut stopped = queue_waiter(&srv, 30_000, 0);
     let next = queue_waiter(&srv, 30_000, 0);
@@ -166,8 +162,7 @@ fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {
 /// or passes it on; the next waiter gets the lock promptly, and nothing is left behind.
 #[test]
 fn a_waiter_timing_out_as_it_is_granted_passes_the_lock_on() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     for offset_ms in [-20i64, -5, 0, 5, 20] {
         let guard = holder.lock("k").expect("lock");
         let wait_ms = 1500u64;
@@ -192,8 +187,7 @@ fn a_waiter_timing_out_as_it_is_granted_passes_the_lock_on() {
 /// message is lost, and the grantee's retry finds its own token in the key.
 #[test]
 fn a_lost_grant_message_is_recovered_by_the_retry() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let guard = holder.lock("k").expect("lock");
     let waiter = queue_waiter(&srv, 30_000, 0);
     wait_for(secs(20), "the waiter's subscription", || {
@@ -425,19 +419,11 @@ fn child_short_recheck_waiter() {
     let _ = c.try_lock_for("k", secs(60));
 }
 
-fn pttl(srv: &RedisServer, key: &str) -> i64 {
-    redis::cmd("PTTL")
-        .arg(key)
-        .query(&mut srv.conn())
-        .expect("PTTL")
-}
-
 /// A queue whose waiters all died, on a name nobody calls any more, disappears by itself:
 /// every enqueue keeps the queue's keys for the entry's TTL plus a margin.
 #[test]
 fn an_abandoned_queue_expires() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let _guard = holder.lock("k").expect("lock");
     let mut waiter = child::spawn_self(
         "child_short_recheck_waiter",
@@ -446,7 +432,7 @@ fn an_abandoned_queue_expires() {
     wait_for(secs(20), "the waiter to queue", || queued(&srv) == 1);
     // The entry lives 600 ms unless refreshed; the queue, that plus a second at most.
     for key in [QUEUE, QUEUE_EXPIRY] {
-        let t = pttl(&srv, key);
+        let t = redbaton_testkit::pttl(&mut srv.conn(), key);
         assert!(t > 0 && t <= 1600, "{key}: PTTL {t}");
     }
     child::kill_child(&mut waiter, libc::SIGKILL);

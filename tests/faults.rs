@@ -44,7 +44,7 @@ use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::stalls::{StallWatch, Stalls};
 use redbaton_testkit::wait::{eventually, wait_until};
-use redbaton_testkit::{dead_url, test_server};
+use redbaton_testkit::{dead_url, test_server_and};
 use redbaton_testkit::{init_log, ms};
 use redbaton_testkit::{lock_builder, lock_client};
 
@@ -69,8 +69,7 @@ fn fast_client(url: &str) -> LockClient {
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = fast_client(&srv.url());
+    let (_srv, c) = test_server_and(fast_client);
     let g = c.lock("smoke").expect("lock");
     assert!(!g.is_lost());
     assert_eq!(g.unlock().unwrap(), Unlocked::Released);

@@ -10,15 +10,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::Duration;
 
-use redbaton::LockClient;
+use redbaton::{LockClient, LockGuard};
 use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::lock_client;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::test_server;
 use redbaton_testkit::wait::wait_for;
 use redbaton_testkit::{child, ms, secs};
+use redbaton_testkit::{test_server, test_server_and};
 
 const LOCK: &str = "redbaton:{k}";
 const QUEUE: &str = "redbaton:{k}:q";
@@ -59,26 +59,67 @@ fn wait_queued(srv: &RedisServer) {
     thread::sleep(ms(200)); // its attempt after subscribing is answered: it sleeps
 }
 
-/// A waiter thread on `c`: locks "k" once `released` may be read, and returns whether
-/// `released` was set when it got the lock, its fencing token and its guard's check.
-fn waiter(c: &LockClient, released: &Arc<AtomicBool>) -> thread::JoinHandle<(bool, u64, bool)> {
-    let (c, released) = (c.clone(), released.clone());
-    thread::spawn(move || {
+/// "k" held on `srv`, and a waiter thread on `w` queued behind the holder and asleep.
+struct Queued {
+    /// The holder's client, kept as long as its guard.
+    _holder: LockClient,
+    g: LockGuard,
+    /// Set by the test once the waiter may get the lock.
+    released: Arc<AtomicBool>,
+    /// The waiter: whether `released` was set when it got the lock, its fencing token and
+    /// its guard's check.
+    waiting: thread::JoinHandle<(bool, u64, bool)>,
+}
+
+fn queued_behind_holder(srv: &RedisServer, w: &LockClient) -> Queued {
+    let holder = client(&srv.url());
+    let g = holder.lock("k").expect("lock");
+    let released = Arc::new(AtomicBool::new(false));
+    let (c, after_release) = (w.clone(), released.clone());
+    let waiting = thread::spawn(move || {
         let g = c.try_lock_for("k", secs(30)).expect("the waiter's turn");
-        let after = released.load(Ordering::SeqCst);
+        let after = after_release.load(Ordering::SeqCst);
         let token = g.fencing_token();
         let valid = g.check().is_ok();
         g.unlock().expect("unlock");
         (after, token, valid)
-    })
+    });
+    wait_queued(srv);
+    Queued {
+        _holder: holder,
+        g,
+        released,
+        waiting,
+    }
+}
+
+/// [`queued_behind_holder`], with the waiter's client connected through a proxy.
+fn queued_through_proxy(srv: &RedisServer) -> (Proxy, LockClient, Queued) {
+    let proxy = Proxy::start(srv.addr());
+    let w = client(&proxy.url());
+    let queued = queued_behind_holder(srv, &w);
+    (proxy, w, queued)
+}
+
+impl Queued {
+    /// The holder lets go, with `between` run after its release: the waiter then holds the
+    /// lock after the holder, validly.
+    fn hand_over(self, between: impl FnOnce()) {
+        self.released.store(true, Ordering::SeqCst);
+        let first = self.g.fencing_token();
+        self.g.unlock().expect("unlock");
+        between();
+        let (after, got, valid) = self.waiting.join().expect("waiter");
+        assert!(after && valid);
+        assert!(got > first, "{got} <= {first}");
+    }
 }
 
 /// The common case: the grant is heard in time and taken as the lock, with no attempt;
 /// the watchdog's first renewal gives it the full lease at once.
 #[test]
 fn a_grant_heard_in_time_is_the_lock_and_renewed_at_once() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let g = holder.lock("k").expect("lock");
     let first = g.fencing_token();
     let w = client(&srv.url());
@@ -118,15 +159,9 @@ fn a_grant_heard_in_time_is_the_lock_and_renewed_at_once() {
 #[test]
 fn a_grant_delayed_past_its_bound_is_not_a_lock() {
     let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let holder = client(&srv.url());
-    let g = holder.lock("k").expect("lock");
-    let w = client(&proxy.url());
-    let released = Arc::new(AtomicBool::new(false));
-    let waiting = waiter(&w, &released);
-    wait_queued(&srv);
+    let (proxy, w, queued) = queued_through_proxy(&srv);
     proxy.set_delay(ms(1500));
-    g.unlock().expect("unlock"); // granted to the waiter, with a 1 s lease
+    queued.g.unlock().expect("unlock"); // granted to the waiter, with a 1 s lease
     thread::sleep(ms(1200));
     let other = client(&srv.url());
     let taken = other
@@ -134,10 +169,10 @@ fn a_grant_delayed_past_its_bound_is_not_a_lock() {
         .expect("the expired grant's key is free");
     thread::sleep(ms(1000)); // the grant reaches the waiter meanwhile
     proxy.set_delay(Duration::ZERO);
-    released.store(true, Ordering::SeqCst);
+    queued.released.store(true, Ordering::SeqCst);
     let token = taken.fencing_token();
     taken.unlock().expect("unlock");
-    let (after, got, valid) = waiting.join().expect("waiter");
+    let (after, got, valid) = queued.waiting.join().expect("waiter");
     assert!(
         after,
         "the late grantee took the lock while another held it"
@@ -154,13 +189,9 @@ fn a_grant_delayed_past_its_bound_is_not_a_lock() {
 #[test]
 fn a_stale_grant_heard_after_a_newer_attempt_is_only_a_wake_up() {
     let srv = test_server();
-    let holder = client(&srv.url());
-    let g = holder.lock("k").expect("lock");
     // Attempts every 300 ms: the entry's nonce moves on.
     let w: LockClient = lock_client!(node(srv.url()), lease(secs(30)), recheck_interval(ms(300)));
-    let released = Arc::new(AtomicBool::new(false));
-    let waiting = waiter(&w, &released);
-    wait_queued(&srv);
+    let queued = queued_behind_holder(&srv, &w);
     let queued_nonces = nonces(&srv);
     let [(token, old)] = &queued_nonces[..] else {
         panic!("one queued nonce: {queued_nonces:?}");
@@ -181,18 +212,13 @@ fn a_stale_grant_heard_after_a_newer_attempt_is_only_a_wake_up() {
         w.stats().grants_received == 1
     });
     thread::sleep(ms(300)); // its confirming attempt is answered
-    assert!(g.check().is_ok(), "the holder still holds the lock");
+    assert!(queued.g.check().is_ok(), "the holder still holds the lock");
     assert!(
-        !waiting.is_finished(),
+        !queued.waiting.is_finished(),
         "a stale grant was taken as the lock"
     );
     assert_eq!(w.stats().grants_trusted, 0, "{:?}", w.stats());
-    released.store(true, Ordering::SeqCst);
-    let first = g.fencing_token();
-    g.unlock().expect("unlock");
-    let (after, got, valid) = waiting.join().expect("waiter");
-    assert!(after && valid);
-    assert!(got > first, "{got} <= {first}");
+    queued.hand_over(|| {});
     assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
 }
 
@@ -223,8 +249,7 @@ fn child_grantee() {
 /// only a wake-up. A grant read late is `a_grant_delayed_past_its_bound_is_not_a_lock`.)
 #[test]
 fn a_grantee_stopped_across_its_grant_does_not_believe_it_holds() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let g = holder.lock("k").expect("lock");
     let mut grantee = child::spawn_self("child_grantee", &[("G_URL", srv.url())]);
     child::wait_for_line(&mut grantee, "waiting", secs(20));
@@ -257,22 +282,13 @@ fn a_grantee_stopped_across_its_grant_does_not_believe_it_holds() {
 #[test]
 fn a_lost_grant_message_is_recovered_by_the_next_attempt() {
     let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let holder = client(&srv.url());
-    let g = holder.lock("k").expect("lock");
-    let w = client(&proxy.url());
-    let released = Arc::new(AtomicBool::new(false));
-    let waiting = waiter(&w, &released);
-    wait_queued(&srv);
+    let (proxy, w, queued) = queued_through_proxy(&srv);
     proxy.blackhole(true);
-    released.store(true, Ordering::SeqCst);
-    let first = g.fencing_token();
-    g.unlock().expect("unlock"); // the grant message is dropped on its way
-    proxy.blackhole(false);
-    proxy.kill_all();
-    let (after, got, valid) = waiting.join().expect("waiter");
-    assert!(after && valid);
-    assert!(got > first, "{got} <= {first}");
+    // The grant message is dropped on its way.
+    queued.hand_over(|| {
+        proxy.blackhole(false);
+        proxy.kill_all();
+    });
     let s = w.stats();
     assert_eq!(s.grants_received, 0, "the grant message was lost: {s:?}");
     assert_eq!(s.grants_trusted, 0, "{s:?}");

@@ -10,7 +10,7 @@ use redbaton_testkit::keys::Keys;
 use redbaton_testkit::sentinel::SentinelGroup;
 use redbaton_testkit::server::{RedisServer, start_many};
 use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{child, child_only, init_log, ms, secs, test_server};
+use redbaton_testkit::{child, child_only, init_log, ms, secs, test_server, test_server_and};
 use redbaton_testkit::{lock_builder, lock_client};
 
 const KEYS: Keys = Keys::DEFAULT;
@@ -32,8 +32,7 @@ fn names(infos: impl Iterator<Item = redbaton::Result<LockInfo>>) -> HashSet<Vec
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (_srv, c) = test_server_and(client);
     let guard = c.lock("k").expect("lock");
     let info = c.inspect("k").expect("inspect");
     assert_eq!(info.kind, LockKind::Lock);
@@ -54,8 +53,7 @@ fn smoke() {
 /// A name nobody ever used: free, no fence, nothing waits.
 #[test]
 fn an_unknown_name_is_free() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (_srv, c) = test_server_and(client);
     let info = c.inspect("never").expect("inspect");
     assert_eq!(info.kind, LockKind::Free);
     assert_eq!(info.fence, None);
@@ -116,8 +114,7 @@ fn read_write_holds_and_waiting_writers() {
 /// Expired holds are shown as expired, and left where they are: inspect writes nothing.
 #[test]
 fn a_semaphore_with_expired_holds() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let sem = c.semaphore("sem", 3);
     let live = sem.acquire().expect("permit");
     let key = KEYS.lock_bytes(b"sem");
@@ -205,8 +202,7 @@ fn a_fair_queue_of_three_processes() {
 /// names with braces included, and filters by pattern.
 #[test]
 fn locks_lists_held_names() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let other = lock_client!(node(srv.url()), key_prefix("other:"));
     let _a = c.lock("jobs:a").expect("lock");
     let _b = c.lock("jobs:}b{").expect("lock");
@@ -300,8 +296,7 @@ fn force_release_wakes_waiters() {
 /// A key of another type under the prefix is reported, listed, and never modified.
 #[test]
 fn a_foreign_key_is_reported_not_modified() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let key = KEYS.lock_bytes(b"alien");
     let _: i64 = redis::cmd("HSET")
         .arg(&key)

@@ -18,7 +18,7 @@ use redbaton_testkit::sentinel::SentinelGroup;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{join_within, wait_for};
 use redbaton_testkit::{child, child_only, init_log, lock_builder, lock_client, ms, secs};
-use redbaton_testkit::{test_server, wait::wait_until};
+use redbaton_testkit::{test_server, test_server_and, wait::wait_until};
 
 /// Generous bound for a call that should return: liveness, not a latency assertion.
 const LIVENESS: Duration = Duration::from_secs(30);
@@ -57,8 +57,7 @@ fn listeners(srv: &RedisServer, name: &str) -> u64 {
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let latch = c.latch("smoke", 2);
     assert_eq!(latch.count().expect("count"), 2);
     assert!(latch.wait_for(ms(10)).unwrap_err().is_timeout());
@@ -194,8 +193,7 @@ fn four_processes_count_down_and_eight_waiters_wake() {
 /// key and a Redlock client are typed errors that change nothing.
 #[test]
 fn bad_input_is_refused_and_writes_nothing() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let cancel = Cancel::new();
     for count in [0, MAX_LATCH_COUNT + 1, u64::MAX] {
         let latch = c.latch("bad", count);
@@ -394,8 +392,7 @@ fn a_lost_message_costs_a_recheck() {
 /// Deadlines: a closed latch is a timeout, at once for a zero timeout or a past deadline.
 #[test]
 fn timeouts() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (_srv, c) = test_server_and(client);
     let latch = c.latch("t", 1);
     assert!(latch.wait_for(Duration::ZERO).unwrap_err().is_timeout());
     assert!(
@@ -418,8 +415,7 @@ fn timeouts() {
 /// the call sends nothing.
 #[test]
 fn cancel() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let latch = c.latch("c", 1);
     let cancel = Cancel::new();
     thread::scope(|s| {
@@ -472,8 +468,7 @@ fn polling_waiters_see_it_open() {
 /// A lock and a latch of one name live side by side.
 #[test]
 fn a_name_can_be_a_lock_and_a_latch() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (_srv, c) = test_server_and(client);
     let guard = c.lock("both").expect("lock");
     let latch = c.latch("both", 1);
     assert_eq!(latch.count_down().unwrap(), 0);

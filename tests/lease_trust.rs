@@ -62,6 +62,14 @@ fn assert_longer_lease_kept(
     guard.check().expect("still held");
 }
 
+/// `c`'s lock of `name`, extended once to `lease`, which loads the extend script: a later
+/// call whose `NOSCRIPT` reply were delayed too would leave it unrun.
+fn locked_and_extended(c: &LockClient, name: &str, lease: Duration) -> redbaton::LockGuard {
+    let guard = c.lock(name).expect("lock");
+    guard.extend(lease).expect("extend");
+    guard
+}
+
 /// Polls `other` for the lock until it gets it or `within` passes.
 fn take_within(other: &LockClient, name: &str, within: Duration) -> Option<redbaton::LockGuard> {
     let until = Instant::now() + within;
@@ -88,9 +96,7 @@ fn extend_with_a_lost_reply_keeps_no_old_validity() {
         .build()
         .expect("build client");
     let b = client(&srv.url(), secs(30));
-    let guard = a.lock("x").expect("lock");
-    // Loads the script: a NOSCRIPT reply delayed too would leave it unrun.
-    guard.extend(secs(30)).expect("extend");
+    let guard = locked_and_extended(&a, "x", secs(30));
 
     proxy.set_delay(secs(1));
     let sent = Instant::now();
@@ -241,9 +247,7 @@ fn late_acquire_attempt(fair: bool) {
         .expect("build client");
     let b = client(&srv.url(), secs(30));
     // Scripts loaded, a connection pooled.
-    let warm = a.lock("warm-up").expect("lock");
-    warm.extend(secs(3)).expect("extend");
-    drop(warm);
+    drop(locked_and_extended(&a, "warm-up", secs(3)));
 
     // The first attempt takes 2 s to reach Redis; its retry, 300 ms later, does not.
     proxy.set_delay_both(secs(2));

@@ -15,7 +15,7 @@ use redbaton::{Builder, ForceRelease, LockClient, Unlocked};
 use redbaton_testkit::keys::{Counter, Keys, fence_of, handoff_of};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{join_within, wait_for};
-use redbaton_testkit::{child, child_only, lock_builder, ms, secs, test_server};
+use redbaton_testkit::{child, child_only, lock_builder, ms, secs, test_server, test_server_and};
 
 const PREFIX: &str = "lost:";
 const KEYS: Keys = Keys::new(PREFIX);
@@ -53,8 +53,7 @@ fn run(srv: &RedisServer, args: &[&str]) {
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let first = c.lock("smoke").expect("lock");
     assert!(
         !first.previous_lost(),
@@ -140,8 +139,7 @@ fn a_holder_killed_inside_is_reported_lost() {
 /// nothing, and a write hold released says so to the next.
 #[test]
 fn a_writer_killed_inside_is_reported_lost() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let (dead, dead_token) = holder(&srv, "killed-writer", "write");
     child::kill_and_reap(dead);
     let rw = c.rwlock("killed-writer");
@@ -251,8 +249,7 @@ fn a_lost_hold(srv: &RedisServer, c: &LockClient, name: &str) -> redbaton::LockG
 /// release: the grantee is not told anything was lost.
 #[test]
 fn a_fair_grant_is_a_clean_release() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let w = client(&srv.url());
     let g = holder.lock("granted").expect("lock");
     let queued = thread::spawn(move || {
@@ -325,8 +322,7 @@ fn child_queues() {
 /// of a loss (erring on the side of caution).
 #[test]
 fn a_grant_that_expires_unconfirmed_is_a_loss() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let g = holder.lock("dead-grantee").expect("lock");
     let mut dead = child::spawn_self(
         "child_queues",
@@ -462,8 +458,7 @@ impl Sequence<'_> {
 /// increase throughout (a fence is never below the server's clock).
 #[test]
 fn fences_increase_and_the_news_follows_the_data_across_restarts() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let first = c.lock("restart").expect("lock").fencing_token();
     let (dead, dead_token) = holder(&srv, "restart", "lock");
     assert!(dead_token > first);
@@ -539,8 +534,7 @@ fn redlock_reports_a_loss_any_granting_node_saw() {
 
 #[test]
 fn a_downgraded_write_ended_cleanly() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let rw = c.rwlock("down");
     let read = rw.write().expect("write").downgrade().expect("downgrade");
     let released = counter(&srv, "down").expect("counter");
@@ -549,17 +543,18 @@ fn a_downgraded_write_ended_cleanly() {
         "the write hold ended in the downgrade: {released:?}"
     );
     drop(read);
+    assert_next_write_clean(&rw, "the write hold before was downgraded, not lost");
+}
+
+/// The next write hold of `rw` is told that the hold before it was not lost (`why`).
+fn assert_next_write_clean(rw: &redbaton::RwLock, why: &str) {
     let next = rw.write().expect("write");
-    assert!(
-        !next.previous_lost(),
-        "the write hold before was downgraded, not lost"
-    );
+    assert!(!next.previous_lost(), "{why}");
 }
 
 #[test]
 fn an_upgraded_write_released_is_not_lost() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let rw = c.rwlock("up");
     let write = rw
         .upgradable_read()
@@ -571,17 +566,12 @@ fn an_upgraded_write_released_is_not_lost() {
         "the upgrade holds the write"
     );
     assert_eq!(write.unlock().unwrap(), Unlocked::Released);
-    let next = rw.write().expect("write");
-    assert!(
-        !next.previous_lost(),
-        "the upgraded write hold was released"
-    );
+    assert_next_write_clean(&rw, "the upgraded write hold was released");
 }
 
 #[test]
 fn a_multi_lock_released_is_not_lost() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let both = c.multi_lock(["{m}a", "{m}b"]).expect("multi-lock");
     for name in ["{m}a", "{m}b"] {
         assert!(counter(&srv, name).expect("counter").held, "{name} held");
@@ -605,8 +595,7 @@ fn a_multi_lock_released_is_not_lost() {
 
 #[test]
 fn a_multi_lock_is_told_of_a_lost_name() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let held = c.lock("{n}b").expect("lock");
     // Its key deleted by hand: the hold ends without a release.
     run(&srv, &["DEL", &KEYS.lock("{n}b")]);

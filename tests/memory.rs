@@ -32,6 +32,15 @@ fn short_fence(url: &str) -> Builder {
 }
 
 /// `b`, with idle counters expiring after [`FENCE_TTL`].
+/// For the fair queue's script and the plain one: whether it is the fair one, a client
+/// with short-lived counters that uses it, and a name of its own made from `prefix`.
+fn both_scripts(srv: &RedisServer, prefix: &str) -> [(bool, LockClient, String); 2] {
+    [true, false].map(|fair| {
+        let c = short_fence(&srv.url()).fair(fair).build().expect("client");
+        (fair, c, format!("{prefix}-{fair}"))
+    })
+}
+
 fn with_short_fence(b: Builder) -> Builder {
     b.key_prefix(PREFIX)
         .lease(ms(600))
@@ -97,9 +106,7 @@ fn ten_thousand_names_leave_o1_keys() {
 fn tokens_increase_across_counter_expiry_and_eviction() {
     let srv = test_server();
     let mut conn = srv.conn();
-    for fair in [true, false] {
-        let c = short_fence(&srv.url()).fair(fair).build().expect("client");
-        let name = format!("t-{fair}");
+    for (fair, c, name) in both_scripts(&srv, "t") {
         let fence = KEYS.fence(&name);
         let first = c.try_lock(&name).expect("free").fencing_token();
         wait_for(secs(30), "the idle counter expired", || {
@@ -123,9 +130,7 @@ fn tokens_increase_across_counter_expiry_and_eviction() {
 fn tokens_increase_when_the_counter_comes_back_stale() {
     let srv = test_server();
     let mut conn = srv.conn();
-    for fair in [true, false] {
-        let c = short_fence(&srv.url()).fair(fair).build().expect("client");
-        let name = format!("stale-{fair}");
+    for (fair, c, name) in both_scripts(&srv, "stale") {
         let first = c.try_lock(&name).expect("free").fencing_token();
         let () = redis::cmd("SET")
             .arg(KEYS.fence(&name))

@@ -18,7 +18,7 @@ use redbaton_testkit::sentinel::SentinelGroup;
 use redbaton_testkit::server::{RedisServer, start_many};
 use redbaton_testkit::wait::{join_within, wait_for};
 use redbaton_testkit::{child, child_only, exists, lock_builder, lock_client, ms, secs};
-use redbaton_testkit::{init_log, raw_conn, test_server};
+use redbaton_testkit::{init_log, raw_conn, test_server, test_server_and};
 
 const PREFIX: &str = "mt:";
 const KEYS: Keys = Keys::new(PREFIX);
@@ -45,8 +45,7 @@ fn value(srv: &RedisServer, key: &str) -> Option<String> {
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let guard = c.multi_lock(["a", "b", "c"]).expect("multi-lock");
     let tokens = guard.fencing_tokens();
     let names: Vec<&[u8]> = tokens.iter().map(|(n, _)| *n).collect();
@@ -189,8 +188,7 @@ fn every_name_is_renewed() {
 
 #[test]
 fn bad_input_is_refused_before_anything_is_sent() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let sent = || c.stats().commands;
     let before = sent();
     let none: [&str; 0] = [];
@@ -279,8 +277,7 @@ fn a_cancelled_wait_leaves_nothing() {
 /// them give it back in Redis within their fairness budget.
 #[test]
 fn the_processs_own_threads_make_room() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..3)
         .map(|_| {
@@ -313,8 +310,7 @@ fn the_processs_own_threads_make_room() {
 /// waiting for a name it holds get it after, in Redis.
 #[test]
 fn the_guard_moves_between_threads() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (_srv, c) = test_server_and(client);
     let guard = c.multi_lock(["a", "b"]).expect("multi-lock");
     let token = guard.fencing_token("a").expect("a");
     let c2 = c.clone();
@@ -367,11 +363,8 @@ fn behind_sentinel() {
 #[test]
 fn child_multi_locker() {
     child_only!();
-    let names: Vec<String> = child::env("M_NAMES")
-        .split(',')
-        .map(str::to_owned)
-        .collect();
-    let seeds: Vec<String> = child::env("M_URLS").split(',').map(str::to_owned).collect();
+    let names = child::env_list("M_NAMES");
+    let seeds = child::env_list("M_URLS");
     // A deadlock would show as a timeout here.
     let c = if seeds.len() > 1 {
         lock_client!(cluster(seeds), key_prefix(PREFIX))

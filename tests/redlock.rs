@@ -212,10 +212,7 @@ const COUNTER: &str = "rl-test:counter";
 #[test]
 fn child_counter_worker() {
     child_only!();
-    let nodes: Vec<String> = child::env("RL_NODES")
-        .split(',')
-        .map(str::to_owned)
-        .collect();
+    let nodes = child::env_list("RL_NODES");
     let counter_url = child::env("RL_COUNTER");
     let threads: usize = child::env("RL_THREADS").parse().expect("RL_THREADS");
     let iters: usize = child::env("RL_ITERS").parse().expect("RL_ITERS");

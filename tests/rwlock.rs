@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{LockClient, Unlocked};
+use redbaton::{LockClient, RwLock, Unlocked};
 use redbaton_testkit::child;
 use redbaton_testkit::child_only;
 use redbaton_testkit::intervals::{self, Recorder};
@@ -16,8 +16,8 @@ use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::spin;
-use redbaton_testkit::test_server;
 use redbaton_testkit::wait::join_all;
+use redbaton_testkit::{test_server, test_server_and};
 
 const PREFIX: &str = "rw:";
 
@@ -25,11 +25,16 @@ fn client(url: &str) -> LockClient {
     lock_client!(node(url), key_prefix(PREFIX))
 }
 
+/// A server of its own, and the read-write lock `name` of a client of it.
+fn served(name: &str) -> (RedisServer, RwLock) {
+    let srv = test_server();
+    let rw = client(&srv.url()).rwlock(name);
+    (srv, rw)
+}
+
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = client(&srv.url());
-    let rw = c.rwlock("smoke");
+    let (srv, rw) = served("smoke");
     let r1 = rw.read().expect("read");
     let r2 = rw.try_read().expect("second reader");
     let other = client(&srv.url()).rwlock("smoke");
@@ -47,39 +52,27 @@ fn smoke() {
 
 #[test]
 fn one_name_one_kind() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (_srv, c) = test_server_and(client);
+    let (rw, sem) = (c.rwlock("k"), c.semaphore("k", 2));
     let plain = c.lock("k").expect("lock");
-    assert!(c.rwlock("k").try_read().unwrap_err().is_wrong_kind());
-    assert!(c.rwlock("k").try_write().unwrap_err().is_wrong_kind());
-    assert!(
-        c.semaphore("k", 2)
-            .try_acquire()
-            .unwrap_err()
-            .is_wrong_kind()
-    );
+    assert!(rw.try_read().unwrap_err().is_wrong_kind());
+    assert!(rw.try_write().unwrap_err().is_wrong_kind());
+    assert!(sem.try_acquire().unwrap_err().is_wrong_kind());
     drop(plain);
-    let r = c.rwlock("k").read().expect("free again");
+    let r = rw.read().expect("free again");
     assert!(c.try_lock("k").unwrap_err().is_wrong_kind());
-    assert!(
-        c.semaphore("k", 2)
-            .try_acquire()
-            .unwrap_err()
-            .is_wrong_kind()
-    );
+    assert!(sem.try_acquire().unwrap_err().is_wrong_kind());
     drop(r);
-    let p = c.semaphore("k", 2).acquire().expect("permit");
+    let p = sem.acquire().expect("permit");
     assert!(c.try_lock("k").unwrap_err().is_wrong_kind());
-    assert!(c.rwlock("k").try_write().unwrap_err().is_wrong_kind());
+    assert!(rw.try_write().unwrap_err().is_wrong_kind());
     drop(p);
     c.lock("k").expect("plain again").unlock().expect("unlock");
 }
 
 #[test]
 fn a_thread_never_waits_for_itself() {
-    let srv = test_server();
-    let c = client(&srv.url());
-    let rw = c.rwlock("self");
+    let (_srv, rw) = served("self");
     let r = rw.read().expect("read");
     assert!(matches!(
         rw.try_write_for(ms(100)),
@@ -392,30 +385,32 @@ fn a_writer_is_not_starved_by_busy_readers() {
     assert!(waited < 5000, "writer waited {waited} ms");
 }
 
+/// The lease of the holds of the crash test, short so that a killed reader's hold
+/// expires soon.
+const CRASH_LEASE: Duration = Duration::from_secs(2);
+
+/// The read-write lock of the crash test, through a client of its own on `url`.
+fn crash_lock(url: &str) -> RwLock {
+    lock_client!(node(url), key_prefix(PREFIX), lease(CRASH_LEASE)).rwlock("crash")
+}
+
 /// A child that takes a read hold, says so, and holds it until killed.
 #[test]
 fn child_reader_holds() {
-    child::hold_until_killed(|url| {
-        lock_client!(node(url), key_prefix(PREFIX), lease(Duration::from_secs(2)))
-            .rwlock("crash")
-            .read()
-            .expect("read")
-    });
+    child::hold_until_killed(|url| crash_lock(url).read().expect("read"));
 }
 
 #[test]
 fn a_killed_readers_hold_expires_alone() {
     let srv = test_server();
-    let lease = Duration::from_secs(2);
+    let lease = CRASH_LEASE;
     let reader = child::spawn_holder("child_reader_holds", srv.url());
-    let other = lock_client!(node(srv.url()), key_prefix(PREFIX), lease(lease));
-    let r = other.rwlock("crash").read().expect("another reader");
+    let other = crash_lock(&srv.url());
+    let r = other.read().expect("another reader");
     let killed = child::kill_and_reap(reader);
     let url = srv.url();
     let writer = thread::spawn(move || {
-        let c = lock_client!(node(url), key_prefix(PREFIX), lease(lease));
-        let w = c
-            .rwlock("crash")
+        let w = crash_lock(&url)
             .try_write_for(Duration::from_secs(30))
             .expect("write");
         let at = Instant::now();
@@ -425,7 +420,7 @@ fn a_killed_readers_hold_expires_alone() {
     // The surviving reader keeps its hold past the killed reader's lease.
     thread::sleep(lease + ms(300));
     r.check().expect("the other reader's hold is unaffected");
-    let joined = other.rwlock("crash").try_read();
+    let joined = other.try_read();
     assert!(joined.is_ok() || joined.as_ref().unwrap_err().is_would_block());
     drop(joined);
     assert_eq!(r.unlock().unwrap(), Unlocked::Released);
@@ -438,8 +433,7 @@ fn a_killed_readers_hold_expires_alone() {
 /// 20 idle waiters (10 readers, 10 writers) behind a writer cost Redis almost nothing.
 #[test]
 fn idle_waiters_cost_almost_no_commands() {
-    let srv = test_server();
-    let holder = client(&srv.url());
+    let (srv, holder) = test_server_and(client);
     let w = holder.rwlock("idle").write().expect("write");
     let waiters = client(&srv.url());
     let handles: Vec<_> = (0..20)
@@ -459,9 +453,7 @@ fn idle_waiters_cost_almost_no_commands() {
     let spent = srv.idle_cost("20 idle waiters");
     assert!(spent < 10, "{spent} commands: {:?}", srv.commandstats());
     drop(w);
-    for h in handles {
-        h.join()
-            .unwrap()
-            .expect("every waiter got in once the writer left");
+    for got in join_all(handles, "waiter") {
+        got.expect("every waiter got in once the writer left");
     }
 }

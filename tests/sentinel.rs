@@ -52,7 +52,7 @@ fn smoke() {
 #[test]
 fn child_failover_worker() {
     child_only!();
-    let urls: Vec<String> = child::env("S_URLS").split(',').map(str::to_owned).collect();
+    let urls = child::env_list("S_URLS");
     let run_for = Duration::from_millis(child::env("S_RUN_MS").parse().expect("S_RUN_MS"));
     let lease = Duration::from_millis(child::env("S_LEASE_MS").parse().expect("lease"));
     let mut b = lock_builder!(sentinel(NAME, urls), lease(lease), io_timeouts(ms(1000)));
@@ -282,18 +282,10 @@ fn rwlocks_and_semaphores_follow_the_master() {
         drop((r, r2));
         drop(b.rwlock("rw").try_write_for(secs(10)).expect("write"));
         let p = a.semaphore("sem", 1).acquire().expect("permit");
-        assert!(
-            b.semaphore("sem", 1)
-                .try_acquire()
-                .unwrap_err()
-                .is_would_block()
-        );
+        let sem = b.semaphore("sem", 1);
+        assert!(sem.try_acquire().unwrap_err().is_would_block());
         drop(p);
-        drop(
-            b.semaphore("sem", 1)
-                .try_acquire_for(secs(10))
-                .expect("permit again"),
-        );
+        drop(sem.try_acquire_for(secs(10)).expect("permit again"));
     };
     check("before the failover");
     let old = group.master_port();

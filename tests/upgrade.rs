@@ -13,13 +13,13 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{Error, HoldKind, LockClient, Unlocked};
+use redbaton::{Error, HoldKind, LockClient, ReadGuard, Unlocked, WriteGuard};
 use redbaton_testkit::child;
 use redbaton_testkit::child_only;
 use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::test_server;
+use redbaton_testkit::{test_server, test_server_and};
 
 const PREFIX: &str = "up:";
 /// Liveness bound of every wait in these tests: generous, never a speed claim.
@@ -31,34 +31,19 @@ fn client(url: &str) -> LockClient {
 
 #[test]
 fn smoke() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     // Other clients in this thread: a thread's holds through one client are another
     // client's strangers (`WouldDeadlock` is per client).
-    let (other, third) = (client(&srv.url()), client(&srv.url()));
+    let other = client(&srv.url()).rwlock("smoke");
+    let third = client(&srv.url()).rwlock("smoke");
     let rw = c.rwlock("smoke");
     let u = rw.upgradable_read().expect("upgradable read");
     u.check().expect("held");
     let read_token = u.fencing_token();
     // Readers read beside it; writers and other upgradable readers do not get in.
-    let r = other
-        .rwlock("smoke")
-        .try_read()
-        .expect("a reader beside it");
-    assert!(
-        third
-            .rwlock("smoke")
-            .try_write()
-            .unwrap_err()
-            .is_would_block()
-    );
-    assert!(
-        third
-            .rwlock("smoke")
-            .try_upgradable_read()
-            .unwrap_err()
-            .is_would_block()
-    );
+    let r = other.try_read().expect("a reader beside it");
+    assert!(third.try_write().unwrap_err().is_would_block());
+    assert!(third.try_upgradable_read().unwrap_err().is_would_block());
     let info = c.inspect("smoke").expect("inspect");
     let kinds: Vec<_> = info.holds.iter().map(|h| (h.kind, h.mine)).collect();
     assert!(kinds.contains(&(HoldKind::Upgradable, true)), "{kinds:?}");
@@ -67,27 +52,15 @@ fn smoke() {
     drop(r);
     let w = u.try_upgrade().expect("the reader is gone");
     assert!(w.fencing_token() > read_token, "a writer's token");
-    assert!(
-        other
-            .rwlock("smoke")
-            .try_read()
-            .unwrap_err()
-            .is_would_block()
-    );
+    assert!(other.try_read().unwrap_err().is_would_block());
     let write_token = w.fencing_token();
     let r = w.downgrade().expect("downgrade");
     assert!(r.fencing_token() > write_token);
-    let joined = other.rwlock("smoke").try_read().expect("readers join");
-    assert!(
-        third
-            .rwlock("smoke")
-            .try_write()
-            .unwrap_err()
-            .is_would_block()
-    );
+    let joined = other.try_read().expect("readers join");
+    assert!(third.try_write().unwrap_err().is_would_block());
     assert_eq!(r.unlock().expect("unlock"), Unlocked::Released);
     drop(joined);
-    let next = other.rwlock("smoke").try_write().expect("free");
+    let next = other.try_write().expect("free");
     assert!(next.fencing_token() > write_token);
     drop(next);
     assert_only_fences(&srv);
@@ -164,17 +137,19 @@ fn child_upgradable_until_stop() {
     hold_until_stop(|rw| rw.upgradable_read());
 }
 
-/// The whole of a child that waits for a hold of `NAME` (`take` gives it and its fencing
-/// token), then sets `key` to the token and says it; keeps the hold until `stop` is set
-/// if `until_stop`.
+/// The whole of a child that waits for a hold of `NAME` (`take` gives it, `token` reads
+/// its fencing token), then sets `key` to the token and says it; keeps the hold until
+/// `stop` is set if `until_stop`.
 fn wait_then_say<T>(
     key: &str,
     until_stop: bool,
-    take: impl FnOnce(&redbaton::RwLock) -> redbaton::Result<(T, u64)>,
+    take: impl FnOnce(&redbaton::RwLock, Duration) -> redbaton::Result<T>,
+    token: impl FnOnce(&T) -> u64,
 ) {
     child_only!();
     let url = child::env("REDIS_URL");
-    let (held, token) = take(&client(&url).rwlock(child::env("NAME"))).expect("hold");
+    let held = take(&client(&url).rwlock(child::env("NAME")), LIVENESS).expect("hold");
+    let token = token(&held);
     let mut conn = redbaton_testkit::raw_conn(&url);
     set(&mut conn, key, token);
     child::print_result(&[("token", token.to_string())]);
@@ -187,28 +162,23 @@ fn wait_then_say<T>(
 /// A child that waits to write `NAME`, and once it writes sets `writer_in` to its token.
 #[test]
 fn child_writer_waits() {
-    wait_then_say("writer_in", false, |rw| {
-        rw.try_write_for(LIVENESS).map(|w| {
-            let token = w.fencing_token();
-            (w, token)
-        })
-    });
+    let take = redbaton::RwLock::try_write_for;
+    wait_then_say("writer_in", false, take, WriteGuard::fencing_token);
 }
 
 /// A child that waits to read `NAME`, sets `reader_in` while it reads, and lets go once
 /// `stop` is set.
 #[test]
 fn child_reader_waits() {
-    wait_then_say("reader_in", true, |rw| {
-        rw.try_read_for(LIVENESS).map(|r| {
-            let token = r.fencing_token();
-            (r, token)
-        })
-    });
+    let take = redbaton::RwLock::try_read_for;
+    wait_then_say("reader_in", true, take, ReadGuard::fencing_token);
 }
 
-fn envs(srv: &RedisServer, name: &str) -> [(&'static str, String); 2] {
-    [("REDIS_URL", srv.url()), ("NAME", name.to_owned())]
+/// A server of its own for a test of `name`, and what its children are told of both.
+fn served(name: &str) -> (RedisServer, [(&'static str, String); 2]) {
+    let srv = test_server();
+    let envs = [("REDIS_URL", srv.url()), ("NAME", name.to_owned())];
+    (srv, envs)
 }
 
 /// Starts the child `test` and waits until it says it holds.
@@ -220,8 +190,7 @@ fn holder(test: &str, envs: &[(&str, String)]) -> std::process::Child {
 
 #[test]
 fn an_upgrade_waits_for_other_processes_readers_and_no_writer_gets_in_first() {
-    let srv = test_server();
-    let envs = envs(&srv, "up");
+    let (srv, envs) = served("up");
     let c = client(&srv.url());
     let u = c.rwlock("up").upgradable_read().expect("upgradable read");
     let readers = [
@@ -290,8 +259,7 @@ fn a_waiting_upgrade_holds_new_readers_back() {
 
 #[test]
 fn a_downgrade_keeps_a_waiting_writer_out_and_lets_local_readers_join() {
-    let srv = test_server();
-    let envs = envs(&srv, "down");
+    let (srv, envs) = served("down");
     // Local readers join the process's read hold while its budget lasts (then Redis says a
     // writer waits, and they stop): a budget longer than the test.
     let c = lock_client!(
@@ -317,14 +285,8 @@ fn a_downgrade_keeps_a_waiting_writer_out_and_lets_local_readers_join() {
         s.spawn(|| drop(rw.try_read().expect("a local reader joins")));
         assert!(s.spawn(|| rw.try_write().is_err()).join().unwrap());
     });
-    let other = client(&srv.url());
-    assert!(
-        other
-            .rwlock("down")
-            .try_read()
-            .unwrap_err()
-            .is_would_block()
-    );
+    let other = client(&srv.url()).rwlock("down");
+    assert!(other.try_read().unwrap_err().is_would_block());
     let info = c.inspect("down").expect("inspect");
     assert_eq!(info.holds.len(), 1, "{info:?}");
     assert_eq!(
@@ -343,8 +305,7 @@ fn a_downgrade_keeps_a_waiting_writer_out_and_lets_local_readers_join() {
 
 #[test]
 fn a_downgrade_wakes_other_processes_readers() {
-    let srv = test_server();
-    let envs = envs(&srv, "wake");
+    let (srv, envs) = served("wake");
     let c = client(&srv.url());
     let w = c.rwlock("wake").write().expect("write");
     let reader = child::spawn_self("child_reader_waits", &envs);
@@ -364,8 +325,7 @@ fn a_downgrade_wakes_other_processes_readers() {
 
 #[test]
 fn upgradable_reads_exclude_each_other() {
-    let srv = test_server();
-    let envs = envs(&srv, "one");
+    let (srv, envs) = served("one");
     let held = holder("child_upgradable_until_stop", &envs);
     let c = client(&srv.url());
     let rw = c.rwlock("one");
@@ -398,8 +358,7 @@ fn upgradable_reads_exclude_each_other() {
 
 #[test]
 fn bad_input_and_paths_are_typed_errors() {
-    let srv = test_server();
-    let c = client(&srv.url());
+    let (srv, c) = test_server_and(client);
     assert!(matches!(
         c.rwlock("").upgradable_read(),
         Err(Error::InvalidName(_))
@@ -412,24 +371,14 @@ fn bad_input_and_paths_are_typed_errors() {
             .is_invalid_input()
     );
     // One name, one kind.
+    let (rw, sem) = (c.rwlock("kind"), c.semaphore("kind", 2));
     let plain = c.lock("kind").expect("lock");
-    assert!(
-        c.rwlock("kind")
-            .try_upgradable_read()
-            .unwrap_err()
-            .is_wrong_kind()
-    );
+    assert!(rw.try_upgradable_read().unwrap_err().is_wrong_kind());
     drop(plain);
-    let u = c.rwlock("kind").upgradable_read().expect("free again");
+    let u = rw.upgradable_read().expect("free again");
     assert!(c.try_lock("kind").unwrap_err().is_wrong_kind());
-    assert!(
-        c.semaphore("kind", 2)
-            .try_acquire()
-            .unwrap_err()
-            .is_wrong_kind()
-    );
+    assert!(sem.try_acquire().unwrap_err().is_wrong_kind());
     // A thread never waits for itself.
-    let rw = c.rwlock("kind");
     for taken in [
         rw.try_read().err(),
         rw.try_write().err(),
@@ -505,24 +454,12 @@ fn without_local_handoff_a_second_read_guard_keeps_the_hold() {
     let second = rw.read().expect("again");
     drop(first);
     second.check().expect("held");
-    let other = client(&srv.url());
-    assert!(
-        other
-            .rwlock("own")
-            .try_write()
-            .unwrap_err()
-            .is_would_block()
-    );
+    let other = client(&srv.url()).rwlock("own");
+    assert!(other.try_write().unwrap_err().is_would_block());
     assert_eq!(second.unlock().expect("unlock"), Unlocked::Released);
     let w = rw.write().expect("write");
     let r = w.downgrade().expect("downgrade");
-    assert!(
-        other
-            .rwlock("own")
-            .try_write()
-            .unwrap_err()
-            .is_would_block()
-    );
+    assert!(other.try_write().unwrap_err().is_would_block());
     drop(r);
     assert_only_fences(&srv);
 }

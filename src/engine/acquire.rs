@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::engine::contest::Wait;
+use crate::engine::contest::{Start, Wait};
 use crate::engine::state::Engine;
 use crate::error::Result;
 use crate::local::held::RemoteLock;
@@ -97,7 +97,7 @@ impl Engine {
     ) -> Result<Arc<RemoteLock>> {
         // A contender that panics gives up its turn, so that the next local waiter contends.
         let undo = OnUnwind::new(|| self.table.contend_failed(keys));
-        let contended = self.contest(keys, route, Kind::Lock, wait, yield_first);
+        let contended = self.contest(keys, route, Kind::Lock, wait, Start::New { yield_first });
         undo.disarm();
         match contended.map(|won| won.remote) {
             Ok(lock) => {

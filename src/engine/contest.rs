@@ -3,7 +3,7 @@
 //! decides when it tries again. Everything that differs between holds is the route's
 //! [`Protocol`]'s answer; everything that differs between layouts is the topology's.
 //!
-//! A contest may also turn a hold of ours into another ([`Engine::convert`]: an upgradable
+//! A contest may also turn a hold of ours into another ([`Start::Convert`]: an upgradable
 //! read into the write hold): every attempt then uses that hold's member as its token, and
 //! the hold's renewals wait while an attempt is in flight (see [`Paused`]).
 
@@ -23,7 +23,7 @@ use crate::local::mailbox::Cancellation;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{NodeId, may_have_run};
-use crate::proto::protocol::{Attempt, Kind, Marks, Protocol, Request};
+use crate::proto::protocol::{Attempt, Hears, Kind, Marks, Protocol, Request};
 use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::ride::Ride;
@@ -59,6 +59,16 @@ impl<'a> Wait<'a> {
     /// Whether the caller cancelled the wait.
     pub fn cancelled(self) -> bool {
         self.cancel().is_some_and(|c| c.is_cancelled())
+    }
+
+    /// A waiter that hears what `hears` says, and whose sleeps end when the caller cancels
+    /// this wait.
+    pub fn waiter(self, hears: Hears) -> Waiter {
+        let mut waiter = Waiter::hearing(hears);
+        if let Some(cancel) = self.cancel() {
+            waiter.cancel_with(cancel);
+        }
+        waiter
     }
 
     /// Whether the caller would wait now if the hold is taken.
@@ -169,46 +179,34 @@ enum Round {
     },
 }
 
+/// What a contest starts from.
+#[derive(Clone, Copy)]
+pub(crate) enum Start<'a> {
+    /// A new hold. `yield_first`: this process just released the lock others wait for
+    /// (see `yield_to_others`).
+    New { yield_first: bool },
+    /// A hold of ours, which the hold won replaces (an upgrade): every attempt uses its
+    /// member. Once the contest returns the hold, this one is out of the watchdog's hands:
+    /// the caller retires it (see `RemoteLock::begin_release`), with no release.
+    Convert(&'a RemoteLock),
+}
+
 impl Engine {
     /// Contends in Redis for a hold of `kind` on `route` (the route of `keys`, looked up
-    /// once by the caller) until it is ours, the wait policy says stop, or an error.
-    /// `yield_first`: this process just released the lock others wait for (see
-    /// `yield_to_others`).
+    /// once by the caller), from `start`, until it is ours, the wait policy says stop, or
+    /// an error.
     pub(crate) fn contest(
         self: &Arc<Self>,
         keys: &Keys,
         route: Route,
         kind: Kind,
         wait: Wait<'_>,
-        yield_first: bool,
+        start: Start<'_>,
     ) -> Result<Won> {
-        self.contest_from(keys, route, kind, wait, yield_first, None)
-    }
-
-    /// Contends, as [`contest`](Self::contest) does, for a hold of `kind` that `from`, a
-    /// hold of ours, turns into (an upgrade): every attempt uses `from`'s member, and the
-    /// hold won replaces it. Once this returns the hold, `from` is out of the watchdog's
-    /// hands: the caller retires it (see `RemoteLock::begin_release`), with no release.
-    pub(crate) fn convert(
-        self: &Arc<Self>,
-        keys: &Keys,
-        route: Route,
-        kind: Kind,
-        wait: Wait<'_>,
-        from: &RemoteLock,
-    ) -> Result<Won> {
-        self.contest_from(keys, route, kind, wait, false, Some(from))
-    }
-
-    fn contest_from(
-        self: &Arc<Self>,
-        keys: &Keys,
-        route: Route,
-        kind: Kind,
-        wait: Wait<'_>,
-        yield_first: bool,
-        from: Option<&RemoteLock>,
-    ) -> Result<Won> {
+        let (yield_first, from) = match start {
+            Start::New { yield_first } => (yield_first, None),
+            Start::Convert(from) => (false, Some(from)),
+        };
         let protocol = route.protocol(kind)?;
         // Fair queue: one token for the whole wait, so that our place in the queue, and a
         // grant to it, survive from one attempt to the next. Shared holds: one member, so
@@ -228,10 +226,7 @@ impl Engine {
                 leave_after_panic(self, keys, protocol, token);
             }
         });
-        let mut waiter = Waiter::hearing(protocol.hears());
-        if let Some(cancel) = wait.cancel() {
-            waiter.cancel_with(cancel);
-        }
+        let mut waiter = wait.waiter(protocol.hears());
         if let Some(t) = token.filter(|_| protocol.awaits_grant()) {
             waiter.await_grant(t);
         }
@@ -263,7 +258,7 @@ struct Contest<'a> {
     waiter: Waiter,
     /// The token of every attempt, when the protocol keeps one for the whole wait.
     token: Option<&'a str>,
-    /// The hold of ours the attempts turn into another (see [`Engine::convert`]).
+    /// The hold of ours the attempts turn into another (see [`Start::Convert`]).
     from: Option<&'a RemoteLock>,
     /// An attempt of ours may have left a contention mark or a queue entry: taken with
     /// us when we leave without the hold.

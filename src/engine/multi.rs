@@ -194,19 +194,14 @@ impl Engine {
                 "a multi-lock's group without a sole node".to_owned(),
             ));
         };
-        let mark_id = format!("{}{MARK_SUFFIX}", node.client_id());
-        let mut waiter = Waiter::hearing(Hears::Key);
-        if let Some(cancel) = wait.cancel() {
-            waiter.cancel_with(cancel);
-        }
         GroupContest {
             engine: self,
             keys,
+            mark_id: format!("{}{MARK_SUFFIX}", node.client_id()),
             route,
             protocol,
             wait,
-            waiter,
-            mark_id,
+            waiter: wait.waiter(Hears::Key),
             marked: false,
         }
         .run()
@@ -302,11 +297,13 @@ impl Drop for Partial<'_> {
 struct GroupContest<'a> {
     engine: &'a Arc<Engine>,
     keys: &'a [Keys],
+    /// What our contention marks carry: the group node's id of our client, and
+    /// [`MARK_SUFFIX`].
+    mark_id: String,
     route: Route,
     protocol: Protocol,
     wait: Wait<'a>,
     waiter: Waiter,
-    mark_id: String,
     /// An attempt of ours may have left contention marks: taken with us when we leave
     /// without the locks.
     marked: bool,

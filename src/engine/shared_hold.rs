@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::engine::contest::{Wait, Won};
+use crate::engine::contest::{Start, Wait, Won};
 use crate::engine::state::Engine;
 use crate::error::{Error, Result, Unlocked};
 use crate::local::held::RemoteLock;
@@ -123,7 +123,7 @@ impl Engine {
         wait: Wait<'_>,
     ) -> Result<(Arc<RemoteLock>, bool)> {
         let route = self.topology.route(keys);
-        self.watched(self.contest(keys, route, kind, wait, false))
+        self.watched(self.contest(keys, route, kind, wait, Start::New { yield_first: false }))
     }
 
     /// A contest's outcome, counted when it timed out; the hold won is watched (and

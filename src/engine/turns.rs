@@ -12,7 +12,7 @@ use std::time::Instant;
 use parking_lot::MutexGuard;
 
 use crate::clock::Stamp;
-use crate::engine::contest::{Paused, Wait};
+use crate::engine::contest::{Paused, Start, Wait};
 use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
@@ -329,7 +329,7 @@ impl Engine {
             )?;
             let keys = &from.keys;
             let route = self.topology.route(keys);
-            let won = self.convert(keys, route, Kind::Upgrade, wait, from);
+            let won = self.contest(keys, route, Kind::Upgrade, wait, Start::Convert(from));
             let (remote, _) = self.watched(won).inspect_err(|e| {
                 if let Error::Lost(reason) = e {
                     from.mark_lost(*reason, &self.counters);

@@ -106,30 +106,23 @@ pub(crate) struct Acquisition {
 
 impl RemoteLock {
     pub fn new(
-        Acquisition {
-            keys,
-            protocol,
-            token,
-            fence,
-            previous_lost,
-            nodes,
-            started,
-        }: Acquisition,
+        won: Acquisition,
         lease: Duration,
         drift: Duration,
         renew_every: Option<Duration>,
     ) -> Self {
+        let started = won.started;
         RemoteLock {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            keys,
-            token,
-            fence,
-            previous_lost,
-            nodes,
+            keys: won.keys,
+            token: won.token,
+            fence: won.fence,
+            previous_lost: won.previous_lost,
+            nodes: won.nodes,
             acquired_at: started.to_instant(),
             acquired: started,
             renews: renew_every.is_some(),
-            protocol,
+            protocol: won.protocol,
             state: Mutex::new(State {
                 lease,
                 valid_until: started + lease - drift,

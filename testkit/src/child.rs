@@ -118,6 +118,12 @@ pub fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("environment variable {name} is not set"))
 }
 
+/// A required environment variable holding a comma-separated list (the parent joins a
+/// list with `,`), split into its items.
+pub fn env_list(name: &str) -> Vec<String> {
+    env(name).split(',').map(str::to_owned).collect()
+}
+
 /// Prints one `RESULT k=v ...` line and flushes it (the parent may be
 /// waiting for it with [`wait_for_line`]). Keys and values must not contain
 /// whitespace; keys must not contain `=`.

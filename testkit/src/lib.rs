@@ -3,7 +3,7 @@
 //! started from here.
 //!
 //! * [`server`]: a throwaway `redis-server` per test ([`server::RedisServer`]);
-//!   [`test_server`] is how a test starts with one.
+//!   [`test_server`] is how a test starts with one ([`test_server_and`]: with a client).
 //! * [`client`]: [`lock_client!`] and [`lock_builder!`], the one way to make a client.
 //! * [`proxy`]: a fault-injecting TCP proxy (delays, lost replies, partitions).
 //! * [`child`]: real child processes contending for locks.
@@ -135,6 +135,14 @@ pub fn init_log() {}
 pub fn test_server() -> RedisServer {
     init_log();
     RedisServer::start()
+}
+
+/// [`test_server`], and what `make` makes of its URL (a client): the two lines most tests
+/// start with, as one.
+pub fn test_server_and<C>(make: impl FnOnce(&str) -> C) -> (RedisServer, C) {
+    let srv = test_server();
+    let made = make(&srv.url());
+    (srv, made)
 }
 
 /// A Redis URL on a loopback port that nothing listens on (bound, then released): for
