@@ -10,14 +10,22 @@
 //! Redis commands per section, counted by the server (`INFO commandstats`, after
 //! `CONFIG RESETSTAT`, minus this tool's own `INFO`): `cmds` counts every command the
 //! server ran, including those inside scripts; `sent` only what clients sent (round trips).
+//! `failed` and `woken` are the workers' own counts per section: attempts that found the
+//! name held, and waits ended by a message.
 //! Last, the mean latency of an uncontended upgrade (an upgradable read turned into the
 //! write hold).
+//!
+//! With `--only semaphore` every section takes one permit of a semaphore of `--permits`
+//! permits (2 by default) instead: P processes wait for them, one thread each in Redis
+//! (a process's threads wait for a permit one at a time), so with T = 1 the row shows
+//! what a freed permit costs with P − permits processes waiting.
 //!
 //! ```text
 //! cargo run --release --example rw_bench                    # P=4 T=4 S=500 H=100 R=90
 //! cargo run --release --example rw_bench -- 4 4 500 100 90  # P T S H R
 //! cargo run --release --example rw_bench -- --sleep          # sleeping sections
 //! cargo run --release --example rw_bench -- --only rwlock    # one mode
+//! cargo run --release --example rw_bench -- --sleep --only semaphore --permits 2 10 1 200 1000
 //! REDIS_URL=redis://127.0.0.1:6379/ cargo run --release --example rw_bench
 //! RW_STATS=1 cargo run --release --example rw_bench  # each worker's client stats, stderr
 //! ```
@@ -40,6 +48,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let sleep = take_flag(&mut args, "--sleep");
     let only = take_option(&mut args, "--only");
+    let permits: u64 =
+        take_option(&mut args, "--permits").map_or(2, |p| p.parse().expect("--permits N"));
     let num = |i: usize, default: u64| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
     let (procs, threads, sections, hold_us, read_pct) =
         (num(1, 4), num(2, 4), num(3, 500), num(4, 100), num(5, 90));
@@ -49,12 +59,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "{procs} processes x {threads} threads x {sections} {kind} sections of {hold_us} us, {read_pct}% reads"
     );
+    if only.as_deref() == Some("semaphore") {
+        println!("semaphore of {permits} permits: one per section");
+    }
     println!(
-        "{:<8} {:>12} {:>10} {:>11} {:>11}",
-        "mode", "sections/s", "seconds", "cmds/sect", "sent/sect"
+        "{:<9} {:>12} {:>10} {:>11} {:>11} {:>11} {:>11}",
+        "mode", "sections/s", "seconds", "cmds/sect", "sent/sect", "failed/sect", "woken/sect"
     );
-    for mode in ["rwlock", "lock"] {
-        if only.as_deref().is_some_and(|o| o != mode) {
+    for mode in ["rwlock", "lock", "semaphore"] {
+        // The semaphore only when asked for: the default run compares the two locks.
+        let chosen = match only.as_deref() {
+            Some(only) => only == mode,
+            None => mode != "semaphore",
+        };
+        if !chosen {
             continue;
         }
         redis::cmd("CONFIG")
@@ -66,6 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .args(["--worker", mode, &url])
                 .args([threads, sections, hold_us, read_pct, p].map(|n| n.to_string()))
                 .arg(if sleep { "sleep" } else { "busy" })
+                .arg(permits.to_string())
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .spawn()?;
@@ -80,10 +99,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for (child, _) in &mut children {
             writeln!(child.stdin.as_mut().expect("piped"), "go")?;
         }
+        // The workers' failed attempts and wake-ups by a message.
+        let (mut failed, mut woken) = (0, 0);
         for (child, mut out) in children {
             let mut line = String::new();
             out.read_line(&mut line)?;
-            assert_eq!(line.trim(), "done", "worker said {line:?}");
+            let counts: Vec<u64> = line
+                .trim()
+                .strip_prefix("done")
+                .unwrap_or_else(|| panic!("worker said {line:?}"))
+                .split_whitespace()
+                .map(|n| n.parse().expect("a count"))
+                .collect();
+            failed += counts[0];
+            woken += counts[1];
             let mut child = child;
             child.wait()?;
         }
@@ -106,12 +135,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .sum();
         let total = (procs * threads * sections) as f64;
         println!(
-            "{:<8} {:>12.0} {:>10.2} {:>11.2} {:>11.2}",
+            "{:<9} {:>12.0} {:>10.2} {:>11.2} {:>11.2} {:>11.2} {:>11.2}",
             mode,
             total / elapsed.as_secs_f64(),
             elapsed.as_secs_f64(),
             all as f64 / total,
             sent as f64 / total,
+            failed as f64 / total,
+            woken as f64 / total,
         );
     }
     // One more figure: an upgradable read turned into the write hold, nobody else there.
@@ -151,10 +182,12 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     let n: Vec<u64> = args[2..7].iter().map(|a| a.parse().unwrap()).collect();
     let (threads, sections, hold, read_pct) = (n[0], n[1], Duration::from_micros(n[2]), n[3]);
     let sleep = args.get(7).map(String::as_str) == Some("sleep");
+    let permits: u32 = args[8].parse()?;
     let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
     // Warm the connection pool and scripts outside the measured run.
     client.with_lock("warmup", || ())?;
     drop(client.rwlock("warmup").write()?);
+    drop(client.semaphore("warmup-sem", 1).acquire()?);
     println!("ready");
     let mut go = String::new();
     std::io::stdin().read_line(&mut go)?;
@@ -163,6 +196,7 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
             let (client, mode) = (client.clone(), mode.clone());
             std::thread::spawn(move || -> redbaton::Result<()> {
                 let rw = client.rwlock(NAME);
+                let sem = client.semaphore(NAME, permits);
                 for _ in 0..sections {
                     let read = rand::random_range(0..100) < read_pct;
                     match (mode.as_str(), read) {
@@ -175,6 +209,11 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
                             let g = rw.write()?;
                             section(hold, sleep);
                             drop(g);
+                        }
+                        ("semaphore", _) => {
+                            let p = sem.acquire()?;
+                            section(hold, sleep);
+                            drop(p);
                         }
                         _ => {
                             let g = client.lock(NAME)?;
@@ -190,10 +229,11 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     for h in handles {
         h.join().expect("worker thread")?;
     }
+    let stats = client.stats();
     if std::env::var("RW_STATS").is_ok() {
-        eprintln!("{:?}", client.stats());
+        eprintln!("{stats:?}");
     }
-    println!("done");
+    println!("done {} {}", stats.failed_attempts, stats.wakeups_event);
     Ok(())
 }
 

@@ -64,6 +64,7 @@ pub struct LockInfo {
     pub queue: Vec<QueueEntry>,
     /// Writers waiting for a read-write lock: how long each live mark has left (a waiting
     /// writer renews it at each attempt; while one lives, no new read hold is granted).
+    /// For a semaphore: the processes waiting for a permit, marked the same way.
     pub waiting_writers: Vec<Duration>,
     /// Readers waiting for a read-write lock, as [`waiting_writers`](Self::waiting_writers).
     pub waiting_readers: Vec<Duration>,

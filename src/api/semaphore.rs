@@ -47,8 +47,11 @@ impl LockClient {
 ///
 /// Each permit is a hold of its own in Redis with its own lease, renewed by the client's
 /// watchdog: a crashed holder's permit returns when its lease ends. Waiters sleep until a
-/// permit is released (no polling) or the earliest permit's lease runs out. Permits are not
-/// shared between threads, and a thread asking for a second permit simply takes one more.
+/// permit is released (no polling) or the earliest permit's lease runs out. A released
+/// permit wakes one waiting process, the one waiting longest, not all of them (nothing is
+/// reserved for it: it tries as any would); in a process, one thread at a time waits for a
+/// permit in Redis. Permits are not shared between threads, and a thread asking for a
+/// second permit simply takes one more.
 ///
 /// # Examples
 ///

@@ -67,6 +67,7 @@ pub(crate) struct KeyBytes {
 /// - `:lease`: the lease record (the number and token of the last lease change applied,
 ///   see `renewal::EXTEND`);
 /// - `:ww`, `:wr`: a read-write lock's waiting writers and readers (see `rw_scripts`);
+///   `:ww` also holds a semaphore's waiting permit-seekers (a name has one kind at a time);
 /// - `:latch`: a countdown latch of the same name (see `latch_scripts`): a key of its own,
 ///   so a name can be a lock and a latch at once;
 /// - `:qn`: the fair queue's nonces: the waiting contenders scored by their latest
@@ -163,6 +164,15 @@ impl Keys {
     /// A read-write lock's waiting writers.
     pub fn writers(&self) -> &[u8] {
         self.suffixed(6)
+    }
+
+    /// A semaphore's waiting permit-seekers: the set of a read-write lock's waiting
+    /// writers, marked and woken the same way (see `rw_scripts`). The lock key has one kind
+    /// at a time, so one set serves both with no key more (`inspect` and `locks` see these
+    /// waiters as they see writers); only when a name changes kind do the old kind's last
+    /// marks linger, a mark's TTL at most.
+    pub fn permit_waiters(&self) -> &[u8] {
+        self.writers()
     }
 
     /// A read-write lock's waiting readers.

@@ -38,7 +38,7 @@ use crate::proto::keys::Keys;
 use crate::proto::multi_scripts::{self, Taken};
 use crate::proto::node::{Call, Node, ReleaseReply, Retry, millis, new_token};
 use crate::proto::renewal::EXTEND;
-use crate::proto::rw_scripts::{SHARED_EXTEND, Want};
+use crate::proto::rw_scripts::{SHARED_EXTEND, SharedAttempt, Want};
 use crate::proto::scripts::{
     ACQUIRE, Lua, RELEASE, Site, UNMARK, acquire_call, acquire_reply, release_call, run_pipelined,
     unmark_call,
@@ -78,8 +78,9 @@ pub(crate) enum Protocol {
     /// The write hold; a failed attempt that will wait marks a waiting writer for
     /// `mark_ttl`, which holds new readers back.
     Write { mark_ttl: Duration },
-    /// One permit of a semaphore of `permits` permits.
-    Permit { permits: u32 },
+    /// One permit of a semaphore of `permits` permits; a failed attempt that will wait
+    /// marks a waiting permit-seeker for `mark_ttl`, which a freed permit wakes alone.
+    Permit { permits: u32, mark_ttl: Duration },
     /// The upgradable read hold; a failed attempt that will wait marks a waiting reader for
     /// `mark_ttl` (it holds nobody back, but wakes at the release of the upgradable hold in
     /// its way).
@@ -156,7 +157,7 @@ impl Protocols {
                     "a semaphore needs at least one permit".to_owned(),
                 ));
             }
-            Kind::Permit(permits) => Protocol::Permit { permits },
+            Kind::Permit(permits) => Protocol::Permit { permits, mark_ttl },
             // All or none needs one node that decides alone: Redlock's independent masters
             // cannot take several keys atomically.
             Kind::Multi if self.shared => return Ok(self.lock),
@@ -219,8 +220,8 @@ pub(crate) enum Hears {
     /// A plain lock's: whatever may free the key (keyspace events, the library's `r`).
     Key,
     /// A read-write lock's or a semaphore's: the library's `r` (their holds expire inside
-    /// the key, with no keyspace event; the waiter's hint covers that), and a writer its
-    /// own wake-up (see the fair queue's grants).
+    /// the key, with no keyspace event; the waiter's hint covers that), and a writer or a
+    /// permit-seeker its own wake-up (see [`Protocol::awaits_grant`]).
     Releases,
     /// A countdown latch's: the library's `z`, published when its count reached zero (see
     /// `latch_scripts`). A latch is not a hold: its waiters do not contend, they read.
@@ -272,12 +273,15 @@ impl Protocol {
 
     /// Whether a waiter listens for a message to its own token: a fair queue's grant, or
     /// the wake-up a read-write lock's last release sends to the writer waiting longest
-    /// (or to the upgrade waiting for the last other reader). Either is only a wake-up: the
-    /// next attempt confirms.
+    /// (or to the upgrade waiting for the last other reader), or a freed permit to the
+    /// permit-seeker waiting longest. Either is only a wake-up: the next attempt confirms.
     pub fn awaits_grant(self) -> bool {
         matches!(
             self,
-            Protocol::FairLock(_) | Protocol::Write { .. } | Protocol::Upgrade { .. }
+            Protocol::FairLock(_)
+                | Protocol::Write { .. }
+                | Protocol::Upgrade { .. }
+                | Protocol::Permit { .. }
         )
     }
 
@@ -317,7 +321,7 @@ impl Protocol {
         match self {
             Protocol::Read { .. } => Some(Want::Read),
             Protocol::Write { .. } => Some(Want::Write),
-            Protocol::Permit { permits } => Some(Want::Permit(permits)),
+            Protocol::Permit { permits, .. } => Some(Want::Permit(permits)),
             Protocol::Upgradable { .. } => Some(Want::Upgradable),
             // Its token is the upgradable hold's: it makes none of its own.
             Protocol::Lock { .. } | Protocol::FairLock(_) | Protocol::Upgrade { .. } => None,
@@ -362,18 +366,27 @@ impl Protocol {
             | Protocol::Write { mark_ttl }
             | Protocol::Upgradable { mark_ttl }
             | Protocol::Upgrade { mark_ttl }
+            | Protocol::Permit { mark_ttl, .. }
                 if req.marks.leave =>
             {
                 Some(mark_ttl)
             }
             _ => None,
         };
-        let (keys, token, lease) = (req.keys, req.token, req.lease);
+        let shared = SharedAttempt {
+            keys: req.keys,
+            member: req.token,
+            lease: req.lease,
+            mark_ttl,
+            clear: req.marks.clear,
+            retry,
+            deadline,
+        };
         if let Protocol::Upgrade { .. } = self {
-            return node.upgrade_shared(keys, token, lease, mark_ttl, retry, deadline);
+            return node.upgrade_shared(shared);
         }
         if let Some(want) = self.want() {
-            return node.acquire_shared(keys, want, token, lease, mark_ttl, retry, deadline);
+            return node.acquire_shared(want, shared);
         }
         let call = self.lock_call(node, req);
         let took = |reply: &(i64, i64, i64)| reply.0 == 1;
@@ -624,12 +637,14 @@ impl Protocol {
                 Ok(reply == ReleaseReply::Passed)
             }
             Protocol::Read { .. } | Protocol::Upgradable { .. } => {
-                node.unmark_waiter(keys, token, false).map(|()| false)
+                node.unmark_waiter(keys, token, Want::Read).map(|()| false)
             }
             Protocol::Write { .. } | Protocol::Upgrade { .. } => {
-                node.unmark_waiter(keys, token, true).map(|()| false)
+                node.unmark_waiter(keys, token, Want::Write).map(|()| false)
             }
-            Protocol::Permit { .. } => Ok(false),
+            Protocol::Permit { permits, .. } => node
+                .unmark_waiter(keys, token, Want::Permit(permits))
+                .map(|()| false),
         }
     }
 
@@ -719,7 +734,7 @@ mod tests {
             let shared = one.get(kind).expect("shared");
             assert!(shared.shared() && shared.keeps_token_across_attempts());
             assert!(!shared.release_may_grant() && !shared.next_call_settles_unknown());
-            assert_eq!(shared.awaits_grant(), kind == Kind::Write);
+            assert_eq!(shared.awaits_grant(), kind != Kind::Read);
             assert_eq!(shared.hears(), Hears::Releases);
             assert!(!shared.renewal().ordered);
             assert!(shared.new_token().starts_with(tag));

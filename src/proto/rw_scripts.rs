@@ -26,11 +26,23 @@
 //! release (and refreshes its TTL, see `FENCE_FN`), so that the next write hold learns
 //! whether it was released or expired; read holds only read it.
 //!
-//! On the library's channel a release says `r` (a waiter may get in) or, when the last
-//! hold of a read-write lock ended while writers wait, `g<member>:0`, a wake-up for the
-//! writer waiting longest alone (like the fair queue's grant, but nothing is reserved:
-//! its next attempt takes the free lock as any would). The others are not woken to fail;
-//! if that writer has gone, they try at their next re-check.
+//! A semaphore's waiting permit-seekers are marked the same way, in the same `p{n}:ww`
+//! (the lock key has one kind at a time; see `Keys::permit_waiters`): a failed attempt
+//! that will wait marks its member, each attempt renews the mark, a permit won takes it
+//! out.
+//!
+//! On the library's channel a release says `r` (a waiter may get in) or `g<member>:0`, a
+//! wake-up for one waiter alone (like the fair queue's grant, but nothing is reserved: its
+//! next attempt takes what is free as any would, and marks itself again if it fails).
+//! When the last hold of a read-write lock ended while writers wait, the wake-up goes to
+//! the writer waiting longest. A freed permit wakes the permit-seeker waiting longest and
+//! takes its mark out in the same script, so that a second release in quick succession
+//! wakes the next one, not the same one twice; with no live mark (waiters of an older
+//! version, or none) it says `r`. The others are not woken to fail; if the one woken has
+//! gone (crashed), they try at their next re-check. A permit-seeker that gives up without
+//! its mark (a release took it to wake it) passes the wake-up on (`PERMIT_LEAVE`), so none
+//! is lost with it. Holds that expire inside the key wake nobody: the waiters' re-checks
+//! (the earliest lease's end, which a failed attempt replies) cover them.
 //!
 //! An upgrade turns the upgradable hold `u<token>` into the write hold `w<token>` in one
 //! script once it is the only hold left; until then each attempt marks it in `…:ww` as a
@@ -126,6 +138,18 @@ end
 -- renewed least lately, so the one waiting longest; nil if none.
 local function first_waiting(set, now)
   return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'LIMIT', 0, 1)[1]
+end
+-- Wakes the member of `set` waiting longest alone (`g<member>:0`) and, when `take`, takes
+-- its mark out, so that the next wake-up goes to the next one; `r` (whoever waits) when
+-- no mark is live, or there is no `set`.
+local function wake_first(set, channel, now, take)
+  local w = set and first_waiting(set, now)
+  if not w then
+    publish(channel, 'r')
+    return
+  end
+  if take then redis.call('ZREM', set, w) end
+  publish(channel, 'g' .. w .. ':0')
 end
 -- Marks `member` waiting in `set` until `now + ttl`, and drops the marks that expired
 -- (their waiters crashed or gave up unheard): as many as were added, so one call each,
@@ -310,9 +334,16 @@ return 1
 
 /// One permit, idempotently.
 ///
-/// KEYS: lock. ARGV: member, lease ms, permits. Returns `{1, 0}`, `{0, ms until the
-/// earliest permit's lease ends}`, `{2, 0}` for another kind of lock, or `{3, stored}` when
-/// the current holders use another permit count.
+/// KEYS: lock, and the waiting permit-seekers when the caller waits or waited (see
+/// `Keys::permit_waiters`; a call without it names one key, which a Redis Cluster slot
+/// half-way through a migration still serves). ARGV: member, lease ms, permits, waiting
+/// mark TTL ms (0: the caller will not wait). Returns `{1, 0}`, `{0, ms until the earliest
+/// permit's lease ends}`, `{2, 0}` for another kind of lock, or `{3, stored}` when the
+/// current holders use another permit count.
+///
+/// An attempt that fails and will wait marks the member waiting until the mark's TTL, as a
+/// waiting writer does (each attempt renews it), so that a release wakes it alone when its
+/// turn comes; one that succeeds takes its mark out, so that no release wakes a holder.
 static SEM_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
@@ -325,21 +356,28 @@ if first then n = redis.call('ZCARD', KEYS[1]) - 1 end
 if n < permits or (first and redis.call('ZSCORE', KEYS[1], ARGV[1])) then
   if not first then redis.call('ZADD', KEYS[1], -permits, '#sem') end
   hold(KEYS[1], ARGV[1], now, tonumber(ARGV[2]))
+  if KEYS[2] then redis.call('ZREM', KEYS[2], ARGV[1]) end
   return {1, 0}
 end
+if KEYS[2] and ARGV[4] ~= '0' then mark(KEYS[2], ARGV[1], now, tonumber(ARGV[4])) end
 return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 ")
 });
 
 /// Ends a hold.
 ///
-/// KEYS: lock, and for a read-write lock its waiting writers and readers and its fence
-/// counter. ARGV: member, the library's channel, the holder's fence (a write hold's, see
-/// `end_fence` of `END_FENCE_FN`; `0` for other holds, or a write attempt nobody used), the
-/// publish mode. Returns 1 released, 0 the hold had expired or was gone, −1 the key is
-/// another kind of lock. A write hold released before it expired marks the counter
-/// released. Publishes `r` when a waiter may now get in: a permit was freed, or the last
-/// hold of a read-write lock ended; but when that last hold ended while writers wait,
+/// KEYS: lock; for a permit, the waiting permit-seekers (left out by the narrower form of
+/// the call, see `Node::release_shared`); for a read-write lock its waiting writers and
+/// readers and its fence counter. ARGV: member, the library's channel, the holder's fence
+/// (a write hold's, see `end_fence` of `END_FENCE_FN`; `0` for other holds, or a write
+/// attempt nobody used), the publish mode. Returns 1 released, 0 the hold had expired or
+/// was gone, −1 the key is another kind of lock. A write hold released before it expired
+/// marks the counter released.
+///
+/// Publishes what a waiter may now get in by. A permit freed: `g<member>:0` for the
+/// permit-seeker waiting longest, whose mark goes with it (a second release wakes the next
+/// one, not the same one twice), or `r` when no mark is live (waiters of an older version,
+/// or none). The last hold of a read-write lock ended: `r`; but while writers wait,
 /// `g<member>:0` for the writer waiting longest: writers go first, so the waiting readers,
 /// and the other writers, need not wake to fail. Of a read-write lock whose holds remain:
 /// when the one left is an upgradable hold waiting to upgrade, `g<member>:0` for it alone;
@@ -353,19 +391,14 @@ if type(s) == 'table' and s.err then return -1 end
 if not s then return 0 end
 local now = now_ms()
 redis.call('ZREM', KEYS[1], ARGV[1])
+local permit = string.sub(ARGV[1], 1, 1) == 'p'
 -- The kind member's score is negative: a live hold is scored after now.
 local left = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 2)
-if not left[1] then
-  redis.call('DEL', KEYS[1])
-  -- Writers go first: wake the one waiting longest (its mark is the oldest renewed).
-  local w = KEYS[2] and first_waiting(KEYS[2], now)
-  if w then
-    publish(ARGV[2], 'g' .. w .. ':0')
-  else
-    publish(ARGV[2], 'r')
-  end
-elseif not KEYS[2] then
-  publish(ARGV[2], 'r')
+if not left[1] then redis.call('DEL', KEYS[1]) end
+if permit or not left[1] then
+  -- The waiter waiting longest: its mark is the oldest renewed. A permit-seeker's mark
+  -- goes (the next release wakes the next one); a writer's stays until it holds.
+  wake_first(KEYS[2], ARGV[2], now, permit)
 elseif not left[2] and string.sub(left[1], 1, 1) == 'u'
     and tonumber(redis.call('ZSCORE', KEYS[2], left[1]) or 0) > now then
   publish(ARGV[2], 'g' .. left[1] .. ':0')
@@ -435,22 +468,42 @@ return 0
 ")
 });
 
+/// A permit-seeker gives up: removes its mark. When the mark was gone already, a release
+/// may have taken it to wake this waiter (see `SHARED_RELEASE`), and the wake-up may be on
+/// its way still: it goes on to the next waiter (or `r`), so that a freed permit is never
+/// left for the re-checks. A live mark was never chosen: nothing to pass on.
+///
+/// KEYS: waiting permit-seekers. ARGV: member, the library's channel, the publish mode.
+static PERMIT_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
+    lua(r"
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then wake_first(KEYS[1], ARGV[2], now_ms(), true) end
+return 0
+")
+});
+
+/// One attempt at a shared hold, or at an upgrade, as the contest makes it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SharedAttempt<'a> {
+    pub keys: &'a Keys,
+    /// The hold's member (its tag and token); an upgrade's: the upgradable hold's.
+    pub member: &'a str,
+    pub lease: Duration,
+    /// The caller will wait: a failed attempt marks it waiting for this long.
+    pub mark_ttl: Option<Duration>,
+    /// An earlier attempt of the same wait may have marked it: a permit won takes the
+    /// mark out (read-write attempts always look for theirs).
+    pub clear: bool,
+    /// Sent again with the same member after an ambiguous failure, as this says.
+    pub retry: Retry,
+    pub deadline: Option<Instant>,
+}
+
 impl Node {
-    /// One attempt at a shared hold with `member` (the hold's tag and token), retried with
-    /// the same member after an ambiguous failure. `mark_ttl`: the caller will wait, so a
-    /// failed attempt marks a waiting writer or reader for that long.
-    #[allow(clippy::too_many_arguments)]
-    pub fn acquire_shared(
-        &self,
-        keys: &Keys,
-        want: Want,
-        member: &str,
-        lease: Duration,
-        mark_ttl: Option<Duration>,
-        retry: Retry,
-        deadline: Option<Instant>,
-    ) -> Result<Attempt> {
-        let lease_ms = millis(lease);
+    /// One attempt at a shared hold of `want` (see [`SharedAttempt`]).
+    pub fn acquire_shared(&self, want: Want, at: SharedAttempt<'_>) -> Result<Attempt> {
+        let (keys, member) = (at.keys, at.member);
+        let lease_ms = millis(at.lease);
+        let mark_ms = at.mark_ttl.map_or(0, millis);
         let (script, call) = match want {
             Want::Read | Want::Write | Want::Upgradable => {
                 // Tags are ASCII: one byte each.
@@ -463,42 +516,41 @@ impl Node {
                     .arg(&tag[..])
                     .arg(member)
                     .arg(lease_ms)
-                    .arg(mark_ttl.map_or(0, millis))
+                    .arg(mark_ms)
                     .arg(self.fence_ttl_ms());
                 (&*RW_ACQUIRE, call)
             }
             Want::Permit(permits) => {
-                let mut call = SEM_ACQUIRE.call(1);
-                call.arg(keys.lock()).arg(member).arg(lease_ms).arg(permits);
+                // The waiting set only when the attempt may mark or unmark: a `try_acquire`
+                // names one key.
+                let marks = at.mark_ttl.is_some() || at.clear;
+                let mut call = SEM_ACQUIRE.call(if marks { 2 } else { 1 });
+                call.arg(keys.lock());
+                if marks {
+                    call.arg(keys.permit_waiters());
+                }
+                call.arg(member).arg(lease_ms).arg(permits).arg(mark_ms);
                 (&*SEM_ACQUIRE, call)
             }
         };
-        self.shared_attempt(script, &call, want, retry, deadline)
+        self.shared_attempt(script, &call, want, at)
     }
 
-    /// One attempt at turning the upgradable hold `member` into the write hold of the same
-    /// token, retried with the same members after an ambiguous failure. `mark_ttl`: the
-    /// caller will wait, so a failed attempt marks it waiting for that long, as a writer.
+    /// One attempt at turning the upgradable hold `at.member` into the write hold of the
+    /// same token; a failed attempt that will wait marks it waiting, as a writer.
     /// [`Error::Lost`] when the upgradable hold is gone.
-    pub fn upgrade_shared(
-        &self,
-        keys: &Keys,
-        member: &str,
-        lease: Duration,
-        mark_ttl: Option<Duration>,
-        retry: Retry,
-        deadline: Option<Instant>,
-    ) -> Result<Attempt> {
+    pub fn upgrade_shared(&self, at: SharedAttempt<'_>) -> Result<Attempt> {
+        let (keys, member) = (at.keys, at.member);
         let mut call = RW_UPGRADE.call(3);
         call.arg(keys.lock())
             .arg(keys.fence())
             .arg(keys.writers())
             .arg(member)
             .arg(Want::Write.member_like(member))
-            .arg(millis(lease))
-            .arg(mark_ttl.map_or(0, millis))
+            .arg(millis(at.lease))
+            .arg(at.mark_ttl.map_or(0, millis))
             .arg(self.fence_ttl_ms());
-        self.shared_attempt(&RW_UPGRADE, &call, Want::Write, retry, deadline)
+        self.shared_attempt(&RW_UPGRADE, &call, Want::Write, at)
     }
 
     /// Runs one shared-hold attempt (`call` of `script`, asking for `want`) and reads its
@@ -508,11 +560,10 @@ impl Node {
         script: &Lua,
         call: &Cmd,
         want: Want,
-        retry: Retry,
-        deadline: Option<Instant>,
+        at: SharedAttempt<'_>,
     ) -> Result<Attempt> {
         // Two numbers, and a third (`others`) when a read-write hold is granted.
-        let reply: Vec<i64> = self.run_script(script, call, retry, deadline)?;
+        let reply: Vec<i64> = self.run_script(script, call, at.retry, at.deadline)?;
         match *reply.as_slice() {
             [1, fence, ..] => Ok(Attempt::Acquired {
                 fence: u64::try_from(fence)
@@ -549,18 +600,36 @@ impl Node {
         retry: Retry,
     ) -> Result<ReleaseReply> {
         let permit = member.starts_with(Want::Permit(0).tag());
-        let mut call = SHARED_RELEASE.call(if permit { 1 } else { 4 });
-        call.arg(keys.lock());
+        // `waiters`: a permit's release names its waiting set (the narrower form does not).
+        let call = |waiters: bool| {
+            let mut call = SHARED_RELEASE.call(match (permit, waiters) {
+                (false, _) => 4,
+                (true, true) => 2,
+                (true, false) => 1,
+            });
+            call.arg(keys.lock());
+            if !permit {
+                call.arg(keys.writers())
+                    .arg(keys.readers())
+                    .arg(keys.fence());
+            } else if waiters {
+                call.arg(keys.permit_waiters());
+            }
+            call.arg(member)
+                .arg(keys.channel())
+                .arg(fence_arg(fence))
+                .arg(self.publish_mode());
+            call
+        };
         if !permit {
-            call.arg(keys.writers())
-                .arg(keys.readers())
-                .arg(keys.fence());
+            return self.release_by(&SHARED_RELEASE, &call(false), retry);
         }
-        call.arg(member)
-            .arg(keys.channel())
-            .arg(fence_arg(fence))
-            .arg(self.publish_mode());
-        self.release_by(&SHARED_RELEASE, &call, retry)
+        // Redis Cluster, the slot half-way through a migration: the server refuses a script
+        // whose keys are not all on one side (`TRYAGAIN`), and always serves the lock key
+        // alone, whose release then says `r` (every waiter tries) as with no mark.
+        let narrow = || call(false);
+        let narrow: (&Lua, &dyn Fn() -> Cmd) = (&SHARED_RELEASE, &narrow);
+        self.release_with(&SHARED_RELEASE, &call(true), retry, Some(narrow))
     }
 
     /// Turns the write hold `member` of `keys` into the read hold of the same token (see
@@ -606,19 +675,20 @@ impl Node {
         Ok(keep == 1)
     }
 
-    /// Removes a waiting writer's (or reader's) mark: it stops waiting without the lock.
-    pub fn unmark_waiter(&self, keys: &Keys, member: &str, write: bool) -> Result<()> {
-        let set = if write {
-            keys.writers()
-        } else {
-            keys.readers()
+    /// Removes the mark of a waiter of `want` (a writer's, a reader's or a permit-seeker's,
+    /// see `WAITER_UNMARK` and `PERMIT_LEAVE`): it stops waiting without the hold.
+    pub fn unmark_waiter(&self, keys: &Keys, member: &str, want: Want) -> Result<()> {
+        let (script, set) = match want {
+            Want::Permit(_) => (&*PERMIT_LEAVE, keys.permit_waiters()),
+            Want::Write => (&*WAITER_UNMARK, keys.writers()),
+            Want::Read | Want::Upgradable => (&*WAITER_UNMARK, keys.readers()),
         };
-        let mut call = WAITER_UNMARK.call(1);
+        let mut call = script.call(1);
         call.arg(set)
             .arg(member)
             .arg(keys.channel())
             .arg(self.publish_mode());
-        self.run_script::<i64>(&WAITER_UNMARK, &call, Retry::ON_RESET, None)?;
+        self.run_script::<i64>(script, &call, Retry::ON_RESET, None)?;
         Ok(())
     }
 }
