@@ -32,7 +32,9 @@
 //! Rows: `raw-keyspace` is the floor, a waiter without the library (one thread subscribed
 //! to the key's keyspace channel retries `SET NX PX` on each event: one event delivery plus
 //! one round trip); `raw-script` is the same with the protocol's minimum attempt, one Lua
-//! script doing `SET NX PX` and `INCR` of the fence counter; then the library's waiter
+//! script doing `SET NX PX` and `INCR` of the fence counter; `raw-event` takes the first
+//! event as the lock, with no round trip (not a lock: the floor of a handoff by message
+//! with one thread to wake); then the library's waiter
 //! with `Wakeup::Notifications` (the default), `Wakeup::Polling(1 ms)` and
 //! `Wakeup::Polling(100 ms)`.
 
@@ -91,6 +93,12 @@ enum Strategy {
     /// that succeeds, `INCR` of a fence counter: the protocol's minimum, still no library.
     #[value(name = "raw-script")]
     RawScript,
+    /// No library and no lock: as `raw-keyspace`, but the first event after a failed
+    /// attempt is taken as the lock, with no round trip. Not a safe lock (an event is
+    /// only a hint); the floor of any handoff by message (such as the fair queue's
+    /// trusted grant) with one thread to wake.
+    #[value(name = "raw-event")]
+    RawEvent,
 }
 
 impl Strategy {
@@ -101,14 +109,16 @@ impl Strategy {
             Strategy::Polling100ms => "polling-100ms",
             Strategy::RawKeyspace => "raw-keyspace",
             Strategy::RawScript => "raw-script",
+            Strategy::RawEvent => "raw-event",
         }
     }
 
     fn wakeup(self) -> Wakeup {
         match self {
-            Strategy::Notifications | Strategy::RawKeyspace | Strategy::RawScript => {
-                Wakeup::Notifications
-            }
+            Strategy::Notifications
+            | Strategy::RawKeyspace
+            | Strategy::RawScript
+            | Strategy::RawEvent => Wakeup::Notifications,
             Strategy::Polling1ms => Wakeup::Polling(Duration::from_millis(1)),
             Strategy::Polling100ms => Wakeup::Polling(Duration::from_millis(100)),
         }
@@ -137,7 +147,8 @@ impl Strategy {
     }
 }
 
-const STRATEGIES: [Strategy; 5] = [
+const STRATEGIES: [Strategy; 6] = [
+    Strategy::RawEvent,
     Strategy::RawKeyspace,
     Strategy::RawScript,
     Strategy::Notifications,
@@ -160,8 +171,9 @@ fn main() -> Result<(), BoxError> {
     let cli = Cli::parse();
     let url = cli.url.as_deref();
     match cli.child {
-        Some(Strategy::RawKeyspace) => raw_waiter(url.ok_or("--url is required")?, false),
-        Some(Strategy::RawScript) => raw_waiter(url.ok_or("--url is required")?, true),
+        Some(strategy @ (Strategy::RawKeyspace | Strategy::RawScript | Strategy::RawEvent)) => {
+            raw_waiter(url.ok_or("--url is required")?, strategy)
+        }
         Some(strategy) => waiter(strategy, url.ok_or("--url is required")?, cli.cluster),
         None if cli.compare_cluster => compare_cluster(cli.quick, cli.node_replica),
         None => holder(cli.quick),
@@ -225,17 +237,13 @@ fn waiter(strategy: Strategy, url: &str, cluster: bool) -> Result<(), BoxError> 
 
 /// The floor: the same protocol with no library. One thread reads the keyspace events of
 /// the key and, on any event but `set`, tries `SET key token NX PX` on a second connection
-/// (`scripted`: a script doing that and `INCR` of a fence counter): one event delivery plus
-/// one round trip, no thread handoff.
-fn raw_waiter(url: &str, scripted: bool) -> Result<(), BoxError> {
+/// (`raw-script`: a script doing that and `INCR` of a fence counter): one event delivery
+/// plus one round trip, no thread handoff. `raw-event` takes the event as the lock.
+fn raw_waiter(url: &str, strategy: Strategy) -> Result<(), BoxError> {
     let client = redis::Client::open(url)?;
     let mut cmd_conn = client.get_connection()?;
     let mut sub_conn = client.get_connection()?;
-    let strategy = if scripted {
-        Strategy::RawScript
-    } else {
-        Strategy::RawKeyspace
-    };
+    let scripted = strategy == Strategy::RawScript;
     let key = format!("{PREFIX}{{{}}}", strategy.key());
     let fence = format!("{key}:fence");
     let script = redis::Script::new(
@@ -254,7 +262,8 @@ fn raw_waiter(url: &str, scripted: bool) -> Result<(), BoxError> {
             "go" => {
                 let mut failed = 0u64;
                 let mut events = 0u64;
-                loop {
+                let mut by_event = false;
+                while !by_event {
                     let won = if scripted {
                         let fence: i64 = script
                             .key(&key)
@@ -277,17 +286,23 @@ fn raw_waiter(url: &str, scripted: bool) -> Result<(), BoxError> {
                         break;
                     }
                     failed += 1;
-                    // Sleep until an event that may mean the key is free.
+                    // Sleep until an event that may mean the key is free (`raw-event`:
+                    // the holder's release, `del`, which it takes as the lock).
+                    let by_release = strategy == Strategy::RawEvent;
                     loop {
                         let msg = ps.get_message()?;
-                        if msg.get_payload_bytes() != b"set" {
+                        let payload = msg.get_payload_bytes();
+                        if (by_release && payload == b"del") || (!by_release && payload != b"set") {
                             events += 1;
                             break;
                         }
                     }
+                    by_event = by_release;
                 }
                 let t_acquired = mono_ns();
-                redis::cmd("DEL").arg(&key).query::<()>(&mut cmd_conn)?;
+                if !by_event {
+                    redis::cmd("DEL").arg(&key).query::<()>(&mut cmd_conn)?;
+                }
                 writeln!(out, "acquired {t_acquired} {failed} {events} 0 0")?;
                 out.flush()?;
             }
@@ -716,6 +731,12 @@ fn print_table(pings: &[i64], idle_pings: &[i64], rows: &[Row], elapsed: Duratio
     println!(
         "notifications p50 - raw-script p50    = {:7.1} us (the library's share of a handoff)",
         us(p50(Strategy::Notifications) - p50(Strategy::RawScript))
+    );
+    println!(
+        "notifications p50 / raw-script p50    = {:7.2}  (target <= 0.75; raw-event, one \
+         thread and no round trip: {:.2})",
+        notif / p50(Strategy::RawScript) as f64,
+        p50(Strategy::RawEvent) as f64 / p50(Strategy::RawScript) as f64
     );
     println!(
         "(PING: back-to-back round trips; PING after idle: one after each 5-15 ms pause. \
