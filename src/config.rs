@@ -253,6 +253,23 @@ impl Config {
         self.lease.min(Duration::from_secs(1))
     }
 
+    /// How often the watchdog looks at least while a waiter of this client may be granted
+    /// a lock it takes from the grant message: an eighth of the grant lease (at least
+    /// 1 ms). Such a lock's first renewal ([`first_renewal`](Config::first_renewal)) is
+    /// then planned without waking the watchdog at the moment of the handoff, when the
+    /// wake-up would compete for a core with the thread the grant is for.
+    pub fn grant_tick(&self) -> Duration {
+        (self.grant_lease() / 8).max(Duration::from_millis(1))
+    }
+
+    /// When a lock taken from a grant message, surely held for `left` more, is renewed
+    /// first: after a quarter of it, which leaves three quarters for the renewal and its
+    /// retries, and which is at least a [`grant_tick`](Config::grant_tick) away unless the
+    /// message came late (the watchdog is then woken at once).
+    pub fn first_renewal(&self, left: Duration) -> Duration {
+        left / 4
+    }
+
     /// How long a Redlock node's call (or probe) may take before the node counts as
     /// stalled and is skipped until it answers quickly again: half the read timeout, well
     /// before its calls would time out (see `topology::fanout`).
@@ -315,6 +332,9 @@ mod tests {
         assert_eq!(cfg.mark_ttl(), s(10));
         assert_eq!(cfg.entry_ttl(), s(10));
         assert_eq!(cfg.grant_lease(), s(1));
+        assert_eq!(cfg.grant_tick(), ms(125));
+        // A grant heard at once: its first renewal is further than the watchdog's look.
+        assert!(cfg.first_renewal(cfg.grant_lease() - cfg.drift(s(1))) > cfg.grant_tick());
         assert_eq!(cfg.contention_window(), ms(7500));
         assert_eq!(cfg.stall(), s(1));
         let short = Config {
@@ -323,6 +343,7 @@ mod tests {
             ..Config::default()
         };
         assert_eq!(short.grant_lease(), ms(300));
+        assert_eq!(short.grant_tick(), Duration::from_micros(37_500));
         assert_eq!(short.renew_every(ms(300)), ms(40));
         assert_eq!(short.renew_retry(), ms(10));
     }

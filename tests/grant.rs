@@ -116,9 +116,10 @@ impl Queued {
 }
 
 /// The common case: the grant is heard in time and taken as the lock, with no attempt;
-/// the watchdog's first renewal gives it the full lease at once.
+/// the watchdog's first renewal, a quarter of the grant's validity later, gives it the
+/// full lease.
 #[test]
-fn a_grant_heard_in_time_is_the_lock_and_renewed_at_once() {
+fn a_grant_heard_in_time_is_the_lock_and_renewed_soon() {
     let (srv, holder) = test_server_and(client);
     let g = holder.lock("k").expect("lock");
     let first = g.fencing_token();
@@ -149,6 +150,40 @@ fn a_grant_heard_in_time_is_the_lock_and_renewed_at_once() {
         s.grants_trusted, 1,
         "the grant was taken as the lock: {s:?}"
     );
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
+/// With a short lease (300 ms, so the grant lease is 300 ms too), a lock taken from a
+/// grant stays held across many grant leases: its first renewal, planned by the
+/// watchdog's frequent looks while the waiter waited rather than by waking it at the
+/// handoff, comes before the grant's bound, and the renewals after it keep the lock.
+#[test]
+fn a_granted_lock_with_a_short_lease_is_renewed_in_time() {
+    let short = |url: &str| lock_client!(node(url), lease(ms(300)));
+    let (srv, holder) = test_server_and(|url| short(url));
+    let g = holder.lock("k").expect("lock");
+    let w = short(&srv.url());
+    let waiting = {
+        let w = w.clone();
+        thread::spawn(move || {
+            let g = w.try_lock_for("k", secs(30)).expect("the waiter's turn");
+            let token = g.fencing_token();
+            // Ten grant leases: a lock whose first renewal came late would be lost by now.
+            thread::sleep(ms(3000));
+            assert!(g.check().is_ok(), "held across ten grant leases");
+            g.unlock().expect("unlock");
+            token
+        })
+    };
+    wait_queued(&srv);
+    g.unlock().expect("unlock");
+    waiting.join().expect("waiter");
+    let s = w.stats();
+    assert_eq!(
+        s.grants_trusted, 1,
+        "the grant was taken as the lock: {s:?}"
+    );
+    assert_eq!(s.locks_lost, 0, "{s:?}");
     assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
 }
 

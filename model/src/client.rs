@@ -14,7 +14,7 @@
 //!   contender; a grant is kept for it (`Waiter::take_grant`). Before its next attempt
 //!   (`engine::contest`) the contender takes a grant carrying the nonce of its latest
 //!   attempt as the lock, valid until that attempt's `sent + grant lease − drift`, and
-//!   has the watchdog renew at once; any other grant is confirmed by the attempt
+//!   has the watchdog renew it a quarter of that later; any other grant is confirmed by the attempt
 //!   (`Rules::grants`). Every attempt of a wait carries the next nonce.
 //! - `Proc::give_up`: a read timeout. An attempt's makes `lock` fail (one node does not
 //!   ride through errors): the thread is told, the process leaves the queue
@@ -364,7 +364,9 @@ impl Proc {
     /// Before an attempt: a grant heard that carries the nonce of the latest attempt
     /// (`Grants::Trusted`) is the lock. Redis ran that attempt before the grant, so after
     /// it was sent: the grant lease ends no earlier than `sent + grant lease`. Whether the
-    /// contender took it (and the watchdog's first renewal went out).
+    /// contender took it (its first renewal is then due a quarter of its validity later,
+    /// as `Config::first_renewal` has it, and goes out at a later step of the process: in
+    /// between, anything may happen).
     fn take_granted(&mut self, cfg: &Config, now: u8, fx: &mut Effects) -> bool {
         let Remote::Contend {
             token,
@@ -389,9 +391,8 @@ impl Proc {
             return false; // only a wake-up: the attempt confirms
         }
         let token = *token;
-        self.begin_granted(cfg, token, fence, valid_until, now, fx);
-        // The watchdog renews at once: the full lease, counted from this renewal's send.
-        self.renew(now, fx);
+        let renew_at = now + cfg.first_renewal(valid_until - now);
+        self.begin_granted(cfg, token, fence, valid_until, renew_at, fx);
         true
     }
 

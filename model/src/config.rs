@@ -198,6 +198,12 @@ impl Config {
         lease.div_ceil(3).max(1)
     }
 
+    /// When a lock taken from a grant message, surely held for `left` more ticks, is
+    /// renewed first: after a quarter of it (the library's `Config::first_renewal`).
+    pub fn first_renewal(&self, left: u8) -> u8 {
+        left / 4
+    }
+
     /// How long a queue entry lives without an attempt refreshing it.
     pub fn entry_ttl(&self) -> u8 {
         self.recheck * 2

@@ -576,7 +576,7 @@ impl Builder {
     /// script call, telling it on the lock's channel. The message names the waiter's latest
     /// attempt, and the grant ran after Redis ran that attempt: the waiter takes the lock
     /// from the message alone, valid until that attempt's send plus the grant lease (less
-    /// the drift margin), and its first renewal goes out at once. A message that came too
+    /// the drift margin), and its first renewal goes out a quarter of the way there. A message that came too
     /// late for that, or names an older attempt, only wakes it: its next attempt finds its
     /// token in the key and takes the lock with the current fence. A turn passes between
     /// processes with one message and no stampede of waiters. A free lock goes

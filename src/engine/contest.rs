@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::engine::cleanup::release_on;
 use crate::engine::state::Engine;
 use crate::engine::waiter::{Pending, Waiter};
+use crate::engine::watchdog::{Expecting, Watchdog};
 use crate::error::{Error, Result};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, Changed, RemoteLock};
@@ -243,6 +244,7 @@ impl Engine {
             fresh: true,
             nonce: Cell::new(0),
             last: Cell::new(None),
+            expecting: None,
         }
         .run(yield_first)
     }
@@ -271,6 +273,10 @@ struct Contest<'a> {
     /// The nonce of the latest attempt sent, and when it was sent first: a grant that
     /// carries it ran after then (see [`Contest::trust`]).
     last: Cell<Option<(u64, Stamp)>>,
+    /// Held from the first sleep of a wait that may take a grant as the lock: the
+    /// watchdog looks often enough meanwhile that the lock's first renewal needs no
+    /// wake-up of it at the handoff (see `Watchdog::expect_grant`).
+    expecting: Option<Expecting<'a>>,
 }
 
 impl Contest<'_> {
@@ -423,6 +429,9 @@ impl Contest<'_> {
                 // is now, which the attempt's redirects may have just told.
                 self.route = engine.topology.route(keys);
             }
+            if self.expecting.is_none() && self.may_trust() {
+                self.expecting = engine.watchdog.as_ref().map(Watchdog::expect_grant);
+            }
             let (route, protocol, marked) = (&self.route, self.protocol, self.marked);
             let nonce = self.next_nonce();
             self.waiter
@@ -500,8 +509,8 @@ impl Contest<'_> {
     /// Fair queue: takes a grant heard as the lock, with no round trip, when it carries
     /// the nonce of our latest attempt. Redis ran that attempt before the grant, so after
     /// we sent it: the grant's lease ends no earlier than `sent + grant lease`, and the
-    /// hold is ours until then, less the drift margin. The watchdog's first renewal goes
-    /// out at once and gives it the full lease. A grant of an older attempt (it may be of
+    /// hold is ours until then, less the drift margin. The watchdog's first renewal, a
+    /// quarter of that validity later (`Config::first_renewal`), gives it the full lease. A grant of an older attempt (it may be of
     /// an earlier entry, whose lease ran out and whose fence another holder followed), or
     /// one heard after that bound (a slow network, a stopped process), is only a wake-up:
     /// `None`, and the next attempt confirms it. So is any grant where the next attempt
@@ -512,10 +521,7 @@ impl Contest<'_> {
         let (Some((nonce, sent)), Some(node)) = (self.last.get(), self.route.sole()) else {
             return Ok(None);
         };
-        let trusted = self.protocol.release_may_grant()
-            && self.from.is_none()
-            && cfg.auto_renew
-            && cfg.replica_ack.is_none();
+        let trusted = self.may_trust();
         let Some(grant) = grants.iter().rev().find(|g| trusted && g.nonce == nonce) else {
             return Ok(None);
         };
@@ -533,6 +539,18 @@ impl Contest<'_> {
             remote,
             others_wait: false,
         }))
+    }
+
+    /// Whether a grant heard may be taken as the lock (see [`Contest::trust`]): a fair
+    /// queue's, for a new hold, with renewals on and no replica acknowledgement asked, on
+    /// one node.
+    fn may_trust(&self) -> bool {
+        let cfg = &self.engine.cfg;
+        self.protocol.release_may_grant()
+            && self.from.is_none()
+            && cfg.auto_renew
+            && cfg.replica_ack.is_none()
+            && self.route.sole().is_some()
     }
 
     /// Acts on the topology's verdict on a round's replies.
@@ -668,8 +686,8 @@ impl Contest<'_> {
 
     /// The hold is ours: its state, for the guard(s) and the watchdog. `previous_lost`:
     /// the hold before it ended without a release (see `Attempt::Acquired`). `granted`:
-    /// taken from a grant message, held until then unless the first renewal (due at once)
-    /// lengthens it.
+    /// taken from a grant message, held until then unless the first renewal (due a quarter
+    /// of the way there) lengthens it.
     fn acquired(
         &self,
         token: String,
@@ -705,7 +723,15 @@ impl Contest<'_> {
             started,
         };
         let lock = match granted {
-            Some(until) => Arc::new(engine.remote_lock(acquisition).granted_until(until)),
+            Some(until) => {
+                let now = Stamp::now();
+                let renew_at = now + engine.cfg.first_renewal(until.since(now));
+                Arc::new(
+                    engine
+                        .remote_lock(acquisition)
+                        .granted_until(until, renew_at),
+                )
+            }
             None => engine.new_hold(acquisition),
         };
         Counters::inc(&engine.counters.remote_acquisitions);

@@ -4,7 +4,7 @@
 //! watches: the holder's lost channel fires when the lease runs out.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -48,7 +48,19 @@ pub(crate) struct Watchdog {
     held: Arc<Mutex<Held>>,
     kick: Sender<()>,
     shutdown: Arc<AtomicBool>,
+    /// Waits that may take a grant as the lock (see [`Watchdog::expect_grant`]).
+    expecting: Arc<AtomicUsize>,
     thread: crate::worker::Thread,
+}
+
+/// A wait that may take a fair queue's grant as the lock, while it lasts (see
+/// [`Watchdog::expect_grant`]).
+pub(crate) struct Expecting<'a>(&'a AtomicUsize);
+
+impl Drop for Expecting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// What the thread works with: the settings, the nodes (weakly: the thread must not keep
@@ -68,7 +80,13 @@ impl Watchdog {
         let held = Arc::new(Mutex::new(Held::default()));
         let (kick, kicked) = crossbeam_channel::bounded(1);
         let shutdown = Arc::new(AtomicBool::new(false));
-        let (h, s, k) = (held.clone(), shutdown.clone(), kick.clone());
+        let expecting = Arc::new(AtomicUsize::new(0));
+        let (h, s, k, e) = (
+            held.clone(),
+            shutdown.clone(),
+            kick.clone(),
+            expecting.clone(),
+        );
         let cx = Context {
             cfg,
             topology,
@@ -79,7 +97,7 @@ impl Watchdog {
             .spawn(move || {
                 crate::supervise::supervise(
                     "watchdog",
-                    || run(&cx, &h, &kicked, &s),
+                    || run(&cx, &h, &kicked, &s, &e),
                     |in_a_row| crashed(&cx, &h, &k, in_a_row),
                 );
             })?;
@@ -87,6 +105,7 @@ impl Watchdog {
             held,
             kick,
             shutdown,
+            expecting,
             thread: crate::worker::Thread::new(thread),
         })
     }
@@ -105,6 +124,20 @@ impl Watchdog {
         let mut held = self.held.lock();
         held.locks.insert(lock.id, lock);
         self.plan(held, due);
+    }
+
+    /// A wait that may take a fair queue's grant as the lock is about to sleep: until the
+    /// returned guard is dropped, the thread looks at least every `Config::grant_tick`, so
+    /// that such a lock's first renewal (due a `Config::first_renewal` later) is planned
+    /// by the thread's next look and its registration needs no wake-up. The wake-up would
+    /// come at the handoff, the moment that matters, and compete for a core with the
+    /// thread the grant is for. The first such wait wakes the thread now, while it sleeps
+    /// anyway.
+    pub fn expect_grant(&self) -> Expecting<'_> {
+        if self.expecting.fetch_add(1, Ordering::Relaxed) == 0 {
+            let _ = self.kick.try_send(());
+        }
+        Expecting(&self.expecting)
     }
 
     /// A watched lock is due at `due` now (its lease was changed by an explicit extend).
@@ -170,7 +203,13 @@ fn crashed(cx: &Context, held: &Mutex<Held>, kick: &Sender<()>, in_a_row: u32) -
     true
 }
 
-fn run(cx: &Context, held: &Arc<Mutex<Held>>, kicked: &Receiver<()>, shutdown: &AtomicBool) {
+fn run(
+    cx: &Context,
+    held: &Arc<Mutex<Held>>,
+    kicked: &Receiver<()>,
+    shutdown: &AtomicBool,
+    expecting: &AtomicUsize,
+) {
     // Nothing to do before the first registration.
     if kicked.recv().is_err() {
         return;
@@ -181,7 +220,12 @@ fn run(cx: &Context, held: &Arc<Mutex<Held>>, kicked: &Receiver<()>, shutdown: &
             Some(topology) => renew_due(cx, &topology, held),
             None => return, // registrations come from a live client: it is gone now
         };
-        let next = next.min(Stamp::now() + MAX_SLEEP);
+        let longest = if expecting.load(Ordering::Relaxed) > 0 {
+            cx.cfg.grant_tick().min(MAX_SLEEP)
+        } else {
+            MAX_SLEEP
+        };
+        let next = next.min(Stamp::now() + longest);
         // A lock registered during the pass set `planned` (and kicked): keep the earlier.
         let next = {
             let mut h = held.lock();

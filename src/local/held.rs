@@ -148,12 +148,13 @@ impl RemoteLock {
 
     /// A hold taken from a fair queue's grant message, with no confirming attempt: surely
     /// held only until `valid_until` (the grant lease from the send of the attempt the
-    /// grant followed), and due for its first renewal now, which gives it the full lease.
-    pub fn granted_until(self, valid_until: Stamp) -> Self {
+    /// grant followed), and due for its first renewal at `renew_at`, which gives it the
+    /// full lease (see `Config::first_renewal`).
+    pub fn granted_until(self, valid_until: Stamp, renew_at: Stamp) -> Self {
         {
             let mut st = self.state.lock();
             st.valid_until = st.valid_until.min(valid_until);
-            st.next_renew = Stamp::now();
+            st.next_renew = renew_at.min(st.valid_until);
         }
         self
     }

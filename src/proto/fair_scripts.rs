@@ -15,8 +15,8 @@
 //! grant ran after the attempt that stored that nonce, so after the waiter sent it: the
 //! grant's lease ends no earlier than that send plus the grant lease. A grantee that knows
 //! when it sent the attempt of that nonce (its latest) holds the lock until then, less its
-//! drift margin, with no round trip; its watchdog's first renewal, sent at once, gives it
-//! the full lease. A grant of an older nonce, or read after that bound (a slow network, a
+//! drift margin, with no round trip; its watchdog's first renewal, sent a quarter of the
+//! way to that bound, gives it the full lease. A grant of an older nonce, or read after that bound (a slow network, a
 //! stopped process), is only a wake-up: the next attempt confirms it (it finds its own
 //! token in the key, sets the full lease and reads the fence as it is then). A grant that
 //! follows a hold which ended without a release carries nonce 0, so that its grantee
