@@ -510,9 +510,10 @@ impl Contest<'_> {
     /// the nonce of our latest attempt. Redis ran that attempt before the grant, so after
     /// we sent it: the grant's lease ends no earlier than `sent + grant lease`, and the
     /// hold is ours until then, less the drift margin. The watchdog's first renewal, a
-    /// quarter of that validity later (`Config::first_renewal`), gives it the full lease. A grant of an older attempt (it may be of
-    /// an earlier entry, whose lease ran out and whose fence another holder followed), or
-    /// one heard after that bound (a slow network, a stopped process), is only a wake-up:
+    /// quarter of that validity later (`Config::first_renewal`), gives it the full lease.
+    /// A grant of an older attempt (it may be of an earlier entry, whose lease ran out and
+    /// whose fence another holder followed), or one heard after that bound (a slow
+    /// network, a stopped process), is only a wake-up:
     /// `None`, and the next attempt confirms it. So is any grant where the next attempt
     /// must decide: without renewals (the bound would be the whole hold), with replica
     /// acknowledgements (a grant is not known to be replicated), on more than one node.
