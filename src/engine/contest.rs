@@ -506,7 +506,8 @@ impl Contest<'_> {
         nonce
     }
 
-    /// Fair queue: takes a grant heard as the lock, with no round trip, when it carries
+    /// Takes a grant heard as the hold (the fair queue's lock, a read-write lock's write
+    /// hold), with no round trip, when it carries
     /// the nonce of our latest attempt. Redis ran that attempt before the grant, so after
     /// we sent it: the grant's lease ends no earlier than `sent + grant lease`, and the
     /// hold is ours until then, less the drift margin. The watchdog's first renewal, a
@@ -536,9 +537,12 @@ impl Contest<'_> {
         // the confirming attempt tells of it): nothing was lost before it.
         let remote = self.acquired(token, (grant.fence, false), nodes, sent, Some(until))?;
         Counters::inc(&self.engine.counters.grants_trusted);
+        // A write hold granted by the release of a read-write lock's last hold: other
+        // processes' readers, held back while we waited, may wait still, so the process
+        // serves its own writers and gives the hold back (see `local::shares`).
         Ok(Some(Won {
             remote,
-            others_wait: false,
+            others_wait: self.protocol.shared(),
         }))
     }
 
@@ -658,7 +662,7 @@ impl Contest<'_> {
             return;
         }
         let (engine, keys, protocol) = (self.engine, self.keys, self.protocol);
-        if protocol.release_may_grant() {
+        if protocol.queues_waiters() {
             Counters::inc(&engine.counters.queue_departures);
         }
         let Some(token) = self.token else {

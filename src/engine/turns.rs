@@ -113,7 +113,11 @@ impl Engine {
                 .remote
                 .as_ref()
                 .is_some_and(|(r, _)| r.lost(&self.counters).is_some());
-            match turn.next(write, budget, lost) {
+            let heard = match &turn.remote {
+                Some((r, Mode::Read)) if !turn.draining => self.writer_heard(r),
+                _ => false,
+            };
+            match turn.next(write, budget, lost, heard) {
                 Next::Admit => {
                     let (remote, held) = turn.remote.as_ref().expect("admitted to a hold");
                     let token = turn_token(remote, *held, turn.writes);
@@ -127,6 +131,9 @@ impl Engine {
                     self.shares.changed.notify_all();
                     return match got {
                         Ok((remote, others_wait)) => {
+                            if mode == Mode::Read && turn.interests.is_empty() {
+                                turn.interests = self.interests(keys);
+                            }
                             turn.acquired(remote.clone(), mode, others_wait);
                             let token = turn_token(&remote, mode, turn.writes);
                             Ok((remote, token, Path::Remote))
@@ -189,6 +196,32 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Keeps `keys` subscribed on the nodes of its route while the result lives (see
+    /// `Turn::interests`).
+    fn interests(&self, keys: &Keys) -> Vec<Box<dyn Send>> {
+        if self.subs.is_empty() {
+            return Vec::new();
+        }
+        let route = self.topology.route(keys);
+        self.subs_for(&route)
+            .iter()
+            .map(|s| Box::new(s.interest(keys)) as Box<dyn Send>)
+            .collect()
+    }
+
+    /// Whether another process's writer marked itself waiting for `remote` (a read hold)
+    /// since it was taken, as heard on the name's channel.
+    fn writer_heard(&self, remote: &RemoteLock) -> bool {
+        if self.subs.is_empty() {
+            return false;
+        }
+        let route = self.topology.route(&remote.keys);
+        let since = remote.acquired_at.elapsed();
+        self.subs_for(&route)
+            .iter()
+            .any(|s| s.heard_mark_within(&remote.keys, since))
     }
 
     /// Whether the process may go on taking turns on `remote`, held as `mode` (the hold is

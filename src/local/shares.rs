@@ -128,6 +128,9 @@ pub(crate) struct Turn {
     /// Under a read hold, once a local writer waits: how many more local readers it admits
     /// (the rest of this process's read phase) before it drains for the writer.
     reads_left: Option<u32>,
+    /// Keeps the name's channel subscribed while the turn lives, so that a remote writer's
+    /// mark is heard (see [`Turn::next`]).
+    pub interests: Vec<Box<dyn Send>>,
 }
 
 /// The budget of one remote hold.
@@ -141,7 +144,10 @@ impl Turn {
     /// What a thread that wants the name (to write if `write`) should do; admits it when
     /// it may use the remote hold, and marks the turn busy when it must talk to Redis.
     /// The caller counts itself among the waiting threads while it asks.
-    pub fn next(&mut self, write: bool, budget: Budget, lost: bool) -> Next {
+    /// `writer_heard`: another process's writer marked itself waiting since the read hold
+    /// was taken (heard on the channel): the hold drains at once, as at a budget check
+    /// that found it.
+    pub fn next(&mut self, write: bool, budget: Budget, lost: bool, writer_heard: bool) -> Next {
         if self.busy {
             return Next::Wait;
         }
@@ -161,7 +167,7 @@ impl Turn {
         } else {
             self.reads_left = None;
         }
-        if lost {
+        if lost || (mode == Mode::Read && writer_heard) {
             self.draining = true;
         }
         let blocked = self.draining
@@ -381,10 +387,14 @@ mod tests {
     #[test]
     fn smoke() {
         let mut t = waiting(2, 0);
-        assert_eq!(t.next(false, BUDGET, false), Next::Contend);
-        assert_eq!(t.next(false, BUDGET, false), Next::Wait, "one contender");
+        assert_eq!(t.next(false, BUDGET, false, false), Next::Contend);
+        assert_eq!(
+            t.next(false, BUDGET, false, false),
+            Next::Wait,
+            "one contender"
+        );
         t.acquired(hold(), Mode::Read, false);
-        assert_eq!(t.next(false, BUDGET, false), Next::Admit);
+        assert_eq!(t.next(false, BUDGET, false, false), Next::Admit);
         assert_eq!(t.readers, 2);
         t.waiting_readers = 0;
         assert!(t.leave(false).is_none());
@@ -396,20 +406,20 @@ mod tests {
     #[test]
     fn a_waiting_writer_ends_the_local_read_phase() {
         let mut t = Turn::default();
-        t.next(false, BUDGET, false);
+        t.next(false, BUDGET, false, false);
         t.acquired(hold(), Mode::Read, false);
         t.waiting_writers = 1;
         t.waiting_readers = 1;
-        assert_eq!(t.next(true, BUDGET, false), Next::Wait);
+        assert_eq!(t.next(true, BUDGET, false, false), Next::Wait);
         for _ in 0..BUDGET.uses {
             assert_eq!(
-                t.next(false, BUDGET, false),
+                t.next(false, BUDGET, false, false),
                 Next::Admit,
                 "the read phase goes on for a budget of reads"
             );
         }
         assert_eq!(
-            t.next(false, BUDGET, false),
+            t.next(false, BUDGET, false, false),
             Next::Wait,
             "then readers stop"
         );
@@ -419,17 +429,17 @@ mod tests {
         let back = t.leave(false);
         assert!(back.is_some(), "the last reader gives the read hold back");
         assert_eq!(
-            t.next(true, BUDGET, false),
+            t.next(true, BUDGET, false, false),
             Next::Wait,
             "while it is given back"
         );
         t.released();
         assert_eq!(
-            t.next(false, BUDGET, false),
+            t.next(false, BUDGET, false, false),
             Next::Wait,
             "the writer asks first"
         );
-        assert_eq!(t.next(true, BUDGET, false), Next::Contend);
+        assert_eq!(t.next(true, BUDGET, false, false), Next::Contend);
         t.waiting_writers = 0;
         t.acquired(hold(), Mode::Write, false);
         assert!(t.writing);
@@ -439,7 +449,7 @@ mod tests {
     #[test]
     fn a_read_hold_with_no_local_reader_left_goes_back_to_the_writer() {
         let mut t = Turn::default();
-        t.next(false, BUDGET, false);
+        t.next(false, BUDGET, false, false);
         t.acquired(hold(), Mode::Read, false);
         t.waiting_writers = 1;
         assert!(
@@ -451,67 +461,75 @@ mod tests {
     #[test]
     fn a_write_hold_others_wait_for_serves_writers_only() {
         let mut t = waiting(1, 1);
-        t.next(true, BUDGET, false);
+        t.next(true, BUDGET, false, false);
         t.acquired(hold(), Mode::Write, true);
         t.waiting_writers = 1;
         assert!(t.leave(true).is_none(), "a local writer still waits");
-        assert_eq!(t.next(false, BUDGET, false), Next::Wait, "no local reads");
-        assert_eq!(t.next(true, BUDGET, false), Next::Admit);
+        assert_eq!(
+            t.next(false, BUDGET, false, false),
+            Next::Wait,
+            "no local reads"
+        );
+        assert_eq!(t.next(true, BUDGET, false, false), Next::Admit);
         t.waiting_writers = 0;
         assert!(
             t.leave(true).is_some(),
             "no writer left: the hold goes back though a reader waits"
         );
         t.released();
-        assert_eq!(t.next(false, BUDGET, false), Next::Contend);
+        assert_eq!(t.next(false, BUDGET, false, false), Next::Contend);
     }
 
     #[test]
     fn a_write_hold_nobody_else_waits_for_serves_readers_again() {
         let mut t = waiting(1, 1);
-        t.next(true, BUDGET, false);
+        t.next(true, BUDGET, false, false);
         t.acquired(hold(), Mode::Write, true);
         t.checked(true);
         t.waiting_writers = 0;
         assert!(t.leave(true).is_none(), "kept for the local reader");
-        assert_eq!(t.next(false, BUDGET, false), Next::Admit);
+        assert_eq!(t.next(false, BUDGET, false, false), Next::Admit);
     }
 
     #[test]
     fn write_hold_serves_local_readers_and_writers_in_turn() {
         let mut t = waiting(1, 1);
-        t.next(true, BUDGET, false);
+        t.next(true, BUDGET, false, false);
         t.acquired(hold(), Mode::Write, false);
         t.waiting_writers = 0;
         assert_eq!(
-            t.next(false, BUDGET, false),
+            t.next(false, BUDGET, false, false),
             Next::Wait,
             "the writer writes"
         );
         assert!(t.leave(true).is_none(), "kept for the waiting threads");
-        assert_eq!(t.next(false, BUDGET, false), Next::Admit);
-        assert_eq!(t.next(true, BUDGET, false), Next::Wait, "a reader reads");
+        assert_eq!(t.next(false, BUDGET, false, false), Next::Admit);
+        assert_eq!(
+            t.next(true, BUDGET, false, false),
+            Next::Wait,
+            "a reader reads"
+        );
         t.leave(false);
-        assert_eq!(t.next(true, BUDGET, false), Next::Admit);
+        assert_eq!(t.next(true, BUDGET, false, false), Next::Admit);
         t.leave(true);
-        assert_eq!(t.next(true, BUDGET, false), Next::Admit);
+        assert_eq!(t.next(true, BUDGET, false, false), Next::Admit);
         assert_eq!(t.writes, 3);
         t.leave(true);
         // Three writes (reads do not count): the budget is spent; Redis says another
         // process waits.
-        assert_eq!(t.next(false, BUDGET, false), Next::Check);
+        assert_eq!(t.next(false, BUDGET, false, false), Next::Check);
         t.checked(false);
-        assert_eq!(t.next(false, BUDGET, false), give_back());
+        assert_eq!(t.next(false, BUDGET, false, false), give_back());
     }
 
     #[test]
     fn read_budget_is_time_and_asks_redis_once() {
         let mut t = waiting(1, 0);
-        t.next(false, BUDGET, false);
+        t.next(false, BUDGET, false, false);
         t.acquired(hold(), Mode::Read, false);
         for _ in 0..10 {
             assert_eq!(
-                t.next(false, BUDGET, false),
+                t.next(false, BUDGET, false, false),
                 Next::Admit,
                 "reads do not count"
             );
@@ -520,34 +538,34 @@ mod tests {
             slice: Duration::ZERO,
             ..BUDGET
         };
-        assert_eq!(t.next(false, spent, false), Next::Check);
+        assert_eq!(t.next(false, spent, false, false), Next::Check);
         assert_eq!(
-            t.next(false, spent, false),
+            t.next(false, spent, false, false),
             Next::Admit,
             "one check at a time, and turns go on meanwhile"
         );
         t.checked(true);
-        assert_eq!(t.next(false, BUDGET, false), Next::Admit);
+        assert_eq!(t.next(false, BUDGET, false, false), Next::Admit);
     }
 
     #[test]
     fn a_hold_goes_back_before_its_write_numbers_run_out() {
         let mut t = waiting(0, 1);
-        t.next(true, BUDGET, false);
+        t.next(true, BUDGET, false, false);
         t.acquired(hold(), Mode::Write, false);
         assert!(t.leave(true).is_none(), "a writer still waits");
         t.writes = MAX_LOCAL_SEQ - 1;
-        assert_eq!(t.next(true, BUDGET, false), give_back());
+        assert_eq!(t.next(true, BUDGET, false, false), give_back());
     }
 
     /// A turn whose local writer writes on the remote write hold, `readers` local readers
     /// waiting.
     fn writing(readers: usize) -> Turn {
         let mut t = waiting(readers, 0);
-        t.next(true, BUDGET, false);
+        t.next(true, BUDGET, false, false);
         t.acquired(hold(), Mode::Write, false);
         assert_eq!(
-            t.next(false, BUDGET, false),
+            t.next(false, BUDGET, false, false),
             Next::Wait,
             "the writer writes"
         );
@@ -559,7 +577,7 @@ mod tests {
         let mut t = writing(1);
         t.detach();
         assert_eq!(
-            t.next(false, BUDGET, false),
+            t.next(false, BUDGET, false, false),
             Next::Contend,
             "no local turn on the detached hold: the reader asks Redis"
         );
@@ -575,8 +593,16 @@ mod tests {
         t.downgraded(read.clone());
         assert!(t.holds(&read));
         assert_eq!(t.readers, 1, "the writer reads now");
-        assert_eq!(t.next(false, BUDGET, false), Next::Admit, "a reader joins");
-        assert_eq!(t.next(true, BUDGET, false), Next::Wait, "a writer waits");
+        assert_eq!(
+            t.next(false, BUDGET, false, false),
+            Next::Admit,
+            "a reader joins"
+        );
+        assert_eq!(
+            t.next(true, BUDGET, false, false),
+            Next::Wait,
+            "a writer waits"
+        );
         t.waiting_readers = 0;
         assert!(t.leave(false).is_none());
         assert!(t.leave(false).is_some(), "the last reader gives it back");
@@ -585,9 +611,9 @@ mod tests {
     #[test]
     fn lost_hold_admits_nobody() {
         let mut t = waiting(1, 0);
-        t.next(false, BUDGET, false);
+        t.next(false, BUDGET, false, false);
         t.acquired(hold(), Mode::Read, false);
-        assert_eq!(t.next(false, BUDGET, true), Next::Wait);
+        assert_eq!(t.next(false, BUDGET, true, false), Next::Wait);
         assert!(
             t.leave(false).is_some(),
             "the last reader gives the lost hold back"

@@ -71,7 +71,8 @@ pub(crate) struct KeyBytes {
 /// - `:latch`: a countdown latch of the same name (see `latch_scripts`): a key of its own,
 ///   so a name can be a lock and a latch at once;
 /// - `:qn`: the fair queue's nonces: the waiting contenders scored by their latest
-///   attempt's nonce, which a grant tells them (see `fair_scripts`).
+///   attempt's nonce, which a grant tells them (see `fair_scripts`); for a read-write
+///   lock, its waiting writers' (see `rw_scripts`).
 const SUFFIXES: [&[u8]; 10] = [
     b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr", b":latch", b":qn",
 ];
@@ -188,6 +189,13 @@ impl Keys {
     /// The fair queue's nonces: each waiting token scored by its latest attempt's nonce.
     pub fn queue_nonce(&self) -> &[u8] {
         self.suffixed(9)
+    }
+
+    /// A read-write lock's waiting writers scored by their latest attempt's nonce, which
+    /// a grant of the write hold tells them: the fair queue's set of nonces, which it is for
+    /// a lock (the lock key has one kind at a time, see [`permit_waiters`](Self::permit_waiters)).
+    pub fn writer_nonces(&self) -> &[u8] {
+        self.queue_nonce()
     }
 
     /// The name for log lines.

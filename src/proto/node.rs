@@ -134,6 +134,9 @@ pub(crate) struct Node {
     client_id: Arc<str>,
     /// How long an idle fencing counter lives, in ms (a script argument).
     fence_ttl_ms: u64,
+    /// The lease of a grant a read-write lock's release makes to the writer waiting
+    /// longest, in ms (a script argument, see `rw_scripts`).
+    grant_ms: u64,
     /// `replica_ack`: replicas that must acknowledge an acquisition or renewal, and how
     /// long to wait for them.
     pub(crate) ack: Option<(usize, Duration)>,
@@ -187,6 +190,7 @@ impl Node {
             counters,
             client_id,
             fence_ttl_ms: millis(cfg.fence_ttl),
+            grant_ms: millis(cfg.grant_lease()),
             ack: cfg.replica_ack,
             path,
             silent: std::sync::atomic::AtomicBool::new(false),
@@ -369,6 +373,11 @@ impl Node {
     /// How long an idle fencing counter lives, in ms.
     pub fn fence_ttl_ms(&self) -> u64 {
         self.fence_ttl_ms
+    }
+
+    /// The lease of a write grant, in ms (see `grant_ms`).
+    pub fn grant_ms(&self) -> u64 {
+        self.grant_ms
     }
 
     /// This client's id, sent with failed attempts so that our own subscriber ignores

@@ -265,9 +265,20 @@ impl Protocol {
         !matches!(self, Protocol::Lock { .. })
     }
 
-    /// Whether a release may hand the lock straight to a waiting process (fair queue): the
-    /// releaser then has nobody to yield to, and its next contender queues at once.
+    /// Whether a release may hand the hold straight to a waiting process: the fair queue's
+    /// lock, or a read-write lock's write hold (see `rw_scripts`). The grant may be taken
+    /// as the hold with no round trip (see `Contest::trust`); the releaser of a fair lock
+    /// has nobody to yield to, and its next contender queues at once.
     pub fn release_may_grant(self) -> bool {
+        matches!(
+            self,
+            Protocol::FairLock(_) | Protocol::Read { .. } | Protocol::Write { .. }
+        )
+    }
+
+    /// Whether a waiter waits in a queue, which a waiter giving up departs from (the fair
+    /// queue; counted as a departure).
+    pub fn queues_waiters(self) -> bool {
         matches!(self, Protocol::FairLock(_))
     }
 
@@ -279,6 +290,7 @@ impl Protocol {
         matches!(
             self,
             Protocol::FairLock(_)
+                | Protocol::Read { .. }
                 | Protocol::Write { .. }
                 | Protocol::Upgrade { .. }
                 | Protocol::Permit { .. }
@@ -381,6 +393,7 @@ impl Protocol {
             clear: req.marks.clear,
             retry,
             deadline,
+            nonce: req.nonce,
         };
         if let Protocol::Upgrade { .. } = self {
             return node.upgrade_shared(shared);
@@ -636,10 +649,11 @@ impl Protocol {
                 )?;
                 Ok(reply == ReleaseReply::Passed)
             }
-            Protocol::Read { .. } | Protocol::Upgradable { .. } => {
+            Protocol::Read { .. } | Protocol::Write { .. } => node.leave_waiter(keys, token),
+            Protocol::Upgradable { .. } => {
                 node.unmark_waiter(keys, token, Want::Read).map(|()| false)
             }
-            Protocol::Write { .. } | Protocol::Upgrade { .. } => {
+            Protocol::Upgrade { .. } => {
                 node.unmark_waiter(keys, token, Want::Write).map(|()| false)
             }
             Protocol::Permit { permits, .. } => node
@@ -733,8 +747,11 @@ mod tests {
         ] {
             let shared = one.get(kind).expect("shared");
             assert!(shared.shared() && shared.keeps_token_across_attempts());
-            assert!(!shared.release_may_grant() && !shared.next_call_settles_unknown());
-            assert_eq!(shared.awaits_grant(), kind != Kind::Read);
+            // A read-write lock's release grants holds; a freed permit only wakes.
+            let rw = kind != Kind::Permit(3);
+            assert_eq!(shared.release_may_grant(), rw);
+            assert!(!shared.next_call_settles_unknown());
+            assert!(shared.awaits_grant());
             assert_eq!(shared.hears(), Hears::Releases);
             assert!(!shared.renewal().ordered);
             assert!(shared.new_token().starts_with(tag));

@@ -153,11 +153,125 @@ local function wake_first(set, channel, now, take)
 end
 -- Marks `member` waiting in `set` until `now + ttl`, and drops the marks that expired
 -- (their waiters crashed or gave up unheard): as many as were added, so one call each,
--- amortized.
-local function mark(set, member, now, ttl)
-  redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
-  redis.call('ZADD', set, now + ttl, member)
-  if redis.call('PTTL', set) < ttl then redis.call('PEXPIRE', set, 2 * ttl) end
+-- amortized. With `nonces` (the waiting writers' and readers' nonces), the expired marks'
+-- nonces go too, at most MARK_CHUNK a call (a call adds one), and `nonce`, when given, is
+-- stored as `member`'s latest attempt's: the one a grant tells it. The nonces live as long
+-- as the marks: their key gets the marks' TTL when a member is new or the marks' TTL is
+-- lengthened. Returns whether `member` was not marked before.
+local MARK_CHUNK = 64
+local function mark(set, member, now, ttl, nonces, nonce)
+  if nonces then
+    local dead = redis.call('ZRANGEBYSCORE', set, '-inf', now, 'LIMIT', 0, MARK_CHUNK)
+    if #dead > 0 then
+      redis.call('ZREM', set, unpack(dead))
+      redis.call('ZREM', nonces, unpack(dead))
+    end
+  else
+    redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
+  end
+  local new = redis.call('ZADD', set, now + ttl, member) == 1
+  local longer = redis.call('PTTL', set) < ttl
+  if longer then redis.call('PEXPIRE', set, 2 * ttl) end
+  if nonce then
+    redis.call('ZADD', nonces, nonce, member)
+    if new or longer then redis.call('PEXPIRE', nonces, 2 * ttl) end
+  end
+  return new
+end
+";
+
+/// What the scripts that end a hold of a read-write lock or a semaphore do next, after
+/// the fence helpers and [`PRELUDE`]: who is told, and (the write hold) who is given it.
+///
+/// KEYS: lock, waiting writers (or permit-seekers), waiting readers, fence counter,
+/// writer nonces (a permit's release names the first two at most). ARGV: member, channel,
+/// fence, grant lease ms, fence counter TTL ms, publish mode.
+///
+/// `pass_on(ended, now)`, after the hold `ended` was taken out of the key: a permit wakes
+/// the permit-seeker waiting longest; the last hold of a read-write lock grants the write
+/// hold to the writer waiting longest (`grant_first`), or says `r`; of a read-write lock
+/// whose holds remain, an upgradable hold left alone and waiting to upgrade is woken, and
+/// the end of an upgradable hold says `r` to the readers it held back.
+///
+/// `grant_first(now)`: the write hold of a read-write lock that has no live hold goes to
+/// the writer waiting longest, as the fair queue's grant does (see `fair_scripts`): its
+/// member is held for the grant lease, the counter issues its fence, its mark and nonce
+/// go, and `g<member>:<nonce>:<fence>:<grant ms>` tells it, with the nonce of its latest
+/// attempt (`0` when it has none, or when the write hold before ended without a release:
+/// only a wake-up, whose confirming attempt tells of the loss). An upgrade waiting (an
+/// upgradable member marked as a writer, whose hold is gone) is only woken.
+const PASS_ON: &str = r"
+-- The key of a read-write lock with no live hold, holding `member` for `ms` (the first
+-- grant of a release recreates it).
+local function grant_hold(member, now, ms, first)
+  if first then
+    redis.call('ZADD', KEYS[1], -1, '#rw', now + ms, member)
+    redis.call('PEXPIRE', KEYS[1], 2 * ms)
+  else
+    redis.call('ZADD', KEYS[1], now + ms, member)
+  end
+end
+-- The nonce of `member`'s latest attempt, taken out with its mark of `set`; '0' when it
+-- has none, or when `lost`.
+local function take_nonce(set, member, lost)
+  redis.call('ZREM', set, member)
+  local nonce = not lost and redis.call('ZSCORE', KEYS[5], member)
+  redis.call('ZREM', KEYS[5], member)
+  return nonce and string.format('%.0f', tonumber(nonce)) or '0'
+end
+local function grant_first(now)
+  local grant_ms = tonumber(ARGV[4])
+  local w = first_waiting(KEYS[2], now)
+  if not w then
+    -- No writer waits: the readers that marked themselves waiting get read holds.
+    local rs = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'LIMIT', 0, MARK_CHUNK)
+    local fence, others = nil, #rs == 0
+    for _, r in ipairs(rs) do
+      if string.sub(r, 1, 1) == 'r' then
+        grant_hold(r, now, grant_ms, not fence)
+        fence = fence or string.format('%.0f', current_fence(KEYS[4]))
+        publish(ARGV[2], 'g' .. r .. ':' .. take_nonce(KEYS[3], r, false) .. ':' .. fence .. ':' .. grant_ms)
+      else
+        others = true
+      end
+    end
+    -- Whoever else waits (an upgradable read, a waiter with no mark) tries again.
+    if others then publish(ARGV[2], 'r') end
+    return
+  end
+  if string.sub(w, 1, 1) ~= 'w' then
+    wake_first(KEYS[2], ARGV[2], now, false)
+    return
+  end
+  local fence, lost = next_fence(KEYS[4], ARGV[5])
+  if type(fence) == 'table' then
+    -- The counter cannot be written (a key of another type): a wake-up, whose attempt
+    -- reports the error.
+    publish(ARGV[2], 'g' .. w .. ':0')
+    return
+  end
+  grant_hold(w, now, grant_ms, true)
+  local nonce = take_nonce(KEYS[2], w, lost)
+  -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
+  publish(ARGV[2], 'g' .. w .. ':' .. nonce .. ':' .. string.format('%.0f', fence) .. ':' .. grant_ms)
+end
+local function pass_on(ended, now)
+  local permit = string.sub(ended, 1, 1) == 'p'
+  -- The kind member's score is negative: a live hold is scored after now.
+  local left = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 2)
+  if not left[1] then redis.call('DEL', KEYS[1]) end
+  if permit then
+    -- The waiter waiting longest: its mark is the oldest renewed, and goes (the next
+    -- release wakes the next one).
+    wake_first(KEYS[2], ARGV[2], now, true)
+  elseif not left[1] then
+    grant_first(now)
+  elseif not left[2] and string.sub(left[1], 1, 1) == 'u'
+      and tonumber(redis.call('ZSCORE', KEYS[2], left[1]) or 0) > now then
+    publish(ARGV[2], 'g' .. left[1] .. ':0')
+  elseif string.sub(ended, 1, 1) == 'u' and first_waiting(KEYS[3], now) then
+    publish(ARGV[2], 'r')
+  end
 end
 ";
 
@@ -172,12 +286,20 @@ fn fenced(body: &str) -> Lua {
     ))
 }
 
+/// [`fenced`], for a script that ends a hold (see [`PASS_ON`]).
+fn ending(body: &str) -> Lua {
+    fenced(&format!("{PASS_ON}{body}"))
+}
+
 /// Read, write or upgradable read hold, idempotently (a retry with the same member
 /// refreshes its lease).
 ///
-/// KEYS: lock, fence, waiting writers, waiting readers. ARGV: `r`, `w` or `u`, member,
-/// lease ms, waiting mark TTL ms (0: the caller will not wait), the fence counter's TTL
-/// ms. Returns `{1, fence, others, after lost}` (`others`: for a write hold, 1 when a mark
+/// KEYS: lock, fence, waiting writers, waiting readers, writer nonces. ARGV: `r`, `w` or
+/// `u`, member, lease ms, waiting mark TTL ms (0: the caller will not wait), the fence
+/// counter's TTL ms, the attempt's nonce (a waiting writer's is stored with its mark, and
+/// told by a grant of the write hold, see [`PASS_ON`]), the library's channel, the client's
+/// id (a failed write attempt that will wait says `c<client id>` on the channel, so that
+/// the processes holding read holds give them back), the publish mode. Returns `{1, fence, others, after lost}` (`others`: for a write hold, 1 when a mark
 /// of another waiting writer or reader is left, maybe an expired one; `after lost`: for a
 /// write hold, 1 when the write hold before ended without a release, see `FENCE_FN`; both
 /// always 0 for a read or upgradable hold), `{0, ms until the earliest obstacle ends}`
@@ -186,9 +308,12 @@ fn fenced(body: &str) -> Lua {
 /// A read is granted when no write hold exists and no writer waits; an upgradable read
 /// when, besides, no other upgradable hold exists (found by reading the live holds: only
 /// its attempts pay for that); a write when no hold exists (waiting writers race among
-/// themselves). A write attempt that fails and will wait marks the writer as waiting until
-/// the mark's TTL, which it renews at each attempt; a read or upgradable attempt that fails
-/// and will wait marks a waiting reader the same way.
+/// themselves, or the release of the last hold grants it to the one waiting longest). A
+/// write attempt that fails and will wait marks the writer as waiting until the mark's
+/// TTL, which it renews at each attempt, with its nonce; a read or upgradable attempt that
+/// fails and will wait marks a waiting reader the same way. A write attempt that finds its
+/// own member held (granted to it, or taken by an earlier attempt whose reply was lost)
+/// holds it, with the fence the counter has.
 static RW_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     fenced(
         r"
@@ -235,10 +360,14 @@ if ARGV[1] ~= 'w' then
   end
   if free or (first and redis.call('ZSCORE', KEYS[1], ARGV[2])) then
     take()
-    redis.call('ZREM', KEYS[4], ARGV[2])
+    if redis.call('ZREM', KEYS[4], ARGV[2]) == 1 then redis.call('ZREM', KEYS[5], ARGV[2]) end
     return {1, current_fence(KEYS[2]), 0, 0}
   end
-  if waits then mark(KEYS[4], ARGV[2], now, tonumber(ARGV[4])) end
+  if waits then
+    -- A reader's nonce, for a grant of a read hold; an upgradable read gets none.
+    local nonce = ARGV[1] == 'r' and ARGV[6] or nil
+    mark(KEYS[4], ARGV[2], now, tonumber(ARGV[4]), KEYS[5], nonce)
+  end
   if w[2] and (not until_ or tonumber(w[2]) < until_) then until_ = tonumber(w[2]) end
 elseif not first then
   -- The fence before the hold: a failed SET leaves nothing to undo (unlike the plain
@@ -246,10 +375,14 @@ elseif not first then
   local fence, after_lost = next_fence(KEYS[2], ARGV[5])
   if type(fence) == 'table' then return fence end
   take()
-  redis.call('ZREM', KEYS[3], ARGV[2])
+  if redis.call('ZREM', KEYS[3], ARGV[2]) == 1 then redis.call('ZREM', KEYS[5], ARGV[2]) end
   return {1, fence, others(), after_lost and 1 or 0}
 elseif waits then
-  mark(KEYS[3], ARGV[2], now, tonumber(ARGV[4]))
+  -- A writer that begins to wait is heard by the processes that hold read holds: they
+  -- give them back at once (a process that missed it learns at its next budget check).
+  if mark(KEYS[3], ARGV[2], now, tonumber(ARGV[4]), KEYS[5], ARGV[6]) then
+    publish(ARGV[7], 'c' .. ARGV[8])
+  end
 end
 if not until_ then return {0, -1} end
 return {0, until_ - now}
@@ -260,8 +393,8 @@ return {0, until_ - now}
 /// Turns the upgradable hold into the write hold once it is the only hold, idempotently
 /// (a retry whose earlier attempt upgraded finds the write hold and refreshes its lease).
 ///
-/// KEYS: lock, fence, waiting writers. ARGV: the upgradable member, the write member (the
-/// same token), lease ms, waiting mark TTL ms (0: the caller will not wait), the fence
+/// KEYS: lock, fence, waiting writers, writer nonces (the marks that expired drop theirs).
+/// ARGV: the upgradable member, the write member (the same token), lease ms, waiting mark TTL ms (0: the caller will not wait), the fence
 /// counter's TTL ms. Returns `{1, fence}` (the write hold is ours, with a fence of its own,
 /// as any write hold's), `{0, ms until the first other hold's lease ends}`, `{2, 0}` when
 /// the key is another kind of lock, or `{4, 0}` when the upgradable hold is gone (expired
@@ -293,7 +426,7 @@ if #two == 2 then
   redis.call('ZREM', KEYS[3], ARGV[1])
   return {1, fence}
 end
-if ARGV[4] ~= '0' then mark(KEYS[3], ARGV[1], now, tonumber(ARGV[4])) end
+if ARGV[4] ~= '0' then mark(KEYS[3], ARGV[1], now, tonumber(ARGV[4]), KEYS[4]) end
 local other = two[2]
 if two[1] == ARGV[1] then other = two[4] end
 return {0, tonumber(other) - now}
@@ -368,46 +501,64 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 ///
 /// KEYS: lock; for a permit, the waiting permit-seekers (left out by the narrower form of
 /// the call, see `Node::release_shared`); for a read-write lock its waiting writers and
-/// readers and its fence counter. ARGV: member, the library's channel, the holder's fence
-/// (a write hold's, see `end_fence` of `END_FENCE_FN`; `0` for other holds, or a write
-/// attempt nobody used), the publish mode. Returns 1 released, 0 the hold had expired or
-/// was gone, −1 the key is another kind of lock. A write hold released before it expired
-/// marks the counter released.
+/// readers, its fence counter and its writer nonces. ARGV: member, the library's channel,
+/// the holder's fence (a write hold's, see `end_fence` of `END_FENCE_FN`; `0` for other
+/// holds, or a write attempt nobody used), the grant lease ms, the fence counter's TTL
+/// ms, the publish mode. Returns 1 released, 0 the hold had expired or was gone, −1 the
+/// key is another kind of lock. A write hold released before it expired marks the counter
+/// released, before a grant (see [`PASS_ON`]) issues the next fence.
 ///
-/// Publishes what a waiter may now get in by. A permit freed: `g<member>:0` for the
-/// permit-seeker waiting longest, whose mark goes with it (a second release wakes the next
-/// one, not the same one twice), or `r` when no mark is live (waiters of an older version,
-/// or none). The last hold of a read-write lock ended: `r`; but while writers wait,
-/// `g<member>:0` for the writer waiting longest: writers go first, so the waiting readers,
-/// and the other writers, need not wake to fail. Of a read-write lock whose holds remain:
-/// when the one left is an upgradable hold waiting to upgrade, `g<member>:0` for it alone;
-/// when the hold that ended was the upgradable one and readers wait (a waiting upgradable
-/// read marks itself so), `r`.
+/// Then [`PASS_ON`]: a permit freed wakes the permit-seeker waiting longest
+/// (`g<member>:0`), whose mark goes with it (a second release wakes the next one, not the
+/// same one twice), or says `r` when no mark is live (waiters of an older version, or
+/// none). The last hold of a read-write lock ended: the write hold is granted to the
+/// writer waiting longest, or `r` when none waits: writers go first, so the waiting
+/// readers, and the other writers, need not wake to fail. Of a read-write lock whose holds
+/// remain: when the one left is an upgradable hold waiting to upgrade, `g<member>:0` for
+/// it alone; when the hold that ended was the upgradable one and readers wait (a waiting
+/// upgradable read marks itself so), `r`.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
-    fenced(
+    ending(
         r"
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
 if not s then return 0 end
 local now = now_ms()
 redis.call('ZREM', KEYS[1], ARGV[1])
-local permit = string.sub(ARGV[1], 1, 1) == 'p'
--- The kind member's score is negative: a live hold is scored after now.
-local left = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 2)
-if not left[1] then redis.call('DEL', KEYS[1]) end
-if permit or not left[1] then
-  -- The waiter waiting longest: its mark is the oldest renewed. A permit-seeker's mark
-  -- goes (the next release wakes the next one); a writer's stays until it holds.
-  wake_first(KEYS[2], ARGV[2], now, permit)
-elseif not left[2] and string.sub(left[1], 1, 1) == 'u'
-    and tonumber(redis.call('ZSCORE', KEYS[2], left[1]) or 0) > now then
-  publish(ARGV[2], 'g' .. left[1] .. ':0')
-elseif string.sub(ARGV[1], 1, 1) == 'u' and first_waiting(KEYS[3], now) then
-  publish(ARGV[2], 'r')
+local live = tonumber(s) > now
+if live and KEYS[4] and string.sub(ARGV[1], 1, 1) == 'w' then end_fence(KEYS[4], ARGV[3]) end
+pass_on(ARGV[1], now)
+if live then return 1 end
+return 0
+",
+    )
+});
+
+/// A waiting writer or reader gives up: its mark and nonce go, and a grant that raced its
+/// leaving is passed on (the write hold as an attempt nobody used: the counter keeps what
+/// the hold before it left, see `end_fence` of `END_FENCE_FN`); else a writer's leaving
+/// tells the readers it held back (`r`).
+///
+/// KEYS and ARGV: those of [`SHARED_RELEASE`] for a read-write lock (the fence is unused).
+/// Returns 2 a grant to it was passed on, 0 otherwise, −1 the key is another kind of lock.
+static WAITER_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
+    ending(
+        r"
+redis.call('ZREM', KEYS[5], ARGV[1])
+local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
+if type(s) == 'table' and s.err then return -1 end
+local now = now_ms()
+local writer = string.sub(ARGV[1], 1, 1) == 'w'
+if s and tonumber(s) > now then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  if writer then end_fence(KEYS[4], '0') end
+  pass_on(ARGV[1], now)
+  return 2
 end
-if tonumber(s) <= now then return 0 end
-if KEYS[4] and string.sub(ARGV[1], 1, 1) == 'w' then end_fence(KEYS[4], ARGV[3]) end
-return 1
+local set = KEYS[3]
+if writer then set = KEYS[2] end
+if redis.call('ZREM', set, ARGV[1]) == 1 then publish(ARGV[2], 'r') end
+return 0
 ",
     )
 });
@@ -495,6 +646,8 @@ pub(crate) struct SharedAttempt<'a> {
     pub clear: bool,
     /// Sent again with the same member after an ambiguous failure, as this says.
     pub retry: Retry,
+    /// The attempt's nonce (see `RW_ACQUIRE`).
+    pub nonce: u64,
     pub deadline: Option<Instant>,
 }
 
@@ -508,16 +661,21 @@ impl Node {
             Want::Read | Want::Write | Want::Upgradable => {
                 // Tags are ASCII: one byte each.
                 let tag = [want.tag() as u8];
-                let mut call = RW_ACQUIRE.call(4);
+                let mut call = RW_ACQUIRE.call(5);
                 call.arg(keys.lock())
                     .arg(keys.fence())
                     .arg(keys.writers())
                     .arg(keys.readers())
+                    .arg(keys.writer_nonces())
                     .arg(&tag[..])
                     .arg(member)
                     .arg(lease_ms)
                     .arg(mark_ms)
-                    .arg(self.fence_ttl_ms());
+                    .arg(self.fence_ttl_ms())
+                    .arg(at.nonce)
+                    .arg(keys.channel())
+                    .arg(self.client_id())
+                    .arg(self.publish_mode());
                 (&*RW_ACQUIRE, call)
             }
             Want::Permit(permits) => {
@@ -541,10 +699,11 @@ impl Node {
     /// [`Error::Lost`] when the upgradable hold is gone.
     pub fn upgrade_shared(&self, at: SharedAttempt<'_>) -> Result<Attempt> {
         let (keys, member) = (at.keys, at.member);
-        let mut call = RW_UPGRADE.call(3);
+        let mut call = RW_UPGRADE.call(4);
         call.arg(keys.lock())
             .arg(keys.fence())
             .arg(keys.writers())
+            .arg(keys.writer_nonces())
             .arg(member)
             .arg(Want::Write.member_like(member))
             .arg(millis(at.lease))
@@ -603,22 +762,17 @@ impl Node {
         // `waiters`: a permit's release names its waiting set (the narrower form does not).
         let call = |waiters: bool| {
             let mut call = SHARED_RELEASE.call(match (permit, waiters) {
-                (false, _) => 4,
+                (false, _) => 5,
                 (true, true) => 2,
                 (true, false) => 1,
             });
             call.arg(keys.lock());
             if !permit {
-                call.arg(keys.writers())
-                    .arg(keys.readers())
-                    .arg(keys.fence());
+                self.rw_keys(&mut call, keys);
             } else if waiters {
                 call.arg(keys.permit_waiters());
             }
-            call.arg(member)
-                .arg(keys.channel())
-                .arg(fence_arg(fence))
-                .arg(self.publish_mode());
+            self.ending_args(&mut call, keys, member, fence);
             call
         };
         if !permit {
@@ -630,6 +784,39 @@ impl Node {
         let narrow = || call(false);
         let narrow: (&Lua, &dyn Fn() -> Cmd) = (&SHARED_RELEASE, &narrow);
         self.release_with(&SHARED_RELEASE, &call(true), retry, Some(narrow))
+    }
+
+    /// A waiting writer or reader `member` of `keys` gives up (see `WAITER_LEAVE`):
+    /// whether a grant to it was passed on.
+    pub fn leave_waiter(&self, keys: &Keys, member: &str) -> Result<bool> {
+        let mut call = WAITER_LEAVE.call(5);
+        call.arg(keys.lock());
+        self.rw_keys(&mut call, keys);
+        self.ending_args(&mut call, keys, member, None);
+        match self.run_script::<i64>(&WAITER_LEAVE, &call, Retry::ON_RESET, None)? {
+            2 => Ok(true),
+            0 => Ok(false),
+            -1 => Err(Error::WrongKind),
+            other => Err(Error::Protocol(format!("writer leave replied {other}"))),
+        }
+    }
+
+    /// The keys after the lock key of the scripts that end a read-write lock's hold.
+    fn rw_keys(&self, call: &mut Cmd, keys: &Keys) {
+        call.arg(keys.writers())
+            .arg(keys.readers())
+            .arg(keys.fence())
+            .arg(keys.writer_nonces());
+    }
+
+    /// The arguments of the scripts that end a hold (see `SHARED_RELEASE`).
+    fn ending_args(&self, call: &mut Cmd, keys: &Keys, member: &str, fence: Option<u64>) {
+        call.arg(member)
+            .arg(keys.channel())
+            .arg(fence_arg(fence))
+            .arg(self.grant_ms())
+            .arg(self.fence_ttl_ms())
+            .arg(self.publish_mode());
     }
 
     /// Turns the write hold `member` of `keys` into the read hold of the same token (see
