@@ -23,7 +23,11 @@
 //! that the process asks Redis whether another process waits (one cheap command): a
 //! writer, for a read hold; anyone, for the write hold. If none does, a new budget begins
 //! (and a write hold serves local readers again); else nobody new is admitted and the last
-//! local user gives the hold back.
+//! local user gives the hold back. A read hold also drains as soon as the process hears
+//! that another process's writer began to wait (its failed attempt says so on the name's
+//! channel, which the process keeps subscribed while the turn lives): the readers of every
+//! process then finish together and the writer gets in, instead of waiting for each
+//! process's next budget check; the check still catches a mark that was not heard.
 //!
 //! An upgradable read is not shared: it is a remote hold of the thread's own, beside the
 //! process's turns (it excludes the other upgradable reads, so no two threads could share

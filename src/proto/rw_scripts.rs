@@ -31,18 +31,37 @@
 //! that will wait marks its member, each attempt renews the mark, a permit won takes it
 //! out.
 //!
-//! On the library's channel a release says `r` (a waiter may get in) or `g<member>:0`, a
-//! wake-up for one waiter alone (like the fair queue's grant, but nothing is reserved: its
-//! next attempt takes what is free as any would, and marks itself again if it fails).
-//! When the last hold of a read-write lock ended while writers wait, the wake-up goes to
-//! the writer waiting longest. A freed permit wakes the permit-seeker waiting longest and
-//! takes its mark out in the same script, so that a second release in quick succession
-//! wakes the next one, not the same one twice; with no live mark (waiters of an older
-//! version, or none) it says `r`. The others are not woken to fail; if the one woken has
-//! gone (crashed), they try at their next re-check. A permit-seeker that gives up without
-//! its mark (a release took it to wake it) passes the wake-up on (`PERMIT_LEAVE`), so none
-//! is lost with it. Holds that expire inside the key wake nobody: the waiters' re-checks
-//! (the earliest lease's end, which a failed attempt replies) cover them.
+//! On the library's channel a release says `r` (a waiter may get in), `g<member>:0`, a
+//! wake-up for one waiter alone (nothing is reserved: its next attempt takes what is free
+//! as any would, and marks itself again if it fails), or a grant,
+//! `g<member>:<nonce>:<fence>:<grant ms>`, as the fair queue's (see `fair_scripts`).
+//!
+//! When the last hold of a read-write lock ends (a release, or a waiter leaving with a
+//! grant it never used) and writers wait, the write hold is *granted* to the writer waiting
+//! longest, in the same script: its member is held for the grant lease, the counter issues
+//! its fence, its mark goes, and the message carries the nonce of its latest attempt
+//! (stored with its mark in `p{n}:qn`, the fair queue's set of nonces, which a name of this
+//! kind has free). When no writer waits, every reader marked waiting is granted a read hold
+//! the same way, each with its own message (an upgradable read, or a waiter with no mark,
+//! is told `r`). A waiter takes a grant that carries its latest attempt's nonce as the hold
+//! with no round trip, until that attempt's send plus the grant lease, as the fair queue's
+//! waiter does (`Contest::trust`): Redis ran that attempt before the grant. Any other grant
+//! is only a wake-up, whose next attempt finds its member held and keeps it. A grant after
+//! a write hold that ended without a release carries nonce `0`, so that the grantee's
+//! confirming attempt tells it of the loss.
+//!
+//! A failed write attempt that starts to wait also says `c<client id>`: the processes that
+//! hold read holds for their own threads hear it (see `engine::turns`) and give their holds
+//! back as soon as their readers are done, rather than at their next budget check.
+//!
+//! A freed permit wakes the permit-seeker waiting longest and takes its mark out in the
+//! same script, so that a second release in quick succession wakes the next one, not the
+//! same one twice; with no live mark (waiters of an older version, or none) it says `r`.
+//! The others are not woken to fail; if the one woken has gone (crashed), they try at their
+//! next re-check. A permit-seeker that gives up without its mark (a release took it to wake
+//! it) passes the wake-up on (`PERMIT_LEAVE`), so none is lost with it. Holds that expire
+//! inside the key wake nobody: the waiters' re-checks (the earliest lease's end, which a
+//! failed attempt replies) cover them.
 //!
 //! An upgrade turns the upgradable hold `u<token>` into the write hold `w<token>` in one
 //! script once it is the only hold left; until then each attempt marks it in `…:ww` as a

@@ -253,12 +253,15 @@ counters! {
     timeouts => ("redbaton_timeouts_total"),
     /// Sentinel: times the master moved to another server and the client followed it.
     failovers => ("redbaton_failovers_total"),
-    /// Fair queue: locks this client was granted by another process's release.
+    /// Fair queue and read-write locks: grants heard by this client's waiters (a lock, a
+    /// write or read hold given by another process's release, or a writer's wake-up).
     grants_received => ("redbaton_fair_grants_received_total"),
-    /// Fair queue: of those, grants taken as the lock from the message alone (it carried
-    /// the nonce of the waiter's latest attempt, in time), with no confirming attempt.
+    /// Of those, grants taken as the hold from the message alone (it carried the nonce of
+    /// the waiter's latest attempt, in time), with no confirming attempt.
     grants_trusted => ("redbaton_fair_grants_trusted_total"),
-    /// Fair queue: locks this client's releases granted to the next process in the queue.
+    /// Fair queue: locks this client's releases granted to the next process in the queue;
+    /// and grants (fair queue, read-write locks) that a waiter of this client gave up
+    /// unused and passed on.
     grants_passed => ("redbaton_fair_grants_passed_total"),
     /// Fair queue: waits that ended without the lock and left the queue.
     queue_departures => ("redbaton_fair_queue_departures_total"),
