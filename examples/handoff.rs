@@ -448,10 +448,20 @@ fn compare_cluster(quick: bool, node_replica: bool) -> Result<(), BoxError> {
     }
     let ratio = p50s[1] as f64 / p50s[0].max(1) as f64;
     println!();
-    println!(
-        "handoff p50, cluster / one node = {ratio:.2}  (target <= 1.2){}",
-        if ratio <= 1.2 { "" } else { "  NOT MET" }
-    );
+    // Each cluster master streams its writes to a replica: the like-for-like floor is a
+    // node that does too.
+    const TARGET: f64 = 1.1;
+    if node_replica {
+        println!(
+            "handoff p50, cluster / one node with a replica = {ratio:.2}  (target <= {TARGET}){}",
+            if ratio <= TARGET { "" } else { "  NOT MET" }
+        );
+    } else {
+        println!(
+            "handoff p50, cluster / one node = {ratio:.2}  (the target, <= {TARGET}, is against \
+             a node with a replica: --node-replica)"
+        );
+    }
     println!(
         "(p50 after return: from the holder's unlock() returning; the fair queue grants the \
          lock inside the release, so it can be negative.)"

@@ -113,8 +113,18 @@ impl Engine {
                 .remote
                 .as_ref()
                 .is_some_and(|(r, _)| r.lost(&self.counters).is_some());
+            // A read hold that other local threads share, or wait for, keeps the name's
+            // channel subscribed, to hear another process's writer begin to wait (a hold
+            // with one user goes back when it is done anyway).
+            let company = turn.readers + turn.waiting_readers + turn.waiting_writers > 1;
+            let reading = matches!(turn.remote, Some((_, Mode::Read)));
+            if reading && company && turn.interests.is_empty() {
+                turn.interests = self.interests(keys);
+            }
             let heard = match &turn.remote {
-                Some((r, Mode::Read)) if !turn.draining => self.writer_heard(r),
+                Some((r, Mode::Read)) if !turn.draining && !turn.interests.is_empty() => {
+                    self.writer_heard(r)
+                }
                 _ => false,
             };
             match turn.next(write, budget, lost, heard) {
@@ -131,9 +141,6 @@ impl Engine {
                     self.shares.changed.notify_all();
                     return match got {
                         Ok((remote, others_wait)) => {
-                            if mode == Mode::Read && turn.interests.is_empty() {
-                                turn.interests = self.interests(keys);
-                            }
                             turn.acquired(remote.clone(), mode, others_wait);
                             let token = turn_token(&remote, mode, turn.writes);
                             Ok((remote, token, Path::Remote))
