@@ -220,41 +220,49 @@ end
 /// only a wake-up, whose confirming attempt tells of the loss). An upgrade waiting (an
 /// upgradable member marked as a writer, whose hold is gone) is only woken.
 const PASS_ON: &str = r"
--- The key of a read-write lock with no live hold, holding `member` for `ms` (the first
--- grant of a release recreates it).
-local function grant_hold(member, now, ms, first)
-  if first then
-    redis.call('ZADD', KEYS[1], -1, '#rw', now + ms, member)
-    redis.call('PEXPIRE', KEYS[1], 2 * ms)
-  else
-    redis.call('ZADD', KEYS[1], now + ms, member)
+-- The key of a read-write lock with no live hold, recreated holding `members` for `ms`.
+local function grant_holds(members, now, ms)
+  local args = {}
+  for i, m in ipairs(members) do
+    args[2 * i - 1] = now + ms
+    args[2 * i] = m
   end
+  redis.call('ZADD', KEYS[1], -1, '#rw', unpack(args))
+  redis.call('PEXPIRE', KEYS[1], 2 * ms)
 end
--- The nonce of `member`'s latest attempt, taken out with its mark of `set`; '0' when it
--- has none, or when `lost`.
-local function take_nonce(set, member, lost)
-  redis.call('ZREM', set, member)
-  local nonce = not lost and redis.call('ZSCORE', KEYS[5], member)
-  redis.call('ZREM', KEYS[5], member)
-  return nonce and string.format('%.0f', tonumber(nonce)) or '0'
+-- The nonces of `members`' latest attempts (nil when lost or unknown), taken out with their
+-- marks of `set`.
+local function take_nonces(set, members, lost)
+  redis.call('ZREM', set, unpack(members))
+  local nonces = redis.call('ZMSCORE', KEYS[5], unpack(members))
+  redis.call('ZREM', KEYS[5], unpack(members))
+  if lost then return {} end
+  return nonces
+end
+-- One grant message: `nonce` '0' (none) makes it a wake-up whose attempt confirms it.
+-- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
+local function tell_grant(member, nonce, fence, ms)
+  nonce = nonce and string.format('%.0f', tonumber(nonce)) or '0'
+  publish(ARGV[2], 'g' .. member .. ':' .. nonce .. ':' .. string.format('%.0f', fence) .. ':' .. ms)
 end
 local function grant_first(now)
   local grant_ms = tonumber(ARGV[4])
   local w = first_waiting(KEYS[2], now)
   if not w then
-    -- No writer waits: the readers that marked themselves waiting get read holds.
-    local rs = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'LIMIT', 0, MARK_CHUNK)
-    local fence, others = nil, #rs == 0
-    for _, r in ipairs(rs) do
-      if string.sub(r, 1, 1) == 'r' then
-        grant_hold(r, now, grant_ms, not fence)
-        fence = fence or string.format('%.0f', current_fence(KEYS[4]))
-        publish(ARGV[2], 'g' .. r .. ':' .. take_nonce(KEYS[3], r, false) .. ':' .. fence .. ':' .. grant_ms)
-      else
-        others = true
-      end
+    -- No writer waits: the readers that marked themselves waiting get read holds, in
+    -- one call each for all of them (an upgradable read, or a waiter with no mark, is
+    -- told `r`).
+    local marked = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'LIMIT', 0, MARK_CHUNK)
+    local readers, others = {}, #marked == 0
+    for _, r in ipairs(marked) do
+      if string.sub(r, 1, 1) == 'r' then readers[#readers + 1] = r else others = true end
     end
-    -- Whoever else waits (an upgradable read, a waiter with no mark) tries again.
+    if #readers > 0 then
+      grant_holds(readers, now, grant_ms)
+      local nonces = take_nonces(KEYS[3], readers, false)
+      local fence = current_fence(KEYS[4])
+      for i, r in ipairs(readers) do tell_grant(r, nonces[i], fence, grant_ms) end
+    end
     if others then publish(ARGV[2], 'r') end
     return
   end
@@ -269,10 +277,8 @@ local function grant_first(now)
     publish(ARGV[2], 'g' .. w .. ':0')
     return
   end
-  grant_hold(w, now, grant_ms, true)
-  local nonce = take_nonce(KEYS[2], w, lost)
-  -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
-  publish(ARGV[2], 'g' .. w .. ':' .. nonce .. ':' .. string.format('%.0f', fence) .. ':' .. grant_ms)
+  grant_holds({w}, now, grant_ms)
+  tell_grant(w, take_nonces(KEYS[2], {w}, lost)[1], fence, grant_ms)
 end
 local function pass_on(ended, now)
   local permit = string.sub(ended, 1, 1) == 'p'
@@ -316,7 +322,8 @@ fn ending(body: &str) -> Lua {
 /// KEYS: lock, fence, waiting writers, waiting readers, writer nonces. ARGV: `r`, `w` or
 /// `u`, member, lease ms, waiting mark TTL ms (0: the caller will not wait), the fence
 /// counter's TTL ms, the attempt's nonce (a waiting writer's is stored with its mark, and
-/// told by a grant of the write hold, see [`PASS_ON`]), the library's channel, the client's
+/// told by a grant, see [`PASS_ON`]), `1` if an earlier attempt of the same wait may have
+/// marked it (a hold won then takes its mark and nonce out), the library's channel, the client's
 /// id (a failed write attempt that will wait says `c<client id>` on the channel, so that
 /// the processes holding read holds give them back), the publish mode. Returns `{1, fence, others, after lost}` (`others`: for a write hold, 1 when a mark
 /// of another waiting writer or reader is left, maybe an expired one; `after lost`: for a
@@ -379,7 +386,9 @@ if ARGV[1] ~= 'w' then
   end
   if free or (first and redis.call('ZSCORE', KEYS[1], ARGV[2])) then
     take()
-    if redis.call('ZREM', KEYS[4], ARGV[2]) == 1 then redis.call('ZREM', KEYS[5], ARGV[2]) end
+    if ARGV[7] == '1' and redis.call('ZREM', KEYS[4], ARGV[2]) == 1 then
+      redis.call('ZREM', KEYS[5], ARGV[2])
+    end
     return {1, current_fence(KEYS[2]), 0, 0}
   end
   if waits then
@@ -394,13 +403,15 @@ elseif not first then
   local fence, after_lost = next_fence(KEYS[2], ARGV[5])
   if type(fence) == 'table' then return fence end
   take()
-  if redis.call('ZREM', KEYS[3], ARGV[2]) == 1 then redis.call('ZREM', KEYS[5], ARGV[2]) end
+  if ARGV[7] == '1' and redis.call('ZREM', KEYS[3], ARGV[2]) == 1 then
+    redis.call('ZREM', KEYS[5], ARGV[2])
+  end
   return {1, fence, others(), after_lost and 1 or 0}
 elseif waits then
   -- A writer that begins to wait is heard by the processes that hold read holds: they
   -- give them back at once (a process that missed it learns at its next budget check).
   if mark(KEYS[3], ARGV[2], now, tonumber(ARGV[4]), KEYS[5], ARGV[6]) then
-    publish(ARGV[7], 'c' .. ARGV[8])
+    publish(ARGV[8], 'c' .. ARGV[9])
   end
 end
 if not until_ then return {0, -1} end
@@ -660,8 +671,9 @@ pub(crate) struct SharedAttempt<'a> {
     pub lease: Duration,
     /// The caller will wait: a failed attempt marks it waiting for this long.
     pub mark_ttl: Option<Duration>,
-    /// An earlier attempt of the same wait may have marked it: a permit won takes the
-    /// mark out (read-write attempts always look for theirs).
+    /// An earlier attempt of the same wait may have marked it: a hold won takes the mark
+    /// (and a reader's or writer's nonce) out; an attempt that never marked pays nothing
+    /// for it.
     pub clear: bool,
     /// Sent again with the same member after an ambiguous failure, as this says.
     pub retry: Retry,
@@ -692,6 +704,7 @@ impl Node {
                     .arg(mark_ms)
                     .arg(self.fence_ttl_ms())
                     .arg(at.nonce)
+                    .arg(if at.clear { "1" } else { "0" })
                     .arg(keys.channel())
                     .arg(self.client_id())
                     .arg(self.publish_mode());
