@@ -407,27 +407,22 @@ fn a_write_grantee_stopped_across_its_grant_does_not_believe_it_holds() {
         subscribed(&srv) > before
     });
     thread::sleep(ms(200)); // its attempt after subscribing is answered: it sleeps
-    child::kill_child(&mut grantee, libc::SIGSTOP);
-    w.unlock().expect("unlock"); // granted to the stopped writer
-    let other = client(&srv.url());
-    let taken = other
-        .rwlock("k")
-        .try_write_for(secs(20))
-        .expect("the others get the write hold after the grant lease");
-    child::kill_child(&mut grantee, libc::SIGCONT);
-    thread::sleep(ms(500)); // the writer hears its grant, and its attempt finds the hold taken
-    assert!(taken.check().is_ok());
-    let released = mono_ns();
-    taken.unlock().expect("unlock");
-    let out = child::wait_ok(grantee, secs(30));
-    let r = child::result_with(&out, "got_ns");
-    let got: u64 = child::field(&r, "got_ns");
-    assert!(
-        got > released,
-        "the resumed writer took the write hold while another held it ({got} <= {released}): {out}"
+    child::stopped_across_grant(
+        grantee,
+        || {
+            w.unlock().expect("unlock"); // granted to the stopped writer
+        },
+        || {
+            let taken = client(&srv.url())
+                .rwlock("k")
+                .try_write_for(secs(20))
+                .expect("the others get the write hold after the grant lease");
+            Box::new(move || {
+                assert!(taken.check().is_ok());
+                taken.unlock().expect("unlock");
+            })
+        },
     );
-    assert_eq!(child::field::<u8>(&r, "valid"), 1);
-    eprintln!("the resumed writer: {r:?}");
     assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
 }
 
