@@ -4,13 +4,16 @@
 //!   paused mid-run. Each must end in a typed error (or a lost signal) within the configured
 //!   timeouts — never a hang, never a panic — and the client must recover when the server
 //!   comes back.
-//! * [`chaos`]: several child processes contend for a few keys while the parent injects
-//!   faults at random (seeded; the seed is printed). Every critical section writes through a
-//!   fenced storage (a Lua script on a separate redis-server). Checked: mutual exclusion of
-//!   the sections whose holder still held the lock at their end, strictly increasing tokens
-//!   of the accepted writes, the fencing storage never seeing one token from two holders,
-//!   every `try_lock_for` returning by its deadline plus a margin, no hung thread or
-//!   process, no key left at the end that the library would not let expire.
+//! * [`chaos`]: several child processes contend for a few plain locks and a read-write
+//!   lock while the parent injects faults at random (seeded; the seed is printed). Every
+//!   lock and write section writes through a fenced storage (a Lua script on a separate
+//!   redis-server). Checked, on the sections whose holder still held the name at their
+//!   end: mutual exclusion (reads may overlap reads, nothing else), tokens strictly
+//!   increasing from one lock or write section to the next, and no read's token below that
+//!   of a write that ended before it began; and strictly increasing tokens of the accepted
+//!   writes, the fencing storage never seeing one token from two holders, every call
+//!   returning by its deadline plus a margin, no hung thread or process, no key left at the
+//!   end that the library would not let expire.
 //!
 //! Replaying a chaos run: the seed is printed at the start and in the failure message;
 //! `REDBATON_SEED=<seed> cargo test --test faults chaos` replays its fault schedule
@@ -288,7 +291,12 @@ fn every_client_renews_its_locks() {
 
 const CHAOS_PREFIX: &str = "chaos:";
 const CHAOS_KEYSPACE: Keys = Keys::new(CHAOS_PREFIX);
+/// The plain locks of a chaos run.
 const CHAOS_KEYS: [&str; 2] = ["alpha", "beta"];
+/// The read-write lock of a chaos run: a name of its own, since one name has one kind.
+const CHAOS_RW: &str = "gamma";
+/// Every name of a chaos run.
+const CHAOS_NAMES: [&str; 3] = [CHAOS_KEYS[0], CHAOS_KEYS[1], CHAOS_RW];
 const CHAOS_PROCS: usize = 3;
 const CHAOS_THREADS: usize = 3;
 /// Faults are injected for this long (unless `REDBATON_CHAOS_SECS` says otherwise); then a
@@ -303,8 +311,8 @@ const PROGRESS_LIMIT: Duration = Duration::from_secs(10);
 /// server's `TIME` (same machine): a fence is at least the server's clock when it was
 /// issued, so a token's epoch is the number of restarts before its fence.
 static EPOCH_STARTS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
-/// The target: `try_lock_for` returns within its wait plus this. Calls over it are
-/// counted and reported (see `NET_BUDGET`).
+/// The target: `try_lock_for` (and `try_read_for`, `try_write_for`) returns within its
+/// wait plus this. Calls over it are counted and reported (see `NET_BUDGET`).
 const OVERSHOOT_MARGIN: Duration = Duration::from_secs(1);
 /// What is asserted. The wait deadline bounds the waiting, not the Redis round trips: one
 /// attempt may take a few connect + read timeouts (a pooled connection that times out, a
@@ -388,6 +396,21 @@ impl Store {
             .arg(e)
             .invoke(&mut self.conn)
             .expect("fenced write")
+    }
+
+    /// A section of the read-write lock `name` began in `holder`: counted as progress, and
+    /// its process is the one a process fault aimed at `name` targets (see
+    /// [`current_holder_pid`]). Apart from the fenced state's `holder`, which only the
+    /// fenced writes may set.
+    fn began_rw(&mut self, name: &str, holder: &str) {
+        let (state, _, _) = store_keys(name);
+        let () = redis::pipe()
+            .hset(&state, "last", holder)
+            .ignore()
+            .hincr(&state, "rw_begins", 1)
+            .ignore()
+            .query(&mut self.conn)
+            .expect("rw begin");
     }
 
     fn report(&mut self, key: &str, line: String) {
@@ -529,6 +552,9 @@ fn chaos_child() {
         ("wakeups_event", stats.wakeups_event),
         ("wakeups_lease", stats.wakeups_lease),
         ("wakeups_reconnect", stats.wakeups_reconnect),
+        ("grants_received", stats.grants_received),
+        ("grants_trusted", stats.grants_trusted),
+        ("grants_passed", stats.grants_passed),
     ] {
         fields.push((k, v.to_string()));
     }
@@ -546,11 +572,26 @@ fn chaos_worker(
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut store = Store::connect(store_url);
+    let rw = client.rwlock(CHAOS_RW);
     while mono_us() < end_at {
-        let key = CHAOS_KEYS[rng.random_range(0..CHAOS_KEYS.len())];
+        // A third of the sections read or write the read-write lock (30% of them write),
+        // the others take a plain lock.
+        let (hold, name) = if rng.random_range(0..3) == 0 {
+            let write = rng.random_range(0..10) < 3;
+            (if write { Hold::Write } else { Hold::Read }, CHAOS_RW)
+        } else {
+            (
+                Hold::Lock,
+                CHAOS_KEYS[rng.random_range(0..CHAOS_KEYS.len())],
+            )
+        };
         let wait = ms(rng.random_range(50..500));
         let (w0, t0) = (mono_us(), Instant::now());
-        let r = client.try_lock_for(key, wait);
+        let r: redbaton::Result<Box<dyn Guard>> = match hold {
+            Hold::Lock => client.try_lock_for(name, wait).map(boxed),
+            Hold::Read => rw.try_read_for(wait).map(boxed),
+            Hold::Write => rw.try_write_for(wait).map(boxed),
+        };
         let over = t0.elapsed().saturating_sub(wait);
         tally.max("max_overshoot_us", over.as_micros() as u64);
         let outcome = match &r {
@@ -560,89 +601,26 @@ fn chaos_worker(
             Err(_) => "other",
         };
         if over > ms(250) {
-            // start,end,overshoot,outcome,thread,stalled — the parent excuses calls that
-            // overlapped a SIGSTOP of this process, and the time this process did not run.
+            // start,end,overshoot,outcome,thread,stalled,call — the parent excuses calls
+            // that overlapped a SIGSTOP of this process, and the time this process did not
+            // run.
             let w1 = mono_us();
             tally.slow.lock().unwrap().push(format!(
-                "{w0},{w1},{},{outcome},{holder},{}",
+                "{w0},{w1},{},{outcome},{holder},{},{}",
                 over.as_micros(),
-                watch.stalls().within(w0, w1)
+                watch.stalls().within(w0, w1),
+                hold.call()
             ));
         }
         match r {
             Ok(g) => {
-                tally.add("acquired", 1);
-                let token = g.fencing_token();
-                let s = mono_us();
-                let (r1, last1) = store.write("b", key, token, holder, s, 0);
-                if rng.random_range(0..40) == 0 {
-                    // A long section (past a few renewals): the watchdog meets the faults.
-                    // Conservative policy: stop between steps once the lock is known lost.
-                    tally.add("long_sections", 1);
-                    let until = Instant::now() + ms(rng.random_range(300..2000));
-                    while Instant::now() < until && !g.is_lost() {
-                        thread::sleep(ms(50).min(until.saturating_duration_since(Instant::now())));
-                    }
-                } else {
-                    thread::sleep(Duration::from_micros(rng.random_range(0..15_000)));
-                }
-                let e = mono_us();
-                // Checked after reading the end time: if the lock is still ours now, it was
-                // ours during all of [s, e].
-                let left_us = signed_us_until(g.valid_until());
-                let check = match g.check() {
-                    Ok(()) => "ok".to_owned(),
-                    Err(err) => no_spaces(&err.to_string()),
+                let at = SectionAt {
+                    hold,
+                    name,
+                    holder,
+                    called: w0,
                 };
-                let valid = check == "ok";
-                // The end write goes out even when the lock is known lost (the aggressive
-                // policy): the fencing storage must refuse it if a newer holder began.
-                let r2 = if r1 == 1 {
-                    store.write("e", key, token, holder, s, e).0
-                } else {
-                    9 // not sent
-                };
-                tally.add(
-                    if valid {
-                        "valid_sections"
-                    } else {
-                        "lost_sections"
-                    },
-                    1,
-                );
-                match r1 {
-                    1 => tally.add("begin_accepted", 1),
-                    0 => tally.add("begin_stale", 1),
-                    _ => tally.add("begin_duplicate", 1),
-                }
-                match (r2, valid) {
-                    (0, true) => tally.add("end_stale_valid", 1),
-                    (0, false) => tally.add("end_stale_lost", 1),
-                    (1, false) => tally.add("end_accepted_lost", 1),
-                    _ => {}
-                }
-                let unlocked = match g.unlock() {
-                    Ok(Unlocked::Released) => "unlock_released",
-                    Ok(Unlocked::HandedOff) => "unlock_handed_off",
-                    Ok(Unlocked::Expired) => "unlock_expired",
-                    Ok(Unlocked::HeldByOther) => "unlock_held_by_other",
-                    Ok(_) => "unlock_other",
-                    Err(_) => "unlock_errors",
-                };
-                tally.add(unlocked, 1);
-                // One line per section for the invariants and the history: token, holder
-                // (pid.thread), start, end, whether `check()` was Ok at the end, the two
-                // fenced writes' replies, the token the begin saw, when the call started,
-                // the validity left at the end (µs, negative once past), `check()`'s
-                // answer and the unlock's outcome.
-                store.report(
-                    key,
-                    format!(
-                        "{token:020} {holder} {s} {e} {} {r1} {r2} {last1} {w0} {left_us} {check} {}",
-                        u8::from(valid),
-                        unlocked.trim_start_matches("unlock_")
-                    ),
-                );
+                chaos_section(g, at, &mut rng, &mut store, tally);
             }
             Err(e) if e.is_timeout() => tally.add("timeouts", 1),
             Err(e) if e.is_connection() => {
@@ -657,6 +635,210 @@ fn chaos_worker(
             }
         }
     }
+}
+
+/// Where a chaos section runs: what it holds, of which name, in which thread, and when
+/// its call began.
+struct SectionAt<'a> {
+    hold: Hold,
+    name: &'static str,
+    holder: &'a str,
+    called: u64,
+}
+
+/// One critical section on a hold just acquired, reported to the store for the parent's
+/// checks. Lock and write sections write through the fenced storage at their begin and
+/// end; reads do not (readers of different processes share tokens), they only count as
+/// progress.
+fn chaos_section(
+    g: Box<dyn Guard>,
+    at: SectionAt<'_>,
+    rng: &mut StdRng,
+    store: &mut Store,
+    tally: &Tally,
+) {
+    let SectionAt {
+        hold,
+        name,
+        holder,
+        called,
+    } = at;
+    tally.add("acquired", 1);
+    let token = g.token();
+    let s = mono_us();
+    if hold != Hold::Lock {
+        store.began_rw(name, holder);
+    }
+    let (r1, last1) = if hold.exclusive() {
+        store.write("b", name, token, holder, s, 0)
+    } else {
+        (9, String::new()) // not sent
+    };
+    if rng.random_range(0..40) == 0 {
+        // A long section (past a few renewals): the watchdog meets the faults.
+        // Conservative policy: stop between steps once the hold is known lost.
+        tally.add("long_sections", 1);
+        let until = Instant::now() + ms(rng.random_range(300..2000));
+        while Instant::now() < until && g.check().is_ok() {
+            thread::sleep(ms(50).min(until.saturating_duration_since(Instant::now())));
+        }
+    } else {
+        thread::sleep(Duration::from_micros(rng.random_range(0..15_000)));
+    }
+    let e = mono_us();
+    // Checked after reading the end time: if the hold is still ours now, it was ours
+    // during all of [s, e].
+    let left_us = signed_us_until(g.valid_until());
+    let check = match g.check() {
+        Ok(()) => "ok".to_owned(),
+        Err(err) => no_spaces(&err.to_string()),
+    };
+    let valid = check == "ok";
+    // The end write goes out even when the hold is known lost (the aggressive policy):
+    // the fencing storage must refuse it if a newer holder began.
+    let r2 = if r1 == 1 {
+        store.write("e", name, token, holder, s, e).0
+    } else {
+        9 // not sent
+    };
+    tally.add(
+        if valid {
+            "valid_sections"
+        } else {
+            "lost_sections"
+        },
+        1,
+    );
+    match (hold, valid) {
+        (Hold::Lock, _) => {}
+        (Hold::Read, true) => tally.add("valid_reads", 1),
+        (Hold::Read, false) => tally.add("lost_reads", 1),
+        (Hold::Write, true) => tally.add("valid_writes", 1),
+        (Hold::Write, false) => tally.add("lost_writes", 1),
+    }
+    match r1 {
+        1 => tally.add("begin_accepted", 1),
+        0 => tally.add("begin_stale", 1),
+        9 => {}
+        _ => tally.add("begin_duplicate", 1),
+    }
+    match (r2, valid) {
+        (0, true) => tally.add("end_stale_valid", 1),
+        (0, false) => tally.add("end_stale_lost", 1),
+        (1, false) => tally.add("end_accepted_lost", 1),
+        _ => {}
+    }
+    let unlocked = match g.unlock() {
+        Ok(Unlocked::Released) => "unlock_released",
+        Ok(Unlocked::HandedOff) => "unlock_handed_off",
+        Ok(Unlocked::Expired) => "unlock_expired",
+        Ok(Unlocked::HeldByOther) => "unlock_held_by_other",
+        Ok(_) => "unlock_other",
+        Err(_) => "unlock_errors",
+    };
+    tally.add(unlocked, 1);
+    // One line per section for the invariants and the history: token, holder
+    // (pid.thread), start, end, whether `check()` was Ok at the end, the two fenced
+    // writes' replies, the token the begin saw, when the call started, the validity left
+    // at the end (µs, negative once past), `check()`'s answer, the unlock's outcome and
+    // what was held (see `Hold::code`).
+    store.report(
+        name,
+        format!(
+            "{token:020} {holder} {s} {e} {} {r1} {r2} {last1} {called} {left_us} {check} {} {}",
+            u8::from(valid),
+            unlocked.trim_start_matches("unlock_"),
+            hold.code()
+        ),
+    );
+}
+
+/// What a chaos section holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hold {
+    /// A plain lock (`try_lock_for`).
+    Lock,
+    /// A read hold of the read-write lock (`try_read_for`).
+    Read,
+    /// The write hold of the read-write lock (`try_write_for`).
+    Write,
+}
+
+impl Hold {
+    /// Its code in a section report.
+    fn code(self) -> &'static str {
+        match self {
+            Hold::Lock => "x",
+            Hold::Read => "r",
+            Hold::Write => "w",
+        }
+    }
+
+    fn parse(code: &str) -> Option<Hold> {
+        [Hold::Lock, Hold::Read, Hold::Write]
+            .into_iter()
+            .find(|h| h.code() == code)
+    }
+
+    /// Its word before "section" in a history line.
+    fn label(self) -> &'static str {
+        match self {
+            Hold::Lock => "",
+            Hold::Read => "read ",
+            Hold::Write => "write ",
+        }
+    }
+
+    /// The call that asks for it.
+    fn call(self) -> &'static str {
+        match self {
+            Hold::Lock => "try_lock_for",
+            Hold::Read => "try_read_for",
+            Hold::Write => "try_write_for",
+        }
+    }
+
+    /// Whether nobody else holds the name while it is held: all but a read. Such a
+    /// section's token is its own, so it goes through the fenced storage.
+    fn exclusive(self) -> bool {
+        self != Hold::Read
+    }
+}
+
+/// What a chaos section needs of its guard, whatever it holds.
+trait Guard {
+    fn token(&self) -> u64;
+    fn valid_until(&self) -> Instant;
+    fn check(&self) -> redbaton::Result<()>;
+    fn unlock(self: Box<Self>) -> redbaton::Result<Unlocked>;
+}
+
+macro_rules! chaos_guard {
+    ($($guard:ty),*) => {$(
+        impl Guard for $guard {
+            fn token(&self) -> u64 {
+                self.fencing_token()
+            }
+            fn valid_until(&self) -> Instant {
+                <$guard>::valid_until(self)
+            }
+            fn check(&self) -> redbaton::Result<()> {
+                <$guard>::check(self)
+            }
+            fn unlock(self: Box<Self>) -> redbaton::Result<Unlocked> {
+                <$guard>::unlock(*self)
+            }
+        }
+    )*};
+}
+chaos_guard!(
+    redbaton::LockGuard,
+    redbaton::ReadGuard,
+    redbaton::WriteGuard
+);
+
+fn boxed<G: Guard + 'static>(g: G) -> Box<dyn Guard> {
+    Box::new(g)
 }
 
 /// Microseconds of CLOCK_MONOTONIC: one clock for the parent and its children (on Linux),
@@ -729,7 +911,8 @@ const WEIGHTED_FAULTS: [Fault; 14] = [
 #[derive(Clone, Copy, Debug)]
 struct Step {
     fault: Fault,
-    /// A process fault targets the process of this key's last accepted begin...
+    /// A process fault targets the process of this name's last accepted begin (of the
+    /// read-write lock: its last section's begin, read or write)...
     key: &'static str,
     /// ...or this slot when the key has none.
     fallback: usize,
@@ -771,7 +954,7 @@ impl Schedule {
         let random = WEIGHTED_FAULTS[rng.random_range(0..WEIGHTED_FAULTS.len())];
         let step = Step {
             fault: self.first.get(self.taken).copied().unwrap_or(random),
-            key: CHAOS_KEYS[rng.random_range(0..CHAOS_KEYS.len())],
+            key: CHAOS_NAMES[rng.random_range(0..CHAOS_NAMES.len())],
             fallback: rng.random_range(0..CHAOS_PROCS),
             proxy: rng.random_range(0..2),
             pause_extra: ms(rng.random_range(200..800)),
@@ -811,6 +994,7 @@ impl Drop for Children {
 /// of the exclusion tests, since a chaos verdict needs the store's replies and the timings.
 struct ChaosSection {
     key: &'static str,
+    hold: Hold,
     token: u64,
     holder: String,
     s: u64,
@@ -842,14 +1026,28 @@ impl ChaosSection {
             left_us: f.get(9)?.parse().ok()?,
             check: (*f.get(10)?).to_owned(),
             unlock: (*f.get(11)?).to_owned(),
+            hold: Hold::parse(f.get(12)?)?,
         })
+    }
+
+    /// The section in a violation: what it held, token, holder, start and end.
+    fn brief(&self) -> String {
+        format!(
+            "{}{} ({}) [{}, {}]",
+            self.hold.label(),
+            self.token,
+            self.holder,
+            self.s,
+            self.e
+        )
     }
 
     /// The section as one history line.
     fn describe(&self) -> String {
         format!(
-            "section {} token {} (epoch {}, fence {}, handoff {}) {:.3} ms [called {:.3} ms before], \
+            "{}section {} token {} (epoch {}, fence {}, handoff {}) {:.3} ms [called {:.3} ms before], \
              validity left {:.3} ms, check {}, begin {} (store's last: {}), end {}, unlock {}",
+            self.hold.label(),
             self.key,
             self.token,
             epoch_of(self.token),
@@ -893,27 +1091,33 @@ fn epoch_of(token: u64) -> u64 {
         .count() as u64
 }
 
+/// How many sections have begun: the fenced storage's accepted begins, and the read-write
+/// lock's sections (see [`Store::began_rw`]).
 fn progress(store: &mut redis::Connection) -> u64 {
-    CHAOS_KEYS
+    CHAOS_NAMES
         .iter()
         .map(|k| {
-            let n: Option<u64> = redis::cmd("HGET")
+            let n: Vec<Option<u64>> = redis::cmd("HMGET")
                 .arg(store_keys(k).0)
                 .arg("begins")
+                .arg("rw_begins")
                 .query(store)
                 .unwrap();
-            n.unwrap_or(0)
+            n.into_iter().flatten().sum::<u64>()
         })
         .sum()
 }
 
+/// The process of the last section of `key` that began: the fenced storage's holder, or
+/// for the read-write lock, the holder of its last section of either kind.
 fn current_holder_pid(store: &mut redis::Connection, key: &str) -> Option<u32> {
-    let h: Option<String> = redis::cmd("HGET")
+    let (last, holder): (Option<String>, Option<String>) = redis::cmd("HMGET")
         .arg(store_keys(key).0)
+        .arg("last")
         .arg("holder")
         .query(store)
         .unwrap();
-    h?.split('.').next()?.parse().ok()
+    last.or(holder)?.split('.').next()?.parse().ok()
 }
 
 /// A number from the environment, or `default`; panics on a value that is not one (a typo
@@ -948,7 +1152,9 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// proxy fault partitions some processes and not others), and the storage server S, which
 /// no fault touches. `CHAOS_PROCS` processes × `CHAOS_THREADS` threads run
 /// `try_lock_for(random key, random 50..500 ms)` and a short critical section that writes
-/// through the fenced storage.
+/// through the fenced storage; a third of their sections instead read (`try_read_for`) or
+/// write (`try_write_for`, 30% of them) the read-write lock `CHAOS_RW`, whose writes are
+/// fenced too (readers share tokens: a read is only reported).
 ///
 /// Faults, one at a time, each followed by a pause and a check that the system makes
 /// progress again ("survived"): the current holder process SIGKILLed (and replaced by a new
@@ -989,8 +1195,9 @@ fn chaos() {
     let mut hist = History::new("chaos", seed, started_us);
     hist.note(format!("replay: {replay}"));
     hist.note(format!(
-        "{CHAOS_PROCS} processes x {CHAOS_THREADS} threads on keys {CHAOS_KEYS:?}, lease {LEASE:?}, \
-         renew every {RENEW:?}, network timeouts {NET:?}, {secs} s of faults then {CALM:?} calm"
+        "{CHAOS_PROCS} processes x {CHAOS_THREADS} threads on keys {CHAOS_KEYS:?} and read-write \
+         lock {CHAOS_RW:?}, lease {LEASE:?}, renew every {RENEW:?}, network timeouts {NET:?}, \
+         {secs} s of faults then {CALM:?} calm"
     ));
     hist.note("times: ms since the start; sources: parent, child pid, or pid.thread");
     let mut violations: Vec<Violation> = Vec::new();
@@ -1301,7 +1508,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     // No key the library would not let expire, once every child has exited (a killed
     // child's lock key and marks are there until their TTLs run out: that is allowed).
     let policy = KeyPolicy::new(LEASE, CHAOS_RECHECK);
-    for bad in leftover::misplaced(&mut lock_srv.conn(), CHAOS_KEYSPACE, &CHAOS_KEYS, &policy) {
+    for bad in leftover::misplaced(&mut lock_srv.conn(), CHAOS_KEYSPACE, &CHAOS_NAMES, &policy) {
         let held = leftover::contents(&mut lock_srv.conn(), &bad.key);
         hist.event(mono_us(), "parent", format!("key left: {bad}; {held}"));
         violations.push(Violation::new(Kind::KeysLeft, bad.to_string()));
@@ -1309,7 +1516,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
 
     // --- invariants ---
     let mut sections: Vec<ChaosSection> = Vec::new();
-    for key in CHAOS_KEYS {
+    for key in CHAOS_NAMES {
         let (_, accepted, reports) = store_keys(key);
         let lines: Vec<String> = redis::cmd("LRANGE")
             .arg(&reports)
@@ -1380,30 +1587,16 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             ));
         }
     }
-    // Mutual exclusion: the sections whose holder still held the lock at their end never
-    // overlap (per key and epoch). Sorted by start: a section overlaps the later ones
-    // that start before it ends.
-    for key in CHAOS_KEYS {
+    // The sections whose holder still held the name at their end, per name, by epoch and
+    // start: mutual exclusion and the order of the fencing tokens.
+    for key in CHAOS_NAMES {
         let mut valid: Vec<&ChaosSection> = sections
             .iter()
             .filter(|s| s.key == key && s.valid)
             .collect();
         valid.sort_by_key(|s| (epoch_of(s.token), s.s));
-        // Every pair, not only neighbours: a long section may overlap several short ones.
-        for (i, a) in valid.iter().enumerate() {
-            for b in valid[i + 1..]
-                .iter()
-                .take_while(|b| epoch_of(b.token) == epoch_of(a.token) && b.s < a.e)
-            {
-                violations.push(Violation::new(
-                    Kind::Overlap,
-                    format!(
-                        "{key}: overlapping valid sections: {} ({}) [{}, {}] and {} ({}) [{}, {}]",
-                        a.token, a.holder, a.s, a.e, b.token, b.holder, b.s, b.e
-                    ),
-                ));
-            }
-        }
+        exclusion(key, &valid, violations);
+        token_order(key, &valid, violations);
     }
     // Deadlines: a call slower than wait + NET_BUDGET is a violation unless its process was
     // SIGSTOPped during it; calls over wait + OVERSHOOT_MARGIN are counted.
@@ -1428,6 +1621,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             f[2].parse().unwrap(),
         );
         let thread = f.get(4).copied().unwrap_or("?");
+        let call = f.get(6).copied().unwrap_or("try_lock_for");
         let excused = pauses
             .iter()
             .any(|&(p, a, b)| p == *pid && w0 <= b && w1 >= a);
@@ -1439,7 +1633,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             w0,
             thread,
             format!(
-                "try_lock_for returned {} ms late ({}){}{}",
+                "{call} returned {} ms late ({}){}{}",
                 over / 1000,
                 f[3],
                 if excused { ", during a SIGSTOP" } else { "" },
@@ -1458,7 +1652,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             if over > OVERSHOOT_MARGIN.as_micros() as u64 {
                 over_margin += 1;
                 eprintln!(
-                    "call over the 1 s margin in {thread}: overshoot {} ms, outcome {}",
+                    "{call} over the 1 s margin in {thread}: overshoot {} ms, outcome {}",
                     over / 1000,
                     f[3]
                 );
@@ -1467,7 +1661,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                 violations.push(Violation::new(
                     Kind::DeadlineOvershoot,
                     format!(
-                        "try_lock_for overshot its wait by {} ms in {thread} ({})",
+                        "{call} overshot its wait by {} ms in {thread} ({})",
                         over / 1000,
                         f[3]
                     ),
@@ -1512,6 +1706,10 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         "acquired",
         "valid_sections",
         "lost_sections",
+        "valid_reads",
+        "lost_reads",
+        "valid_writes",
+        "lost_writes",
         "long_sections",
         "begin_accepted",
         "begin_stale",
@@ -1536,11 +1734,14 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         "wakeups_event",
         "wakeups_lease",
         "wakeups_reconnect",
+        "grants_received",
+        "grants_trusted",
+        "grants_passed",
     ] {
         report.push(format!("{k}: {} (surviving processes)", sum(k)));
     }
     report.push(format!(
-        "max try_lock_for overshoot: {} ms (surviving processes), {} ms not explained by a SIGSTOP, {} ms during a SIGSTOP",
+        "max overshoot of a try_*_for call: {} ms (surviving processes), {} ms not explained by a SIGSTOP, {} ms during a SIGSTOP",
         max_over_all / 1000,
         max_unexcused / 1000,
         max_excused / 1000
@@ -1567,6 +1768,15 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     if sum("valid_sections") == 0 {
         violations.push(Violation::new(Kind::NoProgress, "no valid section at all"));
     }
+    // The read-write lock is contended by every process: both kinds must get through.
+    for hold in [Hold::Read, Hold::Write] {
+        if !sections.iter().any(|s| s.hold == hold && s.valid) {
+            violations.push(Violation::new(
+                Kind::NoProgress,
+                format!("no valid {}section", hold.label()),
+            ));
+        }
+    }
     if per_epoch.len() as u64 != epoch + 1 {
         violations.push(Violation::new(
             Kind::NoProgress,
@@ -1586,6 +1796,82 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         }
     }
     stalls
+}
+
+/// Mutual exclusion among `valid`, one name's valid sections sorted by epoch and start:
+/// within an epoch, no two overlap unless both are reads. A section overlaps the later
+/// ones that start before it ends: every such pair, not only neighbours, since a long
+/// section may overlap several short ones.
+fn exclusion(key: &str, valid: &[&ChaosSection], violations: &mut Vec<Violation>) {
+    for (i, a) in valid.iter().enumerate() {
+        for b in valid[i + 1..]
+            .iter()
+            .take_while(|b| epoch_of(b.token) == epoch_of(a.token) && b.s < a.e)
+            .filter(|b| a.hold.exclusive() || b.hold.exclusive())
+        {
+            violations.push(Violation::new(
+                Kind::Overlap,
+                format!(
+                    "{key}: overlapping valid sections: {} and {}",
+                    a.brief(),
+                    b.brief()
+                ),
+            ));
+        }
+    }
+}
+
+/// The order of the fencing tokens among `valid` (as for [`exclusion`]): when a section
+/// ended before another of its epoch began, the later one's token is higher if it
+/// excludes (a lock or a write: tokens strictly increase from holder to holder), and not
+/// lower than an exclusive earlier one's if it is a read (`ReadGuard::fencing_token`: at
+/// least the token of every write that ended before the read began; readers that share a
+/// hold share a token, and a read after a read is promised nothing). Each section is
+/// compared with the highest token that ended before it began.
+fn token_order(key: &str, valid: &[&ChaosSection], violations: &mut Vec<Violation>) {
+    let higher =
+        |a: &ChaosSection, top: Option<&ChaosSection>| top.is_none_or(|t| a.token > t.token);
+    for epoch in valid.chunk_by(|a, b| epoch_of(a.token) == epoch_of(b.token)) {
+        let mut by_end = epoch.to_vec();
+        by_end.sort_by_key(|s| s.e);
+        let mut ended = by_end.into_iter().peekable();
+        // The highest token among the sections ended so far, and among the exclusive ones.
+        let (mut top, mut top_exclusive): (Option<&ChaosSection>, Option<&ChaosSection>) =
+            (None, None);
+        for b in epoch {
+            while let Some(a) = ended.next_if(|a| a.e < b.s) {
+                if higher(a, top) {
+                    top = Some(a);
+                }
+                if a.hold.exclusive() && higher(a, top_exclusive) {
+                    top_exclusive = Some(a);
+                }
+            }
+            let (before, in_order) = if b.hold.exclusive() {
+                (top, top.is_none_or(|a| b.token > a.token))
+            } else {
+                (
+                    top_exclusive,
+                    top_exclusive.is_none_or(|a| b.token >= a.token),
+                )
+            };
+            if let Some(a) = before.filter(|_| !in_order) {
+                violations.push(Violation::new(
+                    Kind::TokenRegression,
+                    format!(
+                        "{key}: valid section {} began after {} ended, with a {} token",
+                        b.brief(),
+                        a.brief(),
+                        if b.hold.exclusive() {
+                            "no higher"
+                        } else {
+                            "lower"
+                        }
+                    ),
+                ));
+            }
+        }
+    }
 }
 
 /// Judges a progress check that saw no progress for `limit` from `from`: a violation if
