@@ -12,6 +12,10 @@
 //! client id and subscriber). No assertion on how long anything took: each test checks who
 //! held what when (fencing tokens in order, a flag set before a release, the clients'
 //! counters), with generous liveness bounds only.
+//!
+//! The write grants are tested as the fair lock's grants are (`grant.rs`): the bodies of
+//! those tests are written once, in `redbaton_testkit::grants`, for both; here is how the
+//! write hold is taken and waited for ([`Write`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
@@ -19,47 +23,18 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use redbaton::{Cancel, LockClient, ReadGuard, RwLock, WriteGuard};
-use redbaton_testkit::child_only;
-use redbaton_testkit::clock::mono_ns;
-use redbaton_testkit::lock_client;
+use redbaton_testkit::grants::{self, Counts, Got, Hold, Kind, assert_nothing_left};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{join_within, wait_for, wait_until};
-use redbaton_testkit::{child, ms, secs};
+use redbaton_testkit::{grant_counts, lock_client, ms, secs};
 use redbaton_testkit::{test_server, test_server_and};
 
-const LOCK: &str = "redbaton:{k}";
 const WRITERS: &str = "redbaton:{k}:ww";
 const READERS: &str = "redbaton:{k}:wr";
-const NONCES: &str = "redbaton:{k}:qn";
-const CHANNEL: &str = "redbaton:{k}:ev";
 
 fn client(url: &str) -> LockClient {
     lock_client!(node(url), lease(secs(30)))
-}
-
-fn keys_left(srv: &RedisServer) -> Vec<String> {
-    srv.keys_but_fences("redbaton:*")
-}
-
-/// The waiting members and the nonce each one's latest attempt stored.
-fn nonces(srv: &RedisServer) -> Vec<(String, u64)> {
-    redis::cmd("ZRANGE")
-        .arg(NONCES)
-        .arg(0)
-        .arg(-1)
-        .arg("WITHSCORES")
-        .query(&mut srv.conn())
-        .expect("ZRANGE")
-}
-
-/// Connections subscribed to a channel: one per client (or process) that waits or reads.
-fn subscribed(srv: &RedisServer) -> usize {
-    let some = |n: Option<&String>| n.is_some_and(|n| n != "0");
-    srv.client_list()
-        .iter()
-        .filter(|c| some(c.get("sub")) || some(c.get("ssub")))
-        .count()
 }
 
 /// Waits until `set` marks `n` waiters and the waiter of `c` sleeps: it failed its first
@@ -88,7 +63,9 @@ impl Held {
             Held::Read(rw.try_read_for(within).expect("a read hold"))
         }
     }
+}
 
+impl Hold for Held {
     fn token(&self) -> u64 {
         match self {
             Held::Read(g) => g.fencing_token(),
@@ -103,22 +80,13 @@ impl Held {
         }
     }
 
-    fn unlock(self) {
+    fn release(self) {
         match self {
             Held::Read(g) => g.unlock().map(drop),
             Held::Write(g) => g.unlock().map(drop),
         }
         .expect("unlock");
     }
-}
-
-/// What a waiter got: whether the flag its test sets before letting it in was set when it
-/// got the hold, its fencing token, and its guard's check (after what it did with it).
-#[derive(Debug)]
-struct Got {
-    after: bool,
-    token: u64,
-    valid: bool,
 }
 
 /// A thread of `c` waiting (up to 30 s) for the write hold of "k" (a read hold unless
@@ -129,105 +97,49 @@ fn waiter(
     released: &Arc<AtomicBool>,
     during: impl FnOnce() + Send + 'static,
 ) -> JoinHandle<Got> {
-    let (rw, released) = (c.rwlock("k"), released.clone());
-    thread::spawn(move || {
-        let held = Held::take(&rw, write, secs(30));
-        let after = released.load(SeqCst);
-        during();
-        let got = Got {
-            after,
-            token: held.token(),
-            valid: held.valid(),
-        };
-        held.unlock();
-        got
-    })
+    let rw = c.rwlock("k");
+    grants::waiter(move || Held::take(&rw, write, secs(30)), released, during)
 }
 
-/// "k" held by a client, and a writer of another waiting behind it, asleep.
-struct Behind {
-    /// The holder's client, kept as long as its hold.
-    _holder: LockClient,
-    held: Held,
-    /// Set by the test once the writer may get the hold.
-    released: Arc<AtomicBool>,
-    waiting: JoinHandle<Got>,
+/// The write hold of "k", granted on the release of a read hold or of the write hold: the
+/// holder takes a read hold or the write hold, the waiter waits for the write hold.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Write {
+    AfterRead,
+    AfterWrite,
 }
 
-/// `holder` holds "k" (the write hold if `holder_writes`, else a read hold), and a writer
-/// of `w` waits behind it, asleep; it runs `during` once it holds.
-fn writer_behind(
-    srv: &RedisServer,
-    holder: LockClient,
-    holder_writes: bool,
-    w: &LockClient,
-    during: impl FnOnce() + Send + 'static,
-) -> Behind {
-    let held = Held::take(&holder.rwlock("k"), holder_writes, secs(5));
-    let released = Arc::new(AtomicBool::new(false));
-    let waiting = waiter(w, true, &released, during);
-    asleep(srv, WRITERS, 1, w);
-    Behind {
-        _holder: holder,
-        held,
-        released,
-        waiting,
+impl Kind for Write {
+    type Client = LockClient;
+    type Held = Held;
+    const WAITERS: &str = WRITERS;
+
+    fn hold(self, c: &LockClient) -> Held {
+        Held::take(&c.rwlock("k"), self == Write::AfterWrite, secs(5))
     }
-}
 
-/// [`writer_behind`] a read hold, with the writer's client connected through a proxy.
-fn writer_through_proxy(srv: &RedisServer) -> (Proxy, LockClient, Behind) {
-    let proxy = Proxy::start(srv.addr());
-    let w = client(&proxy.url());
-    let behind = writer_behind(srv, client(&srv.url()), false, &w, || {});
-    (proxy, w, behind)
-}
-
-impl Behind {
-    /// The holder lets go, with `between` run after its release: the writer then holds
-    /// the write hold after the holder, validly, with a later fencing token.
-    fn hand_over(self, between: impl FnOnce()) {
-        self.released.store(true, SeqCst);
-        let first = self.held.token();
-        self.held.unlock();
-        between();
-        let got = self.waiting.join().expect("writer");
-        assert!(got.after && got.valid, "{got:?}");
-        assert!(got.token > first, "{} <= {first}", got.token);
+    fn wait(self, c: &LockClient, within: Duration, what: &str) -> Held {
+        Held::Write(c.rwlock("k").try_write_for(within).expect(what))
     }
-}
 
-/// The grant's lease is 1 s, and the key it makes lives twice that: a key that lives longer
-/// shows that the write hold taken from the grant was renewed with the full lease.
-fn wait_renewed(url: &str) {
-    let mut conn = redbaton_testkit::raw_conn(url);
-    wait_for(secs(20), "the first renewal", || {
-        redbaton_testkit::pttl(&mut conn, LOCK) > 5_000
-    });
-}
+    fn asleep(self, srv: &RedisServer, c: &LockClient) {
+        asleep(srv, WRITERS, 1, c);
+    }
 
-/// A writer of `w` waits behind `holder` (see [`writer_behind`]) and is handed the write
-/// hold by a grant, heard in time and taken as the hold; it runs `during` with it, and
-/// loses nothing. Nothing is left behind.
-fn granted_in_time(
-    srv: &RedisServer,
-    holder: LockClient,
-    holder_writes: bool,
-    w: &LockClient,
-    during: impl FnOnce() + Send + 'static,
-) {
-    writer_behind(srv, holder, holder_writes, w, during).hand_over(|| {});
-    let s = w.stats();
-    assert_eq!(s.grants_received, 1, "{s:?}");
-    assert_eq!(s.grants_trusted, 1, "the grant was the write hold: {s:?}");
-    assert_eq!(s.locks_lost, 0, "{s:?}");
-    assert!(keys_left(srv).is_empty(), "{:?}", keys_left(srv));
+    fn client(url: &str) -> LockClient {
+        client(url)
+    }
+
+    fn counts(c: &LockClient) -> Counts {
+        grant_counts!(c)
+    }
 }
 
 #[test]
 fn smoke() {
     let srv = test_server();
-    granted_in_time(&srv, client(&srv.url()), false, &client(&srv.url()), || {});
+    let (holder, w) = (client(&srv.url()), client(&srv.url()));
+    grants::granted_in_time(Write::AfterRead, &srv, holder, &w, || {});
 }
 
 /// The common case, after a read hold and after the write hold: the grant is heard in time
@@ -236,19 +148,14 @@ fn smoke() {
 #[test]
 fn a_write_grant_heard_in_time_is_the_write_hold() {
     let srv = test_server();
-    for holder_writes in [false, true] {
+    for kind in [Write::AfterRead, Write::AfterWrite] {
         let url = srv.url();
         let during = move || {
-            wait_renewed(&url);
+            grants::wait_renewed(&url);
             thread::sleep(ms(1200)); // past the grant lease
         };
-        granted_in_time(
-            &srv,
-            client(&srv.url()),
-            holder_writes,
-            &client(&srv.url()),
-            during,
-        );
+        let (holder, w) = (client(&srv.url()), client(&srv.url()));
+        grants::granted_in_time(kind, &srv, holder, &w, during);
     }
 }
 
@@ -258,9 +165,10 @@ fn a_write_grant_heard_in_time_is_the_write_hold() {
 fn a_granted_write_hold_with_a_short_lease_is_renewed_in_time() {
     let short = |url: &str| lock_client!(node(url), lease(ms(300)));
     let srv = test_server();
+    let (holder, w) = (short(&srv.url()), short(&srv.url()));
     // Ten grant leases: a hold whose first renewal came late would be lost by now.
     let during = || thread::sleep(ms(3000));
-    granted_in_time(&srv, short(&srv.url()), false, &short(&srv.url()), during);
+    grants::granted_in_time(Write::AfterRead, &srv, holder, &w, during);
 }
 
 /// No writer waits: the release of the write hold grants a read hold to each reader
@@ -291,15 +199,14 @@ fn read_grants_go_to_every_marked_reader() {
     let mut tokens = Vec::new();
     for (c, reading) in readers {
         let got = reading.join().expect("reader");
-        assert!(got.after && got.valid, "{got:?}");
-        assert!(got.token > first, "{} <= {first}", got.token);
+        got.assert_after(first);
         tokens.push(got.token);
         let s = c.stats();
         assert_eq!(s.grants_received, 1, "{s:?}");
         assert_eq!(s.grants_trusted, 1, "the grant was the read hold: {s:?}");
     }
     assert_eq!(tokens[0], tokens[1], "read holds of one read phase");
-    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+    assert_nothing_left(&srv);
 }
 
 /// A write grant that reaches its writer after its bound (a proxy delays everything the
@@ -308,29 +215,7 @@ fn read_grants_go_to_every_marked_reader() {
 /// after that holder lets go.
 #[test]
 fn a_write_grant_delayed_past_its_bound_is_not_the_hold() {
-    let srv = test_server();
-    let (proxy, w, behind) = writer_through_proxy(&srv);
-    proxy.set_delay(ms(1500));
-    behind.held.unlock(); // granted to the writer, with a 1 s lease
-    thread::sleep(ms(1200));
-    let other = client(&srv.url());
-    let taken = other
-        .rwlock("k")
-        .try_write_for(secs(5))
-        .expect("the expired grant's hold is free");
-    thread::sleep(ms(1000)); // the grant reaches the writer meanwhile
-    proxy.set_delay(Duration::ZERO);
-    behind.released.store(true, SeqCst);
-    let token = taken.fencing_token();
-    taken.unlock().expect("unlock");
-    let got = behind.waiting.join().expect("writer");
-    assert!(
-        got.after,
-        "the late grantee took the write hold while another held it"
-    );
-    assert!(got.token > token, "{} <= {token}", got.token);
-    assert!(got.valid);
-    assert!(w.stats().grants_received >= 1, "{:?}", w.stats());
+    grants::delayed_past_its_bound(Write::AfterRead);
 }
 
 /// A grant with the nonce of one of the writer's earlier attempts, heard after a newer
@@ -342,54 +227,14 @@ fn a_stale_write_grant_heard_after_a_newer_attempt_is_only_a_wake_up() {
     let srv = test_server();
     // Attempts every 300 ms: the writer's nonce moves on.
     let w: LockClient = lock_client!(node(srv.url()), lease(secs(30)), recheck_interval(ms(300)));
-    let behind = writer_behind(&srv, client(&srv.url()), false, &w, || {});
-    let waiting = nonces(&srv);
-    let [(member, old)] = &waiting[..] else {
-        panic!("one waiting nonce: {waiting:?}");
-    };
-    let old = *old;
-    wait_for(secs(20), "a newer attempt", || {
-        nonces(&srv).first().is_some_and(|(_, n)| *n > old)
-    });
-    let stale = format!("g{member}:{old}:999:1000");
-    let mut conn = srv.conn();
-    for publish in ["SPUBLISH", "PUBLISH"] {
-        let _: redis::RedisResult<u64> = redis::cmd(publish)
-            .arg(CHANNEL)
-            .arg(&stale)
-            .query(&mut conn);
-    }
-    wait_for(secs(20), "the stale grant heard", || {
-        w.stats().grants_received == 1
-    });
-    thread::sleep(ms(300)); // its confirming attempt is answered
-    assert!(behind.held.valid(), "the reader still holds");
-    assert!(
-        !behind.waiting.is_finished(),
-        "a stale grant was taken as the write hold"
-    );
-    assert_eq!(w.stats().grants_trusted, 0, "{:?}", w.stats());
-    behind.hand_over(|| {});
-    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+    grants::stale_grant_only_wakes(Write::AfterRead, &srv, &w);
 }
 
 /// Child: waits for the write hold of "k", then reports when it got it, whether its
 /// guard's check held, and how many grants it took as the hold.
 #[test]
 fn child_write_grantee() {
-    child_only!();
-    let c = client(&child::env("G_URL"));
-    println!("waiting");
-    let g = c.rwlock("k").try_write_for(secs(30)).expect("child: write");
-    let got = mono_ns();
-    let s = c.stats();
-    child::print_result(&[
-        ("got_ns", got.to_string()),
-        ("valid", u8::from(g.check().is_ok()).to_string()),
-        ("received", s.grants_received.to_string()),
-        ("trusted", s.grants_trusted.to_string()),
-    ]);
-    g.unlock().expect("child: unlock");
+    grants::grantee(Write::AfterWrite);
 }
 
 /// A writer stopped (SIGSTOP) across its grant: another client gets the write hold once
@@ -397,51 +242,14 @@ fn child_write_grantee() {
 /// write hold only after that holder lets go.
 #[test]
 fn a_write_grantee_stopped_across_its_grant_does_not_believe_it_holds() {
-    let (srv, holder) = test_server_and(client);
-    let w = holder.rwlock("k").write().expect("write");
-    let before = subscribed(&srv);
-    let mut grantee = child::spawn_self("child_write_grantee", &[("G_URL", srv.url())]);
-    child::wait_for_line(&mut grantee, "waiting", secs(20));
-    wait_for(secs(20), "the writer marked", || srv.zcard(WRITERS) == 1);
-    wait_for(secs(20), "the writer's subscription", || {
-        subscribed(&srv) > before
-    });
-    thread::sleep(ms(200)); // its attempt after subscribing is answered: it sleeps
-    child::stopped_across_grant(
-        grantee,
-        || {
-            w.unlock().expect("unlock"); // granted to the stopped writer
-        },
-        || {
-            let taken = client(&srv.url())
-                .rwlock("k")
-                .try_write_for(secs(20))
-                .expect("the others get the write hold after the grant lease");
-            Box::new(move || {
-                assert!(taken.check().is_ok());
-                taken.unlock().expect("unlock");
-            })
-        },
-    );
-    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+    grants::stopped_grantee(Write::AfterWrite, "child_write_grantee");
 }
 
 /// A write grant's message lost entirely (the writer's connections drop it, then are
 /// reset): the writer's next attempt, after its subscriber reconnects, gets the write hold.
 #[test]
 fn a_lost_write_grant_message_is_recovered_by_the_next_attempt() {
-    let srv = test_server();
-    let (proxy, w, behind) = writer_through_proxy(&srv);
-    proxy.blackhole(true);
-    // The grant message is dropped on its way.
-    behind.hand_over(|| {
-        proxy.blackhole(false);
-        proxy.kill_all();
-    });
-    let s = w.stats();
-    assert_eq!(s.grants_received, 0, "the grant message was lost: {s:?}");
-    assert_eq!(s.grants_trusted, 0, "{s:?}");
-    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+    grants::lost_grant_recovered(Write::AfterRead);
 }
 
 /// A writer that gives up (here: its wait is cancelled) after the release granted it the
@@ -484,12 +292,11 @@ fn a_leaving_writer_passes_its_grant_on(next_writes: bool) {
     let s = leaver.stats();
     assert_eq!(s.grants_passed, 1, "the grant was passed on: {s:?}");
     let got = waiting.join().expect("next");
-    assert!(got.after && got.valid, "{got:?}");
-    assert!(got.token > first, "{} <= {first}", got.token);
+    got.assert_after(first);
     let s = next.stats();
     assert_eq!(s.grants_received, 1, "granted by the leaver: {s:?}");
     proxy.set_delay(Duration::ZERO);
-    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+    assert_nothing_left(&srv);
 }
 
 #[test]
@@ -542,7 +349,7 @@ fn a_writer_timing_out_as_it_is_granted_passes_the_hold_on() {
         assert!(got.after && got.valid, "{got:?}");
         let s = next.stats();
         assert_eq!(s.grants_received, 1, "{s:?}");
-        assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+        assert_nothing_left(&srv);
     }
 }
 
@@ -595,5 +402,5 @@ fn a_read_holding_process_gives_its_hold_back_when_a_writer_starts_to_wait() {
     });
     stop.store(true, SeqCst);
     join_within(readers, secs(30), "readers");
-    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+    assert_nothing_left(&srv);
 }

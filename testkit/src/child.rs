@@ -432,35 +432,3 @@ where
     text.parse()
         .unwrap_or_else(|e| panic!("child result {key}={text:?}: {e}"))
 }
-
-/// A grantee stopped (SIGSTOP) across its grant, resumed while another holds: `grantee` is
-/// a child that waits for the hold, then prints a `RESULT` line with `got_ns` (its
-/// `clock::mono_ns` when it got the hold) and `valid` (1 when its guard's check passed).
-/// Stops it, runs `release` (whose release grants the hold to it), runs `take_other` (which
-/// takes the hold once the grant lease ran out, and returns what checks and lets go of it),
-/// resumes the child, lets the other hold go, and checks that the child got the hold only
-/// after that, validly. Returns the child's result, for more checks.
-pub fn stopped_across_grant(
-    mut grantee: Child,
-    release: impl FnOnce(),
-    take_other: impl FnOnce() -> Box<dyn FnOnce()>,
-) -> HashMap<String, String> {
-    kill_child(&mut grantee, libc::SIGSTOP);
-    release();
-    let let_go = take_other();
-    kill_child(&mut grantee, libc::SIGCONT);
-    // The child hears its grant, and its attempt finds the hold taken.
-    thread::sleep(Duration::from_millis(500));
-    let released = crate::clock::mono_ns();
-    let_go();
-    let out = wait_ok(grantee, Duration::from_secs(30));
-    let r = result_with(&out, "got_ns");
-    let got: u64 = field(&r, "got_ns");
-    assert!(
-        got > released,
-        "the resumed grantee got the hold while another held it ({got} <= {released}): {out}"
-    );
-    assert_eq!(field::<u8>(&r, "valid"), 1, "{out}");
-    eprintln!("the resumed grantee: {r:?}");
-    r
-}

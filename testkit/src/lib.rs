@@ -9,6 +9,8 @@
 //! * [`child`]: real child processes contending for locks.
 //! * [`cluster`]: a Redis Cluster of three masters and three replicas.
 //! * [`clock`]: clocks whose readings can be compared between processes.
+//! * [`grants`]: the grant tests of the fair lock and of the read-write lock's write
+//!   hold, written once for both.
 //! * [`keys`]: the Redis keys and fencing-token layout of the lock protocol, as the
 //!   tests observe them from outside.
 //! * [`logs`]: the `log` records of the test process, to check what a client warned of.
@@ -44,6 +46,7 @@ pub mod child;
 pub mod client;
 pub mod clock;
 pub mod cluster;
+pub mod grants;
 pub mod history;
 pub mod intervals;
 pub mod keys;
