@@ -272,7 +272,10 @@ impl Protocol {
     pub fn release_may_grant(self) -> bool {
         matches!(
             self,
-            Protocol::FairLock(_) | Protocol::Read { .. } | Protocol::Write { .. }
+            Protocol::FairLock(_)
+                | Protocol::Read { .. }
+                | Protocol::Write { .. }
+                | Protocol::Permit { .. }
         )
     }
 
@@ -649,16 +652,11 @@ impl Protocol {
                 )?;
                 Ok(reply == ReleaseReply::Passed)
             }
-            Protocol::Read { .. } | Protocol::Write { .. } => node.leave_waiter(keys, token),
-            Protocol::Upgradable { .. } => {
-                node.unmark_waiter(keys, token, Want::Read).map(|()| false)
+            Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. } => {
+                node.leave_waiter(keys, token)
             }
-            Protocol::Upgrade { .. } => {
-                node.unmark_waiter(keys, token, Want::Write).map(|()| false)
-            }
-            Protocol::Permit { permits, .. } => node
-                .unmark_waiter(keys, token, Want::Permit(permits))
-                .map(|()| false),
+            Protocol::Upgradable { .. } => node.unmark_waiter(keys, token, false).map(|()| false),
+            Protocol::Upgrade { .. } => node.unmark_waiter(keys, token, true).map(|()| false),
         }
     }
 
@@ -747,9 +745,8 @@ mod tests {
         ] {
             let shared = one.get(kind).expect("shared");
             assert!(shared.shared() && shared.keeps_token_across_attempts());
-            // A read-write lock's release grants holds; a freed permit only wakes.
-            let rw = kind != Kind::Permit(3);
-            assert_eq!(shared.release_may_grant(), rw);
+            // A release grants read-write holds and permits.
+            assert!(shared.release_may_grant());
             assert!(!shared.next_call_settles_unknown());
             assert!(shared.awaits_grant());
             assert_eq!(shared.hears(), Hears::Releases);

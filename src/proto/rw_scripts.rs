@@ -54,14 +54,16 @@
 //! hold read holds for their own threads hear it (see `engine::turns`) and give their holds
 //! back as soon as their readers are done, rather than at their next budget check.
 //!
-//! A freed permit wakes the permit-seeker waiting longest and takes its mark out in the
-//! same script, so that a second release in quick succession wakes the next one, not the
-//! same one twice; with no live mark (waiters of an older version, or none) it says `r`.
-//! The others are not woken to fail; if the one woken has gone (crashed), they try at their
-//! next re-check. A permit-seeker that gives up without its mark (a release took it to wake
-//! it) passes the wake-up on (`PERMIT_LEAVE`), so none is lost with it. Holds that expire
-//! inside the key wake nobody: the waiters' re-checks (the earliest lease's end, which a
-//! failed attempt replies) cover them.
+//! A freed permit is granted the same way to the permit-seeker waiting longest (its
+//! member held for the grant lease, its mark and nonce taken out, `g<member>:<nonce>:0:
+//! <grant ms>`: permits have no fence), so that a second release in quick succession
+//! grants to the next one, not the same one twice. With no live mark (waiters of an older
+//! version, or none), or no permit free, or called without the waiting sets (the narrow
+//! call of a Cluster migration), it wakes as before: `g<member>:0` to the one waiting
+//! longest, taking its mark, or `r`. A permit-seeker that gives up passes on a permit
+//! granted to it, or a wake-up whose mark a release took (`WAITER_LEAVE`), so none is lost
+//! with it. Holds that expire inside the key wake nobody: the waiters' re-checks (the
+//! earliest lease's end, which a failed attempt replies) cover them.
 //!
 //! An upgrade turns the upgradable hold `u<token>` into the write hold `w<token>` in one
 //! script once it is the only hold left; until then each attempt marks it in `…:ww` as a
@@ -202,12 +204,13 @@ end
 /// What the scripts that end a hold of a read-write lock or a semaphore do next, after
 /// the fence helpers and [`PRELUDE`]: who is told, and (the write hold) who is given it.
 ///
-/// KEYS: lock, waiting writers (or permit-seekers), waiting readers, fence counter,
-/// writer nonces (a permit's release names the first two at most). ARGV: member, channel,
+/// KEYS: lock, waiting writers, waiting readers, fence counter, nonces; for a semaphore:
+/// lock, waiting permit-seekers, nonces (or the lock alone, the narrow call). ARGV: member, channel,
 /// fence, grant lease ms, fence counter TTL ms, publish mode.
 ///
-/// `pass_on(ended, now)`, after the hold `ended` was taken out of the key: a permit wakes
-/// the permit-seeker waiting longest; the last hold of a read-write lock grants the write
+/// `pass_on(ended, now)`, after the hold `ended` was taken out of the key: a permit is
+/// granted to the permit-seeker waiting longest (`grant_permit`, or woken when it cannot
+/// be); the last hold of a read-write lock grants the write
 /// hold to the writer waiting longest (`grant_first`), or says `r`; of a read-write lock
 /// whose holds remain, an upgradable hold left alone and waiting to upgrade is woken, and
 /// the end of an upgradable hold says `r` to the readers it held back.
@@ -230,14 +233,14 @@ local function grant_holds(members, now, ms)
   redis.call('ZADD', KEYS[1], -1, '#rw', unpack(args))
   redis.call('PEXPIRE', KEYS[1], 2 * ms)
 end
--- The nonces of `members`' latest attempts (nil when lost or unknown), taken out with their
--- marks of `set`.
-local function take_nonces(set, members, lost)
+-- The nonces of `members`' latest attempts (nil when lost or unknown), taken out of
+-- `nonces` with their marks of `set`.
+local function take_nonces(set, nonces, members, lost)
   redis.call('ZREM', set, unpack(members))
-  local nonces = redis.call('ZMSCORE', KEYS[5], unpack(members))
-  redis.call('ZREM', KEYS[5], unpack(members))
+  local found = redis.call('ZMSCORE', nonces, unpack(members))
+  redis.call('ZREM', nonces, unpack(members))
   if lost then return {} end
-  return nonces
+  return found
 end
 -- One grant message: `nonce` '0' (none) makes it a wake-up whose attempt confirms it.
 -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
@@ -259,7 +262,7 @@ local function grant_first(now)
     end
     if #readers > 0 then
       grant_holds(readers, now, grant_ms)
-      local nonces = take_nonces(KEYS[3], readers, false)
+      local nonces = take_nonces(KEYS[3], KEYS[5], readers, false)
       local fence = current_fence(KEYS[4])
       for i, r in ipairs(readers) do tell_grant(r, nonces[i], fence, grant_ms) end
     end
@@ -278,18 +281,35 @@ local function grant_first(now)
     return
   end
   grant_holds({w}, now, grant_ms)
-  tell_grant(w, take_nonces(KEYS[2], {w}, lost)[1], fence, grant_ms)
+  tell_grant(w, take_nonces(KEYS[2], KEYS[5], {w}, lost)[1], fence, grant_ms)
+end
+-- A permit freed: granted to the permit-seeker waiting longest (KEYS[2] its mark, KEYS[3]
+-- the nonces), held for the grant lease, when the semaphore has a permit free (its count
+-- is the kind member's); else, or without the sets (the narrow call), the wake-up of old.
+local function grant_permit(now)
+  local w = KEYS[3] and first_waiting(KEYS[2], now)
+  local sem = w and redis.call('ZSCORE', KEYS[1], '#sem')
+  if not sem or redis.call('ZCOUNT', KEYS[1], now + 1, '+inf') >= -tonumber(sem) then
+    wake_first(KEYS[2], ARGV[2], now, true)
+    return false
+  end
+  local grant_ms = tonumber(ARGV[4])
+  hold(KEYS[1], w, now, grant_ms)
+  tell_grant(w, take_nonces(KEYS[2], KEYS[3], {w}, false)[1], 0, grant_ms)
+  return true
 end
 local function pass_on(ended, now)
   local permit = string.sub(ended, 1, 1) == 'p'
   -- The kind member's score is negative: a live hold is scored after now.
   local left = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 2)
-  if not left[1] then redis.call('DEL', KEYS[1]) end
   if permit then
     -- The waiter waiting longest: its mark is the oldest renewed, and goes (the next
-    -- release wakes the next one).
-    wake_first(KEYS[2], ARGV[2], now, true)
-  elseif not left[1] then
+    -- release grants to, or wakes, the next one).
+    if not grant_permit(now) and not left[1] then redis.call('DEL', KEYS[1]) end
+    return
+  end
+  if not left[1] then redis.call('DEL', KEYS[1]) end
+  if not left[1] then
     grant_first(now)
   elseif not left[2] and string.sub(left[1], 1, 1) == 'u'
       and tonumber(redis.call('ZSCORE', KEYS[2], left[1]) or 0) > now then
@@ -497,16 +517,18 @@ return 1
 
 /// One permit, idempotently.
 ///
-/// KEYS: lock, and the waiting permit-seekers when the caller waits or waited (see
-/// `Keys::permit_waiters`; a call without it names one key, which a Redis Cluster slot
-/// half-way through a migration still serves). ARGV: member, lease ms, permits, waiting
-/// mark TTL ms (0: the caller will not wait). Returns `{1, 0}`, `{0, ms until the earliest
+/// KEYS: lock, and the waiting permit-seekers and their nonces when the caller waits or
+/// waited (see `Keys::permit_waiters`; a call without them names one key, which a Redis
+/// Cluster slot half-way through a migration still serves). ARGV: member, lease ms,
+/// permits, waiting mark TTL ms (0: the caller will not wait), the attempt's nonce (stored
+/// with its mark, and told by a grant of a permit, see [`PASS_ON`]). Returns `{1, 0}`, `{0, ms until the earliest
 /// permit's lease ends}`, `{2, 0}` for another kind of lock, or `{3, stored}` when the
 /// current holders use another permit count.
 ///
 /// An attempt that fails and will wait marks the member waiting until the mark's TTL, as a
-/// waiting writer does (each attempt renews it), so that a release wakes it alone when its
-/// turn comes; one that succeeds takes its mark out, so that no release wakes a holder.
+/// waiting writer does (each attempt renews it), so that a release grants it a permit
+/// alone when its turn comes; one that succeeds takes its mark out, so that no release
+/// grants to a holder.
 static SEM_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
@@ -519,18 +541,18 @@ if first then n = redis.call('ZCARD', KEYS[1]) - 1 end
 if n < permits or (first and redis.call('ZSCORE', KEYS[1], ARGV[1])) then
   if not first then redis.call('ZADD', KEYS[1], -permits, '#sem') end
   hold(KEYS[1], ARGV[1], now, tonumber(ARGV[2]))
-  if KEYS[2] then redis.call('ZREM', KEYS[2], ARGV[1]) end
+  if KEYS[2] and redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then redis.call('ZREM', KEYS[3], ARGV[1]) end
   return {1, 0}
 end
-if KEYS[2] and ARGV[4] ~= '0' then mark(KEYS[2], ARGV[1], now, tonumber(ARGV[4])) end
+if KEYS[2] and ARGV[4] ~= '0' then mark(KEYS[2], ARGV[1], now, tonumber(ARGV[4]), KEYS[3], ARGV[5]) end
 return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 ")
 });
 
 /// Ends a hold.
 ///
-/// KEYS: lock; for a permit, the waiting permit-seekers (left out by the narrower form of
-/// the call, see `Node::release_shared`); for a read-write lock its waiting writers and
+/// KEYS: lock; for a permit, the waiting permit-seekers and their nonces (left out by the
+/// narrower form of the call, see `Node::release_shared`); for a read-write lock its waiting writers and
 /// readers, its fence counter and its writer nonces. ARGV: member, the library's channel,
 /// the holder's fence (a write hold's, see `end_fence` of `END_FENCE_FN`; `0` for other
 /// holds, or a write attempt nobody used), the grant lease ms, the fence counter's TTL
@@ -538,15 +560,14 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 /// key is another kind of lock. A write hold released before it expired marks the counter
 /// released, before a grant (see [`PASS_ON`]) issues the next fence.
 ///
-/// Then [`PASS_ON`]: a permit freed wakes the permit-seeker waiting longest
-/// (`g<member>:0`), whose mark goes with it (a second release wakes the next one, not the
-/// same one twice), or says `r` when no mark is live (waiters of an older version, or
-/// none). The last hold of a read-write lock ended: the write hold is granted to the
-/// writer waiting longest, or `r` when none waits: writers go first, so the waiting
-/// readers, and the other writers, need not wake to fail. Of a read-write lock whose holds
-/// remain: when the one left is an upgradable hold waiting to upgrade, `g<member>:0` for
-/// it alone; when the hold that ended was the upgradable one and readers wait (a waiting
-/// upgradable read marks itself so), `r`.
+/// Then [`PASS_ON`]: a permit freed is granted to the permit-seeker waiting longest, whose
+/// mark goes with it (a second release grants to the next one, not the same one twice), or
+/// woken as before when it cannot be (see `grant_permit`). The last hold of a read-write
+/// lock ended: the write hold is granted to the writer waiting longest, or read holds to
+/// the readers waiting when no writer does, or `r` when none waits. Of a read-write lock
+/// whose holds remain: when the one left is an upgradable hold waiting to upgrade,
+/// `g<member>:0` for it alone; when the hold that ended was the upgradable one and readers
+/// wait (a waiting upgradable read marks itself so), `r`.
 static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     ending(
         r"
@@ -564,29 +585,42 @@ return 0
     )
 });
 
-/// A waiting writer or reader gives up: its mark and nonce go, and a grant that raced its
-/// leaving is passed on (the write hold as an attempt nobody used: the counter keeps what
-/// the hold before it left, see `end_fence` of `END_FENCE_FN`); else a writer's leaving
-/// tells the readers it held back (`r`).
+/// A waiting writer, reader or permit-seeker gives up: its mark and nonce go, and a grant
+/// that raced its leaving is passed on (the write hold as an attempt nobody used: the
+/// counter keeps what the hold before it left, see `end_fence` of `END_FENCE_FN`); else a
+/// writer's leaving tells the readers it held back (`r`), and a permit-seeker whose mark a
+/// release took to wake it passes the wake-up on.
 ///
-/// KEYS and ARGV: those of [`SHARED_RELEASE`] for a read-write lock (the fence is unused).
+/// KEYS and ARGV: those of [`SHARED_RELEASE`] (the fence is unused): for a read-write lock
+/// lock, writers, readers, fence counter, nonces; for a semaphore lock, permit-seekers,
+/// nonces.
 /// Returns 2 a grant to it was passed on, 0 otherwise, −1 the key is another kind of lock.
 static WAITER_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     ending(
         r"
-redis.call('ZREM', KEYS[5], ARGV[1])
+local tag = string.sub(ARGV[1], 1, 1)
+local permit = tag == 'p'
+local nonces = KEYS[5]
+if permit then nonces = KEYS[3] end
+redis.call('ZREM', nonces, ARGV[1])
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
 local now = now_ms()
-local writer = string.sub(ARGV[1], 1, 1) == 'w'
 if s and tonumber(s) > now then
   redis.call('ZREM', KEYS[1], ARGV[1])
-  if writer then end_fence(KEYS[4], '0') end
+  if tag == 'w' then end_fence(KEYS[4], '0') end
   pass_on(ARGV[1], now)
   return 2
 end
+if permit then
+  -- A mark already gone was taken by a release that woke this waiter (with no permit to
+  -- grant, or no nonces named): the wake-up goes on to the next one, so that a freed
+  -- permit is never left for the re-checks.
+  if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then wake_first(KEYS[2], ARGV[2], now, true) end
+  return 0
+end
 local set = KEYS[3]
-if writer then set = KEYS[2] end
+if tag == 'w' then set = KEYS[2] end
 if redis.call('ZREM', set, ARGV[1]) == 1 then publish(ARGV[2], 'r') end
 return 0
 ",
@@ -649,19 +683,6 @@ return 0
 ")
 });
 
-/// A permit-seeker gives up: removes its mark. When the mark was gone already, a release
-/// may have taken it to wake this waiter (see `SHARED_RELEASE`), and the wake-up may be on
-/// its way still: it goes on to the next waiter (or `r`), so that a freed permit is never
-/// left for the re-checks. A live mark was never chosen: nothing to pass on.
-///
-/// KEYS: waiting permit-seekers. ARGV: member, the library's channel, the publish mode.
-static PERMIT_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
-    lua(r"
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then wake_first(KEYS[1], ARGV[2], now_ms(), true) end
-return 0
-")
-});
-
 /// One attempt at a shared hold, or at an upgrade, as the contest makes it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SharedAttempt<'a> {
@@ -714,12 +735,16 @@ impl Node {
                 // The waiting set only when the attempt may mark or unmark: a `try_acquire`
                 // names one key.
                 let marks = at.mark_ttl.is_some() || at.clear;
-                let mut call = SEM_ACQUIRE.call(if marks { 2 } else { 1 });
+                let mut call = SEM_ACQUIRE.call(if marks { 3 } else { 1 });
                 call.arg(keys.lock());
                 if marks {
-                    call.arg(keys.permit_waiters());
+                    call.arg(keys.permit_waiters()).arg(keys.writer_nonces());
                 }
-                call.arg(member).arg(lease_ms).arg(permits).arg(mark_ms);
+                call.arg(member)
+                    .arg(lease_ms)
+                    .arg(permits)
+                    .arg(mark_ms)
+                    .arg(at.nonce);
                 (&*SEM_ACQUIRE, call)
             }
         };
@@ -791,54 +816,60 @@ impl Node {
         retry: Retry,
     ) -> Result<ReleaseReply> {
         let permit = member.starts_with(Want::Permit(0).tag());
-        // `waiters`: a permit's release names its waiting set (the narrower form does not).
+        // `waiters`: a permit's release names its waiting set and their nonces (the
+        // narrower form does not).
         let call = |waiters: bool| {
             let mut call = SHARED_RELEASE.call(match (permit, waiters) {
                 (false, _) => 5,
-                (true, true) => 2,
+                (true, true) => 3,
                 (true, false) => 1,
             });
             call.arg(keys.lock());
-            if !permit {
-                self.rw_keys(&mut call, keys);
-            } else if waiters {
-                call.arg(keys.permit_waiters());
+            if waiters {
+                self.waiter_keys(&mut call, keys, permit);
             }
             self.ending_args(&mut call, keys, member, fence);
             call
         };
-        if !permit {
-            return self.release_by(&SHARED_RELEASE, &call(false), retry);
-        }
         // Redis Cluster, the slot half-way through a migration: the server refuses a script
         // whose keys are not all on one side (`TRYAGAIN`), and always serves the lock key
         // alone, whose release then says `r` (every waiter tries) as with no mark.
+        if !permit {
+            return self.release_by(&SHARED_RELEASE, &call(true), retry);
+        }
         let narrow = || call(false);
         let narrow: (&Lua, &dyn Fn() -> Cmd) = (&SHARED_RELEASE, &narrow);
         self.release_with(&SHARED_RELEASE, &call(true), retry, Some(narrow))
     }
 
-    /// A waiting writer or reader `member` of `keys` gives up (see `WAITER_LEAVE`):
-    /// whether a grant to it was passed on.
+    /// A waiting writer, reader or permit-seeker `member` of `keys` gives up (see
+    /// `WAITER_LEAVE`): whether a grant to it was passed on.
     pub fn leave_waiter(&self, keys: &Keys, member: &str) -> Result<bool> {
-        let mut call = WAITER_LEAVE.call(5);
+        let permit = member.starts_with(Want::Permit(0).tag());
+        let mut call = WAITER_LEAVE.call(if permit { 3 } else { 5 });
         call.arg(keys.lock());
-        self.rw_keys(&mut call, keys);
+        self.waiter_keys(&mut call, keys, permit);
         self.ending_args(&mut call, keys, member, None);
         match self.run_script::<i64>(&WAITER_LEAVE, &call, Retry::ON_RESET, None)? {
             2 => Ok(true),
             0 => Ok(false),
             -1 => Err(Error::WrongKind),
-            other => Err(Error::Protocol(format!("writer leave replied {other}"))),
+            other => Err(Error::Protocol(format!("waiter leave replied {other}"))),
         }
     }
 
-    /// The keys after the lock key of the scripts that end a read-write lock's hold.
-    fn rw_keys(&self, call: &mut Cmd, keys: &Keys) {
-        call.arg(keys.writers())
-            .arg(keys.readers())
-            .arg(keys.fence())
-            .arg(keys.writer_nonces());
+    /// The keys after the lock key of the scripts that end a hold (see `SHARED_RELEASE`):
+    /// a semaphore's waiting permit-seekers and their nonces; a read-write lock's writers,
+    /// readers, fence counter and nonces.
+    fn waiter_keys(&self, call: &mut Cmd, keys: &Keys, permit: bool) {
+        if permit {
+            call.arg(keys.permit_waiters()).arg(keys.writer_nonces());
+        } else {
+            call.arg(keys.writers())
+                .arg(keys.readers())
+                .arg(keys.fence())
+                .arg(keys.writer_nonces());
+        }
     }
 
     /// The arguments of the scripts that end a hold (see `SHARED_RELEASE`).
@@ -894,13 +925,14 @@ impl Node {
         Ok(keep == 1)
     }
 
-    /// Removes the mark of a waiter of `want` (a writer's, a reader's or a permit-seeker's,
-    /// see `WAITER_UNMARK` and `PERMIT_LEAVE`): it stops waiting without the hold.
-    pub fn unmark_waiter(&self, keys: &Keys, member: &str, want: Want) -> Result<()> {
-        let (script, set) = match want {
-            Want::Permit(_) => (&*PERMIT_LEAVE, keys.permit_waiters()),
-            Want::Write => (&*WAITER_UNMARK, keys.writers()),
-            Want::Read | Want::Upgradable => (&*WAITER_UNMARK, keys.readers()),
+    /// Removes the mark of a waiter that is never granted (an upgradable read, or an
+    /// upgrade, as a writer when `write`; see `WAITER_UNMARK`): it stops waiting without
+    /// the hold.
+    pub fn unmark_waiter(&self, keys: &Keys, member: &str, write: bool) -> Result<()> {
+        let (script, set) = if write {
+            (&*WAITER_UNMARK, keys.writers())
+        } else {
+            (&*WAITER_UNMARK, keys.readers())
         };
         let mut call = script.call(1);
         call.arg(set)
