@@ -4,13 +4,14 @@
 //!   paused mid-run. Each must end in a typed error (or a lost signal) within the configured
 //!   timeouts — never a hang, never a panic — and the client must recover when the server
 //!   comes back.
-//! * [`chaos`]: several child processes contend for a few plain locks and a read-write
-//!   lock while the parent injects faults at random (seeded; the seed is printed). Every
-//!   lock and write section writes through a fenced storage (a Lua script on a separate
-//!   redis-server). Checked, on the sections whose holder still held the name at their
-//!   end: mutual exclusion (reads may overlap reads, nothing else), tokens strictly
-//!   increasing from one lock or write section to the next, and no read's token below that
-//!   of a write that ended before it began; and strictly increasing tokens of the accepted
+//! * [`chaos`]: several child processes contend for a few plain locks, a read-write lock
+//!   and a semaphore while the parent injects faults at random (seeded; the seed is
+//!   printed). Every lock and write section writes through a fenced storage (a Lua script
+//!   on a separate redis-server). Checked, on the sections whose holder still held the
+//!   name at their end: mutual exclusion (reads may overlap reads, nothing else), tokens
+//!   strictly increasing from one lock or write section to the next, no read's token below
+//!   that of a write that ended before it began, and never more permit sections at once
+//!   than the semaphore has permits; and strictly increasing tokens of the accepted
 //!   writes, the fencing storage never seeing one token from two holders, every call
 //!   returning by its deadline plus a margin, no hung thread or process, no key left at the
 //!   end that the library would not let expire.
@@ -295,8 +296,12 @@ const CHAOS_KEYSPACE: Keys = Keys::new(CHAOS_PREFIX);
 const CHAOS_KEYS: [&str; 2] = ["alpha", "beta"];
 /// The read-write lock of a chaos run: a name of its own, since one name has one kind.
 const CHAOS_RW: &str = "gamma";
+/// The semaphore of a chaos run (a name of its own too), and its permits: few, so that
+/// permit-seekers wait and releases grant.
+const CHAOS_SEM: &str = "delta";
+const CHAOS_PERMITS: u32 = 2;
 /// Every name of a chaos run.
-const CHAOS_NAMES: [&str; 3] = [CHAOS_KEYS[0], CHAOS_KEYS[1], CHAOS_RW];
+const CHAOS_NAMES: [&str; 4] = [CHAOS_KEYS[0], CHAOS_KEYS[1], CHAOS_RW, CHAOS_SEM];
 const CHAOS_PROCS: usize = 3;
 const CHAOS_THREADS: usize = 3;
 /// Faults are injected for this long (unless `REDBATON_CHAOS_SECS` says otherwise); then a
@@ -307,12 +312,28 @@ const SOAK_CHAOS_SECS: u64 = 10;
 const CALM: Duration = Duration::from_secs(2);
 /// Sections must start again within this after a fault has healed (liveness).
 const PROGRESS_LIMIT: Duration = Duration::from_secs(10);
-/// When each lock-server epoch began (see `chaos`), in µs of the wall clock, which is the
-/// server's `TIME` (same machine): a fence is at least the server's clock when it was
-/// issued, so a token's epoch is the number of restarts before its fence.
-static EPOCH_STARTS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
-/// The target: `try_lock_for` (and `try_read_for`, `try_write_for`) returns within its
-/// wait plus this. Calls over it are counted and reported (see `NET_BUDGET`).
+/// The lock-server restarts of the run so far, in order: epoch n is the time after the
+/// nth (see `chaos`).
+static RESTARTS: Mutex<Vec<Restart>> = Mutex::new(Vec::new());
+
+/// When the lock server was restarted, as the epochs of the sections are told from it.
+#[derive(Clone, Copy, Debug)]
+struct Restart {
+    /// When the new server's epoch began, in µs of the wall clock, which is the server's
+    /// `TIME` (same machine): a fence is at least the server's clock when it was issued, so
+    /// a token's epoch is the number of restarts before its fence.
+    fences_from: u64,
+    /// When both proxies stalled before the restart (µs of CLOCK_MONOTONIC): nothing sent
+    /// from then on reached the old server.
+    stalled: u64,
+    /// When they were about to let traffic through again: no reply of the new server
+    /// reached a client before.
+    resumed: u64,
+}
+
+/// The target: `try_lock_for` (and `try_read_for`, `try_write_for`, `try_acquire_for`)
+/// returns within its wait plus this. Calls over it are counted and reported (see
+/// `NET_BUDGET`).
 const OVERSHOOT_MARGIN: Duration = Duration::from_secs(1);
 /// What is asserted. The wait deadline bounds the waiting, not the Redis round trips: one
 /// attempt may take a few connect + read timeouts (a pooled connection that times out, a
@@ -398,19 +419,19 @@ impl Store {
             .expect("fenced write")
     }
 
-    /// A section of the read-write lock `name` began in `holder`: counted as progress, and
-    /// its process is the one a process fault aimed at `name` targets (see
-    /// [`current_holder_pid`]). Apart from the fenced state's `holder`, which only the
-    /// fenced writes may set.
-    fn began_rw(&mut self, name: &str, holder: &str) {
+    /// A section of the read-write lock or the semaphore `name` began in `holder`:
+    /// counted as progress, and its process is the one a process fault aimed at `name`
+    /// targets (see [`current_holder_pid`]). Apart from the fenced state's `holder`, which
+    /// only the fenced writes may set.
+    fn began_shared(&mut self, name: &str, holder: &str) {
         let (state, _, _) = store_keys(name);
         let () = redis::pipe()
             .hset(&state, "last", holder)
             .ignore()
-            .hincr(&state, "rw_begins", 1)
+            .hincr(&state, "shared_begins", 1)
             .ignore()
             .query(&mut self.conn)
-            .expect("rw begin");
+            .expect("shared begin");
     }
 
     fn report(&mut self, key: &str, line: String) {
@@ -573,17 +594,20 @@ fn chaos_worker(
     let mut rng = StdRng::seed_from_u64(seed);
     let mut store = Store::connect(store_url);
     let rw = client.rwlock(CHAOS_RW);
+    let sem = client.semaphore(CHAOS_SEM, CHAOS_PERMITS);
     while mono_us() < end_at {
-        // A third of the sections read or write the read-write lock (30% of them write),
-        // the others take a plain lock.
-        let (hold, name) = if rng.random_range(0..3) == 0 {
-            let write = rng.random_range(0..10) < 3;
-            (if write { Hold::Write } else { Hold::Read }, CHAOS_RW)
-        } else {
-            (
+        // A quarter of the sections read or write the read-write lock (30% of them write),
+        // a quarter take a permit of the semaphore, the others take a plain lock.
+        let (hold, name) = match rng.random_range(0..4) {
+            0 => {
+                let write = rng.random_range(0..10) < 3;
+                (if write { Hold::Write } else { Hold::Read }, CHAOS_RW)
+            }
+            1 => (Hold::Permit, CHAOS_SEM),
+            _ => (
                 Hold::Lock,
                 CHAOS_KEYS[rng.random_range(0..CHAOS_KEYS.len())],
-            )
+            ),
         };
         let wait = ms(rng.random_range(50..500));
         let (w0, t0) = (mono_us(), Instant::now());
@@ -591,6 +615,7 @@ fn chaos_worker(
             Hold::Lock => client.try_lock_for(name, wait).map(boxed),
             Hold::Read => rw.try_read_for(wait).map(boxed),
             Hold::Write => rw.try_write_for(wait).map(boxed),
+            Hold::Permit => sem.try_acquire_for(wait).map(boxed),
         };
         let over = t0.elapsed().saturating_sub(wait);
         tally.max("max_overshoot_us", over.as_micros() as u64);
@@ -648,8 +673,8 @@ struct SectionAt<'a> {
 
 /// One critical section on a hold just acquired, reported to the store for the parent's
 /// checks. Lock and write sections write through the fenced storage at their begin and
-/// end; reads do not (readers of different processes share tokens), they only count as
-/// progress.
+/// end; reads (readers of different processes share tokens) and permits (which have no
+/// token) do not, they only count as progress.
 fn chaos_section(
     g: Box<dyn Guard>,
     at: SectionAt<'_>,
@@ -666,8 +691,15 @@ fn chaos_section(
     tally.add("acquired", 1);
     let token = g.token();
     let s = mono_us();
+    // When the hold's lease began, or earlier: its validity counts from the send of the
+    // round that won it (or of its last renewal so far), and no lease is longer than
+    // LEASE (the drift margin makes it earlier still). Which server a permit came from,
+    // across a restart, is told from it (see `ChaosSection::epoch`). The monotonic clock is
+    // read before `valid_until`'s `now`, so that this is never later than the truth.
+    let from =
+        (mono_us() as i64 + signed_us_until(g.valid_until()) - LEASE.as_micros() as i64).max(0);
     if hold != Hold::Lock {
-        store.began_rw(name, holder);
+        store.began_shared(name, holder);
     }
     let (r1, last1) = if hold.exclusive() {
         store.write("b", name, token, holder, s, 0)
@@ -715,6 +747,8 @@ fn chaos_section(
         (Hold::Read, false) => tally.add("lost_reads", 1),
         (Hold::Write, true) => tally.add("valid_writes", 1),
         (Hold::Write, false) => tally.add("lost_writes", 1),
+        (Hold::Permit, true) => tally.add("valid_permits", 1),
+        (Hold::Permit, false) => tally.add("lost_permits", 1),
     }
     match r1 {
         1 => tally.add("begin_accepted", 1),
@@ -740,12 +774,12 @@ fn chaos_section(
     // One line per section for the invariants and the history: token, holder
     // (pid.thread), start, end, whether `check()` was Ok at the end, the two fenced
     // writes' replies, the token the begin saw, when the call started, the validity left
-    // at the end (µs, negative once past), `check()`'s answer, the unlock's outcome and
-    // what was held (see `Hold::code`).
+    // at the end (µs, negative once past), `check()`'s answer, the unlock's outcome,
+    // what was held (see `Hold::code`) and a time its lease began at or after.
     store.report(
         name,
         format!(
-            "{token:020} {holder} {s} {e} {} {r1} {r2} {last1} {called} {left_us} {check} {} {}",
+            "{token:020} {holder} {s} {e} {} {r1} {r2} {last1} {called} {left_us} {check} {} {} {from}",
             u8::from(valid),
             unlocked.trim_start_matches("unlock_"),
             hold.code()
@@ -762,22 +796,25 @@ enum Hold {
     Read,
     /// The write hold of the read-write lock (`try_write_for`).
     Write,
+    /// A permit of the semaphore (`try_acquire_for`).
+    Permit,
 }
 
 impl Hold {
+    const ALL: [Hold; 4] = [Hold::Lock, Hold::Read, Hold::Write, Hold::Permit];
+
     /// Its code in a section report.
     fn code(self) -> &'static str {
         match self {
             Hold::Lock => "x",
             Hold::Read => "r",
             Hold::Write => "w",
+            Hold::Permit => "p",
         }
     }
 
     fn parse(code: &str) -> Option<Hold> {
-        [Hold::Lock, Hold::Read, Hold::Write]
-            .into_iter()
-            .find(|h| h.code() == code)
+        Hold::ALL.into_iter().find(|h| h.code() == code)
     }
 
     /// Its word before "section" in a history line.
@@ -786,6 +823,7 @@ impl Hold {
             Hold::Lock => "",
             Hold::Read => "read ",
             Hold::Write => "write ",
+            Hold::Permit => "permit ",
         }
     }
 
@@ -795,18 +833,25 @@ impl Hold {
             Hold::Lock => "try_lock_for",
             Hold::Read => "try_read_for",
             Hold::Write => "try_write_for",
+            Hold::Permit => "try_acquire_for",
         }
     }
 
-    /// Whether nobody else holds the name while it is held: all but a read. Such a
+    /// Whether nobody else holds the name while it is held: a lock or a write. Such a
     /// section's token is its own, so it goes through the fenced storage.
     fn exclusive(self) -> bool {
-        self != Hold::Read
+        matches!(self, Hold::Lock | Hold::Write)
+    }
+
+    /// Whether it has a fencing token (all but a permit).
+    fn fenced(self) -> bool {
+        self != Hold::Permit
     }
 }
 
 /// What a chaos section needs of its guard, whatever it holds.
 trait Guard {
+    /// Its fencing token; 0 for a permit, which has none.
     fn token(&self) -> u64;
     fn valid_until(&self) -> Instant;
     fn check(&self) -> redbaton::Result<()>;
@@ -814,10 +859,10 @@ trait Guard {
 }
 
 macro_rules! chaos_guard {
-    ($($guard:ty),*) => {$(
+    ($($guard:ty: $token:expr),*) => {$(
         impl Guard for $guard {
             fn token(&self) -> u64 {
-                self.fencing_token()
+                $token(self)
             }
             fn valid_until(&self) -> Instant {
                 <$guard>::valid_until(self)
@@ -832,9 +877,10 @@ macro_rules! chaos_guard {
     )*};
 }
 chaos_guard!(
-    redbaton::LockGuard,
-    redbaton::ReadGuard,
-    redbaton::WriteGuard
+    redbaton::LockGuard: redbaton::LockGuard::fencing_token,
+    redbaton::ReadGuard: redbaton::ReadGuard::fencing_token,
+    redbaton::WriteGuard: redbaton::WriteGuard::fencing_token,
+    redbaton::Permit: |_| 0
 );
 
 fn boxed<G: Guard + 'static>(g: G) -> Box<dyn Guard> {
@@ -912,7 +958,7 @@ const WEIGHTED_FAULTS: [Fault; 14] = [
 struct Step {
     fault: Fault,
     /// A process fault targets the process of this name's last accepted begin (of the
-    /// read-write lock: its last section's begin, read or write)...
+    /// read-write lock and the semaphore: its last section's begin, of any kind)...
     key: &'static str,
     /// ...or this slot when the key has none.
     fallback: usize,
@@ -1007,6 +1053,9 @@ struct ChaosSection {
     left_us: i64,
     check: String,
     unlock: String,
+    /// Its lease began at this time or after it (µs of CLOCK_MONOTONIC, see
+    /// `chaos_section`).
+    from: u64,
 }
 
 impl ChaosSection {
@@ -1027,15 +1076,38 @@ impl ChaosSection {
             check: (*f.get(10)?).to_owned(),
             unlock: (*f.get(11)?).to_owned(),
             hold: Hold::parse(f.get(12)?)?,
+            from: f.get(13)?.parse().ok()?,
         })
+    }
+
+    /// The lock-server epoch the section's hold came from, when it is known: its token's
+    /// (see [`epoch_of`]); for a permit, which has no token, the restarts around its
+    /// acquisition. A permit whose lease began after a restart's stall came from a later
+    /// server (nothing sent then reached the old one), and a section that began before the
+    /// restart's proxies let traffic through again holds one of an earlier server (no
+    /// reply of the new one came before). `None` when its round spans a restart: it was
+    /// sent before the stall and answered after it, by the old server (a reply the proxies
+    /// held) or the new one (a retry).
+    fn epoch(&self) -> Option<u64> {
+        if self.hold.fenced() {
+            return Some(epoch_of(self.token));
+        }
+        let restarts = RESTARTS.lock().unwrap();
+        let after = restarts.iter().filter(|r| r.stalled <= self.from).count();
+        let before = restarts.iter().filter(|r| r.resumed < self.s).count();
+        (after == before).then_some(after as u64)
     }
 
     /// The section in a violation: what it held, token, holder, start and end.
     fn brief(&self) -> String {
         format!(
-            "{}{} ({}) [{}, {}]",
+            "{}{}({}) [{}, {}]",
             self.hold.label(),
-            self.token,
+            if self.hold.fenced() {
+                format!("{} ", self.token)
+            } else {
+                String::new()
+            },
             self.holder,
             self.s,
             self.e
@@ -1044,15 +1116,27 @@ impl ChaosSection {
 
     /// The section as one history line.
     fn describe(&self) -> String {
+        let epoch = self
+            .epoch()
+            .map_or_else(|| "uncertain".to_owned(), |n| n.to_string());
+        let held = if self.hold.fenced() {
+            format!(
+                "token {} (epoch {epoch}, fence {}, handoff {})",
+                self.token,
+                fence_of(self.token),
+                redbaton_testkit::keys::handoff_of(self.token)
+            )
+        } else {
+            format!(
+                "(epoch {epoch}, lease began at most {:.3} ms before)",
+                self.s.saturating_sub(self.from) as f64 / 1000.0
+            )
+        };
         format!(
-            "{}section {} token {} (epoch {}, fence {}, handoff {}) {:.3} ms [called {:.3} ms before], \
+            "{}section {} {held} {:.3} ms [called {:.3} ms before], \
              validity left {:.3} ms, check {}, begin {} (store's last: {}), end {}, unlock {}",
             self.hold.label(),
             self.key,
-            self.token,
-            epoch_of(self.token),
-            fence_of(self.token),
-            redbaton_testkit::keys::handoff_of(self.token),
             (self.e - self.s) as f64 / 1000.0,
             self.s.saturating_sub(self.called) as f64 / 1000.0,
             self.left_us as f64 / 1000.0,
@@ -1083,16 +1167,16 @@ fn write_reply(r: i64) -> &'static str {
 
 fn epoch_of(token: u64) -> u64 {
     let fence = fence_of(token);
-    EPOCH_STARTS
+    RESTARTS
         .lock()
         .unwrap()
         .iter()
-        .filter(|&&start| start <= fence)
+        .filter(|r| r.fences_from <= fence)
         .count() as u64
 }
 
 /// How many sections have begun: the fenced storage's accepted begins, and the read-write
-/// lock's sections (see [`Store::began_rw`]).
+/// lock's and the semaphore's sections (see [`Store::began_shared`]).
 fn progress(store: &mut redis::Connection) -> u64 {
     CHAOS_NAMES
         .iter()
@@ -1100,7 +1184,7 @@ fn progress(store: &mut redis::Connection) -> u64 {
             let n: Vec<Option<u64>> = redis::cmd("HMGET")
                 .arg(store_keys(k).0)
                 .arg("begins")
-                .arg("rw_begins")
+                .arg("shared_begins")
                 .query(store)
                 .unwrap();
             n.into_iter().flatten().sum::<u64>()
@@ -1109,7 +1193,7 @@ fn progress(store: &mut redis::Connection) -> u64 {
 }
 
 /// The process of the last section of `key` that began: the fenced storage's holder, or
-/// for the read-write lock, the holder of its last section of either kind.
+/// for the read-write lock and the semaphore, the holder of its last section.
 fn current_holder_pid(store: &mut redis::Connection, key: &str) -> Option<u32> {
     let (last, holder): (Option<String>, Option<String>) = redis::cmd("HMGET")
         .arg(store_keys(key).0)
@@ -1152,9 +1236,11 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// proxy fault partitions some processes and not others), and the storage server S, which
 /// no fault touches. `CHAOS_PROCS` processes × `CHAOS_THREADS` threads run
 /// `try_lock_for(random key, random 50..500 ms)` and a short critical section that writes
-/// through the fenced storage; a third of their sections instead read (`try_read_for`) or
-/// write (`try_write_for`, 30% of them) the read-write lock `CHAOS_RW`, whose writes are
-/// fenced too (readers share tokens: a read is only reported).
+/// through the fenced storage; a quarter of their sections instead read (`try_read_for`)
+/// or write (`try_write_for`, 30% of them) the read-write lock `CHAOS_RW`, whose writes
+/// are fenced too (readers share tokens: a read is only reported), and a quarter take a
+/// permit (`try_acquire_for`) of the semaphore `CHAOS_SEM` of `CHAOS_PERMITS` permits
+/// (no token: a permit is only reported, and the parent counts the permits held at once).
 ///
 /// Faults, one at a time, each followed by a pause and a check that the system makes
 /// progress again ("survived"): the current holder process SIGKILLed (and replaced by a new
@@ -1170,8 +1256,11 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// is never below the server's clock, so the new server's first fences are above the old
 /// one's. While both proxies stall all traffic, the parent restarts L and notes the time
 /// (the epoch's start) before letting clients in. The fencing storage keeps comparing plain
-/// tokens, and the mutual-exclusion checks are made per epoch (a section of epoch n may
-/// overlap one of epoch n+1: that is the unprotected window).
+/// tokens, and the mutual-exclusion and permit checks are made per epoch (a section of
+/// epoch n may overlap one of epoch n+1: that is the unprotected window). A permit's epoch
+/// is told from when its lease began and when it was acquired (see
+/// `ChaosSection::epoch`); one whose round spans a restart belongs to no known epoch and
+/// is left out of the permit check.
 ///
 /// Replay and history: see the module docs. Every random choice of the parent comes from
 /// the fault schedule ([`Schedule`], stream 0 of the seed) and every child's from its own
@@ -1195,9 +1284,10 @@ fn chaos() {
     let mut hist = History::new("chaos", seed, started_us);
     hist.note(format!("replay: {replay}"));
     hist.note(format!(
-        "{CHAOS_PROCS} processes x {CHAOS_THREADS} threads on keys {CHAOS_KEYS:?} and read-write \
-         lock {CHAOS_RW:?}, lease {LEASE:?}, renew every {RENEW:?}, network timeouts {NET:?}, \
-         {secs} s of faults then {CALM:?} calm"
+        "{CHAOS_PROCS} processes x {CHAOS_THREADS} threads on keys {CHAOS_KEYS:?}, read-write \
+         lock {CHAOS_RW:?} and semaphore {CHAOS_SEM:?} of {CHAOS_PERMITS} permits, lease \
+         {LEASE:?}, renew every {RENEW:?}, network timeouts {NET:?}, {secs} s of faults then \
+         {CALM:?} calm"
     ));
     hist.note("times: ms since the start; sources: parent, child pid, or pid.thread");
     let mut violations: Vec<Violation> = Vec::new();
@@ -1241,7 +1331,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     let store_srv = RedisServer::start();
     let proxies = [Proxy::start(lock_srv.addr()), Proxy::start(lock_srv.addr())];
     let mut store = store_srv.conn();
-    EPOCH_STARTS.lock().unwrap().clear();
+    RESTARTS.lock().unwrap().clear();
     let started = Instant::now();
     let chaos_end = started + chaos_for;
     let end_at_us = mono_us() + (chaos_for + CALM).as_micros() as u64;
@@ -1394,12 +1484,17 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                 for p in &proxies {
                     p.stall(true);
                 }
+                let stalled = mono_us();
                 lock_srv.restart();
                 epoch += 1;
                 // Every fence of the old server was issued before the restart, and every
                 // fence of the new one will be after the proxies let clients in again.
                 let start = wall_us();
-                EPOCH_STARTS.lock().unwrap().push(start);
+                RESTARTS.lock().unwrap().push(Restart {
+                    fences_from: start,
+                    stalled,
+                    resumed: mono_us(),
+                });
                 for p in &proxies {
                     p.stall(false);
                 }
@@ -1559,7 +1654,14 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     }
     let mut per_epoch: BTreeMap<u64, u64> = BTreeMap::new();
     for s in &sections {
-        *per_epoch.entry(epoch_of(s.token)).or_default() += 1;
+        match s.epoch() {
+            Some(n) => *per_epoch.entry(n).or_default() += 1,
+            None => {
+                *detail
+                    .entry("permit sections of no known epoch (a round across a restart)")
+                    .or_default() += 1;
+            }
+        }
         if s.r1 == -1 || s.r2 == -1 {
             violations.push(Violation::new(
                 Kind::DuplicateToken,
@@ -1588,15 +1690,21 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         }
     }
     // The sections whose holder still held the name at their end, per name, by epoch and
-    // start: mutual exclusion and the order of the fencing tokens.
+    // start: mutual exclusion and the order of the fencing tokens; of the semaphore, the
+    // number of permits held at once. A section of no known epoch is left out: it may
+    // overlap those of either (the unprotected window of a restart, see `chaos`).
     for key in CHAOS_NAMES {
         let mut valid: Vec<&ChaosSection> = sections
             .iter()
-            .filter(|s| s.key == key && s.valid)
+            .filter(|s| s.key == key && s.valid && s.epoch().is_some())
             .collect();
-        valid.sort_by_key(|s| (epoch_of(s.token), s.s));
-        exclusion(key, &valid, violations);
-        token_order(key, &valid, violations);
+        valid.sort_by_key(|s| (s.epoch(), s.s));
+        if key == CHAOS_SEM {
+            permits_held(key, &valid, CHAOS_PERMITS, violations);
+        } else {
+            exclusion(key, &valid, violations);
+            token_order(key, &valid, violations);
+        }
     }
     // Deadlines: a call slower than wait + NET_BUDGET is a violation unless its process was
     // SIGSTOPped during it; calls over wait + OVERSHOOT_MARGIN are counted.
@@ -1710,6 +1818,8 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         "lost_reads",
         "valid_writes",
         "lost_writes",
+        "valid_permits",
+        "lost_permits",
         "long_sections",
         "begin_accepted",
         "begin_stale",
@@ -1768,8 +1878,9 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     if sum("valid_sections") == 0 {
         violations.push(Violation::new(Kind::NoProgress, "no valid section at all"));
     }
-    // The read-write lock is contended by every process: both kinds must get through.
-    for hold in [Hold::Read, Hold::Write] {
+    // The read-write lock and the semaphore are contended by every process: each kind
+    // must get through.
+    for hold in [Hold::Read, Hold::Write, Hold::Permit] {
         if !sections.iter().any(|s| s.hold == hold && s.valid) {
             violations.push(Violation::new(
                 Kind::NoProgress,
@@ -1806,7 +1917,7 @@ fn exclusion(key: &str, valid: &[&ChaosSection], violations: &mut Vec<Violation>
     for (i, a) in valid.iter().enumerate() {
         for b in valid[i + 1..]
             .iter()
-            .take_while(|b| epoch_of(b.token) == epoch_of(a.token) && b.s < a.e)
+            .take_while(|b| b.epoch() == a.epoch() && b.s < a.e)
             .filter(|b| a.hold.exclusive() || b.hold.exclusive())
         {
             violations.push(Violation::new(
@@ -1821,6 +1932,31 @@ fn exclusion(key: &str, valid: &[&ChaosSection], violations: &mut Vec<Violation>
     }
 }
 
+/// At most `permits` of `valid`, the semaphore's valid sections (as for [`exclusion`]),
+/// held at any instant within an epoch: a sweep of their intervals by start, with the
+/// sections still held when each begins (one that ends as another begins does not
+/// overlap it, as in [`exclusion`]). Permits have no tokens to check.
+fn permits_held(key: &str, valid: &[&ChaosSection], permits: u32, violations: &mut Vec<Violation>) {
+    for epoch in valid.chunk_by(|a, b| a.epoch() == b.epoch()) {
+        let mut held: Vec<&ChaosSection> = Vec::new();
+        for &b in epoch {
+            held.retain(|a| b.s < a.e);
+            held.push(b);
+            if held.len() > permits as usize {
+                let all: Vec<String> = held.iter().map(|s| s.brief()).collect();
+                violations.push(Violation::new(
+                    Kind::Overlap,
+                    format!(
+                        "{key}: {} valid permit sections at once, of {permits} permits: {}",
+                        held.len(),
+                        all.join(", ")
+                    ),
+                ));
+            }
+        }
+    }
+}
+
 /// The order of the fencing tokens among `valid` (as for [`exclusion`]): when a section
 /// ended before another of its epoch began, the later one's token is higher if it
 /// excludes (a lock or a write: tokens strictly increase from holder to holder), and not
@@ -1831,7 +1967,7 @@ fn exclusion(key: &str, valid: &[&ChaosSection], violations: &mut Vec<Violation>
 fn token_order(key: &str, valid: &[&ChaosSection], violations: &mut Vec<Violation>) {
     let higher =
         |a: &ChaosSection, top: Option<&ChaosSection>| top.is_none_or(|t| a.token > t.token);
-    for epoch in valid.chunk_by(|a, b| epoch_of(a.token) == epoch_of(b.token)) {
+    for epoch in valid.chunk_by(|a, b| a.epoch() == b.epoch()) {
         let mut by_end = epoch.to_vec();
         by_end.sort_by_key(|s| s.e);
         let mut ended = by_end.into_iter().peekable();
