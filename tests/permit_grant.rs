@@ -66,6 +66,14 @@ impl Kind for Permit {
     type Held = Held;
     const WAITERS: &str = WAITERS;
 
+    fn client(url: &str) -> LockClient {
+        client(url)
+    }
+
+    fn counts(c: &LockClient) -> Counts {
+        grant_counts!(c)
+    }
+
     fn hold(self, c: &LockClient) -> Held {
         Held::new(
             c.semaphore("k", 1)
@@ -86,14 +94,6 @@ impl Kind for Permit {
             c.stats().failed_attempts >= 2
         });
         thread::sleep(ms(200));
-    }
-
-    fn client(url: &str) -> LockClient {
-        client(url)
-    }
-
-    fn counts(c: &LockClient) -> Counts {
-        grant_counts!(c)
     }
 }
 
