@@ -163,3 +163,49 @@ fn a_permit_grantee_stopped_across_its_grant_does_not_believe_it_holds() {
 fn a_lost_permit_grant_message_is_recovered_by_the_next_attempt() {
     grants::lost_grant_recovered(Permit);
 }
+
+/// A release never grants a permit beyond the count: when the permit it gives back had
+/// expired already and the other holds fill the semaphore (made here by hand: two live
+/// holds of a semaphore of two permits, and a waiter's mark and nonce), the waiter marked
+/// is not granted a permit (it may only be woken, and its attempt would fail).
+#[test]
+fn a_release_of_an_expired_permit_grants_nothing_beyond_the_count() {
+    let srv = test_server();
+    let c = lock_client!(node(srv.url()), lease(ms(300)), auto_renew(false));
+    let permit = c.semaphore("k", 2).acquire().expect("a permit");
+    let mut conn = srv.conn();
+    let (secs_now, micros): (u64, u64) = redis::cmd("TIME").query(&mut conn).expect("TIME");
+    let later = secs_now * 1000 + micros / 1000 + 60_000;
+    let () = redis::pipe()
+        .cmd("ZADD")
+        .arg("redbaton:{k}")
+        .arg(later)
+        .arg("pother1")
+        .arg(later)
+        .arg("pother2")
+        .ignore()
+        .cmd("PEXPIRE")
+        .arg("redbaton:{k}")
+        .arg(60_000)
+        .ignore()
+        .cmd("ZADD")
+        .arg(WAITERS)
+        .arg(later)
+        .arg("pwaiter")
+        .ignore()
+        .cmd("ZADD")
+        .arg("redbaton:{k}:qn")
+        .arg(7)
+        .arg("pwaiter")
+        .ignore()
+        .query(&mut conn)
+        .expect("the holds and the waiter, by hand");
+    thread::sleep(ms(600)); // our permit's lease has run out; nobody pruned it
+    let _ = permit.unlock();
+    let granted: Option<f64> = redis::cmd("ZSCORE")
+        .arg("redbaton:{k}")
+        .arg("pwaiter")
+        .query(&mut conn)
+        .expect("ZSCORE");
+    assert_eq!(granted, None, "a permit granted beyond the count");
+}
