@@ -546,9 +546,9 @@ impl Contest<'_> {
         }))
     }
 
-    /// Whether a grant heard may be taken as the lock (see [`Contest::trust`]): a fair
-    /// queue's, for a new hold, with renewals on and no replica acknowledgement asked, on
-    /// one node.
+    /// Whether a grant heard may be taken as the hold (see [`Contest::trust`]): one of a
+    /// protocol whose release grants (the fair queue, read-write locks, semaphores), for a
+    /// new hold, with renewals on and no replica acknowledgement asked, on one node.
     fn may_trust(&self) -> bool {
         let cfg = &self.engine.cfg;
         self.protocol.release_may_grant()

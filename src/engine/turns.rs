@@ -19,6 +19,7 @@ use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing::{self, MAX_LOCAL_SEQ};
 use crate::local::held::{Acquisition, RemoteLock};
 use crate::local::shares::{Budget, Mine, Mode, Next, SharesState};
+use crate::local::table::Probe;
 use crate::proto::keys::Keys;
 use crate::proto::node::may_have_run;
 use crate::proto::protocol::Kind;
@@ -118,12 +119,13 @@ impl Engine {
             // with one user goes back when it is done anyway).
             let company = turn.readers + turn.waiting_readers + turn.waiting_writers > 1;
             let reading = matches!(turn.remote, Some((_, Mode::Read)));
-            if reading && company && turn.interests.is_empty() {
-                turn.interests = self.interests(keys);
+            if reading && company && turn.listening.is_empty() {
+                turn.listening = self.listen(keys);
             }
             let heard = match &turn.remote {
-                Some((r, Mode::Read)) if !turn.draining && !turn.interests.is_empty() => {
-                    self.writer_heard(r)
+                Some((r, Mode::Read)) if !turn.draining => {
+                    let since = r.acquired_at.elapsed();
+                    (turn.listening.iter()).any(|(_, p)| p.heard_mark_within(keys, since))
                 }
                 _ => false,
             };
@@ -205,30 +207,22 @@ impl Engine {
         Ok(())
     }
 
-    /// Keeps `keys` subscribed on the nodes of its route while the result lives (see
-    /// `Turn::interests`).
-    fn interests(&self, keys: &Keys) -> Vec<Box<dyn Send>> {
+    /// Keeps `keys` subscribed on the nodes of its route while the result lives, with the
+    /// listeners that hear another process's writer begin to wait (see
+    /// `Turn::listening`).
+    fn listen(&self, keys: &Keys) -> Vec<(Box<dyn Send>, Box<dyn Probe + Send>)> {
         if self.subs.is_empty() {
             return Vec::new();
         }
         let route = self.topology.route(keys);
         self.subs_for(&route)
             .iter()
-            .map(|s| Box::new(s.interest(keys)) as Box<dyn Send>)
+            .map(|s| {
+                let interest: Box<dyn Send> = Box::new(s.interest(keys));
+                let probe: Box<dyn Probe + Send> = Box::new(s.clone());
+                (interest, probe)
+            })
             .collect()
-    }
-
-    /// Whether another process's writer marked itself waiting for `remote` (a read hold)
-    /// since it was taken, as heard on the name's channel.
-    fn writer_heard(&self, remote: &RemoteLock) -> bool {
-        if self.subs.is_empty() {
-            return false;
-        }
-        let route = self.topology.route(&remote.keys);
-        let since = remote.acquired_at.elapsed();
-        self.subs_for(&route)
-            .iter()
-            .any(|s| s.heard_mark_within(&remote.keys, since))
     }
 
     /// Whether the process may go on taking turns on `remote`, held as `mode` (the hold is

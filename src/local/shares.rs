@@ -53,6 +53,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::fencing::MAX_LOCAL_SEQ;
 use crate::local::held::RemoteLock;
+use crate::local::table::Probe;
 use crate::proto::keys::Keys;
 
 /// The read-write locks of one process and who holds what.
@@ -132,9 +133,10 @@ pub(crate) struct Turn {
     /// Under a read hold, once a local writer waits: how many more local readers it admits
     /// (the rest of this process's read phase) before it drains for the writer.
     reads_left: Option<u32>,
-    /// Keeps the name's channel subscribed while the turn lives, so that a remote writer's
-    /// mark is heard (see [`Turn::next`]).
-    pub interests: Vec<Box<dyn Send>>,
+    /// Keeps the name's channel subscribed while the turn lives, and the listeners to ask
+    /// whether a remote writer's mark was heard (see [`Turn::next`]): one per node of the
+    /// name's route, found once.
+    pub listening: Vec<(Box<dyn Send>, Box<dyn Probe + Send>)>,
 }
 
 /// The budget of one remote hold.
