@@ -68,12 +68,39 @@ fn spawn_waiter(srv: &RedisServer, wait_ms: u64, hold_ms: u64) -> std::process::
     )
 }
 
-/// Spawns a waiter and returns once it is queued behind the others.
+/// Spawns a waiter and returns once it is queued behind the others and sleeps subscribed:
+/// its first attempt queues it before it subscribes, so a grant made then is published to
+/// nobody (and confirmed by its next attempt); the attempt it makes once subscribed stores
+/// a later nonce with its entry.
 fn queue_waiter(srv: &RedisServer, wait_ms: u64, hold_ms: u64) -> std::process::Child {
     let before = queued(srv);
     let c = spawn_waiter(srv, wait_ms, hold_ms);
     wait_for(secs(20), "the waiter to queue", || queued(srv) > before);
+    wait_for(secs(20), "the waiter's attempt once subscribed", || {
+        newest_nonce(srv) >= 2
+    });
     c
+}
+
+/// The nonce stored with the newest entry of the queue: the number of the latest attempt
+/// of its wait (the first is 1).
+fn newest_nonce(srv: &RedisServer) -> u64 {
+    let mut conn = srv.conn();
+    let newest: Vec<String> = redis::cmd("ZRANGE")
+        .arg(QUEUE)
+        .arg(-1)
+        .arg(-1)
+        .query(&mut conn)
+        .expect("ZRANGE");
+    let Some(token) = newest.first() else {
+        return 0;
+    };
+    redis::cmd("ZSCORE")
+        .arg(format!("{QUEUE}n"))
+        .arg(token)
+        .query::<Option<u64>>(&mut conn)
+        .expect("ZSCORE")
+        .unwrap_or(0)
 }
 
 #[test]
