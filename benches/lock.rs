@@ -10,14 +10,19 @@
 //!
 //! * `floor`: `SET key token NX PX 30000`, then a compare-and-delete Lua script by `EVALSHA`
 //!   (loaded once with `redis::Script`), on one plain `redis::Connection`;
+//! * `fenced`: the least a lock with fencing tokens can send: the `SET NX PX` and an `INCR`
+//!   of a counter in one script (a fence only when the `SET` won), then the same
+//!   compare-and-delete (no retry safety, no fairness, no news of a lost hold);
 //! * `lock_unlock`: `client.lock(name)` + `guard.unlock()`, default settings;
 //! * `try_lock_unlock`: `client.try_lock(name)` + `guard.unlock()`;
 //! * `extend`: `guard.extend(30 s)` on a held lock;
 //! * `fencing_token`: reading the token of a held guard.
 //!
-//! Criterion does not compute ratios, so at the end a plain timed loop measures `floor` and
-//! `lock_unlock` again, interleaved in alternating blocks (so that drift of the machine
-//! affects both alike), and prints `ratio = lock_unlock / floor` against the target of 1.05.
+//! Criterion does not compute ratios, so at the end a plain timed loop measures `floor`,
+//! `fenced` and `lock_unlock` again, interleaved in rotating blocks (so that drift of the
+//! machine affects all alike), and prints `ratio = lock_unlock / floor` against the target
+//! of 1.05, and beside it `fenced / floor`: what fencing alone, hand-written, costs against
+//! that floor on the machine.
 //! The client's own counters give the Redis commands per lock+unlock.
 //! `cargo bench --bench lock -- ratio` runs that loop alone; another filter skips it.
 //!
@@ -82,6 +87,14 @@ static URL: OnceLock<String> = OnceLock::new();
 const FLOOR_TOKEN: &str = "0b7e9d3c-5f1a-4e2b-9c8d-1a2b3c4d5e6f";
 /// The floor's key: as long as the library's key for the name `lib` (`redbaton:{lib}`).
 const FLOOR_KEY: &str = "redbaton:{flo}";
+/// The fenced floor's counter, beside its key.
+const FLOOR_FENCE: &str = "redbaton:{flo}:fence";
+/// The fenced floor's acquire: a fence only when the `SET` wins.
+const FENCED_ACQUIRE: &str = "\
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+return 0";
 /// Compare-and-delete, the floor's release.
 const COMPARE_AND_DELETE: &str = "\
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -99,6 +112,7 @@ const TARGET: f64 = 1.05;
 /// compare-and-delete script; the library's acquire and release scripts (its own counters
 /// confirm two commands per op, printed below).
 const FLOOR_SENDS: &[&str] = &["set", "evalsha"];
+const FENCED_SENDS: &[&str] = &["evalsha"];
 const LIB_SENDS: &[&str] = &["evalsha"];
 
 fn url() -> &'static str {
@@ -109,6 +123,7 @@ fn url() -> &'static str {
 struct Floor {
     conn: redis::Connection,
     cad: redis::Script,
+    fenced: redis::Script,
 }
 
 impl Floor {
@@ -117,9 +132,11 @@ impl Floor {
             .and_then(|c| c.get_connection())
             .expect("floor connection");
         let cad = redis::Script::new(COMPARE_AND_DELETE);
+        let fenced = redis::Script::new(FENCED_ACQUIRE);
         // Loaded once: no measured call meets NOSCRIPT.
         cad.load(&mut conn).expect("SCRIPT LOAD");
-        Floor { conn, cad }
+        fenced.load(&mut conn).expect("SCRIPT LOAD");
+        Floor { conn, cad, fenced }
     }
 
     fn lock_unlock(&mut self) {
@@ -132,6 +149,24 @@ impl Floor {
             .query(&mut self.conn)
             .expect("SET NX PX");
         assert!(matches!(set, redis::Value::Okay), "floor key was free");
+        self.unlock();
+    }
+
+    /// The fenced floor: `SET NX PX` and `INCR` in one script, then compare-and-delete.
+    fn fenced_lock_unlock(&mut self) {
+        let fence: i64 = self
+            .fenced
+            .key(FLOOR_KEY)
+            .key(FLOOR_FENCE)
+            .arg(FLOOR_TOKEN)
+            .arg(30_000)
+            .invoke(&mut self.conn)
+            .expect("fenced SET NX PX");
+        assert!(fence > 0, "floor key was free");
+        self.unlock();
+    }
+
+    fn unlock(&mut self) {
         let deleted: i64 = self
             .cad
             .key(FLOOR_KEY)
@@ -288,8 +323,9 @@ fn measure(admin: &mut redis::Connection, sent: &[&str], n: usize, mut op: impl 
     }
 }
 
-/// `floor` and `lock_unlock` timed in alternating blocks (ABBA order, so neither always
-/// runs first after a switch), the ratio of their totals, and where the time went.
+/// `floor`, `fenced` and `lock_unlock` timed in rotating blocks (each block starts with
+/// another side, so none always runs first after a switch), the ratio of their totals, and
+/// where the time went.
 fn ratio(ops: usize) {
     let client = client();
     let mut floor = Floor::new(url());
@@ -300,29 +336,30 @@ fn ratio(ops: usize) {
     // Warm both paths: connections, script cache, allocator, branch predictors.
     for _ in 0..block {
         floor.lock_unlock();
+        floor.fenced_lock_unlock();
         lib_lock_unlock(&client, "lib");
     }
     let before = client.stats();
-    let (mut c_floor, mut c_lib) = (Cost::default(), Cost::default());
+    // Floor, fenced floor, library.
+    let mut costs = [Cost::default(); 3];
     let mut block_ratios = Vec::new();
     for i in 0..ops.div_ceil(block) {
         let n = block.min(ops - i * block);
-        let mut time_floor =
-            |admin: &mut redis::Connection| measure(admin, FLOOR_SENDS, n, || floor.lock_unlock());
-        let time_lib = |admin: &mut redis::Connection| {
-            measure(admin, LIB_SENDS, n, || lib_lock_unlock(&client, "lib"))
-        };
-        let (f, l) = if i % 2 == 0 {
-            let f = time_floor(&mut admin);
-            (f, time_lib(&mut admin))
-        } else {
-            let l = time_lib(&mut admin);
-            (time_floor(&mut admin), l)
-        };
-        c_floor += f;
-        c_lib += l;
-        block_ratios.push(l.wall.as_secs_f64() / f.wall.as_secs_f64());
+        let mut block_costs = [Cost::default(); 3];
+        for k in 0..3 {
+            let side = (i + k) % 3;
+            block_costs[side] = match side {
+                0 => measure(&mut admin, FLOOR_SENDS, n, || floor.lock_unlock()),
+                1 => measure(&mut admin, FENCED_SENDS, n, || floor.fenced_lock_unlock()),
+                _ => measure(&mut admin, LIB_SENDS, n, || lib_lock_unlock(&client, "lib")),
+            };
+        }
+        for (total, c) in costs.iter_mut().zip(block_costs) {
+            *total += c;
+        }
+        block_ratios.push(block_costs[2].wall.as_secs_f64() / block_costs[0].wall.as_secs_f64());
     }
+    let [c_floor, c_fenced, c_lib] = costs;
     let after = client.stats();
     block_ratios.sort_by(f64::total_cmp);
     let us = |t: Duration| t.as_secs_f64() * 1e6 / ops as f64;
@@ -338,6 +375,7 @@ fn ratio(ops: usize) {
         );
     };
     let ratio = c_lib.wall.as_secs_f64() / c_floor.wall.as_secs_f64();
+    let fenced = c_fenced.wall.as_secs_f64() / c_floor.wall.as_secs_f64();
     let commands = (after.commands - before.commands) as f64 / ops as f64;
     println!();
     println!(
@@ -345,11 +383,13 @@ fn ratio(ops: usize) {
         block_ratios.len()
     );
     println!("  floor       = SET NX PX + EVALSHA compare-and-delete on one connection");
+    println!("  fenced      = EVALSHA (SET NX PX, then INCR) + the same compare-and-delete");
     println!(
         "  lock_unlock = client.lock + guard.unlock, default settings ({commands:.2} Redis commands per op)"
     );
     println!("  per op (us):    wall client-cpu  redis-cmd  redis-cpu  rest(wait)  allocs");
     row("floor", &c_floor);
+    row("fenced", &c_fenced);
     row("lock_unlock", &c_lib);
     println!(
         "  block ratios: min {:.2}  median {:.2}  max {:.2}",
@@ -360,6 +400,9 @@ fn ratio(ops: usize) {
     println!(
         "ratio = {ratio:.2} (target <= {TARGET:.2}){}",
         if ratio <= TARGET { "" } else { "  NOT MET" }
+    );
+    println!(
+        "fenced / floor = {fenced:.2}: a hand-written lock with fencing tokens, on this machine"
     );
 }
 
