@@ -15,8 +15,11 @@
 pub enum Point {
     /// In the contend loop, after an attempt found the lock held and before the wait.
     Contend,
-    /// In the subscriber thread, while it serves its connection.
+    /// In the subscriber thread, while it serves its connection (or waits for it back from
+    /// the waiters reading it).
     Subscriber,
+    /// In a waiting thread, as it reads its node's subscriber connection itself.
+    WaiterRead,
     /// In the watchdog thread, while it renews the locks that are due.
     Watchdog,
     /// In a release to Redis, after renewals stopped and before the compare-and-delete.

@@ -16,9 +16,23 @@ use crate::proto::keys::Keys;
 use crate::proto::protocol::{Marks, Protocol, Request};
 use crate::stats::Counters;
 use crate::topology::Route;
+use crate::wake::candidacy::Candidacy;
 use crate::wake::early::{Armed, Shot};
 use crate::wake::events::{Grant, Hears, Snapshot};
 use crate::wake::subscriber::{Subscriber, Watch};
+
+/// How a [`Waiter::nap`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Nap {
+    /// Poked (an event, a grant, a cancel, a turn to read).
+    Poked,
+    /// It read the subscriber connection, and something came.
+    Heard,
+    /// It read the subscriber connection, and nothing came.
+    Quiet,
+    /// Its time ran out.
+    Over,
+}
 
 /// Why a wait ended.
 pub(crate) enum Woken {
@@ -45,6 +59,11 @@ pub(crate) struct Waiter {
     /// A cancellable wait: its waker (which pokes), registered for the whole contest.
     cancel: Option<Registration>,
     watches: Vec<Watch>,
+    /// Watching one node: the offer to read its subscriber connection while asleep (see
+    /// `wake::seat`), made at the first sleep and kept while the watch is (so that the
+    /// subscriber thread, woken by the echo of our failed attempt's contention mark, finds
+    /// it there already and hands the connection over before the event we wait for).
+    candidacy: Option<Candidacy>,
     /// Degraded-mode backoff, used only while subscriptions cannot be confirmed.
     backoff: Duration,
     /// The attempt armed for the subscriber to send early (see `early`).
@@ -75,6 +94,7 @@ impl Waiter {
             poke_tx: None,
             cancel: None,
             watches: Vec::new(),
+            candidacy: None,
             backoff: Duration::from_millis(10),
             pending: None,
             needed: 0,
@@ -195,6 +215,7 @@ impl Waiter {
         let poke_tx = self.poke_sender();
         let subs = client.subs_for(route);
         let hears = self.hears;
+        self.candidacy = None;
         self.watches = keys
             .iter()
             .flat_map(|k| subs.iter().map(|s| s.watch(k, hears, poke_tx.clone())))
@@ -207,6 +228,17 @@ impl Waiter {
             }
         }
         self.confirm(client, deadline);
+        self.stand();
+    }
+
+    /// Watching one node: offers to read its subscriber connection while asleep (see
+    /// `candidacy`), from before the attempt that makes it wait.
+    fn stand(&mut self) {
+        if self.candidacy.is_none()
+            && let ([watch], Some(poke)) = (self.watches.as_slice(), &self.poke_tx)
+        {
+            self.candidacy = Some(watch.candidacy(poke.clone()));
+        }
     }
 
     /// Watches at once when every node's subscriber already has the key confirmed (another
@@ -283,6 +315,7 @@ impl Waiter {
     /// Drops the subscriptions (their node no longer serves the key): the next sleep
     /// subscribes again first, as the first one does.
     pub fn unwatch(&mut self) {
+        self.candidacy = None;
         self.watches.clear();
         self.pending = None;
     }
@@ -316,7 +349,7 @@ impl Waiter {
             if self.watches.len() - hopeless < needed {
                 return false;
             }
-            if self.poke.recv_deadline(until).is_err() {
+            if self.nap(until, client) == Nap::Over {
                 return self
                     .watches
                     .iter()
@@ -324,6 +357,24 @@ impl Waiter {
                     .count()
                     >= needed;
             }
+        }
+    }
+
+    /// Sleeps until poked or `until` (then [`Nap::Over`]); while it is this waiter's turn
+    /// to read its node's subscriber connection (see `wake::seat`), it reads it instead,
+    /// one short read at a time, and returns after each. What woke it is in the state it
+    /// then looks at: a poke of its own read, or of a cancel (a flag), says nothing more.
+    fn nap(&self, until: Instant, client: &Engine) -> Nap {
+        if let Some(c) = &self.candidacy
+            && Instant::now() < until
+            && let Some(heard) = c.read(until, &client.counters)
+        {
+            let _ = self.poke.try_recv();
+            return if heard { Nap::Heard } else { Nap::Quiet };
+        }
+        match self.poke.recv_deadline(until) {
+            Ok(()) => Nap::Poked,
+            Err(_) => Nap::Over,
         }
     }
 
@@ -392,7 +443,7 @@ impl Waiter {
     /// margin, since `expired` comes when Redis evicts the key, which can be late), the
     /// re-check ceiling, or the deadline.
     pub fn wait_change(
-        &self,
+        &mut self,
         before: &[Snapshot],
         hint: Option<Duration>,
         deadline: Option<Instant>,
@@ -405,8 +456,20 @@ impl Waiter {
             until = until.min(t);
         }
         let until = earliest(until, deadline);
+        // Sleeping on one node's events, the waiter reads that node's subscriber
+        // connection itself when its turn comes (see `wake::seat`): an event for its key
+        // then wakes it, not the subscriber thread first. `read`: our last turn read
+        // something.
+        self.stand();
+        let mut read = false;
+        let by_own_read = |read: bool| {
+            if read {
+                Counters::inc(&client.counters.waiter_reads);
+            }
+        };
         loop {
             if self.grant_token.is_some() && self.watches.iter().any(Watch::has_grant) {
+                by_own_read(read);
                 return Woken::Granted;
             }
             if self.cancelled() {
@@ -419,7 +482,9 @@ impl Waiter {
                 }
                 if s.generation != b.generation || (b.confirmed && !s.confirmed) {
                     // Events may have been lost while the subscriber was away: re-confirm,
-                    // then retry once.
+                    // then retry once. (The thread subscribes again: the connection is
+                    // not ours to read meanwhile.)
+                    self.candidacy = None;
                     self.confirm(client, deadline);
                     return Woken::Reconnected;
                 }
@@ -429,10 +494,13 @@ impl Waiter {
                     Hears::Zero => s.opened != b.opened,
                 };
                 if woken {
+                    by_own_read(read);
                     return Woken::Event;
                 }
             }
-            if self.poke.recv_deadline(until).is_err() {
+            let nap = self.nap(until, client);
+            read = nap == Nap::Heard;
+            if nap == Nap::Over {
                 let now = Instant::now();
                 return if deadline.is_some_and(|d| now >= d) {
                     Woken::Deadline
@@ -462,6 +530,8 @@ impl Waiter {
         }
         self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
         let until = earliest(from_now(sleep), deadline);
+        // The thread is to subscribe again: the connection is not ours to read meanwhile.
+        self.candidacy = None;
         log::debug!(
             "waiting for {} without confirmed subscription",
             keys.display()
@@ -506,7 +576,7 @@ impl Waiter {
                 .iter()
                 .zip(&before)
                 .any(|(w, b)| w.snapshot().taken != *b);
-            if taken || self.cancelled() || self.poke.recv_deadline(until).is_err() {
+            if taken || self.cancelled() || self.nap(until, client) == Nap::Over {
                 return;
             }
         }

@@ -226,6 +226,10 @@ counters! {
     commands => ("redbaton_commands_total"),
     /// Waits ended by a notification for the key.
     wakeups_event => ("redbaton_wakeups_total", "cause" = "event"),
+    /// Waits ended by an event that the waiting thread read from the subscriber
+    /// connection itself (it had the connection while it slept), with no wake-up of the
+    /// subscriber thread in between; counted in the other wake-ups too.
+    waiter_reads => ("redbaton_waiter_reads_total"),
     /// Acquire attempts the subscriber thread made for a waiter the moment the key was
     /// freed, before waking it (one node, notifications): a handoff without a thread hop.
     early_attempts => ("redbaton_early_attempts_total"),

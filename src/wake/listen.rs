@@ -1,20 +1,12 @@
 //! The subscriber thread's loop: connect, check what the node allows, (un)subscribe what
 //! the waiters ask for, read events, reconnect when the connection fails.
 //!
-//! The sync `redis` connection is `&mut` only, so this thread owns it and reads with a
-//! short timeout ([`POLL`]) to take (un)subscribe requests between reads; events
-//! themselves are read as soon as they arrive. The (un)subscribes of one pass are sent
-//! together, one channel per command, and the pass reads until the server answered them
-//! all; a key counts as subscribed once every one of its channels is confirmed.
-//!
-//! Each key has its keyspace channel (classic: Redis sends keyspace events to the node's
-//! own subscribers only) and the library's channel, sharded (`SSUBSCRIBE`) where the node
-//! has sharded pub/sub, as its publishers decide too (`proto::sharded`), classic
-//! otherwise.
+//! The sync `redis` connection is `&mut` only, so this thread owns it (and lends it to
+//! waiters that read it while they sleep, see `seat`) and reads it in turns (`turn`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 use redis::RedisResult;
@@ -24,17 +16,10 @@ use crate::proto::pool::Pool;
 use crate::proto::sharded::ChannelKind;
 use crate::stats::Counters;
 use crate::wake::notify::{self, Mode};
-use crate::wake::state::{LINGER, Shared};
+use crate::wake::seat::{Parked, Reader};
+use crate::wake::state::Shared;
 use crate::wake::stream::{Incoming, Stream};
-
-/// Read timeout while subscriptions are active: the longest a (un)subscribe request waits
-/// for the thread. It does not delay events.
-const POLL: Duration = Duration::from_millis(5);
-/// Longest sleep while nothing is subscribed.
-const IDLE: Duration = Duration::from_millis(500);
-/// A `PING` on the subscriber connection after this long without traffic, so that a dead
-/// connection is noticed even when no event is due.
-const HEALTH_CHECK: Duration = Duration::from_secs(15);
+use crate::wake::turn::{IDLE, POLL, step};
 
 /// How the thread opens its connection: to wherever the node's pool points now (it moves
 /// on a Sentinel failover), with the pool's timeouts.
@@ -59,11 +44,11 @@ pub(super) fn run(
             continue;
         }
         let epoch = connector.pool.epoch();
-        let stream = Stream::open(&connector.pool, POLL).and_then(|mut s| {
+        let stream = Stream::open(&connector.pool).and_then(|mut s| {
             prepare(&shared, &mut s, &connector, &counters)?;
             Ok(s)
         });
-        let mut stream = match stream {
+        let stream = match stream {
             Ok(s) => s,
             Err(e) => {
                 log::debug!("subscriber {node}: connect failed: {e}; retrying in {backoff:?}");
@@ -82,7 +67,8 @@ pub(super) fn run(
         connected_once = true;
         backoff = Duration::from_millis(50);
         let moved = || connector.pool.epoch() != epoch;
-        let err = serve(&shared, &kicked, &mut stream, &counters, &moved);
+        let reader = Reader::new(stream, shared.booth.new_connection());
+        let err = serve(&shared, &kicked, reader, &counters, &moved);
         shared.connected.store(false, Ordering::Relaxed);
         shared.lost_connection();
         match err {
@@ -163,15 +149,16 @@ fn probe(
     Ok(allowed)
 }
 
-/// Serves one connection until it fails (`Err`) or the client shuts down (`Ok`).
+/// Serves one connection until it fails (`Err`) or the client shuts down (`Ok`); while
+/// waiters offer to read it themselves, it is theirs (see `seat`).
 fn serve(
     shared: &Shared,
     kicked: &Receiver<()>,
-    stream: &mut Stream,
+    reader: Reader,
     counters: &Counters,
     moved: &dyn Fn() -> bool,
 ) -> RedisResult<()> {
-    let mut last_traffic = Instant::now();
+    let mut reader = reader;
     loop {
         if shared.shutdown.load(Ordering::Relaxed) {
             return Ok(());
@@ -185,91 +172,15 @@ fn serve(
             )));
         }
         crate::fault::hit(&shared.prefix, crate::fault::Point::Subscriber);
-        let mut heard = false;
-        let mut on = |i: Incoming<'_>| {
-            heard = true;
-            shared.incoming(i);
-        };
-        if sync_subscriptions(shared, stream, counters, &mut on)? {
-            stream.poll(&mut on)?;
-        } else {
-            // Nothing subscribed: sleep on the kick channel rather than the socket.
-            let _ = kicked.recv_timeout(IDLE);
-        }
-        if heard {
-            last_traffic = Instant::now();
+        if shared.booth.wanted() {
+            let check = || crate::fault::hit(&shared.prefix, crate::fault::Point::Subscriber);
+            match shared.booth.park(reader, &shared.shutdown, moved, &check) {
+                Parked::Back(r) => reader = r,
+                Parked::Failed(e) => return Err(e),
+                Parked::Stop => return Ok(()),
+            }
             continue;
         }
-        if last_traffic.elapsed() >= HEALTH_CHECK {
-            Counters::inc(&counters.commands);
-            stream.ping()?;
-            stream.settle(&mut |i| shared.incoming(i))?;
-            last_traffic = Instant::now();
-        }
+        step(shared, &mut reader, counters, POLL, Some(kicked))?;
     }
-}
-
-/// Sends the (un)subscribes the state asks for and reads the replies. Returns whether any
-/// key is subscribed.
-fn sync_subscriptions(
-    shared: &Shared,
-    stream: &mut Stream,
-    counters: &Counters,
-    on: &mut dyn FnMut(Incoming<'_>),
-) -> RedisResult<bool> {
-    let (subscribe, unsubscribe, active) = {
-        let mut st = shared.state.lock();
-        let now = Instant::now();
-        let mut subscribe = Vec::new();
-        let mut unsubscribe = Vec::new();
-        if st.dirty {
-            st.dirty = false;
-            let keyspace = shared.keyspace.load(Ordering::Relaxed);
-            let own = shared.own_channel.load(Ordering::Relaxed);
-            let library = if shared.sharded.load(Ordering::Relaxed) {
-                ChannelKind::Sharded
-            } else {
-                ChannelKind::Classic
-            };
-            let usable = keyspace || own;
-            for (lock, ks) in st.keys.iter_mut() {
-                if usable && ks.interest > 0 && !ks.confirmed && !ks.requested && !ks.away {
-                    ks.requested = true;
-                    ks.channels.clear();
-                    if own {
-                        ks.channels.push((library, channel_of_lock(lock)));
-                    }
-                    if keyspace {
-                        ks.channels
-                            .push((ChannelKind::Classic, keyspace_channel(shared.db, lock)));
-                    }
-                    ks.unconfirmed = ks.channels.len();
-                    subscribe.extend(ks.channels.iter().cloned());
-                }
-            }
-        }
-        st.keys.retain(|_, ks| {
-            let expired = ks.interest == 0 && ks.idle_since.is_some_and(|t| now - t >= LINGER);
-            if expired && (ks.confirmed || ks.requested) {
-                unsubscribe.extend(ks.channels.iter().cloned());
-            }
-            !expired
-        });
-        let active = !st.keys.is_empty();
-        (subscribe, unsubscribe, active)
-    };
-    if subscribe.is_empty() && unsubscribe.is_empty() {
-        return Ok(active);
-    }
-    for (kind, channel) in &unsubscribe {
-        Counters::inc(&counters.commands);
-        stream.send(false, *kind, channel)?;
-    }
-    for (kind, channel) in &subscribe {
-        Counters::inc(&counters.commands);
-        stream.send(true, *kind, channel)?;
-    }
-    // Each confirmation is counted for its key as it comes (`Shared::incoming`).
-    stream.settle(on)?;
-    Ok(true)
 }

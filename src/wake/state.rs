@@ -28,6 +28,7 @@ use crate::proto::node::NodeId;
 use crate::proto::sharded::ChannelKind;
 use crate::wake::early::{Armed, Early};
 use crate::wake::events::{Event, Grant, Hears, Snapshot, classify, grant_of};
+use crate::wake::seat::Booth;
 use crate::wake::stream::Incoming;
 
 /// How long a subscription outlives its last waiter, so that a key locked again and again
@@ -124,6 +125,8 @@ pub(super) struct State {
 /// What the handle, the thread and the waiters of one node share.
 pub(super) struct Shared {
     pub(super) state: Mutex<State>,
+    /// The connection while waiters read it (see `seat`).
+    pub(super) booth: Booth,
     /// Signalled when an early attempt is done (see [`Early::Sending`]).
     pub(super) sent: Condvar,
     pub(super) kick: Sender<()>,

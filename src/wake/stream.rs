@@ -21,7 +21,7 @@
 //!
 //! * while replies are owed, `recv_response` with the full read timeout: a timeout there
 //!   is a dead connection, which is dropped anyway;
-//! * otherwise, [`poll`](Stream::poll) with the short poll timeout, through
+//! * otherwise, [`poll`](Stream::poll) with a short timeout, through
 //!   `PubSub::get_message`, the one public read that does not count timeouts (see there).
 
 use std::collections::VecDeque;
@@ -67,16 +67,14 @@ pub(crate) struct Stream {
     pushes: mpsc::Receiver<PushInfo>,
     /// Oldest first: replies come in the order of the commands.
     owed: VecDeque<Sent>,
-    poll: Duration,
     read_timeout: Duration,
     /// The read timeout the socket has now.
     current: Duration,
 }
 
 impl Stream {
-    /// Opens a RESP3 connection to wherever `pool` points now, with its timeouts; reads
-    /// wait at most `poll` while no reply is owed.
-    pub fn open(pool: &Pool, poll: Duration) -> RedisResult<Self> {
+    /// Opens a RESP3 connection to wherever `pool` points now, with its timeouts.
+    pub fn open(pool: &Pool) -> RedisResult<Self> {
         let client = pool.client();
         let info = client.get_connection_info().clone();
         let settings = info
@@ -98,7 +96,6 @@ impl Stream {
             conn,
             pushes,
             owed: VecDeque::new(),
-            poll,
             read_timeout,
             current: read_timeout,
         })
@@ -154,11 +151,11 @@ impl Stream {
         Ok(())
     }
 
-    /// Waits for traffic up to the poll timeout and hands what came to `on`. A timeout is
-    /// not an error.
-    pub fn poll(&mut self, on: &mut dyn FnMut(Incoming<'_>)) -> RedisResult<()> {
+    /// Waits for traffic up to `wait` and hands what came to `on`. A timeout is not an
+    /// error.
+    pub fn poll(&mut self, wait: Duration, on: &mut dyn FnMut(Incoming<'_>)) -> RedisResult<()> {
         debug_assert!(self.owed.is_empty(), "replies are read by settle");
-        self.set_timeout(self.poll)?;
+        self.set_timeout(wait)?;
         // `get_message` reads without counting a timeout as a reply owed (it returns on a
         // message and goes on reading past anything else; every push also went to the
         // sender, where `drain` finds it). Its `PubSub` must never be dropped, since

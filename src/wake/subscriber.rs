@@ -38,9 +38,11 @@ use parking_lot::{Condvar, Mutex};
 use crate::proto::keys::Keys;
 use crate::proto::node::NodeId;
 use crate::stats::Counters;
+use crate::wake::candidacy::Candidacy;
 use crate::wake::early::{Armed, Early, Shot};
 use crate::wake::events::{Grant, Hears, Snapshot};
 pub(crate) use crate::wake::listen::Connector;
+use crate::wake::seat::Booth;
 use crate::wake::state::{KeySub, Shared, State};
 
 /// How a subscriber starts.
@@ -81,6 +83,7 @@ impl Subscriber {
                 dirty: false,
             }),
             sent: Condvar::new(),
+            booth: Booth::default(),
             kick,
             shutdown: AtomicBool::new(false),
             keyspace: AtomicBool::new(keyspace),
@@ -352,6 +355,12 @@ impl Watch {
                 _ => return None,
             }
         }
+    }
+
+    /// Offers to read this node's subscriber connection while the waiter sleeps (see
+    /// `seat`): `poke` tells it when it is its turn.
+    pub fn candidacy(&self, poke: Sender<()>) -> Candidacy {
+        Candidacy::stand(self.interest.shared.clone(), poke)
     }
 
     /// Fair queue: this waiter's contender token, so that a grant to it is kept for it.

@@ -1,0 +1,223 @@
+//! A waiter asleep on one node's events reads that node's subscriber connection itself
+//! (`wake::seat`): the event that ends its wait wakes it directly, not the subscriber
+//! thread first. The connection goes from the thread to the waiters and back without a
+//! lost event: other waiters of the process are woken by what a reading waiter reads, the
+//! thread reads again once no waiter does, and a read that fails or panics, or a waiter
+//! that leaves, hands it on.
+//!
+//! Waiters here must be woken by events: the re-check ceiling is a minute, and every wait
+//! is bounded well below it. Another process is played by a second client.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redbaton::fault::{self, Point};
+use redbaton::{Cancel, LockClient, Stats};
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::wait_for;
+use redbaton_testkit::{init_log, lock_client, secs};
+
+/// Long enough for any waiter to have gone to sleep and been handed the connection (the
+/// thread hands it over within its 5 ms poll), short beside the bounds below.
+const SETTLED: Duration = Duration::from_millis(300);
+/// What a wait woken by an event takes at most, however loaded the machine.
+const WOKEN: Duration = Duration::from_secs(10);
+
+fn client(srv: &RedisServer, prefix: &str) -> LockClient {
+    lock_client!(
+        node(srv.url()),
+        key_prefix(prefix),
+        recheck_interval(secs(60))
+    )
+}
+
+/// A thread of `c` waiting for `name` (up to `WOKEN`), which must be held elsewhere; it
+/// sends the client's stats once it has the lock, then unlocks.
+fn waiter(c: &LockClient, name: &str) -> crossbeam_channel::Receiver<redbaton::Result<Stats>> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let (c, name) = (c.clone(), name.to_owned());
+    thread::spawn(move || {
+        let got = c.try_lock_for(&name, WOKEN).and_then(|g| {
+            let s = c.stats();
+            g.unlock().map(|_| s)
+        });
+        let _ = tx.send(got);
+    });
+    rx
+}
+
+/// Waits for `waiter`'s outcome: it got the lock, woken by an event.
+fn got(waiter: &crossbeam_channel::Receiver<redbaton::Result<Stats>>, what: &str) -> Stats {
+    let s = waiter
+        .recv_timeout(WOKEN + secs(5))
+        .unwrap_or_else(|_| panic!("{what}: the waiter did not return"))
+        .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+    assert_eq!(s.wakeups_recheck + s.wakeups_lease, 0, "{what}: {s:?}");
+    s
+}
+
+/// Waits until `c` has made `n` failed attempts in all: its waiters are asleep after them.
+fn failed(c: &LockClient, n: u64) {
+    wait_for(secs(10), "the waiters' failed attempts", || {
+        c.stats().failed_attempts >= n
+    });
+    thread::sleep(SETTLED);
+}
+
+#[test]
+fn smoke() {
+    init_log();
+    let srv = RedisServer::start();
+    let (holder, other) = (client(&srv, "wr-smoke:"), client(&srv, "wr-smoke:"));
+    let g = holder.lock("k").unwrap();
+    let w = waiter(&other, "k");
+    failed(&other, 2); // before it subscribed, then once subscribed
+    g.unlock().unwrap();
+    let s = got(&w, "k");
+    assert_eq!(s.waiter_reads, 1, "the grant was read by the waiter: {s:?}");
+    assert_eq!(s.grants_trusted, 1, "{s:?}");
+}
+
+/// Three waiters of one process on three names: one reads the connection, and the others
+/// are woken by what it reads, or read it in turn once it is done.
+#[test]
+fn a_reading_waiter_wakes_the_others() {
+    init_log();
+    let srv = RedisServer::start();
+    let (holder, other) = (client(&srv, "wr-others:"), client(&srv, "wr-others:"));
+    let names = ["a", "b", "c"];
+    let held: Vec<_> = names.iter().map(|n| holder.lock(n).unwrap()).collect();
+    let waiters: Vec<_> = names.iter().map(|n| waiter(&other, n)).collect();
+    failed(&other, 6);
+    // The last to stand is the last to read: release it first.
+    for ((g, w), name) in held.into_iter().zip(&waiters).zip(names).rev() {
+        g.unlock().unwrap();
+        got(w, name);
+    }
+    let s = other.stats();
+    assert_eq!(s.wakeups_event, 3, "{s:?}");
+    assert!(s.waiter_reads >= 1, "{s:?}");
+}
+
+/// After a waiter read the connection and its wait ended, the thread reads it again: a
+/// waiter that does not read it itself (a multi-lock's, which watches two names) is woken
+/// by the release it hears.
+#[test]
+fn the_thread_reads_again_after_the_waiters() {
+    init_log();
+    let srv = RedisServer::start();
+    let (holder, other) = (client(&srv, "wr-back:"), client(&srv, "wr-back:"));
+    let g = holder.lock("k").unwrap();
+    let w = waiter(&other, "k");
+    failed(&other, 2);
+    g.unlock().unwrap();
+    assert_eq!(got(&w, "k").waiter_reads, 1);
+
+    let both = holder.multi_lock(["m1", "m2"]).unwrap();
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let c = other.clone();
+    thread::spawn(move || {
+        let got = c.try_multi_lock_for(["m1", "m2"], WOKEN).map(drop);
+        let _ = tx.send((got, c.stats()));
+    });
+    let before = other.stats().failed_attempts;
+    failed(&other, before + 2);
+    both.unlock().unwrap();
+    let (result, s) = rx.recv_timeout(WOKEN + secs(5)).expect("returns");
+    result.expect("the multi-lock, woken by the release");
+    assert_eq!(s.wakeups_recheck + s.wakeups_lease, 0, "{s:?}");
+    assert_eq!(
+        s.waiter_reads, 1,
+        "the multi-lock's wait read nothing: {s:?}"
+    );
+}
+
+/// The subscriber connection is killed while a waiter reads it: the thread reconnects,
+/// the waiter retries once and sleeps again, and the release wakes it.
+#[test]
+fn a_connection_killed_while_a_waiter_reads_it() {
+    init_log();
+    let srv = RedisServer::start();
+    let (holder, other) = (client(&srv, "wr-kill:"), client(&srv, "wr-kill:"));
+    let g = holder.lock("k").unwrap();
+    let w = waiter(&other, "k");
+    failed(&other, 2);
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query(&mut srv.conn())
+        .unwrap();
+    assert!(killed >= 1, "the subscriber connections were killed");
+    wait_for(secs(10), "the subscriber's reconnect", || {
+        other
+            .subscribers()
+            .iter()
+            .all(|s| s.reconnects >= 1 && s.connected)
+    });
+    failed(&other, 3); // its retry after the reconnect
+    g.unlock().unwrap();
+    let s = got(&w, "k");
+    assert!(s.wakeups_reconnect >= 1, "{s:?}");
+}
+
+/// A waiter whose turn it is to read is cancelled: it returns at once, and the waiter
+/// after it is woken by the release.
+#[test]
+fn a_cancelled_reader_hands_the_connection_on() {
+    init_log();
+    let srv = RedisServer::start();
+    let (holder, other) = (client(&srv, "wr-cancel:"), client(&srv, "wr-cancel:"));
+    let (g1, g2) = (holder.lock("k1").unwrap(), holder.lock("k2").unwrap());
+    let cancel = Cancel::new();
+    let (tx, cancelled) = crossbeam_channel::bounded(1);
+    let (c, cc) = (other.clone(), cancel.clone());
+    thread::spawn(move || {
+        let _ = tx.send(c.lock_cancellable("k1", &cc).map(drop));
+    });
+    failed(&other, 2); // the first to stand: it reads
+    let w2 = waiter(&other, "k2");
+    failed(&other, 4);
+    let t = Instant::now();
+    cancel.cancel();
+    let r = cancelled
+        .recv_timeout(secs(5))
+        .expect("the cancelled wait returns");
+    assert!(r.is_err_and(|e| e.is_cancelled()));
+    eprintln!("cancelled in {:?}", t.elapsed());
+    g2.unlock().unwrap();
+    got(&w2, "k2");
+    drop(g1);
+}
+
+/// A waiter's read panics (an injected fault): its call panics, the connection is
+/// reconnected, and the next waiter of the process is woken by events.
+#[test]
+fn a_panic_in_a_waiters_read_is_survived() {
+    init_log();
+    const P: &str = "wr-panic:";
+    let srv = RedisServer::start();
+    let (holder, other) = (client(&srv, P), client(&srv, P));
+    let g = holder.lock("k").unwrap();
+    fault::arm(P, Point::WaiterRead, 1);
+    let c = other.clone();
+    let panicked = thread::spawn(move || {
+        catch_unwind(AssertUnwindSafe(|| c.try_lock_for("k", WOKEN).map(drop))).is_err()
+    })
+    .join()
+    .unwrap();
+    fault::disarm(P, Point::WaiterRead);
+    assert!(panicked, "the injected fault fired");
+    wait_for(secs(10), "the subscriber's reconnect", || {
+        other
+            .subscribers()
+            .iter()
+            .all(|s| s.reconnects >= 1 && s.connected)
+    });
+    let before = other.stats().failed_attempts;
+    let w = waiter(&other, "k");
+    failed(&other, before + 2);
+    g.unlock().unwrap();
+    got(&w, "k");
+}
