@@ -223,13 +223,7 @@ fn a_lost_grant_message_is_recovered_by_the_retry() {
             .any(|c| c.get("sub").is_some_and(|n| n != "0"))
     });
     // Kill every subscriber connection but the holder's own (it has none: it never waited).
-    let killed: u64 = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("pubsub")
-        .query(&mut srv.conn())
-        .expect("CLIENT KILL");
-    assert!(killed >= 1);
+    assert!(srv.kill_pubsub() >= 1);
     let released = Instant::now();
     guard.unlock().expect("unlock");
     let out = child::wait_ok(waiter, secs(30));

@@ -1454,12 +1454,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                 pauses.push((target_pid, stop_at, mono_us()));
             }
             Fault::KillSubscribers => {
-                let n: i64 = redis::cmd("CLIENT")
-                    .arg("KILL")
-                    .arg("TYPE")
-                    .arg("pubsub")
-                    .query(&mut lock_srv.conn())
-                    .unwrap();
+                let n = lock_srv.kill_pubsub();
                 *detail.entry("subscriber connections killed").or_default() += n as u64;
             }
             Fault::KillCommandConns => {

@@ -57,6 +57,23 @@ fn got(waiter: &crossbeam_channel::Receiver<redbaton::Result<Stats>>, what: &str
     s
 }
 
+/// A server and two clients of it with `prefix`: a holder, and the process under test.
+fn start(prefix: &str) -> (RedisServer, LockClient, LockClient) {
+    init_log();
+    let srv = RedisServer::start();
+    let (holder, other) = (client(&srv, prefix), client(&srv, prefix));
+    (srv, holder, other)
+}
+
+/// Waits until every subscriber of `c` has reconnected and is up.
+fn reconnected(c: &LockClient) {
+    wait_for(secs(10), "the subscriber's reconnect", || {
+        c.subscribers()
+            .iter()
+            .all(|s| s.reconnects >= 1 && s.connected)
+    });
+}
+
 /// Waits until `c` has made `n` failed attempts in all: its waiters are asleep after them.
 fn failed(c: &LockClient, n: u64) {
     wait_for(secs(10), "the waiters' failed attempts", || {
@@ -67,9 +84,7 @@ fn failed(c: &LockClient, n: u64) {
 
 #[test]
 fn smoke() {
-    init_log();
-    let srv = RedisServer::start();
-    let (holder, other) = (client(&srv, "wr-smoke:"), client(&srv, "wr-smoke:"));
+    let (_srv, holder, other) = start("wr-smoke:");
     let g = holder.lock("k").unwrap();
     let w = waiter(&other, "k");
     failed(&other, 2); // before it subscribed, then once subscribed
@@ -83,9 +98,7 @@ fn smoke() {
 /// are woken by what it reads, or read it in turn once it is done.
 #[test]
 fn a_reading_waiter_wakes_the_others() {
-    init_log();
-    let srv = RedisServer::start();
-    let (holder, other) = (client(&srv, "wr-others:"), client(&srv, "wr-others:"));
+    let (_srv, holder, other) = start("wr-others:");
     let names = ["a", "b", "c"];
     let held: Vec<_> = names.iter().map(|n| holder.lock(n).unwrap()).collect();
     let waiters: Vec<_> = names.iter().map(|n| waiter(&other, n)).collect();
@@ -105,9 +118,7 @@ fn a_reading_waiter_wakes_the_others() {
 /// by the release it hears.
 #[test]
 fn the_thread_reads_again_after_the_waiters() {
-    init_log();
-    let srv = RedisServer::start();
-    let (holder, other) = (client(&srv, "wr-back:"), client(&srv, "wr-back:"));
+    let (_srv, holder, other) = start("wr-back:");
     let g = holder.lock("k").unwrap();
     let w = waiter(&other, "k");
     failed(&other, 2);
@@ -137,25 +148,15 @@ fn the_thread_reads_again_after_the_waiters() {
 /// the waiter retries once and sleeps again, and the release wakes it.
 #[test]
 fn a_connection_killed_while_a_waiter_reads_it() {
-    init_log();
-    let srv = RedisServer::start();
-    let (holder, other) = (client(&srv, "wr-kill:"), client(&srv, "wr-kill:"));
+    let (srv, holder, other) = start("wr-kill:");
     let g = holder.lock("k").unwrap();
     let w = waiter(&other, "k");
     failed(&other, 2);
-    let killed: i64 = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("pubsub")
-        .query(&mut srv.conn())
-        .unwrap();
-    assert!(killed >= 1, "the subscriber connections were killed");
-    wait_for(secs(10), "the subscriber's reconnect", || {
-        other
-            .subscribers()
-            .iter()
-            .all(|s| s.reconnects >= 1 && s.connected)
-    });
+    assert!(
+        srv.kill_pubsub() >= 1,
+        "the subscriber connections were killed"
+    );
+    reconnected(&other);
     failed(&other, 3); // its retry after the reconnect
     g.unlock().unwrap();
     let s = got(&w, "k");
@@ -166,9 +167,7 @@ fn a_connection_killed_while_a_waiter_reads_it() {
 /// after it is woken by the release.
 #[test]
 fn a_cancelled_reader_hands_the_connection_on() {
-    init_log();
-    let srv = RedisServer::start();
-    let (holder, other) = (client(&srv, "wr-cancel:"), client(&srv, "wr-cancel:"));
+    let (_srv, holder, other) = start("wr-cancel:");
     let (g1, g2) = (holder.lock("k1").unwrap(), holder.lock("k2").unwrap());
     let cancel = Cancel::new();
     let (tx, cancelled) = crossbeam_channel::bounded(1);
@@ -195,10 +194,8 @@ fn a_cancelled_reader_hands_the_connection_on() {
 /// reconnected, and the next waiter of the process is woken by events.
 #[test]
 fn a_panic_in_a_waiters_read_is_survived() {
-    init_log();
     const P: &str = "wr-panic:";
-    let srv = RedisServer::start();
-    let (holder, other) = (client(&srv, P), client(&srv, P));
+    let (_srv, holder, other) = start(P);
     let g = holder.lock("k").unwrap();
     fault::arm(P, Point::WaiterRead, 1);
     let c = other.clone();
@@ -209,12 +206,7 @@ fn a_panic_in_a_waiters_read_is_survived() {
     .unwrap();
     fault::disarm(P, Point::WaiterRead);
     assert!(panicked, "the injected fault fired");
-    wait_for(secs(10), "the subscriber's reconnect", || {
-        other
-            .subscribers()
-            .iter()
-            .all(|s| s.reconnects >= 1 && s.connected)
-    });
+    reconnected(&other);
     let before = other.stats().failed_attempts;
     let w = waiter(&other, "k");
     failed(&other, before + 2);

@@ -549,15 +549,6 @@ fn idle_waiters_send_no_commands() {
 
 // --- 4. the subscriber connection is killed --------------------------------------------
 
-fn kill_pubsub(srv: &RedisServer) -> i64 {
-    redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("pubsub")
-        .query(&mut srv.conn())
-        .expect("CLIENT KILL TYPE pubsub")
-}
-
 /// 8 waiter threads (`local_handoff(false)`: each waits in Redis); the subscriber
 /// connection is killed while they wait; the holder releases once the subscriber has
 /// re-subscribed and every waiter retried (`wait_for_resubscribe`), or right after the
@@ -581,7 +572,7 @@ fn pubsub_kill(name: &str, wait_for_resubscribe: bool) {
         c.stats().failed_attempts >= 8
     });
     thread::sleep(ms(200));
-    let killed = kill_pubsub(&srv);
+    let killed = srv.kill_pubsub();
     assert!(killed >= 1, "no pubsub client to kill");
     if wait_for_resubscribe {
         wait_for(secs(10), "the subscriber to reconnect", || {

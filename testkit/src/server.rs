@@ -456,6 +456,16 @@ impl RedisServer {
         }
     }
 
+    /// `CLIENT KILL TYPE pubsub`: drops every subscriber connection; how many there were.
+    pub fn kill_pubsub(&self) -> i64 {
+        redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("pubsub")
+            .query(&mut self.conn())
+            .unwrap_or_else(|e| panic!("CLIENT KILL TYPE pubsub on port {}: {e}", self.port))
+    }
+
     /// `CLIENT LIST`, one map per client (`id`, `addr`, `name`, `cmd`,
     /// `flags`, `sub`, `psub`...). The harness's own admin connection is
     /// left out; connections from `conn()` are included.
