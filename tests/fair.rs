@@ -168,7 +168,7 @@ fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {
     let guard = holder.lock("k").expect("lock");
     let mut stopped = queue_waiter(&srv, 30_000, 0);
     let next = queue_waiter(&srv, 30_000, 0);
-    child::kill_child(&mut stopped, libc::SIGSTOP);
+    child::stop_child(&mut stopped);
     let released = Instant::now();
     guard.unlock().expect("unlock");
     let out = child::wait_ok(next, secs(30));

@@ -376,10 +376,9 @@ fn paused_holder_process_learns_it_lost_and_is_fenced_out() {
         &[("REDIS_URL", srv.url()), ("LOCK_NAME", name.into())],
     );
     let line = child::wait_for_line(&mut c, "acquired=1", Duration::from_secs(30));
-    child::kill_child(&mut c, libc::SIGSTOP);
     // Whatever happens below, the child is not left stopped for ever.
     let resume = ResumeOnDrop(c.id());
-    wait_stopped(c.id());
+    child::stop_child(&mut c);
     let child_token = field::<u64>(&child::parse_results(&line)[0], "token");
 
     // Past the child's 1 s lease, this process takes the lock.
@@ -437,22 +436,6 @@ impl Drop for ResumeOnDrop {
         unsafe {
             libc::kill(self.0 as libc::pid_t, libc::SIGCONT);
         }
-    }
-}
-
-/// Waits until process `pid` is in the stopped state (a signal is delivered when the
-/// process next runs: on a loaded machine that is not instantaneous).
-fn wait_stopped(pid: u32) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("child stat");
-        // `pid (comm) state ...`: the state follows the last ')'.
-        let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
-        if state.is_some_and(|s| s.starts_with('T') || s.starts_with('t')) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "child {pid} not stopped: {stat}");
-        thread::sleep(ms(5));
     }
 }
 

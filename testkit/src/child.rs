@@ -260,6 +260,39 @@ pub fn kill_child(child: &mut Child, signal: libc::c_int) {
     }
 }
 
+/// Stops the child (SIGSTOP) and waits until every one of its threads is stopped (or it
+/// is gone). `kill` only queues the signal: one thread takes it when it next runs and then
+/// stops the others, so on a loaded machine a stopped child may go on for milliseconds,
+/// and a `SIGCONT` sent meanwhile cancels the stop altogether. Panics if the child is
+/// still running after 10 s.
+pub fn stop_child(child: &mut Child) {
+    kill_child(child, libc::SIGSTOP);
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !stopped(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "child {pid} not stopped after 10 s"
+        );
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Whether every thread of process `pid` is stopped, or the process is gone or a zombie.
+fn stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    tasks.flatten().all(|task| {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            return true; // the thread ended
+        };
+        // `pid (comm) state ...`: the state follows the last ')'.
+        let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
+        state.is_none_or(|s| s.starts_with(['T', 't', 'Z', 'X']))
+    })
+}
+
 /// The whole of a child entry point that takes a hold (a lock, a read hold, a permit)
 /// for a test of what its death does: outside a child, nothing; in one, `take` gets the
 /// `REDIS_URL` it was given and returns the hold, which is kept while the child says

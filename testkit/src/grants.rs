@@ -375,7 +375,7 @@ fn stopped_across_grant<H: Hold>(
     release: impl FnOnce(),
     take_other: impl FnOnce() -> H,
 ) {
-    child::kill_child(&mut grantee, libc::SIGSTOP);
+    child::stop_child(&mut grantee);
     release();
     let other = take_other();
     child::kill_child(&mut grantee, libc::SIGCONT);
