@@ -34,6 +34,8 @@ mod imp {
 
     static ANY: AtomicBool = AtomicBool::new(false);
     static ARMED: Mutex<Vec<(String, Point, u32)>> = Mutex::new(Vec::new());
+    /// The points armed to stall rather than panic, and whether a thread stalls there.
+    static STALLS: Mutex<Vec<(String, Point, bool)>> = Mutex::new(Vec::new());
 
     /// Makes the next `times` passes through `point`, in clients whose key prefix is
     /// `prefix`, panic (`u32::MAX`: every pass until [`disarm`]).
@@ -63,12 +65,73 @@ mod imp {
         ARMED
             .lock()
             .retain(|(p, q, _)| !(p == prefix && *q == point));
+        STALLS
+            .lock()
+            .retain(|(p, q, _)| !(p == prefix && *q == point));
+    }
+
+    /// Makes the next pass through `point`, in clients whose key prefix is `prefix`, stop
+    /// there until [`disarm`]: a thread caught at a chosen moment, for a race to be played
+    /// out in a set order.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use redbaton::fault::{self, Point};
+    /// fault::stall("doc-stall:", Point::WaiterRead);
+    /// assert!(!fault::stalled("doc-stall:", Point::WaiterRead));
+    /// fault::disarm("doc-stall:", Point::WaiterRead);
+    /// ```
+    pub fn stall(prefix: &str, point: Point) {
+        let mut stalls = STALLS.lock();
+        stalls.retain(|(p, q, _)| !(p == prefix && *q == point));
+        stalls.push((prefix.to_owned(), point, false));
+        ANY.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a thread stopped at `point` armed by [`stall`], and is there still.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// assert!(!redbaton::fault::stalled("doc-none:", redbaton::fault::Point::Watchdog));
+    /// ```
+    pub fn stalled(prefix: &str, point: Point) -> bool {
+        STALLS
+            .lock()
+            .iter()
+            .any(|(p, q, at)| p == prefix && *q == point && *at)
+    }
+
+    /// Stops here while `point` is armed to stall, the first thread to pass only.
+    fn stall_here(prefix: &str, point: Point) {
+        let armed = |claim: bool| {
+            let mut stalls = STALLS.lock();
+            let found = stalls
+                .iter_mut()
+                .find(|(p, q, _)| p == prefix && *q == point);
+            match found {
+                Some((_, _, at)) if claim && !*at => {
+                    *at = true;
+                    true
+                }
+                Some(_) => !claim,
+                None => false,
+            }
+        };
+        if !armed(true) {
+            return;
+        }
+        while armed(false) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
 
     pub(crate) fn hit(prefix: &str, point: Point) {
         if !ANY.load(Ordering::Relaxed) {
             return;
         }
+        stall_here(prefix, point);
         let fire = {
             let mut armed = ARMED.lock();
             match armed
@@ -91,7 +154,7 @@ mod imp {
 }
 
 #[cfg(feature = "fault-injection")]
-pub use imp::{arm, disarm};
+pub use imp::{arm, disarm, stall, stalled};
 
 #[cfg(feature = "fault-injection")]
 pub(crate) use imp::hit;

@@ -219,3 +219,59 @@ fn a_panic_in_a_waiters_read_is_survived() {
     g.unlock().unwrap();
     got(&w, "k");
 }
+
+/// The subscriber thread panics while a waiter has its connection in hand, and the
+/// restarted thread cannot connect at once (the server takes no new client): the thread
+/// takes its connection back from the waiter before it forgets the subscriptions, so the
+/// waiter cannot subscribe again on the dead thread's connection, and the release after
+/// the thread is back wakes it.
+#[test]
+fn a_subscriber_panic_while_a_waiter_reads_is_survived() {
+    const P: &str = "wr-crash:";
+    let (srv, holder, other) = start(P);
+    let g = holder.lock("k").unwrap();
+    let w = waiter(&other, "k");
+    failed(&other, 2);
+    let subscribed = || -> Vec<String> {
+        let some = |n: Option<&String>| n.is_some_and(|n| n != "0");
+        (srv.client_list().iter())
+            .filter(|c| some(c.get("sub")) || some(c.get("ssub")))
+            .filter_map(|c| c.get("id").cloned())
+            .collect()
+    };
+    let before = subscribed();
+    fault::stall(P, Point::WaiterRead);
+    wait_for(
+        secs(10),
+        "the waiter stopped, the connection in hand",
+        || fault::stalled(P, Point::WaiterRead),
+    );
+    let mut admin = srv.conn();
+    let info: String = redis::cmd("INFO").arg("clients").query(&mut admin).unwrap();
+    let clients = info
+        .lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .expect("connected_clients");
+    let mut max_clients = |n: u64| {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxclients")
+            .arg(n)
+            .query::<()>(&mut admin)
+            .expect("CONFIG SET maxclients")
+    };
+    max_clients(clients);
+    fault::arm(P, Point::Subscriber, 1);
+    thread::sleep(SETTLED); // the thread panics at its next look, and cannot connect again
+    fault::disarm(P, Point::Subscriber);
+    fault::disarm(P, Point::WaiterRead);
+    thread::sleep(SETTLED); // the waiter reads on
+    max_clients(10_000);
+    wait_for(secs(10), "the restarted thread's subscription", || {
+        subscribed().iter().any(|id| !before.contains(id))
+    });
+    thread::sleep(SETTLED);
+    g.unlock().unwrap();
+    got(&w, "k");
+}

@@ -37,6 +37,9 @@ use crate::wake::stream::Stream;
 /// How often a thread that parked its connection looks at shutdown and a moved node (and
 /// takes it back, if a waiter that gave it back could not wake it).
 const PARKED_CHECK: Duration = Duration::from_millis(50);
+/// How long a thread restarted after a panic waits for a waiter to give its connection
+/// back: a waiter's read lasts a few milliseconds.
+const RECLAIM_WAIT: Duration = Duration::from_secs(1);
 
 /// The subscriber connection, and what its reads carry from one to the next.
 pub(super) struct Reader {
@@ -126,6 +129,30 @@ impl Booth {
         seat.epoch
     }
 
+    /// After the thread panicked (see `supervise`), wherever its connection was: waits
+    /// (at most [`RECLAIM_WAIT`]) until no waiter has it in hand, then drops it, as a new
+    /// connection would. Until then a waiter may read it and act on what it reads; after,
+    /// none can, so that subscriptions the thread then forgets are not made again on a
+    /// connection nobody will read.
+    pub fn reclaim(&self) {
+        let mut seat = self.seat.lock();
+        if seat.parked {
+            seat.recall = true;
+            if let Some((_, poke)) = &seat.leader {
+                let _ = poke.try_send(());
+            }
+            let deadline = Instant::now() + RECLAIM_WAIT;
+            while seat.leader.is_some() && seat.reader.is_none() && seat.failed.is_none() {
+                if self.back.wait_until(&mut seat, deadline).timed_out() {
+                    log::warn!("a waiter kept the subscriber connection past {RECLAIM_WAIT:?}");
+                    break;
+                }
+            }
+        }
+        drop(seat);
+        self.new_connection();
+    }
+
     /// Whether a waiter offered to read the connection.
     pub fn wanted(&self) -> bool {
         !self.seat.lock().candidates.is_empty()
@@ -205,7 +232,13 @@ impl Booth {
     pub fn give_back(&self, reader: Reader, read: Result<(), RedisError>) {
         let mut seat = self.seat.lock();
         match read {
-            Ok(()) if reader.epoch == seat.epoch => seat.reader = Some(reader),
+            Ok(()) if reader.epoch == seat.epoch => {
+                seat.reader = Some(reader);
+                if seat.recall {
+                    drop(seat);
+                    self.back.notify_all();
+                }
+            }
             Ok(()) => {}
             Err(e) => {
                 seat.failed = Some(e);

@@ -17,7 +17,7 @@
 //! after a reconnect. The key is not subscribed here again until a waiter watches it anew.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
@@ -154,6 +154,10 @@ impl Shared {
     /// early attempt in flight makes its own, and every waiter re-waits for the
     /// re-subscription and retries once, as after a lost connection.
     pub(super) fn crashed(&self) {
+        // First the connection, which a waiter may be reading: once no waiter can, the
+        // subscriptions are forgotten (a waiter reading on would subscribe again on it).
+        self.booth.reclaim();
+        self.connected.store(false, Ordering::Relaxed);
         let mut st = self.state.lock();
         for ks in st.keys.values_mut() {
             if matches!(ks.early, Some((_, Early::Sending))) {
