@@ -105,24 +105,12 @@ mod imp {
 
     /// Stops here while `point` is armed to stall, the first thread to pass only.
     fn stall_here(prefix: &str, point: Point) {
-        let armed = |claim: bool| {
-            let mut stalls = STALLS.lock();
-            let found = stalls
-                .iter_mut()
-                .find(|(p, q, _)| p == prefix && *q == point);
-            match found {
-                Some((_, _, at)) if claim && !*at => {
-                    *at = true;
-                    true
-                }
-                Some(_) => !claim,
-                None => false,
-            }
-        };
-        if !armed(true) {
-            return;
+        let at = |(p, q, _): &(String, Point, bool)| p == prefix && *q == point;
+        match STALLS.lock().iter_mut().find(|s| at(s)) {
+            Some((_, _, stalled)) if !*stalled => *stalled = true,
+            _ => return,
         }
-        while armed(false) {
+        while STALLS.lock().iter().any(at) {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }

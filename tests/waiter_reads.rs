@@ -232,44 +232,24 @@ fn a_subscriber_panic_while_a_waiter_reads_is_survived() {
     let g = holder.lock("k").unwrap();
     let w = waiter(&other, "k");
     failed(&other, 2);
-    let subscribed = || -> Vec<String> {
-        let some = |n: Option<&String>| n.is_some_and(|n| n != "0");
-        (srv.client_list().iter())
-            .filter(|c| some(c.get("sub")) || some(c.get("ssub")))
-            .filter_map(|c| c.get("id").cloned())
-            .collect()
-    };
-    let before = subscribed();
+    let before = srv.subscribers();
     fault::stall(P, Point::WaiterRead);
     wait_for(
         secs(10),
         "the waiter stopped, the connection in hand",
         || fault::stalled(P, Point::WaiterRead),
     );
-    let mut admin = srv.conn();
-    let info: String = redis::cmd("INFO").arg("clients").query(&mut admin).unwrap();
-    let clients = info
-        .lines()
-        .find_map(|l| l.strip_prefix("connected_clients:"))
-        .and_then(|n| n.trim().parse::<u64>().ok())
-        .expect("connected_clients");
-    let mut max_clients = |n: u64| {
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxclients")
-            .arg(n)
-            .query::<()>(&mut admin)
-            .expect("CONFIG SET maxclients")
-    };
-    max_clients(clients);
+    // No new client: every connection now, the harness's own (not listed) included.
+    let clients = srv.client_list().len() + 1;
+    srv.config_set("maxclients", &clients.to_string());
     fault::arm(P, Point::Subscriber, 1);
     thread::sleep(SETTLED); // the thread panics at its next look, and cannot connect again
     fault::disarm(P, Point::Subscriber);
     fault::disarm(P, Point::WaiterRead);
     thread::sleep(SETTLED); // the waiter reads on
-    max_clients(10_000);
+    srv.config_set("maxclients", "10000");
     wait_for(secs(10), "the restarted thread's subscription", || {
-        subscribed().iter().any(|id| !before.contains(id))
+        srv.subscribers().iter().any(|id| !before.contains(id))
     });
     thread::sleep(SETTLED);
     g.unlock().unwrap();

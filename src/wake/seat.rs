@@ -101,6 +101,15 @@ impl Seat {
         }
     }
 
+    /// The thread wants the connection back: nobody new gets the turn, and the waiter
+    /// whose turn it is is poked, to give it back at its next read.
+    fn recall(&mut self) {
+        self.recall = true;
+        if let Some((_, poke)) = &self.leader {
+            let _ = poke.try_send(());
+        }
+    }
+
     fn is_leader(&self, ticket: u64) -> bool {
         self.leader.as_ref().is_some_and(|(t, _)| *t == ticket)
     }
@@ -137,10 +146,7 @@ impl Booth {
     pub fn reclaim(&self) {
         let mut seat = self.seat.lock();
         if seat.parked {
-            seat.recall = true;
-            if let Some((_, poke)) = &seat.leader {
-                let _ = poke.try_send(());
-            }
+            seat.recall();
             let deadline = Instant::now() + RECLAIM_WAIT;
             while seat.leader.is_some() && seat.reader.is_none() && seat.failed.is_none() {
                 if self.back.wait_until(&mut seat, deadline).timed_out() {
@@ -191,10 +197,7 @@ impl Booth {
             }
             check();
             if !seat.recall && moved() {
-                seat.recall = true;
-                if let Some((_, poke)) = &seat.leader {
-                    let _ = poke.try_send(());
-                }
+                seat.recall();
             }
             self.back.wait_for(&mut seat, PARKED_CHECK);
         }

@@ -321,14 +321,9 @@ pub fn grantee<K: Kind>(kind: K) {
     held.release();
 }
 
-/// Connections subscribed to a channel: one per client (or process) that waits, or reads
-/// the read-write lock.
+/// Connections subscribed to a channel (see [`RedisServer::subscribers`]).
 fn subscribed(srv: &RedisServer) -> usize {
-    let some = |n: Option<&String>| n.is_some_and(|n| n != "0");
-    srv.client_list()
-        .iter()
-        .filter(|c| some(c.get("sub")) || some(c.get("ssub")))
-        .count()
+    srv.subscribers().len()
 }
 
 /// A grantee stopped (SIGSTOP) across its grant: another client gets the hold once the

@@ -411,6 +411,16 @@ impl RedisServer {
         reply.get(1).cloned().unwrap_or_default()
     }
 
+    /// Sets the server's configuration parameter `name` (`CONFIG SET`) through the
+    /// harness's own connection, so that it works also when the server takes no new
+    /// client (`maxclients`).
+    pub fn config_set(&self, name: &str, value: &str) {
+        let mut admin = self.admin.lock();
+        let cmd = redis::cmd("CONFIG").arg("SET").arg(name).arg(value).clone();
+        self.admin_query::<()>(&mut admin, &cmd, "config|set")
+            .unwrap_or_else(|e| panic!("CONFIG SET {name} {value} on port {}: {e}", self.port));
+    }
+
     /// What idle waiters cost: the commands the server runs in 3 s, counted once they
     /// have had a second to settle into waiting. Prints the figure for `who`.
     pub fn idle_cost(&self, who: &str) -> u64 {
@@ -478,6 +488,16 @@ impl RedisServer {
         parse_client_list(&text)
             .into_iter()
             .filter(|c| own_id.is_none() || c.get("id") != own_id.as_ref())
+            .collect()
+    }
+
+    /// The ids of the connections subscribed to a channel, classic or sharded: one per
+    /// client (or process) that waits, or reads the read-write lock.
+    pub fn subscribers(&self) -> Vec<String> {
+        let some = |n: Option<&String>| n.is_some_and(|n| n != "0");
+        (self.client_list().into_iter())
+            .filter(|c| some(c.get("sub")) || some(c.get("ssub")))
+            .filter_map(|mut c| c.remove("id"))
             .collect()
     }
 
