@@ -423,7 +423,8 @@ fn fences_increase_whatever_the_counter_holds() {
         run(&srv, &["SET", &fence_key, "not a fence"]);
         drop(seq.next(false, "a foreign string"));
         // Ahead of the clock (a burst of more than one fence per microsecond): one more.
-        let ahead = fence_of(seq.last) + 1_000;
+        // A minute ahead, so that no stall of a loaded machine lets the clock catch up.
+        let ahead = fence_of(seq.last) + 60_000_000;
         run(&srv, &["SET", &fence_key, &format!("-{ahead}")]);
         let g = seq.next(true, "ahead of the clock");
         assert_eq!(fence_of(g.fencing_token()), ahead + 1, "fair {fair}");
