@@ -510,22 +510,24 @@ fn thousand_locks_are_renewed_in_few_round_trips() {
 /// they are renewed by ONE script call with 1,000 keys, and every key is extended.
 ///
 /// When that happens depends on the watchdog's schedule: a pass renews every lock due
-/// within a quarter renew interval (here 750 ms), so locks acquired close together are
-/// renewed together from the first or second renewal cycle on. The test watches MONITOR
-/// until it sees such a call (normally about 6 s in), never longer than 20 s.
+/// within a quarter renew interval (here 1.5 s), so locks acquired within that window are
+/// renewed together from the first renewal cycle on (a wider spread stays split for good:
+/// the window is sized for a loaded debug build, whose 1,000 acquisitions can take a
+/// second). The test watches MONITOR until it sees such a call (normally about 6 s in),
+/// never longer than 40 s.
 #[test]
 fn a_thousand_key_extend_batch_works() {
     init_log();
     const N: usize = 1000;
     let srv = RedisServer::start();
-    let client = build(builder(&srv.url(), ms(4500)).renew_interval(ms(3000)));
+    let client = build(builder(&srv.url(), ms(9000)).renew_interval(ms(6000)));
     let monitor = Monitor::start(&srv);
     let started = Instant::now();
     let guards: Vec<_> = (0..N)
         .map(|i| client.lock(format!("batch:{i}")).expect("lock"))
         .collect();
     let acquiring = started.elapsed();
-    let deadline = started + Duration::from_secs(20);
+    let deadline = started + Duration::from_secs(40);
     let mut lines = Vec::new();
     let full_batch = loop {
         let left = deadline.saturating_duration_since(Instant::now());
