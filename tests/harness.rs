@@ -298,24 +298,24 @@ fn proxy_forwards_and_delays() {
     assert_eq!(proxy.connections_accepted(), 1);
     assert_eq!(proxy.active_connections(), 1);
 
-    proxy.set_delay(ms(150));
+    // Delays of a second, so that the bounds leave room for a loaded machine.
+    proxy.set_delay(ms(1000));
     let started = Instant::now();
     assert_eq!(ping(&mut conn).unwrap(), "PONG");
     let elapsed = started.elapsed();
-    assert!(elapsed >= ms(150), "{elapsed:?}");
-    assert!(elapsed < ms(1500), "{elapsed:?}");
+    assert!(elapsed >= ms(1000), "{elapsed:?}");
+    assert!(elapsed < ms(1900), "delayed one way only: {elapsed:?}");
 
-    proxy.set_delay_both(ms(100));
+    proxy.set_delay_both(ms(1000));
     let started = Instant::now();
     assert_eq!(ping(&mut conn).unwrap(), "PONG");
-    assert!(started.elapsed() >= ms(200), "{:?}", started.elapsed());
+    assert!(started.elapsed() >= ms(2000), "{:?}", started.elapsed());
 
-    // Any leftover delay would cost >= 200 ms here; the bound leaves room
-    // for a loaded 2-core CI box.
+    // Any leftover delay would cost >= 1 s here.
     proxy.heal();
     let started = Instant::now();
     assert_eq!(ping(&mut conn).unwrap(), "PONG");
-    assert!(started.elapsed() < ms(190), "{:?}", started.elapsed());
+    assert!(started.elapsed() < ms(990), "{:?}", started.elapsed());
 }
 
 #[test]
@@ -332,7 +332,8 @@ fn delay_is_latency_not_throughput() {
     let started = Instant::now();
     let () = pipe.query(&mut conn).unwrap();
     let elapsed = started.elapsed();
-    assert!(elapsed >= ms(100) && elapsed < ms(800), "{elapsed:?}");
+    // Once per reply would be 20 s.
+    assert!(elapsed >= ms(100) && elapsed < ms(5000), "{elapsed:?}");
 }
 
 #[test]

@@ -190,10 +190,11 @@ fn panicking_release_does_not_strand_the_key() {
     assert!(r.is_err(), "the injected fault fired");
     let started = Instant::now();
     let guard = c
-        .try_lock_for("k", Duration::from_secs(5))
+        .try_lock_for("k", Duration::from_secs(20))
         .expect("usable again");
     eprintln!("key usable again after {:?}", started.elapsed());
-    assert!(started.elapsed() < Duration::from_secs(2));
+    // A stranded key would wait out the 30 s lease.
+    assert!(started.elapsed() < Duration::from_secs(10));
     guard.unlock().unwrap();
 }
 
