@@ -155,7 +155,7 @@ impl ClusterBuilder {
         cluster.wait_ok();
         wait_for(SETTLE, "replicas in sync", || {
             cluster.servers.iter().all(|s| {
-                let repl = info(s, "replication");
+                let repl = s.info("replication");
                 repl.contains("role:master") || repl.contains("master_link_status:up")
             }) && cluster.masters().len() == 3
         });
@@ -284,7 +284,7 @@ impl Cluster {
     /// The running masters that serve slots, as their servers.
     pub fn masters(&self) -> Vec<&RedisServer> {
         self.running()
-            .filter(|s| info(s, "replication").contains("role:master") && owns_slots(s))
+            .filter(|s| s.info("replication").contains("role:master") && owns_slots(s))
             .collect()
     }
 
@@ -403,7 +403,7 @@ impl Cluster {
             .expect("CLUSTER FAILOVER");
         let port = replica.port();
         wait_for(SETTLE, "the replica promoted", || {
-            info(replica, "replication").contains("role:master")
+            replica.info("replication").contains("role:master")
         });
         self.wait_ok();
         port
@@ -415,7 +415,7 @@ impl Cluster {
         let replica = self.replica_of(master);
         self.server(master).kill();
         wait_for(SETTLE, "the replica promoted", || {
-            info(replica, "replication").contains("role:master")
+            replica.info("replication").contains("role:master")
         });
         self.wait_ok();
         replica.port()
@@ -427,7 +427,7 @@ impl Cluster {
         let port = self.client_port(master);
         self.running()
             .find(|s| {
-                let repl = info(s, "replication");
+                let repl = s.info("replication");
                 repl.contains("role:slave") && repl.contains(&format!("master_port:{port}\r"))
             })
             .unwrap_or_else(|| panic!("no replica of {master}"))
@@ -518,13 +518,6 @@ pub fn node_id(s: &RedisServer) -> String {
         .arg("MYID")
         .query(&mut s.conn())
         .expect("CLUSTER MYID")
-}
-
-fn info(s: &RedisServer, section: &str) -> String {
-    redis::cmd("INFO")
-        .arg(section)
-        .query(&mut s.conn())
-        .unwrap_or_default()
 }
 
 fn info_cluster(s: &RedisServer) -> String {

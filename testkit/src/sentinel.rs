@@ -32,10 +32,12 @@ impl SentinelGroup {
             );
         }
         wait_for(Duration::from_secs(20), "replicas in sync", || {
-            info(&servers[0], "replication").contains(&format!("connected_slaves:{replicas}"))
+            servers[0]
+                .info("replication")
+                .contains(&format!("connected_slaves:{replicas}"))
                 && servers[1..]
                     .iter()
-                    .all(|r| info(r, "replication").contains("master_link_status:up"))
+                    .all(|r| r.info("replication").contains("master_link_status:up"))
         });
         let quorum = sentinels / 2 + 1;
         let sentinels: Vec<RedisServer> = (0..sentinels)
@@ -150,17 +152,10 @@ impl SentinelGroup {
         let mut new = old;
         wait_for(Duration::from_secs(40), "a new master", || {
             new = self.master_port();
-            new != old && info(self.server(new), "replication").contains("role:master")
+            new != old && self.server(new).info("replication").contains("role:master")
         });
         new
     }
-}
-
-fn info(server: &RedisServer, section: &str) -> String {
-    redis::cmd("INFO")
-        .arg(section)
-        .query(&mut server.conn())
-        .unwrap_or_default()
 }
 
 fn wait_for(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) {

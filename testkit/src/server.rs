@@ -400,6 +400,15 @@ impl RedisServer {
         self.commandstats().values().sum()
     }
 
+    /// The server's `INFO` section `section` (e.g. `replication`) as text; empty when the
+    /// server cannot be reached (one that was killed, or is being restarted), so that a
+    /// poll for a role or a link state simply goes on.
+    pub fn info(&self, section: &str) -> String {
+        connect(&self.connection_info(), None)
+            .and_then(|mut conn| redis::cmd("INFO").arg(section).query(&mut conn))
+            .unwrap_or_default()
+    }
+
     /// The value of the server's configuration parameter `name` (`CONFIG GET`), e.g.
     /// `notify-keyspace-events`: what a client changed, or did not, on the server.
     pub fn config_get(&self, name: &str) -> String {
