@@ -12,6 +12,10 @@
 //! server ran, including those inside scripts; `sent` only what clients sent (round trips).
 //! `failed` and `woken` are the workers' own counts per section: attempts that found the
 //! name held, and waits ended by a message.
+//! Then the same workload's floor: P × T threads in this one process, under
+//! `parking_lot::RwLock` and under `parking_lot::Mutex` (no Redis, no other process), and
+//! both ratios, read-write ÷ exclusive: what a read-write lock can gain on this workload
+//! and machine at best, beside what the distributed one gains.
 //! Last, the mean latency of an uncontended upgrade (an upgradable read turned into the
 //! write hold).
 //!
@@ -37,6 +41,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const NAME: &str = "bench";
@@ -55,6 +60,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (num(1, 4), num(2, 4), num(3, 500), num(4, 100), num(5, 90));
     let (url, _server) = redbaton_testkit::example_redis(false);
     let mut admin = redis::Client::open(url.as_str())?.get_connection()?;
+    let workload = Workload {
+        sections,
+        hold: Duration::from_micros(hold_us),
+        read_pct,
+        sleep,
+    };
     let kind = if sleep { "sleeping" } else { "busy" };
     println!(
         "{procs} processes x {threads} threads x {sections} {kind} sections of {hold_us} us, {read_pct}% reads"
@@ -66,6 +77,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "{:<9} {:>12} {:>10} {:>11} {:>11} {:>11} {:>11}",
         "mode", "sections/s", "seconds", "cmds/sect", "sent/sect", "failed/sect", "woken/sect"
     );
+    let mut rates = HashMap::new();
     for mode in ["rwlock", "lock", "semaphore"] {
         // The semaphore only when asked for: the default run compares the two locks.
         let chosen = match only.as_deref() {
@@ -134,15 +146,37 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|k| delta(k))
         .sum();
         let total = (procs * threads * sections) as f64;
+        rates.insert(mode, total / elapsed.as_secs_f64());
         println!(
             "{:<9} {:>12.0} {:>10.2} {:>11.2} {:>11.2} {:>11.2} {:>11.2}",
             mode,
-            total / elapsed.as_secs_f64(),
+            rates[mode],
             elapsed.as_secs_f64(),
             all as f64 / total,
             sent as f64 / total,
             failed as f64 / total,
             woken as f64 / total,
+        );
+    }
+    if let (Some(rw), Some(lock)) = (rates.get("rwlock"), rates.get("lock")) {
+        // The floor: the same threads in one process, under in-process locks.
+        let local_rw = workload.in_process(procs * threads, true);
+        let local_mutex = workload.in_process(procs * threads, false);
+        println!(
+            "{:<9} {local_rw:>12.0} {:>10.2}   (floor: {} threads of one process, parking_lot::RwLock)",
+            "local-rw",
+            (procs * threads * sections) as f64 / local_rw,
+            procs * threads
+        );
+        println!(
+            "{:<9} {local_mutex:>12.0} {:>10.2}   (floor: the same, parking_lot::Mutex)",
+            "local-mx",
+            (procs * threads * sections) as f64 / local_mutex,
+        );
+        println!(
+            "read-write / exclusive: {:.2} x across processes, {:.2} x floor (in-process)",
+            rw / lock,
+            local_rw / local_mutex
         );
     }
     // One more figure: an upgradable read turned into the write hold, nobody else there.
@@ -180,8 +214,13 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     let mode = args[0].clone();
     let url = &args[1];
     let n: Vec<u64> = args[2..7].iter().map(|a| a.parse().unwrap()).collect();
-    let (threads, sections, hold, read_pct) = (n[0], n[1], Duration::from_micros(n[2]), n[3]);
-    let sleep = args.get(7).map(String::as_str) == Some("sleep");
+    let threads = n[0];
+    let work = Workload {
+        sections: n[1],
+        hold: Duration::from_micros(n[2]),
+        read_pct: n[3],
+        sleep: args.get(7).map(String::as_str) == Some("sleep"),
+    };
     let permits: u32 = args[8].parse()?;
     let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
     // Warm the connection pool and scripts outside the measured run.
@@ -197,27 +236,26 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
             std::thread::spawn(move || -> redbaton::Result<()> {
                 let rw = client.rwlock(NAME);
                 let sem = client.semaphore(NAME, permits);
-                for _ in 0..sections {
-                    let read = rand::random_range(0..100) < read_pct;
-                    match (mode.as_str(), read) {
+                for _ in 0..work.sections {
+                    match (mode.as_str(), work.read()) {
                         ("rwlock", true) => {
                             let g = rw.read()?;
-                            section(hold, sleep);
+                            work.section();
                             drop(g);
                         }
                         ("rwlock", false) => {
                             let g = rw.write()?;
-                            section(hold, sleep);
+                            work.section();
                             drop(g);
                         }
                         ("semaphore", _) => {
                             let p = sem.acquire()?;
-                            section(hold, sleep);
+                            work.section();
                             drop(p);
                         }
                         _ => {
                             let g = client.lock(NAME)?;
-                            section(hold, sleep);
+                            work.section();
                             drop(g);
                         }
                     }
@@ -252,14 +290,67 @@ fn take_option(args: &mut Vec<String>, option: &str) -> Option<String> {
     value
 }
 
-/// One critical section: `d` of busy work, or of sleep.
-fn section(d: Duration, sleep: bool) {
-    if sleep {
-        std::thread::sleep(d);
-        return;
+/// What each thread does: `sections` critical sections of `hold`, `read_pct` % of them
+/// reads, each busy or asleep.
+#[derive(Clone, Copy)]
+struct Workload {
+    sections: u64,
+    hold: Duration,
+    read_pct: u64,
+    sleep: bool,
+}
+
+impl Workload {
+    /// Whether the next section reads.
+    fn read(&self) -> bool {
+        rand::random_range(0..100) < self.read_pct
     }
-    let t = Instant::now();
-    while t.elapsed() < d {
-        std::hint::spin_loop();
+
+    /// One critical section: `hold` of busy work, or of sleep.
+    fn section(&self) {
+        if self.sleep {
+            std::thread::sleep(self.hold);
+            return;
+        }
+        let t = Instant::now();
+        while t.elapsed() < self.hold {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Sections per second of `threads` threads of this process running the workload
+    /// under an in-process `parking_lot` lock: the `RwLock` (reads share it) with `rw`,
+    /// else the `Mutex`.
+    fn in_process(self, threads: u64, rw: bool) -> f64 {
+        let rwlock = Arc::new(parking_lot::RwLock::new(()));
+        let mutex = Arc::new(parking_lot::Mutex::new(()));
+        let start = Instant::now();
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let (rwlock, mutex) = (rwlock.clone(), mutex.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..self.sections {
+                        match (rw, self.read()) {
+                            (true, true) => {
+                                let _g = rwlock.read();
+                                self.section();
+                            }
+                            (true, false) => {
+                                let _g = rwlock.write();
+                                self.section();
+                            }
+                            (false, _) => {
+                                let _g = mutex.lock();
+                                self.section();
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("floor thread");
+        }
+        (threads * self.sections) as f64 / start.elapsed().as_secs_f64()
     }
 }
