@@ -158,10 +158,8 @@ impl SentinelGroup {
     }
 }
 
-fn wait_for(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) {
-    let until = Instant::now() + limit;
-    while !ok() {
-        assert!(Instant::now() < until, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// Polls `ok` every 50 ms: each check here asks the sentinels or the servers on new
+/// connections.
+fn wait_for(limit: Duration, what: &str, ok: impl FnMut() -> bool) {
+    crate::wait::wait_for_every(Duration::from_millis(50), limit, what, ok);
 }

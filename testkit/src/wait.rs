@@ -8,7 +8,17 @@ use std::time::{Duration, Instant};
 pub const POLL: Duration = Duration::from_millis(5);
 
 /// Polls `f` until it returns `Some`, for at most `limit`; its value, or `None` on timeout.
-pub fn eventually<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+pub fn eventually<T>(limit: Duration, f: impl FnMut() -> Option<T>) -> Option<T> {
+    eventually_every(POLL, limit, f)
+}
+
+/// [`eventually`], re-checking every `interval`: for a check that costs more than a
+/// command (one that opens connections, asks several servers).
+pub fn eventually_every<T>(
+    interval: Duration,
+    limit: Duration,
+    mut f: impl FnMut() -> Option<T>,
+) -> Option<T> {
     let deadline = Instant::now() + limit;
     loop {
         if let Some(v) = f() {
@@ -17,7 +27,7 @@ pub fn eventually<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Optio
         if Instant::now() >= deadline {
             return None;
         }
-        thread::sleep(POLL);
+        thread::sleep(interval);
     }
 }
 
@@ -28,8 +38,18 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
 
 /// Polls `cond` until it holds; panics with `what` after `timeout`.
 pub fn wait_for(timeout: Duration, what: &str, cond: impl FnMut() -> bool) {
+    wait_for_every(POLL, timeout, what, cond);
+}
+
+/// [`wait_for`], re-checking every `interval` (see [`eventually_every`]).
+pub fn wait_for_every(
+    interval: Duration,
+    timeout: Duration,
+    what: &str,
+    mut cond: impl FnMut() -> bool,
+) {
     assert!(
-        wait_until(timeout, cond),
+        eventually_every(interval, timeout, || cond().then_some(())).is_some(),
         "timed out after {timeout:?} waiting for: {what}"
     );
 }
