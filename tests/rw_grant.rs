@@ -404,3 +404,90 @@ fn a_read_holding_process_gives_its_hold_back_when_a_writer_starts_to_wait() {
     join_within(readers, secs(30), "readers");
     assert_nothing_left(&srv);
 }
+
+/// What the release that grants the write hold sends to Redis, after a read hold and after
+/// the write hold: one clock read for the whole script, one write of the fence counter
+/// (the grant's fence, not the released hold's first), and no delete of the key that the
+/// grant holds again. The waiting writer is a mark with no client behind it, so that the
+/// counters see the release alone; its grant's fence follows the released hold's.
+#[test]
+fn a_write_grant_reads_the_clock_once_and_writes_the_counter_once() {
+    let (srv, holder) = test_server_and(client);
+    let rw = holder.rwlock("k");
+    for write in [false, true] {
+        let held = Held::take(&rw, write, secs(5));
+        // The counter's part of the token (the low 12 bits number local handoffs).
+        let fence_before = held.token() >> 12;
+        let member = format!("wmarked-{write}");
+        let mut conn = srv.conn();
+        // Marked until far in the future, with the nonce of its latest attempt.
+        let () = redis::pipe()
+            .cmd("ZADD")
+            .arg(WRITERS)
+            .arg(i64::MAX / 2)
+            .arg(&member)
+            .ignore()
+            .cmd("ZADD")
+            .arg("redbaton:{k}:qn")
+            .arg(7)
+            .arg(&member)
+            .ignore()
+            .query(&mut conn)
+            .expect("mark a waiting writer");
+        srv.reset_stats();
+        held.release();
+        let counts =
+            [("time", 1), ("set", 1), ("del", 0)].map(|(c, n)| (c, srv.command_count(c), n));
+        for (command, sent, expected) in counts {
+            assert_eq!(
+                sent, expected,
+                "{command}, the write hold released: {write}: {counts:?}"
+            );
+        }
+        let granted: Option<f64> = redis::cmd("ZSCORE")
+            .arg("redbaton:{k}")
+            .arg(&member)
+            .query(&mut conn)
+            .expect("ZSCORE");
+        assert!(granted.is_some(), "the marked writer holds the write hold");
+        let counter: String = redis::cmd("GET")
+            .arg("redbaton:{k}:fence")
+            .query(&mut conn)
+            .expect("the fence counter");
+        let fence: u64 = counter
+            .strip_prefix('-')
+            .and_then(|f| f.parse().ok())
+            .unwrap_or_else(|| panic!("held by the grant: {counter}"));
+        assert!(
+            fence > fence_before,
+            "the grant's fence {fence} <= {fence_before}"
+        );
+        // The grant's holder never comes: take its hold out for the next round.
+        let () = redis::cmd("DEL")
+            .arg("redbaton:{k}")
+            .query(&mut conn)
+            .expect("DEL");
+    }
+}
+
+/// A writer granted the write hold on a clean release of the write hold is told nothing
+/// was lost, and holds a fence above the released one.
+#[test]
+fn a_write_grant_after_a_released_write_hold_tells_of_no_loss() {
+    let (srv, holder) = test_server_and(client);
+    let g = holder.rwlock("k").write().expect("write");
+    let token = g.fencing_token();
+    let c = client(&srv.url());
+    let rw = c.rwlock("k");
+    let writer = thread::spawn(move || {
+        let w = rw.try_write_for(secs(30)).expect("granted");
+        (w.fencing_token(), w.previous_lost())
+    });
+    asleep(&srv, WRITERS, 1, &c);
+    g.unlock().expect("unlock");
+    let (fence, lost) = join_within(vec![writer], secs(30), "the writer").remove(0);
+    assert!(fence > token, "{fence} <= {token}");
+    assert!(!lost, "the write hold before was released");
+    let s = c.stats();
+    assert_eq!(s.grants_trusted, 1, "taken from the grant: {s:?}");
+}

@@ -39,7 +39,7 @@ use redis::Cmd;
 
 use super::keys::Keys;
 use super::scripts::{
-    END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, OWNER_FN, Site, fence_arg,
+    CLOCK_FN, END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, OWNER_FN, Site, fence_arg,
 };
 use super::sharded::PUBLISH_FN;
 
@@ -146,7 +146,7 @@ end
 /// or from a non-empty queue.
 pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{}{HOLD_FENCE_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{}{HOLD_FENCE_FN}{COMMON}{}",
         r"
 -- The common case first: nobody queued and the lock free (three calls, as without the
 -- queue but for the EXISTS), before the functions of the other cases are defined.
@@ -208,7 +208,7 @@ return {0, redis.call('PTTL', KEYS[1]), 0}
 /// (or another kind) holds it.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}{FENCE_FN}{COMMON}{PASS_ON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}{CLOCK_FN}{FENCE_FN}{COMMON}{PASS_ON}{}",
         r"
 local status = ownership(KEYS[1], ARGV[1])
 if status ~= 1 then return status end
@@ -239,7 +239,7 @@ return pass_on(KEYS[3], KEYS[4], KEYS[6], ARGV[2], ARGV[3], math.floor(clock_us(
 /// ours.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{END_FENCE_FN}{OWNER_FN}{COMMON}{PASS_ON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{END_FENCE_FN}{OWNER_FN}{COMMON}{PASS_ON}{}",
         r"
 dequeue(KEYS[3], KEYS[4], KEYS[6], ARGV[1])
 if ownership(KEYS[1], ARGV[1]) == 1 then

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, Retry};
 use crate::proto::scripts::{
-    END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, OWNER_FN, Site,
+    CLOCK_FN, END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, OWNER_FN, Site,
 };
 use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
@@ -55,7 +55,7 @@ use crate::stats::Counters;
 ///   lock is not joined: a multi-lock takes a name when its key is free.
 pub(crate) static MULTI_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{OWNER_FN}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{OWNER_FN}{}",
         r"
 local n = #KEYS / 3
 local token, lease = ARGV[1], ARGV[2]

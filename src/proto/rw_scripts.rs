@@ -82,7 +82,9 @@ use crate::error::{Error, LostReason, Result};
 use crate::proto::attempt::Attempt;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, ReleaseReply, Retry, millis};
-use crate::proto::scripts::{END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, fence_arg};
+use crate::proto::scripts::{
+    CLOCK_FN, END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, fence_arg,
+};
 use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
 
@@ -116,12 +118,14 @@ impl Want {
     }
 }
 
-/// Functions every shared-hold script starts with. They keep the command count low: each
-/// call below is one Redis command, and scripts run on the server's one thread.
+/// Functions every shared-hold script starts with, after `CLOCK_FN`. They keep the command
+/// count low: each call below is one Redis command, and scripts run on the server's one
+/// thread.
 const PRELUDE: &str = r"
+-- The server's clock in milliseconds: the holds' expiries are scored in it. The same
+-- reading as a fence issued by the same script (see CLOCK_FN).
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return math.floor(clock_us() / 1000)
 end
 -- Drops the expired holds of `key` and reads what is left: its kind ('none', 'rw', 'sem'
 -- or 'other'), the stored permit count, and the first live hold (member) and its expiry,
@@ -208,22 +212,28 @@ end
 /// lock, waiting permit-seekers, nonces (or the lock alone, the narrow call). ARGV: member, channel,
 /// fence, grant lease ms, fence counter TTL ms, publish mode.
 ///
-/// `pass_on(ended, now)`, after the hold `ended` was taken out of the key: a permit is
-/// granted to the permit-seeker waiting longest (`grant_permit`, or woken when it cannot
-/// be); the last hold of a read-write lock grants the write
-/// hold to the writer waiting longest (`grant_first`), or says `r`; of a read-write lock
-/// whose holds remain, an upgradable hold left alone and waiting to upgrade is woken, and
-/// the end of an upgradable hold says `r` to the readers it held back.
+/// `pass_on(ended, now, released)`, after the hold `ended` was taken out of the key: a
+/// permit is granted to the permit-seeker waiting longest (`grant_permit`, or woken when it
+/// cannot be); the last hold of a read-write lock grants the write hold to the writer
+/// waiting longest (`grant_first`), or says `r`; of a read-write lock whose holds remain,
+/// an upgradable hold left alone and waiting to upgrade is woken, and the end of an
+/// upgradable hold says `r` to the readers it held back. `released`: the fence of a write
+/// hold that ended by its release, whose counter is not marked released yet: when the write
+/// hold is granted on, issuing the grant's fence marks the counter in the same `SET`
+/// (`next_fence`, told that nothing was lost), else `end_fence` marks it released.
 ///
-/// `grant_first(now)`: the write hold of a read-write lock that has no live hold goes to
-/// the writer waiting longest, as the fair queue's grant does (see `fair_scripts`): its
-/// member is held for the grant lease, the counter issues its fence, its mark and nonce
-/// go, and `g<member>:<nonce>:<fence>:<grant ms>` tells it, with the nonce of its latest
-/// attempt (`0` when it has none, or when the write hold before ended without a release:
-/// only a wake-up, whose confirming attempt tells of the loss). An upgrade waiting (an
-/// upgradable member marked as a writer, whose hold is gone) is only woken.
+/// `grant_first(now, released)`: the write hold of a read-write lock that has no live hold
+/// goes to the writer waiting longest, as the fair queue's grant does (see
+/// `fair_scripts`): its member is held for the grant lease, the counter issues its fence,
+/// its mark and nonce go, and `g<member>:<nonce>:<fence>:<grant ms>` tells it, with the
+/// nonce of its latest attempt (`0` when it has none, or when the write hold before ended
+/// without a release: only a wake-up, whose confirming attempt tells of the loss). An
+/// upgrade waiting (an upgradable member marked as a writer, whose hold is gone) is only
+/// woken. Returns whether it wrote holds into the key: the key, left with no live hold,
+/// is deleted only when it did not (a grant would write it again at once).
 const PASS_ON: &str = r"
--- The key of a read-write lock with no live hold, recreated holding `members` for `ms`.
+-- The key of a read-write lock with no live hold (or none at all) made to hold `members`
+-- for `ms`.
 local function grant_holds(members, now, ms)
   local args = {}
   for i, m in ipairs(members) do
@@ -248,9 +258,13 @@ local function tell_grant(member, nonce, fence, ms)
   nonce = nonce and string.format('%.0f', tonumber(nonce)) or '0'
   publish(ARGV[2], 'g' .. member .. ':' .. nonce .. ':' .. string.format('%.0f', fence) .. ':' .. ms)
 end
-local function grant_first(now)
+local function grant_first(now, released)
   local grant_ms = tonumber(ARGV[4])
   local w = first_waiting(KEYS[2], now)
+  if released and not (w and string.sub(w, 1, 1) == 'w') then
+    -- No write grant to issue the next fence: the counter is marked released on its own.
+    end_fence(KEYS[4], released)
+  end
   if not w then
     -- No writer waits: the readers that marked themselves waiting get read holds, in
     -- one call each for all of them (an upgradable read, or a waiter with no mark, is
@@ -267,21 +281,27 @@ local function grant_first(now)
       for i, r in ipairs(readers) do tell_grant(r, nonces[i], fence, grant_ms) end
     end
     if others then publish(ARGV[2], 'r') end
-    return
+    return #readers > 0
   end
   if string.sub(w, 1, 1) ~= 'w' then
     wake_first(KEYS[2], ARGV[2], now, false)
-    return
+    return false
   end
-  local fence, lost = next_fence(KEYS[4], ARGV[5])
+  -- After a write hold released, the writer granted is told nothing was lost (the counter
+  -- still says held: the release left its mark to this `next_fence`).
+  local after_lost = nil
+  if released then after_lost = false end
+  local fence, lost = next_fence(KEYS[4], ARGV[5], after_lost)
   if type(fence) == 'table' then
     -- The counter cannot be written (a key of another type): a wake-up, whose attempt
     -- reports the error.
+    if released then end_fence(KEYS[4], released) end
     publish(ARGV[2], 'g' .. w .. ':0')
-    return
+    return false
   end
   grant_holds({w}, now, grant_ms)
   tell_grant(w, take_nonces(KEYS[2], KEYS[5], {w}, lost)[1], fence, grant_ms)
+  return true
 end
 -- A permit freed: granted to the permit-seeker waiting longest (KEYS[2] its mark, KEYS[3]
 -- the nonces), held for the grant lease, when the semaphore has a permit free (its count
@@ -298,7 +318,7 @@ local function grant_permit(now)
   tell_grant(w, take_nonces(KEYS[2], KEYS[3], {w}, false)[1], 0, grant_ms)
   return true
 end
-local function pass_on(ended, now)
+local function pass_on(ended, now, released)
   local permit = string.sub(ended, 1, 1) == 'p'
   -- The kind member's score is negative: a live hold is scored after now.
   local left = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 2)
@@ -308,10 +328,12 @@ local function pass_on(ended, now)
     if not grant_permit(now) and not left[1] then redis.call('DEL', KEYS[1]) end
     return
   end
-  if not left[1] then redis.call('DEL', KEYS[1]) end
   if not left[1] then
-    grant_first(now)
-  elseif not left[2] and string.sub(left[1], 1, 1) == 'u'
+    if not grant_first(now, released) then redis.call('DEL', KEYS[1]) end
+    return
+  end
+  if released then end_fence(KEYS[4], released) end
+  if not left[2] and string.sub(left[1], 1, 1) == 'u'
       and tonumber(redis.call('ZSCORE', KEYS[2], left[1]) or 0) > now then
     publish(ARGV[2], 'g' .. left[1] .. ':0')
   elseif string.sub(ended, 1, 1) == 'u' and first_waiting(KEYS[3], now) then
@@ -321,13 +343,13 @@ end
 ";
 
 fn lua(body: &str) -> Lua {
-    Lua::new(&format!("{PUBLISH_FN}{PRELUDE}{body}"))
+    Lua::new(&format!("{PUBLISH_FN}{CLOCK_FN}{PRELUDE}{body}"))
 }
 
 /// [`lua`], for a script that also issues, reads or releases the fence counter.
 fn fenced(body: &str) -> Lua {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{PRELUDE}{body}"
+        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{PRELUDE}{body}"
     ))
 }
 
@@ -558,7 +580,8 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 /// holds, or a write attempt nobody used), the grant lease ms, the fence counter's TTL
 /// ms, the publish mode. Returns 1 released, 0 the hold had expired or was gone, −1 the
 /// key is another kind of lock. A write hold released before it expired marks the counter
-/// released, before a grant (see [`PASS_ON`]) issues the next fence.
+/// released, or, when the write hold is granted on, the grant's fence is issued as after a
+/// release (one `SET` of the counter, see [`PASS_ON`]).
 ///
 /// Then [`PASS_ON`]: a permit freed is granted to the permit-seeker waiting longest, whose
 /// mark goes with it (a second release grants to the next one, not the same one twice), or
@@ -577,8 +600,10 @@ if not s then return 0 end
 local now = now_ms()
 redis.call('ZREM', KEYS[1], ARGV[1])
 local live = tonumber(s) > now
-if live and KEYS[4] and string.sub(ARGV[1], 1, 1) == 'w' then end_fence(KEYS[4], ARGV[3]) end
-pass_on(ARGV[1], now)
+-- A write hold released in time: its counter is marked released by what comes next.
+local released = nil
+if live and KEYS[4] and string.sub(ARGV[1], 1, 1) == 'w' then released = ARGV[3] end
+pass_on(ARGV[1], now, released)
 if live then return 1 end
 return 0
 ",
@@ -609,7 +634,7 @@ local now = now_ms()
 if s and tonumber(s) > now then
   redis.call('ZREM', KEYS[1], ARGV[1])
   if tag == 'w' then end_fence(KEYS[4], '0') end
-  pass_on(ARGV[1], now)
+  pass_on(ARGV[1], now, nil)
   return 2
 end
 if permit then

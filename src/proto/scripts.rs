@@ -96,8 +96,28 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
     e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
+/// The server's clock, `clock_us()`: microseconds since the epoch, by `TIME`, read once per
+/// script run (the first call reads it, the later ones give the same value): a script that
+/// dates holds in milliseconds and issues a fence reads the clock once, and every step of
+/// it sees the same now. Every script that issues or reads a fencing counter starts with
+/// it, before [`FENCE_FN`] and [`HOLD_FENCE_FN`]; so do the scripts of shared holds.
+///
+/// One reading serves: a fence is `max(last + 1, now)` whatever `now` was read within the
+/// script (see [`FENCE_FN`]); it is still not ahead of the clock, and the next script on the
+/// same key reads the clock after this one ended.
+pub(crate) const CLOCK_FN: &str = r"
+local clock
+local function clock_us()
+  if not clock then
+    local t = redis.call('TIME')
+    clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+  return clock
+end
+";
+
 /// The Lua helpers every script that issues or reads a fencing counter has, after
-/// [`FENCE_FORM_FN`].
+/// [`FENCE_FORM_FN`] and [`CLOCK_FN`].
 ///
 /// # The counter's forms
 ///
@@ -173,10 +193,6 @@ pub(crate) fn is_noscript(e: &RedisError) -> bool {
 /// `won(fence, after_lost)`: an acquire script's reply when the hold is ours, `{1, fence,
 /// 0 or 1}`.
 pub(crate) const FENCE_FN: &str = r"
-local function clock_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
 local function next_fence(key, ttl, after_lost)
   local now = clock_us()
   local lost = after_lost == true
@@ -351,7 +367,7 @@ end
 /// with `pcall`: an ACL user without channel permissions still locks.
 pub(crate) static ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{FENCE_FN}{OWNER_FN}{}{HOLD_FENCE_FN}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{OWNER_FN}{}{HOLD_FENCE_FN}{}",
         r"
 local fence, after_lost = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[7])
 if type(fence) == 'table' then return fence end
