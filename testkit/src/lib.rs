@@ -129,9 +129,16 @@ pub fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }
 
-/// Placeholder for logger setup (env_logger may be wired in later); tests
-/// call it first so that change will not touch every test.
-pub fn init_log() {}
+/// The library's `log` output in tests, as `RUST_LOG` says (see [`logs`]): shown with a
+/// failing test's output. Every test may call it: the first call in a process installs
+/// the logger.
+///
+/// ```text
+/// RUST_LOG=redbaton=debug cargo test --test core -- --nocapture smoke
+/// ```
+pub fn init_log() {
+    logs::echo();
+}
 
 /// What most tests start with: logging set up ([`init_log`]) and a throwaway
 /// `redis-server` of their own ([`RedisServer::start`]).
