@@ -229,8 +229,9 @@ end
 /// nonce of its latest attempt (`0` when it has none, or when the write hold before ended
 /// without a release: only a wake-up, whose confirming attempt tells of the loss). An
 /// upgrade waiting (an upgradable member marked as a writer, whose hold is gone) is only
-/// woken. Returns whether it wrote holds into the key: the key, left with no live hold,
-/// is deleted only when it did not (a grant would write it again at once).
+/// woken. Returns whether it wrote holds into the key (the key, left with no live hold,
+/// is deleted only when it did not: a grant would write it again at once), and whether it
+/// issued a write grant's fence (which marked `released`'s counter).
 const PASS_ON: &str = r"
 -- The key of a read-write lock with no live hold (or none at all) made to hold `members`
 -- for `ms`.
@@ -261,10 +262,6 @@ end
 local function grant_first(now, released)
   local grant_ms = tonumber(ARGV[4])
   local w = first_waiting(KEYS[2], now)
-  if released and not (w and string.sub(w, 1, 1) == 'w') then
-    -- No write grant to issue the next fence: the counter is marked released on its own.
-    end_fence(KEYS[4], released)
-  end
   if not w then
     -- No writer waits: the readers that marked themselves waiting get read holds, in
     -- one call each for all of them (an upgradable read, or a waiter with no mark, is
@@ -281,11 +278,11 @@ local function grant_first(now, released)
       for i, r in ipairs(readers) do tell_grant(r, nonces[i], fence, grant_ms) end
     end
     if others then publish(ARGV[2], 'r') end
-    return #readers > 0
+    return #readers > 0, false
   end
   if string.sub(w, 1, 1) ~= 'w' then
     wake_first(KEYS[2], ARGV[2], now, false)
-    return false
+    return false, false
   end
   -- After a write hold released, the writer granted is told nothing was lost (the counter
   -- still says held: the release left its mark to this `next_fence`).
@@ -295,13 +292,12 @@ local function grant_first(now, released)
   if type(fence) == 'table' then
     -- The counter cannot be written (a key of another type): a wake-up, whose attempt
     -- reports the error.
-    if released then end_fence(KEYS[4], released) end
     publish(ARGV[2], 'g' .. w .. ':0')
-    return false
+    return false, false
   end
   grant_holds({w}, now, grant_ms)
   tell_grant(w, take_nonces(KEYS[2], KEYS[5], {w}, lost)[1], fence, grant_ms)
-  return true
+  return true, true
 end
 -- A permit freed: granted to the permit-seeker waiting longest (KEYS[2] its mark, KEYS[3]
 -- the nonces), held for the grant lease, when the semaphore has a permit free (its count
@@ -328,17 +324,19 @@ local function pass_on(ended, now, released)
     if not grant_permit(now) and not left[1] then redis.call('DEL', KEYS[1]) end
     return
   end
+  -- Whether a write grant's fence marked the released write hold's counter.
+  local marked = false
   if not left[1] then
-    if not grant_first(now, released) then redis.call('DEL', KEYS[1]) end
-    return
-  end
-  if released then end_fence(KEYS[4], released) end
-  if not left[2] and string.sub(left[1], 1, 1) == 'u'
+    local wrote
+    wrote, marked = grant_first(now, released)
+    if not wrote then redis.call('DEL', KEYS[1]) end
+  elseif not left[2] and string.sub(left[1], 1, 1) == 'u'
       and tonumber(redis.call('ZSCORE', KEYS[2], left[1]) or 0) > now then
     publish(ARGV[2], 'g' .. left[1] .. ':0')
   elseif string.sub(ended, 1, 1) == 'u' and first_waiting(KEYS[3], now) then
     publish(ARGV[2], 'r')
   end
+  if released and not marked then end_fence(KEYS[4], released) end
 end
 ";
 
