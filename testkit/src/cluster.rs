@@ -27,7 +27,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use crate::server::{RedisServer, RedisServerBuilder, free_port};
+use crate::server::{RedisServer, RedisServerBuilder};
 use crate::tls::Certs;
 use crate::wait::wait_for;
 
@@ -92,26 +92,27 @@ impl ClusterBuilder {
     /// Starts six servers, joins them (`--cluster-replicas 1`) and waits until every node
     /// reports `cluster_state:ok` and every replica is in sync. Panics on failure.
     pub fn start(self) -> Cluster {
-        let tls_ports: Vec<u16> = match self.tls {
-            Some(_) => (0..6).map(|_| free_port()).collect(),
-            None => Vec::new(),
-        };
         let servers: Vec<RedisServer> = (0..6)
-            .map(|i| {
-                let mut b = RedisServer::builder()
+            .map(|_| {
+                let b = match &self.tls {
+                    Some(certs) => tls_node(certs),
+                    None => RedisServer::builder(),
+                };
+                let mut b = b
                     .config("cluster-enabled", "yes")
                     .config("cluster-config-file", "nodes.conf")
                     .config("cluster-node-timeout", &NODE_TIMEOUT_MS.to_string())
                     // A replica whose master is gone may be promoted however stale.
                     .config("cluster-replica-validity-factor", "0");
-                if let Some(certs) = &self.tls {
-                    b = tls_config(b, certs, tls_ports[i]);
-                }
                 if let Some((user, password)) = &self.app_user {
                     b = acl_config(b, user, password);
                 }
                 b.start()
             })
+            .collect();
+        let tls_ports: Vec<u16> = servers
+            .iter()
+            .filter_map(|s| s.port_of("tls-port"))
             .collect();
         let cli = match &self.tls {
             Some(_) => crate::binaries::tls_bins().1,
@@ -166,14 +167,11 @@ impl ClusterBuilder {
     }
 }
 
-/// A node that speaks TLS on `tls_port`, to clients, to the other nodes and to its
+/// A node that speaks TLS on a port of its own, to clients, to the other nodes and to its
 /// replicas, and wants a certificate of the CA from each of them.
-fn tls_config(b: RedisServerBuilder, certs: &Certs, tls_port: u16) -> RedisServerBuilder {
-    b.tls_capable()
-        .config("tls-port", &tls_port.to_string())
-        .config("tls-cert-file", &certs.file("server.pem"))
-        .config("tls-key-file", &certs.file("server.key"))
-        .config("tls-ca-cert-file", &certs.file("ca.pem"))
+fn tls_node(certs: &Certs) -> RedisServerBuilder {
+    certs
+        .server()
         .config("tls-client-cert-file", &certs.file("client.pem"))
         .config("tls-client-key-file", &certs.file("client.key"))
         .config("tls-auth-clients", "yes")

@@ -18,6 +18,8 @@
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
+#[cfg(test)]
+use std::net::TcpStream;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -59,6 +61,7 @@ pub struct RedisServerBuilder {
     port: Option<u16>,
     password: Option<String>,
     admin_auth: Option<(String, String)>,
+    port_directives: Vec<String>,
 }
 
 impl RedisServerBuilder {
@@ -100,6 +103,15 @@ impl RedisServerBuilder {
         self
     }
 
+    /// Adds the directive `name <port>` (e.g. `tls-port`) with a free port chosen afresh on
+    /// every attempt to start, like the plain port: a port chosen once, before the start,
+    /// may be taken by another test's server meanwhile. Read it back with
+    /// [`RedisServer::port_of`]; `restart` keeps it.
+    pub fn free_port_for(mut self, name: &str) -> Self {
+        self.port_directives.push(name.to_string());
+        self
+    }
+
     /// Sets `requirepass` and makes the harness authenticate with it.
     pub fn password(mut self, password: &str) -> Self {
         self.password = Some(password.to_string());
@@ -122,6 +134,11 @@ impl RedisServerBuilder {
     /// Starts the server and waits until it answers PING; `Err` says why it could not
     /// (no binary, with an install hint; a bad directive, with the log's tail).
     pub fn try_start(self) -> Result<RedisServer, String> {
+        self.try_start_choosing(&mut free_port)
+    }
+
+    /// `try_start` with the ports of each attempt taken from `choose`.
+    fn try_start_choosing(self, choose: &mut dyn FnMut() -> u16) -> Result<RedisServer, String> {
         let binary = self
             .binary
             .clone()
@@ -136,18 +153,26 @@ impl RedisServerBuilder {
             .prefix("redbaton-redis-")
             .tempdir()
             .map_err(|e| format!("create temp dir for redis-server: {e}"))?;
-        let spec = Spec {
+        let mut spec = Spec {
             binary,
             version,
             sentinel: self.sentinel,
             conf_path: dir.path().join("redis.conf"),
             dir: dir.path().to_path_buf(),
             config,
+            port_directives: self
+                .port_directives
+                .iter()
+                .map(|n| (n.clone(), 0))
+                .collect(),
             auth,
         };
         let (child, port) = match self.port {
-            Some(port) => spawn_same_port(&spec, port, Duration::ZERO)?,
-            None => spawn_free_port(&spec)?,
+            Some(port) => {
+                spec.choose_directive_ports(choose);
+                spawn_same_port(&spec, port, Duration::ZERO)?
+            }
+            None => spawn_free_port(&mut spec, choose)?,
         };
         let server = RedisServer {
             spec,
@@ -192,7 +217,17 @@ struct Spec {
     dir: PathBuf,
     conf_path: PathBuf,
     config: Vec<(String, String)>,
+    /// Directives whose value is a port of their own (`free_port_for`), as last chosen.
+    port_directives: Vec<(String, u16)>,
     auth: Auth,
+}
+
+impl Spec {
+    fn choose_directive_ports(&mut self, choose: &mut dyn FnMut() -> u16) {
+        for (_, port) in &mut self.port_directives {
+            *port = choose();
+        }
+    }
 }
 
 /// The harness's private connection plus the bookkeeping that lets stats be
@@ -290,6 +325,15 @@ impl RedisServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The port given to the directive `name` of [`RedisServerBuilder::free_port_for`].
+    pub fn port_of(&self, name: &str) -> Option<u16> {
+        self.spec
+            .port_directives
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, port)| *port)
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -804,10 +848,16 @@ enum StartError {
     Fatal(String),
 }
 
-fn spawn_free_port(spec: &Spec) -> Result<(Child, u16), String> {
+/// Starts on a port from `choose`, with fresh ports for the port directives too, and tries
+/// again with new ones when any of them was taken.
+fn spawn_free_port(
+    spec: &mut Spec,
+    choose: &mut dyn FnMut() -> u16,
+) -> Result<(Child, u16), String> {
     let mut failures = Vec::new();
     for _ in 0..PORT_ATTEMPTS {
-        let port = free_port();
+        let port = choose();
+        spec.choose_directive_ports(choose);
         match spawn_once(spec, port) {
             Ok(child) => return Ok((child, port)),
             Err(StartError::PortInUse(msg)) => failures.push(format!("port {port}: {msg}")),
@@ -975,6 +1025,9 @@ fn write_config(spec: &Spec, port: u16) -> io::Result<()> {
         let value = if value.is_empty() { "\"\"" } else { value };
         text.push_str(&format!("{name} {value}\n"));
     }
+    for (name, port) in &spec.port_directives {
+        text.push_str(&format!("{name} {port}\n"));
+    }
     let mut file = File::create(&spec.conf_path)?;
     file.write_all(text.as_bytes())
 }
@@ -1006,4 +1059,34 @@ fn log_tail(dir: &Path) -> String {
         out.push_str(&format!("[{name}]\n{}\n", lines[start..].join("\n")));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tls::Certs;
+
+    /// Another process took the TLS port between our choice and Redis's bind: the start
+    /// tries again with new ports instead of failing on the same taken one five times.
+    #[test]
+    fn a_taken_tls_port_is_chosen_again() {
+        let certs = Certs::generate();
+        let taken = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind 127.0.0.1:0");
+        let taken_port = taken.local_addr().expect("local addr").port();
+        // The first two ports handed out are the taken one: whichever of the plain and the
+        // TLS port is chosen first, some attempt must choose the TLS port anew.
+        let mut calls = 0;
+        let mut choose = || {
+            calls += 1;
+            if calls <= 2 { taken_port } else { free_port() }
+        };
+        let server = certs
+            .server()
+            .try_start_choosing(&mut choose)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let tls_port = server.port_of("tls-port").expect("a TLS port");
+        assert_ne!(tls_port, taken_port);
+        assert!(TcpStream::connect((Ipv4Addr::LOCALHOST, tls_port)).is_ok());
+        drop(taken);
+    }
 }

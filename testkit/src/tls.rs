@@ -1,14 +1,14 @@
 //! TLS for test servers: a throwaway CA with a server and a client certificate, made
 //! fresh for each test, and a `redis-server` that listens on a TLS port with them.
 
-use std::net::{IpAddr, Ipv4Addr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, SanType,
 };
 
-use crate::server::RedisServer;
+use crate::server::{RedisServer, RedisServerBuilder};
 
 /// PEM material and the files the server reads it from.
 pub struct Certs {
@@ -81,6 +81,17 @@ impl Certs {
     pub fn file(&self, name: &str) -> String {
         self.dir.path().join(name).to_string_lossy().into_owned()
     }
+
+    /// A builder for a server that listens for TLS on a port of its own (read it with
+    /// `port_of("tls-port")`) and presents these certificates.
+    pub fn server(&self) -> RedisServerBuilder {
+        RedisServer::builder()
+            .tls_capable()
+            .free_port_for("tls-port")
+            .config("tls-cert-file", &self.file("server.pem"))
+            .config("tls-key-file", &self.file("server.key"))
+            .config("tls-ca-cert-file", &self.file("ca.pem"))
+    }
 }
 
 /// A `redis-server` with a TLS port (its plain port serves only the harness).
@@ -92,21 +103,14 @@ pub struct TlsServer {
 impl TlsServer {
     /// Starts a server with `certs`; `verify_clients`: `tls-auth-clients yes`.
     pub fn start(certs: &Certs, verify_clients: bool) -> TlsServer {
-        let tls_port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .and_then(|l| l.local_addr())
-            .expect("bind 127.0.0.1:0")
-            .port();
-        let server = RedisServer::builder()
-            .tls_capable()
-            .config("tls-port", &tls_port.to_string())
-            .config("tls-cert-file", &certs.file("server.pem"))
-            .config("tls-key-file", &certs.file("server.key"))
-            .config("tls-ca-cert-file", &certs.file("ca.pem"))
+        let server = certs
+            .server()
             .config(
                 "tls-auth-clients",
                 if verify_clients { "yes" } else { "no" },
             )
             .start();
+        let tls_port = server.port_of("tls-port").expect("a TLS port");
         TlsServer { server, tls_port }
     }
 
