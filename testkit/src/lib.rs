@@ -155,11 +155,27 @@ pub fn test_server_and<C>(make: impl FnOnce(&str) -> C) -> (RedisServer, C) {
     (srv, made)
 }
 
-/// A Redis URL on a loopback port that nothing listens on (bound, then released): for
-/// tests of a server that is not there, whose connections are refused at once.
+/// The sockets that keep the ports of [`dead_url`] bound, and not listening, until the
+/// test process ends.
+static DEAD_PORTS: parking_lot::Mutex<Vec<socket2::Socket>> = parking_lot::Mutex::new(Vec::new());
+
+/// A Redis URL on a loopback port that nothing listens on: for tests of a server that is
+/// not there, whose connections are refused at once. The port stays bound (by a socket
+/// that never listens) for the rest of the test process, so that no server another test
+/// starts meanwhile can take it and answer in the dead server's place.
 pub fn dead_url() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    let port = listener.local_addr().expect("local_addr").port();
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).expect("socket");
+    socket
+        .bind(&std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 0)).into())
+        .expect("bind 127.0.0.1:0");
+    let port = socket
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+        .expect("local_addr")
+        .port();
+    DEAD_PORTS.lock().push(socket);
     format!("redis://127.0.0.1:{port}/")
 }
 
@@ -188,4 +204,23 @@ pub fn exists(conn: &mut redis::Connection, key: impl redis::ToRedisArgs) -> boo
 /// `PTTL key`: milliseconds left, -1 without expiry, -2 when the key does not exist.
 pub fn pttl(conn: &mut redis::Connection, key: impl redis::ToRedisArgs) -> i64 {
     redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, TcpListener, TcpStream};
+
+    /// The dead server's port refuses connections, and nobody else can take it meanwhile.
+    #[test]
+    fn a_dead_url_refuses_and_keeps_its_port() {
+        let url = super::dead_url();
+        let port: u16 = url
+            .trim_start_matches("redis://127.0.0.1:")
+            .trim_end_matches('/')
+            .parse()
+            .expect("a port");
+        let refused = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).expect_err("refused");
+        assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert!(TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_err());
+    }
 }
