@@ -18,8 +18,6 @@
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
-#[cfg(test)]
-use std::net::TcpStream;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -160,11 +158,7 @@ impl RedisServerBuilder {
             conf_path: dir.path().join("redis.conf"),
             dir: dir.path().to_path_buf(),
             config,
-            port_directives: self
-                .port_directives
-                .iter()
-                .map(|n| (n.clone(), 0))
-                .collect(),
+            port_directives: self.port_directives.into_iter().map(|n| (n, 0)).collect(),
             auth,
         };
         let (child, port) = match self.port {
@@ -1063,6 +1057,8 @@ fn log_tail(dir: &Path) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::net::TcpStream;
+
     use super::*;
     use crate::tls::Certs;
 
