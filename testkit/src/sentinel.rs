@@ -124,8 +124,11 @@ impl SentinelGroup {
         self.server(self.master_port())
     }
 
-    /// `SENTINEL FAILOVER`, then waits until the sentinels name another master and it
-    /// says it is one. Returns the new master's port.
+    /// `SENTINEL FAILOVER`, then waits until the sentinels name another master, it says it
+    /// is one, and the old master no longer says so (the sentinels turn it into a replica
+    /// only after the promotion: until then a client that has not heard of the switch may
+    /// still lock on the old master, beside one that asks the sentinels anew). Returns the
+    /// new master's port.
     pub fn failover(&self) -> u16 {
         let old = self.master_port();
         let asked = Instant::now();
@@ -144,7 +147,11 @@ impl SentinelGroup {
             );
             std::thread::sleep(Duration::from_millis(200));
         }
-        self.wait_new_master(old)
+        let new = self.wait_new_master(old);
+        wait_for(Duration::from_secs(40), "the old master demoted", || {
+            !self.server(old).info("replication").contains("role:master")
+        });
+        new
     }
 
     /// Waits until the sentinels name a master other than `old` and it is one.
