@@ -13,9 +13,11 @@
 //! held what when (fencing tokens in order, a flag set before a release, the clients'
 //! counters), with generous liveness bounds only.
 //!
-//! The write grants are tested as the fair lock's grants are (`grant.rs`): the bodies of
-//! those tests are written once, in `redbaton_testkit::grants`, for both; here is how the
-//! write hold is taken and waited for ([`Write`]).
+//! The write and read grants are tested as the fair lock's grants are (`grant.rs`): the
+//! bodies of those tests are written once, in `redbaton_testkit::grants`, for all; here is
+//! how the write hold and a read hold are taken and waited for ([`Write`], [`Read`]). A
+//! read grant that is not the hold must not be believed while a writer holds: the client
+//! that takes "k" from its reader takes the write hold.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
@@ -124,6 +126,42 @@ impl Kind for Write {
 
     fn asleep(self, srv: &RedisServer, c: &LockClient) {
         asleep(srv, WRITERS, 1, c);
+    }
+
+    fn client(url: &str) -> LockClient {
+        client(url)
+    }
+
+    fn counts(c: &LockClient) -> Counts {
+        grant_counts!(c)
+    }
+}
+
+/// A read hold of "k", granted on the release of the write hold to the reader marked
+/// waiting (no writer waits): the holder takes the write hold, the waiter waits for a read
+/// hold, and a client that takes "k" while the grant is not the hold takes the write hold.
+#[derive(Clone, Copy)]
+struct Read;
+
+impl Kind for Read {
+    type Client = LockClient;
+    type Held = Held;
+    const WAITERS: &str = READERS;
+
+    fn hold(self, c: &LockClient) -> Held {
+        Held::take(&c.rwlock("k"), true, secs(5))
+    }
+
+    fn wait(self, c: &LockClient, within: Duration, what: &str) -> Held {
+        Held::Read(c.rwlock("k").try_read_for(within).expect(what))
+    }
+
+    fn wait_excluding(self, c: &LockClient, within: Duration, what: &str) -> Held {
+        Held::Write(c.rwlock("k").try_write_for(within).expect(what))
+    }
+
+    fn asleep(self, srv: &RedisServer, c: &LockClient) {
+        asleep(srv, READERS, 1, c);
     }
 
     fn client(url: &str) -> LockClient {
@@ -250,6 +288,62 @@ fn a_write_grantee_stopped_across_its_grant_does_not_believe_it_holds() {
 #[test]
 fn a_lost_write_grant_message_is_recovered_by_the_next_attempt() {
     grants::lost_grant_recovered(Write::AfterRead);
+}
+
+/// A read grant heard in time is the read hold, with no attempt; the watchdog's first
+/// renewal gives it the full lease, so it stays valid past the grant lease.
+#[test]
+fn a_read_grant_heard_in_time_is_the_read_hold() {
+    let srv = test_server();
+    let url = srv.url();
+    let during = move || {
+        grants::wait_renewed(&url);
+        thread::sleep(ms(1200)); // past the grant lease
+    };
+    let (holder, r) = (client(&srv.url()), client(&srv.url()));
+    grants::granted_in_time(Read, &srv, holder, &r, during);
+}
+
+/// A read grant that reaches its reader after its bound (a proxy delays everything the
+/// server sends the reader by 1.5 s; the grant lease is 1 s) is not taken as the hold: a
+/// writer takes the write hold once the grant expired, and the reader reads only after
+/// that writer lets go.
+#[test]
+fn a_read_grant_delayed_past_its_bound_is_not_the_hold() {
+    grants::delayed_past_its_bound(Read);
+}
+
+/// A read grant with the nonce of one of the reader's earlier attempts, heard after a
+/// newer attempt, is only a wake-up: the reader's next attempt finds the write hold still
+/// there and waits on.
+#[test]
+fn a_stale_read_grant_heard_after_a_newer_attempt_is_only_a_wake_up() {
+    let srv = test_server();
+    // Attempts every 300 ms: the reader's nonce moves on.
+    let r: LockClient = lock_client!(node(srv.url()), lease(secs(30)), recheck_interval(ms(300)));
+    grants::stale_grant_only_wakes(Read, &srv, &r);
+}
+
+/// Child: waits for a read hold of "k", then reports when it got it, whether its guard's
+/// check held, and how many grants it took as the hold.
+#[test]
+fn child_read_grantee() {
+    grants::grantee(Read);
+}
+
+/// A reader stopped (SIGSTOP) across its grant: a writer gets the write hold once the
+/// grant lease ran out; resumed, the reader does not believe it holds, and reads only after
+/// that writer lets go.
+#[test]
+fn a_read_grantee_stopped_across_its_grant_does_not_believe_it_holds() {
+    grants::stopped_grantee(Read, "child_read_grantee");
+}
+
+/// A read grant's message lost entirely (the reader's connections drop it, then are
+/// reset): the reader's next attempt, after its subscriber reconnects, gets the read hold.
+#[test]
+fn a_lost_read_grant_message_is_recovered_by_the_next_attempt() {
+    grants::lost_grant_recovered(Read);
 }
 
 /// A writer that gives up (here: its wait is cancelled) after the release granted it the

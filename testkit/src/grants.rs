@@ -1,5 +1,5 @@
-//! The grant tests that the fair lock and the read-write lock's write hold share, written
-//! once. A release grants the hold to the waiter queued longest: a grant that carries the
+//! The grant tests that the fair lock, the read-write lock's write and read holds and the
+//! semaphore's permits share, written once. A release grants the hold to the waiter queued longest: a grant that carries the
 //! nonce of the waiter's latest attempt, heard before that attempt's send plus the grant
 //! lease, is the hold with no round trip; any other grant, or one heard after that bound,
 //! only wakes the waiter, whose next attempt confirms it.
@@ -63,6 +63,13 @@ pub trait Kind: Copy + Send + 'static {
     /// The waiter's hold of "k", waiting up to `within`; panics with `what` when it does
     /// not come.
     fn wait(self, c: &Self::Client, within: Duration, what: &str) -> Self::Held;
+    /// The hold of "k" that another client takes while a grant to the waiter is not the
+    /// hold (it came too late, or to a stopped grantee): one that the waiter's hold
+    /// excludes, so that both believed at once would be a broken promise. The waiter's own
+    /// kind unless its holds can be shared (a read grant: the write hold).
+    fn wait_excluding(self, c: &Self::Client, within: Duration, what: &str) -> Self::Held {
+        self.wait(c, within, what)
+    }
     /// Returns once the waiter of `c`, the only one, is marked and asleep.
     fn asleep(self, srv: &RedisServer, c: &Self::Client);
     /// A client of `url` with a 30 s lease.
@@ -238,7 +245,7 @@ pub fn delayed_past_its_bound<K: Kind>(kind: K) {
     behind.held.release(); // granted to the waiter, with a 1 s lease
     thread::sleep(ms(1200));
     let other = K::client(&srv.url());
-    let taken = kind.wait(&other, secs(5), "the expired grant's hold is free");
+    let taken = kind.wait_excluding(&other, secs(5), "the expired grant's hold is free");
     thread::sleep(ms(1000)); // the grant reaches the waiter meanwhile
     proxy.set_delay(Duration::ZERO);
     behind.released.store(true, SeqCst);
@@ -351,7 +358,7 @@ pub fn stopped_grantee<K: Kind>(kind: K, entry: &str) {
         || held.release(), // granted to the stopped child
         || {
             let other = K::client(&srv.url());
-            kind.wait(
+            kind.wait_excluding(
                 &other,
                 secs(20),
                 "the others get the hold after the grant lease",
