@@ -346,27 +346,82 @@ fn a_lost_read_grant_message_is_recovered_by_the_next_attempt() {
     grants::lost_grant_recovered(Read);
 }
 
+/// A waiter of "k" (for the write hold, or a read hold) whose wait the test cancels after
+/// a release granted it the hold, before it heard of it: what the server sends it comes
+/// through a proxy, which the test makes slow.
+struct Leaver {
+    proxy: Proxy,
+    client: LockClient,
+    cancel: Cancel,
+    leaving: JoinHandle<redbaton::Result<u64>>,
+}
+
+impl Leaver {
+    /// Starts its wait behind the holder of "k", and returns once it is marked and asleep.
+    fn start(srv: &RedisServer, write: bool) -> Leaver {
+        // A waiter that gives up at once loads the script of a leaving waiter on the
+        // server: the leave is then one round trip, not three, each delayed by the proxy.
+        let warm = client(&srv.url()).rwlock("k");
+        let warmed = if write {
+            warm.try_write_for(ms(50)).map(drop)
+        } else {
+            warm.try_read_for(ms(50)).map(drop)
+        };
+        assert!(warmed.is_err_and(|e| e.is_timeout()));
+        let proxy = Proxy::start(srv.addr());
+        // Replies come late through the proxy: the calls wait for them.
+        let client = lock_client!(node(proxy.url()), lease(secs(30)), io_timeouts(secs(10)));
+        let cancel = Cancel::new();
+        let leaving = {
+            let (rw, cancel) = (client.rwlock("k"), cancel.clone());
+            thread::spawn(move || {
+                if write {
+                    rw.write_cancellable(&cancel).map(|g| g.fencing_token())
+                } else {
+                    rw.read_cancellable(&cancel).map(|g| g.fencing_token())
+                }
+            })
+        };
+        asleep(srv, if write { WRITERS } else { READERS }, 1, &client);
+        Leaver {
+            proxy,
+            client,
+            cancel,
+            leaving,
+        }
+    }
+
+    /// Holds back what the server sends it for 1.5 s (the grant lease is 1 s).
+    fn deafen(&self) {
+        self.proxy.set_delay(ms(1500));
+    }
+
+    /// Cancels its wait, once a release granted it the hold unheard, and checks that its
+    /// leaving passed the grant on to `next`, whose `waiting` thread got the hold by that
+    /// grant, after `first`. Nothing is stranded.
+    fn passes_on(self, srv: &RedisServer, next: &LockClient, waiting: JoinHandle<Got>, first: u64) {
+        self.cancel.cancel();
+        let left = self.leaving.join().expect("leaver");
+        assert!(left.as_ref().is_err_and(|e| e.is_cancelled()), "{left:?}");
+        let s = self.client.stats();
+        assert_eq!(s.grants_passed, 1, "the grant was passed on: {s:?}");
+        let got = waiting.join().expect("next");
+        got.assert_after(first);
+        let s = next.stats();
+        assert_eq!(s.grants_received, 1, "granted by the leaver: {s:?}");
+        self.proxy.set_delay(Duration::ZERO);
+        assert_nothing_left(srv);
+    }
+}
+
 /// A writer that gives up (here: its wait is cancelled) after the release granted it the
-/// write hold, before it heard of it (a proxy delays what the server sends it), passes the
-/// hold on as it leaves: to the next waiting writer, or, with none, to the waiting reader.
-/// Nothing is stranded.
+/// write hold, before it heard of it, passes the hold on as it leaves: to the next waiting
+/// writer, or, with none, to the waiting reader.
 fn a_leaving_writer_passes_its_grant_on(next_writes: bool) {
     let (srv, holder) = test_server_and(client);
     let r = holder.rwlock("k").read().expect("read");
     let first = r.fencing_token();
-    // A writer that gives up at once loads the script of a leaving waiter on the server:
-    // the leaver's leave is then one round trip, not three, each delayed by the proxy.
-    let warm = client(&srv.url()).rwlock("k").try_write_for(ms(50));
-    assert!(warm.is_err_and(|e| e.is_timeout()));
-    let proxy = Proxy::start(srv.addr());
-    // Replies come late through the proxy: the calls wait for them.
-    let leaver = lock_client!(node(proxy.url()), lease(secs(30)), io_timeouts(secs(10)));
-    let cancel = Cancel::new();
-    let leaving = {
-        let (rw, cancel) = (leaver.rwlock("k"), cancel.clone());
-        thread::spawn(move || rw.write_cancellable(&cancel).map(|g| g.fencing_token()))
-    };
-    asleep(&srv, WRITERS, 1, &leaver);
+    let leaver = Leaver::start(&srv, true);
     let next = client(&srv.url());
     let released = Arc::new(AtomicBool::new(false));
     let waiting = waiter(&next, next_writes, &released, || {});
@@ -377,20 +432,10 @@ fn a_leaving_writer_passes_its_grant_on(next_writes: bool) {
         (READERS, 1)
     };
     asleep(&srv, set, marks, &next);
-    proxy.set_delay(ms(1500));
+    leaver.deafen();
     released.store(true, SeqCst);
     r.unlock().expect("unlock"); // granted to the writer waiting longest: the leaver
-    cancel.cancel();
-    let left = leaving.join().expect("leaver");
-    assert!(left.as_ref().is_err_and(|e| e.is_cancelled()), "{left:?}");
-    let s = leaver.stats();
-    assert_eq!(s.grants_passed, 1, "the grant was passed on: {s:?}");
-    let got = waiting.join().expect("next");
-    got.assert_after(first);
-    let s = next.stats();
-    assert_eq!(s.grants_received, 1, "granted by the leaver: {s:?}");
-    proxy.set_delay(Duration::ZERO);
-    assert_nothing_left(&srv);
+    leaver.passes_on(&srv, &next, waiting, first);
 }
 
 #[test]
@@ -401,6 +446,26 @@ fn a_leaving_writer_passes_its_grant_to_the_next_writer() {
 #[test]
 fn a_leaving_writer_passes_its_grant_to_the_waiting_reader() {
     a_leaving_writer_passes_its_grant_on(false);
+}
+
+/// A reader that gives up (here: its wait is cancelled) after the release of the write
+/// hold granted it a read hold, before it heard of it, gives the hold back as it leaves:
+/// the writer that began to wait behind that read hold gets the write hold by a grant from
+/// the leaving, not at the end of the grant lease.
+#[test]
+fn a_leaving_reader_passes_its_grant_to_the_waiting_writer() {
+    let (srv, holder) = test_server_and(client);
+    let w = holder.rwlock("k").write().expect("write");
+    let first = w.fencing_token();
+    let leaver = Leaver::start(&srv, false);
+    leaver.deafen();
+    w.unlock().expect("unlock"); // no writer waits: a read hold granted to the leaver
+    assert_eq!(srv.zcard(READERS), 0, "the grant took the reader's mark");
+    let next = client(&srv.url());
+    let released = Arc::new(AtomicBool::new(true));
+    let waiting = waiter(&next, true, &released, || {});
+    wait_for(secs(20), "the writer marked", || srv.zcard(WRITERS) == 1);
+    leaver.passes_on(&srv, &next, waiting, first);
 }
 
 /// A writer whose deadline comes as the write hold is granted to it: it either takes the
