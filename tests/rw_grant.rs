@@ -506,8 +506,14 @@ fn a_writer_timing_out_as_it_is_granted_passes_the_hold_on() {
             Err(e) => assert!(e.is_timeout(), "{e:?}"),
         }
         assert!(got.after && got.valid, "{got:?}");
+        // The next writer holds by the grant, heard; or by an attempt that crossed it: woken
+        // by the racer's leave (a writer that leaves says `r`), its attempt reached Redis
+        // just after the release had granted it the hold, and found its own member held.
+        // Either way nothing was stranded: it woke on a message, not at a lease's end or a
+        // re-check.
         let s = next.stats();
-        assert_eq!(s.grants_received, 1, "{s:?}");
+        let crossed = s.wakeups_event >= 1 && s.wakeups_lease == 0 && s.wakeups_recheck == 0;
+        assert!(s.grants_received == 1 || crossed, "{s:?}");
         assert_nothing_left(&srv);
     }
 }
