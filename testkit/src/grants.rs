@@ -1,8 +1,9 @@
 //! The grant tests that the fair lock, the read-write lock's write and read holds and the
-//! semaphore's permits share, written once. A release grants the hold to the waiter queued longest: a grant that carries the
-//! nonce of the waiter's latest attempt, heard before that attempt's send plus the grant
-//! lease, is the hold with no round trip; any other grant, or one heard after that bound,
-//! only wakes the waiter, whose next attempt confirms it.
+//! semaphore's permits share, written once. A release grants the hold to the waiter queued
+//! longest: a grant that carries the nonce of the waiter's latest attempt, heard before
+//! that attempt's send plus the grant lease, is the hold with no round trip; any other
+//! grant, or one heard after that bound, only wakes the waiter, whose next attempt confirms
+//! it.
 //!
 //! A test file says how its kind of hold is taken and waited for ([`Kind`], on a type of
 //! its own), and each of its tests runs one of the bodies here ([`granted_in_time`],
