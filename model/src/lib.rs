@@ -1,5 +1,5 @@
-//! A model of redbaton's one-node lock protocol, checked exhaustively with
-//! [stateright](https://docs.rs/stateright).
+//! A model of redbaton's one-node lock protocol, and of its read-write locks and
+//! semaphores ([`shared`]), checked exhaustively with [stateright](https://docs.rs/stateright).
 //!
 //! The Lua scripts are atomic steps on a Redis state with TTLs ([`redis`]); client
 //! processes of several threads are state machines that contend, queue, hear grants and
@@ -18,6 +18,7 @@
 //! | `adversary.rs` | network, pauses, time |
 //! | `props.rs` | the properties and the history they read |
 //! | `system.rs` | the `stateright::Model` tying them together |
+//! | `shared/` | the same for read-write locks and semaphores: their scripts and grants |
 //!
 //! `cargo test -p redbaton-model` checks [`Config::ci`] and the broken variants; the
 //! longer check is `cargo run --release -p redbaton-model --example deep` (see the crate
@@ -29,14 +30,19 @@ pub mod config;
 pub mod net;
 pub mod props;
 pub mod redis;
+pub mod shared;
 pub mod system;
 
+use std::fmt::Debug;
+use std::hash::Hash;
 use std::time::{Duration, Instant};
 
 use stateright::{Checker, HasDiscoveries, Model};
 
 pub use adversary::Move;
 pub use config::{Config, Grants, Mode, Rules};
+pub use shared::SharedModel;
+pub use shared::config::{SharedConfig, Want};
 pub use system::{LockModel, State};
 
 /// The outcome of a check.
@@ -60,7 +66,20 @@ pub struct Report {
 /// property is violated (its path is then a shortest one; violations of others found
 /// on the way are reported too).
 pub fn check(cfg: Config, threads: usize, until: Option<&'static str>) -> Report {
-    let model = LockModel::new(cfg);
+    check_model(LockModel::new(cfg), threads, until)
+}
+
+/// [`check`] for the shared holds: a read-write lock or a semaphore (see [`shared`]).
+pub fn check_shared(cfg: SharedConfig, threads: usize, until: Option<&'static str>) -> Report {
+    check_model(SharedModel::new(cfg), threads, until)
+}
+
+fn check_model<M>(model: M, threads: usize, until: Option<&'static str>) -> Report
+where
+    M: Model + Send + Sync + 'static,
+    M::State: Clone + Debug + Hash + PartialEq + Send + Sync + 'static,
+    M::Action: Clone + Debug + PartialEq + Send + Sync + 'static,
+{
     let props = model.properties();
     let started = Instant::now();
     let mut builder = model.checker().threads(threads);

@@ -10,38 +10,48 @@
 
 use crate::redis::{Answer, Op, Publish};
 
-/// A script call in flight to Redis.
+/// A script call in flight to Redis (`O`: the scripts of the lock, by default, or of
+/// the shared holds, `crate::shared`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Request {
+pub struct Request<O = Op> {
     /// The tick at which the client sent it.
     pub sent: u8,
     pub from: u8,
-    pub op: Op,
+    pub op: O,
 }
 
 /// A reply to the client that sent `request`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Reply {
+pub struct Reply<O = Op, A = Answer> {
     /// The tick at which the script ran.
     pub at: u8,
-    pub request: Request,
-    pub answer: Answer,
+    pub request: Request<O>,
+    pub answer: A,
 }
 
 /// A published message in flight to one subscribed process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Message {
+pub struct Message<P = Publish> {
     /// The tick at which it was published.
     pub at: u8,
     pub to: u8,
-    pub what: Publish,
+    pub what: P,
 }
 
 /// Everything in flight.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Net {
-    pub requests: Vec<Request>,
-    pub messages: Vec<Message>,
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Net<O = Op, P = Publish> {
+    pub requests: Vec<Request<O>>,
+    pub messages: Vec<Message<P>>,
+}
+
+impl<O, P> Default for Net<O, P> {
+    fn default() -> Self {
+        Net {
+            requests: Vec::new(),
+            messages: Vec::new(),
+        }
+    }
 }
 
 /// Adds `item` to a sorted multiset.

@@ -1,0 +1,328 @@
+//! A process waiting for, holding and releasing one shared hold.
+//!
+//! What each step mirrors in the library (`engine::contest`, the same loop as the lock's):
+//!
+//! - `Proc::attempt`: one round, `RW_ACQUIRE` or `SEM_ACQUIRE` with the wait's member and
+//!   the next nonce. A won attempt's validity counts from when it was sent; a failed one
+//!   sleeps until the obstacle's end or the re-check, or goes again at once if a message
+//!   came meanwhile.
+//! - `Proc::hear`: `r`, and a wake-up or a grant to its own member. Before its next
+//!   attempt the waiter takes a grant carrying its latest attempt's nonce as the hold,
+//!   valid until that attempt's `sent + grant lease − drift`, with the first renewal due
+//!   a quarter of the way (`Contest::trust`); any other grant is a wake-up that the
+//!   attempt confirms (`SharedConfig::grants` names the broken variants).
+//! - A read timeout of an attempt fails the wait: `WAITER_LEAVE` passes on a hold the
+//!   lost attempt may have taken, or a grant that raced it.
+//! - The watchdog renews (`SHARED_EXTEND`) once a third of the lease passed; a renewal's
+//!   reply gives `max(old, sent + lease − drift)`, its loss leaves the validity as it was
+//!   (a renewal sent later never shortens it), a hold gone ends it.
+//! - `Choice::Release`: `SHARED_RELEASE`, after any renewal in flight.
+
+use crate::config::Grants;
+use crate::net::Request;
+use crate::shared::config::{SharedConfig, Want};
+use crate::shared::redis::{Answer, Member, Op, Publish};
+
+/// A request of the shared scripts.
+pub type SharedRequest = Request<Op>;
+
+/// A hold, while the process has it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Hold {
+    pub fence: u8,
+    /// Surely held while `now < valid_until`.
+    pub valid_until: u8,
+    pub renew_at: u8,
+    /// Taken from a grant message, with no confirming attempt (for the vacuity checks).
+    pub trusted: bool,
+}
+
+/// Where the process is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// In the wait: asleep until `wake` unless `heard`; `grant`: the nonce and fence of
+    /// the latest grant heard for its member, not yet judged.
+    Wait {
+        wake: u8,
+        heard: bool,
+        grant: Option<(u8, u8)>,
+    },
+    Hold(Hold),
+    /// Released, or the wait failed.
+    Done,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Proc {
+    pub id: u8,
+    pub want: Want,
+    pub paused: bool,
+    pub phase: Phase,
+    /// The latest attempt's nonce and when it was sent.
+    pub nonce: u8,
+    pub sent: u8,
+    /// An attempt of this wait may have marked it waiting.
+    pub marked: bool,
+    /// The one request whose reply the process awaits.
+    pub pending: Option<SharedRequest>,
+}
+
+/// What the process does at the start of a tick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Choice {
+    Nothing,
+    Release,
+}
+
+/// What a step does outside the process.
+#[derive(Default, Debug)]
+pub struct Effects {
+    pub sent: Vec<SharedRequest>,
+    /// A hold of this kind began, with this fence.
+    pub began: Option<(Want, u8)>,
+    /// A request went unanswered.
+    pub timed_out: bool,
+}
+
+impl Proc {
+    /// A process that begins its wait at tick 0: subscribed, then its first attempt.
+    pub fn new(cfg: &SharedConfig, id: u8, want: Want, fx: &mut Effects) -> Proc {
+        let mut p = Proc {
+            id,
+            want,
+            paused: false,
+            phase: Phase::Wait {
+                wake: 0,
+                heard: false,
+                grant: None,
+            },
+            nonce: 0,
+            sent: 0,
+            marked: false,
+            pending: None,
+        };
+        p.attempt(cfg, 0, fx);
+        p
+    }
+
+    pub fn member(&self) -> Member {
+        Member {
+            want: self.want,
+            proc: self.id,
+        }
+    }
+
+    /// Subscribed: in the wait.
+    pub fn waits(&self) -> bool {
+        matches!(self.phase, Phase::Wait { .. })
+    }
+
+    pub fn hold(&self) -> Option<&Hold> {
+        match &self.phase {
+            Phase::Hold(h) => Some(h),
+            _ => None,
+        }
+    }
+
+    /// Whether the process believes it holds now (a paused one's belief counts).
+    pub fn believes(&self, now: u8) -> bool {
+        self.hold().is_some_and(|h| now < h.valid_until)
+    }
+
+    pub fn awaits(&self, request: &SharedRequest) -> bool {
+        self.pending.as_ref() == Some(request)
+    }
+
+    fn send(&mut self, now: u8, op: Op, awaited: bool, fx: &mut Effects) {
+        let request = Request {
+            sent: now,
+            from: self.id,
+            op,
+        };
+        if awaited {
+            self.pending = Some(request);
+        }
+        fx.sent.push(request);
+    }
+
+    pub fn choices(&self) -> Vec<Choice> {
+        let mut out = vec![Choice::Nothing];
+        if !self.paused && self.hold().is_some() && self.pending.is_none() {
+            out.push(Choice::Release);
+        }
+        out
+    }
+
+    /// The start of a tick: the read timeout of a request unanswered.
+    pub fn begin_tick(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) {
+        let Some(request) = self.pending else {
+            return;
+        };
+        if now < request.sent + cfg.timeout {
+            return;
+        }
+        self.pending = None;
+        fx.timed_out = true;
+        match (&mut self.phase, request.op) {
+            (Phase::Wait { .. }, Op::Acquire { .. }) => {
+                self.send(now, Op::Leave { m: self.member() }, false, fx);
+                self.phase = Phase::Done;
+            }
+            (Phase::Hold(h), Op::Extend { .. }) => {
+                let bound = (request.sent + cfg.lease).saturating_sub(cfg.drift);
+                h.valid_until = h.valid_until.min(bound);
+                h.renew_at = now + cfg.renew_retry;
+            }
+            _ => {}
+        }
+    }
+
+    pub fn act(&mut self, cfg: &SharedConfig, now: u8, choice: Choice, fx: &mut Effects) {
+        if choice == Choice::Release {
+            self.send(now, Op::Release { m: self.member() }, false, fx);
+            self.phase = Phase::Done;
+        }
+        if let Phase::Hold(h) = self.phase
+            && self.pending.is_none()
+            && now >= h.renew_at
+            && now < h.valid_until
+        {
+            self.send(now, Op::Extend { m: self.member() }, true, fx);
+        }
+        self.react(cfg, now, fx);
+    }
+
+    /// A waiter between attempts attempts when woken or due.
+    fn react(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) {
+        if let Phase::Wait { wake, heard, .. } = self.phase
+            && self.pending.is_none()
+            && (heard || now >= wake)
+        {
+            self.attempt(cfg, now, fx);
+        }
+    }
+
+    fn attempt(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) {
+        if self.take_granted(cfg, now, fx) {
+            return;
+        }
+        self.nonce += 1;
+        self.sent = now;
+        self.phase = Phase::Wait {
+            wake: now,
+            heard: false,
+            grant: None,
+        };
+        let op = Op::Acquire {
+            m: self.member(),
+            nonce: self.nonce,
+            clear: self.marked,
+        };
+        self.send(now, op, true, fx);
+    }
+
+    /// A grant heard that carries the latest attempt's nonce is the hold, until that
+    /// attempt's `sent + grant lease − drift` (Redis ran the attempt before the grant).
+    fn take_granted(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) -> bool {
+        let Phase::Wait {
+            grant: Some((nonce, fence)),
+            ..
+        } = self.phase
+        else {
+            return false;
+        };
+        let ours = match cfg.grants {
+            Grants::Trusted => nonce == self.nonce,
+            Grants::AnyNonce => true,
+            Grants::Confirmed | Grants::FromHearing => false,
+        };
+        let valid_until = (self.sent + cfg.grant_lease).saturating_sub(cfg.drift);
+        if !ours || valid_until <= now {
+            return false;
+        }
+        let renew_at = now + cfg.first_renewal(valid_until - now);
+        self.begin(fence, valid_until, renew_at, true, fx);
+        true
+    }
+
+    fn begin(&mut self, fence: u8, valid_until: u8, renew_at: u8, trusted: bool, fx: &mut Effects) {
+        self.phase = Phase::Hold(Hold {
+            fence,
+            valid_until,
+            renew_at,
+            trusted,
+        });
+        fx.began = Some((self.want, fence));
+    }
+
+    pub fn on_reply(
+        &mut self,
+        cfg: &SharedConfig,
+        now: u8,
+        request: SharedRequest,
+        answer: Answer,
+        fx: &mut Effects,
+    ) {
+        self.pending = None;
+        match (request.op, answer, &mut self.phase) {
+            (Op::Acquire { .. }, Answer::Won { fence }, Phase::Wait { wake, heard, .. }) => {
+                let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
+                if valid_until <= now {
+                    // No validity left: as a failed attempt, go again.
+                    *wake = now;
+                    *heard = false;
+                    self.react(cfg, now, fx);
+                    return;
+                }
+                let renew_at = request.sent + cfg.renew_every();
+                self.begin(fence, valid_until, renew_at, false, fx);
+            }
+            (Op::Acquire { .. }, Answer::Failed { hint }, Phase::Wait { wake, heard, .. }) => {
+                self.marked = true;
+                *wake = if *heard {
+                    now
+                } else {
+                    now + hint.min(cfg.recheck)
+                };
+                self.react(cfg, now, fx);
+            }
+            (Op::Extend { .. }, Answer::Done(true), Phase::Hold(h)) => {
+                let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
+                h.valid_until = h.valid_until.max(valid_until);
+                h.renew_at = request.sent + cfg.renew_every();
+            }
+            (Op::Extend { .. }, _, Phase::Hold(h)) => h.valid_until = h.valid_until.min(now),
+            _ => {}
+        }
+    }
+
+    /// A message reaches the process (only a waiter listens).
+    pub fn hear(&mut self, cfg: &SharedConfig, now: u8, what: Publish, fx: &mut Effects) {
+        let me = self.member();
+        let Phase::Wait { heard, grant, .. } = &mut self.phase else {
+            return;
+        };
+        match what {
+            Publish::Grant { to, fence, .. } if to == me && cfg.grants == Grants::FromHearing => {
+                // The unsafe variant: the message is the hold, for the grant lease from now.
+                self.pending = None;
+                let valid_until = (now + cfg.grant_lease).saturating_sub(cfg.drift);
+                self.begin(fence, valid_until, now + cfg.renew_every(), true, fx);
+            }
+            Publish::Grant { to, nonce, fence } if to == me => {
+                *grant = Some((nonce, fence));
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+            Publish::Wake(to) if to == me => {
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+            Publish::Free => {
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+            _ => {}
+        }
+    }
+}

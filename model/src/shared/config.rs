@@ -1,0 +1,159 @@
+//! The bounds of a shared-hold check, and the variant checked.
+//!
+//! Durations are whole ticks, as in the lock model (`crate::config`): only their order
+//! matters (timeout < lease, grant lease ≤ lease, re-check < a mark's TTL).
+
+use crate::config::Grants;
+
+/// What each process waits for: one read-write lock's read or write hold, or one permit
+/// of a semaphore. A check mixes reads and writes, or uses permits alone (one name has
+/// one kind at a time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Want {
+    Read,
+    Write,
+    Permit,
+}
+
+/// What to check.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SharedConfig {
+    /// One process per entry, each taking one hold of that kind once (a thread of its
+    /// own: the turns a process's threads take on one hold are the process's business,
+    /// checked by the lock model's local handoff).
+    pub wants: Vec<Want>,
+    /// A semaphore's permits (with `Want::Permit`).
+    pub permits: u8,
+    /// The lease of a hold won by an attempt, and of every renewal.
+    pub lease: u8,
+    /// The lease of a grant, until the grantee's first renewal or confirming attempt.
+    pub grant_lease: u8,
+    /// The clock-drift margin taken off every validity (0 is enough: clocks are exact).
+    pub drift: u8,
+    /// A request unanswered this long is given up (the read timeout).
+    pub timeout: u8,
+    /// The longest a request or a message to a running process stays in flight.
+    pub max_delay: u8,
+    /// A waiter's longest sleep between attempts; its waiting mark lives twice that.
+    pub recheck: u8,
+    /// The watchdog retries a renewal whose outcome is unknown this much later.
+    pub renew_retry: u8,
+    /// The last tick.
+    pub horizon: u8,
+    /// Pauses the adversary may begin.
+    pub pauses: u8,
+    /// Faults the adversary may cause: a request, reply or message lost or duplicated,
+    /// a request run after its sender gave up.
+    pub faults: u8,
+    /// What a waiter makes of a grant message to its member.
+    pub grants: Grants,
+    /// Broken: `SHARED_EXTEND` renews a hold that has expired but is still in the set
+    /// (the script refuses it: an expired hold is never revived).
+    pub renewal_revives: bool,
+}
+
+impl SharedConfig {
+    /// The read-write configuration `cargo test` checks: a reader, a writer and a second
+    /// reader, so that a write grant follows read holds and read grants follow a write
+    /// hold, with every kind of fault (about 1.9 million states).
+    pub fn rw() -> SharedConfig {
+        SharedConfig {
+            wants: vec![Want::Read, Want::Write, Want::Read],
+            permits: 0,
+            lease: 3,
+            grant_lease: 2,
+            drift: 0,
+            timeout: 1,
+            max_delay: 1,
+            recheck: 2,
+            renew_retry: 1,
+            horizon: 6,
+            pauses: 1,
+            faults: 2,
+            grants: Grants::Trusted,
+            renewal_revives: false,
+        }
+    }
+
+    /// Replies as slow as two ticks (read timeout and longest delay), the lease a tick
+    /// longer: a renewal can run after its hold expired and still be answered in time.
+    pub fn slow_replies() -> SharedConfig {
+        SharedConfig {
+            lease: 4,
+            timeout: 2,
+            max_delay: 2,
+            ..SharedConfig::rw()
+        }
+    }
+
+    /// The semaphore configuration `cargo test` checks: three permit-seekers, two
+    /// permits.
+    pub fn semaphore() -> SharedConfig {
+        SharedConfig {
+            wants: vec![Want::Permit; 3],
+            permits: 2,
+            ..SharedConfig::rw()
+        }
+    }
+
+    /// Three permit-seekers, one permit, a tick less: where a permit believed too long
+    /// is an overlap (with two permits, the bounds reach no third holder).
+    pub fn semaphore_of_one() -> SharedConfig {
+        SharedConfig {
+            permits: 1,
+            horizon: 5,
+            ..SharedConfig::semaphore()
+        }
+    }
+
+    /// The longer checks: two readers and two writers, four permit-seekers for two
+    /// permits (16 and 37 million states).
+    pub fn deep() -> [SharedConfig; 2] {
+        let rw = SharedConfig {
+            wants: vec![Want::Read, Want::Write, Want::Read, Want::Write],
+            horizon: 5,
+            ..SharedConfig::rw()
+        };
+        let semaphore = SharedConfig {
+            wants: vec![Want::Permit; 4],
+            horizon: 5,
+            ..SharedConfig::semaphore()
+        };
+        [rw, semaphore]
+    }
+
+    /// The same bounds, grant messages taken as `grants` says.
+    pub fn with_grants(self, grants: Grants) -> SharedConfig {
+        SharedConfig { grants, ..self }
+    }
+
+    /// How often the watchdog renews: a third of the lease, at least one tick.
+    pub fn renew_every(&self) -> u8 {
+        self.lease.div_ceil(3).max(1)
+    }
+
+    /// The first renewal of a hold taken from a grant, surely held `left` more ticks: a
+    /// quarter of the way (the library's `Config::first_renewal`).
+    pub fn first_renewal(&self, left: u8) -> u8 {
+        left / 4
+    }
+
+    /// How long a waiting mark lives unrenewed.
+    pub fn mark_ttl(&self) -> u8 {
+        self.recheck * 2
+    }
+
+    /// Whether the durations are in the order the library's builder keeps them in.
+    pub fn is_sound(&self) -> bool {
+        !self.wants.is_empty()
+            && self.lease > self.timeout + self.drift
+            && (1..=self.lease).contains(&self.grant_lease)
+            && self.timeout >= 1
+            && self.max_delay >= 1
+            && self.recheck >= 1
+            && self.renew_retry >= 1
+            && (self.permits >= 1) == self.wants.contains(&Want::Permit)
+            && !(self.wants.contains(&Want::Permit)
+                && self.wants.iter().any(|&w| w != Want::Permit))
+    }
+}

@@ -1,0 +1,70 @@
+//! The properties of the shared holds.
+//!
+//! - **exclusion**: while a process believes it holds the write hold (`now <
+//!   valid_until`, a paused process's belief included), no other believes it holds
+//!   anything; at most `permits` believe they hold a permit;
+//! - **fencing**: each write hold begins with a fence above every earlier write hold's.
+//!
+//! `sometimes` properties show the paths are taken: each kind of hold taken from a grant
+//! with no confirming attempt, and holds shared (two readers, two permits, at once).
+
+use stateright::Property;
+
+use crate::config::Grants;
+use crate::shared::config::{SharedConfig, Want};
+use crate::shared::{SharedModel, State};
+
+pub const EXCLUSION: &str = "shared exclusion";
+
+/// A property's condition.
+type Condition = fn(&SharedModel, &State) -> bool;
+
+/// The kinds of the holds believed now.
+fn believed(s: &State) -> impl Iterator<Item = Want> + '_ {
+    s.procs.iter().filter(|p| p.believes(s.now)).map(|p| p.want)
+}
+
+fn excluded(cfg: &SharedConfig, s: &State) -> bool {
+    let all = believed(s).count();
+    let writers = believed(s).filter(|&w| w == Want::Write).count();
+    let permits = believed(s).filter(|&w| w == Want::Permit).count();
+    (writers == 0 || all == 1) && permits <= usize::from(cfg.permits)
+}
+
+/// Whether a process of kind `want` believes a hold taken from a grant message alone.
+fn trusted(s: &State, want: Want) -> bool {
+    s.procs
+        .iter()
+        .any(|p| p.want == want && p.believes(s.now) && p.hold().is_some_and(|h| h.trusted))
+}
+
+pub fn properties(cfg: &SharedConfig) -> Vec<Property<SharedModel>> {
+    let mut props = vec![
+        Property::always(EXCLUSION, |m: &SharedModel, s: &State| excluded(&m.cfg, s)),
+        Property::always("write fences increase", |_, s: &State| !s.fence_regressed),
+    ];
+    if cfg.grants != Grants::Trusted {
+        return props;
+    }
+    // Conditions are plain functions (no captures): one per kind.
+    let kinds: [(Want, &'static str, Condition); 3] = [
+        (Want::Read, "a read hold taken from its grant", |_, s| {
+            trusted(s, Want::Read)
+        }),
+        (Want::Write, "a write hold taken from its grant", |_, s| {
+            trusted(s, Want::Write)
+        }),
+        (Want::Permit, "a permit taken from its grant", |_, s| {
+            trusted(s, Want::Permit)
+        }),
+    ];
+    for (want, name, condition) in kinds {
+        if cfg.wants.contains(&want) {
+            props.push(Property::sometimes(name, condition));
+        }
+    }
+    props.push(Property::sometimes("holds shared", |_, s: &State| {
+        believed(s).count() >= 2
+    }));
+    props
+}

@@ -1,0 +1,347 @@
+//! Redis for a read-write lock or a semaphore: the holds in one sorted set, the waiting
+//! marks and their nonces, the fence counter; and the scripts of `proto::rw_scripts` as
+//! atomic steps (`RW_ACQUIRE`, `SEM_ACQUIRE`, `SHARED_RELEASE` with `PASS_ON`,
+//! `WAITER_LEAVE`, `SHARED_EXTEND`).
+//!
+//! Scores are ticks. A hold or a mark whose score has passed stays in its set until a
+//! script takes it out, as in Redis; its score then reads 0 (`expire`), so that states
+//! differing only in how long ago something expired are one state. Three things are left
+//! out, each on the side of more behaviour: the key's own TTL (it outlives every hold,
+//! and a key gone would only make a late release a no-op), the fence counter's loss forms
+//! (a write grant after a write hold that expired carries nonce 0 in the library, a
+//! wake-up; here it carries the nonce, so it is trusted more often, never less), and the
+//! upgradable read (its scripts only wake, never grant). Marks of equal score are taken
+//! in the order of their members, as Redis does; in the library members are random
+//! UUIDs, so any order can happen, of which the model checks one.
+
+use crate::shared::config::{SharedConfig, Want};
+
+/// A hold's or a mark's owner: one process's one wait (a process takes one hold).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Member {
+    pub want: Want,
+    pub proc: u8,
+}
+
+/// A sorted-set member and its score.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Entry {
+    pub member: Member,
+    /// When it expires (a tick); 0 once it has.
+    pub exp: u8,
+}
+
+/// A script call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Op {
+    /// `RW_ACQUIRE` or `SEM_ACQUIRE`: the attempt numbered `nonce` of a wait, which marks
+    /// itself waiting if it fails; `clear`: an earlier attempt of the wait may have marked
+    /// it (a hold won takes the mark and its nonce out).
+    Acquire { m: Member, nonce: u8, clear: bool },
+    /// `SHARED_RELEASE`.
+    Release { m: Member },
+    /// `WAITER_LEAVE`: the wait ends without the hold.
+    Leave { m: Member },
+    /// `SHARED_EXTEND`: the watchdog's renewal.
+    Extend { m: Member },
+}
+
+/// A script's reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Answer {
+    /// The hold is the caller's, with the fence counter's value (a write hold's own).
+    Won { fence: u8 },
+    /// Not now: ticks until the earliest obstacle ends (the re-check when unknown).
+    Failed { hint: u8 },
+    /// Release, leave, renewal: whether the hold was live.
+    Done(bool),
+}
+
+/// A message on the lock's channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Publish {
+    /// `r`: whoever waits may get in.
+    Free,
+    /// `g<member>:0`: a wake-up for one waiter.
+    Wake(Member),
+    /// `g<member>:<nonce>:<fence>:<grant ms>`: the hold was granted to `to`, told the
+    /// nonce of its latest attempt that Redis ran (0: none).
+    Grant { to: Member, nonce: u8, fence: u8 },
+}
+
+/// The name's keys.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Redis {
+    /// The lock key's holds (`r…`, `w…`, `p…` members).
+    pub holds: Vec<Entry>,
+    /// `…:ww`: waiting writers, or a semaphore's waiting permit-seekers.
+    pub writers: Vec<Entry>,
+    /// `…:wr`: waiting readers.
+    pub readers: Vec<Entry>,
+    /// `…:qn`: the nonce of each marked waiter's latest attempt.
+    pub nonces: Vec<(Member, u8)>,
+    /// The fence counter: the last fence issued (to a write hold).
+    pub fence: u8,
+}
+
+fn score(set: &[Entry], m: Member) -> Option<u8> {
+    set.iter().find(|e| e.member == m).map(|e| e.exp)
+}
+
+/// `ZADD`: sets `m`'s score.
+fn zadd(set: &mut Vec<Entry>, m: Member, exp: u8) {
+    zrem(set, m);
+    set.push(Entry { member: m, exp });
+    set.sort_unstable();
+}
+
+/// `ZREM`: whether `m` was there.
+fn zrem(set: &mut Vec<Entry>, m: Member) -> bool {
+    let before = set.len();
+    set.retain(|e| e.member != m);
+    set.len() < before
+}
+
+fn live(set: &[Entry], now: u8) -> impl Iterator<Item = &Entry> {
+    set.iter().filter(move |e| e.exp > now)
+}
+
+/// The live entry that expires first (ties: the lower member, as Redis orders them): the
+/// first hold, or the waiter renewed least lately (`first_waiting`).
+fn first(set: &[Entry], now: u8) -> Option<Entry> {
+    live(set, now).min_by_key(|e| (e.exp, e.member)).copied()
+}
+
+impl Redis {
+    /// Time reached `now`: what expired reads score 0.
+    pub fn expire(&mut self, now: u8) {
+        for set in [&mut self.holds, &mut self.writers, &mut self.readers] {
+            for e in set.iter_mut().filter(|e| e.exp <= now) {
+                e.exp = 0;
+            }
+            set.sort_unstable();
+        }
+    }
+
+    /// Runs `op`'s script at `now`: its reply and what it published.
+    pub fn run(&mut self, cfg: &SharedConfig, now: u8, op: Op) -> (Answer, Vec<Publish>) {
+        let mut out = Vec::new();
+        let answer = match op {
+            Op::Acquire { m, nonce, clear } => self.acquire(cfg, now, m, nonce, clear),
+            Op::Release { m } => match score(&self.holds, m) {
+                None => Answer::Done(false),
+                Some(exp) => {
+                    zrem(&mut self.holds, m);
+                    self.pass_on(cfg, now, m.want, &mut out);
+                    Answer::Done(exp > now)
+                }
+            },
+            Op::Leave { m } => Answer::Done(self.leave(cfg, now, m, &mut out)),
+            Op::Extend { m } => {
+                let live =
+                    score(&self.holds, m).is_some_and(|exp| exp > now || cfg.renewal_revives);
+                if live {
+                    zadd(&mut self.holds, m, now + cfg.lease);
+                }
+                Answer::Done(live)
+            }
+        };
+        (answer, out)
+    }
+
+    fn marks(&mut self, want: Want) -> &mut Vec<Entry> {
+        match want {
+            Want::Read => &mut self.readers,
+            Want::Write | Want::Permit => &mut self.writers,
+        }
+    }
+
+    fn take_nonce(&mut self, m: Member) -> u8 {
+        let n = self.nonces.iter().find(|(x, _)| *x == m).map(|(_, n)| *n);
+        self.nonces.retain(|(x, _)| *x != m);
+        n.unwrap_or(0)
+    }
+
+    /// `mark`: drops the marks that expired (and their nonces), marks `m` waiting until
+    /// `now + ttl` and stores `nonce` as its latest attempt's.
+    fn mark(&mut self, cfg: &SharedConfig, now: u8, m: Member, nonce: u8) {
+        let set = self.marks(m.want);
+        let dead: Vec<Member> = set
+            .iter()
+            .filter(|e| e.exp <= now)
+            .map(|e| e.member)
+            .collect();
+        set.retain(|e| e.exp > now);
+        zadd(set, m, now + cfg.mark_ttl());
+        self.nonces.retain(|(x, _)| !dead.contains(x) && *x != m);
+        self.nonces.push((m, nonce));
+        self.nonces.sort_unstable();
+    }
+
+    /// A hold won takes its mark (and nonce) out, when an earlier attempt may have made it.
+    fn unmark(&mut self, m: Member, clear: bool) {
+        if clear && zrem(self.marks(m.want), m) {
+            self.take_nonce(m);
+        }
+    }
+
+    fn acquire(
+        &mut self,
+        cfg: &SharedConfig,
+        now: u8,
+        m: Member,
+        nonce: u8,
+        clear: bool,
+    ) -> Answer {
+        // `load`: the expired holds go (all of them, once the first has expired).
+        self.holds.retain(|e| e.exp > now);
+        let head = first(&self.holds, now);
+        let mine = score(&self.holds, m).is_some();
+        let hint = |exp: Option<u8>| Answer::Failed {
+            hint: exp.map_or(cfg.recheck, |exp| exp - now),
+        };
+        match m.want {
+            Want::Write => {
+                if head.is_some_and(|f| f.member == m) {
+                    zadd(&mut self.holds, m, now + cfg.lease);
+                    return Answer::Won { fence: self.fence };
+                }
+                if head.is_none() {
+                    self.fence += 1;
+                    zadd(&mut self.holds, m, now + cfg.lease);
+                    self.unmark(m, clear);
+                    return Answer::Won { fence: self.fence };
+                }
+                self.mark(cfg, now, m, nonce);
+                hint(head.map(|f| f.exp))
+            }
+            Want::Read => {
+                let writer = first(&self.writers, now);
+                let free = head.is_none_or(|f| f.member.want != Want::Write) && writer.is_none();
+                if free || mine {
+                    zadd(&mut self.holds, m, now + cfg.lease);
+                    self.unmark(m, clear);
+                    return Answer::Won { fence: self.fence };
+                }
+                self.mark(cfg, now, m, nonce);
+                let until = [head.map(|f| f.exp), writer.map(|w| w.exp)];
+                hint(until.into_iter().flatten().min())
+            }
+            Want::Permit => {
+                let n = live(&self.holds, now).count();
+                if n < usize::from(cfg.permits) || mine {
+                    zadd(&mut self.holds, m, now + cfg.lease);
+                    self.unmark(m, true);
+                    return Answer::Won { fence: 0 };
+                }
+                self.mark(cfg, now, m, nonce);
+                hint(head.map(|f| f.exp))
+            }
+        }
+    }
+
+    /// `WAITER_LEAVE`: whether a hold granted to `m` was passed on.
+    fn leave(&mut self, cfg: &SharedConfig, now: u8, m: Member, out: &mut Vec<Publish>) -> bool {
+        self.take_nonce(m);
+        if score(&self.holds, m).is_some_and(|exp| exp > now) {
+            zrem(&mut self.holds, m);
+            self.pass_on(cfg, now, m.want, out);
+            return true;
+        }
+        let was_marked = zrem(self.marks(m.want), m);
+        match m.want {
+            // A mark a release took to wake it: the wake-up goes on.
+            Want::Permit if !was_marked => self.wake_first(now, out),
+            Want::Permit => {}
+            _ if was_marked => out.push(Publish::Free),
+            _ => {}
+        }
+        false
+    }
+
+    /// `PASS_ON`, after a hold of kind `ended` was taken out.
+    fn pass_on(&mut self, cfg: &SharedConfig, now: u8, ended: Want, out: &mut Vec<Publish>) {
+        let left = live(&self.holds, now).count();
+        if ended == Want::Permit {
+            if !self.grant_permit(cfg, now, left, out) && left == 0 {
+                self.holds.clear();
+            }
+            return;
+        }
+        if left == 0 && !self.grant_first(cfg, now, out) {
+            self.holds.clear();
+        }
+    }
+
+    /// `grant_first`: the write hold to the writer waiting longest, else read holds to
+    /// every reader marked waiting, else `r`. Whether it wrote holds.
+    fn grant_first(&mut self, cfg: &SharedConfig, now: u8, out: &mut Vec<Publish>) -> bool {
+        if let Some(w) = first(&self.writers, now) {
+            self.fence += 1;
+            zadd(&mut self.holds, w.member, now + cfg.grant_lease);
+            zrem(&mut self.writers, w.member);
+            let nonce = self.take_nonce(w.member);
+            out.push(Publish::Grant {
+                to: w.member,
+                nonce,
+                fence: self.fence,
+            });
+            return true;
+        }
+        let readers: Vec<Member> = live(&self.readers, now).map(|e| e.member).collect();
+        if readers.is_empty() {
+            out.push(Publish::Free);
+            return false;
+        }
+        for r in readers {
+            zadd(&mut self.holds, r, now + cfg.grant_lease);
+            zrem(&mut self.readers, r);
+            let nonce = self.take_nonce(r);
+            out.push(Publish::Grant {
+                to: r,
+                nonce,
+                fence: self.fence,
+            });
+        }
+        true
+    }
+
+    /// `grant_permit`: a free permit to the permit-seeker waiting longest, or the
+    /// wake-up of old. Whether it granted.
+    fn grant_permit(
+        &mut self,
+        cfg: &SharedConfig,
+        now: u8,
+        left: usize,
+        out: &mut Vec<Publish>,
+    ) -> bool {
+        match first(&self.writers, now) {
+            Some(w) if left < usize::from(cfg.permits) => {
+                zadd(&mut self.holds, w.member, now + cfg.grant_lease);
+                zrem(&mut self.writers, w.member);
+                let nonce = self.take_nonce(w.member);
+                out.push(Publish::Grant {
+                    to: w.member,
+                    nonce,
+                    fence: 0,
+                });
+                true
+            }
+            _ => {
+                self.wake_first(now, out);
+                false
+            }
+        }
+    }
+
+    /// `wake_first` (taking the mark): `g<member>:0` to the one waiting longest, or `r`.
+    fn wake_first(&mut self, now: u8, out: &mut Vec<Publish>) {
+        match first(&self.writers, now) {
+            Some(w) => {
+                zrem(&mut self.writers, w.member);
+                out.push(Publish::Wake(w.member));
+            }
+            None => out.push(Publish::Free),
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! The checks of the shared holds (`redbaton_model::shared`): a read-write lock and a
+//! semaphore hold every property, and a grant taken without the nonce rule breaks
+//! exclusion.
+
+use redbaton_model::shared::props::EXCLUSION;
+use redbaton_model::{Grants, Report, SharedConfig, check_shared};
+
+/// Checker threads: the CI machines have 2 cores.
+const THREADS: usize = 2;
+
+fn holds(cfg: SharedConfig) -> Report {
+    println!("checking {cfg:?}");
+    let report = check_shared(cfg, THREADS, None);
+    println!(
+        "{} states, depth {}, {:.1?} on {THREADS} threads",
+        report.states, report.depth, report.elapsed
+    );
+    for (name, steps, path) in &report.violations {
+        println!("VIOLATED {name} after {steps} steps:\n{path}");
+    }
+    assert!(report.complete, "the check did not finish");
+    assert!(report.violations.is_empty(), "violations: see above");
+    report
+}
+
+/// Checks `cfg` until exclusion breaks; the length of the shortest path found.
+fn breaks(cfg: SharedConfig) -> usize {
+    let report = check_shared(cfg, THREADS, Some(EXCLUSION));
+    for (name, steps, path) in &report.violations {
+        println!(
+            "{name}: a path of {steps} steps ({} states, {:.1?}):\n{path}",
+            report.states, report.elapsed
+        );
+    }
+    let found = report.violations.iter().find(|v| v.0 == EXCLUSION);
+    found.expect("the checker finds the overlap").1
+}
+
+#[test]
+fn a_read_write_lock_holds_every_property() {
+    let report = holds(SharedConfig::rw());
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
+#[test]
+fn a_semaphore_holds_every_property() {
+    let report = holds(SharedConfig::semaphore());
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
+#[test]
+fn a_semaphore_of_one_permit_holds_every_property() {
+    let report = holds(SharedConfig::semaphore_of_one());
+    assert_eq!(report.never, ["holds shared"], "one permit is never shared");
+}
+
+/// Replies as slow as the read timeout: a renewal may run after its hold expired.
+#[test]
+fn slow_replies_hold_every_property() {
+    let report = holds(SharedConfig::slow_replies());
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
+/// A renewal that revives an expired hold, answered in time: its holder goes on while
+/// another took the name meanwhile.
+#[test]
+fn a_renewal_reviving_an_expired_hold_breaks_exclusion() {
+    breaks(SharedConfig {
+        renewal_revives: true,
+        ..SharedConfig::slow_replies()
+    });
+}
+
+/// A grant taken as the hold from when it is heard: a message read late outlives the
+/// hold it granted.
+#[test]
+fn a_grant_trusted_from_hearing_breaks_exclusion() {
+    breaks(SharedConfig::rw().with_grants(Grants::FromHearing));
+    breaks(SharedConfig::semaphore_of_one().with_grants(Grants::FromHearing));
+}
+
+/// A grant taken whatever attempt's nonce it carries: an older grant outlives its lease.
+#[test]
+fn a_grant_taken_with_any_nonce_breaks_exclusion() {
+    breaks(SharedConfig::rw().with_grants(Grants::AnyNonce));
+    breaks(SharedConfig::semaphore_of_one().with_grants(Grants::AnyNonce));
+}
+
+/// Every grant confirmed by an attempt holds too.
+#[test]
+fn confirmed_grants_hold() {
+    holds(SharedConfig::rw().with_grants(Grants::Confirmed));
+}
+
+/// The longer checks, also `cargo run --release -p redbaton-model --example deep -- 2 shared`.
+#[test]
+#[ignore = "the long check: run with --release -- --ignored"]
+fn deep_shared_configurations_hold_every_property() {
+    for cfg in SharedConfig::deep() {
+        let report = holds(cfg);
+        assert!(
+            report.never.is_empty(),
+            "paths never taken: {:?}",
+            report.never
+        );
+    }
+}
