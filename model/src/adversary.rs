@@ -1,5 +1,6 @@
-//! The adversary: the network, the scheduler and the clock. Every action of the model
-//! is one of its moves; the clients react within them.
+//! The adversary: the network, the scheduler and the clock. Every action of a model is
+//! one of its moves; the clients react within them. The same moves drive the lock
+//! (`crate::system`) and the shared holds (`crate::shared`), through `crate::world`.
 //!
 //! - **Run** a request's script at Redis, in any order, at the tick it was sent or up to
 //!   `Config::max_delay` ticks later (so after its sender gave up, at `Config::timeout`),
@@ -16,52 +17,63 @@
 //!   unanswered, does what its threads chose (lock, unlock, hand off, extend, or
 //!   nothing), renews if due and attempts if due. Threads act at tick starts only, one
 //!   choice per process per tick. Time does not advance while something in flight is at
-//!   its longest delay; at most `Config::pauses` pauses begin, at most `Config::losses`
-//!   items are lost, and no tick goes past `Config::horizon`.
+//!   its longest delay; at most `Config::pauses` pauses begin, at most `Config::faults`
+//!   faults happen, and no tick goes past `Config::horizon`. A script publishes any
+//!   number of messages (a grant to each reader); they are delivered or lost together.
 
-use crate::client::{Choice, Effects};
-use crate::config::Config;
-use crate::net::{Message, Reply, Request, put, take};
-use crate::redis::Publish;
-use crate::system::State;
+use crate::net::{Message, Request, put, take};
+use crate::world::{Ledger, Process, Sim, Store};
 
 /// One move of the adversary.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Move {
+pub enum Move<P: Process> {
     /// Redis runs the script of a request; its reply and its messages are delivered
     /// unless lost.
     Run {
-        request: Request,
+        request: Request<P::Op>,
         lose_reply: bool,
         lose_messages: bool,
     },
-    DropRequest(Request),
+    DropRequest(Request<P::Op>),
     /// A message that waited for a paused process reaches it.
-    Hear(Message),
+    Hear(Message<P::Publish>),
     /// The same, and a copy of it stays in flight: a duplicated message.
-    Repeat(Message),
-    DropMessage(Message),
+    Repeat(Message<P::Publish>),
+    DropMessage(Message<P::Publish>),
     /// Time advances; `pause`: the process paused during the new tick; `choices`: what
     /// each process's threads do at its start.
     Tick {
         pause: Option<u8>,
-        choices: Vec<Choice>,
+        choices: Vec<P::Choice>,
     },
 }
 
+/// The bounds the adversary keeps: from the model's configuration.
+pub trait Bounds {
+    /// The longest a request, or a message to a running process, stays in flight.
+    fn max_delay(&self) -> u8;
+    /// The last tick.
+    fn horizon(&self) -> u8;
+}
+
 /// Lists the adversary's moves in `s`.
-pub fn moves(cfg: &Config, s: &State, out: &mut Vec<Move>) {
-    let faults = s.history.faults_left;
+pub fn moves<R, P, H>(cfg: &P::Cfg, s: &Sim<R, P, H>, out: &mut Vec<Move<P>>)
+where
+    R: Store<P>,
+    P: Process,
+    P::Cfg: Bounds,
+    H: Ledger<R, P>,
+{
+    let faults = s.budget.faults_left;
     for &request in dedup(&s.net.requests) {
         // A request run after the tick it was sent in is late: its sender gave up.
         let late = u8::from(request.sent < s.now);
         // Only outcomes that differ are listed: a reply nobody awaits is thrown away
         // either way, a message nobody listens to too.
-        let mut redis = s.redis.clone();
-        let (_, published) = redis.run(cfg, s.now, request.op);
+        let (_, published) = s.redis.clone().run(cfg, s.now, request.op);
         let p = &s.procs[usize::from(request.from)];
-        let replied = p.awaits(&request) && !p.paused;
-        let listeners = published.is_some() && s.procs.iter().any(|p| p.contending().is_some());
+        let replied = p.awaits(&request) && !p.pid().paused;
+        let listeners = !published.is_empty() && s.procs.iter().any(P::listens);
         for lose_reply in [false, true] {
             if lose_reply && !replied {
                 continue;
@@ -83,7 +95,7 @@ pub fn moves(cfg: &Config, s: &State, out: &mut Vec<Move>) {
         }
     }
     for &m in dedup(&s.net.messages) {
-        if !s.procs[usize::from(m.to)].paused {
+        if !s.procs[usize::from(m.to)].pid().paused {
             out.push(Move::Hear(m));
             if faults > 0 {
                 out.push(Move::Repeat(m));
@@ -98,22 +110,22 @@ pub fn moves(cfg: &Config, s: &State, out: &mut Vec<Move>) {
     }
     let mut pauses = vec![None];
     for p in &s.procs {
-        if p.paused || s.history.pauses_left > 0 {
-            pauses.push(Some(p.id));
+        if p.pid().paused || s.budget.pauses_left > 0 {
+            pauses.push(Some(p.pid().id));
         }
     }
     for pause in pauses {
         let mut next = s.clone();
         begin_tick(cfg, &mut next, pause);
-        let mut combos: Vec<Vec<Choice>> = vec![Vec::new()];
+        let mut combos: Vec<Vec<P::Choice>> = vec![Vec::new()];
         for p in &next.procs {
             let choices = p.choices(cfg, next.now);
             combos = combos
                 .into_iter()
                 .flat_map(|c| {
-                    choices.iter().map(move |&x| {
+                    choices.iter().map(move |x| {
                         let mut c = c.clone();
-                        c.push(x);
+                        c.push(x.clone());
                         c
                     })
                 })
@@ -138,43 +150,53 @@ fn dedup<T: PartialEq>(items: &[T]) -> impl Iterator<Item = &T> {
 
 /// Whether time may advance: not past the horizon, and nothing in flight at its longest
 /// delay (a paused process's messages wait for it).
-fn may_tick(cfg: &Config, s: &State) -> bool {
-    let overdue = |at: u8| at + cfg.max_delay <= s.now;
-    s.now < cfg.horizon
+fn may_tick<R, P: Process<Cfg: Bounds>, H>(cfg: &P::Cfg, s: &Sim<R, P, H>) -> bool {
+    let overdue = |at: u8| at + cfg.max_delay() <= s.now;
+    s.now < cfg.horizon()
         && !s.net.requests.iter().any(|r| overdue(r.sent))
         && !s
             .net
             .messages
             .iter()
-            .any(|m| !s.procs[usize::from(m.to)].paused && overdue(m.at))
+            .any(|m| !s.procs[usize::from(m.to)].pid().paused && overdue(m.at))
 }
 
 /// The first part of a tick: time advances, keys expire, pauses change, and running
 /// processes time out what went unanswered.
-fn begin_tick(cfg: &Config, s: &mut State, pause: Option<u8>) {
+fn begin_tick<R, P, H>(cfg: &P::Cfg, s: &mut Sim<R, P, H>, pause: Option<u8>)
+where
+    R: Store<P>,
+    P: Process,
+    H: Ledger<R, P>,
+{
     s.now += 1;
     s.redis.expire(s.now);
     for p in &mut s.procs {
-        let paused = pause == Some(p.id);
-        if paused != p.paused {
+        let paused = pause == Some(p.pid().id);
+        if paused != p.pid().paused {
             s.history.fault();
             if paused {
-                s.history.pauses_left -= 1;
+                s.budget.pauses_left -= 1;
             }
         }
-        p.paused = paused;
+        p.set_paused(paused);
     }
     for i in 0..s.procs.len() {
-        if !s.procs[i].paused {
-            let mut fx = Effects::default();
+        if !s.procs[i].pid().paused {
+            let mut fx = P::Effects::default();
             s.procs[i].begin_tick(cfg, s.now, &mut fx);
-            s.effects(fx);
+            H::effects(s, fx);
         }
     }
 }
 
 /// Applies `mv` to `s`.
-pub fn apply(cfg: &Config, s: &mut State, mv: Move) {
+pub fn apply<R, P, H>(cfg: &P::Cfg, s: &mut Sim<R, P, H>, mv: Move<P>)
+where
+    R: Store<P>,
+    P: Process,
+    H: Ledger<R, P>,
+{
     let now = s.now;
     match mv {
         Move::Run {
@@ -186,22 +208,20 @@ pub fn apply(cfg: &Config, s: &mut State, mv: Move) {
             let (answer, published) = s.redis.run(cfg, now, request.op);
             for lost in [request.sent < now, lose_reply, lose_messages] {
                 if lost {
-                    s.history.lose();
+                    s.lose();
                 }
             }
-            if let Some(what) = published.filter(|_| !lose_messages) {
-                publish(cfg, s, what);
+            if !lose_messages {
+                for what in published {
+                    publish(cfg, s, what);
+                }
             }
-            if !lose_reply {
-                deliver(
-                    cfg,
-                    s,
-                    Reply {
-                        at: now,
-                        request,
-                        answer,
-                    },
-                );
+            // The reply reaches its process if it still awaits it and runs.
+            let p = &mut s.procs[usize::from(request.from)];
+            if !lose_reply && p.awaits(&request) && !p.pid().paused {
+                let mut fx = P::Effects::default();
+                p.on_reply(cfg, now, request, answer, &mut fx);
+                H::effects(s, fx);
             }
         }
         Move::Hear(m) => {
@@ -209,65 +229,63 @@ pub fn apply(cfg: &Config, s: &mut State, mv: Move) {
             hear(cfg, s, m);
         }
         Move::Repeat(m) => {
-            s.history.lose();
+            s.lose();
             hear(cfg, s, m);
         }
         Move::DropRequest(r) => {
             take(&mut s.net.requests, &r);
-            s.history.lose();
+            s.lose();
         }
         Move::DropMessage(m) => {
             take(&mut s.net.messages, &m);
-            s.history.lose();
+            s.lose();
         }
         Move::Tick { pause, choices } => {
             begin_tick(cfg, s, pause);
             for (i, choice) in choices.into_iter().enumerate() {
-                if !s.procs[i].paused {
-                    let mut fx = Effects::default();
+                if !s.procs[i].pid().paused {
+                    let mut fx = P::Effects::default();
                     s.procs[i].act(cfg, s.now, choice, &mut fx);
-                    s.effects(fx);
+                    H::effects(s, fx);
                 }
             }
-            let starving = crate::props::starving(s);
-            s.history.tick(starving);
+            H::ticked(s);
         }
     }
 }
 
-/// Every process subscribed now (a contender) hears `what`, each on its own connection:
-/// at once, or when it resumes.
-fn publish(cfg: &Config, s: &mut State, what: Publish) {
+/// Every process subscribed now hears `what`, each on its own connection: at once, or
+/// when it resumes.
+fn publish<R, P, H>(cfg: &P::Cfg, s: &mut Sim<R, P, H>, what: P::Publish)
+where
+    R: Store<P>,
+    P: Process,
+    H: Ledger<R, P>,
+{
     let now = s.now;
     let to: Vec<u8> = s
         .procs
         .iter()
-        .filter(|p| p.contending().is_some())
-        .map(|p| p.id)
+        .filter(|p| p.listens())
+        .map(|p| p.pid().id)
         .collect();
     for to in to {
         hear(cfg, s, Message { at: now, to, what });
     }
 }
 
-fn hear(cfg: &Config, s: &mut State, m: Message) {
+fn hear<R, P, H>(cfg: &P::Cfg, s: &mut Sim<R, P, H>, m: Message<P::Publish>)
+where
+    R: Store<P>,
+    P: Process,
+    H: Ledger<R, P>,
+{
     let p = &mut s.procs[usize::from(m.to)];
-    if p.paused {
+    if p.pid().paused {
         put(&mut s.net.messages, m);
         return;
     }
-    let mut fx = Effects::default();
+    let mut fx = P::Effects::default();
     p.hear(cfg, s.now, m.what, &mut fx);
-    s.effects(fx);
-}
-
-/// The reply reaches its process if it still awaits it and runs.
-fn deliver(cfg: &Config, s: &mut State, r: Reply) {
-    let p = &mut s.procs[usize::from(r.request.from)];
-    if !p.awaits(&r.request) || p.paused {
-        return;
-    }
-    let mut fx = Effects::default();
-    p.on_reply(cfg, s.now, r.request, r.answer, &mut fx);
-    s.effects(fx);
+    H::effects(s, fx);
 }

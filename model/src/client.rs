@@ -41,6 +41,7 @@
 use crate::config::{Config, Grants, Mode};
 use crate::net::Request;
 use crate::redis::{Answer, Op, Publish, Token};
+use crate::world::{Pid, Process};
 
 /// What a thread is doing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -107,8 +108,7 @@ pub enum Remote {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Proc {
-    pub id: u8,
-    pub paused: bool,
+    pub pid: Pid,
     pub threads: Vec<Thread>,
     pub remote: Remote,
     /// The one request the process awaits a reply to.
@@ -149,8 +149,7 @@ pub struct Effects {
 impl Proc {
     pub fn new(id: u8, cfg: &Config) -> Proc {
         Proc {
-            id,
-            paused: false,
+            pid: Pid { id, paused: false },
             threads: vec![
                 Thread {
                     role: Role::Idle,
@@ -208,80 +207,19 @@ impl Proc {
     fn new_token(&mut self) -> Token {
         self.tokens += 1;
         Token {
-            proc: self.id,
+            proc: self.pid.id,
             n: self.tokens,
         }
     }
 
     fn send(&mut self, now: u8, op: Op, awaited: bool, fx: &mut Effects) {
-        let request = Request {
-            sent: now,
-            from: self.id,
+        crate::net::send(
+            &mut fx.sent,
+            &mut self.pending,
+            (self.pid.id, now),
             op,
-        };
-        if awaited {
-            self.pending = Some(request);
-        }
-        fx.sent.push(request);
-    }
-
-    /// What the process's threads may do at the start of a tick (one thing per tick).
-    pub fn choices(&self, cfg: &Config, now: u8) -> Vec<Choice> {
-        let mut out = vec![Choice::Nothing];
-        if self.paused {
-            return out;
-        }
-        let free = |t: &Thread| t.role == Role::Idle && t.left > 0;
-        if cfg.free_arrivals && self.threads.iter().any(free) {
-            out.push(Choice::Lock);
-        }
-        if let Remote::Hold(h) = self.remote
-            && self.pending.is_none()
-        {
-            out.push(Choice::Unlock);
-            // A lock known lost is not handed on, and `extend` refuses it.
-            if now < h.valid_until {
-                if self.has_waiter() {
-                    out.push(Choice::HandOff);
-                }
-                if !h.extended {
-                    out.extend(cfg.extends.iter().map(|&e| Choice::Extend(e)));
-                }
-            }
-        }
-        out
-    }
-
-    /// The start of a tick for a running process, first: the read timeout of a request
-    /// unanswered since the last tick.
-    pub fn begin_tick(&mut self, cfg: &Config, now: u8, fx: &mut Effects) {
-        if self.timeout_due(cfg, now) {
-            self.give_up(cfg, now, fx);
-        }
-    }
-
-    /// Then what the threads chose, the watchdog's renewal and the contender's attempt,
-    /// if due.
-    pub fn act(&mut self, cfg: &Config, now: u8, choice: Choice, fx: &mut Effects) {
-        match choice {
-            Choice::Nothing => {}
-            Choice::Lock => {
-                let free = self
-                    .threads
-                    .iter()
-                    .position(|t| t.role == Role::Idle && t.left > 0);
-                if let Some(t) = free {
-                    self.lock(now, t, fx);
-                }
-            }
-            Choice::Extend(lease) => self.extend(now, lease, fx),
-            Choice::Unlock => self.unlock(cfg, now, false, fx),
-            Choice::HandOff => self.unlock(cfg, now, true, fx),
-        }
-        if self.renew_due(now) {
-            self.renew(now, fx);
-        }
-        self.react(cfg, now, fx);
+            awaited,
+        );
     }
 
     /// The contender attempts as soon as it is due: at its wake-up time, or once a
@@ -528,14 +466,153 @@ impl Proc {
             _ => {}
         }
     }
+}
+
+/// A lease change whose outcome is unknown (its reply lost or late): the lease may now
+/// be the new one, counted from any time after it was sent, so the validity can only
+/// shrink to what the new lease gives from `sent_at` (with `Rules::min_on_unknown`).
+/// The watchdog tries again shortly.
+fn unknown_change(h: &mut Hold, cfg: &Config, now: u8, request: &Request) {
+    let Op::Extend { lease, renew, .. } = request.op else {
+        return;
+    };
+    if cfg.rules.min_on_unknown {
+        let bound = (request.sent + lease).saturating_sub(cfg.drift);
+        h.valid_until = h.valid_until.min(bound);
+    }
+    if renew {
+        h.renew_at = now + cfg.renew_retry;
+    }
+}
+
+/// The adversary's handle on a process: its steps.
+impl Process for Proc {
+    type Cfg = Config;
+    type Op = Op;
+    type Answer = Answer;
+    type Publish = Publish;
+    type Choice = Choice;
+    type Effects = Effects;
+
+    fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    fn set_paused(&mut self, paused: bool) {
+        self.pid.paused = paused;
+    }
+
+    fn listens(&self) -> bool {
+        self.contending().is_some()
+    }
 
     /// Whether `request` is the one this process awaits.
-    pub fn awaits(&self, request: &Request) -> bool {
+    fn awaits(&self, request: &Request) -> bool {
         self.pending.as_ref() == Some(request)
     }
 
+    /// What the process's threads may do at the start of a tick (one thing per tick).
+    fn choices(&self, cfg: &Config, now: u8) -> Vec<Choice> {
+        let mut out = vec![Choice::Nothing];
+        if self.pid.paused {
+            return out;
+        }
+        let free = |t: &Thread| t.role == Role::Idle && t.left > 0;
+        if cfg.free_arrivals && self.threads.iter().any(free) {
+            out.push(Choice::Lock);
+        }
+        if let Remote::Hold(h) = self.remote
+            && self.pending.is_none()
+        {
+            out.push(Choice::Unlock);
+            // A lock known lost is not handed on, and `extend` refuses it.
+            if now < h.valid_until {
+                if self.has_waiter() {
+                    out.push(Choice::HandOff);
+                }
+                if !h.extended {
+                    out.extend(cfg.extends.iter().map(|&e| Choice::Extend(e)));
+                }
+            }
+        }
+        out
+    }
+
+    /// The start of a tick for a running process, first: the read timeout of a request
+    /// unanswered since the last tick.
+    fn begin_tick(&mut self, cfg: &Config, now: u8, fx: &mut Effects) {
+        if self.timeout_due(cfg, now) {
+            self.give_up(cfg, now, fx);
+        }
+    }
+
+    /// Then what the threads chose, the watchdog's renewal and the contender's attempt,
+    /// if due.
+    fn act(&mut self, cfg: &Config, now: u8, choice: Choice, fx: &mut Effects) {
+        match choice {
+            Choice::Nothing => {}
+            Choice::Lock => {
+                let free = self
+                    .threads
+                    .iter()
+                    .position(|t| t.role == Role::Idle && t.left > 0);
+                if let Some(t) = free {
+                    self.lock(now, t, fx);
+                }
+            }
+            Choice::Extend(lease) => self.extend(now, lease, fx),
+            Choice::Unlock => self.unlock(cfg, now, false, fx),
+            Choice::HandOff => self.unlock(cfg, now, true, fx),
+        }
+        if self.renew_due(now) {
+            self.renew(now, fx);
+        }
+        self.react(cfg, now, fx);
+    }
+
+    /// A published message reaches this process.
+    fn hear(&mut self, cfg: &Config, now: u8, what: Publish, fx: &mut Effects) {
+        let Remote::Contend {
+            token,
+            heard,
+            grant,
+            ..
+        } = &mut self.remote
+        else {
+            return;
+        };
+        match what {
+            Publish::Granted {
+                token: to, fence, ..
+            } if cfg.rules.grants == Grants::FromHearing && to == *token => {
+                // The unsafe variant: the message is taken for the lock, valid for the grant
+                // lease from now.
+                let token = *token;
+                // An attempt in flight is forgotten.
+                self.pending = None;
+                let valid_until = (now + cfg.grant_lease).saturating_sub(cfg.drift);
+                let renew_at = now + cfg.renew_every(cfg.grant_lease);
+                self.begin_granted(cfg, token, fence, valid_until, renew_at, fx);
+            }
+            Publish::Granted {
+                token: to,
+                nonce,
+                fence,
+            } if to == *token => {
+                // Kept for the contender, which judges it before its next attempt.
+                *grant = Some((nonce, fence));
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+            _ => {
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+        }
+    }
+
     /// The reply to the pending request arrives.
-    pub fn on_reply(
+    fn on_reply(
         &mut self,
         cfg: &Config,
         now: u8,
@@ -607,63 +684,5 @@ impl Proc {
             (Op::Release { .. }, _, Remote::Releasing) => self.next_contender(now, fx),
             _ => {}
         }
-    }
-
-    /// A published message reaches this process.
-    pub fn hear(&mut self, cfg: &Config, now: u8, what: Publish, fx: &mut Effects) {
-        let Remote::Contend {
-            token,
-            heard,
-            grant,
-            ..
-        } = &mut self.remote
-        else {
-            return;
-        };
-        match what {
-            Publish::Granted {
-                token: to, fence, ..
-            } if cfg.rules.grants == Grants::FromHearing && to == *token => {
-                // The unsafe variant: the message is taken for the lock, valid for the grant
-                // lease from now.
-                let token = *token;
-                // An attempt in flight is forgotten.
-                self.pending = None;
-                let valid_until = (now + cfg.grant_lease).saturating_sub(cfg.drift);
-                let renew_at = now + cfg.renew_every(cfg.grant_lease);
-                self.begin_granted(cfg, token, fence, valid_until, renew_at, fx);
-            }
-            Publish::Granted {
-                token: to,
-                nonce,
-                fence,
-            } if to == *token => {
-                // Kept for the contender, which judges it before its next attempt.
-                *grant = Some((nonce, fence));
-                *heard = true;
-                self.react(cfg, now, fx);
-            }
-            _ => {
-                *heard = true;
-                self.react(cfg, now, fx);
-            }
-        }
-    }
-}
-
-/// A lease change whose outcome is unknown (its reply lost or late): the lease may now
-/// be the new one, counted from any time after it was sent, so the validity can only
-/// shrink to what the new lease gives from `sent_at` (with `Rules::min_on_unknown`).
-/// The watchdog tries again shortly.
-fn unknown_change(h: &mut Hold, cfg: &Config, now: u8, request: &Request) {
-    let Op::Extend { lease, renew, .. } = request.op else {
-        return;
-    };
-    if cfg.rules.min_on_unknown {
-        let bound = (request.sent + lease).saturating_sub(cfg.drift);
-        h.valid_until = h.valid_until.min(bound);
-    }
-    if renew {
-        h.renew_at = now + cfg.renew_retry;
     }
 }

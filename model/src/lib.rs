@@ -13,9 +13,10 @@
 //! |---|---|
 //! | `config.rs` | bounds, durations (ticks), protocol variants |
 //! | `redis.rs` | Redis state; the scripts (`proto::scripts`, `proto::fair_scripts`) |
+//! | `world.rs` | what every model is made of, and the traits the adversary drives |
 //! | `net.rs` | requests, replies, messages in flight |
 //! | `client.rs` | a process: threads, local handoff, contender, watchdog, extend, release |
-//! | `adversary.rs` | network, pauses, time |
+//! | `adversary.rs` | network, pauses, time (for every model) |
 //! | `props.rs` | the properties and the history they read |
 //! | `system.rs` | the `stateright::Model` tying them together |
 //! | `shared/` | the same for read-write locks and semaphores: their scripts and grants |
@@ -32,6 +33,7 @@ pub mod props;
 pub mod redis;
 pub mod shared;
 pub mod system;
+pub mod world;
 
 use std::fmt::Debug;
 use std::hash::Hash;
@@ -39,11 +41,10 @@ use std::time::{Duration, Instant};
 
 use stateright::{Checker, HasDiscoveries, Model};
 
-pub use adversary::Move;
 pub use config::{Config, Grants, Mode, Rules};
 pub use shared::SharedModel;
 pub use shared::config::{SharedConfig, Want};
-pub use system::{LockModel, State};
+pub use system::{LockModel, Move, State};
 
 /// The outcome of a check.
 #[derive(Debug)]
@@ -60,6 +61,35 @@ pub struct Report {
     pub never: Vec<&'static str>,
     /// Whether every state within the bounds was visited.
     pub complete: bool,
+}
+
+impl Report {
+    /// Prints the figures and the path to each violation; panics unless the check
+    /// finished with none.
+    pub fn assert_holds(&self) {
+        println!(
+            "{} states, depth {}, {:.1?}",
+            self.states, self.depth, self.elapsed
+        );
+        for (name, steps, path) in &self.violations {
+            println!("VIOLATED {name} after {steps} steps:\n{path}");
+        }
+        assert!(self.complete, "the check did not finish");
+        assert!(self.violations.is_empty(), "violations: see above");
+    }
+
+    /// Prints the path to each violation; the length of the shortest path found to a
+    /// violation of `property`, and a panic if there is none.
+    pub fn assert_broken(&self, property: &str) -> usize {
+        for (name, steps, path) in &self.violations {
+            println!(
+                "{name}: a path of {steps} steps ({} states, {:.1?}):\n{path}",
+                self.states, self.elapsed
+            );
+        }
+        let found = self.violations.iter().find(|v| v.0 == property);
+        found.expect("the checker finds the violation").1
+    }
 }
 
 /// Checks `cfg` breadth-first on `threads` threads. With `until`, stops once that

@@ -70,3 +70,23 @@ pub fn take<T: PartialEq>(items: &mut Vec<T>, item: &T) -> bool {
         None => false,
     }
 }
+
+/// Process `from` sends `op` at `now`: into `sent` (what the step put in flight), and into
+/// `pending` when it awaits the reply.
+pub fn send<O: Copy>(
+    sent: &mut Vec<Request<O>>,
+    pending: &mut Option<Request<O>>,
+    (from, now): (u8, u8),
+    op: O,
+    awaited: bool,
+) {
+    let request = Request {
+        sent: now,
+        from,
+        op,
+    };
+    if awaited {
+        *pending = Some(request);
+    }
+    sent.push(request);
+}

@@ -42,10 +42,6 @@ pub struct History {
     pub token_regressed: bool,
     /// Ticks in a row with a starving waiter, since the last fault.
     pub starving: u8,
-    /// Pauses the adversary may still begin.
-    pub pauses_left: u8,
-    /// Faults the adversary may still cause (see `Config::faults`).
-    pub faults_left: u8,
 }
 
 impl History {
@@ -59,12 +55,6 @@ impl History {
 
     pub fn fault(&mut self) {
         self.starving = 0;
-    }
-
-    /// Something in flight was lost, or a request ran late.
-    pub fn lose(&mut self) {
-        self.faults_left -= 1;
-        self.fault();
     }
 
     /// Time advanced; `starving` says whether a waiter starves at the new tick.
@@ -88,7 +78,7 @@ pub fn believers(s: &State) -> usize {
 /// holder's lease ran out): it does not count.
 pub fn starving(s: &State) -> bool {
     s.redis.lock.is_none()
-        && s.procs.iter().all(|p| !p.paused)
+        && s.procs.iter().all(|p| !p.pid.paused)
         && s.procs.iter().any(|p| {
             p.has_waiter() && p.hold().is_none() && {
                 let own = p.contending();

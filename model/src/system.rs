@@ -4,22 +4,20 @@
 
 use stateright::{Model, Property};
 
-use crate::adversary::{self, Move};
+use crate::adversary::{self, Bounds};
 use crate::client::{Effects, Proc};
 use crate::config::Config;
 use crate::net::{Net, put};
 use crate::props::{self, History};
-use crate::redis::Redis;
+use crate::redis::{Answer, Op, Publish, Redis};
+use crate::world::{Budget, Ledger, Sim, Store};
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct State {
-    /// The current tick (every clock reads it: clocks are exact).
-    pub now: u8,
-    pub redis: Redis,
-    pub procs: Vec<Proc>,
-    pub net: Net,
-    pub history: History,
-}
+/// The whole system: the current tick, Redis, the clients, what is in flight, and the
+/// history the properties read.
+pub type State = Sim<Redis, Proc, History>;
+
+/// One move of the adversary on the lock.
+pub type Move = adversary::Move<Proc>;
 
 /// The model checked: a configuration.
 #[derive(Clone, Debug)]
@@ -34,33 +32,58 @@ impl LockModel {
     }
 }
 
-impl State {
-    /// Records what a client step did outside its process.
-    pub fn effects(&mut self, fx: Effects) {
+impl Bounds for Config {
+    fn max_delay(&self) -> u8 {
+        self.max_delay
+    }
+    fn horizon(&self) -> u8 {
+        self.horizon
+    }
+}
+
+impl Store<Proc> for Redis {
+    fn run(&mut self, cfg: &Config, now: u8, op: Op) -> (Answer, Vec<Publish>) {
+        let (answer, published) = Redis::run(self, cfg, now, op);
+        (answer, published.into_iter().collect())
+    }
+
+    fn expire(&mut self, now: u8) {
+        Redis::expire(self, now);
+    }
+}
+
+impl Ledger<Redis, Proc> for History {
+    fn fault(&mut self) {
+        History::fault(self);
+    }
+
+    fn effects(s: &mut State, fx: Effects) {
         for r in fx.sent {
-            put(&mut self.net.requests, r);
+            put(&mut s.net.requests, r);
         }
         if let Some(token) = fx.began {
-            self.history.began(token);
+            s.history.began(token);
         }
         if let Some(token) = fx.trusted {
-            self.redis.trusted(token);
+            s.redis.trusted(token);
         }
         if fx.timed_out {
-            self.history.fault();
+            s.history.fault();
         }
     }
 
-    /// Forgets what can no longer change anything, so that equal situations are equal
-    /// states: the order of a process's threads (they are interchangeable) and messages
-    /// to processes that no longer listen.
-    fn tidy(&mut self) {
-        self.procs.iter_mut().for_each(Proc::sort_threads);
-        let procs = &self.procs;
-        self.net
-            .messages
-            .retain(|m| procs[usize::from(m.to)].contending().is_some());
+    fn ticked(s: &mut State) {
+        let starving = props::starving(s);
+        s.history.tick(starving);
     }
+}
+
+/// Forgets what can no longer change anything, so that equal situations are equal
+/// states: the order of a process's threads (they are interchangeable) and messages to
+/// processes that no longer listen.
+fn tidy(s: &mut State) {
+    s.procs.iter_mut().for_each(Proc::sort_threads);
+    s.forget_unheard();
 }
 
 impl Model for LockModel {
@@ -69,16 +92,16 @@ impl Model for LockModel {
 
     fn init_states(&self) -> Vec<State> {
         let cfg = &self.cfg;
-        let mut s = State {
+        let mut s = Sim {
             now: 0,
             redis: Redis::default(),
             procs: (0..cfg.procs).map(|id| Proc::new(id, cfg)).collect(),
             net: Net::default(),
-            history: History {
+            budget: Budget {
                 pauses_left: cfg.pauses,
                 faults_left: cfg.faults,
-                ..History::default()
             },
+            history: History::default(),
         };
         if !cfg.free_arrivals {
             // Every thread calls `lock()` at the start.
@@ -86,11 +109,11 @@ impl Model for LockModel {
                 for t in 0..s.procs[p].threads.len() {
                     let mut fx = Effects::default();
                     s.procs[p].lock(0, t, &mut fx);
-                    s.effects(fx);
+                    History::effects(&mut s, fx);
                 }
             }
         }
-        s.tidy();
+        tidy(&mut s);
         vec![s]
     }
 
@@ -101,7 +124,7 @@ impl Model for LockModel {
     fn next_state(&self, last: &State, mv: Move) -> Option<State> {
         let mut s = last.clone();
         adversary::apply(&self.cfg, &mut s, mv);
-        s.tidy();
+        tidy(&mut s);
         Some(s)
     }
 

@@ -13,15 +13,7 @@ fn ci_configuration_holds_every_property() {
     let cfg = Config::ci();
     println!("checking {cfg:?}");
     let report = check(cfg, THREADS, None);
-    println!(
-        "{} states, depth {}, {:.1?} on {THREADS} threads",
-        report.states, report.depth, report.elapsed
-    );
-    for (name, steps, path) in &report.violations {
-        println!("VIOLATED {name} after {steps} steps:\n{path}");
-    }
-    assert!(report.complete, "the check did not finish");
-    assert!(report.violations.is_empty(), "violations: see above");
+    report.assert_holds();
     assert!(
         report.never.is_empty(),
         "paths never taken: {:?}",
@@ -32,15 +24,7 @@ fn ci_configuration_holds_every_property() {
 /// Checks `cfg` until `property` is violated, and returns the length of the shortest path
 /// to that (a variant may break other properties on the way: they are printed too).
 fn violation(cfg: Config, property: &'static str) -> usize {
-    let report = check(cfg, THREADS, Some(property));
-    for (name, steps, path) in &report.violations {
-        println!(
-            "{name}: a path of {steps} steps ({} states, {:.1?}):\n{path}",
-            report.states, report.elapsed
-        );
-    }
-    let found = report.violations.iter().find(|v| v.0 == property);
-    found.expect("the checker finds the violation").1
+    check(cfg, THREADS, Some(property)).assert_broken(property)
 }
 
 #[test]
@@ -119,11 +103,7 @@ fn confirmed_grants_hold_every_property() {
         horizon: 4,
         ..Config::ci().with_grants(Grants::Confirmed)
     };
-    let report = check(cfg, THREADS, None);
-    for (name, steps, path) in &report.violations {
-        println!("VIOLATED {name} after {steps} steps:\n{path}");
-    }
-    assert!(report.complete && report.violations.is_empty());
+    check(cfg, THREADS, None).assert_holds();
 }
 
 /// The starvation bound is tight: one tick less and the checker finds a waiter left
@@ -147,11 +127,7 @@ fn plain_scripts_hold_every_property() {
         ..Config::ci().plain()
     };
     let report = check(cfg, THREADS, None);
-    println!("plain: {} states, {:.1?}", report.states, report.elapsed);
-    for (name, steps, path) in &report.violations {
-        println!("VIOLATED {name} after {steps} steps:\n{path}");
-    }
-    assert!(report.complete && report.violations.is_empty());
+    report.assert_holds();
     assert!(
         report.never.is_empty(),
         "paths never taken: {:?}",
@@ -164,9 +140,10 @@ fn plain_scripts_hold_every_property() {
 #[ignore = "the long check: run with --release -- --ignored"]
 fn deep_configuration_holds_every_property() {
     let report = check(Config::deep(), THREADS, None);
-    println!(
-        "{} states, depth {}, {:.1?}",
-        report.states, report.depth, report.elapsed
+    report.assert_holds();
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
     );
-    assert!(report.complete && report.violations.is_empty() && report.never.is_empty());
 }

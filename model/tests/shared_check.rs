@@ -11,29 +11,13 @@ const THREADS: usize = 2;
 fn holds(cfg: SharedConfig) -> Report {
     println!("checking {cfg:?}");
     let report = check_shared(cfg, THREADS, None);
-    println!(
-        "{} states, depth {}, {:.1?} on {THREADS} threads",
-        report.states, report.depth, report.elapsed
-    );
-    for (name, steps, path) in &report.violations {
-        println!("VIOLATED {name} after {steps} steps:\n{path}");
-    }
-    assert!(report.complete, "the check did not finish");
-    assert!(report.violations.is_empty(), "violations: see above");
+    report.assert_holds();
     report
 }
 
 /// Checks `cfg` until exclusion breaks; the length of the shortest path found.
 fn breaks(cfg: SharedConfig) -> usize {
-    let report = check_shared(cfg, THREADS, Some(EXCLUSION));
-    for (name, steps, path) in &report.violations {
-        println!(
-            "{name}: a path of {steps} steps ({} states, {:.1?}):\n{path}",
-            report.states, report.elapsed
-        );
-    }
-    let found = report.violations.iter().find(|v| v.0 == EXCLUSION);
-    found.expect("the checker finds the overlap").1
+    check_shared(cfg, THREADS, Some(EXCLUSION)).assert_broken(EXCLUSION)
 }
 
 #[test]

@@ -22,6 +22,7 @@ use crate::config::Grants;
 use crate::net::Request;
 use crate::shared::config::{SharedConfig, Want};
 use crate::shared::redis::{Answer, Member, Op, Publish};
+use crate::world::{Pid, Process};
 
 /// A request of the shared scripts.
 pub type SharedRequest = Request<Op>;
@@ -54,9 +55,8 @@ pub enum Phase {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Proc {
-    pub id: u8,
+    pub pid: Pid,
     pub want: Want,
-    pub paused: bool,
     pub phase: Phase,
     /// The latest attempt's nonce and when it was sent.
     pub nonce: u8,
@@ -80,17 +80,14 @@ pub struct Effects {
     pub sent: Vec<SharedRequest>,
     /// A hold of this kind began, with this fence.
     pub began: Option<(Want, u8)>,
-    /// A request went unanswered.
-    pub timed_out: bool,
 }
 
 impl Proc {
     /// A process that begins its wait at tick 0: subscribed, then its first attempt.
     pub fn new(cfg: &SharedConfig, id: u8, want: Want, fx: &mut Effects) -> Proc {
         let mut p = Proc {
-            id,
+            pid: Pid { id, paused: false },
             want,
-            paused: false,
             phase: Phase::Wait {
                 wake: 0,
                 heard: false,
@@ -108,7 +105,7 @@ impl Proc {
     pub fn member(&self) -> Member {
         Member {
             want: self.want,
-            proc: self.id,
+            proc: self.pid.id,
         }
     }
 
@@ -129,67 +126,14 @@ impl Proc {
         self.hold().is_some_and(|h| now < h.valid_until)
     }
 
-    pub fn awaits(&self, request: &SharedRequest) -> bool {
-        self.pending.as_ref() == Some(request)
-    }
-
     fn send(&mut self, now: u8, op: Op, awaited: bool, fx: &mut Effects) {
-        let request = Request {
-            sent: now,
-            from: self.id,
+        crate::net::send(
+            &mut fx.sent,
+            &mut self.pending,
+            (self.pid.id, now),
             op,
-        };
-        if awaited {
-            self.pending = Some(request);
-        }
-        fx.sent.push(request);
-    }
-
-    pub fn choices(&self) -> Vec<Choice> {
-        let mut out = vec![Choice::Nothing];
-        if !self.paused && self.hold().is_some() && self.pending.is_none() {
-            out.push(Choice::Release);
-        }
-        out
-    }
-
-    /// The start of a tick: the read timeout of a request unanswered.
-    pub fn begin_tick(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) {
-        let Some(request) = self.pending else {
-            return;
-        };
-        if now < request.sent + cfg.timeout {
-            return;
-        }
-        self.pending = None;
-        fx.timed_out = true;
-        match (&mut self.phase, request.op) {
-            (Phase::Wait { .. }, Op::Acquire { .. }) => {
-                self.send(now, Op::Leave { m: self.member() }, false, fx);
-                self.phase = Phase::Done;
-            }
-            (Phase::Hold(h), Op::Extend { .. }) => {
-                let bound = (request.sent + cfg.lease).saturating_sub(cfg.drift);
-                h.valid_until = h.valid_until.min(bound);
-                h.renew_at = now + cfg.renew_retry;
-            }
-            _ => {}
-        }
-    }
-
-    pub fn act(&mut self, cfg: &SharedConfig, now: u8, choice: Choice, fx: &mut Effects) {
-        if choice == Choice::Release {
-            self.send(now, Op::Release { m: self.member() }, false, fx);
-            self.phase = Phase::Done;
-        }
-        if let Phase::Hold(h) = self.phase
-            && self.pending.is_none()
-            && now >= h.renew_at
-            && now < h.valid_until
-        {
-            self.send(now, Op::Extend { m: self.member() }, true, fx);
-        }
-        self.react(cfg, now, fx);
+            awaited,
+        );
     }
 
     /// A waiter between attempts attempts when woken or due.
@@ -254,8 +198,110 @@ impl Proc {
         });
         fx.began = Some((self.want, fence));
     }
+}
 
-    pub fn on_reply(
+/// The adversary's handle on a process: its steps.
+impl Process for Proc {
+    type Cfg = SharedConfig;
+    type Op = Op;
+    type Answer = Answer;
+    type Publish = Publish;
+    type Choice = Choice;
+    type Effects = Effects;
+
+    fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    fn set_paused(&mut self, paused: bool) {
+        self.pid.paused = paused;
+    }
+
+    fn listens(&self) -> bool {
+        self.waits()
+    }
+
+    fn awaits(&self, request: &SharedRequest) -> bool {
+        self.pending.as_ref() == Some(request)
+    }
+
+    fn choices(&self, _: &SharedConfig, _: u8) -> Vec<Choice> {
+        let mut out = vec![Choice::Nothing];
+        if !self.pid.paused && self.hold().is_some() && self.pending.is_none() {
+            out.push(Choice::Release);
+        }
+        out
+    }
+
+    /// The start of a tick: the read timeout of a request unanswered.
+    fn begin_tick(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) {
+        let Some(request) = self.pending else {
+            return;
+        };
+        if now < request.sent + cfg.timeout {
+            return;
+        }
+        self.pending = None;
+        match (&mut self.phase, request.op) {
+            (Phase::Wait { .. }, Op::Acquire { .. }) => {
+                self.send(now, Op::Leave { m: self.member() }, false, fx);
+                self.phase = Phase::Done;
+            }
+            (Phase::Hold(h), Op::Extend { .. }) => {
+                let bound = (request.sent + cfg.lease).saturating_sub(cfg.drift);
+                h.valid_until = h.valid_until.min(bound);
+                h.renew_at = now + cfg.renew_retry;
+            }
+            _ => {}
+        }
+    }
+
+    fn act(&mut self, cfg: &SharedConfig, now: u8, choice: Choice, fx: &mut Effects) {
+        if choice == Choice::Release {
+            self.send(now, Op::Release { m: self.member() }, false, fx);
+            self.phase = Phase::Done;
+        }
+        if let Phase::Hold(h) = self.phase
+            && self.pending.is_none()
+            && now >= h.renew_at
+            && now < h.valid_until
+        {
+            self.send(now, Op::Extend { m: self.member() }, true, fx);
+        }
+        self.react(cfg, now, fx);
+    }
+
+    /// A message reaches the process (only a waiter listens).
+    fn hear(&mut self, cfg: &SharedConfig, now: u8, what: Publish, fx: &mut Effects) {
+        let me = self.member();
+        let Phase::Wait { heard, grant, .. } = &mut self.phase else {
+            return;
+        };
+        match what {
+            Publish::Grant { to, fence, .. } if to == me && cfg.grants == Grants::FromHearing => {
+                // The unsafe variant: the message is the hold, for the grant lease from now.
+                self.pending = None;
+                let valid_until = (now + cfg.grant_lease).saturating_sub(cfg.drift);
+                self.begin(fence, valid_until, now + cfg.renew_every(), true, fx);
+            }
+            Publish::Grant { to, nonce, fence } if to == me => {
+                *grant = Some((nonce, fence));
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+            Publish::Wake(to) if to == me => {
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+            Publish::Free => {
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+            _ => {}
+        }
+    }
+
+    fn on_reply(
         &mut self,
         cfg: &SharedConfig,
         now: u8,
@@ -292,36 +338,6 @@ impl Proc {
                 h.renew_at = request.sent + cfg.renew_every();
             }
             (Op::Extend { .. }, _, Phase::Hold(h)) => h.valid_until = h.valid_until.min(now),
-            _ => {}
-        }
-    }
-
-    /// A message reaches the process (only a waiter listens).
-    pub fn hear(&mut self, cfg: &SharedConfig, now: u8, what: Publish, fx: &mut Effects) {
-        let me = self.member();
-        let Phase::Wait { heard, grant, .. } = &mut self.phase else {
-            return;
-        };
-        match what {
-            Publish::Grant { to, fence, .. } if to == me && cfg.grants == Grants::FromHearing => {
-                // The unsafe variant: the message is the hold, for the grant lease from now.
-                self.pending = None;
-                let valid_until = (now + cfg.grant_lease).saturating_sub(cfg.drift);
-                self.begin(fence, valid_until, now + cfg.renew_every(), true, fx);
-            }
-            Publish::Grant { to, nonce, fence } if to == me => {
-                *grant = Some((nonce, fence));
-                *heard = true;
-                self.react(cfg, now, fx);
-            }
-            Publish::Wake(to) if to == me => {
-                *heard = true;
-                self.react(cfg, now, fx);
-            }
-            Publish::Free => {
-                *heard = true;
-                self.react(cfg, now, fx);
-            }
             _ => {}
         }
     }

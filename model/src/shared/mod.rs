@@ -1,18 +1,16 @@
 //! A model of the holds several owners share: a read-write lock's read and write holds
 //! and a semaphore's permits, with the grants their releases make (`proto::rw_scripts`),
-//! checked as the lock is (`crate::system`) and by the same adversary's moves: requests
-//! run in any order, late or never, replies and messages lost or duplicated, a process
-//! paused, time advancing.
+//! checked as the lock is (`crate::system`) and moved by the same adversary
+//! (`crate::adversary`): requests run in any order, late or never, replies and messages
+//! lost or duplicated, a process paused, time advancing.
 //!
 //! | file | job |
 //! |---|---|
-//! | `config.rs` | bounds, durations, the grant variant |
+//! | `config.rs` | bounds, durations, the variants |
 //! | `redis.rs` | the sorted sets, marks, nonces, fence counter; the scripts |
 //! | `client.rs` | a process: wait, grants, renewals, release |
-//! | `adversary.rs` | the moves |
 //! | `props.rs` | exclusion, fencing, and the paths taken |
 
-pub mod adversary;
 pub mod client;
 pub mod config;
 pub mod props;
@@ -20,25 +18,58 @@ pub mod redis;
 
 use stateright::{Model, Property};
 
+use crate::adversary::{self, Bounds};
 use crate::net::{Net, put};
-use crate::shared::adversary::Move;
 use crate::shared::client::{Effects, Proc};
-use crate::shared::config::SharedConfig;
-use crate::shared::redis::{Op, Publish, Redis};
+use crate::shared::config::{SharedConfig, Want};
+use crate::shared::redis::{Answer, Op, Publish, Redis};
+use crate::world::{Budget, Ledger, Sim, Store};
 
 /// The whole system.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct State {
-    pub now: u8,
-    pub redis: Redis,
-    pub procs: Vec<Proc>,
-    pub net: Net<Op, Publish>,
-    /// The last write hold's fence, and whether a write hold began with a fence not
-    /// above it.
+pub type State = Sim<Redis, Proc, History>;
+
+/// One move of the adversary on the shared holds.
+pub type Move = adversary::Move<Proc>;
+
+/// The write fences seen.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct History {
+    /// The last write hold's fence.
     pub last_fence: u8,
+    /// A write hold began with a fence not above the one before.
     pub fence_regressed: bool,
-    pub pauses_left: u8,
-    pub faults_left: u8,
+}
+
+impl Ledger<Redis, Proc> for History {
+    fn effects(s: &mut State, fx: Effects) {
+        for r in fx.sent {
+            put(&mut s.net.requests, r);
+        }
+        if let Some((Want::Write, fence)) = fx.began {
+            let h = &mut s.history;
+            h.fence_regressed |= fence <= h.last_fence;
+            h.last_fence = fence;
+        }
+    }
+}
+
+impl Store<Proc> for Redis {
+    fn run(&mut self, cfg: &SharedConfig, now: u8, op: Op) -> (Answer, Vec<Publish>) {
+        Redis::run(self, cfg, now, op)
+    }
+
+    fn expire(&mut self, now: u8) {
+        Redis::expire(self, now);
+    }
+}
+
+impl Bounds for SharedConfig {
+    fn max_delay(&self) -> u8 {
+        self.max_delay
+    }
+    fn horizon(&self) -> u8 {
+        self.horizon
+    }
 }
 
 /// The model checked: a configuration.
@@ -54,49 +85,27 @@ impl SharedModel {
     }
 }
 
-impl State {
-    /// Records what a process's step did outside it.
-    pub fn effects(&mut self, fx: Effects) {
-        for r in fx.sent {
-            put(&mut self.net.requests, r);
-        }
-        if let Some((crate::shared::config::Want::Write, fence)) = fx.began {
-            if fence <= self.last_fence {
-                self.fence_regressed = true;
-            }
-            self.last_fence = fence;
-        }
-    }
-
-    /// Messages to processes that no longer listen change nothing.
-    fn tidy(&mut self) {
-        let procs = &self.procs;
-        self.net
-            .messages
-            .retain(|m| procs[usize::from(m.to)].waits());
-    }
-}
-
 impl Model for SharedModel {
     type State = State;
     type Action = Move;
 
     fn init_states(&self) -> Vec<State> {
         let cfg = &self.cfg;
-        let mut s = State {
+        let mut s = Sim {
             now: 0,
             redis: Redis::default(),
             procs: Vec::new(),
             net: Net::default(),
-            last_fence: 0,
-            fence_regressed: false,
-            pauses_left: cfg.pauses,
-            faults_left: cfg.faults,
+            budget: Budget {
+                pauses_left: cfg.pauses,
+                faults_left: cfg.faults,
+            },
+            history: History::default(),
         };
         for (id, &want) in (0u8..).zip(&cfg.wants) {
             let mut fx = Effects::default();
             s.procs.push(Proc::new(cfg, id, want, &mut fx));
-            s.effects(fx);
+            History::effects(&mut s, fx);
         }
         vec![s]
     }
@@ -108,7 +117,7 @@ impl Model for SharedModel {
     fn next_state(&self, last: &State, mv: Move) -> Option<State> {
         let mut s = last.clone();
         adversary::apply(&self.cfg, &mut s, mv);
-        s.tidy();
+        s.forget_unheard();
         Some(s)
     }
 

@@ -41,7 +41,9 @@ fn trusted(s: &State, want: Want) -> bool {
 pub fn properties(cfg: &SharedConfig) -> Vec<Property<SharedModel>> {
     let mut props = vec![
         Property::always(EXCLUSION, |m: &SharedModel, s: &State| excluded(&m.cfg, s)),
-        Property::always("write fences increase", |_, s: &State| !s.fence_regressed),
+        Property::always("write fences increase", |_, s: &State| {
+            !s.history.fence_regressed
+        }),
     ];
     if cfg.grants != Grants::Trusted {
         return props;

@@ -278,14 +278,7 @@ impl Redis {
     fn grant_first(&mut self, cfg: &SharedConfig, now: u8, out: &mut Vec<Publish>) -> bool {
         if let Some(w) = first(&self.writers, now) {
             self.fence += 1;
-            zadd(&mut self.holds, w.member, now + cfg.grant_lease);
-            zrem(&mut self.writers, w.member);
-            let nonce = self.take_nonce(w.member);
-            out.push(Publish::Grant {
-                to: w.member,
-                nonce,
-                fence: self.fence,
-            });
+            self.grant(cfg, now, w.member, self.fence, out);
             return true;
         }
         let readers: Vec<Member> = live(&self.readers, now).map(|e| e.member).collect();
@@ -294,16 +287,22 @@ impl Redis {
             return false;
         }
         for r in readers {
-            zadd(&mut self.holds, r, now + cfg.grant_lease);
-            zrem(&mut self.readers, r);
-            let nonce = self.take_nonce(r);
-            out.push(Publish::Grant {
-                to: r,
-                nonce,
-                fence: self.fence,
-            });
+            self.grant(cfg, now, r, self.fence, out);
         }
         true
+    }
+
+    /// `m`, marked waiting, is held for the grant lease; its mark and nonce go, and the
+    /// message tells it that nonce and `fence`.
+    fn grant(&mut self, cfg: &SharedConfig, now: u8, m: Member, fence: u8, out: &mut Vec<Publish>) {
+        zadd(&mut self.holds, m, now + cfg.grant_lease);
+        zrem(self.marks(m.want), m);
+        let nonce = self.take_nonce(m);
+        out.push(Publish::Grant {
+            to: m,
+            nonce,
+            fence,
+        });
     }
 
     /// `grant_permit`: a free permit to the permit-seeker waiting longest, or the
@@ -317,14 +316,7 @@ impl Redis {
     ) -> bool {
         match first(&self.writers, now) {
             Some(w) if left < usize::from(cfg.permits) => {
-                zadd(&mut self.holds, w.member, now + cfg.grant_lease);
-                zrem(&mut self.writers, w.member);
-                let nonce = self.take_nonce(w.member);
-                out.push(Publish::Grant {
-                    to: w.member,
-                    nonce,
-                    fence: 0,
-                });
+                self.grant(cfg, now, w.member, 0, out);
                 true
             }
             _ => {
