@@ -481,6 +481,15 @@ pub enum LostReason {
     /// assert_eq!(r.to_string(), "renewals stopped: the watchdog thread failed");
     /// ```
     WatchdogFailed,
+    /// An upgrade of this upgradable read went unanswered: it may have turned the hold
+    /// into the write hold in Redis, which the library then gave back, so the upgradable
+    /// read may be gone.
+    ///
+    /// ```
+    /// let r = redbaton::LostReason::Converted;
+    /// assert_eq!(r.to_string(), "an unanswered upgrade may have replaced it");
+    /// ```
+    Converted,
 }
 
 impl fmt::Display for LostReason {
@@ -492,6 +501,7 @@ impl fmt::Display for LostReason {
             LostReason::HoldLimit => "hold-time limit reached",
             LostReason::NoQuorum => "held on fewer than a majority of nodes",
             LostReason::WatchdogFailed => "renewals stopped: the watchdog thread failed",
+            LostReason::Converted => "an unanswered upgrade may have replaced it",
         })
     }
 }

@@ -2,8 +2,9 @@
 //! redis-server: an upgrade waits for the readers of other processes and wins with no
 //! writer in between, a waiting upgrade holds new readers back, a downgrade keeps a
 //! waiting writer out while readers join, upgradable reads exclude each other across
-//! processes, renewals never report a converted hold lost, the same on every master of a
-//! Cluster, and bad input or paths give typed errors and leave nothing in Redis.
+//! processes, renewals never report a converted hold lost, an upgrade that went unanswered
+//! leaves its guard lost (the write hold it may have made is given back), the same on every
+//! master of a Cluster, and bad input or paths give typed errors and leave nothing in Redis.
 //!
 //! Children report through Redis keys the parent reads (`writer_in`, `reader_in`) and stop
 //! when the parent sets `stop`: the parent orders events by what it can observe, never by
@@ -13,11 +14,12 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{Error, HoldKind, LockClient, ReadGuard, Unlocked, WriteGuard};
+use redbaton::{Error, HoldKind, LockClient, LostReason, ReadGuard, Unlocked, WriteGuard};
 use redbaton_testkit::child;
 use redbaton_testkit::child_only;
 use redbaton_testkit::lock_client;
 use redbaton_testkit::ms;
+use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::{test_server, test_server_and};
 
@@ -498,6 +500,79 @@ fn renewals_never_cross_a_conversion() {
     assert!(stats.renewals_sent > 0, "{stats:?}");
     assert_eq!(stats.locks_lost, 0, "{stats:?}");
     assert_only_fences(&srv);
+}
+
+/// An upgrade that goes unanswered may have run: the upgradable read is then the write
+/// hold in Redis, which the library gives back (the upgrade's outcome is unknown), and a
+/// writer waiting behind it gets in. The guard given back must not go on claiming the
+/// upgradable read meanwhile: its `check` says lost, converted.
+#[test]
+fn an_unanswered_upgrade_leaves_no_upgradable_read_believed() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let a = lock_client!(
+        node(proxy.url()),
+        key_prefix(PREFIX),
+        lease(Duration::from_secs(20)),
+        io_timeouts(ms(300))
+    );
+    // The server knows the upgrade's script: an unknown one's `EVALSHA` runs nothing.
+    drop(
+        a.rwlock("warm")
+            .upgradable_read()
+            .and_then(|u| u.upgrade())
+            .expect("upgrade"),
+    );
+    let u = a
+        .rwlock("unanswered")
+        .upgradable_read()
+        .expect("upgradable read");
+    // A writer of another client waits (marked) behind the upgradable read.
+    let (writing, wrote) = mpsc::channel::<u64>();
+    let (done, finish) = mpsc::channel::<()>();
+    let writer = {
+        let b = client(&srv.url());
+        thread::spawn(move || {
+            let w = b.rwlock("unanswered").write().expect("write");
+            writing.send(w.fencing_token()).unwrap();
+            finish.recv().unwrap();
+            drop(w);
+        })
+    };
+    await_marks(&srv.url(), "up:{unanswered}:ww", 1);
+    // From now on every call of this client on the name runs in Redis, and its reply is
+    // lost (the proxy closes the connection): the upgrade, its retries, what the client
+    // does about their unknown outcome.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (written, overlap) = thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if !proxy.drop_armed() {
+                    proxy.drop_next_reply_matching(b"{unanswered}");
+                }
+                thread::sleep(Duration::from_micros(50));
+            }
+        });
+        while !proxy.drop_armed() {
+            thread::yield_now();
+        }
+        let refused = u.try_upgrade().expect_err("the upgrade is never answered");
+        assert!(refused.error().is_connection(), "{:?}", refused.error());
+        let written = wrote.recv_timeout(LIVENESS).expect("the writer got in");
+        let overlap = refused.into_guard().check();
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        (written, overlap)
+    });
+    proxy.heal();
+    done.send(()).unwrap();
+    writer.join().expect("writer");
+    match overlap {
+        Err(Error::Lost(LostReason::Converted)) => {}
+        other => panic!(
+            "the writer holds (fencing token {written}) while the upgradable read's guard \
+             says {other:?}"
+        ),
+    }
 }
 
 /// Redis Cluster: upgrades and downgrades on names served by every master (each script's

@@ -1060,7 +1060,8 @@ impl UpgradableReadGuard {
     /// An [`UpgradeError`] with this guard back, still holding the upgradable read:
     /// [`Error::Timeout`] when the other readers were not done in time (the upgrade's
     /// waiting mark is removed, so new readers may read again); otherwise as
-    /// [`upgrade`](Self::upgrade).
+    /// [`upgrade`](Self::upgrade) (after an upgrade that went unanswered, the guard is
+    /// lost: see [`UpgradeError`]).
     ///
     /// # Examples
     ///
@@ -1125,9 +1126,13 @@ impl UpgradableReadGuard {
 
 /// An upgrade that was not made (see [`UpgradableReadGuard::try_upgrade_for`]): why, and
 /// the upgradable read guard, given back. The guard still holds the upgradable read unless
-/// the error says it is lost ([`Error::Lost`]; its [`check`](UpgradableReadGuard::check)
-/// says so too). Converts into [`Error`] for `?` (the guard is then dropped, which lets go
-/// of the hold). Not `Send`, as the guard it carries.
+/// the error says it is lost ([`Error::Lost`]), or the upgrade went unanswered (a
+/// connection error, [`Error::is_connection`]): it may have run, turning the upgradable
+/// read into the write hold, which the library gives back, so the guard is then lost
+/// ([`LostReason::Converted`](crate::LostReason::Converted)). Its
+/// [`check`](UpgradableReadGuard::check) always says which. Converts into [`Error`] for `?`
+/// (the guard is then dropped, which lets go of the hold). Not `Send`, as the guard it
+/// carries.
 ///
 /// # Examples
 ///

@@ -17,7 +17,7 @@ use crate::engine::cleanup::release_on;
 use crate::engine::state::Engine;
 use crate::engine::waiter::{Pending, Waiter};
 use crate::engine::watchdog::{Expecting, Watchdog};
-use crate::error::{Error, Result};
+use crate::error::{Error, LostReason, Result};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, Changed, RemoteLock};
 use crate::local::mailbox::Cancellation;
@@ -625,6 +625,12 @@ impl Contest<'_> {
             return;
         }
         let engine = self.engine;
+        // A conversion (an upgrade) that may have run turned the hold it converts into
+        // the one given back below: the hold converted may be gone, and a writer may get
+        // in as soon as that is released. Its guard must not go on claiming it.
+        if let Some(from) = self.from {
+            from.mark_lost(LostReason::Converted, &engine.counters);
+        }
         if reused && self.protocol.next_call_settles_unknown() {
             // Fair queue: the next attempt finds the token in the key if it is ours, and
             // the leave passes such a lock on: only a lock taken without enough replicas

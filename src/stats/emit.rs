@@ -94,6 +94,7 @@ pub(super) fn lost(reason: LostReason) {
         LostReason::HoldLimit => key!("redbaton_lost_total", "reason" = "hold_limit"),
         LostReason::NoQuorum => key!("redbaton_lost_total", "reason" = "no_quorum"),
         LostReason::WatchdogFailed => key!("redbaton_lost_total", "reason" = "watchdog_failed"),
+        LostReason::Converted => key!("redbaton_lost_total", "reason" = "converted"),
     };
     counter(key, 1);
 }
