@@ -1,6 +1,6 @@
-//! The checks of the shared holds (`redbaton_model::shared`): a read-write lock and a
-//! semaphore hold every property, and a grant taken without the nonce rule breaks
-//! exclusion.
+//! The checks of the shared holds (`redbaton_model::shared`): a read-write lock (with an
+//! upgrade) and a semaphore hold every property; a grant taken without the nonce rule, a
+//! renewal that revives, and an unanswered upgrade whose guard is kept break exclusion.
 
 use redbaton_model::shared::props::EXCLUSION;
 use redbaton_model::{Grants, Report, SharedConfig, check_shared};
@@ -44,6 +44,28 @@ fn a_semaphore_holds_every_property() {
 fn a_semaphore_of_one_permit_holds_every_property() {
     let report = holds(SharedConfig::semaphore_of_one());
     assert_eq!(report.never, ["holds shared"], "one permit is never shared");
+}
+
+/// An upgradable reader that upgrades (`try_upgrade`), beside a writer and a reader.
+#[test]
+fn upgrades_hold_every_property() {
+    let report = holds(SharedConfig::upgrade());
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
+/// An upgrade that goes unanswered may have run: the write hold it made is given back,
+/// and a writer gets in. A guard that goes on claiming the upgradable read overlaps it
+/// (the library marks it lost, `LostReason::Converted`).
+#[test]
+fn an_unanswered_upgrade_keeping_its_guard_breaks_exclusion() {
+    breaks(SharedConfig {
+        upgrade_keeps_guard: true,
+        ..SharedConfig::upgrade()
+    });
 }
 
 /// Replies as slow as the read timeout: a renewal may run after its hold expired.

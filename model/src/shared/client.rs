@@ -30,6 +30,8 @@ pub type SharedRequest = Request<Op>;
 /// A hold, while the process has it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Hold {
+    /// What is held: the wait's kind, or the write hold an upgrade made of it.
+    pub kind: Want,
     pub fence: u8,
     /// Surely held while `now < valid_until`.
     pub valid_until: u8,
@@ -72,6 +74,8 @@ pub struct Proc {
 pub enum Choice {
     Nothing,
     Release,
+    /// `try_upgrade` of an upgradable read.
+    Upgrade,
 }
 
 /// What a step does outside the process.
@@ -100,6 +104,14 @@ impl Proc {
         };
         p.attempt(cfg, 0, fx);
         p
+    }
+
+    /// The member of what it holds now.
+    fn held(&self) -> Member {
+        Member {
+            want: self.hold().map_or(self.want, |h| h.kind),
+            proc: self.pid.id,
+        }
     }
 
     pub fn member(&self) -> Member {
@@ -191,6 +203,7 @@ impl Proc {
 
     fn begin(&mut self, fence: u8, valid_until: u8, renew_at: u8, trusted: bool, fx: &mut Effects) {
         self.phase = Phase::Hold(Hold {
+            kind: self.want,
             fence,
             valid_until,
             renew_at,
@@ -225,10 +238,17 @@ impl Process for Proc {
         self.pending.as_ref() == Some(request)
     }
 
-    fn choices(&self, _: &SharedConfig, _: u8) -> Vec<Choice> {
+    fn choices(&self, _: &SharedConfig, now: u8) -> Vec<Choice> {
         let mut out = vec![Choice::Nothing];
-        if !self.pid.paused && self.hold().is_some() && self.pending.is_none() {
+        if let Some(h) = self.hold()
+            && !self.pid.paused
+            && self.pending.is_none()
+        {
             out.push(Choice::Release);
+            // A hold known lost is not upgraded (`Error::Lost`).
+            if h.kind == Want::Upgradable && now < h.valid_until {
+                out.push(Choice::Upgrade);
+            }
         }
         out
     }
@@ -252,21 +272,37 @@ impl Process for Proc {
                 h.valid_until = h.valid_until.min(bound);
                 h.renew_at = now + cfg.renew_retry;
             }
+            (Phase::Hold(h), Op::Upgrade { m }) => {
+                // The upgrade may have run: the write hold it made is given back (the
+                // contest's undo), and the upgradable read it converted may be gone.
+                if !cfg.upgrade_keeps_guard {
+                    h.valid_until = h.valid_until.min(now);
+                }
+                let w = Member {
+                    want: Want::Write,
+                    ..m
+                };
+                self.send(now, Op::Release { m: w }, false, fx);
+            }
             _ => {}
         }
     }
 
     fn act(&mut self, cfg: &SharedConfig, now: u8, choice: Choice, fx: &mut Effects) {
-        if choice == Choice::Release {
-            self.send(now, Op::Release { m: self.member() }, false, fx);
-            self.phase = Phase::Done;
+        match choice {
+            Choice::Release => {
+                self.send(now, Op::Release { m: self.held() }, false, fx);
+                self.phase = Phase::Done;
+            }
+            Choice::Upgrade => self.send(now, Op::Upgrade { m: self.held() }, true, fx),
+            Choice::Nothing => {}
         }
         if let Phase::Hold(h) = self.phase
             && self.pending.is_none()
             && now >= h.renew_at
             && now < h.valid_until
         {
-            self.send(now, Op::Extend { m: self.member() }, true, fx);
+            self.send(now, Op::Extend { m: self.held() }, true, fx);
         }
         self.react(cfg, now, fx);
     }
@@ -338,6 +374,19 @@ impl Process for Proc {
                 h.renew_at = request.sent + cfg.renew_every();
             }
             (Op::Extend { .. }, _, Phase::Hold(h)) => h.valid_until = h.valid_until.min(now),
+            (Op::Upgrade { .. }, Answer::Won { fence }, Phase::Hold(h)) => {
+                *h = Hold {
+                    kind: Want::Write,
+                    fence,
+                    valid_until: (request.sent + cfg.lease).saturating_sub(cfg.drift),
+                    renew_at: request.sent + cfg.renew_every(),
+                    trusted: false,
+                };
+                fx.began = Some((Want::Write, fence));
+            }
+            (Op::Upgrade { .. }, Answer::Gone, Phase::Hold(h)) => {
+                h.valid_until = h.valid_until.min(now);
+            }
             _ => {}
         }
     }

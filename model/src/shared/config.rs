@@ -13,6 +13,9 @@ pub enum Want {
     Read,
     Write,
     Permit,
+    /// The upgradable read (`u…`): a read that excludes writers and other upgradable
+    /// reads, which its holder may upgrade (`try_upgrade`) to the write hold.
+    Upgradable,
 }
 
 /// What to check.
@@ -50,6 +53,10 @@ pub struct SharedConfig {
     /// Broken: `SHARED_EXTEND` renews a hold that has expired but is still in the set
     /// (the script refuses it: an expired hold is never revived).
     pub renewal_revives: bool,
+    /// Broken: an upgrade that goes unanswered leaves the upgradable read's guard as it
+    /// was, while the write hold the upgrade may have made is given back (the library
+    /// before the guard was marked lost, `LostReason::Converted`).
+    pub upgrade_keeps_guard: bool,
 }
 
 impl SharedConfig {
@@ -72,6 +79,16 @@ impl SharedConfig {
             faults: 2,
             grants: Grants::Trusted,
             renewal_revives: false,
+            upgrade_keeps_guard: false,
+        }
+    }
+
+    /// An upgradable reader that may upgrade, a writer and a reader.
+    pub fn upgrade() -> SharedConfig {
+        SharedConfig {
+            wants: vec![Want::Upgradable, Want::Write, Want::Read],
+            horizon: 5,
+            ..SharedConfig::rw()
         }
     }
 

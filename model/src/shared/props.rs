@@ -2,7 +2,8 @@
 //!
 //! - **exclusion**: while a process believes it holds the write hold (`now <
 //!   valid_until`, a paused process's belief included), no other believes it holds
-//!   anything; at most `permits` believe they hold a permit;
+//!   anything; at most one believes it holds the upgradable read; at most `permits`
+//!   believe they hold a permit;
 //! - **fencing**: each write hold begins with a fence above every earlier write hold's.
 //!
 //! `sometimes` properties show the paths are taken: each kind of hold taken from a grant
@@ -28,7 +29,8 @@ fn excluded(cfg: &SharedConfig, s: &State) -> bool {
     let all = believed(s).count();
     let writers = believed(s).filter(|&w| w == Want::Write).count();
     let permits = believed(s).filter(|&w| w == Want::Permit).count();
-    (writers == 0 || all == 1) && permits <= usize::from(cfg.permits)
+    let upgradable = believed(s).filter(|&w| w == Want::Upgradable).count();
+    (writers == 0 || all == 1) && permits <= usize::from(cfg.permits) && upgradable <= 1
 }
 
 /// Whether a process of kind `want` believes a hold taken from a grant message alone.
@@ -64,6 +66,15 @@ pub fn properties(cfg: &SharedConfig) -> Vec<Property<SharedModel>> {
         if cfg.wants.contains(&want) {
             props.push(Property::sometimes(name, condition));
         }
+    }
+    if cfg.wants.contains(&Want::Upgradable) {
+        props.push(Property::sometimes("an upgrade made", |_, s: &State| {
+            s.procs.iter().any(|p| {
+                p.want == Want::Upgradable
+                    && p.believes(s.now)
+                    && p.hold().is_some_and(|h| h.kind == Want::Write)
+            })
+        }));
     }
     props.push(Property::sometimes("holds shared", |_, s: &State| {
         believed(s).count() >= 2

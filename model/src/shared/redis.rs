@@ -1,18 +1,18 @@
 //! Redis for a read-write lock or a semaphore: the holds in one sorted set, the waiting
 //! marks and their nonces, the fence counter; and the scripts of `proto::rw_scripts` as
-//! atomic steps (`RW_ACQUIRE`, `SEM_ACQUIRE`, `SHARED_RELEASE` with `PASS_ON`,
-//! `WAITER_LEAVE`, `SHARED_EXTEND`).
+//! atomic steps (`RW_ACQUIRE`, `SEM_ACQUIRE`, `RW_UPGRADE`, `SHARED_RELEASE` with
+//! `PASS_ON`, `WAITER_LEAVE`, `SHARED_EXTEND`).
 //!
 //! Scores are ticks. A hold or a mark whose score has passed stays in its set until a
 //! script takes it out, as in Redis; its score then reads 0 (`expire`), so that states
-//! differing only in how long ago something expired are one state. Three things are left
+//! differing only in how long ago something expired are one state. Two things are left
 //! out, each on the side of more behaviour: the key's own TTL (it outlives every hold,
-//! and a key gone would only make a late release a no-op), the fence counter's loss forms
-//! (a write grant after a write hold that expired carries nonce 0 in the library, a
-//! wake-up; here it carries the nonce, so it is trusted more often, never less), and the
-//! upgradable read (its scripts only wake, never grant). Marks of equal score are taken
-//! in the order of their members, as Redis does; in the library members are random
-//! UUIDs, so any order can happen, of which the model checks one.
+//! and a key gone would only make a late release a no-op) and the fence counter's loss
+//! forms (a write grant after a write hold that expired carries nonce 0 in the library, a
+//! wake-up; here it carries the nonce, so it is trusted more often, never less). An
+//! upgrade does not wait (`try_upgrade`: no mark), and there is no downgrade. Marks of
+//! equal score are taken in the order of their members, as Redis does; in the library
+//! members are random UUIDs, so any order can happen, of which the model checks one.
 
 use crate::shared::config::{SharedConfig, Want};
 
@@ -44,6 +44,8 @@ pub enum Op {
     Leave { m: Member },
     /// `SHARED_EXTEND`: the watchdog's renewal.
     Extend { m: Member },
+    /// `RW_UPGRADE` of the upgradable hold `m`, which does not wait (`try_upgrade`).
+    Upgrade { m: Member },
 }
 
 /// A script's reply.
@@ -55,6 +57,8 @@ pub enum Answer {
     Failed { hint: u8 },
     /// Release, leave, renewal: whether the hold was live.
     Done(bool),
+    /// An upgrade found no upgradable hold to turn into the write hold.
+    Gone,
 }
 
 /// A message on the lock's channel.
@@ -145,13 +149,45 @@ impl Redis {
                 }
                 Answer::Done(live)
             }
+            Op::Upgrade { m } => self.upgrade(cfg, now, m),
         };
         (answer, out)
     }
 
+    /// `RW_UPGRADE`: the upgradable hold `m` becomes the write hold of the same token once
+    /// it is the only hold (a retry whose upgrade ran finds the write hold).
+    fn upgrade(&mut self, cfg: &SharedConfig, now: u8, m: Member) -> Answer {
+        self.holds.retain(|e| e.exp > now);
+        let w = Member {
+            want: Want::Write,
+            proc: m.proc,
+        };
+        let head = first(&self.holds, now);
+        if head.is_some_and(|h| h.member == w) {
+            zadd(&mut self.holds, w, now + cfg.lease);
+            return Answer::Won { fence: self.fence };
+        }
+        if score(&self.holds, m).is_none() {
+            return Answer::Gone;
+        }
+        let other = live(&self.holds, now).find(|e| e.member != m).copied();
+        match other {
+            Some(other) => Answer::Failed {
+                hint: other.exp - now,
+            },
+            None => {
+                self.fence += 1;
+                zrem(&mut self.holds, m);
+                zadd(&mut self.holds, w, now + cfg.lease);
+                zrem(&mut self.writers, m);
+                Answer::Won { fence: self.fence }
+            }
+        }
+    }
+
     fn marks(&mut self, want: Want) -> &mut Vec<Entry> {
         match want {
-            Want::Read => &mut self.readers,
+            Want::Read | Want::Upgradable => &mut self.readers,
             Want::Write | Want::Permit => &mut self.writers,
         }
     }
@@ -163,7 +199,8 @@ impl Redis {
     }
 
     /// `mark`: drops the marks that expired (and their nonces), marks `m` waiting until
-    /// `now + ttl` and stores `nonce` as its latest attempt's.
+    /// `now + ttl` and stores `nonce` as its latest attempt's (an upgradable read, which
+    /// is never granted, stores none).
     fn mark(&mut self, cfg: &SharedConfig, now: u8, m: Member, nonce: u8) {
         let set = self.marks(m.want);
         let dead: Vec<Member> = set
@@ -174,8 +211,10 @@ impl Redis {
         set.retain(|e| e.exp > now);
         zadd(set, m, now + cfg.mark_ttl());
         self.nonces.retain(|(x, _)| !dead.contains(x) && *x != m);
-        self.nonces.push((m, nonce));
-        self.nonces.sort_unstable();
+        if m.want != Want::Upgradable {
+            self.nonces.push((m, nonce));
+            self.nonces.sort_unstable();
+        }
     }
 
     /// A hold won takes its mark (and nonce) out, when an earlier attempt may have made it.
@@ -215,15 +254,22 @@ impl Redis {
                 self.mark(cfg, now, m, nonce);
                 hint(head.map(|f| f.exp))
             }
-            Want::Read => {
+            Want::Read | Want::Upgradable => {
                 let writer = first(&self.writers, now);
                 let free = head.is_none_or(|f| f.member.want != Want::Write) && writer.is_none();
+                // One upgradable hold at a time.
+                let other_u = live(&self.holds, now)
+                    .find(|e| e.member.want == Want::Upgradable && e.member != m)
+                    .filter(|_| m.want == Want::Upgradable && free)
+                    .copied();
+                let free = free && other_u.is_none();
                 if free || mine {
                     zadd(&mut self.holds, m, now + cfg.lease);
                     self.unmark(m, clear);
                     return Answer::Won { fence: self.fence };
                 }
                 self.mark(cfg, now, m, nonce);
+                let head = other_u.or(head);
                 let until = [head.map(|f| f.exp), writer.map(|w| w.exp)];
                 hint(until.into_iter().flatten().min())
             }
@@ -268,8 +314,26 @@ impl Redis {
             }
             return;
         }
-        if left == 0 && !self.grant_first(cfg, now, out) {
-            self.holds.clear();
+        if left == 0 {
+            if !self.grant_first(cfg, now, out) {
+                self.holds.clear();
+            }
+            return;
+        }
+        let mut holds = live(&self.holds, now);
+        match (holds.next(), holds.next()) {
+            // An upgradable hold left alone, waiting to upgrade, is woken.
+            (Some(u), None)
+                if u.member.want == Want::Upgradable
+                    && score(&self.writers, u.member).is_some_and(|exp| exp > now) =>
+            {
+                out.push(Publish::Wake(u.member));
+            }
+            // The end of an upgradable hold tells the readers it held back.
+            _ if ended == Want::Upgradable && first(&self.readers, now).is_some() => {
+                out.push(Publish::Free);
+            }
+            _ => {}
         }
     }
 
@@ -277,19 +341,30 @@ impl Redis {
     /// every reader marked waiting, else `r`. Whether it wrote holds.
     fn grant_first(&mut self, cfg: &SharedConfig, now: u8, out: &mut Vec<Publish>) -> bool {
         if let Some(w) = first(&self.writers, now) {
+            if w.member.want == Want::Upgradable {
+                // An upgrade waiting whose upgradable hold is gone: only woken.
+                out.push(Publish::Wake(w.member));
+                return false;
+            }
             self.fence += 1;
             self.grant(cfg, now, w.member, self.fence, out);
             return true;
         }
-        let readers: Vec<Member> = live(&self.readers, now).map(|e| e.member).collect();
-        if readers.is_empty() {
-            out.push(Publish::Free);
-            return false;
-        }
-        for r in readers {
+        // Readers marked waiting get read holds; an upgradable read, or nobody marked, is
+        // told `r`.
+        let marked: Vec<Member> = live(&self.readers, now).map(|e| e.member).collect();
+        let readers: Vec<Member> = marked
+            .iter()
+            .copied()
+            .filter(|m| m.want == Want::Read)
+            .collect();
+        for &r in &readers {
             self.grant(cfg, now, r, self.fence, out);
         }
-        true
+        if readers.len() < marked.len() || marked.is_empty() {
+            out.push(Publish::Free);
+        }
+        !readers.is_empty()
     }
 
     /// `m`, marked waiting, is held for the grant lease; its mark and nonce go, and the
