@@ -57,6 +57,18 @@ fn upgrades_hold_every_property() {
     );
 }
 
+/// The same with upgrades that wait: marked as a waiting writer (no new reader gets in),
+/// woken by the release of the last other hold.
+#[test]
+fn waiting_upgrades_hold_every_property() {
+    let report = holds(SharedConfig::upgrade_waiting());
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
 /// An upgrade that goes unanswered may have run: the write hold it made is given back,
 /// and a writer gets in. A guard that goes on claiming the upgradable read overlaps it
 /// (the library marks it lost, `LostReason::Converted`).

@@ -38,6 +38,9 @@ pub struct Hold {
     pub renew_at: u8,
     /// Taken from a grant message, with no confirming attempt (for the vacuity checks).
     pub trusted: bool,
+    /// An upgrade under way (an upgradable read's): its next attempt is due at the first
+    /// tick, unless a message came (the second).
+    pub upgrade: Option<(u8, bool)>,
 }
 
 /// Where the process is.
@@ -150,11 +153,26 @@ impl Proc {
 
     /// A waiter between attempts attempts when woken or due.
     fn react(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) {
-        if let Phase::Wait { wake, heard, .. } = self.phase
-            && self.pending.is_none()
-            && (heard || now >= wake)
-        {
-            self.attempt(cfg, now, fx);
+        if self.pending.is_some() {
+            return;
+        }
+        match &mut self.phase {
+            Phase::Wait { wake, heard, .. } if *heard || now >= *wake => {
+                self.attempt(cfg, now, fx);
+            }
+            Phase::Hold(h) => {
+                if let Some((wake, heard)) = h.upgrade
+                    && (heard || now >= wake)
+                {
+                    h.upgrade = Some((wake, false));
+                    let op = Op::Upgrade {
+                        m: self.held(),
+                        waits: cfg.upgrade_waits,
+                    };
+                    self.send(now, op, true, fx);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -204,6 +222,7 @@ impl Proc {
     fn begin(&mut self, fence: u8, valid_until: u8, renew_at: u8, trusted: bool, fx: &mut Effects) {
         self.phase = Phase::Hold(Hold {
             kind: self.want,
+            upgrade: None,
             fence,
             valid_until,
             renew_at,
@@ -231,7 +250,7 @@ impl Process for Proc {
     }
 
     fn listens(&self) -> bool {
-        self.waits()
+        self.waits() || self.hold().is_some_and(|h| h.upgrade.is_some())
     }
 
     fn awaits(&self, request: &SharedRequest) -> bool {
@@ -244,10 +263,13 @@ impl Process for Proc {
             && !self.pid.paused
             && self.pending.is_none()
         {
-            out.push(Choice::Release);
-            // A hold known lost is not upgraded (`Error::Lost`).
-            if h.kind == Want::Upgradable && now < h.valid_until {
-                out.push(Choice::Upgrade);
+            // A thread in `upgrade` does nothing else; a hold known lost is not upgraded
+            // (`Error::Lost`).
+            if h.upgrade.is_none() {
+                out.push(Choice::Release);
+                if h.kind == Want::Upgradable && now < h.valid_until {
+                    out.push(Choice::Upgrade);
+                }
             }
         }
         out
@@ -272,17 +294,22 @@ impl Process for Proc {
                 h.valid_until = h.valid_until.min(bound);
                 h.renew_at = now + cfg.renew_retry;
             }
-            (Phase::Hold(h), Op::Upgrade { m }) => {
+            (Phase::Hold(h), Op::Upgrade { m, waits }) => {
                 // The upgrade may have run: the write hold it made is given back (the
-                // contest's undo), and the upgradable read it converted may be gone.
+                // contest's undo), and the upgradable read it converted may be gone. A
+                // waiting upgrade takes its mark with it (`WAITER_UNMARK`).
                 if !cfg.upgrade_keeps_guard {
                     h.valid_until = h.valid_until.min(now);
                 }
+                h.upgrade = None;
                 let w = Member {
                     want: Want::Write,
                     ..m
                 };
                 self.send(now, Op::Release { m: w }, false, fx);
+                if waits {
+                    self.send(now, Op::Unmark { m }, false, fx);
+                }
             }
             _ => {}
         }
@@ -294,7 +321,11 @@ impl Process for Proc {
                 self.send(now, Op::Release { m: self.held() }, false, fx);
                 self.phase = Phase::Done;
             }
-            Choice::Upgrade => self.send(now, Op::Upgrade { m: self.held() }, true, fx),
+            Choice::Upgrade => {
+                if let Phase::Hold(h) = &mut self.phase {
+                    h.upgrade = Some((now, false));
+                }
+            }
             Choice::Nothing => {}
         }
         if let Phase::Hold(h) = self.phase
@@ -310,6 +341,16 @@ impl Process for Proc {
     /// A message reaches the process (only a waiter listens).
     fn hear(&mut self, cfg: &SharedConfig, now: u8, what: Publish, fx: &mut Effects) {
         let me = self.member();
+        if let Phase::Hold(h) = &mut self.phase {
+            // A waiting upgrade wakes on `r` and on the wake-up of its upgradable member.
+            if let Some((_, heard)) = &mut h.upgrade
+                && (what == Publish::Free || what == Publish::Wake(me))
+            {
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
+            return;
+        }
         let Phase::Wait { heard, grant, .. } = &mut self.phase else {
             return;
         };
@@ -372,6 +413,8 @@ impl Process for Proc {
                 let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
                 h.valid_until = h.valid_until.max(valid_until);
                 h.renew_at = request.sent + cfg.renew_every();
+                // An upgrade due meanwhile goes now.
+                self.react(cfg, now, fx);
             }
             (Op::Extend { .. }, _, Phase::Hold(h)) => h.valid_until = h.valid_until.min(now),
             (Op::Upgrade { .. }, Answer::Won { fence }, Phase::Hold(h)) => {
@@ -381,11 +424,28 @@ impl Process for Proc {
                     valid_until: (request.sent + cfg.lease).saturating_sub(cfg.drift),
                     renew_at: request.sent + cfg.renew_every(),
                     trusted: false,
+                    upgrade: None,
                 };
                 fx.began = Some((Want::Write, fence));
             }
             (Op::Upgrade { .. }, Answer::Gone, Phase::Hold(h)) => {
                 h.valid_until = h.valid_until.min(now);
+                h.upgrade = None;
+            }
+            (Op::Upgrade { .. }, Answer::Failed { hint }, Phase::Hold(h)) => {
+                // `try_upgrade` gives up; `upgrade` sleeps until the other holds' end, the
+                // re-check, or a message.
+                h.upgrade = h.upgrade.filter(|_| cfg.upgrade_waits).map(|(_, heard)| {
+                    (
+                        if heard {
+                            now
+                        } else {
+                            now + hint.min(cfg.recheck)
+                        },
+                        false,
+                    )
+                });
+                self.react(cfg, now, fx);
             }
             _ => {}
         }

@@ -57,6 +57,9 @@ pub struct SharedConfig {
     /// was, while the write hold the upgrade may have made is given back (the library
     /// before the guard was marked lost, `LostReason::Converted`).
     pub upgrade_keeps_guard: bool,
+    /// Upgrades wait (`upgrade`: marked as a waiting writer, woken by the release of the
+    /// last other hold) rather than try once (`try_upgrade`).
+    pub upgrade_waits: bool,
 }
 
 impl SharedConfig {
@@ -80,15 +83,24 @@ impl SharedConfig {
             grants: Grants::Trusted,
             renewal_revives: false,
             upgrade_keeps_guard: false,
+            upgrade_waits: false,
         }
     }
 
-    /// An upgradable reader that may upgrade, a writer and a reader.
+    /// An upgradable reader that may upgrade (`try_upgrade`), a writer and a reader.
     pub fn upgrade() -> SharedConfig {
         SharedConfig {
             wants: vec![Want::Upgradable, Want::Write, Want::Read],
             horizon: 5,
             ..SharedConfig::rw()
+        }
+    }
+
+    /// The same with upgrades that wait (`upgrade`).
+    pub fn upgrade_waiting() -> SharedConfig {
+        SharedConfig {
+            upgrade_waits: true,
+            ..SharedConfig::upgrade()
         }
     }
 
@@ -124,8 +136,9 @@ impl SharedConfig {
     }
 
     /// The longer checks: two readers and two writers, four permit-seekers for two
-    /// permits (16 and 37 million states).
-    pub fn deep() -> [SharedConfig; 2] {
+    /// permits (16 and 37 million states), and the two upgrade configurations two ticks
+    /// longer (8 and 15 million).
+    pub fn deep() -> [SharedConfig; 4] {
         let rw = SharedConfig {
             wants: vec![Want::Read, Want::Write, Want::Read, Want::Write],
             horizon: 5,
@@ -136,7 +149,15 @@ impl SharedConfig {
             horizon: 5,
             ..SharedConfig::semaphore()
         };
-        [rw, semaphore]
+        let upgrade = SharedConfig {
+            horizon: 7,
+            ..SharedConfig::upgrade()
+        };
+        let waiting = SharedConfig {
+            horizon: 7,
+            ..SharedConfig::upgrade_waiting()
+        };
+        [rw, semaphore, upgrade, waiting]
     }
 
     /// The same bounds, grant messages taken as `grants` says.

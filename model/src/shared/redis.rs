@@ -9,8 +9,8 @@
 //! out, each on the side of more behaviour: the key's own TTL (it outlives every hold,
 //! and a key gone would only make a late release a no-op) and the fence counter's loss
 //! forms (a write grant after a write hold that expired carries nonce 0 in the library, a
-//! wake-up; here it carries the nonce, so it is trusted more often, never less). An
-//! upgrade does not wait (`try_upgrade`: no mark), and there is no downgrade. Marks of
+//! wake-up; here it carries the nonce, so it is trusted more often, never less). There
+//! is no downgrade. Marks of
 //! equal score are taken in the order of their members, as Redis does; in the library
 //! members are random UUIDs, so any order can happen, of which the model checks one.
 
@@ -21,6 +21,13 @@ use crate::shared::config::{SharedConfig, Want};
 pub struct Member {
     pub want: Want,
     pub proc: u8,
+}
+
+/// Which waiting marks: `…:ww` (writers, permit-seekers, waiting upgrades) or `…:wr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Set {
+    Writers,
+    Readers,
 }
 
 /// A sorted-set member and its score.
@@ -44,8 +51,12 @@ pub enum Op {
     Leave { m: Member },
     /// `SHARED_EXTEND`: the watchdog's renewal.
     Extend { m: Member },
-    /// `RW_UPGRADE` of the upgradable hold `m`, which does not wait (`try_upgrade`).
-    Upgrade { m: Member },
+    /// `RW_UPGRADE` of the upgradable hold `m`; one that `waits` marks it as a waiting
+    /// writer when other holds remain.
+    Upgrade { m: Member, waits: bool },
+    /// `WAITER_UNMARK` of a waiting upgrade: its mark among the writers goes, and `r`
+    /// tells the readers it held back.
+    Unmark { m: Member },
 }
 
 /// A script's reply.
@@ -149,14 +160,21 @@ impl Redis {
                 }
                 Answer::Done(live)
             }
-            Op::Upgrade { m } => self.upgrade(cfg, now, m),
+            Op::Upgrade { m, waits } => self.upgrade(cfg, now, m, waits),
+            Op::Unmark { m } => {
+                let marked = zrem(&mut self.writers, m);
+                if marked {
+                    out.push(Publish::Free);
+                }
+                Answer::Done(marked)
+            }
         };
         (answer, out)
     }
 
     /// `RW_UPGRADE`: the upgradable hold `m` becomes the write hold of the same token once
     /// it is the only hold (a retry whose upgrade ran finds the write hold).
-    fn upgrade(&mut self, cfg: &SharedConfig, now: u8, m: Member) -> Answer {
+    fn upgrade(&mut self, cfg: &SharedConfig, now: u8, m: Member, waits: bool) -> Answer {
         self.holds.retain(|e| e.exp > now);
         let w = Member {
             want: Want::Write,
@@ -172,9 +190,14 @@ impl Redis {
         }
         let other = live(&self.holds, now).find(|e| e.member != m).copied();
         match other {
-            Some(other) => Answer::Failed {
-                hint: other.exp - now,
-            },
+            Some(other) => {
+                if waits {
+                    self.mark(cfg, now, Set::Writers, m, None);
+                }
+                Answer::Failed {
+                    hint: other.exp - now,
+                }
+            }
             None => {
                 self.fence += 1;
                 zrem(&mut self.holds, m);
@@ -198,11 +221,14 @@ impl Redis {
         n.unwrap_or(0)
     }
 
-    /// `mark`: drops the marks that expired (and their nonces), marks `m` waiting until
-    /// `now + ttl` and stores `nonce` as its latest attempt's (an upgradable read, which
-    /// is never granted, stores none).
-    fn mark(&mut self, cfg: &SharedConfig, now: u8, m: Member, nonce: u8) {
-        let set = self.marks(m.want);
+    /// `mark`: drops the marks of `set` that expired (and their nonces), marks `m` waiting
+    /// until `now + ttl` and stores `nonce` as its latest attempt's (an upgradable read,
+    /// which is never granted, and a waiting upgrade store none).
+    fn mark(&mut self, cfg: &SharedConfig, now: u8, set: Set, m: Member, nonce: Option<u8>) {
+        let set = match set {
+            Set::Writers => &mut self.writers,
+            Set::Readers => &mut self.readers,
+        };
         let dead: Vec<Member> = set
             .iter()
             .filter(|e| e.exp <= now)
@@ -211,7 +237,7 @@ impl Redis {
         set.retain(|e| e.exp > now);
         zadd(set, m, now + cfg.mark_ttl());
         self.nonces.retain(|(x, _)| !dead.contains(x) && *x != m);
-        if m.want != Want::Upgradable {
+        if let Some(nonce) = nonce {
             self.nonces.push((m, nonce));
             self.nonces.sort_unstable();
         }
@@ -251,7 +277,7 @@ impl Redis {
                     self.unmark(m, clear);
                     return Answer::Won { fence: self.fence };
                 }
-                self.mark(cfg, now, m, nonce);
+                self.mark(cfg, now, Set::Writers, m, Some(nonce));
                 hint(head.map(|f| f.exp))
             }
             Want::Read | Want::Upgradable => {
@@ -268,7 +294,8 @@ impl Redis {
                     self.unmark(m, clear);
                     return Answer::Won { fence: self.fence };
                 }
-                self.mark(cfg, now, m, nonce);
+                let nonce = Some(nonce).filter(|_| m.want == Want::Read);
+                self.mark(cfg, now, Set::Readers, m, nonce);
                 let head = other_u.or(head);
                 let until = [head.map(|f| f.exp), writer.map(|w| w.exp)];
                 hint(until.into_iter().flatten().min())
@@ -280,7 +307,7 @@ impl Redis {
                     self.unmark(m, true);
                     return Answer::Won { fence: 0 };
                 }
-                self.mark(cfg, now, m, nonce);
+                self.mark(cfg, now, Set::Writers, m, Some(nonce));
                 hint(head.map(|f| f.exp))
             }
         }
