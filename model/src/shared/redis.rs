@@ -10,9 +10,9 @@
 //! and a key gone would only make a late release a no-op) and the fence counter's loss
 //! forms (a write grant after a write hold that expired carries nonce 0 in the library, a
 //! wake-up; here it carries the nonce, so it is trusted more often, never less). There
-//! is no downgrade. Marks of
-//! equal score are taken in the order of their members, as Redis does; in the library
-//! members are random UUIDs, so any order can happen, of which the model checks one.
+//! is no downgrade. Marks of equal score are taken in the order of their members, as
+//! Redis does; in the library members are random UUIDs, so any order can happen, of
+//! which the model checks one.
 
 use crate::shared::config::{SharedConfig, Want};
 
