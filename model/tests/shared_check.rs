@@ -57,6 +57,17 @@ fn upgrades_hold_every_property() {
     );
 }
 
+/// A writer that downgrades to a read hold, a reader that joins it, a second writer.
+#[test]
+fn downgrades_hold_every_property() {
+    let report = holds(SharedConfig::downgrade());
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
 /// The same with upgrades that wait: marked as a waiting writer (no new reader gets in),
 /// woken by the release of the last other hold.
 #[test]

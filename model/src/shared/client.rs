@@ -41,6 +41,9 @@ pub struct Hold {
     /// An upgrade under way (an upgradable read's): its next attempt is due at the first
     /// tick, unless a message came (the second).
     pub upgrade: Option<(u8, bool)>,
+    /// A downgrade under way: the thread is blocked in it, its write guard given up, and
+    /// claims nothing until it returns with the read guard.
+    pub downgrading: bool,
 }
 
 /// Where the process is.
@@ -77,8 +80,10 @@ pub struct Proc {
 pub enum Choice {
     Nothing,
     Release,
-    /// `try_upgrade` of an upgradable read.
+    /// `try_upgrade` or `upgrade` of an upgradable read.
     Upgrade,
+    /// `downgrade` of a write hold.
+    Downgrade,
 }
 
 /// What a step does outside the process.
@@ -138,7 +143,8 @@ impl Proc {
 
     /// Whether the process believes it holds now (a paused one's belief counts).
     pub fn believes(&self, now: u8) -> bool {
-        self.hold().is_some_and(|h| now < h.valid_until)
+        self.hold()
+            .is_some_and(|h| now < h.valid_until && !h.downgrading)
     }
 
     fn send(&mut self, now: u8, op: Op, awaited: bool, fx: &mut Effects) {
@@ -223,6 +229,7 @@ impl Proc {
         self.phase = Phase::Hold(Hold {
             kind: self.want,
             upgrade: None,
+            downgrading: false,
             fence,
             valid_until,
             renew_at,
@@ -257,7 +264,7 @@ impl Process for Proc {
         self.pending.as_ref() == Some(request)
     }
 
-    fn choices(&self, _: &SharedConfig, now: u8) -> Vec<Choice> {
+    fn choices(&self, cfg: &SharedConfig, now: u8) -> Vec<Choice> {
         let mut out = vec![Choice::Nothing];
         if let Some(h) = self.hold()
             && !self.pid.paused
@@ -269,6 +276,9 @@ impl Process for Proc {
                 out.push(Choice::Release);
                 if h.kind == Want::Upgradable && now < h.valid_until {
                     out.push(Choice::Upgrade);
+                }
+                if cfg.downgrades && h.kind == Want::Write && now < h.valid_until {
+                    out.push(Choice::Downgrade);
                 }
             }
         }
@@ -293,6 +303,17 @@ impl Process for Proc {
                 let bound = (request.sent + cfg.lease).saturating_sub(cfg.drift);
                 h.valid_until = h.valid_until.min(bound);
                 h.renew_at = now + cfg.renew_retry;
+            }
+            (Phase::Hold(_), Op::Downgrade { m }) => {
+                // The write guard is given back as by a drop, and the read hold the step may
+                // have made is released in the background.
+                let r = Member {
+                    want: Want::Read,
+                    ..m
+                };
+                self.send(now, Op::Release { m }, false, fx);
+                self.send(now, Op::Release { m: r }, false, fx);
+                self.phase = Phase::Done;
             }
             (Phase::Hold(h), Op::Upgrade { m, waits }) => {
                 // The upgrade may have run: the write hold it made is given back (the
@@ -325,6 +346,12 @@ impl Process for Proc {
                 if let Phase::Hold(h) = &mut self.phase {
                     h.upgrade = Some((now, false));
                 }
+            }
+            Choice::Downgrade => {
+                if let Phase::Hold(h) = &mut self.phase {
+                    h.downgrading = true;
+                }
+                self.send(now, Op::Downgrade { m: self.held() }, true, fx);
             }
             Choice::Nothing => {}
         }
@@ -425,9 +452,21 @@ impl Process for Proc {
                     renew_at: request.sent + cfg.renew_every(),
                     trusted: false,
                     upgrade: None,
+                    downgrading: false,
                 };
                 fx.began = Some((Want::Write, fence));
             }
+            (Op::Downgrade { .. }, Answer::Done(true), Phase::Hold(h)) => {
+                // The read hold counts from the downgrade's send.
+                *h = Hold {
+                    kind: Want::Read,
+                    valid_until: (request.sent + cfg.lease).saturating_sub(cfg.drift),
+                    renew_at: request.sent + cfg.renew_every(),
+                    downgrading: false,
+                    ..*h
+                };
+            }
+            (Op::Downgrade { .. }, _, Phase::Hold(_)) => self.phase = Phase::Done,
             (Op::Upgrade { .. }, Answer::Gone, Phase::Hold(h)) => {
                 h.valid_until = h.valid_until.min(now);
                 h.upgrade = None;

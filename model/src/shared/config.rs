@@ -60,6 +60,8 @@ pub struct SharedConfig {
     /// Upgrades wait (`upgrade`: marked as a waiting writer, woken by the release of the
     /// last other hold) rather than try once (`try_upgrade`).
     pub upgrade_waits: bool,
+    /// Writers may downgrade their write hold to a read hold.
+    pub downgrades: bool,
 }
 
 impl SharedConfig {
@@ -84,6 +86,7 @@ impl SharedConfig {
             renewal_revives: false,
             upgrade_keeps_guard: false,
             upgrade_waits: false,
+            downgrades: false,
         }
     }
 
@@ -91,6 +94,16 @@ impl SharedConfig {
     pub fn upgrade() -> SharedConfig {
         SharedConfig {
             wants: vec![Want::Upgradable, Want::Write, Want::Read],
+            horizon: 5,
+            ..SharedConfig::rw()
+        }
+    }
+
+    /// A writer that may downgrade, a reader and a second writer.
+    pub fn downgrade() -> SharedConfig {
+        SharedConfig {
+            wants: vec![Want::Write, Want::Read, Want::Write],
+            downgrades: true,
             horizon: 5,
             ..SharedConfig::rw()
         }
@@ -136,9 +149,9 @@ impl SharedConfig {
     }
 
     /// The longer checks: two readers and two writers, four permit-seekers for two
-    /// permits (16 and 37 million states), and the two upgrade configurations two ticks
-    /// longer (8 and 15 million).
-    pub fn deep() -> [SharedConfig; 4] {
+    /// permits (16 and 37 million states), and the upgrade and downgrade configurations
+    /// two ticks longer.
+    pub fn deep() -> [SharedConfig; 5] {
         let rw = SharedConfig {
             wants: vec![Want::Read, Want::Write, Want::Read, Want::Write],
             horizon: 5,
@@ -149,15 +162,14 @@ impl SharedConfig {
             horizon: 5,
             ..SharedConfig::semaphore()
         };
-        let upgrade = SharedConfig {
-            horizon: 7,
-            ..SharedConfig::upgrade()
-        };
-        let waiting = SharedConfig {
-            horizon: 7,
-            ..SharedConfig::upgrade_waiting()
-        };
-        [rw, semaphore, upgrade, waiting]
+        let longer = |cfg: SharedConfig| SharedConfig { horizon: 7, ..cfg };
+        [
+            rw,
+            semaphore,
+            longer(SharedConfig::upgrade()),
+            longer(SharedConfig::upgrade_waiting()),
+            longer(SharedConfig::downgrade()),
+        ]
     }
 
     /// The same bounds, grant messages taken as `grants` says.

@@ -20,9 +20,13 @@ pub const EXCLUSION: &str = "shared exclusion";
 /// A property's condition.
 type Condition = fn(&SharedModel, &State) -> bool;
 
-/// The kinds of the holds believed now.
+/// The kinds of the holds believed now (an upgrade's write hold is a write hold, a
+/// downgrade's read hold a read hold).
 fn believed(s: &State) -> impl Iterator<Item = Want> + '_ {
-    s.procs.iter().filter(|p| p.believes(s.now)).map(|p| p.want)
+    s.procs
+        .iter()
+        .filter(|p| p.believes(s.now))
+        .filter_map(|p| p.hold().map(|h| h.kind))
 }
 
 fn excluded(cfg: &SharedConfig, s: &State) -> bool {
@@ -73,6 +77,15 @@ pub fn properties(cfg: &SharedConfig) -> Vec<Property<SharedModel>> {
                 p.want == Want::Upgradable
                     && p.believes(s.now)
                     && p.hold().is_some_and(|h| h.kind == Want::Write)
+            })
+        }));
+    }
+    if cfg.downgrades {
+        props.push(Property::sometimes("a downgrade made", |_, s: &State| {
+            s.procs.iter().any(|p| {
+                p.want == Want::Write
+                    && p.believes(s.now)
+                    && p.hold().is_some_and(|h| h.kind == Want::Read)
             })
         }));
     }

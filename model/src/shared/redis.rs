@@ -1,7 +1,7 @@
 //! Redis for a read-write lock or a semaphore: the holds in one sorted set, the waiting
 //! marks and their nonces, the fence counter; and the scripts of `proto::rw_scripts` as
-//! atomic steps (`RW_ACQUIRE`, `SEM_ACQUIRE`, `RW_UPGRADE`, `SHARED_RELEASE` with
-//! `PASS_ON`, `WAITER_LEAVE`, `SHARED_EXTEND`).
+//! atomic steps (`RW_ACQUIRE`, `SEM_ACQUIRE`, `RW_UPGRADE`, `RW_DOWNGRADE`,
+//! `SHARED_RELEASE` with `PASS_ON`, `WAITER_LEAVE`, `WAITER_UNMARK`, `SHARED_EXTEND`).
 //!
 //! Scores are ticks. A hold or a mark whose score has passed stays in its set until a
 //! script takes it out, as in Redis; its score then reads 0 (`expire`), so that states
@@ -9,10 +9,9 @@
 //! out, each on the side of more behaviour: the key's own TTL (it outlives every hold,
 //! and a key gone would only make a late release a no-op) and the fence counter's loss
 //! forms (a write grant after a write hold that expired carries nonce 0 in the library, a
-//! wake-up; here it carries the nonce, so it is trusted more often, never less). There
-//! is no downgrade. Marks of equal score are taken in the order of their members, as
-//! Redis does; in the library members are random UUIDs, so any order can happen, of
-//! which the model checks one.
+//! wake-up; here it carries the nonce, so it is trusted more often, never less). Marks
+//! of equal score are taken in the order of their members, as Redis does; in the library
+//! members are random UUIDs, so any order can happen, of which the model checks one.
 
 use crate::shared::config::{SharedConfig, Want};
 
@@ -54,6 +53,8 @@ pub enum Op {
     /// `RW_UPGRADE` of the upgradable hold `m`; one that `waits` marks it as a waiting
     /// writer when other holds remain.
     Upgrade { m: Member, waits: bool },
+    /// `RW_DOWNGRADE` of the write hold `m`: the read hold of the same token replaces it.
+    Downgrade { m: Member },
     /// `WAITER_UNMARK` of a waiting upgrade: its mark among the writers goes, and `r`
     /// tells the readers it held back.
     Unmark { m: Member },
@@ -161,6 +162,7 @@ impl Redis {
                 Answer::Done(live)
             }
             Op::Upgrade { m, waits } => self.upgrade(cfg, now, m, waits),
+            Op::Downgrade { m } => Answer::Done(self.downgrade(cfg, now, m, &mut out)),
             Op::Unmark { m } => {
                 let marked = zrem(&mut self.writers, m);
                 if marked {
@@ -170,6 +172,31 @@ impl Redis {
             }
         };
         (answer, out)
+    }
+
+    /// `RW_DOWNGRADE`: whether the write hold `m` is (now) the read hold of its token; `r`
+    /// when readers wait and no writer does.
+    fn downgrade(
+        &mut self,
+        cfg: &SharedConfig,
+        now: u8,
+        m: Member,
+        out: &mut Vec<Publish>,
+    ) -> bool {
+        let r = Member {
+            want: Want::Read,
+            ..m
+        };
+        if score(&self.holds, m).is_none_or(|exp| exp <= now) {
+            // A retry whose downgrade ran finds the read hold.
+            return score(&self.holds, r).is_some_and(|exp| exp > now);
+        }
+        zrem(&mut self.holds, m);
+        zadd(&mut self.holds, r, now + cfg.lease);
+        if first(&self.readers, now).is_some() && first(&self.writers, now).is_none() {
+            out.push(Publish::Free);
+        }
+        true
     }
 
     /// `RW_UPGRADE`: the upgradable hold `m` becomes the write hold of the same token once
