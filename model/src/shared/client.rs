@@ -17,6 +17,11 @@
 //!   reply gives `max(old, sent + lease − drift)`, its loss leaves the validity as it was
 //!   (a renewal sent later never shortens it), a hold gone ends it.
 //! - `Choice::Release`: `SHARED_RELEASE`, after any renewal in flight.
+//! - `Choice::Upgrade` (an upgradable read's): `RW_UPGRADE`, once or (`upgrade`) until it
+//!   wins, asleep between attempts as a waiter is; unanswered, the upgradable read is
+//!   lost and the write hold it may have made is given back. `Choice::Downgrade` (a
+//!   write hold's): `RW_DOWNGRADE`; the thread claims nothing until it returns, and the
+//!   read hold counts from its send.
 
 use crate::config::Grants;
 use crate::net::Request;
@@ -216,7 +221,7 @@ impl Proc {
             Grants::AnyNonce => true,
             Grants::Confirmed | Grants::FromHearing => false,
         };
-        let valid_until = (self.sent + cfg.grant_lease).saturating_sub(cfg.drift);
+        let valid_until = cfg.valid_until(self.sent, cfg.grant_lease);
         if !ours || valid_until <= now {
             return false;
         }
@@ -300,8 +305,7 @@ impl Process for Proc {
                 self.phase = Phase::Done;
             }
             (Phase::Hold(h), Op::Extend { .. }) => {
-                let bound = (request.sent + cfg.lease).saturating_sub(cfg.drift);
-                h.valid_until = h.valid_until.min(bound);
+                h.valid_until = h.valid_until.min(cfg.lease_from(request.sent).0);
                 h.renew_at = now + cfg.renew_retry;
             }
             (Phase::Hold(_), Op::Downgrade { m }) => {
@@ -365,7 +369,7 @@ impl Process for Proc {
         self.react(cfg, now, fx);
     }
 
-    /// A message reaches the process (only a waiter listens).
+    /// A message reaches the process (a waiter listens, and a holder in `upgrade`).
     fn hear(&mut self, cfg: &SharedConfig, now: u8, what: Publish, fx: &mut Effects) {
         let me = self.member();
         if let Phase::Hold(h) = &mut self.phase {
@@ -385,7 +389,7 @@ impl Process for Proc {
             Publish::Grant { to, fence, .. } if to == me && cfg.grants == Grants::FromHearing => {
                 // The unsafe variant: the message is the hold, for the grant lease from now.
                 self.pending = None;
-                let valid_until = (now + cfg.grant_lease).saturating_sub(cfg.drift);
+                let valid_until = cfg.valid_until(now, cfg.grant_lease);
                 self.begin(fence, valid_until, now + cfg.renew_every(), true, fx);
             }
             Publish::Grant { to, nonce, fence } if to == me => {
@@ -416,7 +420,7 @@ impl Process for Proc {
         self.pending = None;
         match (request.op, answer, &mut self.phase) {
             (Op::Acquire { .. }, Answer::Won { fence }, Phase::Wait { wake, heard, .. }) => {
-                let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
+                let (valid_until, renew_at) = cfg.lease_from(request.sent);
                 if valid_until <= now {
                     // No validity left: as a failed attempt, go again.
                     *wake = now;
@@ -424,32 +428,28 @@ impl Process for Proc {
                     self.react(cfg, now, fx);
                     return;
                 }
-                let renew_at = request.sent + cfg.renew_every();
                 self.begin(fence, valid_until, renew_at, false, fx);
             }
             (Op::Acquire { .. }, Answer::Failed { hint }, Phase::Wait { wake, heard, .. }) => {
                 self.marked = true;
-                *wake = if *heard {
-                    now
-                } else {
-                    now + hint.min(cfg.recheck)
-                };
+                *wake = cfg.wake(now, hint, *heard);
                 self.react(cfg, now, fx);
             }
             (Op::Extend { .. }, Answer::Done(true), Phase::Hold(h)) => {
-                let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
+                let (valid_until, renew_at) = cfg.lease_from(request.sent);
                 h.valid_until = h.valid_until.max(valid_until);
-                h.renew_at = request.sent + cfg.renew_every();
+                h.renew_at = renew_at;
                 // An upgrade due meanwhile goes now.
                 self.react(cfg, now, fx);
             }
             (Op::Extend { .. }, _, Phase::Hold(h)) => h.valid_until = h.valid_until.min(now),
             (Op::Upgrade { .. }, Answer::Won { fence }, Phase::Hold(h)) => {
+                let (valid_until, renew_at) = cfg.lease_from(request.sent);
                 *h = Hold {
                     kind: Want::Write,
                     fence,
-                    valid_until: (request.sent + cfg.lease).saturating_sub(cfg.drift),
-                    renew_at: request.sent + cfg.renew_every(),
+                    valid_until,
+                    renew_at,
                     trusted: false,
                     upgrade: None,
                     downgrading: false,
@@ -458,10 +458,11 @@ impl Process for Proc {
             }
             (Op::Downgrade { .. }, Answer::Done(true), Phase::Hold(h)) => {
                 // The read hold counts from the downgrade's send.
+                let (valid_until, renew_at) = cfg.lease_from(request.sent);
                 *h = Hold {
                     kind: Want::Read,
-                    valid_until: (request.sent + cfg.lease).saturating_sub(cfg.drift),
-                    renew_at: request.sent + cfg.renew_every(),
+                    valid_until,
+                    renew_at,
                     downgrading: false,
                     ..*h
                 };
@@ -474,16 +475,10 @@ impl Process for Proc {
             (Op::Upgrade { .. }, Answer::Failed { hint }, Phase::Hold(h)) => {
                 // `try_upgrade` gives up; `upgrade` sleeps until the other holds' end, the
                 // re-check, or a message.
-                h.upgrade = h.upgrade.filter(|_| cfg.upgrade_waits).map(|(_, heard)| {
-                    (
-                        if heard {
-                            now
-                        } else {
-                            now + hint.min(cfg.recheck)
-                        },
-                        false,
-                    )
-                });
+                h.upgrade = h
+                    .upgrade
+                    .filter(|_| cfg.upgrade_waits)
+                    .map(|(_, heard)| (cfg.wake(now, hint, heard), false));
                 self.react(cfg, now, fx);
             }
             _ => {}

@@ -177,6 +177,30 @@ impl SharedConfig {
         SharedConfig { grants, ..self }
     }
 
+    /// Until when a hold of `lease` counted from `from` is surely held.
+    pub fn valid_until(&self, from: u8, lease: u8) -> u8 {
+        (from + lease).saturating_sub(self.drift)
+    }
+
+    /// A hold given the full lease by a request sent at `sent` (an attempt, a renewal, a
+    /// conversion): until when it is surely held, and when it is renewed next.
+    pub fn lease_from(&self, sent: u8) -> (u8, u8) {
+        (
+            self.valid_until(sent, self.lease),
+            sent + self.renew_every(),
+        )
+    }
+
+    /// When a waiter told `hint` ticks to the obstacle's end tries again: at once if a
+    /// message came meanwhile (`heard`), else at that end or the re-check.
+    pub fn wake(&self, now: u8, hint: u8, heard: bool) -> u8 {
+        if heard {
+            now
+        } else {
+            now + hint.min(self.recheck)
+        }
+    }
+
     /// How often the watchdog renews: a third of the lease, at least one tick.
     pub fn renew_every(&self) -> u8 {
         self.lease.div_ceil(3).max(1)
