@@ -481,13 +481,13 @@ pub enum LostReason {
     /// assert_eq!(r.to_string(), "renewals stopped: the watchdog thread failed");
     /// ```
     WatchdogFailed,
-    /// An upgrade of this upgradable read went unanswered: it may have turned the hold
-    /// into the write hold in Redis, which the library then gave back, so the upgradable
-    /// read may be gone.
+    /// An upgrade of this upgradable read, or a downgrade of this write hold, went
+    /// unanswered: it may have turned the hold into another in Redis, which the library
+    /// then gave back, so this hold may be gone.
     ///
     /// ```
     /// let r = redbaton::LostReason::Converted;
-    /// assert_eq!(r.to_string(), "an unanswered upgrade may have replaced it");
+    /// assert_eq!(r.to_string(), "an unanswered upgrade or downgrade may have replaced it");
     /// ```
     Converted,
 }
@@ -501,7 +501,7 @@ impl fmt::Display for LostReason {
             LostReason::HoldLimit => "hold-time limit reached",
             LostReason::NoQuorum => "held on fewer than a majority of nodes",
             LostReason::WatchdogFailed => "renewals stopped: the watchdog thread failed",
-            LostReason::Converted => "an unanswered upgrade may have replaced it",
+            LostReason::Converted => "an unanswered upgrade or downgrade may have replaced it",
         })
     }
 }

@@ -3,13 +3,15 @@
 //! writer in between, a waiting upgrade holds new readers back, a downgrade keeps a
 //! waiting writer out while readers join, upgradable reads exclude each other across
 //! processes, renewals never report a converted hold lost, an upgrade that went unanswered
-//! leaves its guard lost (the write hold it may have made is given back), the same on every
+//! leaves its guard lost (the write hold it may have made is given back), a downgrade that
+//! went unanswered hands the process's write hold to no local writer, the same on every
 //! master of a Cluster, and bad input or paths give typed errors and leave nothing in Redis.
 //!
 //! Children report through Redis keys the parent reads (`writer_in`, `reader_in`) and stop
 //! when the parent sets `stop`: the parent orders events by what it can observe, never by
 //! timing.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -102,6 +104,47 @@ fn await_key(conn: &mut redis::Connection, key: &str) {
         assert!(Instant::now() < deadline, "{key} never set");
         thread::sleep(ms(10));
     }
+}
+
+/// A server, a proxy in front of it, and a client through the proxy whose holds outlast
+/// the test and whose calls give up soon on a lost reply. The process's write hold serves
+/// its writers without asking Redis again.
+fn behind_proxy() -> (RedisServer, Proxy, LockClient) {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let client = lock_client!(
+        node(proxy.url()),
+        key_prefix(PREFIX),
+        lease(Duration::from_secs(20)),
+        io_timeouts(ms(300)),
+        handoff_slice(Duration::from_secs(600))
+    );
+    (srv, proxy, client)
+}
+
+/// Runs `f` while the proxy loses the reply of every request that contains `needle` (the
+/// request runs in Redis; the proxy closes the connection instead of answering), then
+/// heals the proxy.
+fn unanswered<T>(proxy: &Proxy, needle: &[u8], f: impl FnOnce() -> T) -> T {
+    let stop = AtomicBool::new(false);
+    let out = thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                if !proxy.drop_armed() {
+                    proxy.drop_next_reply_matching(needle);
+                }
+                thread::sleep(Duration::from_micros(50));
+            }
+        });
+        while !proxy.drop_armed() {
+            thread::yield_now();
+        }
+        let out = f();
+        stop.store(true, Ordering::SeqCst);
+        out
+    });
+    proxy.heal();
+    out
 }
 
 fn get(conn: &mut redis::Connection, key: &str) -> Option<String> {
@@ -508,14 +551,7 @@ fn renewals_never_cross_a_conversion() {
 /// upgradable read meanwhile: its `check` says lost, converted.
 #[test]
 fn an_unanswered_upgrade_leaves_no_upgradable_read_believed() {
-    let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let a = lock_client!(
-        node(proxy.url()),
-        key_prefix(PREFIX),
-        lease(Duration::from_secs(20)),
-        io_timeouts(ms(300))
-    );
+    let (srv, proxy, a) = behind_proxy();
     // The server knows the upgrade's script: an unknown one's `EVALSHA` runs nothing.
     drop(
         a.rwlock("warm")
@@ -540,30 +576,14 @@ fn an_unanswered_upgrade_leaves_no_upgradable_read_believed() {
         })
     };
     await_marks(&srv.url(), "up:{unanswered}:ww", 1);
-    // From now on every call of this client on the name runs in Redis, and its reply is
-    // lost (the proxy closes the connection): the upgrade, its retries, what the client
-    // does about their unknown outcome.
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let (written, overlap) = thread::scope(|s| {
-        s.spawn(|| {
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                if !proxy.drop_armed() {
-                    proxy.drop_next_reply_matching(b"{unanswered}");
-                }
-                thread::sleep(Duration::from_micros(50));
-            }
-        });
-        while !proxy.drop_armed() {
-            thread::yield_now();
-        }
+    // Every call of this client on the name runs in Redis, and its reply is lost: the
+    // upgrade, its retries, what the client does about their unknown outcome.
+    let (written, overlap) = unanswered(&proxy, b"{unanswered}", || {
         let refused = u.try_upgrade().expect_err("the upgrade is never answered");
         assert!(refused.error().is_connection(), "{:?}", refused.error());
         let written = wrote.recv_timeout(LIVENESS).expect("the writer got in");
-        let overlap = refused.into_guard().check();
-        stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        (written, overlap)
+        (written, refused.into_guard().check())
     });
-    proxy.heal();
     done.send(()).unwrap();
     writer.join().expect("writer");
     match overlap {
@@ -573,6 +593,83 @@ fn an_unanswered_upgrade_leaves_no_upgradable_read_believed() {
              says {other:?}"
         ),
     }
+}
+
+/// A downgrade of the process's write hold whose outcome is unknown (every reply lost, the
+/// retries too) may have turned the write hold into a read hold in Redis, which the client
+/// then gives back: the write hold is gone from Redis. The thread waiting for the process's
+/// write hold must not be handed it locally: a writer of another process may take the name.
+#[test]
+fn an_unanswered_downgrade_hands_no_local_writer_the_write_hold() {
+    let (srv, proxy, a) = behind_proxy();
+    let b = client(&srv.url());
+    // The server knows the downgrade's script: an unknown one's `EVALSHA` runs nothing.
+    drop(
+        a.rwlock("warm")
+            .write()
+            .and_then(|w| w.downgrade())
+            .expect("downgrade"),
+    );
+    let handoffs_before = a.stats().local_handoffs;
+    let w = a.rwlock("unanswered").write().expect("write");
+    let a = &a;
+    let (got, got_it) = mpsc::channel::<Result<u64, String>>();
+    let (ask, asked) = mpsc::channel::<()>();
+    let (checked, check_result) = mpsc::channel::<Result<(), Error>>();
+    thread::scope(|s| {
+        // A second writer of this process waits for the process's write hold.
+        s.spawn(move || {
+            let second = a.rwlock("unanswered").write();
+            let token = second.as_ref().map(|g| g.fencing_token());
+            got.send(token.map_err(ToString::to_string)).unwrap();
+            if let Ok(guard) = second {
+                asked.recv().unwrap();
+                checked.send(guard.check()).unwrap();
+            }
+        });
+        // Long enough that it waits in the process's turn (were it not waiting yet, it
+        // would ask Redis itself, and the test would prove less).
+        thread::sleep(ms(300));
+        unanswered(&proxy, b"{unanswered}", || {
+            let refused = w.downgrade().expect_err("the downgrade is never answered");
+            assert!(refused.is_connection(), "{refused:?}");
+        });
+        let second = got_it
+            .recv_timeout(LIVENESS)
+            .expect("the second writer returned");
+        let handed = a.stats().local_handoffs > handoffs_before;
+        // Another process's writer takes the name once it is free in Redis, unless this
+        // process's second writer holds it there.
+        let deadline = Instant::now() + LIVENESS;
+        let other = loop {
+            if let Ok(g) = b.rwlock("unanswered").try_write() {
+                break Some(g);
+            }
+            let info = a.inspect("unanswered").expect("inspect");
+            let ours = |h: &redbaton::Hold| h.mine && h.kind == HoldKind::Write;
+            if second.is_ok() && !handed && info.holds.iter().any(ours) {
+                break None;
+            }
+            assert!(Instant::now() < deadline, "nobody got the name: {info:?}");
+            thread::sleep(ms(10));
+        };
+        // The second writer believes it holds when its guard's check says so.
+        let believed = second.is_ok() && {
+            ask.send(()).unwrap();
+            let check = check_result.recv_timeout(LIVENESS).expect("checked");
+            check.is_ok()
+        };
+        drop(ask);
+        if let (Some(other), true) = (&other, believed) {
+            panic!(
+                "another process's writer holds (fencing token {}) while this process's \
+                 second writer (fencing token {:?}, handed over locally: {handed}) believes \
+                 it holds",
+                other.fencing_token(),
+                second
+            );
+        }
+    });
 }
 
 /// Redis Cluster: upgrades and downgrades on names served by every master (each script's

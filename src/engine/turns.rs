@@ -380,8 +380,8 @@ impl Engine {
     /// script: no writer gets in between. The process's write hold stays the process's (as
     /// a read hold the local readers may join); a thread's own stays its own. The write
     /// hold is retired, with no release, once the read hold replaced it; on an error it is
-    /// left to its guard (and a read hold the script may have made is released in the
-    /// background).
+    /// left to its guard, and lost when the script may have run (a read hold it may have
+    /// made is released in the background, and the write hold may be gone with it).
     pub(crate) fn downgrade(self: &Arc<Self>, hold: &Hold) -> Result<Hold> {
         self.timed(HoldKind::Read, || self.downgrade_now(hold))
     }
@@ -411,6 +411,10 @@ impl Engine {
             Err(e) => {
                 drop(paused);
                 if may_have_run(&e) {
+                    // The write hold may be the read hold now, and that goes back below:
+                    // the write hold must not serve anyone again, not even a local turn
+                    // (a lost hold admits nobody; the next local writer asks Redis).
+                    from.mark_lost(LostReason::Converted, &self.counters);
                     let nodes = vec![node.id.clone()];
                     self.cleanup
                         .release_later(keys, protocol, member, None, nodes);
