@@ -85,6 +85,34 @@ fn a_thread_never_waits_for_itself() {
     drop(w);
 }
 
+/// A thread that reads joins its own read hold when it reads again; not once the hold is
+/// known lost: it gets the loss, not a guard of a hold it no longer has.
+#[test]
+fn a_thread_reading_again_is_told_its_hold_is_lost() {
+    let srv = test_server();
+    // A short lease: the watchdog renews, and finds the hold gone, within a second.
+    let c = lock_client!(node(srv.url()), key_prefix(PREFIX), lease(ms(3000)));
+    let rw = c.rwlock("again");
+    let r = rw.read().expect("read");
+    let _: () = redis::cmd("DEL")
+        .arg("rw:{again}")
+        .query(&mut srv.conn())
+        .expect("DEL");
+    // The watchdog's next renewal finds the hold gone.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while r.check().is_ok() {
+        assert!(Instant::now() < deadline, "the loss was never found");
+        thread::sleep(ms(20));
+    }
+    match rw.read() {
+        Err(e) => assert!(e.is_lost(), "{e:?}"),
+        Ok(again) => panic!("a guard of a lost hold: its check says {:?}", again.check()),
+    }
+    assert!(r.check().unwrap_err().is_lost());
+    drop(r);
+    drop(rw.read().expect("the name is free: a new read hold"));
+}
+
 #[test]
 fn a_waiting_writer_stops_new_readers() {
     let srv = test_server();

@@ -119,13 +119,15 @@ impl std::fmt::Debug for RwLock {
 }
 
 impl RwLock {
-    /// Waits until a read hold is ours.
+    /// Waits until a read hold is ours. A thread that reads already joins its own read
+    /// hold at once.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidName`]; [`Error::WouldDeadlock`] if this thread holds the write
-    /// lock or the upgradable read; [`Error::WrongKind`] if the name is held as a plain lock or a semaphore;
-    /// [`Error::Unsupported`] on a Redlock client; Redis errors.
+    /// lock or the upgradable read; [`Error::Lost`] if this thread reads already and that
+    /// read hold is known lost; [`Error::WrongKind`] if the name is held as a plain lock
+    /// or a semaphore; [`Error::Unsupported`] on a Redlock client; Redis errors.
     ///
     /// # Examples
     ///

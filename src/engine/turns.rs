@@ -49,8 +49,12 @@ impl Engine {
             Some(Mine::Write | Mine::Upgradable) => return Err(Error::WouldDeadlock),
             Some(Mine::Read(..)) if mode == Mode::Write => return Err(Error::WouldDeadlock),
             // A thread that reads already joins its own hold: asking again could wait
-            // behind a writer who waits for this thread.
+            // behind a writer who waits for this thread. Not a hold known lost: the thread
+            // is told, rather than given a guard of a hold it no longer has.
             Some(Mine::Read(remote, token, n)) => {
+                if let Some(reason) = remote.lost(&self.counters) {
+                    return Err(Error::Lost(reason));
+                }
                 *n += 1;
                 let (remote, token) = (remote.clone(), *token);
                 if let Some(turn) = st.turns.get_mut(&keys).filter(|t| t.holds(&remote)) {
