@@ -1,6 +1,8 @@
-//! The checks of the shared holds (`redbaton_model::shared`): a read-write lock (with an
-//! upgrade) and a semaphore hold every property; a grant taken without the nonce rule, a
-//! renewal that revives, and an unanswered upgrade whose guard is kept break exclusion.
+//! The checks of the shared holds (`redbaton_model::shared`): a read-write lock (with
+//! upgrades, downgrades and local turns) and a semaphore hold every property; a grant
+//! taken without the nonce rule, a renewal that revives, an unanswered upgrade whose guard
+//! is kept and an unanswered downgrade whose write hold a local turn takes over break
+//! exclusion.
 
 use redbaton_model::shared::props::EXCLUSION;
 use redbaton_model::{Grants, Report, SharedConfig, check_shared};
@@ -15,6 +17,17 @@ fn holds(cfg: SharedConfig) -> Report {
     report
 }
 
+/// Checks `cfg`, which holds every property and takes every path its `sometimes`
+/// properties name.
+fn holds_on_every_path(cfg: SharedConfig) {
+    let report = holds(cfg);
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
 /// Checks `cfg` until exclusion breaks; the length of the shortest path found.
 fn breaks(cfg: SharedConfig) -> usize {
     check_shared(cfg, THREADS, Some(EXCLUSION)).assert_broken(EXCLUSION)
@@ -22,22 +35,12 @@ fn breaks(cfg: SharedConfig) -> usize {
 
 #[test]
 fn a_read_write_lock_holds_every_property() {
-    let report = holds(SharedConfig::rw());
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    holds_on_every_path(SharedConfig::rw());
 }
 
 #[test]
 fn a_semaphore_holds_every_property() {
-    let report = holds(SharedConfig::semaphore());
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    holds_on_every_path(SharedConfig::semaphore());
 }
 
 #[test]
@@ -49,35 +52,38 @@ fn a_semaphore_of_one_permit_holds_every_property() {
 /// An upgradable reader that upgrades (`try_upgrade`), beside a writer and a reader.
 #[test]
 fn upgrades_hold_every_property() {
-    let report = holds(SharedConfig::upgrade());
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    holds_on_every_path(SharedConfig::upgrade());
 }
 
 /// A writer that downgrades to a read hold, a reader that joins it, a second writer.
 #[test]
 fn downgrades_hold_every_property() {
-    let report = holds(SharedConfig::downgrade());
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    holds_on_every_path(SharedConfig::downgrade());
+}
+
+/// Each process with a second thread that takes a turn on its hold, the writer
+/// downgrading: a turn goes on only while the hold is not known lost.
+#[test]
+fn local_turns_hold_every_property() {
+    holds_on_every_path(SharedConfig::turns());
+}
+
+/// A downgrade that goes unanswered may have run: the read hold it made is given back, and
+/// a writer gets in. A local turn that takes the write hold over as it was overlaps it
+/// (the library marks the write hold lost, `LostReason::Converted`).
+#[test]
+fn an_unanswered_downgrade_handing_its_hold_to_a_turn_breaks_exclusion() {
+    breaks(SharedConfig {
+        downgrade_keeps_turns: true,
+        ..SharedConfig::turns()
+    });
 }
 
 /// The same with upgrades that wait: marked as a waiting writer (no new reader gets in),
 /// woken by the release of the last other hold.
 #[test]
 fn waiting_upgrades_hold_every_property() {
-    let report = holds(SharedConfig::upgrade_waiting());
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    holds_on_every_path(SharedConfig::upgrade_waiting());
 }
 
 /// An upgrade that goes unanswered may have run: the write hold it made is given back,
@@ -94,12 +100,7 @@ fn an_unanswered_upgrade_keeping_its_guard_breaks_exclusion() {
 /// Replies as slow as the read timeout: a renewal may run after its hold expired.
 #[test]
 fn slow_replies_hold_every_property() {
-    let report = holds(SharedConfig::slow_replies());
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    holds_on_every_path(SharedConfig::slow_replies());
 }
 
 /// A renewal that revives an expired hold, answered in time: its holder goes on while
@@ -138,11 +139,6 @@ fn confirmed_grants_hold() {
 #[ignore = "the long check: run with --release -- --ignored"]
 fn deep_shared_configurations_hold_every_property() {
     for cfg in SharedConfig::deep() {
-        let report = holds(cfg);
-        assert!(
-            report.never.is_empty(),
-            "paths never taken: {:?}",
-            report.never
-        );
+        holds_on_every_path(cfg);
     }
 }

@@ -21,7 +21,10 @@
 //!   wins, asleep between attempts as a waiter is; unanswered, the upgradable read is
 //!   lost and the write hold it may have made is given back. `Choice::Downgrade` (a
 //!   write hold's): `RW_DOWNGRADE`; the thread claims nothing until it returns, and the
-//!   read hold counts from its send.
+//!   read hold counts from its send; unanswered, the write hold is lost too.
+//! - Local turns (`SharedConfig::turns`, `engine::turns`): a reading or writing process's
+//!   next thread takes its hold over when the holding thread lets go, with no request,
+//!   while the hold is not known lost and its validity lasts.
 
 use crate::config::Grants;
 use crate::net::Request;
@@ -49,6 +52,8 @@ pub struct Hold {
     /// A downgrade under way: the thread is blocked in it, its write guard given up, and
     /// claims nothing until it returns with the read guard.
     pub downgrading: bool,
+    /// Taken over by a local turn (for the vacuity checks).
+    pub turned: bool,
 }
 
 /// Where the process is.
@@ -76,6 +81,8 @@ pub struct Proc {
     pub sent: u8,
     /// An attempt of this wait may have marked it waiting.
     pub marked: bool,
+    /// Threads of the process still to take a turn on its hold.
+    pub turns: u8,
     /// The one request whose reply the process awaits.
     pub pending: Option<SharedRequest>,
 }
@@ -113,6 +120,10 @@ impl Proc {
             nonce: 0,
             sent: 0,
             marked: false,
+            turns: match want {
+                Want::Read | Want::Write => cfg.turns,
+                Want::Permit | Want::Upgradable => 0,
+            },
             pending: None,
         };
         p.attempt(cfg, 0, fx);
@@ -150,6 +161,20 @@ impl Proc {
     pub fn believes(&self, now: u8) -> bool {
         self.hold()
             .is_some_and(|h| now < h.valid_until && !h.downgrading)
+    }
+
+    /// The thread holding lets go: the next local thread takes the hold over, if one
+    /// waits and the hold is neither known lost nor run out (`Turn::next`).
+    fn pass_turn(&mut self, now: u8) -> bool {
+        let Phase::Hold(h) = &mut self.phase else {
+            return false;
+        };
+        if self.turns == 0 || now >= h.valid_until {
+            return false;
+        }
+        self.turns -= 1;
+        h.turned = true;
+        true
     }
 
     fn send(&mut self, now: u8, op: Op, awaited: bool, fx: &mut Effects) {
@@ -235,6 +260,7 @@ impl Proc {
             kind: self.want,
             upgrade: None,
             downgrading: false,
+            turned: false,
             fence,
             valid_until,
             renew_at,
@@ -308,16 +334,23 @@ impl Process for Proc {
                 h.valid_until = h.valid_until.min(cfg.lease_from(request.sent).0);
                 h.renew_at = now + cfg.renew_retry;
             }
-            (Phase::Hold(_), Op::Downgrade { m }) => {
-                // The write guard is given back as by a drop, and the read hold the step may
-                // have made is released in the background.
+            (Phase::Hold(h), Op::Downgrade { m }) => {
+                // The read hold the step may have made is released in the background, and
+                // the write guard given back as by a drop; the step may have converted the
+                // write hold, so it is lost and no local turn takes it over.
+                h.downgrading = false;
+                if !cfg.downgrade_keeps_turns {
+                    h.valid_until = h.valid_until.min(now);
+                }
                 let r = Member {
                     want: Want::Read,
                     ..m
                 };
-                self.send(now, Op::Release { m }, false, fx);
                 self.send(now, Op::Release { m: r }, false, fx);
-                self.phase = Phase::Done;
+                if !self.pass_turn(now) {
+                    self.send(now, Op::Release { m }, false, fx);
+                    self.phase = Phase::Done;
+                }
             }
             (Phase::Hold(h), Op::Upgrade { m, waits }) => {
                 // The upgrade may have run: the write hold it made is given back (the
@@ -343,8 +376,10 @@ impl Process for Proc {
     fn act(&mut self, cfg: &SharedConfig, now: u8, choice: Choice, fx: &mut Effects) {
         match choice {
             Choice::Release => {
-                self.send(now, Op::Release { m: self.held() }, false, fx);
-                self.phase = Phase::Done;
+                if !self.pass_turn(now) {
+                    self.send(now, Op::Release { m: self.held() }, false, fx);
+                    self.phase = Phase::Done;
+                }
             }
             Choice::Upgrade => {
                 if let Phase::Hold(h) = &mut self.phase {
@@ -453,6 +488,7 @@ impl Process for Proc {
                     trusted: false,
                     upgrade: None,
                     downgrading: false,
+                    turned: false,
                 };
                 fx.began = Some((Want::Write, fence));
             }

@@ -21,10 +21,14 @@ pub enum Want {
 /// What to check.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SharedConfig {
-    /// One process per entry, each taking one hold of that kind once (a thread of its
-    /// own: the turns a process's threads take on one hold are the process's business,
-    /// checked by the lock model's local handoff).
+    /// One process per entry, each taking one hold of that kind once.
     pub wants: Vec<Want>,
+    /// Further threads of each reading or writing process that take turns on its hold
+    /// (`local::shares`): when the thread holding lets go, the next one takes the hold
+    /// over with no request, unless it is known lost or its validity ran out; then it
+    /// would ask Redis with a token of its own, as another process does (left out).
+    /// Upgradable reads and permits are a thread's own, never shared.
+    pub turns: u8,
     /// A semaphore's permits (with `Want::Permit`).
     pub permits: u8,
     /// The lease of a hold won by an attempt, and of every renewal.
@@ -62,6 +66,10 @@ pub struct SharedConfig {
     pub upgrade_waits: bool,
     /// Writers may downgrade their write hold to a read hold.
     pub downgrades: bool,
+    /// Broken: a downgrade that goes unanswered gives its write hold to the next local
+    /// turn as it was, while the read hold the downgrade may have made is given back (the
+    /// library before the write hold was marked lost, `LostReason::Converted`).
+    pub downgrade_keeps_turns: bool,
 }
 
 impl SharedConfig {
@@ -71,6 +79,7 @@ impl SharedConfig {
     pub fn rw() -> SharedConfig {
         SharedConfig {
             wants: vec![Want::Read, Want::Write, Want::Read],
+            turns: 0,
             permits: 0,
             lease: 3,
             grant_lease: 2,
@@ -87,6 +96,7 @@ impl SharedConfig {
             upgrade_keeps_guard: false,
             upgrade_waits: false,
             downgrades: false,
+            downgrade_keeps_turns: false,
         }
     }
 
@@ -106,6 +116,15 @@ impl SharedConfig {
             downgrades: true,
             horizon: 5,
             ..SharedConfig::rw()
+        }
+    }
+
+    /// A writer that may downgrade, a reader and a second writer, each with a second
+    /// thread that takes a turn on its process's hold.
+    pub fn turns() -> SharedConfig {
+        SharedConfig {
+            turns: 1,
+            ..SharedConfig::downgrade()
         }
     }
 
@@ -149,9 +168,9 @@ impl SharedConfig {
     }
 
     /// The longer checks: two readers and two writers, four permit-seekers for two
-    /// permits (16 and 37 million states), and the upgrade and downgrade configurations
-    /// two ticks longer.
-    pub fn deep() -> [SharedConfig; 5] {
+    /// permits (16 and 37 million states), and the upgrade, downgrade and local-turn
+    /// configurations two ticks longer.
+    pub fn deep() -> [SharedConfig; 6] {
         let rw = SharedConfig {
             wants: vec![Want::Read, Want::Write, Want::Read, Want::Write],
             horizon: 5,
@@ -169,6 +188,7 @@ impl SharedConfig {
             longer(SharedConfig::upgrade()),
             longer(SharedConfig::upgrade_waiting()),
             longer(SharedConfig::downgrade()),
+            longer(SharedConfig::turns()),
         ]
     }
 

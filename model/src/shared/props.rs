@@ -89,6 +89,13 @@ pub fn properties(cfg: &SharedConfig) -> Vec<Property<SharedModel>> {
             })
         }));
     }
+    if cfg.turns > 0 {
+        props.push(Property::sometimes("a local turn taken", |_, s: &State| {
+            s.procs
+                .iter()
+                .any(|p| p.believes(s.now) && p.hold().is_some_and(|h| h.turned))
+        }));
+    }
     props.push(Property::sometimes("holds shared", |_, s: &State| {
         believed(s).count() >= 2
     }));
