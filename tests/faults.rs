@@ -5,10 +5,13 @@
 //!   timeouts — never a hang, never a panic — and the client must recover when the server
 //!   comes back.
 //! * [`chaos`]: several child processes contend for a few plain locks, a read-write lock
-//!   and a semaphore while the parent injects faults at random (seeded; the seed is
-//!   printed). Every lock and write section writes through a fenced storage (a Lua script
-//!   on a separate redis-server). Checked, on the sections whose holder still held the
-//!   name at their end: mutual exclusion (reads may overlap reads, nothing else), tokens
+//!   (reads, writes and upgradable reads; a third of the writes end in a downgrade and of
+//!   the upgradable reads in an upgrade, whose hold is the next section) and a semaphore
+//!   while the parent injects faults at random (seeded; the seed is printed). Every lock
+//!   and write section writes through a fenced storage (a Lua script on a separate
+//!   redis-server). Checked, on the sections whose holder still held the name at their
+//!   end: mutual exclusion (reads may overlap reads and one upgradable read, nothing
+//!   else), tokens
 //!   strictly increasing from one lock or write section to the next, no read's token below
 //!   that of a write that ended before it began, and never more permit sections at once
 //!   than the semaphore has permits; and strictly increasing tokens of the accepted
@@ -596,12 +599,17 @@ fn chaos_worker(
     let rw = client.rwlock(CHAOS_RW);
     let sem = client.semaphore(CHAOS_SEM, CHAOS_PERMITS);
     while mono_us() < end_at {
-        // A quarter of the sections read or write the read-write lock (30% of them write),
-        // a quarter take a permit of the semaphore, the others take a plain lock.
+        // A quarter of the sections read or write the read-write lock (30% of them write,
+        // 10% take the upgradable read), a quarter take a permit of the semaphore, the
+        // others take a plain lock.
         let (hold, name) = match rng.random_range(0..4) {
             0 => {
-                let write = rng.random_range(0..10) < 3;
-                (if write { Hold::Write } else { Hold::Read }, CHAOS_RW)
+                let hold = match rng.random_range(0..10) {
+                    0..3 => Hold::Write,
+                    3 => Hold::Upgradable,
+                    _ => Hold::Read,
+                };
+                (hold, CHAOS_RW)
             }
             1 => (Hold::Permit, CHAOS_SEM),
             _ => (
@@ -615,6 +623,7 @@ fn chaos_worker(
             Hold::Lock => client.try_lock_for(name, wait).map(boxed),
             Hold::Read => rw.try_read_for(wait).map(boxed),
             Hold::Write => rw.try_write_for(wait).map(boxed),
+            Hold::Upgradable => rw.try_upgradable_read_for(wait).map(boxed),
             Hold::Permit => sem.try_acquire_for(wait).map(boxed),
         };
         let over = t0.elapsed().saturating_sub(wait);
@@ -747,6 +756,8 @@ fn chaos_section(
         (Hold::Read, false) => tally.add("lost_reads", 1),
         (Hold::Write, true) => tally.add("valid_writes", 1),
         (Hold::Write, false) => tally.add("lost_writes", 1),
+        (Hold::Upgradable, true) => tally.add("valid_upgradable_reads", 1),
+        (Hold::Upgradable, false) => tally.add("lost_upgradable_reads", 1),
         (Hold::Permit, true) => tally.add("valid_permits", 1),
         (Hold::Permit, false) => tally.add("lost_permits", 1),
     }
@@ -762,13 +773,33 @@ fn chaos_section(
         (1, false) => tally.add("end_accepted_lost", 1),
         _ => {}
     }
-    let unlocked = match g.unlock() {
-        Ok(Unlocked::Released) => "unlock_released",
-        Ok(Unlocked::HandedOff) => "unlock_handed_off",
-        Ok(Unlocked::Expired) => "unlock_expired",
-        Ok(Unlocked::HeldByOther) => "unlock_held_by_other",
-        Ok(_) => "unlock_other",
-        Err(_) => "unlock_errors",
+    // A write hold is sometimes turned into a read hold, an upgradable read into the write
+    // hold, where the section ends: the next section, on the hold the guard became, begins
+    // once the call returns (no other holder may get in between; the checks say so).
+    let (unlocked, next) = match hold.converts_to() {
+        Some(into) if rng.random_range(0..3) == 0 => match g.convert(ms(rng.random_range(50..500)))
+        {
+            Ok(next) => ("unlock_converted", Some((into, next))),
+            Err(back) => {
+                // A refused upgrade gives its guard back; a failed downgrade the write
+                // hold (as a drop does).
+                if let Some(g) = back {
+                    let _ = g.unlock();
+                }
+                ("unlock_convert_failed", None)
+            }
+        },
+        _ => (
+            match g.unlock() {
+                Ok(Unlocked::Released) => "unlock_released",
+                Ok(Unlocked::HandedOff) => "unlock_handed_off",
+                Ok(Unlocked::Expired) => "unlock_expired",
+                Ok(Unlocked::HeldByOther) => "unlock_held_by_other",
+                Ok(_) => "unlock_other",
+                Err(_) => "unlock_errors",
+            },
+            None,
+        ),
     };
     tally.add(unlocked, 1);
     // One line per section for the invariants and the history: token, holder
@@ -785,6 +816,15 @@ fn chaos_section(
             hold.code()
         ),
     );
+    if let Some((into, g)) = next {
+        let at = SectionAt {
+            hold: into,
+            name,
+            holder,
+            called: mono_us(),
+        };
+        chaos_section(g, at, rng, store, tally);
+    }
 }
 
 /// What a chaos section holds.
@@ -794,14 +834,23 @@ enum Hold {
     Lock,
     /// A read hold of the read-write lock (`try_read_for`).
     Read,
-    /// The write hold of the read-write lock (`try_write_for`).
+    /// The write hold of the read-write lock (`try_write_for`), or the one an upgrade made.
     Write,
+    /// The upgradable read of the read-write lock (`try_upgradable_read_for`): a read that
+    /// excludes writes and the other upgradable reads.
+    Upgradable,
     /// A permit of the semaphore (`try_acquire_for`).
     Permit,
 }
 
 impl Hold {
-    const ALL: [Hold; 4] = [Hold::Lock, Hold::Read, Hold::Write, Hold::Permit];
+    const ALL: [Hold; 5] = [
+        Hold::Lock,
+        Hold::Read,
+        Hold::Write,
+        Hold::Upgradable,
+        Hold::Permit,
+    ];
 
     /// Its code in a section report.
     fn code(self) -> &'static str {
@@ -809,6 +858,7 @@ impl Hold {
             Hold::Lock => "x",
             Hold::Read => "r",
             Hold::Write => "w",
+            Hold::Upgradable => "u",
             Hold::Permit => "p",
         }
     }
@@ -823,6 +873,7 @@ impl Hold {
             Hold::Lock => "",
             Hold::Read => "read ",
             Hold::Write => "write ",
+            Hold::Upgradable => "upgradable read ",
             Hold::Permit => "permit ",
         }
     }
@@ -833,6 +884,7 @@ impl Hold {
             Hold::Lock => "try_lock_for",
             Hold::Read => "try_read_for",
             Hold::Write => "try_write_for",
+            Hold::Upgradable => "try_upgradable_read_for",
             Hold::Permit => "try_acquire_for",
         }
     }
@@ -847,6 +899,24 @@ impl Hold {
     fn fenced(self) -> bool {
         self != Hold::Permit
     }
+
+    /// Whether two sections of these holds may not overlap: either excludes everyone, or
+    /// both are upgradable reads.
+    fn conflicts(self, other: Hold) -> bool {
+        self.exclusive()
+            || other.exclusive()
+            || (self, other) == (Hold::Upgradable, Hold::Upgradable)
+    }
+
+    /// What its guard turns into: a write hold into a read hold (`downgrade`), an
+    /// upgradable read into the write hold (`try_upgrade_for`).
+    fn converts_to(self) -> Option<Hold> {
+        match self {
+            Hold::Write => Some(Hold::Read),
+            Hold::Upgradable => Some(Hold::Write),
+            Hold::Lock | Hold::Read | Hold::Permit => None,
+        }
+    }
 }
 
 /// What a chaos section needs of its guard, whatever it holds.
@@ -856,10 +926,13 @@ trait Guard {
     fn valid_until(&self) -> Instant;
     fn check(&self) -> redbaton::Result<()>;
     fn unlock(self: Box<Self>) -> redbaton::Result<Unlocked>;
+    /// Turns the hold into what [`Hold::converts_to`] says, waiting at most `wait`; on an
+    /// error, the guard it gives back, if any. Only called for a hold that converts.
+    fn convert(self: Box<Self>, wait: Duration) -> Result<Box<dyn Guard>, Option<Box<dyn Guard>>>;
 }
 
 macro_rules! chaos_guard {
-    ($($guard:ty: $token:expr),*) => {$(
+    ($($guard:ty: $token:expr, $convert:expr);*) => {$(
         impl Guard for $guard {
             fn token(&self) -> u64 {
                 $token(self)
@@ -873,14 +946,30 @@ macro_rules! chaos_guard {
             fn unlock(self: Box<Self>) -> redbaton::Result<Unlocked> {
                 <$guard>::unlock(*self)
             }
+            fn convert(
+                self: Box<Self>,
+                wait: Duration,
+            ) -> Result<Box<dyn Guard>, Option<Box<dyn Guard>>> {
+                $convert(*self, wait)
+            }
         }
     )*};
 }
+/// The conversion of a guard whose hold converts to nothing.
+fn no_conversion<G>(_: G, _: Duration) -> Result<Box<dyn Guard>, Option<Box<dyn Guard>>> {
+    unreachable!("only a write hold or an upgradable read converts")
+}
 chaos_guard!(
-    redbaton::LockGuard: redbaton::LockGuard::fencing_token,
-    redbaton::ReadGuard: redbaton::ReadGuard::fencing_token,
+    redbaton::LockGuard: redbaton::LockGuard::fencing_token, no_conversion;
+    redbaton::ReadGuard: redbaton::ReadGuard::fencing_token, no_conversion;
     redbaton::WriteGuard: redbaton::WriteGuard::fencing_token,
-    redbaton::Permit: |_| 0
+        |g: redbaton::WriteGuard, _| g.downgrade().map(boxed).map_err(|_| None);
+    redbaton::UpgradableReadGuard: redbaton::UpgradableReadGuard::fencing_token,
+        |g: redbaton::UpgradableReadGuard, wait| g
+            .try_upgrade_for(wait)
+            .map(boxed)
+            .map_err(|e| Some(boxed(e.into_guard())));
+    redbaton::Permit: |_| 0, no_conversion
 );
 
 fn boxed<G: Guard + 'static>(g: G) -> Box<dyn Guard> {
@@ -1813,6 +1902,8 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         "lost_reads",
         "valid_writes",
         "lost_writes",
+        "valid_upgradable_reads",
+        "lost_upgradable_reads",
         "valid_permits",
         "lost_permits",
         "long_sections",
@@ -1827,6 +1918,8 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         "build_errors",
         "unlock_released",
         "unlock_handed_off",
+        "unlock_converted",
+        "unlock_convert_failed",
         "unlock_expired",
         "unlock_held_by_other",
         "unlock_errors",
@@ -1913,7 +2006,7 @@ fn exclusion(key: &str, valid: &[&ChaosSection], violations: &mut Vec<Violation>
         for b in valid[i + 1..]
             .iter()
             .take_while(|b| b.epoch() == a.epoch() && b.s < a.e)
-            .filter(|b| a.hold.exclusive() || b.hold.exclusive())
+            .filter(|b| a.hold.conflicts(b.hold))
         {
             violations.push(Violation::new(
                 Kind::Overlap,
