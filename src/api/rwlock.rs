@@ -903,7 +903,7 @@ impl WriteGuard {
     /// errors when the step could not be confirmed. Either way the write hold is given
     /// back, as by a drop (and a read hold the step may have made is released in the
     /// background). A step that may have run unconfirmed may have taken the write hold
-    /// with it: the hold is then lost ([`LostReason::Converted`](crate::LostReason)), and
+    /// with it: the hold is then lost ([`LostReason::Converted`](crate::LostReason::Converted)), and
     /// the other threads of this process waiting for it ask Redis rather than take a turn
     /// on it.
     ///
