@@ -2,6 +2,7 @@
 //! to the next process directly, and nobody stays stuck behind a dead, stopped or
 //! departed waiter. Real `redis-server`, real child processes.
 
+use std::process::Child;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -142,22 +143,34 @@ fn turns_follow_the_queue_order() {
     assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
 }
 
+/// `holder` holds `k` with two processes queued behind it; `fault` is done to the first
+/// before the release grants it the lock. The second gets the lock within the grant lease
+/// (1 s) plus the expiry event's delay. Returns the first process.
+fn the_second_goes_on(srv: &RedisServer, holder: &LockClient, fault: fn(&mut Child)) -> Child {
+    let guard = holder.lock("k").expect("lock");
+    let mut first = queue_waiter(srv, 30_000, 0);
+    let next = queue_waiter(srv, 30_000, 0);
+    fault(&mut first);
+    let released = Instant::now();
+    guard
+        .unlock()
+        .expect("unlock: granted to the first queued process");
+    let out = child::wait_ok(next, secs(30));
+    let took = released.elapsed();
+    assert_eq!(child::result_with(&out, "got")["got"], "1");
+    assert!(
+        took < secs(3),
+        "the next waiter got it {took:?} after the release"
+    );
+    first
+}
+
 /// A queued process killed before its turn: the others go on within the grant lease.
 #[test]
 fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
     let (srv, holder) = test_server_and(client);
-    let guard = holder.lock("k").expect("lock");
-    let mut dead = queue_waiter(&srv, 30_000, 0);
-    let next = queue_waiter(&srv, 30_000, 0);
-    child::kill_child(&mut dead, libc::SIGKILL);
-    let released = Instant::now();
-    guard.unlock().expect("unlock: granted to the dead process");
-    let out = child::wait_ok(next, secs(30));
-    let took = released.elapsed();
-    assert_eq!(child::result_with(&out, "got")["got"], "1");
-    eprintln!("next waiter got it {took:?} after the release");
-    // The grant lease (1 s) plus the expiry event's delay.
-    assert!(took < secs(3), "{took:?}");
+    let mut dead = the_second_goes_on(&srv, &holder, |dead| child::kill_child(dead, libc::SIGKILL));
+    dead.wait().expect("the killed process reaped");
     assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
 }
 
@@ -165,16 +178,7 @@ fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
 #[test]
 fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {
     let (srv, holder) = test_server_and(client);
-    let guard = holder.lock("k").expect("lock");
-    let mut stopped = queue_waiter(&srv, 30_000, 0);
-    let next = queue_waiter(&srv, 30_000, 0);
-    child::stop_child(&mut stopped);
-    let released = Instant::now();
-    guard.unlock().expect("unlock");
-    let out = child::wait_ok(next, secs(30));
-    let took = released.elapsed();
-    assert!(took < secs(3), "{took:?}");
-    assert_eq!(child::result_with(&out, "got")["got"], "1");
+    let mut stopped = the_second_goes_on(&srv, &holder, child::stop_child);
     child::kill_child(&mut stopped, libc::SIGCONT);
     let out = child::wait_ok(stopped, secs(40));
     assert_eq!(

@@ -13,7 +13,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redbaton::fault::{self, Point};
-use redbaton::{Cancel, LockClient, Stats};
+use redbaton::{Cancel, LockClient, LockGuard, Stats};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
 use redbaton_testkit::{init_log, lock_client, secs};
@@ -32,9 +32,12 @@ fn client(srv: &RedisServer, prefix: &str) -> LockClient {
     )
 }
 
+/// What a waiting thread sends once it returns: its client's stats, taken with the lock.
+type Waiting = crossbeam_channel::Receiver<redbaton::Result<Stats>>;
+
 /// A thread of `c` waiting for `name` (up to `WOKEN`), which must be held elsewhere; it
 /// sends the client's stats once it has the lock, then unlocks.
-fn waiter(c: &LockClient, name: &str) -> crossbeam_channel::Receiver<redbaton::Result<Stats>> {
+fn waiter(c: &LockClient, name: &str) -> Waiting {
     let (tx, rx) = crossbeam_channel::bounded(1);
     let (c, name) = (c.clone(), name.to_owned());
     thread::spawn(move || {
@@ -48,7 +51,7 @@ fn waiter(c: &LockClient, name: &str) -> crossbeam_channel::Receiver<redbaton::R
 }
 
 /// Waits for `waiter`'s outcome: it got the lock, woken by an event.
-fn got(waiter: &crossbeam_channel::Receiver<redbaton::Result<Stats>>, what: &str) -> Stats {
+fn got(waiter: &Waiting, what: &str) -> Stats {
     let s = waiter
         .recv_timeout(WOKEN + secs(5))
         .unwrap_or_else(|_| panic!("{what}: the waiter did not return"))
@@ -82,12 +85,19 @@ fn failed(c: &LockClient, n: u64) {
     thread::sleep(SETTLED);
 }
 
+/// `holder` takes the lock `k`, and a waiter of `other` sleeps on it, after its attempt
+/// before it subscribed and its attempt once subscribed.
+fn held_and_awaited(holder: &LockClient, other: &LockClient) -> (LockGuard, Waiting) {
+    let g = holder.lock("k").unwrap();
+    let w = waiter(other, "k");
+    failed(other, 2);
+    (g, w)
+}
+
 #[test]
 fn smoke() {
     let (_srv, holder, other) = start("wr-smoke:");
-    let g = holder.lock("k").unwrap();
-    let w = waiter(&other, "k");
-    failed(&other, 2); // before it subscribed, then once subscribed
+    let (g, w) = held_and_awaited(&holder, &other);
     g.unlock().unwrap();
     let s = got(&w, "k");
     assert_eq!(s.waiter_reads, 1, "the grant was read by the waiter: {s:?}");
@@ -119,9 +129,7 @@ fn a_reading_waiter_wakes_the_others() {
 #[test]
 fn the_thread_reads_again_after_the_waiters() {
     let (_srv, holder, other) = start("wr-back:");
-    let g = holder.lock("k").unwrap();
-    let w = waiter(&other, "k");
-    failed(&other, 2);
+    let (g, w) = held_and_awaited(&holder, &other);
     g.unlock().unwrap();
     assert_eq!(got(&w, "k").waiter_reads, 1);
 
@@ -149,9 +157,7 @@ fn the_thread_reads_again_after_the_waiters() {
 #[test]
 fn a_connection_killed_while_a_waiter_reads_it() {
     let (srv, holder, other) = start("wr-kill:");
-    let g = holder.lock("k").unwrap();
-    let w = waiter(&other, "k");
-    failed(&other, 2);
+    let (g, w) = held_and_awaited(&holder, &other);
     assert!(
         srv.kill_pubsub() >= 1,
         "the subscriber connections were killed"
@@ -229,9 +235,7 @@ fn a_panic_in_a_waiters_read_is_survived() {
 fn a_subscriber_panic_while_a_waiter_reads_is_survived() {
     const P: &str = "wr-crash:";
     let (srv, holder, other) = start(P);
-    let g = holder.lock("k").unwrap();
-    let w = waiter(&other, "k");
-    failed(&other, 2);
+    let (g, w) = held_and_awaited(&holder, &other);
     let before = srv.subscribers();
     fault::stall(P, Point::WaiterRead);
     wait_for(
