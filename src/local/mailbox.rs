@@ -4,9 +4,11 @@
 //! idle, an inter-processor interrupt, which on a virtual machine means a VM exit (tens of
 //! microseconds: a large share of a short critical section's cycle). So the waiter at the head of the queue is told when the current holder is *expected* to
 //! release (its predecessor's hold time, averaged: see the table), sleeps until shortly
-//! before, and then spins, yielding, until the grant arrives or a short grace period
-//! passes, after which it sleeps again. Only the head spins, for at most
-//! [`SPIN_LEAD`] + [`SPIN_GRACE`] per handoff, and only when holds are short
+//! before (by how late its timed sleeps have woken, at least [`SPIN_LEAD_MIN`]), and then
+//! spins, yielding, until the grant arrives or a short grace period passes, after which it
+//! sleeps again. Only the head spins, for at most [`SPIN_LEAD_MAX`] + [`SPIN_GRACE`] per
+//! handoff (about [`SPIN_MARGIN`] + [`SPIN_GRACE`] when its timer is as late as usual), and
+//! only when holds are short
 //! ([`SPIN_MAX_HOLD`]); a mispredicted hold costs that much CPU, never correctness: the
 //! grant is always read under the mutex.
 //!
@@ -22,7 +24,7 @@
 //! the lowest layer that waits.
 
 use std::sync::LazyLock;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
@@ -42,13 +44,49 @@ pub(crate) enum Grant {
     Contend { yield_first: bool },
 }
 
-/// How long before the expected release the head waiter starts spinning: its own timer
-/// wake-up (with the kernel's default 50 µs timer slack) must land before the release.
-const SPIN_LEAD: Duration = Duration::from_micros(120);
+/// The least time before the expected release the head waiter starts spinning: its own
+/// timer wake-up (with the kernel's default 50 µs timer slack) must land before the
+/// release. It starts earlier when this process's timed sleeps wake later than that (see
+/// [`TimerLateness`]).
+const SPIN_LEAD_MIN: Duration = Duration::from_micros(120);
+/// The most: the lead a head whose timer wakes on time spends spinning.
+const SPIN_LEAD_MAX: Duration = Duration::from_millis(1);
+/// How long before the release a head whose timer is as late as usual wakes.
+const SPIN_MARGIN: Duration = Duration::from_micros(70);
 /// How long after the expected release it keeps spinning before it sleeps again.
 const SPIN_GRACE: Duration = Duration::from_micros(100);
 /// Holds longer than this are not worth spinning for: a wake-up is small beside them.
 pub(crate) const SPIN_MAX_HOLD: Duration = Duration::from_millis(2);
+
+/// How late this process's timed sleeps wake, on average (nanoseconds, each new one
+/// weighing 1/8). On a virtual machine the timer wake-up of an idle vCPU can come 100 µs
+/// late or more; a head that woke after the release would pay the very wake-up its spin is
+/// for, so the lead covers the lateness seen. A sleep later than [`SPIN_LEAD_MAX`] (a
+/// descheduled vCPU) counts as that much.
+struct TimerLateness(AtomicU64);
+
+impl TimerLateness {
+    const fn new() -> Self {
+        TimerLateness(AtomicU64::new(0))
+    }
+
+    /// A timed sleep woke `late` after it was due. Threads may race here: it is an
+    /// estimate, and one lost update changes it by an eighth.
+    fn note(&self, late: Duration) {
+        let late = u64::try_from(late.min(SPIN_LEAD_MAX).as_nanos()).unwrap_or(u64::MAX);
+        let old = self.0.load(Ordering::Relaxed);
+        let new = if old == 0 { late } else { (old * 7 + late) / 8 };
+        self.0.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// How long before the expected release a head starts spinning.
+    fn spin_lead(&self) -> Duration {
+        let late = Duration::from_nanos(self.0.load(Ordering::Relaxed));
+        (late + SPIN_MARGIN).clamp(SPIN_LEAD_MIN, SPIN_LEAD_MAX)
+    }
+}
+
+static TIMER: TimerLateness = TimerLateness::new();
 
 /// Head waiters of this process told to expect a release right now, and how many may be:
 /// one fewer than the machine's cores (none on one core).
@@ -158,7 +196,8 @@ impl Slot {
                 return None;
             }
             let expected = inbox.expected.as_ref().map(|(t, _)| *t);
-            let spin_from = expected.map(|t| t.checked_sub(SPIN_LEAD).unwrap_or(t));
+            let lead = TIMER.spin_lead();
+            let spin_from = expected.map(|t| t.checked_sub(lead).unwrap_or(t));
             let spin_until = expected.map(|t| t + SPIN_GRACE);
             match (spin_from, spin_until) {
                 (Some(from), Some(until)) if now >= from && now < until => {
@@ -171,7 +210,9 @@ impl Slot {
                 }
                 (Some(from), _) if now < from => {
                     let wake = deadline.map_or(from, |d| d.min(from));
-                    self.changed.wait_until(&mut inbox, wake);
+                    if self.changed.wait_until(&mut inbox, wake).timed_out() && wake == from {
+                        TIMER.note(Instant::now().saturating_duration_since(from));
+                    }
                 }
                 _ => match deadline {
                     Some(d) => {
@@ -388,6 +429,34 @@ mod tests {
         // A grant that came first wins over a cancel.
         s.give(contend());
         assert!(s.wait(None, Some(&cancel)).is_some());
+    }
+
+    #[test]
+    fn the_spin_lead_covers_how_late_the_timer_wakes() {
+        let us = Duration::from_micros;
+        let t = TimerLateness::new();
+        assert_eq!(t.spin_lead(), SPIN_LEAD_MIN, "nothing seen yet");
+        t.note(us(20));
+        assert_eq!(
+            t.spin_lead(),
+            SPIN_LEAD_MIN,
+            "a punctual timer: the least lead"
+        );
+        for _ in 0..40 {
+            t.note(us(200));
+        }
+        let lead = t.spin_lead();
+        assert!(
+            lead > us(260) && lead <= us(200) + SPIN_MARGIN,
+            "a timer 200 µs late: {lead:?}"
+        );
+        // A descheduled vCPU counts as the longest lead at most, and is forgotten.
+        t.note(Duration::from_millis(50));
+        assert!(t.spin_lead() <= SPIN_LEAD_MAX);
+        for _ in 0..40 {
+            t.note(us(10));
+        }
+        assert_eq!(t.spin_lead(), SPIN_LEAD_MIN);
     }
 
     #[test]
