@@ -79,8 +79,8 @@ fn an_unanswered_downgrade_handing_its_hold_to_a_turn_breaks_exclusion() {
     });
 }
 
-/// The same with upgrades that wait: marked as a waiting writer (no new reader gets in),
-/// woken by the release of the last other hold.
+/// Upgrades that wait, beside a writer and a reader: marked as a waiting writer (no new
+/// reader gets in), woken by the release of the last other hold.
 #[test]
 fn waiting_upgrades_hold_every_property() {
     holds_on_every_path(SharedConfig::upgrade_waiting());

@@ -49,7 +49,8 @@ pub(crate) enum Grant {
 /// release. It starts earlier when this process's timed sleeps wake later than that (see
 /// [`TimerLateness`]).
 const SPIN_LEAD_MIN: Duration = Duration::from_micros(120);
-/// The most: the lead a head whose timer wakes on time spends spinning.
+/// The longest lead, however late the timer (a head whose timer then wakes on time spins
+/// this long before the release).
 const SPIN_LEAD_MAX: Duration = Duration::from_millis(1);
 /// How long before the release a head whose timer is as late as usual wakes.
 const SPIN_MARGIN: Duration = Duration::from_micros(70);
@@ -196,8 +197,7 @@ impl Slot {
                 return None;
             }
             let expected = inbox.expected.as_ref().map(|(t, _)| *t);
-            let lead = TIMER.spin_lead();
-            let spin_from = expected.map(|t| t.checked_sub(lead).unwrap_or(t));
+            let spin_from = expected.map(|t| t.checked_sub(TIMER.spin_lead()).unwrap_or(t));
             let spin_until = expected.map(|t| t + SPIN_GRACE);
             match (spin_from, spin_until) {
                 (Some(from), Some(until)) if now >= from && now < until => {
