@@ -303,6 +303,8 @@ const CHAOS_RW: &str = "gamma";
 /// permit-seekers wait and releases grant.
 const CHAOS_SEM: &str = "delta";
 const CHAOS_PERMITS: u32 = 2;
+/// The names a chaos section may hold: one plain lock, the other, or both (a multi-lock).
+const CHAOS_KEY_SETS: [&[&str]; 3] = [&[CHAOS_KEYS[0]], &[CHAOS_KEYS[1]], &CHAOS_KEYS];
 /// Every name of a chaos run.
 const CHAOS_NAMES: [&str; 4] = [CHAOS_KEYS[0], CHAOS_KEYS[1], CHAOS_RW, CHAOS_SEM];
 const CHAOS_PROCS: usize = 3;
@@ -601,22 +603,21 @@ fn chaos_worker(
     while mono_us() < end_at {
         // A quarter of the sections read or write the read-write lock (30% of them write,
         // 10% take the upgradable read), a quarter take a permit of the semaphore, the
-        // others take a plain lock.
-        let (hold, name) = match rng.random_range(0..4) {
+        // others take a plain lock, or (one in eight of them) both plain locks at once.
+        let (hold, names): (Hold, &'static [&'static str]) = match rng.random_range(0..4) {
             0 => {
                 let hold = match rng.random_range(0..10) {
                     0..3 => Hold::Write,
                     3 => Hold::Upgradable,
                     _ => Hold::Read,
                 };
-                (hold, CHAOS_RW)
+                (hold, &[CHAOS_RW])
             }
-            1 => (Hold::Permit, CHAOS_SEM),
-            _ => (
-                Hold::Lock,
-                CHAOS_KEYS[rng.random_range(0..CHAOS_KEYS.len())],
-            ),
+            1 => (Hold::Permit, &[CHAOS_SEM]),
+            _ if rng.random_range(0..8) == 0 => (Hold::Multi, CHAOS_KEY_SETS[2]),
+            _ => (Hold::Lock, CHAOS_KEY_SETS[rng.random_range(0..2)]),
         };
+        let name = names[0];
         let wait = ms(rng.random_range(50..500));
         let (w0, t0) = (mono_us(), Instant::now());
         let r: redbaton::Result<Box<dyn Guard>> = match hold {
@@ -625,6 +626,7 @@ fn chaos_worker(
             Hold::Write => rw.try_write_for(wait).map(boxed),
             Hold::Upgradable => rw.try_upgradable_read_for(wait).map(boxed),
             Hold::Permit => sem.try_acquire_for(wait).map(boxed),
+            Hold::Multi => client.try_multi_lock_for(names, wait).map(boxed),
         };
         let over = t0.elapsed().saturating_sub(wait);
         tally.max("max_overshoot_us", over.as_micros() as u64);
@@ -650,7 +652,7 @@ fn chaos_worker(
             Ok(g) => {
                 let at = SectionAt {
                     hold,
-                    name,
+                    names,
                     holder,
                     called: w0,
                 };
@@ -671,11 +673,11 @@ fn chaos_worker(
     }
 }
 
-/// Where a chaos section runs: what it holds, of which name, in which thread, and when
-/// its call began.
+/// Where a chaos section runs: what it holds, of which names (two for a multi-lock, one
+/// otherwise), in which thread, and when its call began.
 struct SectionAt<'a> {
     hold: Hold,
-    name: &'static str,
+    names: &'static [&'static str],
     holder: &'a str,
     called: u64,
 }
@@ -693,12 +695,12 @@ fn chaos_section(
 ) {
     let SectionAt {
         hold,
-        name,
+        names,
         holder,
         called,
     } = at;
     tally.add("acquired", 1);
-    let token = g.token();
+    let tokens: Vec<u64> = names.iter().map(|name| g.token_of(name)).collect();
     let s = mono_us();
     // When the hold's lease began, or earlier: its validity counts from the send of the
     // round that won it (or of its last renewal so far), and no lease is longer than
@@ -707,14 +709,21 @@ fn chaos_section(
     // read before `valid_until`'s `now`, so that this is never later than the truth.
     let from =
         (mono_us() as i64 + signed_us_until(g.valid_until()) - LEASE.as_micros() as i64).max(0);
-    if hold != Hold::Lock {
-        store.began_shared(name, holder);
+    if !matches!(hold, Hold::Lock | Hold::Multi) {
+        store.began_shared(names[0], holder);
     }
-    let (r1, last1) = if hold.exclusive() {
-        store.write("b", name, token, holder, s, 0)
-    } else {
-        (9, String::new()) // not sent
-    };
+    // Per name: the begin write's reply and the token the store had seen last.
+    let begins: Vec<(i64, String)> = names
+        .iter()
+        .zip(&tokens)
+        .map(|(name, &token)| {
+            if hold.exclusive() {
+                store.write("b", name, token, holder, s, 0)
+            } else {
+                (9, String::new()) // not sent
+            }
+        })
+        .collect();
     if rng.random_range(0..40) == 0 {
         // A long section (past a few renewals): the watchdog meets the faults.
         // Conservative policy: stop between steps once the hold is known lost.
@@ -737,11 +746,18 @@ fn chaos_section(
     let valid = check == "ok";
     // The end write goes out even when the hold is known lost (the aggressive policy):
     // the fencing storage must refuse it if a newer holder began.
-    let r2 = if r1 == 1 {
-        store.write("e", name, token, holder, s, e).0
-    } else {
-        9 // not sent
-    };
+    let ends: Vec<i64> = names
+        .iter()
+        .zip(&tokens)
+        .zip(&begins)
+        .map(|((name, &token), &(r1, _))| {
+            if r1 == 1 {
+                store.write("e", name, token, holder, s, e).0
+            } else {
+                9 // not sent
+            }
+        })
+        .collect();
     tally.add(
         if valid {
             "valid_sections"
@@ -760,18 +776,22 @@ fn chaos_section(
         (Hold::Upgradable, false) => tally.add("lost_upgradable_reads", 1),
         (Hold::Permit, true) => tally.add("valid_permits", 1),
         (Hold::Permit, false) => tally.add("lost_permits", 1),
+        (Hold::Multi, true) => tally.add("valid_multi_locks", 1),
+        (Hold::Multi, false) => tally.add("lost_multi_locks", 1),
     }
-    match r1 {
-        1 => tally.add("begin_accepted", 1),
-        0 => tally.add("begin_stale", 1),
-        9 => {}
-        _ => tally.add("begin_duplicate", 1),
-    }
-    match (r2, valid) {
-        (0, true) => tally.add("end_stale_valid", 1),
-        (0, false) => tally.add("end_stale_lost", 1),
-        (1, false) => tally.add("end_accepted_lost", 1),
-        _ => {}
+    for (&(r1, _), &r2) in begins.iter().zip(&ends) {
+        match r1 {
+            1 => tally.add("begin_accepted", 1),
+            0 => tally.add("begin_stale", 1),
+            9 => {}
+            _ => tally.add("begin_duplicate", 1),
+        }
+        match (r2, valid) {
+            (0, true) => tally.add("end_stale_valid", 1),
+            (0, false) => tally.add("end_stale_lost", 1),
+            (1, false) => tally.add("end_accepted_lost", 1),
+            _ => {}
+        }
     }
     // A write hold is sometimes turned into a read hold, an upgradable read into the write
     // hold, where the section ends: the next section, on the hold the guard became, begins
@@ -806,20 +826,23 @@ fn chaos_section(
     // (pid.thread), start, end, whether `check()` was Ok at the end, the two fenced
     // writes' replies, the token the begin saw, when the call started, the validity left
     // at the end (µs, negative once past), `check()`'s answer, the unlock's outcome,
-    // what was held (see `Hold::code`) and a time its lease began at or after.
-    store.report(
-        name,
-        format!(
-            "{token:020} {holder} {s} {e} {} {r1} {r2} {last1} {called} {left_us} {check} {} {} {from}",
-            u8::from(valid),
-            unlocked.trim_start_matches("unlock_"),
-            hold.code()
-        ),
-    );
+    // what was held (see `Hold::code`) and a time its lease began at or after. A
+    // multi-lock's section is one line on each of its names, with that name's token.
+    for (((name, token), (r1, last1)), r2) in names.iter().zip(&tokens).zip(&begins).zip(&ends) {
+        store.report(
+            name,
+            format!(
+                "{token:020} {holder} {s} {e} {} {r1} {r2} {last1} {called} {left_us} {check} {} {} {from}",
+                u8::from(valid),
+                unlocked.trim_start_matches("unlock_"),
+                hold.code()
+            ),
+        );
+    }
     if let Some((into, g)) = next {
         let at = SectionAt {
             hold: into,
-            name,
+            names,
             holder,
             called: mono_us(),
         };
@@ -841,15 +864,18 @@ enum Hold {
     Upgradable,
     /// A permit of the semaphore (`try_acquire_for`).
     Permit,
+    /// Both plain locks at once (`try_multi_lock_for`): on each name, a lock.
+    Multi,
 }
 
 impl Hold {
-    const ALL: [Hold; 5] = [
+    const ALL: [Hold; 6] = [
         Hold::Lock,
         Hold::Read,
         Hold::Write,
         Hold::Upgradable,
         Hold::Permit,
+        Hold::Multi,
     ];
 
     /// Its code in a section report.
@@ -860,6 +886,7 @@ impl Hold {
             Hold::Write => "w",
             Hold::Upgradable => "u",
             Hold::Permit => "p",
+            Hold::Multi => "m",
         }
     }
 
@@ -875,6 +902,7 @@ impl Hold {
             Hold::Write => "write ",
             Hold::Upgradable => "upgradable read ",
             Hold::Permit => "permit ",
+            Hold::Multi => "multi-lock ",
         }
     }
 
@@ -886,13 +914,14 @@ impl Hold {
             Hold::Write => "try_write_for",
             Hold::Upgradable => "try_upgradable_read_for",
             Hold::Permit => "try_acquire_for",
+            Hold::Multi => "try_multi_lock_for",
         }
     }
 
-    /// Whether nobody else holds the name while it is held: a lock or a write. Such a
-    /// section's token is its own, so it goes through the fenced storage.
+    /// Whether nobody else holds the name while it is held: a lock, a write or a
+    /// multi-lock. Such a section's token is its own, so it goes through the fenced storage.
     fn exclusive(self) -> bool {
-        matches!(self, Hold::Lock | Hold::Write)
+        matches!(self, Hold::Lock | Hold::Write | Hold::Multi)
     }
 
     /// Whether it has a fencing token (all but a permit).
@@ -914,7 +943,7 @@ impl Hold {
         match self {
             Hold::Write => Some(Hold::Read),
             Hold::Upgradable => Some(Hold::Write),
-            Hold::Lock | Hold::Read | Hold::Permit => None,
+            Hold::Lock | Hold::Read | Hold::Permit | Hold::Multi => None,
         }
     }
 }
@@ -923,6 +952,10 @@ impl Hold {
 trait Guard {
     /// Its fencing token; 0 for a permit, which has none.
     fn token(&self) -> u64;
+    /// Its fencing token on `name`, one of the names it holds: a multi-lock has one each.
+    fn token_of(&self, _name: &str) -> u64 {
+        self.token()
+    }
     fn valid_until(&self) -> Instant;
     fn check(&self) -> redbaton::Result<()>;
     fn unlock(self: Box<Self>) -> redbaton::Result<Unlocked>;
@@ -971,6 +1004,28 @@ chaos_guard!(
             .map_err(|e| Some(boxed(e.into_guard())));
     redbaton::Permit: |_| 0, no_conversion
 );
+
+impl Guard for redbaton::MultiGuard {
+    fn token(&self) -> u64 {
+        unreachable!("a multi-lock has a token per name")
+    }
+    fn token_of(&self, name: &str) -> u64 {
+        self.fencing_token(name)
+            .expect("a name the multi-lock holds")
+    }
+    fn valid_until(&self) -> Instant {
+        redbaton::MultiGuard::valid_until(self)
+    }
+    fn check(&self) -> redbaton::Result<()> {
+        redbaton::MultiGuard::check(self)
+    }
+    fn unlock(self: Box<Self>) -> redbaton::Result<Unlocked> {
+        redbaton::MultiGuard::unlock(*self)
+    }
+    fn convert(self: Box<Self>, wait: Duration) -> Result<Box<dyn Guard>, Option<Box<dyn Guard>>> {
+        no_conversion(*self, wait)
+    }
+}
 
 fn boxed<G: Guard + 'static>(g: G) -> Box<dyn Guard> {
     Box::new(g)
@@ -1330,6 +1385,8 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// are fenced too (readers share tokens: a read is only reported), and a quarter take a
 /// permit (`try_acquire_for`) of the semaphore `CHAOS_SEM` of `CHAOS_PERMITS` permits
 /// (no token: a permit is only reported, and the parent counts the permits held at once).
+/// One in eight of the plain-lock sections takes both plain locks at once
+/// (`try_multi_lock_for`): a section on each name, with that name's token.
 ///
 /// Faults, one at a time, each followed by a pause and a check that the system makes
 /// progress again ("survived"): the current holder process SIGKILLed (and replaced by a new
@@ -1906,6 +1963,8 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         "lost_upgradable_reads",
         "valid_permits",
         "lost_permits",
+        "valid_multi_locks",
+        "lost_multi_locks",
         "long_sections",
         "begin_accepted",
         "begin_stale",
