@@ -27,6 +27,12 @@ fn smoke() {
         .expect("EXISTS");
     assert!(on_replica);
     guard.unlock().expect("unlock");
+    // Shared holds are acknowledged too, with the replica there to do it.
+    let rw = client.rwlock("rw");
+    let sem = client.semaphore("sem", 2);
+    drop(rw.read().expect("acknowledged read"));
+    drop(rw.write().expect("acknowledged write"));
+    drop(sem.acquire().expect("acknowledged permit"));
 }
 
 #[test]
@@ -92,4 +98,79 @@ fn a_zero_replica_count_or_a_long_timeout_is_invalid() {
             .expect_err("invalid");
         assert!(e.is_invalid_input(), "{n} {t:?}: {e:?}");
     }
+}
+
+/// Every kind of shared hold counts only once acknowledged, as a lock does: without a
+/// replica a read, a write, an upgradable read and a permit each fail with the count, and
+/// leave no hold behind.
+#[test]
+fn without_enough_replicas_no_shared_hold_is_taken() {
+    let server = test_server();
+    let client = lock_client!(node(server.url()), replica_ack(1, ms(50)));
+    let rw = client.rwlock("rw");
+    let sem = client.semaphore("sem", 2);
+    let tries: [(&str, &dyn Fn() -> redbaton::Result<()>); 4] = [
+        ("read", &|| rw.try_read().map(drop)),
+        ("write", &|| rw.try_write().map(drop)),
+        ("upgradable read", &|| rw.try_upgradable_read().map(drop)),
+        ("permit", &|| sem.try_acquire().map(drop)),
+    ];
+    for (what, attempt) in tries {
+        let e = attempt().expect_err(what);
+        assert!(
+            matches!(
+                e,
+                redbaton::Error::ReplicaAck {
+                    acked: 0,
+                    wanted: 1
+                }
+            ),
+            "{what}: {e:?}"
+        );
+    }
+    redbaton_testkit::wait::wait_for(Duration::from_secs(5), "the undo", || {
+        server.zcard("redbaton:{rw}") == 0 && server.zcard("redbaton:{sem}") == 0
+    });
+}
+
+/// An upgrade takes the write hold, so it counts only once acknowledged too; one that too
+/// few replicas acknowledged is given back, and the upgradable read it converted is gone
+/// with it: the error says how many acknowledged, and the guard it hands back is lost.
+#[test]
+fn an_unacknowledged_upgrade_gives_the_hold_back() {
+    init_log();
+    let (master, replica) = with_replica();
+    let client = lock_client!(node(master.url()), replica_ack(1, ms(100)));
+    let rw = client.rwlock("rw");
+    let upgradable = rw.try_upgradable_read().expect("acknowledged");
+    replica.pause();
+    let e = upgradable
+        .try_upgrade_for(ms(500))
+        .expect_err("replica paused");
+    replica.resume();
+    assert!(
+        matches!(
+            e.error(),
+            redbaton::Error::ReplicaAck {
+                acked: 0,
+                wanted: 1
+            }
+        ),
+        "{e:?}"
+    );
+    let guard = e.into_guard();
+    assert!(
+        matches!(
+            guard.check(),
+            Err(redbaton::Error::Lost(redbaton::LostReason::Converted))
+        ),
+        "{guard:?}"
+    );
+    assert_eq!(master.zcard("redbaton:{rw}"), 0, "given back");
+    // Acknowledged again once the replica is back.
+    drop(guard);
+    rw.try_write_for(Duration::from_secs(10))
+        .expect("replica back")
+        .unlock()
+        .expect("unlock");
 }

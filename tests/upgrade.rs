@@ -11,7 +11,6 @@
 //! when the parent sets `stop`: the parent orders events by what it can observe, never by
 //! timing.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -120,31 +119,6 @@ fn behind_proxy() -> (RedisServer, Proxy, LockClient) {
         handoff_slice(Duration::from_secs(600))
     );
     (srv, proxy, client)
-}
-
-/// Runs `f` while the proxy loses the reply of every request that contains `needle` (the
-/// request runs in Redis; the proxy closes the connection instead of answering), then
-/// heals the proxy.
-fn unanswered<T>(proxy: &Proxy, needle: &[u8], f: impl FnOnce() -> T) -> T {
-    let stop = AtomicBool::new(false);
-    let out = thread::scope(|s| {
-        s.spawn(|| {
-            while !stop.load(Ordering::SeqCst) {
-                if !proxy.drop_armed() {
-                    proxy.drop_next_reply_matching(needle);
-                }
-                thread::sleep(Duration::from_micros(50));
-            }
-        });
-        while !proxy.drop_armed() {
-            thread::yield_now();
-        }
-        let out = f();
-        stop.store(true, Ordering::SeqCst);
-        out
-    });
-    proxy.heal();
-    out
 }
 
 fn get(conn: &mut redis::Connection, key: &str) -> Option<String> {
@@ -578,7 +552,7 @@ fn an_unanswered_upgrade_leaves_no_upgradable_read_believed() {
     await_marks(&srv.url(), "up:{unanswered}:ww", 1);
     // Every call of this client on the name runs in Redis, and its reply is lost: the
     // upgrade, its retries, what the client does about their unknown outcome.
-    let (written, overlap) = unanswered(&proxy, b"{unanswered}", || {
+    let (written, overlap) = proxy.losing_replies_matching(b"{unanswered}", || {
         let refused = u.try_upgrade().expect_err("the upgrade is never answered");
         assert!(refused.error().is_connection(), "{:?}", refused.error());
         let written = wrote.recv_timeout(LIVENESS).expect("the writer got in");
@@ -630,7 +604,7 @@ fn an_unanswered_downgrade_hands_no_local_writer_the_write_hold() {
         // Long enough that it waits in the process's turn (were it not waiting yet, it
         // would ask Redis itself, and the test would prove less).
         thread::sleep(ms(300));
-        unanswered(&proxy, b"{unanswered}", || {
+        proxy.losing_replies_matching(b"{unanswered}", || {
             let refused = w.downgrade().expect_err("the downgrade is never answered");
             assert!(refused.is_connection(), "{refused:?}");
         });

@@ -610,6 +610,10 @@ impl Builder {
     /// replicas acknowledged is undone and retried until the caller's deadline, which then
     /// ends with [`Error::ReplicaAck`](crate::Error::ReplicaAck) saying how many did; a
     /// renewal that fewer acknowledged counts as failed (retried while the lease lasts).
+    /// Every kind of hold is an acquisition: a lock, a read, a write, an upgradable read, a
+    /// permit, a multi-lock, and an upgrade, whose conversion cannot be undone: an upgrade
+    /// fewer replicas acknowledged gives the hold back, and the guard its error hands back
+    /// is lost.
     ///
     /// What it buys: a lock acquired with acknowledgement survives a failover to a replica
     /// that acknowledged it (Sentinel or Cluster promote the most up-to-date replica). What

@@ -295,9 +295,10 @@ impl Contest<'_> {
             }
         }
         // Redis Cluster: retries through a failover, and the token of a failed attempt
-        // that may have run, for the retry (one token, one lock: invariant 3).
+        // that may have run, for the retry (one token, one lock: invariant 3), with what
+        // it may have left to give back if the wait ends before the retry.
         let mut ride = Ride::new(&engine.topology, &engine.counters);
-        let mut carried: Option<String> = None;
+        let mut carried: Option<(String, Undo)> = None;
         let mut end = WaitEnd::new(&engine.cfg);
         // Grants heard and not yet judged: at the deadline, or while the subscriber's
         // early attempt was in flight.
@@ -336,6 +337,10 @@ impl Contest<'_> {
                     // us is read above, and a grant heard is taken or confirmed: the hold
                     // wins).
                     if wait.cancelled() && !granted {
+                        // A failed attempt carried into the ride may have taken the lock.
+                        if let Some((tried, undo)) = carried.take() {
+                            self.undo(tried, undo, self.marked);
+                        }
                         self.leave();
                         return Err(Error::Cancelled);
                     }
@@ -356,7 +361,8 @@ impl Contest<'_> {
                         leave: wait.waits_now(),
                         clear: self.marked,
                     };
-                    let token = self.token.map(str::to_owned).or_else(|| carried.take());
+                    let carried = carried.take().map(|(tried, _)| tried);
+                    let token = self.token.map(str::to_owned).or(carried);
                     (before, marks, self.round(marks, token))
                 }
             };
@@ -369,6 +375,14 @@ impl Contest<'_> {
                 Ok(Round::Held(hint)) => {
                     self.marked |= marks.leave;
                     hint
+                }
+                Ok(Round::Unacked(acked)) if self.from.is_some() => {
+                    // A conversion given back (see `undo`): no hold left to convert again.
+                    self.leave();
+                    return Err(Error::ReplicaAck {
+                        acked,
+                        wanted: end.wanted,
+                    });
                 }
                 Ok(Round::Unacked(acked)) => {
                     end.unacked = Some(acked);
@@ -393,7 +407,7 @@ impl Contest<'_> {
                         && !wait.cancelled()
                         && ride.again(&error, wait.deadline())
                     {
-                        carried = Some(tried);
+                        carried = Some((tried, undo));
                         continue;
                     }
                     // Fair queue: the leave below frees a lock that the lost attempt may

@@ -322,6 +322,10 @@ impl GroupContest<'_> {
         let mut fresh = true;
         loop {
             if wait.cancelled() {
+                // A failed attempt carried into the ride may have taken the names.
+                if let Some(token) = carried.take() {
+                    self.release_later(token);
+                }
                 self.leave();
                 return Err(Error::Cancelled);
             }

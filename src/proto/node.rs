@@ -464,13 +464,14 @@ impl Node {
         let mut tries = ReleaseTries::default();
         let mut reply = tries.call(self, retry, narrow.is_some(), |c, before| {
             script.run::<i64>(call, c, before)
-        })?;
-        if let (None, Some((narrow, narrow_call))) = (reply, narrow) {
+        });
+        if let (Ok(None), Some((narrow, narrow_call))) = (&reply, narrow) {
             let narrow_call = narrow_call();
             reply = tries.call(self, retry, false, |c, before| {
                 narrow.run::<i64>(&narrow_call, c, before)
-            })?;
+            });
         }
+        let reply = reply.map_err(|e| tries.error(e))?;
         let Some(reply) = reply else {
             return Err(Error::Protocol("release refused".to_owned()));
         };
@@ -488,10 +489,10 @@ impl Node {
         retry: Retry,
     ) -> Result<Option<Vec<ReleaseReply>>> {
         let mut tries = ReleaseTries::default();
-        let Some(statuses) = tries.call(self, retry, true, |c, before| {
+        let statuses = tries.call(self, retry, true, |c, before| {
             scripts::run_pipelined::<i64>(&[script], calls, c, before)
-        })?
-        else {
+        });
+        let Some(statuses) = statuses.map_err(|e| tries.error(e))? else {
             return Ok(None);
         };
         if statuses.len() != calls.len() {
@@ -559,7 +560,8 @@ pub(crate) fn within_deadline<T>(
 /// refused try did not run.
 #[derive(Default)]
 struct ReleaseTries {
-    lost_reply: bool,
+    /// The error of the first try whose reply was lost, if one was.
+    lost_reply: Option<RedisError>,
     /// A try ran after one whose reply was lost.
     retried: bool,
 }
@@ -580,11 +582,26 @@ impl ReleaseTries {
             narrower,
         };
         node.call(how, |c, before| {
-            self.retried |= self.lost_reply;
+            self.retried |= self.lost_reply.is_some();
             let reply = f(c, before);
-            self.lost_reply |= reply.as_ref().is_err_and(is_network_error);
+            if let Err(e) = &reply
+                && is_network_error(e)
+            {
+                self.lost_reply.get_or_insert_with(|| e.clone());
+            }
             reply
         })
+    }
+
+    /// What a release whose last try failed with `e` reports: `e`, unless `e` says the
+    /// release did not run (a refused connection, a refused slot) while an earlier try
+    /// lost its reply: that try may have run, which a caller that tries again (through a
+    /// failover) must know, so the earlier error is reported.
+    fn error(&self, e: Error) -> Error {
+        match &self.lost_reply {
+            Some(lost) if !may_have_run(&e) => Error::Redis(lost.clone()),
+            _ => e,
+        }
     }
 }
 

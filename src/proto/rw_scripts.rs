@@ -801,8 +801,13 @@ impl Node {
         want: Want,
         at: SharedAttempt<'_>,
     ) -> Result<Attempt> {
-        // Two numbers, and a third (`others`) when a read-write hold is granted.
-        let reply: Vec<i64> = self.run_script(script, call, at.retry, at.deadline)?;
+        // Two numbers, and a third (`others`) when a read-write hold is granted. A hold
+        // taken waits for the replicas `replica_ack` asks for, as a lock does.
+        let took = |reply: &Vec<i64>| reply.first() == Some(&1);
+        let (reply, unacked) = self.run_acquire(script, call, at.retry, at.deadline, took)?;
+        if let Some(acked) = unacked {
+            return Ok(Attempt::Unacked { acked });
+        }
         match *reply.as_slice() {
             [1, fence, ..] => Ok(Attempt::Acquired {
                 fence: u64::try_from(fence)

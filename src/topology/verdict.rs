@@ -211,12 +211,15 @@ pub(crate) fn tally_release(
     if released >= needed {
         return Ok(Unlocked::Released);
     }
-    let answered = replies.iter().filter(|r| r.is_ok()).count();
-    if answered < needed {
-        // Too few answers to say anything: report the first error.
-        if let Some(Err(e)) = replies.into_iter().find(|r| r.is_err()) {
-            return Err(e);
-        }
+    // A node that did not answer may have released ours (Redlock: a node that answers
+    // "gone" or "another owner" may be one whose grant never counted, and tells nothing
+    // of the nodes that held ours): the lock was not ours only when the answers leave
+    // too few nodes for a majority even if every unanswered one released it.
+    let unknown = replies.iter().filter(|r| r.is_err()).count();
+    if released + unknown >= needed
+        && let Some(Err(e)) = replies.into_iter().find(|r| r.is_err())
+    {
+        return Err(e);
     }
     Ok(if other > 0 {
         Unlocked::HeldByOther
@@ -516,6 +519,18 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.is_connection());
+        // One released, one unanswered: the answers of the third (a node whose grant never
+        // counted, say) cannot make it another's or expired; unknown, the error.
+        for third in [Other, Gone] {
+            let e =
+                tally_release(vec![ok(Released), Err(io_error()), ok(third)], true, 2).unwrap_err();
+            assert!(e.is_connection(), "{third:?}");
+        }
+        // Two nodes say it was not ours: no majority held it, whatever the third did.
+        assert_eq!(
+            tally_release(vec![ok(Gone), Err(io_error()), ok(Other)], true, 2).unwrap(),
+            Unlocked::HeldByOther
+        );
     }
 
     #[test]

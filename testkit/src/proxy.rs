@@ -166,6 +166,32 @@ impl Proxy {
         *self.shared.drop_arm.lock() = DropArm::Matching(needle.to_vec());
     }
 
+    /// Runs `f` while the reply of every request containing `needle` is lost (the request
+    /// runs in Redis; the connection is closed instead of answering: see
+    /// [`drop_next_reply_matching`](Self::drop_next_reply_matching), armed again after
+    /// each drop), then heals the proxy.
+    pub fn losing_replies_matching<T>(&self, needle: &[u8], f: impl FnOnce() -> T) -> T {
+        let stop = AtomicBool::new(false);
+        let out = thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::SeqCst) {
+                    if !self.drop_armed() {
+                        self.drop_next_reply_matching(needle);
+                    }
+                    thread::sleep(Duration::from_micros(50));
+                }
+            });
+            while !self.drop_armed() {
+                thread::yield_now();
+            }
+            let out = f();
+            stop.store(true, Ordering::SeqCst);
+            out
+        });
+        self.heal();
+        out
+    }
+
     /// Whether a `drop_next_reply*` fault is still waiting for its request.
     pub fn drop_armed(&self) -> bool {
         !matches!(*self.shared.drop_arm.lock(), DropArm::Off)
