@@ -522,7 +522,7 @@ fn renewals_never_cross_a_conversion() {
 /// An upgrade that goes unanswered may have run: the upgradable read is then the write
 /// hold in Redis, which the library gives back (the upgrade's outcome is unknown), and a
 /// writer waiting behind it gets in. The guard given back must not go on claiming the
-/// upgradable read meanwhile: its `check` says lost, converted.
+/// upgradable read meanwhile: its `check` says lost, converted, and its validity is over.
 #[test]
 fn an_unanswered_upgrade_leaves_no_upgradable_read_believed() {
     let (srv, proxy, a) = behind_proxy();
@@ -556,15 +556,19 @@ fn an_unanswered_upgrade_leaves_no_upgradable_read_believed() {
         let refused = u.try_upgrade().expect_err("the upgrade is never answered");
         assert!(refused.error().is_connection(), "{:?}", refused.error());
         let written = wrote.recv_timeout(LIVENESS).expect("the writer got in");
-        (written, refused.into_guard().check())
+        let guard = refused.into_guard();
+        let valid_for = guard
+            .valid_until()
+            .saturating_duration_since(Instant::now());
+        (written, (guard.check(), valid_for))
     });
     done.send(()).unwrap();
     writer.join().expect("writer");
     match overlap {
-        Err(Error::Lost(LostReason::Converted)) => {}
-        other => panic!(
+        (Err(Error::Lost(LostReason::Converted)), valid_for) if valid_for.is_zero() => {}
+        (check, valid_for) => panic!(
             "the writer holds (fencing token {written}) while the upgradable read's guard \
-             says {other:?}"
+             says {check:?}, valid for {valid_for:?}"
         ),
     }
 }

@@ -214,6 +214,14 @@ fn deleted_key_fires_lost_and_drop_spares_the_next_holder() {
         .query(&mut conn)
         .unwrap();
     assert!(b_guard.fencing_token() > guard.fencing_token());
+    // Known lost while b holds it: the stale guard promises no validity either.
+    let left = guard
+        .valid_until()
+        .saturating_duration_since(Instant::now());
+    assert!(
+        left.is_zero(),
+        "b holds it; the lost guard is valid for {left:?}"
+    );
     drop(guard);
     assert_eq!(get(&mut conn, &key).as_deref(), Some(b_token.as_str()));
     assert!(pttl(&mut conn, &key) > 5000, "b's lease untouched");
@@ -253,6 +261,10 @@ fn overwritten_key_is_reported_stolen() {
         guard.check(),
         Err(Error::Lost(LostReason::Stolen))
     ));
+    assert!(
+        guard.valid_until() <= Instant::now(),
+        "another token holds it"
+    );
     assert_eq!(client.stats().locks_lost, 1);
     assert_eq!(guard.unlock().expect("unlock"), Unlocked::HeldByOther);
     assert_eq!(get(&mut conn, &key).as_deref(), Some("other"));

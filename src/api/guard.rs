@@ -178,6 +178,8 @@ impl LockGuard {
     /// change was sent, plus its lease, minus a clock-drift margin (lease × 1% + 2 ms). A
     /// change whose outcome is unknown (an [`extend`](LockGuard::extend) that failed on a
     /// lost reply) may have been applied: it can bring this forward, never push it back.
+    /// Once the lock is known lost ([`check`](LockGuard::check) says why), this is no later
+    /// than when that was found: another holder may be in.
     ///
     /// The lock's validity is kept on a clock that counts while the machine is suspended
     /// (`CLOCK_BOOTTIME` on Linux and Android, `CLOCK_MONOTONIC` on Apple platforms; on

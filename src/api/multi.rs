@@ -325,7 +325,8 @@ impl MultiGuard {
     }
 
     /// Until when every name is surely held: the earliest of their validities (each is
-    /// its acquisition or last renewal, plus the lease, minus a drift margin).
+    /// its acquisition or last renewal, plus the lease, minus a drift margin; once the
+    /// name is known lost, no later than when that was found).
     ///
     /// # Examples
     ///

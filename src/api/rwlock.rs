@@ -525,7 +525,7 @@ macro_rules! shared_guard_methods {
             self.0.lost()
         }
 
-        #[doc = concat!("Until when the ", $what, " is surely ours: its acquisition or last renewal, plus the lease, minus a drift margin (lease × 1% + 2 ms).")]
+        #[doc = concat!("Until when the ", $what, " is surely ours: its acquisition or last renewal, plus the lease, minus a drift margin (lease × 1% + 2 ms); once it is known lost, no later than when that was found.")]
         ///
         /// # Examples
         ///

@@ -200,6 +200,9 @@ impl RemoteLock {
 
     fn set_lost(st: &mut State, reason: LostReason, counters: &Counters) {
         st.lost = Some(reason);
+        // A hold known lost is surely held no longer: its validity ends now, whatever
+        // was left of its lease (another holder may be in already).
+        st.valid_until = st.valid_until.min(Stamp::now());
         counters.lost(reason);
         log::warn!("lock lost: {reason}");
         if let Some(tx) = st.listener.take() {
@@ -314,8 +317,10 @@ impl RemoteLock {
                 next_renew,
             } => {
                 // Not the later of the old and the new: a shorter lease that was applied
-                // is the lease.
-                st.valid_until = valid_until;
+                // is the lease. A hold known lost stays lost: its validity has ended.
+                if st.lost.is_none() {
+                    st.valid_until = valid_until;
+                }
                 st.next_renew = next_renew;
             }
             Changed::Lost(reason) => {

@@ -142,21 +142,25 @@ impl Booth {
     /// (at most [`RECLAIM_WAIT`]) until no waiter has it in hand, then drops it, as a new
     /// connection would. Until then a waiter may read it and act on what it reads; after,
     /// none can, so that subscriptions the thread then forgets are not made again on a
-    /// connection nobody will read.
-    pub fn reclaim(&self) {
+    /// connection nobody will read. Whether it came back: `false` when a waiter still
+    /// had it at the end of the wait (and may still act on what it read).
+    pub fn reclaim(&self) -> bool {
         let mut seat = self.seat.lock();
+        let mut back = true;
         if seat.parked {
             seat.recall();
             let deadline = Instant::now() + RECLAIM_WAIT;
             while seat.leader.is_some() && seat.reader.is_none() && seat.failed.is_none() {
                 if self.back.wait_until(&mut seat, deadline).timed_out() {
                     log::warn!("a waiter kept the subscriber connection past {RECLAIM_WAIT:?}");
+                    back = false;
                     break;
                 }
             }
         }
         drop(seat);
         self.new_connection();
+        back
     }
 
     /// Whether a waiter offered to read the connection.

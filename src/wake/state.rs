@@ -156,15 +156,20 @@ impl Shared {
     pub(super) fn crashed(&self) {
         // First the connection, which a waiter may be reading: once no waiter can, the
         // subscriptions are forgotten (a waiter reading on would subscribe again on it).
-        self.booth.reclaim();
+        let back = self.booth.reclaim();
         self.connected.store(false, Ordering::Relaxed);
-        let mut st = self.state.lock();
-        for ks in st.keys.values_mut() {
-            if matches!(ks.early, Some((_, Early::Sending))) {
-                ks.early = None;
+        // An attempt being sent by the waiter that kept the connection (its reply is
+        // slow) may have taken the lock: that waiter stores its outcome when the reply
+        // comes, and its contender waits for it. Only an attempt nobody is sending any
+        // more is forgotten.
+        if back {
+            let mut st = self.state.lock();
+            for ks in st.keys.values_mut() {
+                if matches!(ks.early, Some((_, Early::Sending))) {
+                    ks.early = None;
+                }
             }
         }
-        drop(st);
         self.sent.notify_all();
         self.lost_connection();
     }
