@@ -6,7 +6,7 @@ use std::process::Child;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::LockClient;
+use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::lock_client;
@@ -491,6 +491,35 @@ fn a_failing_queue_script_reports_the_servers_message() {
         .expect("the source")
         .to_string();
     assert!(source.contains("WRONGTYPE"), "{e}: {source}");
+}
+
+/// A release whose grant cannot issue the next holder's fence (the counter is a key of
+/// another type) must not fail half-way: a script is not undone, and a lock handed to the
+/// queue's head with no fence issued (the head still queued, no grant sent, the release
+/// reported failed) would let the head hold it under a fence no counter recorded. The
+/// lock is released instead (the release writes its fence back, as a plain release does),
+/// and the head takes it with a higher fence.
+#[test]
+fn a_grant_that_cannot_issue_a_fence_releases_the_lock() {
+    let srv = test_server();
+    let mut conn = srv.conn();
+    let (a, b) = (client(&srv.url()), client(&srv.url()));
+    let held = a.lock("k").expect("a takes it");
+    let waiter = thread::spawn(move || b.try_lock_for("k", secs(20)).map(|g| g.fencing_token()));
+    wait_for(secs(10), "b queued", || queued(&srv) == 1);
+    let () = redis::cmd("DEL")
+        .arg("redbaton:{k}:fence")
+        .query(&mut conn)
+        .expect("DEL");
+    let () = redis::cmd("RPUSH")
+        .arg("redbaton:{k}:fence")
+        .arg("not a counter")
+        .query(&mut conn)
+        .expect("RPUSH");
+    let fence = held.fencing_token();
+    assert_eq!(held.unlock().expect("released"), Unlocked::Released);
+    let got = join_all(vec![waiter], "b").remove(0).expect("b gets it");
+    assert!(got > fence, "b's token {got} after a's {fence}");
 }
 
 /// A fair `try_lock` whose replies all come after the read timeout: its script ran and

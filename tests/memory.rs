@@ -183,13 +183,31 @@ fn fence_ttl_too_short_is_invalid() {
     }
 }
 
-/// Child of `crashed_waiting_writer_mark_is_dropped`: waits to write until killed.
+/// Child of the tests of crashed writers: waits to write `NAME` until killed, re-marking
+/// every `RECHECK_MS`.
 #[test]
 fn child_waiting_writer() {
     child_only!();
-    let c = marking_client(&child::env("REDIS_URL"));
+    let recheck = ms(child::env("RECHECK_MS").parse().expect("RECHECK_MS"));
+    let c = lock_client!(
+        node(child::env("REDIS_URL")),
+        key_prefix(PREFIX),
+        recheck_interval(recheck)
+    );
     child::print_result(&[("waiting", "1".to_owned())]);
-    let _ = c.rwlock("crash").try_write_for(secs(60));
+    let _ = c.rwlock(child::env("NAME")).try_write_for(secs(60));
+}
+
+/// A writer of another process waiting for `name`, re-marking every `recheck_ms`.
+fn crashing_writer(srv: &RedisServer, name: &str, recheck_ms: u64) -> std::process::Child {
+    let env = [
+        ("REDIS_URL", srv.url()),
+        ("NAME", name.to_owned()),
+        ("RECHECK_MS", recheck_ms.to_string()),
+    ];
+    let mut child = child::spawn_self("child_waiting_writer", &env);
+    child::wait_for_line(&mut child, "waiting=1", secs(30));
+    child
 }
 
 /// Waiting writers re-mark at least every 200 ms; a mark lives 400 ms.
@@ -214,8 +232,7 @@ fn crashed_waiting_writer_mark_is_dropped() {
     let mut conn = srv.conn();
     let holder = marking_client(&srv.url());
     let held = holder.rwlock("crash").try_write().expect("free");
-    let mut crashed = child::spawn_self("child_waiting_writer", &[("REDIS_URL", srv.url())]);
-    child::wait_for_line(&mut crashed, "waiting=1", secs(30));
+    let mut crashed = crashing_writer(&srv, "crash", 200);
     wait_for(secs(30), "the child's mark", || {
         writers(&mut conn).len() == 1
     });
@@ -241,6 +258,51 @@ fn crashed_waiting_writer_mark_is_dropped() {
     join_within(vec![live], secs(30), "the live writer")
         .remove(0)
         .expect("the live writer gets the lock");
+}
+
+/// The waiting writers' and readers' nonces (`:qn`) live as long as their marks, and never
+/// without a TTL: a writer that re-marks every 2 s (its nonce kept 8 s) waits; a reader
+/// that re-marks every 100 ms marks and gives up (a mark of a shorter TTL must not cut the
+/// key's), the key outlives it while the writer waits, and once the writer's process is
+/// killed everything of the name but its counter expires.
+#[test]
+fn the_waiters_nonces_expire_with_their_marks() {
+    let srv = test_server();
+    let mut conn = srv.conn();
+    let nonces = format!("{}:qn", KEYS.lock("nonce"));
+    let holder = lock_client!(node(srv.url()), key_prefix(PREFIX));
+    let read = holder.rwlock("nonce").read().expect("read hold");
+    let mut writer = crashing_writer(&srv, "nonce", 2000);
+    wait_for(secs(30), "the writer's nonce", || {
+        exists(&mut conn, &nonces)
+    });
+    let reader = lock_client!(
+        node(srv.url()),
+        key_prefix(PREFIX),
+        recheck_interval(ms(100))
+    );
+    let e = reader.rwlock("nonce").try_read_for(ms(50)).unwrap_err();
+    assert!(
+        e.is_timeout(),
+        "the writer's mark holds the reader back: {e:?}"
+    );
+    // Past the reader's mark and a re-mark of the writer's.
+    for _ in 0..40 {
+        let ttl = pttl(&mut conn, &nonces);
+        assert!(
+            ttl > 0,
+            "the nonces gone or without a TTL ({ttl}) while the writer waits"
+        );
+        thread::sleep(ms(100));
+    }
+    child::kill_child(&mut writer, libc::SIGKILL);
+    child::wait_output(writer, secs(30));
+    read.unlock().expect("unlock");
+    wait_for(
+        secs(30),
+        "every key of the name but its counter gone",
+        || srv.keys_but_fences(&format!("{PREFIX}*")).is_empty(),
+    );
 }
 
 /// `build()` warns once, naming the node, when the server may evict lock keys:

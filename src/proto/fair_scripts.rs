@@ -76,12 +76,15 @@ local function keep_for(key, ms)
   end
 end
 -- `after_lost`: what the grantee is told of the hold before (nil: the counter says).
+-- The fence first: a counter that cannot issue one (a key of another type) leaves
+-- everything as it was, and its error is returned (a script is not undone when it
+-- fails half-way, so it must not fail after a write).
 local function grant(head, q, qx, qn, channel, grant_ms, after_lost)
-  redis.call('SET', KEYS[1], head, 'PX', grant_ms)
   -- The fence counter's TTL is the argument before the publish mode, in every script.
   -- Written held: the grantee may hold the lock from the message alone.
   local fence, lost = next_fence(KEYS[2], ARGV[#ARGV - 1], after_lost)
-  if type(fence) == 'table' then error(fence.err) end
+  if type(fence) == 'table' then return fence end
+  redis.call('SET', KEYS[1], head, 'PX', grant_ms)
   -- Written out whole: Lua's own number-to-string keeps 14 digits, a fence has 16.
   fence = string.format('%.0f', fence)
   -- 0 (no attempt's nonce) is only a wake-up: an entry queued before nonces were kept,
@@ -110,11 +113,11 @@ end
 -- holder's fence, or '0' for an attempt nobody used (see `end_fence` of `END_FENCE_FN`).
 -- 2: granted to the head; 1: released.
 -- A queue with expired entries left after the prune has no head anybody knows is alive:
--- the lock is freed for whoever comes next.
+-- the lock is freed for whoever comes next; so is one whose grant cannot issue a fence
+-- (its head's next attempt meets the counter's error).
 local function pass_on(q, qx, qn, channel, grant_ms, now_ms, fence)
   local head = prune(q, qx, qn, now_ms) and redis.call('ZRANGE', q, 0, 0)[1]
-  if head then
-    grant(head, q, qx, qn, channel, grant_ms, grant_lost(fence))
+  if head and type(grant(head, q, qx, qn, channel, grant_ms, grant_lost(fence))) ~= 'table' then
     return 2
   end
   redis.call('DEL', KEYS[1])
@@ -180,7 +183,8 @@ if not cur then
     return won(fence, after_lost)
   end
   -- Free with a live head: the hold before ended, released or not, as the counter says.
-  grant(head, KEYS[3], KEYS[4], KEYS[5], ARGV[3], ARGV[6])
+  local granted = grant(head, KEYS[3], KEYS[4], KEYS[5], ARGV[3], ARGV[6])
+  if type(granted) == 'table' then return granted end
 end
 if ARGV[5] ~= '0' then
   local entry_ms = tonumber(ARGV[5])

@@ -180,9 +180,10 @@ end
 -- (their waiters crashed or gave up unheard): as many as were added, so one call each,
 -- amortized. With `nonces` (the waiting writers' and readers' nonces), the expired marks'
 -- nonces go too, at most MARK_CHUNK a call (a call adds one), and `nonce`, when given, is
--- stored as `member`'s latest attempt's: the one a grant tells it. The nonces live as long
--- as the marks: their key gets the marks' TTL when a member is new or the marks' TTL is
--- lengthened. Returns whether `member` was not marked before.
+-- stored as `member`'s latest attempt's: the one a grant tells it. The nonces live at
+-- least as long as this mark: their key's TTL, like the set's, is only ever lengthened
+-- (marks of another set, or of another TTL, share it; a key re-made by ZADD has none).
+-- Returns whether `member` was not marked before.
 local MARK_CHUNK = 64
 local function mark(set, member, now, ttl, nonces, nonce)
   if nonces then
@@ -199,7 +200,7 @@ local function mark(set, member, now, ttl, nonces, nonce)
   if longer then redis.call('PEXPIRE', set, 2 * ttl) end
   if nonce then
     redis.call('ZADD', nonces, nonce, member)
-    if new or longer then redis.call('PEXPIRE', nonces, 2 * ttl) end
+    if redis.call('PTTL', nonces) < ttl then redis.call('PEXPIRE', nonces, 2 * ttl) end
   end
   return new
 end
