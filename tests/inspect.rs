@@ -422,3 +422,147 @@ fn a_plain_waiter_leaves_a_contention_mark() {
         waiter.join().unwrap().expect("locked after the release");
     });
 }
+
+/// Redlock, three masters: the name is a plain lock on masters 1 and 2 (a majority) and a
+/// key of another type on master 3. `force_release` with the right fence deletes the lock
+/// where it is held and says so: not `WrongKind`, whose meaning is "nothing deleted".
+#[test]
+fn redlock_force_release_deletes_the_lock_beside_a_foreign_key() {
+    let servers = start_many(3);
+    let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
+    let c = lock_client!(nodes(urls), lease(secs(30)));
+    let key = KEYS.lock_bytes(b"mixed");
+    let _guard = c.lock("mixed").expect("lock on all three");
+    let mut m3 = servers[2].conn();
+    let () = redis::cmd("DEL").arg(&key).query(&mut m3).unwrap();
+    let () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("f")
+        .arg("v")
+        .query(&mut m3)
+        .unwrap();
+    let fence = c
+        .inspect("mixed")
+        .unwrap()
+        .holder
+        .and_then(|h| h.fence)
+        .expect("fence");
+    assert_eq!(
+        c.force_release("mixed", fence).expect("released"),
+        ForceRelease::Released { nodes: 2 }
+    );
+    assert!(!exists(&servers[0], &key) && !exists(&servers[1], &key));
+    assert!(exists(&servers[2], &key), "the foreign key is left alone");
+}
+
+/// A server, two clients (with the fair queue or without), and `name` locked by the first
+/// (a holder stuck, say): its guard and fence.
+fn stuck_holder(
+    fair: bool,
+    name: &str,
+) -> (
+    RedisServer,
+    LockClient,
+    LockClient,
+    redbaton::LockGuard,
+    u64,
+) {
+    let srv = test_server();
+    let a = lock_client!(node(srv.url()), fair(fair), lease(secs(30)));
+    let b = lock_client!(node(srv.url()), fair(fair), lease(secs(30)));
+    let stuck = a.lock(name).expect("lock");
+    let fence = stuck.fencing_token() >> 12;
+    (srv, a, b, stuck, fence)
+}
+
+/// After a force release, the next holder is told the hold before it ended without a
+/// release, and gets a higher fence (plain lock, not fair).
+#[test]
+fn next_holder_after_force_release_is_told_of_the_loss() {
+    let (_srv, _a, b, stuck, fence) = stuck_holder(false, "pl");
+    assert_eq!(
+        b.force_release("pl", fence).unwrap(),
+        ForceRelease::Released { nodes: 1 }
+    );
+    // The stuck holder's release comes afterwards: it must not make the loss look clean.
+    drop(stuck);
+    let next = b.try_lock("pl").expect("free");
+    assert!(next.fencing_token() >> 12 > fence);
+    assert!(
+        next.previous_lost(),
+        "the forced-out hold was never released"
+    );
+}
+
+/// The same with the fair queue and a waiter queued behind the stuck holder: the queue's
+/// head gets the lock, told of the loss, under a higher fence; nothing is left queued.
+#[test]
+fn fair_waiter_after_force_release_is_told_of_the_loss() {
+    let (_srv, a, b, stuck, fence) = stuck_holder(true, "fq");
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            b.try_lock_for("fq", secs(20))
+                .map(|g| (g.fencing_token() >> 12, g.previous_lost()))
+        });
+        wait_for(secs(20), "the waiter to queue", || {
+            a.inspect("fq").unwrap().queue.len() == 1
+        });
+        assert_eq!(
+            a.force_release("fq", fence).unwrap(),
+            ForceRelease::Released { nodes: 1 }
+        );
+        let (f, lost) = waiter.join().unwrap().expect("woken and locked");
+        assert!(f > fence);
+        assert!(lost, "the forced-out hold was never released");
+    });
+    drop(stuck);
+    let info = a.inspect("fq").unwrap();
+    assert!(info.queue.is_empty(), "{info:?}");
+}
+
+/// A stale fence (an earlier holder's) never deletes the current holder's lock, also when
+/// the earlier hold ended without a release (its key gone as by expiry: the counter is
+/// left held).
+#[test]
+fn a_stale_fence_never_deletes_the_current_hold() {
+    let (srv, _a, b, first, old) = stuck_holder(false, "st");
+    let _: () = redis::cmd("DEL")
+        .arg(KEYS.lock_bytes(b"st"))
+        .query(&mut srv.conn())
+        .unwrap();
+    let next = b.lock("st").expect("after the hold vanished");
+    assert!(next.previous_lost());
+    let outcome = b.force_release("st", old).unwrap();
+    assert!(
+        matches!(outcome, ForceRelease::FenceMismatch { .. }),
+        "{outcome:?}"
+    );
+    assert!(b.inspect("st").unwrap().is_held());
+    drop(first);
+    assert!(
+        b.inspect("st").unwrap().is_held(),
+        "the old guard's release spared it"
+    );
+}
+
+/// A score no mark of this library has (a foreign or damaged key under the prefix: here
+/// `-inf` in the waiting writers' set) is read, never a panic (a difference of integers
+/// would overflow; the CLI's `status` and `list` would die): that mark is long past.
+#[test]
+fn inspect_survives_an_infinite_score() {
+    let srv = test_server();
+    let c = lock_client!(node(srv.url()));
+    let mut conn = srv.conn();
+    let ww = [KEYS.lock_bytes(b"inf"), b":ww".to_vec()].concat();
+    let _: () = redis::cmd("ZADD")
+        .arg(&ww)
+        .arg("-inf")
+        .arg("x")
+        .query(&mut conn)
+        .unwrap();
+    let info = c.inspect("inf").expect("inspect");
+    assert!(
+        info.waiting_writers.is_empty(),
+        "a -inf expiry is long past: {info:?}"
+    );
+}

@@ -10,10 +10,13 @@ use std::time::{Duration, Instant};
 use redbaton::Unlocked;
 use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
-use redbaton_testkit::lock_builder;
+use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::sections::{Section, Worker};
 use redbaton_testkit::sentinel::SentinelGroup;
+use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::wait_for;
 use redbaton_testkit::{child, init_log, ms, secs};
+use redbaton_testkit::{lock_builder, lock_client};
 
 const NAME: &str = "locks";
 const PROCS: usize = 4;
@@ -308,5 +311,222 @@ fn rwlocks_and_semaphores_follow_the_master() {
     assert!(
         left.iter().all(|k| k.ends_with(":fence")),
         "no hold left: {left:?}"
+    );
+}
+
+/// Has `sentinel` fail `name` over now.
+fn failover(sentinel: &RedisServer, name: &str) {
+    let () = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(name)
+        .query(&mut sentinel.conn())
+        .expect("SENTINEL FAILOVER");
+}
+
+/// A master, one replica, one sentinel watching the master at `monitored` (its own port
+/// or a proxy's) that never fails over by itself (only on `SENTINEL FAILOVER`).
+fn manual_group(name: &str, master: &RedisServer, monitored: u16) -> (RedisServer, RedisServer) {
+    let r = RedisServer::builder()
+        .config("replicaof", &format!("127.0.0.1 {}", master.port()))
+        .start();
+    wait_for(secs(20), "replica in sync", || {
+        r.info("replication").contains("master_link_status:up")
+    });
+    let sentinel = RedisServer::builder()
+        .sentinel()
+        .config(
+            "sentinel",
+            &format!("monitor {name} 127.0.0.1 {monitored} 1"),
+        )
+        .config("sentinel", &format!("down-after-milliseconds {name} 60000"))
+        .config("sentinel", &format!("failover-timeout {name} 60000"))
+        .start();
+    wait_for(secs(30), "the sentinel knows the replica", || {
+        let m: Vec<String> = redis::cmd("SENTINEL")
+            .arg("MASTER")
+            .arg(name)
+            .query(&mut sentinel.conn())
+            .unwrap_or_default();
+        m.iter()
+            .position(|x| x == "num-slaves")
+            .and_then(|i| m.get(i + 1))
+            .is_some_and(|v| v == "1")
+    });
+    (r, sentinel)
+}
+
+/// A pool connection whose connect is in flight when the watcher follows a failover
+/// belongs to the old master: it may serve the call it was opened for (a lock taken
+/// there is the unprotected window of an asynchronous failover), but it is never put
+/// back as a connection to the new one, so the lock's renewals go to the new master,
+/// which never had it, and its holder is told. Here the old master cannot be demoted (as
+/// if cut off from the sentinels but not from this client), and a fresh client takes the
+/// same name on the new one: the first holder must not go on believing in it.
+#[test]
+fn a_connection_opened_across_a_failover_is_not_kept() {
+    init_log();
+    let name = "rvw";
+    // The old master refuses to be demoted.
+    let m = RedisServer::builder()
+        .config("rename-command", "REPLICAOF \"\"")
+        .config("rename-command", "SLAVEOF \"\"")
+        .start();
+    // Everybody reaches the master through the proxy (the sentinel names its address).
+    let p = Proxy::start(m.addr());
+    let (r, sentinel) = manual_group(name, &m, p.port());
+    let x = lock_client!(
+        sentinel(name, vec![sentinel.url()]),
+        io_timeouts(secs(4)),
+        lease(secs(8)),
+        fair(false),
+        wakeup(redbaton::Wakeup::Polling(ms(200)))
+    );
+    let accepted = p.connections_accepted();
+    p.stall(true);
+    let (tx, rx) = std::sync::mpsc::channel::<(&str, Option<u64>)>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let (lost_tx, lost_rx) = std::sync::mpsc::channel::<(&str, Option<bool>)>();
+    let done_rx = std::sync::Mutex::new(done_rx);
+    std::thread::scope(|s| {
+        // Two at once: one may take a connection the pool already had, the other opens
+        // one (its connect is in flight while the proxy holds its bytes).
+        for lock_name in ["two", "aux"] {
+            let (tx, x, done_rx, lost_tx) = (tx.clone(), &x, &done_rx, lost_tx.clone());
+            s.spawn(move || {
+                let got = x.try_lock_for(lock_name, secs(40));
+                let fence = got
+                    .as_ref()
+                    .ok()
+                    .filter(|g| !g.is_lost())
+                    .map(|g| g.fencing_token());
+                tx.send((lock_name, fence)).unwrap();
+                let _ = done_rx.lock().unwrap().recv();
+                lost_tx
+                    .send((lock_name, got.as_ref().ok().map(|g| g.is_lost())))
+                    .unwrap();
+                drop(got);
+            });
+        }
+        wait_for(secs(20), "the client's connect in flight", || {
+            p.connections_accepted() > accepted
+        });
+        std::thread::sleep(ms(300));
+        failover(&sentinel, name);
+        let t0 = std::time::Instant::now();
+        while x.stats().failovers < 1 {
+            if t0.elapsed() > secs(30) {
+                p.stall(false);
+                panic!("the client did not follow the switch");
+            }
+            std::thread::sleep(ms(50));
+        }
+        eprintln!("switch followed after {:?}", t0.elapsed());
+        p.stall(false);
+        let mut fences = std::collections::HashMap::new();
+        for _ in 0..2 {
+            let (n, f) = rx.recv().unwrap();
+            fences.insert(n, f);
+        }
+        let got = fences["two"];
+        let on = |srv: &RedisServer, name: &str| {
+            redbaton_testkit::exists(
+                &mut srv.conn(),
+                redbaton_testkit::keys::Keys::DEFAULT.lock(name),
+            )
+        };
+        eprintln!(
+            "after the switch: {fences:?}; key on old master {}, on new master {}",
+            on(&m, "two"),
+            on(&r, "two")
+        );
+        let y = lock_client!(
+            sentinel(name, vec![sentinel.url()]),
+            io_timeouts(secs(5)),
+            fair(false)
+        );
+        let other = y.try_lock("two");
+        eprintln!(
+            "a fresh client: {:?}",
+            other.as_ref().map(|g| g.fencing_token())
+        );
+        // Where a later lock goes, and the watchdog's renewals (lease 8 s: renewals
+        // every few seconds): the new master.
+        let later = x.try_lock("later").expect("later");
+        eprintln!(
+            "a later lock of the first client: key on old {}, on new {}",
+            on(&m, "later"),
+            on(&r, "later")
+        );
+        std::thread::sleep(secs(7));
+        eprintln!("7 s later: later.is_lost() = {}", later.is_lost());
+        drop(done_tx);
+        let lost: std::collections::HashMap<_, _> =
+            (0..2).map(|_| lost_rx.recv().unwrap()).collect();
+        eprintln!("7 s after the switch, lost per guard: {lost:?}");
+        assert!(
+            !(got.is_some() && other.is_ok() && lost["two"] == Some(false)),
+            "two holders of one name: the first client's lock went to the old master"
+        );
+    });
+}
+
+/// The master process hangs (SIGSTOP: the kernel still accepts connections, the process
+/// answers nothing). A command of the client times out, which makes the watcher look for
+/// the master at once, while the sentinel still names the hung one: the watcher's own
+/// connections time out too (with a resolver that read without a timeout it blocked
+/// there for as long as the master hung), and it follows the failover the sentinel then
+/// makes.
+#[test]
+fn the_watcher_follows_a_failover_away_from_a_hung_master() {
+    init_log();
+    let name = "hung";
+    let m = RedisServer::start();
+    let (r, sentinel) = manual_group(name, &m, m.port());
+    let c = lock_client!(
+        sentinel(name, vec![sentinel.url()]),
+        io_timeouts(ms(1000)),
+        fair(false),
+        wakeup(redbaton::Wakeup::Polling(ms(200)))
+    );
+    drop(c.lock("warm").expect("lock"));
+    m.pause();
+    // One command times out on the hung master: the watcher looks again, now (the
+    // sentinel still names the hung master).
+    let first = c.try_lock("during");
+    eprintln!(
+        "during the hang: {:?}",
+        first.as_ref().map(|g| g.fencing_token())
+    );
+    drop(first);
+    std::thread::sleep(ms(1000));
+    failover(&sentinel, name);
+    wait_for(secs(30), "the replica promoted", || {
+        r.info("replication").contains("role:master")
+            && redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(name)
+                .query::<(String, u16)>(&mut sentinel.conn())
+                .is_ok_and(|(_, port)| port == r.port())
+    });
+    let t0 = std::time::Instant::now();
+    let mut last = None;
+    let mut followed = false;
+    while t0.elapsed() < secs(20) {
+        match c.try_lock("after") {
+            Ok(g) => {
+                followed = true;
+                drop(g);
+                break;
+            }
+            Err(e) => last = Some(e.to_string()),
+        }
+        std::thread::sleep(ms(200));
+    }
+    let failovers = c.stats().failovers;
+    m.resume();
+    assert!(
+        followed,
+        "20 s after the sentinel named the new master, the client still fails ({last:?}; \
+         failovers seen: {failovers})"
     );
 }

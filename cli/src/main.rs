@@ -254,7 +254,7 @@ fn list(
         let _ = writeln!(
             out,
             "{:<30} {:<12} {:>18} {:>10} {:>7} {:>6}",
-            name_of(&info),
+            shown_name(&info),
             kind_name(&info.kind),
             info.fence.map_or("-".to_owned(), |f| f.to_string()),
             ttl(&info).map_or("-".to_owned(), |t| human(Some(t))),
@@ -331,6 +331,17 @@ fn name_of(info: &LockInfo) -> String {
     String::from_utf8(info.name.clone()).unwrap_or_else(|_| info.name.escape_ascii().to_string())
 }
 
+/// The name as a table shows it: control characters escaped, so that a name cannot
+/// break the table into rows of its own (or send the terminal escape sequences).
+fn shown_name(info: &LockInfo) -> String {
+    let name = name_of(info);
+    if name.chars().any(char::is_control) {
+        name.escape_debug().to_string()
+    } else {
+        name
+    }
+}
+
 fn kind_name(kind: &LockKind) -> String {
     match kind {
         LockKind::Free => "free".to_owned(),
@@ -378,7 +389,7 @@ fn live_holds(info: &LockInfo) -> usize {
 fn table(info: &LockInfo) -> String {
     let mut t = String::new();
     let mut row = |k: &str, v: String| t.push_str(&format!("{k:<16}{v}\n"));
-    row("name", name_of(info));
+    row("name", shown_name(info));
     row("node", info.node.clone());
     row("kind", kind_name(&info.kind));
     row(

@@ -140,6 +140,25 @@ fn list_shows_held_names() {
     assert_eq!(stdout(&o).lines().count(), 1, "only the header");
 }
 
+/// A name with control characters (a newline that would start a forged row, an escape
+/// sequence) is shown escaped in the tables, and as it is in the JSON.
+#[test]
+fn a_name_cannot_forge_table_rows() {
+    let srv = test_server();
+    let name = "job\nadmin  lock  1700000000000000  29.9s  1  0\u{1b}[2J";
+    let _guard = client(&srv).lock(name).expect("lock");
+    let o = redbaton(&srv.url(), &["list"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let out = stdout(&o);
+    assert_eq!(out.lines().count(), 2, "the header and one row:\n{out}");
+    assert!(
+        out.contains(r"job\nadmin") && !out.contains('\u{1b}'),
+        "{out}"
+    );
+    let o = redbaton(&srv.url(), &["list", "--json"]);
+    assert_eq!(json(&o)["name"], name);
+}
+
 #[test]
 fn release_checks_the_fence() {
     let srv = test_server();

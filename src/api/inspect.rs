@@ -394,14 +394,19 @@ impl LockClient {
     ///
     /// For operators, about a holder that is stuck (a process paused or hung while its
     /// watchdog still renews): it does not stop that holder, which may still act on what
-    /// it protects. A resource that checks fencing tokens refuses its writes once a new
+    /// it protects. The fence counter outlives an acquisition by
+    /// [`Builder::fence_ttl`](crate::Builder::fence_ttl) (7 days), renewals or not: a hold
+    /// kept longer shows no fence and cannot be released this way (set `fence_ttl` above
+    /// the longest hold). A resource that checks fencing tokens refuses its writes once a new
     /// holder has written.
     ///
     /// # Errors
     ///
     /// [`Error::WrongKind`] when the name is a read-write lock, a semaphore or a key this
     /// library did not write (nothing is deleted: their holds have no single fence, and
-    /// each expires with its own lease); [`Error::InvalidName`]; Redis errors.
+    /// each expires with its own lease; on Redlock, only when no node held the lock: the
+    /// nodes that did delete it whatever another holds, and the call says `Released`);
+    /// [`Error::InvalidName`]; Redis errors.
     ///
     /// # Examples
     ///
@@ -425,12 +430,12 @@ impl LockClient {
             inspect_scripts::force_release(node, keys, fence)
         });
         let mut outcome = ForceRelease::NotHeld;
-        let mut released = 0;
+        let (mut released, mut foreign) = (0, false);
         let mut error = None;
         for (_, reply) in replies {
             match reply {
                 Ok(Forced::Released) => released += 1,
-                Ok(Forced::NotALock) => return Err(Error::WrongKind),
+                Ok(Forced::NotALock) => foreign = true,
                 Ok(Forced::OtherFence(current)) => {
                     outcome = ForceRelease::FenceMismatch { current };
                 }
@@ -440,7 +445,10 @@ impl LockClient {
                 }
             }
         }
+        // Redlock: what the other nodes did counts, whatever one node holds: a lock
+        // deleted on some is reported deleted.
         match (released, error) {
+            (0, _) if foreign => Err(Error::WrongKind),
             (0, Some(e)) => Err(e),
             (0, None) => Ok(outcome),
             (nodes, _) => Ok(ForceRelease::Released { nodes }),
@@ -500,9 +508,11 @@ fn inspect_keys(engine: &Engine, keys: &Keys) -> Result<LockInfo> {
 /// The public view of what `INSPECT` read on node `node`; `mine`: this client's tokens of
 /// the name's holds.
 fn view(name: &[u8], node: String, s: &Snapshot, mine: &[String]) -> LockInfo {
+    // In floating point: a score is any double a foreign or damaged key may hold (an
+    // infinity too), and a cast to an integer saturates where a difference would overflow.
     let left = |expiry_ms: f64| {
-        let ms = expiry_ms as i64 - s.now_ms;
-        (ms > 0).then(|| Duration::from_millis(ms as u64))
+        let ms = expiry_ms - s.now_ms as f64;
+        (ms > 0.0).then(|| Duration::from_millis(ms as u64))
     };
     let kind = match s.key_type.as_str() {
         "none" => LockKind::Free,
@@ -545,7 +555,7 @@ fn view(name: &[u8], node: String, s: &Snapshot, mine: &[String]) -> LockInfo {
         .queue
         .iter()
         .map(|(token, arrival_us)| QueueEntry {
-            age: Duration::from_micros(u64::try_from(s.now_us - *arrival_us as i64).unwrap_or(0)),
+            age: Duration::from_micros((s.now_us as f64 - arrival_us).max(0.0) as u64),
             expires_in: s
                 .queue_expiry
                 .iter()

@@ -18,7 +18,9 @@ use crate::proto::sharded::Sharded;
 
 pub(crate) struct Pool {
     /// Where connections go; replaced when the node's address changes (a Sentinel
-    /// failover), with [`epoch`](Pool::epoch) counting the changes.
+    /// failover), with [`epoch`](Pool::epoch) counting the changes. Both change together,
+    /// under this lock: a connection is stamped with the epoch of the address it was
+    /// opened to, never a later one.
     client: Mutex<redis::Client>,
     epoch: AtomicU64,
     /// A command failed in a way that may mean the node moved (a network error, a
@@ -37,7 +39,9 @@ pub(crate) struct Pool {
 }
 
 struct PoolState {
-    idle: Vec<Connection>,
+    /// With the epoch each was opened in: one from before the address changed is closed
+    /// rather than lent.
+    idle: Vec<(Connection, u64)>,
     /// Connections that exist: idle, lent out, or being opened.
     open: usize,
 }
@@ -66,6 +70,12 @@ impl Pool {
         self.client.lock().clone()
     }
 
+    /// The client for the node's current address, with its epoch.
+    fn target(&self) -> (redis::Client, u64) {
+        let client = self.client.lock();
+        (client.clone(), self.epoch())
+    }
+
     /// How many times the node's address has changed: a connection opened under an older
     /// epoch talks to a server that no longer serves the node.
     pub fn epoch(&self) -> u64 {
@@ -85,8 +95,11 @@ impl Pool {
     /// Points the pool at a new address: idle connections are closed, lent ones are
     /// closed when they come back, new ones go to `client`.
     pub fn repoint(&self, client: redis::Client) {
-        *self.client.lock() = client;
-        self.epoch.fetch_add(1, Ordering::AcqRel);
+        {
+            let mut current = self.client.lock();
+            *current = client;
+            self.epoch.fetch_add(1, Ordering::AcqRel);
+        }
         self.clear_idle();
     }
 
@@ -99,14 +112,17 @@ impl Pool {
         let deadline = crate::clock::from_now(self.connect_timeout);
         let mut st = self.state.lock();
         loop {
-            if let Some(conn) = st.idle.pop() {
-                return Ok(PooledConn::new(self, conn));
+            while let Some((conn, epoch)) = st.idle.pop() {
+                if epoch == self.epoch() {
+                    return Ok(PooledConn::new(self, conn, epoch));
+                }
+                st.open -= 1; // opened to the address before the last change: closed
             }
             if st.open < self.max {
                 st.open += 1;
                 drop(st);
                 return match self.connect("redbaton") {
-                    Ok(conn) => Ok(PooledConn::new(self, conn)),
+                    Ok((conn, epoch)) => Ok(PooledConn::new(self, conn, epoch)),
                     Err(e) => {
                         self.forget_one();
                         Err(Error::Redis(e))
@@ -122,13 +138,21 @@ impl Pool {
     /// An idle connection, if one is free right now: never opens one, never waits (for the
     /// subscriber thread, which must not block on the pool).
     pub fn try_idle(&self) -> Option<PooledConn<'_>> {
-        let conn = self.state.lock().idle.pop()?;
-        Some(PooledConn::new(self, conn))
+        let mut st = self.state.lock();
+        while let Some((conn, epoch)) = st.idle.pop() {
+            if epoch == self.epoch() {
+                return Some(PooledConn::new(self, conn, epoch));
+            }
+            st.open -= 1;
+        }
+        None
     }
 
-    fn connect(&self, name: &str) -> RedisResult<Connection> {
+    /// A new connection to the node's current address, with the epoch of that address.
+    fn connect(&self, name: &str) -> RedisResult<(Connection, u64)> {
+        let (client, epoch) = self.target();
         let mut conn = open_connection(
-            &self.client(),
+            &client,
             self.connect_timeout,
             self.read_timeout,
             self.write_timeout,
@@ -137,7 +161,7 @@ impl Pool {
         if self.sharded.wanted() {
             self.sharded.probe(&mut conn)?;
         }
-        Ok(conn)
+        Ok((conn, epoch))
     }
 
     fn forget_one(&self) {
@@ -145,8 +169,8 @@ impl Pool {
         self.freed.notify_one();
     }
 
-    fn put_back(&self, conn: Connection) {
-        self.state.lock().idle.push(conn);
+    fn put_back(&self, conn: Connection, epoch: u64) {
+        self.state.lock().idle.push((conn, epoch));
         self.freed.notify_one();
     }
 
@@ -196,12 +220,12 @@ pub(crate) struct PooledConn<'a> {
 }
 
 impl<'a> PooledConn<'a> {
-    fn new(pool: &'a Pool, conn: Connection) -> Self {
+    fn new(pool: &'a Pool, conn: Connection, epoch: u64) -> Self {
         PooledConn {
             pool,
             conn: Some(conn),
             broken: false,
-            epoch: pool.epoch(),
+            epoch,
         }
     }
 
@@ -227,7 +251,7 @@ impl Drop for PooledConn<'_> {
     fn drop(&mut self) {
         match self.conn.take() {
             Some(conn) if !self.broken && conn.is_open() && self.epoch == self.pool.epoch() => {
-                self.pool.put_back(conn)
+                self.pool.put_back(conn, self.epoch)
             }
             _ => self.pool.forget_one(),
         }

@@ -5,8 +5,9 @@
 //! A watcher thread follows the sentinels' `+switch-master` messages, and re-resolves the
 //! master when a command on it fails in a way that may mean it moved (a network error, a
 //! `READONLY` reply) and every [`RECHECK`] in case a message was missed. Re-resolving asks
-//! the sentinels for the master's address and checks with `ROLE` that it is one (the
-//! `redis` crate's Sentinel client does both). When the address changes, the node's pool
+//! the sentinels for the master's address and checks with `ROLE` that it is one, on
+//! connections with the client's timeouts (the `redis` crate's Sentinel client, used for
+//! the first resolution, reads without one). When the address changes, the node's pool
 //! is pointed at the new master: idle connections close, the subscriber reconnects there
 //! and re-subscribes (its waiters then retry once), and the watchdog's next renewal goes
 //! there — where a lock that the promoted replica did not have is found gone, and its
@@ -23,6 +24,7 @@ use crate::config::{Config, SentinelConfig};
 use crate::error::{Error, Result, thread_error};
 use crate::proto::connect::is_tls_url;
 use crate::proto::node::{Node, NodeId, Parts};
+use crate::proto::pool::open_connection;
 use crate::proto::protocol::Protocols;
 use crate::stats::Counters;
 
@@ -41,11 +43,13 @@ pub(crate) struct Sentinel {
 struct Watcher {
     name: String,
     node: Weak<Node>,
-    resolver: SentinelClient,
-    /// Clients of the sentinels themselves, for the `+switch-master` subscription.
+    /// Clients of the sentinels themselves, for the `+switch-master` subscription and the
+    /// master's address.
     sentinels: Vec<redis::Client>,
     address: String,
     connect_timeout: Duration,
+    read_timeout: Duration,
+    write_timeout: Duration,
     stop: Arc<AtomicBool>,
     counters: Arc<Counters>,
 }
@@ -80,10 +84,11 @@ impl Sentinel {
         let watcher = Watcher {
             name: sc.master.clone(),
             node: Arc::downgrade(&node),
-            resolver,
             sentinels,
             address,
             connect_timeout: cfg.connect_timeout,
+            read_timeout: cfg.read_timeout,
+            write_timeout: cfg.write_timeout,
             stop: stop.clone(),
             counters: counters.clone(),
         };
@@ -268,26 +273,89 @@ impl Watcher {
         }
     }
 
-    /// Asks the sentinels where the master is, and moves the node there if it moved.
+    /// Asks the sentinels where the master is, and moves the node there if it moved and
+    /// says it is the master (`ROLE`). Every connection has the client's timeouts: a
+    /// master or sentinel that accepts connections but never answers (a stopped
+    /// process) must not hold the watcher, which alone can follow the failover away from
+    /// it (the `redis` crate's Sentinel client reads without a timeout).
     fn resolve(&mut self) {
         let Some(node) = self.node.upgrade() else {
             return;
         };
-        match self.resolver.get_client() {
-            Ok(client) => {
-                let address = client.get_connection_info().addr().to_string();
-                if address != self.address {
-                    log::warn!(
-                        "sentinel: master {:?} moved from {} to {address}",
-                        self.name,
-                        self.address
-                    );
-                    node.pool.repoint(client);
-                    self.address = address;
-                    Counters::inc(&self.counters.failovers);
-                }
-            }
-            Err(e) => log::debug!("sentinel: cannot resolve {:?}: {e}", self.name),
+        let Some((host, port)) = self.master_address() else {
+            log::debug!("sentinel: no sentinel says where {:?} is", self.name);
+            return;
+        };
+        let address = format!("{host}:{port}");
+        if address == self.address {
+            return;
         }
+        // The node's own settings (credentials, database, TLS) at the new address.
+        let info = node.pool.client().get_connection_info().clone();
+        let addr = match info.addr() {
+            redis::ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => redis::ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => redis::ConnectionAddr::Tcp(host, port),
+        };
+        let client = match redis::Client::open(info.set_addr(addr)) {
+            Ok(c) => c,
+            Err(e) => return log::debug!("sentinel: master at {address}: {e}"),
+        };
+        match self.role(&client) {
+            Ok(role) if role == "master" => {}
+            Ok(role) => return log::debug!("sentinel: {address} is a {role} yet, not the master"),
+            Err(e) => return log::debug!("sentinel: master at {address} unreachable: {e}"),
+        }
+        log::warn!(
+            "sentinel: master {:?} moved from {} to {address}",
+            self.name,
+            self.address
+        );
+        node.pool.repoint(client);
+        self.address = address;
+        Counters::inc(&self.counters.failovers);
+    }
+
+    /// A connection with the client's timeouts.
+    fn connect(&self, client: &redis::Client, name: &str) -> redis::RedisResult<redis::Connection> {
+        open_connection(
+            client,
+            self.connect_timeout,
+            self.read_timeout,
+            self.write_timeout,
+            name,
+        )
+    }
+
+    /// The master's address, from the first sentinel that knows it.
+    fn master_address(&self) -> Option<(String, u16)> {
+        self.sentinels.iter().find_map(|sentinel| {
+            let mut conn = self.connect(sentinel, "redbaton:sentinel").ok()?;
+            redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(&self.name)
+                .query::<Option<(String, u16)>>(&mut conn)
+                .ok()
+                .flatten()
+        })
+    }
+
+    /// What the server of `client` says it is (`ROLE`'s first field).
+    fn role(&self, client: &redis::Client) -> redis::RedisResult<String> {
+        let mut conn = self.connect(client, "redbaton")?;
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query(&mut conn)?;
+        Ok(match role.first() {
+            Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(redis::Value::SimpleString(s)) => s.clone(),
+            _ => String::new(),
+        })
     }
 }
