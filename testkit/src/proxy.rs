@@ -41,13 +41,15 @@ enum Dir {
     ServerToClient,
 }
 
-/// The one-shot "lose the reply" fault.
+/// The "lose the reply" fault.
 enum DropArm {
     Off,
     /// The next client→server chunk on any connection.
     Any,
     /// The next client→server chunk containing these bytes.
     Matching(Vec<u8>),
+    /// Every client→server chunk containing these bytes, until disarmed.
+    EveryMatching(Vec<u8>),
 }
 
 struct Shared {
@@ -167,29 +169,21 @@ impl Proxy {
     }
 
     /// Runs `f` while the reply of every request containing `needle` is lost (the request
-    /// runs in Redis; the connection is closed instead of answering: see
-    /// [`drop_next_reply_matching`](Self::drop_next_reply_matching), armed again after
-    /// each drop), then heals the proxy.
+    /// runs in Redis; the connection is closed instead of answering, as
+    /// [`drop_next_reply_matching`](Self::drop_next_reply_matching) does once), then heals
+    /// the proxy.
     pub fn losing_replies_matching<T>(&self, needle: &[u8], f: impl FnOnce() -> T) -> T {
-        let stop = AtomicBool::new(false);
-        let out = thread::scope(|s| {
-            s.spawn(|| {
-                while !stop.load(Ordering::SeqCst) {
-                    if !self.drop_armed() {
-                        self.drop_next_reply_matching(needle);
-                    }
-                    thread::sleep(Duration::from_micros(50));
-                }
-            });
-            while !self.drop_armed() {
-                thread::yield_now();
+        /// Heals the proxy however `f` ends (a failed assertion too).
+        struct Heal<'a>(&'a Proxy);
+        impl Drop for Heal<'_> {
+            fn drop(&mut self) {
+                self.0.heal();
             }
-            let out = f();
-            stop.store(true, Ordering::SeqCst);
-            out
-        });
-        self.heal();
-        out
+        }
+        assert!(!needle.is_empty(), "empty needle");
+        *self.shared.drop_arm.lock() = DropArm::EveryMatching(needle.to_vec());
+        let _heal = Heal(self);
+        f()
     }
 
     /// Whether a `drop_next_reply*` fault is still waiting for its request.
@@ -279,18 +273,21 @@ impl Shared {
     /// Consumes the armed fault if this client→server chunk triggers it.
     fn take_drop_arm(&self, chunk: &[u8]) -> bool {
         let mut arm = self.drop_arm.lock();
-        let hit = match &*arm {
-            DropArm::Off => false,
-            DropArm::Any => true,
-            DropArm::Matching(needle) => {
-                chunk.windows(needle.len()).any(|w| w == needle.as_slice())
-            }
+        let (hit, once) = match &*arm {
+            DropArm::Off => (false, false),
+            DropArm::Any => (true, true),
+            DropArm::Matching(needle) => (contains(chunk, needle), true),
+            DropArm::EveryMatching(needle) => (contains(chunk, needle), false),
         };
-        if hit {
+        if hit && once {
             *arm = DropArm::Off;
         }
         hit
     }
+}
+
+fn contains(chunk: &[u8], needle: &[u8]) -> bool {
+    chunk.windows(needle.len()).any(|w| w == needle)
 }
 
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
