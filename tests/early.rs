@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use redbaton::fault::{self, Point};
 use redbaton::{LockClient, Stats, Unlocked};
-use redbaton_testkit::keys::{FenceCount, fence_of};
+use redbaton_testkit::keys::{FenceCount, Keys, fence_of};
 use redbaton_testkit::ms;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::secs;
@@ -21,10 +21,6 @@ use redbaton_testkit::wait::wait_for;
 use redbaton_testkit::{init_log, lock_client};
 
 /// The lock key of `name` under `prefix`.
-fn lock_key(prefix: &str, name: &str) -> String {
-    format!("{prefix}{{{name}}}")
-}
-
 fn get(srv: &RedisServer, key: &str) -> Option<String> {
     redis::cmd("GET").arg(key).query(&mut srv.conn()).unwrap()
 }
@@ -219,7 +215,7 @@ struct Armed {
     rx: Receiver<(redbaton::Result<u64>, Duration)>,
 }
 
-fn armed_waiter(prefix: &str, wait: Duration) -> Armed {
+fn armed_waiter(prefix: &'static str, wait: Duration) -> Armed {
     init_log();
     let srv = RedisServer::start();
     let proxy = Proxy::start(srv.addr());
@@ -237,7 +233,7 @@ fn armed_waiter(prefix: &str, wait: Duration) -> Armed {
         fair(false),
         lease(secs(30))
     );
-    let key = lock_key(prefix, "k");
+    let key = Keys::new(prefix).lock("k");
     let guard = holder.lock("k").unwrap();
     let token = get(&srv, &key).expect("held");
     let (tx, rx) = crossbeam_channel::bounded(1);

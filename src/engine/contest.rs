@@ -361,8 +361,8 @@ impl Contest<'_> {
                         leave: wait.waits_now(),
                         clear: self.marked,
                     };
-                    let carried = carried.take().map(|(tried, _)| tried);
-                    let token = self.token.map(str::to_owned).or(carried);
+                    let retried = carried.take().map(|(tried, _)| tried);
+                    let token = self.token.map(str::to_owned).or(retried);
                     (before, marks, self.round(marks, token))
                 }
             };

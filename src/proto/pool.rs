@@ -46,6 +46,20 @@ struct PoolState {
     open: usize,
 }
 
+impl PoolState {
+    /// The idle connection put back last, if it was opened in `epoch`; those opened to the
+    /// address before the last change are closed on the way (no longer open).
+    fn pop_current(&mut self, epoch: u64) -> Option<Connection> {
+        while let Some((conn, opened_in)) = self.idle.pop() {
+            if opened_in == epoch {
+                return Some(conn);
+            }
+            self.open -= 1;
+        }
+        None
+    }
+}
+
 impl Pool {
     pub fn new(client: redis::Client, cfg: &crate::config::Config) -> Self {
         Pool {
@@ -112,11 +126,9 @@ impl Pool {
         let deadline = crate::clock::from_now(self.connect_timeout);
         let mut st = self.state.lock();
         loop {
-            while let Some((conn, epoch)) = st.idle.pop() {
-                if epoch == self.epoch() {
-                    return Ok(PooledConn::new(self, conn, epoch));
-                }
-                st.open -= 1; // opened to the address before the last change: closed
+            let epoch = self.epoch();
+            if let Some(conn) = st.pop_current(epoch) {
+                return Ok(PooledConn::new(self, conn, epoch));
             }
             if st.open < self.max {
                 st.open += 1;
@@ -138,14 +150,9 @@ impl Pool {
     /// An idle connection, if one is free right now: never opens one, never waits (for the
     /// subscriber thread, which must not block on the pool).
     pub fn try_idle(&self) -> Option<PooledConn<'_>> {
-        let mut st = self.state.lock();
-        while let Some((conn, epoch)) = st.idle.pop() {
-            if epoch == self.epoch() {
-                return Some(PooledConn::new(self, conn, epoch));
-            }
-            st.open -= 1;
-        }
-        None
+        let epoch = self.epoch();
+        let conn = self.state.lock().pop_current(epoch)?;
+        Some(PooledConn::new(self, conn, epoch))
     }
 
     /// A new connection to the node's current address, with the epoch of that address.
