@@ -530,3 +530,39 @@ fn the_watcher_follows_a_failover_away_from_a_hung_master() {
          failovers seen: {failovers})"
     );
 }
+
+/// The first sentinel listed accepts connections and answers nothing (a stopped
+/// process): `build()` asks the next one, within the client's timeouts, instead of
+/// reading from the hung one for as long as it hangs; and with no other sentinel, it
+/// fails in time with a connection error.
+#[test]
+fn build_does_not_wait_on_a_hung_sentinel() {
+    init_log();
+    let name = "hung-sentinel";
+    let m = RedisServer::start();
+    let (_r, sentinel) = manual_group(name, &m, m.port());
+    let hung = RedisServer::start();
+    hung.pause();
+    let build = |sentinels: Vec<String>| {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        thread::spawn(move || {
+            let r = lock_builder!(sentinel(name, sentinels), io_timeouts(ms(500))).build();
+            let _ = tx.send(r.map(|c| drop(c.lock("k").expect("lock on the master"))));
+        });
+        rx.recv_timeout(secs(30))
+    };
+    let two = build(vec![hung.url(), sentinel.url()]);
+    let one = build(vec![hung.url()]);
+    hung.resume();
+    match two {
+        Ok(r) => r.expect("build through the second sentinel"),
+        Err(_) => panic!("build() still waits on the hung sentinel after 30 s"),
+    }
+    match one {
+        Ok(r) => assert!(
+            r.as_ref().is_err_and(redbaton::Error::is_connection),
+            "{r:?}"
+        ),
+        Err(_) => panic!("build() with only a hung sentinel still waits after 30 s"),
+    }
+}

@@ -43,6 +43,40 @@ pub(crate) fn open_client_at(
     client_of(label, info.set_addr(addr), tls)
 }
 
+/// A client for the server at `host:port`, which another server named (a Sentinel-managed
+/// master): TLS when `secure` (with `tls`'s certificates), the credentials of `auth`
+/// (user, password), database `db`.
+pub(crate) fn open_client_to(
+    label: &str,
+    (host, port): (&str, u16),
+    secure: bool,
+    auth: Option<(Option<&str>, &str)>,
+    db: i64,
+    tls: &Tls,
+) -> Result<redis::Client> {
+    let addr = if secure {
+        redis::ConnectionAddr::TcpTls {
+            host: host.to_owned(),
+            port,
+            insecure: false,
+            tls_params: None,
+        }
+    } else {
+        redis::ConnectionAddr::Tcp(host.to_owned(), port)
+    };
+    let mut settings = redis::RedisConnectionInfo::default().set_db(db);
+    if let Some((user, password)) = auth {
+        if let Some(user) = user {
+            settings = settings.set_username(user);
+        }
+        settings = settings.set_password(password);
+    }
+    let info = redis::IntoConnectionInfo::into_connection_info(addr)
+        .map_err(|_| Error::InvalidConfig(format!("{label}: unusable address")))?
+        .set_redis_settings(settings);
+    client_of(label, info, tls)
+}
+
 /// How a URL reaches its server, the address aside: TLS or not, user, password, database.
 /// Never printed (it holds the password).
 #[derive(PartialEq, Eq)]

@@ -6,8 +6,9 @@
 //! master when a command on it fails in a way that may mean it moved (a network error, a
 //! `READONLY` reply) and every [`RECHECK`] in case a message was missed. Re-resolving asks
 //! the sentinels for the master's address and checks with `ROLE` that it is one, on
-//! connections with the client's timeouts (the `redis` crate's Sentinel client, used for
-//! the first resolution, reads without one). When the address changes, the node's pool
+//! connections with the client's timeouts; so does the first resolution, when the client
+//! is built: a sentinel or master that accepts connections and answers nothing (a stopped
+//! process) costs a timeout, then the next sentinel is asked. When the address changes, the node's pool
 //! is pointed at the new master: idle connections close, the subscriber reconnects there
 //! and re-subscribes (its waiters then retry once), and the watchdog's next renewal goes
 //! there — where a lock that the promoted replica did not have is found gone, and its
@@ -17,12 +18,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
-
 use super::Route;
 use crate::config::{Config, SentinelConfig};
 use crate::error::{Error, Result, thread_error};
-use crate::proto::connect::is_tls_url;
 use crate::proto::node::{Node, NodeId, Parts};
 use crate::proto::pool::open_connection;
 use crate::proto::protocol::Protocols;
@@ -61,17 +59,6 @@ impl Sentinel {
         counters: &Arc<Counters>,
         client_id: &Arc<str>,
     ) -> Result<Self> {
-        let mut resolver = resolver(sc, cfg)?;
-        let master = resolver.get_client().map_err(Error::Redis)?;
-        let address = master.get_connection_info().addr().to_string();
-        log::info!("sentinel: master {:?} is at {address}", sc.master);
-        let id = NodeId::new(format!("sentinel:{}", sc.master));
-        let parts = Parts {
-            counters: counters.clone(),
-            client_id: client_id.clone(),
-            path: super::call::Path::plain(),
-        };
-        let node = Arc::new(Node::with_client(id, master, cfg, parts));
         let sentinels = sc
             .sentinels
             .iter()
@@ -81,17 +68,28 @@ impl Sentinel {
             })
             .collect::<Result<Vec<_>>>()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let watcher = Watcher {
+        let mut watcher = Watcher {
             name: sc.master.clone(),
-            node: Arc::downgrade(&node),
+            node: Weak::new(),
             sentinels,
-            address,
+            address: String::new(),
             connect_timeout: cfg.connect_timeout,
             read_timeout: cfg.read_timeout,
             write_timeout: cfg.write_timeout,
             stop: stop.clone(),
             counters: counters.clone(),
         };
+        let (master, address) = watcher.first_master(sc, cfg)?;
+        log::info!("sentinel: master {:?} is at {address}", sc.master);
+        let id = NodeId::new(format!("sentinel:{}", sc.master));
+        let parts = Parts {
+            counters: counters.clone(),
+            client_id: client_id.clone(),
+            path: super::call::Path::plain(),
+        };
+        let node = Arc::new(Node::with_client(id, master, cfg, parts));
+        watcher.node = Arc::downgrade(&node);
+        watcher.address = address;
         let thread = std::thread::Builder::new()
             .name("redbaton-sentinel".to_owned())
             .spawn(move || watcher.run())
@@ -119,92 +117,6 @@ impl Drop for Sentinel {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join_now();
     }
-}
-
-/// The `redis` crate's Sentinel client for `sc`: the sentinels' credentials and TLS come
-/// from their URLs, the master's from the builder.
-fn resolver(sc: &SentinelConfig, cfg: &Config) -> Result<SentinelClient> {
-    let bad = |what: String| Error::InvalidConfig(what);
-    let infos = sc
-        .sentinels
-        .iter()
-        .enumerate()
-        .map(|(i, url)| {
-            redis::IntoConnectionInfo::into_connection_info(url.as_str())
-                .map_err(|_| bad(format!("sentinel {i}: unparsable redis url")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let addrs = infos.iter().map(|i| i.addr().clone());
-    let mut b = SentinelClientBuilder::new(addrs, &sc.master, SentinelServerType::Master)
-        .map_err(Error::Redis)?;
-    if let Some(first) = infos.first() {
-        let settings = first.redis_settings();
-        if let Some(user) = settings.username() {
-            b = b.set_client_to_sentinel_username(user);
-        }
-        if let Some(pw) = settings.password() {
-            b = b.set_client_to_sentinel_password(pw);
-        }
-    }
-    if let Some((user, password)) = &sc.master_auth {
-        if let Some(user) = user {
-            b = b.set_client_to_redis_username(user);
-        }
-        b = b.set_client_to_redis_password(password);
-    }
-    b = b.set_client_to_redis_db(sc.db);
-    let sentinel_tls = sc.sentinels.iter().any(|u| is_tls_url(u));
-    if sentinel_tls || sc.master_tls {
-        b = with_tls(b, sentinel_tls, sc.master_tls, cfg)?;
-    }
-    b.build().map_err(Error::Redis)
-}
-
-#[cfg(feature = "tls")]
-fn with_tls(
-    mut b: SentinelClientBuilder,
-    sentinels: bool,
-    master: bool,
-    cfg: &Config,
-) -> Result<SentinelClientBuilder> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let certs = || redis::TlsCertificates {
-        client_tls: cfg
-            .tls
-            .identity
-            .as_ref()
-            .map(|(cert, key)| redis::ClientTlsConfig {
-                client_cert: cert.clone(),
-                client_key: key.clone(),
-            }),
-        root_cert: cfg.tls.ca.clone(),
-    };
-    let custom = cfg.tls.ca.is_some() || cfg.tls.identity.is_some();
-    if sentinels {
-        b = b.set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
-        if custom {
-            b = b.set_client_to_sentinel_certificates(certs());
-        }
-    }
-    if master {
-        b = b.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
-        if custom {
-            b = b.set_client_to_redis_certificates(certs());
-        }
-    }
-    Ok(b)
-}
-
-#[cfg(not(feature = "tls"))]
-fn with_tls(
-    _: SentinelClientBuilder,
-    _: bool,
-    _: bool,
-    _: &Config,
-) -> Result<SentinelClientBuilder> {
-    Err(Error::InvalidConfig(
-        "sentinel: TLS needs redbaton's `tls` feature".to_owned(),
-    ))
 }
 
 impl Watcher {
@@ -237,6 +149,10 @@ impl Watcher {
     fn follow(&mut self, sentinel: &redis::Client) -> redis::RedisResult<()> {
         let mut conn = sentinel.get_connection_with_timeout(self.connect_timeout)?;
         conn.set_write_timeout(Some(self.connect_timeout))?;
+        // The subscription's confirmation too is read with a timeout: a sentinel that
+        // accepts connections and answers nothing must not hold the watcher (nor the
+        // client's drop, which joins it).
+        conn.set_read_timeout(Some(self.read_timeout))?;
         let mut ps = conn.as_pubsub();
         ps.subscribe("+switch-master")?;
         ps.set_read_timeout(Some(POLL))?;
@@ -277,14 +193,15 @@ impl Watcher {
     /// says it is the master (`ROLE`). Every connection has the client's timeouts: a
     /// master or sentinel that accepts connections but never answers (a stopped
     /// process) must not hold the watcher, which alone can follow the failover away from
-    /// it (the `redis` crate's Sentinel client reads without a timeout).
+    /// it.
     fn resolve(&mut self) {
         let Some(node) = self.node.upgrade() else {
             return;
         };
-        let Some((host, port)) = self.master_address() else {
-            log::debug!("sentinel: no sentinel says where {:?} is", self.name);
-            return;
+        let (host, port) = match self.master_address() {
+            Ok(Some(address)) => address,
+            Ok(None) => return log::debug!("sentinel: no sentinel knows {:?}", self.name),
+            Err(e) => return log::debug!("sentinel: no sentinel answered: {e}"),
         };
         let address = format!("{host}:{port}");
         if address == self.address {
@@ -335,17 +252,63 @@ impl Watcher {
         )
     }
 
-    /// The master's address, from the first sentinel that knows it.
-    fn master_address(&self) -> Option<(String, u16)> {
-        self.sentinels.iter().find_map(|sentinel| {
-            let mut conn = self.connect(sentinel, "redbaton:sentinel").ok()?;
-            redis::cmd("SENTINEL")
-                .arg("GET-MASTER-ADDR-BY-NAME")
-                .arg(&self.name)
-                .query::<Option<(String, u16)>>(&mut conn)
-                .ok()
-                .flatten()
-        })
+    /// The master's address, from the first sentinel that knows it; `Ok(None)` when those
+    /// that answered do not, the last error when none answered.
+    fn master_address(&self) -> redis::RedisResult<Option<(String, u16)>> {
+        let mut unanswered = None;
+        for sentinel in &self.sentinels {
+            let asked = self
+                .connect(sentinel, "redbaton:sentinel")
+                .and_then(|mut conn| {
+                    redis::cmd("SENTINEL")
+                        .arg("GET-MASTER-ADDR-BY-NAME")
+                        .arg(&self.name)
+                        .query::<Option<(String, u16)>>(&mut conn)
+                });
+            match asked {
+                Ok(Some(address)) => return Ok(Some(address)),
+                Ok(None) => unanswered = Some(None),
+                Err(e) if unanswered.is_none() => unanswered = Some(Some(e)),
+                Err(_) => {}
+            }
+        }
+        match unanswered {
+            Some(Some(e)) => Err(e),
+            _ => Ok(None),
+        }
+    }
+
+    /// The master when the client is built, with its address: as [`Self::resolve`] finds
+    /// it (on connections with the client's timeouts), with the credentials, database and
+    /// TLS of `sc` and `cfg`.
+    fn first_master(&self, sc: &SentinelConfig, cfg: &Config) -> Result<(redis::Client, String)> {
+        let not_found = |why: String| {
+            Error::Redis(redis::RedisError::from((
+                redis::ErrorKind::MasterNameNotFoundBySentinel,
+                "master not found by the sentinels",
+                why,
+            )))
+        };
+        let Some((host, port)) = self.master_address().map_err(Error::Redis)? else {
+            return Err(not_found(format!("no sentinel knows {:?}", sc.master)));
+        };
+        let auth = sc
+            .master_auth
+            .as_ref()
+            .map(|(user, password)| (user.as_deref(), password.as_str()));
+        let master = crate::proto::connect::open_client_to(
+            "sentinel master",
+            (&host, port),
+            sc.master_tls,
+            auth,
+            sc.db,
+            &cfg.tls,
+        )?;
+        let address = format!("{host}:{port}");
+        match self.role(&master).map_err(Error::Redis)? {
+            role if role == "master" => Ok((master, address)),
+            role => Err(not_found(format!("{address} is a {role}, not the master"))),
+        }
     }
 
     /// What the server of `client` says it is (`ROLE`'s first field).
