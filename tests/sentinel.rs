@@ -355,6 +355,14 @@ fn manual_group(name: &str, master: &RedisServer, monitored: u16) -> (RedisServe
     (r, sentinel)
 }
 
+/// [`manual_group`] of a master of its own: the master, the replica, the sentinel.
+fn group_of_one(name: &str) -> (RedisServer, RedisServer, RedisServer) {
+    init_log();
+    let m = RedisServer::start();
+    let (r, sentinel) = manual_group(name, &m, m.port());
+    (m, r, sentinel)
+}
+
 /// A pool connection whose connect is in flight when the watcher follows a failover
 /// belongs to the old master: it may serve the call it was opened for (a lock taken
 /// there is the unprotected window of an asynchronous failover), but it is never put
@@ -478,10 +486,8 @@ fn a_connection_opened_across_a_failover_is_not_kept() {
 /// makes.
 #[test]
 fn the_watcher_follows_a_failover_away_from_a_hung_master() {
-    init_log();
     let name = "hung";
-    let m = RedisServer::start();
-    let (r, sentinel) = manual_group(name, &m, m.port());
+    let (m, r, sentinel) = group_of_one(name);
     let c = lock_client!(
         sentinel(name, vec![sentinel.url()]),
         io_timeouts(ms(1000)),
@@ -537,10 +543,8 @@ fn the_watcher_follows_a_failover_away_from_a_hung_master() {
 /// fails in time with a connection error.
 #[test]
 fn build_does_not_wait_on_a_hung_sentinel() {
-    init_log();
     let name = "hung-sentinel";
-    let m = RedisServer::start();
-    let (_r, sentinel) = manual_group(name, &m, m.port());
+    let (_m, _r, sentinel) = group_of_one(name);
     let hung = RedisServer::start();
     hung.pause();
     let build = |sentinels: Vec<String>| {

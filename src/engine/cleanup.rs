@@ -1,41 +1,61 @@
-//! Cleanup after failures: the releases nobody waits for, and the local state a panicking
-//! waiter or holder leaves behind.
+//! Cleanup after failures: the releases and leaves nobody waits for, and the local state a
+//! panicking waiter or holder leaves behind.
 //!
 //! An acquire whose outcome is unknown (its reply was lost, say) may have left our token
 //! in Redis. The contender returns at once, keeping the caller's deadline, and leaves a
-//! compare-and-delete to one cleanup thread per client. The thread starts at the first
+//! compare-and-delete to one cleanup thread per client. So does a waiter whose leaving
+//! failed: its mark (or queue entry) would otherwise stay until it expires, and a release
+//! meanwhile would grant the next hold to a waiter that has gone, leaving the ones still
+//! waiting to their re-checks. The thread starts at the first
 //! such failure and takes its work from a bounded queue: under a partition, where every
 //! attempt fails this way, the process never grows more threads or memory; what does not
 //! fit is dropped and counted ([`Stats::cleanup_dropped`](crate::Stats::cleanup_dropped)):
-//! those keys expire with their lease instead.
+//! those keys expire with their lease instead. A job that fails for the network is tried
+//! again, while no new job waits, until its key would have expired anyway.
 
+use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Sender, TrySendError};
+use crossbeam_channel::{Sender, TryRecvError, TrySendError};
 use parking_lot::Mutex;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, NodeId, ReleaseReply, Retry};
 use crate::proto::protocol::Protocol;
 use crate::stats::Counters;
 use crate::topology::{Route, Topology};
 
-/// Releases waiting for the cleanup thread, at most.
+/// Releases waiting for the cleanup thread, at most; and as many again waiting to be
+/// tried again.
 pub(crate) const QUEUE: usize = 1024;
 
-/// One release to make: the key, our token, the holder's fence (`None`: an attempt nobody
-/// used, see `Protocol::release`), and the nodes that may hold it.
+/// The pause before a job that failed for the network is tried again (while no new job
+/// waits), until the key it gives back has expired anyway (see [`Cleanup`]'s `lease`).
+const AGAIN_AFTER: Duration = Duration::from_millis(100);
+
+/// One release or leave to make: the key, our token, what to do, and the nodes that may
+/// hold it.
 struct Job {
     keys: Keys,
     protocol: Protocol,
     token: String,
-    fence: Option<u64>,
+    undo: Undo,
     nodes: Vec<NodeId>,
     queued_at: Instant,
+}
+
+/// What a job gives back.
+enum Undo {
+    /// The hold of the token, with the holder's fence (`None`: an attempt nobody used, see
+    /// `Protocol::release`).
+    Release(Option<u64>),
+    /// The wait of the token: its mark or queue entry, and a grant that raced its leaving
+    /// or a hold a lost attempt took (see `Protocol::leave`).
+    Leave,
 }
 
 /// The client's cleanup thread and its queue; the thread starts at the first job. It holds
@@ -74,11 +94,28 @@ impl Cleanup {
         fence: Option<u64>,
         nodes: Vec<NodeId>,
     ) {
+        self.later(keys, protocol, token, Undo::Release(fence), nodes);
+    }
+
+    /// Queues the leaving of the waiter `token` on `nodes`, as [`Self::release_later`]
+    /// does a release; what cannot be queued expires (the mark or entry, and any grant).
+    pub fn leave_later(&self, keys: &Keys, protocol: Protocol, token: String, nodes: Vec<NodeId>) {
+        self.later(keys, protocol, token, Undo::Leave, nodes);
+    }
+
+    fn later(
+        &self,
+        keys: &Keys,
+        protocol: Protocol,
+        token: String,
+        undo: Undo,
+        nodes: Vec<NodeId>,
+    ) {
         let job = Job {
             keys: keys.clone(),
             protocol,
             token,
-            fence,
+            undo,
             nodes,
             queued_at: Instant::now(),
         };
@@ -112,11 +149,28 @@ impl Cleanup {
     fn start(&self) -> std::io::Result<Worker> {
         let (jobs, rx) = crossbeam_channel::bounded::<Job>(QUEUE);
         let (topology, lease) = (self.topology.clone(), self.lease);
+        let counters = self.counters.clone();
         let thread = std::thread::Builder::new()
             .name("redbaton-cleanup".to_owned())
             .spawn(move || {
-                // Ends when the client drops the sender.
-                for job in rx {
+                // Jobs that failed for the network, tried again while no new job waits.
+                let mut again: VecDeque<Job> = VecDeque::new();
+                loop {
+                    let job = match rx.try_recv() {
+                        Ok(job) => job,
+                        // The client dropped the sender.
+                        Err(TryRecvError::Disconnected) => return,
+                        Err(TryRecvError::Empty) => match again.pop_front() {
+                            Some(job) => {
+                                std::thread::sleep(AGAIN_AFTER);
+                                job
+                            }
+                            None => match rx.recv() {
+                                Ok(job) => job,
+                                Err(_) => return,
+                            },
+                        },
+                    };
                     let Some(topology) = topology.upgrade() else {
                         return;
                     };
@@ -124,28 +178,22 @@ impl Cleanup {
                         // A long partition: the key has expired by now anyway.
                         continue;
                     }
-                    let released = catch_unwind(AssertUnwindSafe(|| {
-                        let route = topology.route(&job.keys);
-                        release_on(
-                            &topology,
-                            &job.keys,
-                            &route,
-                            job.protocol,
-                            &job.token,
-                            job.fence,
-                            &job.nodes,
-                        )
-                    }));
-                    match released {
-                        Ok(replies) => {
-                            for e in replies.into_iter().filter_map(|r| r.err()) {
-                                log::debug!(
-                                    "cleanup release failed (the key expires with its lease): {e}"
-                                );
+                    match catch_unwind(AssertUnwindSafe(|| job.run(&topology, &counters))) {
+                        Ok(errors) if errors.iter().any(Error::is_connection) => {
+                            log::debug!("cleanup of {} failed; trying again", job.keys.display());
+                            if again.len() < QUEUE {
+                                again.push_back(job);
+                            } else {
+                                Counters::inc(&counters.cleanup_dropped);
+                            }
+                        }
+                        Ok(errors) => {
+                            for e in errors {
+                                log::debug!("cleanup failed (the keys expire with their TTL): {e}");
                             }
                         }
                         Err(_) => {
-                            log::error!("cleanup release panicked; the key expires with its lease")
+                            log::error!("cleanup panicked; the keys expire with their TTL")
                         }
                     }
                 }
@@ -154,6 +202,37 @@ impl Cleanup {
             jobs,
             thread: Some(thread),
         })
+    }
+}
+
+impl Job {
+    /// Makes the release or leave where the route of the key goes now; the errors.
+    fn run(&self, topology: &Topology, counters: &Counters) -> Vec<Error> {
+        let route = topology.route(&self.keys);
+        let (keys, protocol, token) = (&self.keys, self.protocol, &self.token);
+        let release = |fence| {
+            release_on(topology, keys, &route, protocol, token, fence, &self.nodes)
+                .into_iter()
+                .filter_map(|r| r.err())
+                .collect::<Vec<_>>()
+        };
+        match self.undo {
+            Undo::Release(fence) => release(fence),
+            Undo::Leave => {
+                let mut errors = Vec::new();
+                for node in route.holders(&self.nodes) {
+                    match protocol.leave(&node, keys, token, true) {
+                        Ok(true) => Counters::inc(&counters.grants_passed),
+                        Ok(false) => {}
+                        Err(e) => errors.push(e),
+                    }
+                }
+                if !protocol.leave_gives_back() {
+                    errors.extend(release(None));
+                }
+                errors
+            }
+        }
     }
 }
 

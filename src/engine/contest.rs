@@ -694,14 +694,13 @@ impl Contest<'_> {
                 Ok(true) => Counters::inc(&engine.counters.grants_passed),
                 Ok(false) => {}
                 Err(e) => {
-                    // A grant to us (or a hold a lost attempt took) may be left: the
-                    // cleanup job releases it; the entry or mark expires.
-                    log::debug!("leaving failed: {e}; released in the background");
-                    engine.cleanup.release_later(
+                    // Our mark or entry, and a grant to us (or a hold a lost attempt
+                    // took), may be left: the cleanup job leaves again.
+                    log::debug!("leaving failed: {e}; left in the background");
+                    engine.cleanup.leave_later(
                         keys,
                         protocol,
                         token.to_owned(),
-                        None,
                         vec![node.id.clone()],
                     );
                 }

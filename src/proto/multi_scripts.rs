@@ -198,7 +198,8 @@ impl Node {
         deadline: Option<std::time::Instant>,
     ) -> Result<Taken> {
         let took = |reply: &Vec<i64>| reply.first() == Some(&1);
-        let (reply, unacked) = self.run_acquire(&MULTI_ACQUIRE, call, retry, deadline, took)?;
+        let (reply, unacked) =
+            self.run_acquire(&MULTI_ACQUIRE, (call, None), retry, deadline, took)?;
         match (taken_of(reply, locks)?, unacked) {
             (Taken::All(_), Some(acked)) => Ok(Taken::Unacked { acked }),
             (held @ Taken::Held { .. }, _) => {

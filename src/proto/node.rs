@@ -328,16 +328,25 @@ impl Node {
     /// Runs an acquire `call` of `script`, retried as `retry` says within `deadline`.
     /// When `took` says its reply took the lock and `replica_ack` asks, `WAIT`s on the
     /// same connection (`WAIT` counts that connection's writes); the reply, and how many
-    /// replicas acknowledged when fewer than asked.
+    /// replicas acknowledged when fewer than asked. `again`, when given, makes the call
+    /// sent after the first (which may have run): one that takes out what a first send
+    /// may have left (its mark, when it failed and will wait).
     pub fn run_acquire<T: FromRedisValue>(
         &self,
         script: &Lua,
-        call: &Cmd,
+        (call, again): (&Cmd, Option<&dyn Fn() -> Cmd>),
         retry: Retry,
         deadline: Option<Instant>,
         took: impl Fn(&T) -> bool,
     ) -> Result<(T, Option<usize>)> {
+        let mut retried: Option<Cmd> = None;
+        let mut sent = false;
         let (reply, acked) = self.run_whole(retry, deadline, |c, before| {
+            let call = match again {
+                Some(again) if sent => &*retried.get_or_insert_with(again),
+                _ => call,
+            };
+            sent = true;
             let reply: T = script.run(call, c, before)?;
             let acked = match self.ack {
                 Some(_) if took(&reply) => Some(self.wait_replicas(c)?),

@@ -279,6 +279,14 @@ impl Protocol {
         )
     }
 
+    /// Whether a waiter's `leave` also gives back any hold of its token (a grant that raced
+    /// its leaving, or a hold a lost attempt took): so do those whose release may grant,
+    /// since a grant is a hold of the waiter's token. Otherwise (a plain lock's, an
+    /// upgrade's) leaving only takes the mark out.
+    pub fn leave_gives_back(self) -> bool {
+        self.release_may_grant()
+    }
+
     /// Whether a waiter waits in a queue, which a waiter giving up departs from (the fair
     /// queue; counted as a departure).
     pub fn queues_waiters(self) -> bool {
@@ -407,7 +415,7 @@ impl Protocol {
         let call = self.lock_call(node, req);
         let took = |reply: &(i64, i64, i64)| reply.0 == 1;
         let (reply, unacked) =
-            node.run_acquire(self.acquire_script(), &call, retry, deadline, took)?;
+            node.run_acquire(self.acquire_script(), (&call, None), retry, deadline, took)?;
         match (attempt_of(node, reply)?, unacked) {
             (Attempt::Acquired { .. }, Some(acked)) => Ok(Attempt::Unacked { acked }),
             (attempt, _) => Ok(attempt),

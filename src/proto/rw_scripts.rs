@@ -626,7 +626,7 @@ local tag = string.sub(ARGV[1], 1, 1)
 local permit = tag == 'p'
 local nonces = KEYS[5]
 if permit then nonces = KEYS[3] end
-redis.call('ZREM', nonces, ARGV[1])
+local noted = redis.call('ZREM', nonces, ARGV[1]) == 1
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
 local now = now_ms()
@@ -637,10 +637,15 @@ if s and tonumber(s) > now then
   return 2
 end
 if permit then
-  -- A mark already gone was taken by a release that woke this waiter (with no permit to
-  -- grant, or no nonces named): the wake-up goes on to the next one, so that a freed
-  -- permit is never left for the re-checks.
-  if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then wake_first(KEYS[2], ARGV[2], now, true) end
+  -- A mark gone while its nonce is still here was taken by a release that woke this
+  -- waiter (with no permit to grant: a wake-up takes the mark, not the nonce): the
+  -- wake-up goes on to the next one, so that a freed permit is never left for the
+  -- re-checks. No nonce: this waiter never marked, or this is the leave sent again after
+  -- its first run (whose reply was lost) took both: nothing to pass on, and the next
+  -- waiter keeps its place.
+  if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 and noted then
+    wake_first(KEYS[2], ARGV[2], now, true)
+  end
   return 0
 end
 local set = KEYS[3]
@@ -733,31 +738,40 @@ impl Node {
         let (keys, member) = (at.keys, at.member);
         let lease_ms = millis(at.lease);
         let mark_ms = at.mark_ttl.map_or(0, millis);
-        let (script, call) = match want {
+        match want {
             Want::Read | Want::Write | Want::Upgradable => {
                 // Tags are ASCII: one byte each.
                 let tag = [want.tag() as u8];
-                let mut call = RW_ACQUIRE.call(5);
-                call.arg(keys.lock())
-                    .arg(keys.fence())
-                    .arg(keys.writers())
-                    .arg(keys.readers())
-                    .arg(keys.writer_nonces())
-                    .arg(&tag[..])
-                    .arg(member)
-                    .arg(lease_ms)
-                    .arg(mark_ms)
-                    .arg(self.fence_ttl_ms())
-                    .arg(at.nonce)
-                    .arg(if at.clear { "1" } else { "0" })
-                    .arg(keys.channel())
-                    .arg(self.client_id())
-                    .arg(self.publish_mode());
-                (&*RW_ACQUIRE, call)
+                let call = |clear: bool| {
+                    let mut call = RW_ACQUIRE.call(5);
+                    call.arg(keys.lock())
+                        .arg(keys.fence())
+                        .arg(keys.writers())
+                        .arg(keys.readers())
+                        .arg(keys.writer_nonces())
+                        .arg(&tag[..])
+                        .arg(member)
+                        .arg(lease_ms)
+                        .arg(mark_ms)
+                        .arg(self.fence_ttl_ms())
+                        .arg(at.nonce)
+                        .arg(if clear { "1" } else { "0" })
+                        .arg(keys.channel())
+                        .arg(self.client_id())
+                        .arg(self.publish_mode());
+                    call
+                };
+                // A first send that may have run, failed and marked us waiting: a retry
+                // that wins takes the mark out, or the release of our hold would grant
+                // it to us again (the mark the oldest), to nobody.
+                let again = || call(true);
+                let again: Option<&dyn Fn() -> Cmd> =
+                    (!at.clear && at.mark_ttl.is_some()).then_some(&again);
+                self.shared_attempt(&RW_ACQUIRE, (&call(at.clear), again), want, at)
             }
             Want::Permit(permits) => {
                 // The waiting set only when the attempt may mark or unmark: a `try_acquire`
-                // names one key.
+                // names one key. A permit won always takes its own mark out.
                 let marks = at.mark_ttl.is_some() || at.clear;
                 let mut call = SEM_ACQUIRE.call(if marks { 3 } else { 1 });
                 call.arg(keys.lock());
@@ -769,10 +783,9 @@ impl Node {
                     .arg(permits)
                     .arg(mark_ms)
                     .arg(at.nonce);
-                (&*SEM_ACQUIRE, call)
+                self.shared_attempt(&SEM_ACQUIRE, (&call, None), want, at)
             }
-        };
-        self.shared_attempt(script, &call, want, at)
+        }
     }
 
     /// One attempt at turning the upgradable hold `at.member` into the write hold of the
@@ -790,7 +803,7 @@ impl Node {
             .arg(millis(at.lease))
             .arg(at.mark_ttl.map_or(0, millis))
             .arg(self.fence_ttl_ms());
-        self.shared_attempt(&RW_UPGRADE, &call, Want::Write, at)
+        self.shared_attempt(&RW_UPGRADE, (&call, None), Want::Write, at)
     }
 
     /// Runs one shared-hold attempt (`call` of `script`, asking for `want`) and reads its
@@ -798,7 +811,7 @@ impl Node {
     fn shared_attempt(
         &self,
         script: &Lua,
-        call: &Cmd,
+        call: (&Cmd, Option<&dyn Fn() -> Cmd>),
         want: Want,
         at: SharedAttempt<'_>,
     ) -> Result<Attempt> {
