@@ -235,9 +235,12 @@ counters! {
     early_attempts => ("redbaton_early_attempts_total"),
     /// Waits ended because the holder's remaining lease ran out.
     wakeups_lease => ("redbaton_wakeups_total", "cause" = "lease"),
-    /// Waits ended by the re-check ceiling.
+    /// Waits ended by the re-check ceiling (or, while the waiter's subscription cannot
+    /// be confirmed, by its retry backoff). A wait ended by its deadline or a cancel
+    /// counts in no `wakeups_*` counter.
     wakeups_recheck => ("redbaton_wakeups_total", "cause" = "recheck"),
-    /// Waits ended by the polling interval (`Wakeup::Polling`).
+    /// Waits ended by the polling interval (`Wakeup::Polling`); not one ended by its
+    /// deadline or a cancel before the interval did.
     wakeups_poll => ("redbaton_wakeups_total", "cause" = "poll"),
     /// Waits ended because the subscriber reconnected (events may have been missed).
     wakeups_reconnect => ("redbaton_wakeups_total", "cause" = "reconnect"),
