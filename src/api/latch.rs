@@ -264,7 +264,7 @@ impl Latch {
     /// # Ok(()) }
     /// ```
     pub fn wait_cancellable(&self, cancel: &Cancel) -> Result<()> {
-        self.wait_with(cancel.wait()?)
+        self.wait_with(cancel.wait())
     }
 
     fn wait_with(&self, wait: Wait<'_>) -> Result<()> {

@@ -39,8 +39,12 @@ impl Engine {
         Ok(self.latch_call(&keys, count, Op::Read { seen: None })?.left)
     }
 
-    /// Waits until the latch `name` of `count` is open, as `wait` says.
+    /// Waits until the latch `name` of `count` is open, as `wait` says. A wait cancelled
+    /// before the call sends nothing.
     pub(crate) fn latch_wait(&self, name: &[u8], count: u64, wait: Wait<'_>) -> Result<()> {
+        if wait.cancelled() {
+            return Err(Error::Cancelled);
+        }
         let keys = latch_keys(&self.cfg.key_prefix, name, count)?;
         let deadline = wait.deadline();
         let mut waiter = Waiter::hearing(Hears::Zero);
