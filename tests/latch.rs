@@ -3,7 +3,8 @@
 //! before the last count down; bad input (a zero or too large count, another count, a
 //! foreign key, Redlock) refused with typed errors and nothing written; expiry (a waiter
 //! of an expired latch told so, an open latch staying open until its TTL, every count
-//! down keeping it); a lost message caught by the re-check; cancelled waits; polling;
+//! down keeping it); a lost message caught by the re-check; timeouts (counted in
+//! `Stats::timeouts`); cancelled waits; polling;
 //! the lock's minimal ACL; Sentinel and Cluster (a waiter following a moved slot).
 //! Latencies are printed, not asserted.
 
@@ -446,6 +447,18 @@ fn cancel() {
     latch.count_down().unwrap();
     let late = Cancel::new();
     latch.wait_cancellable(&late).expect("open");
+}
+
+/// A wait that times out counts in `Stats::timeouts`, as a hold's does.
+#[test]
+fn a_latch_wait_that_times_out_is_counted_in_timeouts() {
+    let (_srv, c) = test_server_and(client);
+    let err = c
+        .latch("gate", 1)
+        .wait_for(ms(100))
+        .expect_err("nobody counts it down");
+    assert!(err.is_timeout(), "{err:?}");
+    assert_eq!(c.stats().timeouts, 1, "{:?}", c.stats());
 }
 
 /// With polling instead of notifications, a waiter still sees the latch open.

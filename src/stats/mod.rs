@@ -256,7 +256,7 @@ counters! {
     /// Locks found lost while held.
     // Emitted by `Counters::lost`, with the reason as a label.
     locks_lost,
-    /// Calls that returned `Error::Timeout`.
+    /// Calls that returned `Error::Timeout`, latch waits included.
     timeouts => ("redbaton_timeouts_total"),
     /// Sentinel: times the master moved to another server and the client followed it.
     failovers => ("redbaton_failovers_total"),
