@@ -216,7 +216,8 @@ macro_rules! counters {
 counters! {
     /// Locks taken in Redis (one per remote acquisition, however many local holders).
     remote_acquisitions => ("redbaton_remote_acquisitions_total"),
-    /// Acquire attempts that found the lock held.
+    /// Acquire attempts that found the lock held; on Redlock, one per node that found it
+    /// held (an attempt refused by all of three nodes counts three).
     failed_attempts => ("redbaton_failed_attempts_total"),
     /// Locks passed to a waiting local thread with no Redis command.
     local_handoffs => ("redbaton_handoffs_total"),
