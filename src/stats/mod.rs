@@ -261,15 +261,18 @@ counters! {
     timeouts => ("redbaton_timeouts_total"),
     /// Sentinel: times the master moved to another server and the client followed it.
     failovers => ("redbaton_failovers_total"),
-    /// Fair queue and read-write locks: grants heard by this client's waiters (a lock, a
-    /// write or read hold given by another process's release, or a writer's wake-up).
+    /// Fair queue, read-write locks and semaphores: grants heard by this client's waiters
+    /// (a lock, a write or read hold or a permit given by another process's release, or
+    /// a writer's wake-up).
     grants_received => ("redbaton_fair_grants_received_total"),
     /// Of those, grants taken as the hold from the message alone (it carried the nonce of
     /// the waiter's latest attempt, in time), with no confirming attempt.
     grants_trusted => ("redbaton_fair_grants_trusted_total"),
     /// Fair queue: locks this client's releases granted to the next process in the queue;
     /// and grants (fair queue, read-write locks) that a waiter of this client gave up
-    /// unused and passed on.
+    /// unused and passed on. A release whose reply was lost after it ran is not counted:
+    /// its retry finds the next holder's token (or no key) and cannot tell a grant its
+    /// lost try made from a lease that ran out and another process's acquisition.
     grants_passed => ("redbaton_fair_grants_passed_total"),
     /// Fair queue: waits that ended without the lock and left the queue.
     queue_departures => ("redbaton_fair_queue_departures_total"),
