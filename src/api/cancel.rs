@@ -30,7 +30,8 @@ use crate::local::mailbox::Cancellation;
 /// A wait that got its hold before it saw the flag returns the guard: the acquisition
 /// wins, and cancelling never ends a hold already taken. A cancelled wait leaves nothing
 /// behind (no local queue entry, no fair-queue entry, no contention mark), as a timed-out
-/// wait does.
+/// wait does; a latch a wait made stays until its TTL ends (see
+/// [`Latch::wait_cancellable`](crate::Latch::wait_cancellable)).
 ///
 /// # Examples
 ///
