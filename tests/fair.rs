@@ -555,7 +555,9 @@ fn a_try_lock_whose_replies_are_lost_leaves_no_orphan_lock() {
 
 /// The release that granted the lock to the next process lost its reply: the retry finds
 /// the grantee's token in the key. The lock was ours until the call and passed on as it
-/// should be, so the outcome says so, not "held by another owner".
+/// should be, so the outcome says so, not "held by another owner". The retry cannot tell
+/// the grant from an expiry and another process's acquisition, so `grants_passed` does not
+/// count it (as documented; without the fault it does, see `smoke`).
 #[test]
 fn a_granting_release_whose_reply_is_lost_reports_released() {
     let srv = test_server();
@@ -580,5 +582,10 @@ fn a_granting_release_whose_reply_is_lost_reports_released() {
     assert!(next.join().expect("the next holder").was_held());
     assert_eq!(outcome, redbaton::Unlocked::Released);
     assert!(outcome.was_held());
+    assert_eq!(
+        holder.stats().grants_passed,
+        0,
+        "a grant whose reply was lost"
+    );
     assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
 }

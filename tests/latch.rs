@@ -3,8 +3,10 @@
 //! before the last count down; bad input (a zero or too large count, another count, a
 //! foreign key, Redlock) refused with typed errors and nothing written; expiry (a waiter
 //! of an expired latch told so, an open latch staying open until its TTL, every count
-//! down keeping it); a lost message caught by the re-check; cancelled waits; polling;
-//! the lock's minimal ACL; Sentinel and Cluster (a waiter following a moved slot).
+//! down keeping it); a lost message caught by the re-check; timeouts (counted in
+//! `Stats::timeouts`); cancelled waits (a latch a wait made stays); polling; names with
+//! odd bytes and prefixes; far deadlines; the lock's minimal ACL; Sentinel and Cluster (a
+//! waiter following a moved slot).
 //! Latencies are printed, not asserted.
 
 use std::collections::HashMap;
@@ -448,6 +450,47 @@ fn cancel() {
     latch.wait_cancellable(&late).expect("open");
 }
 
+/// A wait on a name nobody touched made the latch with its first read; cancelled, it
+/// leaves that latch as it is, for its TTL: its count stands, and a call with another
+/// count is refused.
+#[test]
+fn a_cancelled_wait_leaves_the_latch_it_made() {
+    let (srv, c) = test_server_and(client);
+    let name = "cancelled-wait";
+    let cancel = Cancel::new();
+    let latch = c.latch(name, 3);
+    thread::scope(|s| {
+        let w = s.spawn(|| latch.wait_cancellable(&cancel));
+        wait_for(LIVENESS, "the waiter listens", || {
+            listeners(&srv, name) >= 1
+        });
+        thread::sleep(ms(100));
+        cancel.cancel();
+        wait_for(LIVENESS, "the cancelled waiter returns", || w.is_finished());
+        assert!(w.join().unwrap().unwrap_err().is_cancelled());
+    });
+    let ttl = pttl(&srv, &latch_key(name));
+    assert!(
+        ttl > 0 && ttl <= 3_600_000,
+        "kept for its TTL (1 hour): {ttl}"
+    );
+    assert_eq!(latch.count().unwrap(), 3, "as the wait made it");
+    let other = c.latch(name, 5).count().unwrap_err();
+    assert!(other.is_count_mismatch(), "{other:?}");
+}
+
+/// A wait that times out counts in `Stats::timeouts`, as a hold's does.
+#[test]
+fn a_latch_wait_that_times_out_is_counted_in_timeouts() {
+    let (_srv, c) = test_server_and(client);
+    let err = c
+        .latch("gate", 1)
+        .wait_for(ms(100))
+        .expect_err("nobody counts it down");
+    assert!(err.is_timeout(), "{err:?}");
+    assert_eq!(c.stats().timeouts, 1, "{:?}", c.stats());
+}
+
 /// With polling instead of notifications, a waiter still sees the latch open.
 #[test]
 fn polling_waiters_see_it_open() {
@@ -478,8 +521,14 @@ fn a_name_can_be_a_lock_and_a_latch() {
 }
 
 /// Waits and count downs on `a` and `b` (two clients of one deployment) for latches named
-/// `names`: each waiter returns once the other client counted its latch down.
-fn wait_and_count_down(a: &LockClient, b: &LockClient, names: &[String]) {
+/// `names`: each waiter returns once the other client counted its latch down. `settle`:
+/// how long the waiters have to listen (and read again) before the count downs.
+fn wait_and_count_down<N: AsRef<[u8]> + Sync>(
+    a: &LockClient,
+    b: &LockClient,
+    names: &[N],
+    settle: Duration,
+) {
     thread::scope(|s| {
         let waits: Vec<_> = names
             .iter()
@@ -489,17 +538,20 @@ fn wait_and_count_down(a: &LockClient, b: &LockClient, names: &[String]) {
                 s.spawn(move || latch.wait())
             })
             .collect();
+        thread::sleep(settle);
         for n in names {
             let latch = b.latch(n, 2);
             assert_eq!(latch.count_down().expect("down"), 1);
             assert_eq!(latch.count_down().expect("down"), 0);
         }
         let deadline = Instant::now() + LIVENESS;
-        for w in waits {
+        for (w, n) in waits.into_iter().zip(names) {
+            let n = n.as_ref();
             assert!(
                 wait_until(deadline.saturating_duration_since(Instant::now()), || w
                     .is_finished()),
-                "a waiter did not return"
+                "the waiter of {:?} did not return",
+                String::from_utf8_lossy(&n[..n.len().min(16)])
             );
             w.join().unwrap().expect("open");
         }
@@ -519,7 +571,7 @@ fn the_locks_minimal_acl_is_enough() {
         .start();
     let build = || client(&srv.url_as("locker", "lockerpw"));
     let (a, b) = (build(), build());
-    wait_and_count_down(&a, &b, &["acl".to_owned()]);
+    wait_and_count_down(&a, &b, &["acl".to_owned()], Duration::ZERO);
 }
 
 /// Redis Cluster: each latch lives on its slot's master and wakes its waiters there.
@@ -546,7 +598,7 @@ fn cluster_latches_on_every_master() {
         })
         .take(6)
         .collect();
-    wait_and_count_down(&a, &b, &names);
+    wait_and_count_down(&a, &b, &names, Duration::ZERO);
     for n in &names {
         let key = latch_key(n);
         let on: bool = redis::cmd("EXISTS")
@@ -609,6 +661,61 @@ fn sentinel_latches() {
             .expect("build")
     };
     let (a, b) = (build(), build());
-    wait_and_count_down(&a, &b, &["s".to_owned()]);
+    wait_and_count_down(&a, &b, &["s".to_owned()], Duration::ZERO);
     assert!(!group.master().keys("*latch").is_empty());
+}
+
+/// Names with odd bytes (a `}`, which switches to the escaped key form `{hash}prefix
+/// name`, NUL, CR LF, invalid UTF-8, a name ending in `:ev`, the longest name) and a
+/// prefix with a `{`: each waiter is woken by its latch's `z` (the channel maps back to
+/// its key), not by its re-check (60 s).
+#[test]
+fn odd_names_and_prefixes_wake_their_waiters() {
+    let srv = test_server();
+    let long = vec![b'x'; 4096];
+    let names: Vec<Vec<u8>> = vec![
+        b"}".to_vec(),
+        b"a}b{c".to_vec(),
+        b"nul\0byte".to_vec(),
+        b"cr\r\nlf".to_vec(),
+        vec![0xff, 0xfe, b'}', 0x80],
+        b"ends:ev".to_vec(),
+        b"x}:ev".to_vec(),
+        long,
+    ];
+    for prefix in ["redbaton:", "p{x}:"] {
+        let a = lock_client!(
+            node(srv.url()),
+            key_prefix(prefix),
+            recheck_interval(secs(60))
+        );
+        let b = lock_client!(node(srv.url()), key_prefix(prefix));
+        // Every waiter listens (and has read again) before the count downs.
+        wait_and_count_down(&a, &b, &names, ms(500));
+        assert_eq!(a.stats().wakeups_recheck, 0, "prefix {prefix}");
+    }
+}
+
+/// A deadline far away but representable (not `Duration::MAX`, which `wait_for` turns
+/// into no deadline) neither panics nor returns early; the wait returns when the latch
+/// opens.
+#[test]
+fn far_deadlines_do_not_panic() {
+    let (_srv, c) = test_server_and(client);
+    let latch = c.latch("far", 1);
+    latch.count().unwrap();
+    let far = Duration::from_secs(1 << 40);
+    let deadline = Instant::now().checked_add(far).expect("representable");
+    thread::scope(|s| {
+        let w1 = s.spawn(|| latch.wait_until(deadline));
+        let w2 = s.spawn(|| latch.wait_for(far));
+        thread::sleep(ms(300));
+        assert!(!w1.is_finished() && !w2.is_finished(), "returned early");
+        latch.count_down().unwrap();
+        wait_for(LIVENESS, "the waiters return", || {
+            w1.is_finished() && w2.is_finished()
+        });
+        w1.join().unwrap().expect("open");
+        w2.join().unwrap().expect("open");
+    });
 }

@@ -1,18 +1,24 @@
 //! The `metrics` feature against a real `redis-server`: after a contended run (threads on
 //! one lock, a read-write lock, a semaphore, a refused and a timed-out call) the recorder
 //! holds the documented names and labels (docs/guide.md, "Metrics"), with values that
-//! agree with the client's `Stats`.
+//! agree with the client's `Stats`; a call given a token cancelled already records its
+//! wait; the held gauge returns to zero however a hold ends.
+//!
+//! The tests share one process-wide recorder, and so the process-wide gauge: they run one
+//! at a time, each from a snapshot that resets the recorder (see [`recorder`]).
 
 #![cfg(feature = "metrics")]
 
 use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::thread;
 use std::time::Duration;
 
-use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::{CompositeKey, MetricKind};
-use redbaton::{LockClient, LostReason, Stats};
+use redbaton::{Cancel, LockClient, LockGuard, LostReason, Stats};
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::{lock_client, ms, test_server};
 
 /// One metric: kind, name and labels (sorted), as the table in the guide lists them.
@@ -40,6 +46,17 @@ fn labels(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 struct Seen(HashMap<Id, DebugValue>);
 
 impl Seen {
+    /// What the recorder holds now (the snapshot resets it, see [`recorder`]).
+    fn take(s: &Snapshotter) -> Seen {
+        Seen(
+            s.snapshot()
+                .into_vec()
+                .into_iter()
+                .map(|(k, _, _, v)| (id(&k), v))
+                .collect(),
+        )
+    }
+
     fn get(&self, kind: MetricKind, name: &str, pairs: &[(&str, &str)]) -> Option<&DebugValue> {
         self.0.get(&(kind, name.to_owned(), labels(pairs)))
     }
@@ -88,6 +105,25 @@ const WAIT: &str = "redbaton_acquire_wait_seconds";
 const HOLD: &str = "redbaton_hold_seconds";
 const HELD: &str = "redbaton_locks_held";
 
+/// The one recorder of this test binary, and the lock that runs its tests one at a time:
+/// each starts from zero (the debugging recorder's snapshot swaps counters and gauges to
+/// 0 and drains histograms).
+fn recorder() -> (&'static Snapshotter, MutexGuard<'static, ()>) {
+    static SNAP: OnceLock<Snapshotter> = OnceLock::new();
+    static SERIAL: Mutex<()> = Mutex::new(());
+    let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let snap = SNAP.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder
+            .install()
+            .expect("the only recorder of this test binary");
+        snapshotter
+    });
+    let _ = snap.snapshot();
+    (snap, serial)
+}
+
 fn contend(client: &LockClient, threads: usize, rounds: usize) {
     thread::scope(|s| {
         for _ in 0..threads {
@@ -102,14 +138,28 @@ fn contend(client: &LockClient, threads: usize, rounds: usize) {
     });
 }
 
+/// A `try_lock` refused and a 20 ms `try_lock_for` timed out on `name`, held by another
+/// thread.
+fn refused_and_timed_out(client: &LockClient, name: &str) {
+    assert!(client.try_lock(name).unwrap_err().is_would_block());
+    assert!(client.try_lock_for(name, ms(20)).unwrap_err().is_timeout());
+}
+
+/// Deletes the key of the lock `name` behind its holder's back, and drops `guard` once it
+/// was told the lock is lost.
+fn lose(srv: &RedisServer, name: &str, guard: LockGuard) {
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(Keys::DEFAULT.lock(name))
+        .query(&mut srv.conn())
+        .expect("DEL");
+    assert_eq!(deleted, 1);
+    let reason = guard.lost().recv_timeout(Duration::from_secs(30));
+    assert_eq!(reason, Ok(LostReason::Deleted));
+}
+
 #[test]
 fn names_labels_and_values_after_a_contended_run() {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    recorder
-        .install()
-        .expect("the only recorder of this test binary");
-
+    let (snapshotter, _serial) = recorder();
     let srv = test_server();
     let client = lock_client!(node(srv.url()));
 
@@ -118,15 +168,7 @@ fn names_labels_and_values_after_a_contended_run() {
     // Refused and timed out while another thread holds the lock.
     let guard = client.lock("m").expect("lock");
     thread::scope(|s| {
-        s.spawn(|| {
-            assert!(client.try_lock("m").unwrap_err().is_would_block());
-            assert!(
-                client
-                    .try_lock_for("m", Duration::from_millis(20))
-                    .unwrap_err()
-                    .is_timeout()
-            );
-        });
+        s.spawn(|| refused_and_timed_out(&client, "m"));
     });
     drop(guard);
 
@@ -139,27 +181,11 @@ fn names_labels_and_values_after_a_contended_run() {
     // A lock lost while held: its key deleted behind the holder's back (a second client,
     // whose short lease gets renewed, and so checked, soon).
     let short = lock_client!(node(srv.url()), lease(ms(900)), renew_interval(ms(300)));
-    let lost = short.lock("gone").expect("lock");
-    let mut conn = srv.conn();
-    let deleted: i64 = redis::cmd("DEL")
-        .arg(Keys::DEFAULT.lock("gone"))
-        .query(&mut conn)
-        .expect("DEL");
-    assert_eq!(deleted, 1);
-    let reason = lost.lost().recv_timeout(Duration::from_secs(30));
-    assert_eq!(reason, Ok(LostReason::Deleted));
-    drop(lost);
+    lose(&srv, "gone", short.lock("gone").expect("lock"));
 
     let (a, b) = (client.stats(), short.stats());
     let both = |f: Field| f(&a) + f(&b);
-    let seen = Seen(
-        snapshotter
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .map(|(k, _, _, v)| (id(&k), v))
-            .collect(),
-    );
+    let seen = Seen::take(snapshotter);
 
     // No label names the lock (unbounded cardinality), and every name is the crate's.
     for (_, name, ls) in seen.0.keys() {
@@ -253,4 +279,111 @@ fn names_labels_and_values_after_a_contended_run() {
         seen.counter("redbaton_lost_total", &[("reason", "expired")]),
         0
     );
+}
+
+/// A call for a hold given a token cancelled already returns `Cancelled` at once, and its
+/// wait is recorded as any other call's that failed: `outcome="error"`, under its kind
+/// (a multi-lock's is `lock`, an upgradable read's `read`).
+#[test]
+fn a_call_made_already_cancelled_records_its_wait_as_an_error() {
+    let (snap, _serial) = recorder();
+    let srv = test_server();
+    let client = lock_client!(node(srv.url()));
+    let cancel = Cancel::new();
+    cancel.cancel();
+    let rw = client.rwlock("rw");
+    let before = client.stats().commands;
+    let calls = [
+        client.lock_cancellable("pre", &cancel).map(drop),
+        client.multi_lock_cancellable(["a", "b"], &cancel).map(drop),
+        rw.read_cancellable(&cancel).map(drop),
+        rw.upgradable_read_cancellable(&cancel).map(drop),
+        rw.write_cancellable(&cancel).map(drop),
+        client
+            .semaphore("sem", 1)
+            .acquire_cancellable(&cancel)
+            .map(drop),
+    ];
+    for r in calls {
+        assert!(r.unwrap_err().is_cancelled());
+    }
+    let seen = Seen::take(snap);
+    for (kind, calls) in [("lock", 2), ("read", 2), ("write", 1), ("permit", 1)] {
+        let errors = seen.histogram(WAIT, &[("kind", kind), ("outcome", "error")]);
+        assert_eq!(errors.len(), calls, "{kind}: one wait sample per call");
+    }
+    assert_eq!(client.stats().commands, before, "nothing sent");
+}
+
+/// `redbaton_locks_held` returns to 0 for every way a hold ends besides a plain unlock or
+/// drop: a detached lock and a detached write hold released from another thread, a
+/// multi-lock, an upgrade and a downgrade, a local baton handoff, a refused `try_lock`, a
+/// timed-out and a cancelled wait, a permit, a shared read held twice by one thread, and
+/// a lock whose key was deleted (lost) before its guard was dropped.
+#[test]
+fn the_held_gauge_returns_to_zero_after_every_way_a_hold_ends() {
+    let (snap, _serial) = recorder();
+    let srv = test_server();
+    let client = lock_client!(node(srv.url()), lease(ms(900)), renew_interval(ms(300)));
+
+    // Detached lock, released on another thread.
+    let d = client.lock("det").expect("lock").detach();
+    thread::spawn(move || d.unlock().expect("unlock"))
+        .join()
+        .expect("join");
+    // Detached write hold, dropped on another thread.
+    let rw = client.rwlock("rw");
+    let dw = rw.write().expect("write").detach();
+    thread::spawn(move || drop(dw)).join().expect("join");
+    // Multi-lock.
+    client
+        .multi_lock(["m1", "m2"])
+        .expect("multi")
+        .unlock()
+        .expect("unlock");
+    // Upgrade, then downgrade, then drop.
+    let up = rw.upgradable_read().expect("upgradable");
+    let w = up.upgrade().expect("upgrade");
+    let r = w.downgrade().expect("downgrade");
+    // A second read of the same thread shares it.
+    let r2 = rw.read().expect("reentrant read");
+    drop(r2);
+    drop(r);
+    // Baton: a local waiter gets the lock from the holder.
+    let g = client.lock("baton").expect("lock");
+    thread::scope(|s| {
+        let w = s.spawn(|| client.lock("baton").expect("handoff").unlock());
+        thread::sleep(ms(100));
+        drop(g);
+        w.join().expect("join").expect("unlock");
+    });
+    // Refused, timed out and cancelled calls while another thread holds.
+    let g = client.lock("busy").expect("lock");
+    thread::scope(|s| {
+        s.spawn(|| {
+            refused_and_timed_out(&client, "busy");
+            let cancel = Cancel::new();
+            thread::scope(|s2| {
+                let c = s2.spawn(|| client.lock_cancellable("busy", &cancel).map(drop));
+                thread::sleep(ms(50));
+                cancel.cancel();
+                assert!(c.join().expect("join").unwrap_err().is_cancelled());
+            });
+        });
+    });
+    drop(g);
+    // A permit.
+    client
+        .semaphore("sem", 1)
+        .acquire()
+        .expect("permit")
+        .unlock()
+        .expect("unlock");
+    // A lock lost (its key deleted) while held, then dropped.
+    lose(&srv, "gone", client.lock("gone").expect("lock"));
+
+    let seen = Seen::take(snap);
+    for kind in ["lock", "read", "write", "permit"] {
+        assert_eq!(seen.gauge(HELD, &[("kind", kind)]), Some(0.0), "{kind}");
+    }
 }

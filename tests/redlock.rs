@@ -857,6 +857,23 @@ fn waiter_behind_a_holder_gets_the_lock_on_release() {
     assert_eq!(s.remote_acquisitions, 1);
 }
 
+/// `failed_attempts` counts per node on Redlock: a `try_lock` makes one attempt, a round
+/// on every node, and each of the three nodes that found the lock held counts one.
+#[test]
+fn a_refused_redlock_attempt_counts_one_failed_attempt_per_node() {
+    let servers = server::start_many(3);
+    let a = builder(&urls(&servers)).build().expect("build holder");
+    let b = builder(&urls(&servers)).build().expect("build other");
+    let _guard = a.lock("k").expect("lock");
+    let before = b.stats().failed_attempts;
+    assert!(b.try_lock("k").unwrap_err().is_would_block());
+    assert_eq!(
+        b.stats().failed_attempts - before,
+        3,
+        "one attempt, found held on each of the three nodes"
+    );
+}
+
 /// Regression test (was a library bug).
 ///
 /// The design promises that waiters sleep until Redis says the key changed. On one node

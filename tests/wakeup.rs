@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use parking_lot::RwLock;
-use redbaton::{LockClient, Stats, Unlocked, Wakeup};
+use redbaton::{Cancel, LockClient, LockGuard, Stats, Unlocked, Wakeup};
 use redbaton_testkit::child;
 use redbaton_testkit::child::{field, result_with};
 use redbaton_testkit::child_only;
@@ -418,17 +418,27 @@ fn leaked_unrenewed_lock_expires_and_wakes_waiter() {
 
 // --- polling, for comparison --------------------------------------------------------------
 
+/// A client that polls every `every`, and the guard of another client holding `name`.
+fn poller_behind_a_holder(
+    srv: &RedisServer,
+    name: &str,
+    every: Duration,
+) -> (LockClient, LockGuard) {
+    let holder = client(&srv.url()).build().expect("build");
+    let guard = holder.lock(name).expect("lock");
+    let poller = client(&srv.url())
+        .wakeup(Wakeup::Polling(every))
+        .build()
+        .expect("build");
+    (poller, guard)
+}
+
 #[test]
 fn polling_waiter_acquires_by_polls_not_events() {
     let _light = HEAVY.read();
     let srv = RedisServer::start();
     let name = "polling";
-    let holder = client(&srv.url()).build().expect("build");
-    let guard = holder.lock(name).expect("lock");
-    let c = client(&srv.url())
-        .wakeup(Wakeup::Polling(ms(50)))
-        .build()
-        .expect("build");
+    let (c, guard) = poller_behind_a_holder(&srv, name, ms(50));
     let waiter = spawn_waiter(&c, name, Duration::ZERO);
     wait_for(secs(10), "a few polls", || c.stats().failed_attempts >= 3);
     assert!(
@@ -446,6 +456,45 @@ fn polling_waiter_acquires_by_polls_not_events() {
     assert!(s.wakeups_poll > 0, "{s:?}");
     assert_eq!(s.wakeups_event, 0, "{s:?}");
     assert_eq!(s.wakeups_lease + s.wakeups_recheck, 0, "{s:?}");
+}
+
+/// `wakeups_poll` counts the polling intervals that ended a wait: a wait that its deadline
+/// ended before the interval did is a timeout, not a poll wake-up.
+#[test]
+fn a_polling_wait_ended_by_its_deadline_is_not_a_poll_wakeup() {
+    let srv = RedisServer::start();
+    // Polling every 10 s: the deadline ends the wait, never an interval.
+    let (waiter, _guard) = poller_behind_a_holder(&srv, "poll", secs(10));
+    let err = waiter
+        .try_lock_for("poll", ms(150))
+        .expect_err("held by the other client");
+    assert!(err.is_timeout(), "{err:?}");
+    let s = waiter.stats();
+    assert_eq!(s.timeouts, 1);
+    assert_eq!(
+        s.wakeups_poll, 0,
+        "no 10 s polling interval ended within a 150 ms wait: {s:?}"
+    );
+}
+
+/// Nor is a polling wait that a cancel ended.
+#[test]
+fn a_cancelled_polling_wait_is_not_a_poll_wakeup() {
+    let srv = RedisServer::start();
+    let (waiter, _guard) = poller_behind_a_holder(&srv, "poll-c", secs(10));
+    let cancel = Cancel::new();
+    let err = thread::scope(|s| {
+        let w = s.spawn(|| waiter.lock_cancellable("poll-c", &cancel).map(drop));
+        thread::sleep(ms(300));
+        cancel.cancel();
+        w.join().expect("waiter").expect_err("cancelled")
+    });
+    assert!(err.is_cancelled(), "{err:?}");
+    let s = waiter.stats();
+    assert_eq!(
+        s.wakeups_poll, 0,
+        "the cancel, not a 10 s polling interval, ended the wait: {s:?}"
+    );
 }
 
 // --- 3. idle waiters cost nothing ------------------------------------------------------

@@ -4,13 +4,13 @@
 //! The token is a flag and the wakers of the waits sleeping on it (`local::mailbox`'s
 //! `Cancellation`). Every wait checks the flag where it checks its deadline and ends as a
 //! wait whose deadline passed: out of the local queue, out of the fair queue, its contention
-//! mark taken with it, with [`Error::Cancelled`] instead of [`Error::Timeout`]. A hold won
-//! before the wait saw the flag is kept and returned: cancelling never takes a hold away.
+//! mark taken with it, with [`Error::Cancelled`](crate::Error::Cancelled) instead of
+//! [`Error::Timeout`](crate::Error::Timeout). A hold won before the wait saw the flag is
+//! kept and returned: cancelling never takes a hold away.
 
 use std::sync::Arc;
 
 use crate::engine::contest::Wait;
-use crate::error::{Error, Result};
 use crate::local::mailbox::Cancellation;
 
 /// A cancellation token for the `*_cancellable` waits
@@ -21,15 +21,17 @@ use crate::local::mailbox::Cancellation;
 /// [`Latch::wait_cancellable`](crate::Latch::wait_cancellable)).
 ///
 /// Clones share one flag: cancel any clone, and every wait given any of them ends with
-/// [`Error::Cancelled`] at its next wake-up, which [`cancel`](Cancel::cancel) causes at
-/// once (a wait is not polling the flag). The flag stays set: a call given a cancelled
-/// token returns [`Error::Cancelled`] at once, without contacting Redis. Use a new token
-/// for each operation you may want to cancel.
+/// [`Error::Cancelled`](crate::Error::Cancelled) at its next wake-up, which
+/// [`cancel`](Cancel::cancel) causes at once (a wait is not polling the flag). The flag
+/// stays set: a call given a cancelled token returns
+/// [`Error::Cancelled`](crate::Error::Cancelled) at once, without contacting Redis. Use a
+/// new token for each operation you may want to cancel.
 ///
 /// A wait that got its hold before it saw the flag returns the guard: the acquisition
 /// wins, and cancelling never ends a hold already taken. A cancelled wait leaves nothing
 /// behind (no local queue entry, no fair-queue entry, no contention mark), as a timed-out
-/// wait does.
+/// wait does; a latch a wait made stays until its TTL ends (see
+/// [`Latch::wait_cancellable`](crate::Latch::wait_cancellable)).
 ///
 /// # Examples
 ///
@@ -98,13 +100,12 @@ impl Cancel {
         self.0.is_cancelled()
     }
 
-    /// The wait policy of a cancellable call without a deadline; [`Error::Cancelled`] if
-    /// the token is cancelled already (the call then sends nothing).
-    pub(crate) fn wait(&self) -> Result<Wait<'_>> {
-        if self.is_cancelled() {
-            return Err(Error::Cancelled);
-        }
-        Ok(Wait::Until(None, Some(&self.0)))
+    /// The wait policy of a cancellable call without a deadline. A call given a token
+    /// cancelled already returns [`Error::Cancelled`](crate::Error::Cancelled) without
+    /// sending anything: the engine checks, so that a call for a hold records its wait as
+    /// any other.
+    pub(crate) fn wait(&self) -> Wait<'_> {
+        Wait::Until(None, Some(&self.0))
     }
 }
 

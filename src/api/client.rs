@@ -192,7 +192,7 @@ impl LockClient {
     /// # Ok(()) }
     /// ```
     pub fn lock_cancellable(&self, name: impl AsRef<[u8]>, cancel: &Cancel) -> Result<LockGuard> {
-        self.acquire(name.as_ref(), cancel.wait()?)
+        self.acquire(name.as_ref(), cancel.wait())
     }
 
     /// Runs `f` while holding the lock, and releases it after, also when `f` panics.

@@ -240,7 +240,10 @@ impl Latch {
     /// Waits until the count is 0 or `cancel` is cancelled (see [`Cancel`]): a cancel
     /// ends the wait at its next wake-up, which the cancel causes at once. A token
     /// cancelled before the call makes it return at once, without contacting Redis. A
-    /// wait leaves nothing in Redis, cancelled or not.
+    /// wait that reached Redis made the latch if it did not exist yet, as any call does
+    /// (see [`LockClient::latch`]); cancelled or not, the wait leaves that latch as it is,
+    /// until its [`latch_ttl`](crate::Builder::latch_ttl) ends: meanwhile a call with
+    /// another count fails with [`Error::CountMismatch`](crate::Error::CountMismatch).
     ///
     /// # Errors
     ///
@@ -264,7 +267,7 @@ impl Latch {
     /// # Ok(()) }
     /// ```
     pub fn wait_cancellable(&self, cancel: &Cancel) -> Result<()> {
-        self.wait_with(cancel.wait()?)
+        self.wait_with(cancel.wait())
     }
 
     fn wait_with(&self, wait: Wait<'_>) -> Result<()> {

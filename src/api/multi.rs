@@ -188,7 +188,7 @@ impl LockClient {
         names: impl IntoIterator<Item = impl AsRef<[u8]>>,
         cancel: &Cancel,
     ) -> Result<MultiGuard> {
-        self.multi(names, cancel.wait()?)
+        self.multi(names, cancel.wait())
     }
 
     fn multi(

@@ -225,7 +225,7 @@ impl RwLock {
     /// # Ok(()) }
     /// ```
     pub fn read_cancellable(&self, cancel: &Cancel) -> Result<ReadGuard> {
-        self.read_with(cancel.wait()?)
+        self.read_with(cancel.wait())
     }
 
     /// Waits until the write hold is ours.
@@ -336,7 +336,7 @@ impl RwLock {
     /// # Ok(()) }
     /// ```
     pub fn write_cancellable(&self, cancel: &Cancel) -> Result<WriteGuard> {
-        self.write_with(cancel.wait()?)
+        self.write_with(cancel.wait())
     }
 
     /// Waits until the upgradable read hold is ours: a read beside the other readers that
@@ -455,7 +455,7 @@ impl RwLock {
     /// # Ok(()) }
     /// ```
     pub fn upgradable_read_cancellable(&self, cancel: &Cancel) -> Result<UpgradableReadGuard> {
-        self.upgradable_with(cancel.wait()?)
+        self.upgradable_with(cancel.wait())
     }
 
     fn upgradable_with(&self, wait: Wait<'_>) -> Result<UpgradableReadGuard> {

@@ -194,7 +194,7 @@ impl Semaphore {
     /// # Ok(()) }
     /// ```
     pub fn acquire_cancellable(&self, cancel: &Cancel) -> Result<Permit> {
-        self.acquire_with(cancel.wait()?)
+        self.acquire_with(cancel.wait())
     }
 
     fn acquire_with(&self, wait: Wait<'_>) -> Result<Permit> {

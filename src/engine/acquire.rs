@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::engine::contest::{Start, Wait};
 use crate::engine::state::Engine;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::local::held::RemoteLock;
 use crate::local::mailbox::Grant;
 use crate::local::table::Role;
@@ -28,18 +28,38 @@ pub(crate) fn path_of(seq: u32) -> Path {
 }
 
 impl Engine {
+    /// Runs `take`, a call for a hold of `kind` made now as `wait` allows, and records its
+    /// wait (see `stats`), with the path `path` says a hold it got came by. A wait
+    /// cancelled before the call ends it with [`Error::Cancelled`] before `take` sends
+    /// anything, and is recorded as any other call that failed. Returns what the call
+    /// returns and when it returned: the start of the hold it got.
+    pub(crate) fn recorded<T>(
+        &self,
+        kind: HoldKind,
+        wait: Wait<'_>,
+        take: impl FnOnce() -> Result<T>,
+        path: impl FnOnce(&T) -> Path,
+    ) -> (Result<T>, Instant) {
+        let asked = Instant::now();
+        let took = if wait.cancelled() {
+            Err(Error::Cancelled)
+        } else {
+            take()
+        };
+        let since = self.counters.settled(kind, asked, took.as_ref().map(path));
+        (took, since)
+    }
+
     /// Takes the lock `name` for the calling thread as `wait` allows: the remote lock and
     /// the handoff number of this holder (0: taken in Redis, see [`path_of`]). The wait is
-    /// recorded (see `stats`).
+    /// recorded (see [`recorded`](Self::recorded)).
     pub fn acquire(
         self: &Arc<Self>,
         name: &[u8],
         wait: Wait<'_>,
     ) -> Result<(Arc<RemoteLock>, u32)> {
-        let asked = Instant::now();
-        let took = self.take(name, wait);
-        let path = took.as_ref().map(|(_, seq)| path_of(*seq));
-        self.counters.settled(HoldKind::Lock, asked, path);
+        let take = || self.take(name, wait);
+        let (took, _) = self.recorded(HoldKind::Lock, wait, take, |(_, seq)| path_of(*seq));
         took
     }
 

@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::latch_scripts::{MAX_COUNT, Op, State};
 use crate::proto::node::{may_have_run, past};
+use crate::stats::Counters;
 use crate::topology::Route;
 use crate::topology::ride::Ride;
 use crate::wake::events::Hears;
@@ -39,8 +40,21 @@ impl Engine {
         Ok(self.latch_call(&keys, count, Op::Read { seen: None })?.left)
     }
 
-    /// Waits until the latch `name` of `count` is open, as `wait` says.
+    /// Waits until the latch `name` of `count` is open, as `wait` says. A wait cancelled
+    /// before the call sends nothing; one that times out is counted in `timeouts`.
     pub(crate) fn latch_wait(&self, name: &[u8], count: u64, wait: Wait<'_>) -> Result<()> {
+        if wait.cancelled() {
+            return Err(Error::Cancelled);
+        }
+        let waited = self.latch_wait_reading(name, count, wait);
+        if matches!(waited, Err(Error::Timeout)) {
+            Counters::inc(&self.counters.timeouts);
+        }
+        waited
+    }
+
+    /// The reads and sleeps of [`latch_wait`](Self::latch_wait).
+    fn latch_wait_reading(&self, name: &[u8], count: u64, wait: Wait<'_>) -> Result<()> {
         let keys = latch_keys(&self.cfg.key_prefix, name, count)?;
         let deadline = wait.deadline();
         let mut waiter = Waiter::hearing(Hears::Zero);

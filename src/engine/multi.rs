@@ -80,11 +80,8 @@ impl Engine {
         names: &[Vec<u8>],
         wait: Wait<'_>,
     ) -> Result<MultiHeld> {
-        let asked = Instant::now();
-        let took = self.take_all(names, wait);
-        let since =
-            self.counters
-                .settled(HoldKind::Lock, asked, took.as_ref().map(|_| Path::Remote));
+        let take = || self.take_all(names, wait);
+        let (took, since) = self.recorded(HoldKind::Lock, wait, take, |_| Path::Remote);
         let (groups, by_name) = took?;
         Ok(MultiHeld {
             groups,

@@ -45,18 +45,15 @@ impl Hold {
 }
 
 impl Engine {
-    /// Runs `take`, a call for a hold of `kind` made now, and records its wait; the hold
-    /// starts when it returns.
+    /// Runs `take`, a call for a hold of `kind` made now as `wait` allows, and records its
+    /// wait (see [`recorded`](Self::recorded)); the hold starts when it returns.
     pub(crate) fn timed(
         &self,
         kind: HoldKind,
+        wait: Wait<'_>,
         take: impl FnOnce() -> Result<Hold>,
     ) -> Result<Hold> {
-        let asked = Instant::now();
-        let mut took = take();
-        let since = self
-            .counters
-            .settled(kind, asked, took.as_ref().map(|h| h.path));
+        let (mut took, since) = self.recorded(kind, wait, take, |h| h.path);
         if let Ok(hold) = &mut took {
             hold.since = since;
         }
@@ -70,7 +67,9 @@ impl Engine {
         permits: u32,
         wait: Wait<'_>,
     ) -> Result<Hold> {
-        self.timed(HoldKind::Permit, || self.take_permit(name, permits, wait))
+        self.timed(HoldKind::Permit, wait, || {
+            self.take_permit(name, permits, wait)
+        })
     }
 
     fn take_permit(self: &Arc<Self>, name: &[u8], permits: u32, wait: Wait<'_>) -> Result<Hold> {

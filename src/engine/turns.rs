@@ -32,12 +32,16 @@ impl Engine {
     /// Takes a read hold of `name`: the process's remote hold when the turn rules admit
     /// this thread, else one asked of Redis for the process.
     pub(crate) fn read(self: &Arc<Self>, name: &[u8], wait: Wait<'_>) -> Result<Hold> {
-        self.timed(HoldKind::Read, || self.take_turn(name, Mode::Read, wait))
+        self.timed(HoldKind::Read, wait, || {
+            self.take_turn(name, Mode::Read, wait)
+        })
     }
 
     /// Takes the write hold of `name` (or a turn on this process's write hold).
     pub(crate) fn write(self: &Arc<Self>, name: &[u8], wait: Wait<'_>) -> Result<Hold> {
-        self.timed(HoldKind::Write, || self.take_turn(name, Mode::Write, wait))
+        self.timed(HoldKind::Write, wait, || {
+            self.take_turn(name, Mode::Write, wait)
+        })
     }
 
     fn take_turn(self: &Arc<Self>, name: &[u8], mode: Mode, wait: Wait<'_>) -> Result<Hold> {
@@ -334,7 +338,7 @@ impl Engine {
     /// Takes an upgradable read hold of `name`: a remote hold of the thread's own, never
     /// shared with the process's turns (see `local::shares`).
     pub(crate) fn upgradable(self: &Arc<Self>, name: &[u8], wait: Wait<'_>) -> Result<Hold> {
-        self.timed(HoldKind::Read, || {
+        self.timed(HoldKind::Read, wait, || {
             let keys = Keys::new(&self.cfg.key_prefix, name)?;
             let key = (keys.clone(), std::thread::current().id());
             // Whatever this thread holds of the name, the upgradable read could wait for
@@ -358,7 +362,7 @@ impl Engine {
     /// with no release, once the write hold replaced it; on an error it is left as it was
     /// (unless the error says it is lost).
     pub(crate) fn upgrade(self: &Arc<Self>, hold: &Hold, wait: Wait<'_>) -> Result<Hold> {
-        self.timed(HoldKind::Write, || {
+        self.timed(HoldKind::Write, wait, || {
             let from = &hold.remote;
             let key = self.holding(
                 from,
@@ -387,7 +391,7 @@ impl Engine {
     /// left to its guard, and lost when the script may have run (a read hold it may have
     /// made is released in the background, and the write hold may be gone with it).
     pub(crate) fn downgrade(self: &Arc<Self>, hold: &Hold) -> Result<Hold> {
-        self.timed(HoldKind::Read, || self.downgrade_now(hold))
+        self.timed(HoldKind::Read, Wait::No, || self.downgrade_now(hold))
     }
 
     fn downgrade_now(self: &Arc<Self>, hold: &Hold) -> Result<Hold> {

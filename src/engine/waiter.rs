@@ -13,6 +13,7 @@ use crate::engine::clock::{YIELD, earliest};
 use crate::engine::state::Engine;
 use crate::local::mailbox::{Cancellation, Registration};
 use crate::proto::keys::Keys;
+use crate::proto::node::past;
 use crate::proto::protocol::{Marks, Protocol, Request};
 use crate::stats::Counters;
 use crate::topology::Route;
@@ -39,6 +40,8 @@ pub(crate) enum Woken {
     Event,
     Lease,
     Recheck,
+    /// Polling: the polling interval ended.
+    Poll,
     Deadline,
     Reconnected,
     /// Redis Cluster: the key's slot moved to another master; its events happen there now.
@@ -407,13 +410,8 @@ impl Waiter {
     ) {
         let c = &client.counters;
         let woken = match client.cfg.wakeup {
-            Wakeup::Polling(every) => {
-                let until = earliest(from_now(every), deadline);
-                // Only a cancellation pokes a polling waiter (it watches nothing).
-                let _ = self.poke.recv_deadline(until);
-                Counters::inc(&c.wakeups_poll);
-                return;
-            }
+            // Only a cancellation pokes a polling waiter (it watches nothing).
+            Wakeup::Polling(every) => self.sleep_interval(every, deadline, Woken::Poll),
             Wakeup::Notifications => {
                 if !self.watching() {
                     self.watch(keys, client, route, deadline);
@@ -432,6 +430,7 @@ impl Waiter {
             Woken::Event => Counters::inc(&c.wakeups_event),
             Woken::Lease => Counters::inc(&c.wakeups_lease),
             Woken::Recheck => Counters::inc(&c.wakeups_recheck),
+            Woken::Poll => Counters::inc(&c.wakeups_poll),
             Woken::Reconnected => Counters::inc(&c.wakeups_reconnect),
             Woken::Moved => Counters::inc(&c.wakeups_moved),
             Woken::Granted => Counters::inc(&c.wakeups_event),
@@ -501,10 +500,9 @@ impl Waiter {
             let nap = self.nap(until, client);
             read = nap == Nap::Heard;
             if nap == Nap::Over {
-                let now = Instant::now();
-                return if deadline.is_some_and(|d| now >= d) {
+                return if past(deadline) {
                     Woken::Deadline
-                } else if lease_end.is_some_and(|t| now >= t) {
+                } else if past(lease_end) {
                     Woken::Lease
                 } else {
                     Woken::Recheck
@@ -529,16 +527,31 @@ impl Waiter {
             sleep = sleep.min(p);
         }
         self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
-        let until = earliest(from_now(sleep), deadline);
         // The thread is to subscribe again: the connection is not ours to read meanwhile.
         self.candidacy = None;
         log::debug!(
             "waiting for {} without confirmed subscription",
             keys.display()
         );
-        let _ = self.poke.recv_deadline(until);
+        let woken = self.sleep_interval(sleep, deadline, Woken::Recheck);
         self.confirm(client, deadline);
-        Woken::Recheck
+        woken
+    }
+
+    /// Sleeps `interval`, or until `deadline` if that comes first, or until poked; then
+    /// says what ended the sleep: a cancel, the deadline, or else the interval (`ended`,
+    /// counted as its cause). A poke that is not a cancel ends the interval early.
+    fn sleep_interval(&self, interval: Duration, deadline: Option<Instant>, ended: Woken) -> Woken {
+        let _ = self
+            .poke
+            .recv_deadline(earliest(from_now(interval), deadline));
+        if self.cancelled() {
+            Woken::Cancelled
+        } else if past(deadline) {
+            Woken::Deadline
+        } else {
+            ended
+        }
     }
 
     /// After this process released a lock others wait for, let them take it first: wait

@@ -216,7 +216,8 @@ macro_rules! counters {
 counters! {
     /// Locks taken in Redis (one per remote acquisition, however many local holders).
     remote_acquisitions => ("redbaton_remote_acquisitions_total"),
-    /// Acquire attempts that found the lock held.
+    /// Acquire attempts that found the lock held; on Redlock, one per node that found it
+    /// held (an attempt refused by all of three nodes counts three).
     failed_attempts => ("redbaton_failed_attempts_total"),
     /// Locks passed to a waiting local thread with no Redis command.
     local_handoffs => ("redbaton_handoffs_total"),
@@ -235,9 +236,12 @@ counters! {
     early_attempts => ("redbaton_early_attempts_total"),
     /// Waits ended because the holder's remaining lease ran out.
     wakeups_lease => ("redbaton_wakeups_total", "cause" = "lease"),
-    /// Waits ended by the re-check ceiling.
+    /// Waits ended by the re-check ceiling (or, while the waiter's subscription cannot
+    /// be confirmed, by its retry backoff). A wait ended by its deadline or a cancel
+    /// counts in no `wakeups_*` counter.
     wakeups_recheck => ("redbaton_wakeups_total", "cause" = "recheck"),
-    /// Waits ended by the polling interval (`Wakeup::Polling`).
+    /// Waits ended by the polling interval (`Wakeup::Polling`); not one ended by its
+    /// deadline or a cancel before the interval did.
     wakeups_poll => ("redbaton_wakeups_total", "cause" = "poll"),
     /// Waits ended because the subscriber reconnected (events may have been missed).
     wakeups_reconnect => ("redbaton_wakeups_total", "cause" = "reconnect"),
@@ -253,19 +257,22 @@ counters! {
     /// Locks found lost while held.
     // Emitted by `Counters::lost`, with the reason as a label.
     locks_lost,
-    /// Calls that returned `Error::Timeout`.
+    /// Calls that returned `Error::Timeout`, latch waits included.
     timeouts => ("redbaton_timeouts_total"),
     /// Sentinel: times the master moved to another server and the client followed it.
     failovers => ("redbaton_failovers_total"),
-    /// Fair queue and read-write locks: grants heard by this client's waiters (a lock, a
-    /// write or read hold given by another process's release, or a writer's wake-up).
+    /// Fair queue, read-write locks and semaphores: grants heard by this client's waiters
+    /// (a lock, a write or read hold or a permit given by another process's release, or
+    /// a writer's wake-up).
     grants_received => ("redbaton_fair_grants_received_total"),
     /// Of those, grants taken as the hold from the message alone (it carried the nonce of
     /// the waiter's latest attempt, in time), with no confirming attempt.
     grants_trusted => ("redbaton_fair_grants_trusted_total"),
     /// Fair queue: locks this client's releases granted to the next process in the queue;
     /// and grants (fair queue, read-write locks) that a waiter of this client gave up
-    /// unused and passed on.
+    /// unused and passed on. A release whose reply was lost after it ran is not counted:
+    /// its retry finds the next holder's token (or no key) and cannot tell a grant its
+    /// lost try made from a lease that ran out and another process's acquisition.
     grants_passed => ("redbaton_fair_grants_passed_total"),
     /// Fair queue: waits that ended without the lock and left the queue.
     queue_departures => ("redbaton_fair_queue_departures_total"),
