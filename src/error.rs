@@ -115,6 +115,10 @@ pub enum Error {
     /// [`Builder::latch_ttl`](crate::Builder::latch_ttl), ran out without a count down, or
     /// it was deleted) before its count reached zero. The waiter returns rather than wait
     /// for a latch nobody counts down any more.
+    ///
+    /// A waiter that reads its latch only after the open latch itself expired (it stayed
+    /// open one `latch_ttl`, and the waiter was stopped longer than that, or slept past
+    /// it) cannot tell it from one that expired unopened, and gets this too.
     #[error("latch expired before its count reached zero")]
     LatchExpired,
     /// The operation is not available on this client's topology (read-write locks,

@@ -686,8 +686,10 @@ impl Builder {
     /// until this much time after the count down that opened it.
     ///
     /// A waiter whose latch expires before its count reached zero gets
-    /// [`Error::LatchExpired`]. Choose a TTL longer than the longest gap between two count
-    /// downs. It must be at least 1 s and at most 365 days.
+    /// [`Error::LatchExpired`], and so does one that reads the open latch only after it
+    /// expired. Choose a TTL longer than the longest gap between two count downs, and than
+    /// a waiter may go without reading (its re-check and polling intervals, a process
+    /// stopped for a while). It must be at least 1 s and at most 365 days.
     ///
     /// # Examples
     ///
