@@ -366,7 +366,13 @@ mod tests {
             started: crate::clock::Stamp::now(),
         };
         let lease = Duration::from_secs(30);
-        Arc::new(RemoteLock::new(acquisition, lease, Duration::ZERO, None))
+        Arc::new(RemoteLock::new(
+            acquisition,
+            lease,
+            Duration::ZERO,
+            None,
+            None,
+        ))
     }
 
     impl PartialEq for Next {

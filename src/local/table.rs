@@ -484,6 +484,7 @@ mod tests {
             lease,
             Duration::ZERO,
             None,
+            None,
         ))
     }
 
