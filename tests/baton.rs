@@ -252,6 +252,46 @@ fn handoff_on_serves_most_sections_locally() {
     );
 }
 
+/// A process alone on a key is not held to the fairness budget: after the 4,095 local
+/// handoffs one fencing token can number, the lock goes back through Redis for a new
+/// fence, and that release is not counted as one forced by the budget.
+#[test]
+fn the_handoff_number_cap_is_not_a_fairness_budget_release() {
+    let srv = RedisServer::start();
+    let client = builder(&srv.url()).build().expect("build");
+    let (threads, per_thread) = (8u64, 1200u64);
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let client = client.clone();
+            thread::spawn(move || {
+                for _ in 0..per_thread {
+                    let guard = client.lock("alone").expect("lock");
+                    spin(Duration::from_micros(20));
+                    drop(guard);
+                }
+            })
+        })
+        .collect();
+    join_within(handles, Duration::from_secs(120), "alone");
+    let s = client.stats();
+    eprintln!(
+        "alone: remote_acquisitions={} local_handoffs={} budget_releases={}",
+        s.remote_acquisitions, s.local_handoffs, s.budget_releases
+    );
+    assert_eq!(
+        s.remote_acquisitions + s.local_handoffs,
+        threads * per_thread
+    );
+    assert!(
+        s.remote_acquisitions >= 2,
+        "the handoff numbers never ran out"
+    );
+    assert_eq!(
+        s.budget_releases, 0,
+        "a process alone on the key reports fairness-budget releases"
+    );
+}
+
 /// With the baton off, every acquisition goes through Redis.
 #[test]
 fn handoff_off_never_hands_off() {

@@ -396,3 +396,38 @@ fn a_registered_wait_leaves_the_token_when_it_ends() {
     });
     assert!(format!("{cancel:?}").contains("waiting: 0"), "{cancel:?}");
 }
+
+/// A queued waiter that became the process's contender (the holder detached its guard,
+/// which promotes the head of the local queue) and is cancelled while it waits in Redis
+/// passes the duty to contend on: the next local waiter gets the lock as soon as the
+/// detached guard releases it, with a token above the detached one's.
+#[test]
+fn a_cancelled_contender_passes_the_duty_on() {
+    let (_srv, c, _) = two_clients();
+    let held = c.lock("k").expect("lock");
+    let first = held.fencing_token();
+    let cancel = Cancel::new();
+    thread::scope(|s| {
+        let contender = s.spawn(|| c.lock_cancellable("k", &cancel).map(drop));
+        thread::sleep(ms(200));
+        let next = s.spawn(|| c.try_lock_for("k", secs(10)).map(|g| g.fencing_token()));
+        thread::sleep(ms(200));
+        // The first waiter is promoted and contends in Redis behind the detached hold; the
+        // second stays queued.
+        let detached = held.detach();
+        thread::sleep(ms(300));
+        cancel.cancel();
+        assert_cancelled(join(contender, "contender"));
+        thread::sleep(ms(200));
+        assert!(detached.unlock().unwrap().was_held());
+        let started = Instant::now();
+        let token = join(next, "next waiter").expect("the next waiter contends and gets the lock");
+        eprintln!(
+            "the next waiter got the lock {:?} after the release",
+            started.elapsed()
+        );
+        assert!(token > first, "{token:#x} after {first:#x}");
+        assert!(started.elapsed() < LIVENESS);
+    });
+    drop(c.try_lock("k").expect("free again"));
+}

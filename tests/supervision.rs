@@ -78,6 +78,21 @@ fn waiter_behind_foreign(
     waiter
 }
 
+/// Runs `call` with a clone of `c` on a thread of its own, with the next pass through
+/// [`Point::Contend`] in the clients of `prefix` armed to panic, and checks that it
+/// panicked there.
+fn panic_while_contending(
+    prefix: &str,
+    c: &LockClient,
+    call: impl FnOnce(LockClient) + Send + 'static,
+) {
+    fault::arm(prefix, Point::Contend, 1);
+    let c = c.clone();
+    let panicked = thread::spawn(move || call(c)).join().is_err();
+    fault::disarm(prefix, Point::Contend);
+    assert!(panicked, "the injected fault fired");
+}
+
 fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;
     while !cond() {
@@ -98,18 +113,42 @@ fn panicking_contender_does_not_strand_the_key() {
     let srv = RedisServer::start();
     let c = client(&srv, P);
     hold_elsewhere(&srv, P, "k");
-    fault::arm(P, Point::Contend, 1);
-    let c2 = c.clone();
-    let panicked = thread::spawn(move || c2.try_lock_for("k", Duration::from_secs(20)).map(drop))
-        .join()
-        .is_err();
-    fault::disarm(P, Point::Contend);
-    assert!(panicked, "the injected fault fired");
+    panic_while_contending(P, &c, |c| {
+        drop(c.try_lock_for("k", Duration::from_secs(20)))
+    });
     release_elsewhere(&srv, P, "k");
     let guard = c
         .try_lock("k")
         .expect("the key is free and nobody local contends for it");
     guard.unlock().unwrap();
+}
+
+/// The same for a read-write lock: a thread that contends in Redis for the write hold on
+/// behalf of its process, and panics between its attempts, leaves the name usable by the
+/// process's other threads, writers and readers. (Another client plays the other process:
+/// it takes its write hold before the fault is armed, at its first attempt.)
+#[test]
+fn rw_contender_panic_does_not_strand_the_turn() {
+    init_log();
+    const P: &str = "sv-rw-contend:";
+    let srv = RedisServer::start();
+    let c = client(&srv, P);
+    let other = client(&srv, P);
+    let foreign = other
+        .rwlock("rw")
+        .write()
+        .expect("the other process writes");
+    panic_while_contending(P, &c, |c| {
+        drop(c.rwlock("rw").try_write_for(Duration::from_secs(20)));
+    });
+    foreign.unlock().expect("the other process lets go");
+    let guard = c
+        .rwlock("rw")
+        .try_write_for(Duration::from_secs(5))
+        .expect("the name is free and no local thread contends for it");
+    guard.unlock().unwrap();
+    let read = c.rwlock("rw").try_read_for(ms(500));
+    assert!(read.is_ok(), "read after the panic: {:?}", read.map(drop));
 }
 
 /// Threads queued locally behind a contender that panics: the first is promoted to

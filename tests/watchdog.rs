@@ -911,6 +911,65 @@ fn max_hold_stops_renewals_and_fires_hold_limit() {
     assert_eq!(guard.unlock().expect("unlock"), Unlocked::Expired);
 }
 
+/// The watchdog looks at a lock at its cap, not only at its next renewal: with a 6 s lease
+/// (renewed every 2 s) and a 300 ms cap, the holder is told about when the cap passes.
+#[test]
+fn the_holder_is_told_when_its_cap_passes() {
+    let srv = test_server();
+    let client = build(builder(&srv.url(), Duration::from_secs(6)).max_hold(ms(300)));
+    let started = Instant::now();
+    let guard = client.lock("capped").expect("lock");
+    let (reason, _) = expect_lost(&guard, Duration::from_secs(5));
+    let took = started.elapsed();
+    eprintln!("hold cap 300 ms: lost after {took:?}");
+    assert_eq!(reason, LostReason::HoldLimit);
+    assert!(took >= ms(300), "cap fired early: {took:?}");
+    assert!(took < ms(800), "cap fired late: {took:?}");
+}
+
+/// A hold past its cap is lost for its holder at once, before the watchdog looks at it, and
+/// so is not handed to a local thread queued behind it as a live hold: with a 6 s lease and
+/// a 300 ms cap, the holder unlocks at 700 ms while another thread of its process waits.
+#[test]
+fn a_hold_past_max_hold_is_not_handed_on_as_live() {
+    let srv = test_server();
+    let c = build(builder(&srv.url(), Duration::from_secs(6)).max_hold(ms(300)));
+    let a = c.lock("k").expect("A locks");
+    let acquired = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let c2 = c.clone();
+    let b = thread::spawn(move || {
+        let g = c2
+            .try_lock_for("k", Duration::from_secs(10))
+            .expect("B gets the lock");
+        let at = acquired.elapsed();
+        let check = g.check().map_err(|e| e.to_string());
+        tx.send((at, check)).unwrap();
+        let told = g.lost().recv_timeout(Duration::from_secs(5));
+        eprintln!(
+            "B told {told:?} at {:?} after A's acquisition",
+            acquired.elapsed()
+        );
+    });
+    thread::sleep(ms(700));
+    let a_check = a.check().map_err(|e| e.to_string());
+    let a_at = acquired.elapsed();
+    let outcome = a.unlock().expect("unlock");
+    let (b_at, b_check) = rx.recv_timeout(Duration::from_secs(10)).expect("B reports");
+    eprintln!(
+        "A at {a_at:?}: check {a_check:?}, unlock {outcome:?}; B at {b_at:?}: check {b_check:?}"
+    );
+    b.join().unwrap();
+    assert!(
+        a_check.is_err(),
+        "A holds {a_at:?} into a 300 ms max_hold and is not told (check {a_check:?})"
+    );
+    assert!(
+        !(outcome == Unlocked::HandedOff && b_check.is_ok()),
+        "a hold past its cap handed to B as live ({b_at:?} after the acquisition)"
+    );
+}
+
 #[test]
 fn extend_sets_the_remaining_lease() {
     let srv = test_server();

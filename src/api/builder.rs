@@ -462,8 +462,11 @@ impl Builder {
     }
 
     /// A cap on how long one lock may be held: after it, renewals stop and the holder is
-    /// told the lock is lost ([`LostReason::HoldLimit`](crate::LostReason::HoldLimit)).
-    /// Must be above zero ([`Error::InvalidConfig`] otherwise); `Duration::MAX` means no
+    /// told the lock is lost ([`LostReason::HoldLimit`](crate::LostReason::HoldLimit)):
+    /// `check()` fails from the cap on, and a hold past it is not handed to a waiting local
+    /// thread but released in Redis. The cap counts from the acquisition in Redis: the
+    /// local threads a hold is handed to (see [`local_handoff`](Self::local_handoff))
+    /// share it, and the rest of its cap. Must be above zero ([`Error::InvalidConfig`] otherwise); `Duration::MAX` means no
     /// cap, the default.
     ///
     /// # Examples

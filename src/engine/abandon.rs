@@ -1,5 +1,6 @@
 //! What a panicking holder or waiter leaves behind, put right: the lock passed on or
-//! released (by the cleanup thread), and the key usable again at once.
+//! released (by the cleanup thread), and the key usable again at once. (A read-write
+//! lock's turns are put right in `turns`, with [`Engine::release_in_background`].)
 
 use std::sync::Arc;
 
@@ -13,6 +14,17 @@ impl Engine {
     /// leave the compare-and-delete to the cleanup thread, and let the next local waiter
     /// contend (`detached`: the table no longer knows this lock, and has nothing to do).
     pub(crate) fn abandon_release(&self, lock: &RemoteLock, detached: bool) {
+        self.release_in_background(lock);
+        if !detached {
+            self.table.released(&lock.keys, false);
+        }
+    }
+
+    /// Stops the renewals of `lock` (a lock or a shared hold) and leaves its
+    /// compare-and-delete, on every node of its route, to the cleanup thread: a release
+    /// that cannot be made now, or that may not have been made (a second one finds the
+    /// token gone).
+    pub(crate) fn release_in_background(&self, lock: &RemoteLock) {
         lock.begin_release(&self.counters);
         let route = self.topology.route(&lock.keys);
         let every = route.nodes().iter().map(|n| n.id.clone()).collect();
@@ -23,9 +35,6 @@ impl Engine {
             Some(lock.fence),
             every,
         );
-        if !detached {
-            self.table.released(&lock.keys, false);
-        }
     }
 
     /// A queued waiter is unwinding: leave the queue, and pass on whatever reached it

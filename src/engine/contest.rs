@@ -778,6 +778,7 @@ impl Engine {
             lease,
             cfg.drift(lease),
             cfg.auto_renew.then(|| cfg.renew_every(lease)),
+            cfg.max_hold,
         )
     }
 }

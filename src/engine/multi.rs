@@ -440,8 +440,6 @@ impl GroupContest<'_> {
             return Err(e);
         }
         let nodes: Vec<_> = self.route.nodes().iter().map(|n| n.id.clone()).collect();
-        let cfg = &engine.cfg;
-        let lease = cfg.lease;
         let locks = self
             .keys
             .iter()
@@ -457,8 +455,7 @@ impl GroupContest<'_> {
                     nodes: nodes.clone(),
                     started,
                 };
-                let renew = cfg.auto_renew.then(|| cfg.renew_every(lease));
-                Arc::new(RemoteLock::new(acquisition, lease, cfg.drift(lease), renew))
+                engine.new_hold(acquisition)
             });
         Ok(locks.collect())
     }

@@ -9,7 +9,7 @@ use crate::engine::clock::YIELD;
 use crate::engine::state::Engine;
 use crate::error::{Error, Result, Unlocked};
 use crate::local::held::{Changed, RemoteLock};
-use crate::local::table::Step;
+use crate::local::table::{Forced, Step};
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::{NodeId, ReleaseReply, may_have_run};
@@ -20,12 +20,12 @@ use crate::topology::Route;
 use crate::topology::ride::Ride;
 use crate::topology::verdict::{Renewal, tally_release};
 
-/// Who gives a lock back in Redis: a holder the local table knows (`forced`: local
-/// waiters remain but the fairness budget is spent), which then lets the next local waiter
-/// contend, or a detached guard, which the table no longer knows.
+/// Who gives a lock back in Redis: a holder the local table knows (`forced`: why, when
+/// local waiters remain), which then lets the next local waiter contend, or a detached
+/// guard, which the table no longer knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Giver {
-    Table { forced: bool },
+    Table { forced: Option<Forced> },
     Detached,
 }
 
@@ -61,7 +61,11 @@ impl Engine {
     ) -> Result<Unlocked> {
         // A panic from here on must not leave the key marked as releasing.
         let undo = OnUnwind::new(|| self.abandon_release(lock, giver == Giver::Detached));
-        if giver == (Giver::Table { forced: true }) {
+        if giver
+            == (Giver::Table {
+                forced: Some(Forced::Budget),
+            })
+        {
             Counters::inc(&self.counters.budget_releases);
         }
         // No renewal may be sent once this returns (a renewal racing the release
@@ -93,7 +97,7 @@ impl Engine {
             // With the fair queue the next process already has the lock (or will get it
             // at its next attempt): our next contender queues at once, without a pause.
             self.table
-                .released(&lock.keys, forced && contended && !grants);
+                .released(&lock.keys, forced.is_some() && contended && !grants);
         }
         tally_release(replies, lost.is_none(), route.quorum())
     }

@@ -3,6 +3,12 @@
 //! says so, checking the budget, and giving the hold back when its last user leaves; and a
 //! thread's own holds beside the turns: an upgradable read, its upgrade to the write hold,
 //! and the downgrade of a write hold to a read hold.
+//!
+//! A thread that talks to Redis for the process's turn (contends, checks the budget, gives
+//! the hold back) does so with the state's mutex unlocked, under an `OnUnwind` guard: if it
+//! panics, the turn is put right on the way out (not busy, the thread no longer counted as
+//! waiting, a hold nobody uses given back in the background), so that a panic never
+//! strands the name for the process's other threads.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,8 +24,9 @@ use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing::{self, MAX_LOCAL_SEQ};
 use crate::local::held::{Acquisition, RemoteLock};
-use crate::local::shares::{Budget, Mine, Mode, Next, SharesState};
+use crate::local::shares::{Budget, Mine, Mode, Next, SharesState, Turn};
 use crate::local::table::Probe;
+use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
 use crate::proto::node::may_have_run;
 use crate::proto::protocol::Kind;
@@ -81,18 +88,10 @@ impl Engine {
             return Ok(self.sharer(remote, token, Path::Remote));
         }
         let write = mode == Mode::Write;
-        let waiting = |st: &mut SharesState, by: isize| {
-            let turn = st.turns.entry(keys.clone()).or_default();
-            let count = if write {
-                &mut turn.waiting_writers
-            } else {
-                &mut turn.waiting_readers
-            };
-            *count = count.saturating_add_signed(by);
-        };
-        waiting(&mut st, 1);
+        *st.turns.entry(keys.clone()).or_default().waiting(write) += 1;
+        // A panic in the loop is put right where it can happen (see `unlocked_for`).
         let taken = self.turn_loop(&mut st, &keys, mode, wait);
-        waiting(&mut st, -1);
+        stop_waiting(st.turns.entry(keys.clone()).or_default(), write);
         if let Ok((remote, token, _)) = &taken {
             st.threads
                 .insert((keys.clone(), me), mine(mode, remote, *token));
@@ -145,8 +144,13 @@ impl Engine {
                     return Ok((remote.clone(), token, Path::Handoff));
                 }
                 Next::Contend => {
-                    let got =
-                        MutexGuard::unlocked(st, || self.acquire_shared(keys, want(mode), wait));
+                    let undo = |t: &mut Turn| {
+                        t.released();
+                        stop_waiting(t, write);
+                    };
+                    let got = self.unlocked_for(st, keys, undo, || {
+                        self.acquire_shared(keys, want(mode), wait)
+                    });
                     let turn = st.turns.entry(keys.clone()).or_default();
                     self.shares.changed.notify_all();
                     return match got {
@@ -163,13 +167,24 @@ impl Engine {
                 }
                 Next::Check => {
                     let remote = turn.remote.clone();
-                    let keep = remote
-                        .is_some_and(|(r, _)| MutexGuard::unlocked(st, || self.keep_turns(&r)));
+                    // As a check that failed: the hold drains.
+                    let undo = |t: &mut Turn| {
+                        t.checked(false);
+                        stop_waiting(t, write);
+                    };
+                    let keep = remote.is_some_and(|(r, _)| {
+                        self.unlocked_for(st, keys, undo, || self.keep_turns(&r))
+                    });
                     st.turns.entry(keys.clone()).or_default().checked(keep);
                     self.shares.changed.notify_all();
                 }
                 Next::GiveBack(remote) => {
-                    MutexGuard::unlocked(st, || self.give_back(&remote));
+                    let undo = |t: &mut Turn| {
+                        self.release_in_background(&remote);
+                        t.released();
+                        stop_waiting(t, write);
+                    };
+                    self.unlocked_for(st, keys, undo, || self.give_back(&remote));
                     st.turns.entry(keys.clone()).or_default().released();
                     self.shares.changed.notify_all();
                 }
@@ -179,6 +194,38 @@ impl Engine {
                 },
             }
         }
+    }
+
+    /// Runs `call`, a Redis call for the turn of `keys`, with the state's mutex unlocked.
+    /// Should it panic, the turn is put right on the way out, so that the name stays
+    /// usable by the process: `undo` does what the call's outcome was to do (and takes the
+    /// calling thread out of the waiting threads, if it counts among them), a hold that
+    /// nobody uses or waits for any more is given back in the background, and the other
+    /// local threads look again.
+    fn unlocked_for<T>(
+        &self,
+        st: &mut MutexGuard<'_, SharesState>,
+        keys: &Keys,
+        undo: impl FnOnce(&mut Turn),
+        call: impl FnOnce() -> T,
+    ) -> T {
+        // Run inside the unlocked section: the state's mutex is free while it unwinds.
+        MutexGuard::unlocked(st, || {
+            let unwinding = OnUnwind::new(|| {
+                let mut st = self.shares.state.lock();
+                if let Some(turn) = st.turns.get_mut(keys) {
+                    undo(turn);
+                    if let Some(remote) = turn.give_back_if_idle() {
+                        self.release_in_background(&remote);
+                        turn.released();
+                    }
+                }
+                self.tidy(&mut st, keys);
+            });
+            let out = call();
+            unwinding.disarm();
+            out
+        })
     }
 
     /// Sleeps until the local turns change (or a spurious wake); [`Error::Timeout`] once
@@ -268,17 +315,27 @@ impl Engine {
         back: Option<Arc<RemoteLock>>,
     ) -> Option<Result<Unlocked>> {
         let outcome = back.map(|remote| {
-            let r = MutexGuard::unlocked(&mut st, || self.release_shared(&remote));
+            let undo = |t: &mut Turn| {
+                self.release_in_background(&remote);
+                t.released();
+            };
+            let r = self.unlocked_for(&mut st, keys, undo, || self.release_shared(&remote));
             if let Some(turn) = st.turns.get_mut(keys) {
                 turn.released();
             }
             r
         });
+        self.tidy(&mut st, keys);
+        outcome
+    }
+
+    /// Forgets the turn of `keys` when nobody uses it any more, and tells the local
+    /// threads waiting for a turn to look again.
+    fn tidy(&self, st: &mut SharesState, keys: &Keys) {
         if st.turns.get(keys).is_some_and(|t| t.unused()) {
             st.turns.remove(keys);
         }
         self.shares.changed.notify_all();
-        outcome
     }
 
     fn sharer(&self, remote: Arc<RemoteLock>, token: u64, path: Path) -> Hold {
@@ -483,6 +540,12 @@ impl Engine {
             w.unregister(remote);
         }
     }
+}
+
+/// A thread that wanted a turn (to write if `write`) no longer waits for one.
+fn stop_waiting(turn: &mut Turn, write: bool) {
+    let count = turn.waiting(write);
+    *count = count.saturating_sub(1);
 }
 
 fn want(mode: Mode) -> Kind {

@@ -252,8 +252,8 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     let mut h = held.lock();
     // Registrations during this pass must kick: the plan is being remade.
     h.planned = None;
-    h.locks.retain(
-        |_, lock| match lock.due(now, horizon, cfg.max_hold, counters) {
+    h.locks
+        .retain(|_, lock| match lock.due(now, horizon, counters) {
             Due::Forget => false,
             Due::At(t) => {
                 next = next.min(t);
@@ -263,8 +263,7 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
                 due.push((lock.clone(), lease, seq));
                 true
             }
-        },
-    );
+        });
     drop(h);
     if due.is_empty() {
         return next;
@@ -300,7 +299,8 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
             }
         };
         lock.end_renew(outcome, counters);
-        next = next.min(now + retry);
+        // Its cap may come before the retry.
+        next = next.min(now + retry).min(lock.next_due());
     }
     next
 }

@@ -33,8 +33,10 @@ pub(crate) struct RemoteLock {
     /// When the acquisition round began, for comparing with other `Instant`s (when a
     /// subscription was confirmed).
     pub acquired_at: Instant,
-    /// The same, on the lease clock: the hold limit counts from here.
-    acquired: Stamp,
+    /// When the hold reaches its cap (`max_hold`, counted from the acquisition in Redis,
+    /// so local holders it is handed to inherit it): then it is lost (`HoldLimit`), and
+    /// renewals stop. Far in the future without a cap.
+    hold_limit: Stamp,
     /// Renewed by the watchdog (else only watched until it expires).
     renews: bool,
     /// How it is held in Redis, which says how it is released and renewed.
@@ -110,6 +112,7 @@ impl RemoteLock {
         lease: Duration,
         drift: Duration,
         renew_every: Option<Duration>,
+        max_hold: Option<Duration>,
     ) -> Self {
         let started = won.started;
         RemoteLock {
@@ -120,7 +123,7 @@ impl RemoteLock {
             previous_lost: won.previous_lost,
             nodes: won.nodes,
             acquired_at: started.to_instant(),
-            acquired: started,
+            hold_limit: started + max_hold.unwrap_or(Duration::MAX),
             renews: renew_every.is_some(),
             protocol: won.protocol,
             state: Mutex::new(State {
@@ -161,11 +164,30 @@ impl RemoteLock {
 
     /// When the watchdog should look at this lock next.
     pub fn next_due(&self) -> Stamp {
-        let st = self.state.lock();
-        if self.renews {
+        self.next_look(&self.state.lock())
+    }
+
+    /// The next renewal (with renewals off: the end of the validity), or the hold's cap if
+    /// that comes first.
+    fn next_look(&self, st: &State) -> Stamp {
+        let next = if self.renews {
             st.next_renew
         } else {
             st.valid_until
+        };
+        next.min(self.hold_limit)
+    }
+
+    /// Marks the lock lost if it is known to be at `now` and not marked yet: its validity
+    /// has ended (`Expired`), or its cap has passed (`HoldLimit`).
+    fn lost_by(&self, st: &mut State, now: Stamp, counters: &Counters) {
+        if st.lost.is_some() {
+            return;
+        }
+        if now >= st.valid_until {
+            Self::set_lost(st, LostReason::Expired, counters);
+        } else if now >= self.hold_limit {
+            Self::set_lost(st, LostReason::HoldLimit, counters);
         }
     }
 
@@ -180,12 +202,13 @@ impl RemoteLock {
         self.state.lock().valid_until
     }
 
-    /// Why the lock is lost, if it is. Past its validity a lock is lost even if the
-    /// watchdog has not run (the process was paused, say).
+    /// Why the lock is lost, if it is. Past its validity, or its cap, a lock is lost even
+    /// if the watchdog has not run yet (the process was paused, say, or the watchdog's next
+    /// pass is a moment away).
     pub fn lost(&self, counters: &Counters) -> Option<LostReason> {
         let mut st = self.state.lock();
-        if st.lost.is_none() && !st.released && Stamp::now() >= st.valid_until {
-            Self::set_lost(&mut st, LostReason::Expired, counters);
+        if !st.released {
+            self.lost_by(&mut st, Stamp::now(), counters);
         }
         st.lost
     }
@@ -251,22 +274,14 @@ impl RemoteLock {
         while st.renewing {
             self.renew_done.wait(&mut st);
         }
-        if st.lost.is_none() && Stamp::now() >= st.valid_until {
-            Self::set_lost(&mut st, LostReason::Expired, counters);
-        }
+        self.lost_by(&mut st, Stamp::now(), counters);
         st.listener = None;
         st.sharers.clear();
         st.lost
     }
 
     /// The watchdog's question: renew now, later, or never.
-    pub fn due(
-        &self,
-        now: Stamp,
-        horizon: Stamp,
-        max_hold: Option<Duration>,
-        counters: &Counters,
-    ) -> Due {
+    pub fn due(&self, now: Stamp, horizon: Stamp, counters: &Counters) -> Due {
         let mut st = self.state.lock();
         if st.released || st.lost.is_some() {
             return Due::Forget;
@@ -275,21 +290,12 @@ impl RemoteLock {
             // The holder is extending it right now: look again shortly.
             return Due::At(now + Duration::from_millis(10));
         }
-        if now >= st.valid_until {
-            Self::set_lost(&mut st, LostReason::Expired, counters);
+        self.lost_by(&mut st, now, counters);
+        if st.lost.is_some() {
             return Due::Forget;
         }
-        if let Some(cap) = max_hold
-            && now.since(self.acquired) >= cap
-        {
-            Self::set_lost(&mut st, LostReason::HoldLimit, counters);
-            return Due::Forget;
-        }
-        if !self.renews {
-            return Due::At(st.valid_until);
-        }
-        if st.next_renew > horizon {
-            return Due::At(st.next_renew);
+        if !self.renews || st.next_renew > horizon {
+            return Due::At(self.next_look(&st));
         }
         st.renewing = true;
         st.changes += 1;

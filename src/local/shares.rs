@@ -199,6 +199,15 @@ impl Turn {
         Next::Admit
     }
 
+    /// The count of local threads waiting for a turn among which a thread that wants the
+    /// name (to write if `write`) counts itself while it asks.
+    pub fn waiting(&mut self, write: bool) -> &mut usize {
+        match write {
+            true => &mut self.waiting_writers,
+            false => &mut self.waiting_readers,
+        }
+    }
+
     fn wait_or_give_back(&mut self) -> Next {
         match self.give_back_if_idle() {
             Some(remote) => Next::GiveBack(remote),
@@ -357,7 +366,13 @@ mod tests {
             started: crate::clock::Stamp::now(),
         };
         let lease = Duration::from_secs(30);
-        Arc::new(RemoteLock::new(acquisition, lease, Duration::ZERO, None))
+        Arc::new(RemoteLock::new(
+            acquisition,
+            lease,
+            Duration::ZERO,
+            None,
+            None,
+        ))
     }
 
     impl PartialEq for Next {

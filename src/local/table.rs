@@ -68,10 +68,24 @@ enum Others {
 pub(crate) enum Step {
     /// Handed to the next local waiter: nothing to send.
     HandedOff,
-    /// Release in Redis, then call [`Table::released`]. `forced`: local waiters remain but
-    /// the fairness budget is spent. `contended`: another thread or process is known to
-    /// want the lock, so this process's next contender should let it go first.
-    Remote { forced: bool, contended: bool },
+    /// Release in Redis, then call [`Table::released`]. `forced`: why, when local waiters
+    /// remain. `contended`: another thread or process is known to want the lock, so this
+    /// process's next contender should let it go first.
+    Remote {
+        forced: Option<Forced>,
+        contended: bool,
+    },
+}
+
+/// Why a release goes to Redis though local threads wait for the lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Forced {
+    /// The fairness budget is spent while another process waits (or may wait).
+    Budget,
+    /// One remote acquisition served all the local handoffs a token can number
+    /// (`MAX_LOCAL_SEQ`): the lock goes back through Redis for a new fence, also in a
+    /// process alone on the key.
+    Handoffs,
 }
 
 struct Entry {
@@ -324,7 +338,7 @@ impl Table {
             let contended = !lost
                 && (entry.contenders > 0 || entry.others(remote, subs, window) == Others::Waiting);
             return Step::Remote {
-                forced: false,
+                forced: None,
                 contended,
             };
         }
@@ -335,10 +349,19 @@ impl Table {
         } else {
             entry.others(remote, subs, window)
         };
-        if entry.seq >= MAX_LOCAL_SEQ || (!within_budget && others != Others::No) {
+        // (`max_handoffs` is at most `MAX_LOCAL_SEQ`: past the token's numbers the budget
+        // is spent too, and it is the budget's doing when another process may wait.)
+        let forced = if !within_budget && others != Others::No {
+            Some(Forced::Budget)
+        } else if entry.seq >= MAX_LOCAL_SEQ {
+            Some(Forced::Handoffs)
+        } else {
+            None
+        };
+        if forced.is_some() {
             entry.releasing = true;
             return Step::Remote {
-                forced: true,
+                forced,
                 contended: others == Others::Waiting,
             };
         }
@@ -484,6 +507,7 @@ mod tests {
             lease,
             Duration::ZERO,
             None,
+            None,
         ))
     }
 
@@ -530,7 +554,7 @@ mod tests {
         assert!(matches!(
             step,
             Step::Remote {
-                forced: false,
+                forced: None,
                 contended: false
             }
         ));
@@ -607,7 +631,7 @@ mod tests {
         // Nobody to hand it to: the release goes to Redis.
         assert!(matches!(
             table.release(&lock, false, &config(10), &subs),
-            Step::Remote { forced: false, .. }
+            Step::Remote { forced: None, .. }
         ));
     }
 
@@ -647,11 +671,27 @@ mod tests {
             match step {
                 Step::Remote { forced, contended } => {
                     assert!(expect_forced, "budget spent while others wait");
-                    assert!(forced && contended);
+                    assert_eq!(forced, Some(Forced::Budget));
+                    assert!(contended);
                 }
                 Step::HandedOff => assert!(!expect_forced, "alone: keeps the baton"),
             }
         }
+    }
+
+    #[test]
+    fn a_process_alone_goes_back_to_redis_when_the_handoff_numbers_run_out() {
+        let (table, keys, subs, lock, _slot) = held_and_queued();
+        // Nobody else waits: the budget does not apply, but the token's handoff numbers
+        // are all used.
+        table.map.lock().get_mut(keys.lock()).unwrap().seq = MAX_LOCAL_SEQ;
+        assert!(matches!(
+            table.release(&lock, false, &config(MAX_LOCAL_SEQ), &subs),
+            Step::Remote {
+                forced: Some(Forced::Handoffs),
+                contended: false
+            }
+        ));
     }
 
     #[test]

@@ -221,7 +221,9 @@ counters! {
     failed_attempts => ("redbaton_failed_attempts_total"),
     /// Locks passed to a waiting local thread with no Redis command.
     local_handoffs => ("redbaton_handoffs_total"),
-    /// Releases in Redis forced by the fairness budget while local threads still waited.
+    /// Releases in Redis forced by the fairness budget while local threads still waited
+    /// (not the release after the 4,095 local handoffs one fencing token can number, which
+    /// a process alone on a key makes too).
     budget_releases => ("redbaton_budget_releases_total"),
     /// Commands sent to Redis by this client: scripts, (un)subscribes, pings.
     commands => ("redbaton_commands_total"),
