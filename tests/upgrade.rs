@@ -674,3 +674,36 @@ fn upgrades_and_downgrades_on_every_master_of_a_cluster() {
         assert!(next.fencing_token() > written);
     }
 }
+
+/// An upgrade issues a write hold's fence, as a write does, so it says too whether the
+/// write hold before it ended without a release: here that writer's hold was deleted
+/// under it (as its lease running out would leave it), and the upgrade that comes next is
+/// told; after a writer that released, it is not.
+#[test]
+fn an_upgrade_tells_of_a_write_hold_lost_before_it() {
+    let (srv, c) = test_server_and(client);
+    let other = client(&srv.url());
+    let rw = c.rwlock("lost-before");
+    let lost = other.rwlock("lost-before").write().expect("write hold");
+    let () = redis::cmd("DEL")
+        .arg(format!("{PREFIX}{{lost-before}}"))
+        .query(&mut srv.conn())
+        .expect("DEL");
+    drop(lost);
+    let w = rw
+        .upgradable_read()
+        .expect("upgradable")
+        .upgrade()
+        .expect("upgrade");
+    assert!(
+        w.previous_lost(),
+        "the write hold before was never released"
+    );
+    w.unlock().expect("unlock");
+    let w = rw
+        .upgradable_read()
+        .expect("upgradable")
+        .upgrade()
+        .expect("upgrade");
+    assert!(!w.previous_lost(), "the write hold before was released");
+}

@@ -466,8 +466,9 @@ return {0, until_ - now}
 ///
 /// KEYS: lock, fence, waiting writers, writer nonces (the marks that expired drop theirs).
 /// ARGV: the upgradable member, the write member (the same token), lease ms, waiting mark TTL ms (0: the caller will not wait), the fence
-/// counter's TTL ms. Returns `{1, fence}` (the write hold is ours, with a fence of its own,
-/// as any write hold's), `{0, ms until the first other hold's lease ends}`, `{2, 0}` when
+/// counter's TTL ms. Returns `{1, fence, 0, after lost}` (the write hold is ours, with a
+/// fence of its own, as any write hold's, and whether the write hold before it ended
+/// without a release, see `FENCE_FN`), `{0, ms until the first other hold's lease ends}`, `{2, 0}` when
 /// the key is another kind of lock, or `{4, 0}` when the upgradable hold is gone (expired
 /// or deleted: there is nothing to upgrade).
 ///
@@ -484,18 +485,19 @@ local lease = tonumber(ARGV[3])
 -- The write hold is the only hold: when it is ours, it is the first.
 if first == ARGV[2] then
   hold(KEYS[1], ARGV[2], now, lease)
-  return {1, current_fence(KEYS[2])}
+  local fence, after_lost = hold_fence(KEYS[2])
+  return {1, fence, 0, after_lost and 1 or 0}
 end
 if not (first and redis.call('ZSCORE', KEYS[1], ARGV[1])) then return {4, 0} end
 -- The first two live holds: ours alone, or the first other one and when it ends.
 local two = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 2)
 if #two == 2 then
-  local fence = next_fence(KEYS[2], ARGV[5])
+  local fence, after_lost = next_fence(KEYS[2], ARGV[5])
   if type(fence) == 'table' then return fence end
   redis.call('ZREM', KEYS[1], ARGV[1])
   hold(KEYS[1], ARGV[2], now, lease)
   redis.call('ZREM', KEYS[3], ARGV[1])
-  return {1, fence}
+  return {1, fence, 0, after_lost and 1 or 0}
 end
 if ARGV[4] ~= '0' then mark(KEYS[3], ARGV[1], now, tonumber(ARGV[4]), KEYS[4]) end
 local other = two[2]
