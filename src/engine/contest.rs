@@ -310,9 +310,11 @@ impl Contest<'_> {
             // finds our token in the key and returns the fence counter as it is now, its
             // lease counted from this round trip.
             let mut grants = std::mem::take(&mut heard);
+            let judged_again = grants.len();
             self.waiter.take_grants(&mut grants);
             let granted = !grants.is_empty();
-            if granted {
+            // Counted when heard, not again when a grant kept from the last pass is judged.
+            if grants.len() > judged_again {
                 Counters::inc(&engine.counters.grants_received);
             }
             // An attempt that will wait if it fails marks contention for the holder. The
