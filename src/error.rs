@@ -121,11 +121,15 @@ pub enum Error {
     /// it) cannot tell it from one that expired unopened, and gets this too.
     #[error("latch expired before its count reached zero")]
     LatchExpired,
-    /// The operation is not available on this client's topology (read-write locks,
-    /// semaphores and countdown latches need a single node; Redlock is not supported for
-    /// them).
+    /// The operation is not available on this client's topology: read-write locks,
+    /// semaphores, multi-locks and countdown latches need one node to decide (one node,
+    /// Sentinel, or a Cluster slot's master), so Redlock does not take them.
     #[error("not supported: {0}")]
     Unsupported(&'static str),
+    /// The client was [shut down](crate::LockClient::shutdown): no clone of it takes a
+    /// new hold (nothing would renew it). Build a new client.
+    #[error("the client was shut down")]
+    ShutDown,
     /// Redis Cluster: the lock's hash slot is half-way through a migration between two
     /// masters, and the servers refused the lock's scripts (`TRYAGAIN`) for longer than
     /// the call could wait. While a slot migrates, Redis runs a command naming several
@@ -282,6 +286,23 @@ impl Error {
     /// ```
     pub fn is_count_mismatch(&self) -> bool {
         matches!(self, Error::CountMismatch { .. })
+    }
+
+    /// The client was shut down before the call ([`Error::ShutDown`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let url = redbaton_testkit::redis_url();
+    /// let client = redbaton::LockClient::builder().node(url).build()?;
+    /// let clone = client.clone();
+    /// client.shutdown(std::time::Duration::from_secs(5))?;
+    /// assert!(clone.lock("after").unwrap_err().is_shut_down());
+    /// # Ok(()) }
+    /// ```
+    pub fn is_shut_down(&self) -> bool {
+        matches!(self, Error::ShutDown)
     }
 
     /// The countdown latch waited on expired before its count reached zero
@@ -477,8 +498,10 @@ pub enum LostReason {
     HoldLimit,
     /// Redlock: fewer than a majority of nodes still hold the lock.
     NoQuorum,
-    /// The watchdog thread kept failing, so renewals stopped; the lock lives until its
-    /// lease runs out, and this holder is told at once rather than then.
+    /// The watchdog thread kept failing, or was stopped by
+    /// [`LockClient::shutdown`](crate::LockClient::shutdown) before a wait under way won
+    /// the lock, so renewals stopped; the lock lives until its lease runs out, and this
+    /// holder is told at once rather than then.
     ///
     /// ```
     /// let r = redbaton::LostReason::WatchdogFailed;

@@ -690,20 +690,13 @@ fn an_upgrade_tells_of_a_write_hold_lost_before_it() {
         .query(&mut srv.conn())
         .expect("DEL");
     drop(lost);
-    let w = rw
-        .upgradable_read()
-        .expect("upgradable")
-        .upgrade()
-        .expect("upgrade");
+    let upgraded = || rw.upgradable_read().and_then(|u| u.upgrade());
+    let w = upgraded().expect("upgrade");
     assert!(
         w.previous_lost(),
         "the write hold before was never released"
     );
     w.unlock().expect("unlock");
-    let w = rw
-        .upgradable_read()
-        .expect("upgradable")
-        .upgrade()
-        .expect("upgrade");
+    let w = upgraded().expect("upgrade");
     assert!(!w.previous_lost(), "the write hold before was released");
 }

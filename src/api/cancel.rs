@@ -15,7 +15,9 @@ use crate::local::mailbox::Cancellation;
 
 /// A cancellation token for the `*_cancellable` waits
 /// ([`LockClient::lock_cancellable`](crate::LockClient::lock_cancellable),
+/// [`LockClient::multi_lock_cancellable`](crate::LockClient::multi_lock_cancellable),
 /// [`RwLock::read_cancellable`](crate::RwLock::read_cancellable),
+/// [`RwLock::upgradable_read_cancellable`](crate::RwLock::upgradable_read_cancellable),
 /// [`RwLock::write_cancellable`](crate::RwLock::write_cancellable),
 /// [`Semaphore::acquire_cancellable`](crate::Semaphore::acquire_cancellable),
 /// [`Latch::wait_cancellable`](crate::Latch::wait_cancellable)).

@@ -17,7 +17,9 @@ use crate::stats::{Stats, SubscriberStats};
 /// Cheap to clone (an `Arc`), `Send + Sync`: build one per process and share it. It owns
 /// one subscriber thread per node (waking waiters), one watchdog thread (renewing leases)
 /// and, for Redlock, a few threads that talk to the nodes in parallel. They stop, and are
-/// joined, when the last clone and the last guard are dropped.
+/// joined, when the last clone, the last guard and the last handle made by it (an
+/// [`RwLock`](crate::RwLock), a [`Semaphore`](crate::Semaphore), a
+/// [`Latch`](crate::Latch)) are dropped.
 ///
 /// # Examples
 ///
@@ -260,8 +262,11 @@ impl LockClient {
     /// Dropping the last clone of a client and its last guard stops them too; this is
     /// for a caller who wants to know they are gone, for example before a fork or at the
     /// end of a test. Locks held when it is called are no longer renewed: release them
-    /// first. Other clones of this client keep working, but waiters are then woken only
-    /// by their lease timers and re-checks.
+    /// first. Afterwards no clone of this client takes a new hold: calls for one return
+    /// [`Error::ShutDown`], and a wait under way that wins the lock returns a guard already
+    /// told it is lost ([`LostReason::WatchdogFailed`](crate::LostReason::WatchdogFailed)),
+    /// its waiters woken meanwhile only by their lease timers and re-checks. Releases,
+    /// latch counts and `inspect` still work.
     ///
     /// # Errors
     ///

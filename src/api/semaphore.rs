@@ -87,7 +87,7 @@ impl Semaphore {
     /// # Errors
     ///
     /// [`Error::InvalidName`](crate::Error::InvalidName);
-    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) for zero permits;
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for zero permits;
     /// [`Error::PermitsMismatch`](crate::Error::PermitsMismatch);
     /// [`Error::WrongKind`](crate::Error::WrongKind);
     /// [`Error::Unsupported`](crate::Error::Unsupported) on a Redlock client; Redis errors.

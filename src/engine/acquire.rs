@@ -41,7 +41,9 @@ impl Engine {
         path: impl FnOnce(&T) -> Path,
     ) -> (Result<T>, Instant) {
         let asked = Instant::now();
-        let took = if wait.cancelled() {
+        let took = if self.shut_down.load(std::sync::atomic::Ordering::Relaxed) {
+            Err(Error::ShutDown)
+        } else if wait.cancelled() {
             Err(Error::Cancelled)
         } else {
             take()

@@ -593,19 +593,37 @@ impl Contest<'_> {
                 _ => None,
             })
             .min();
-        match vote(replies, rules) {
+        let mut vote = vote(replies, rules);
+        // Redlock: only nodes behind need it; with counters in step there is no extra
+        // round trip. A slow node's raise may take what the lease had left: then the hold
+        // is nobody's, as a round that took too long.
+        if let Vote::Won {
+            fence,
+            granted,
+            behind,
+            ..
+        } = &mut vote
+            && !behind.is_empty()
+        {
+            engine.raise_fences(self.keys, &self.route, *fence, behind);
+            if !lease_left(lease, started, engine.cfg.drift(lease)) {
+                let granted = std::mem::take(granted);
+                vote = Vote::Late {
+                    undo: Undo {
+                        granted,
+                        unknown: Vec::new(),
+                    },
+                };
+            }
+        }
+        match vote {
             Vote::Won {
                 fence,
                 granted,
-                behind,
                 others_wait,
                 previous_lost,
+                ..
             } => {
-                // Redlock: only nodes behind need it; with counters in step there is no
-                // extra round trip.
-                if !behind.is_empty() {
-                    engine.raise_fences(self.keys, &self.route, fence, &behind);
-                }
                 let remote =
                     self.acquired(token, (fence, previous_lost), granted, started, None)?;
                 Ok(Round::Acquired(Won {

@@ -75,7 +75,7 @@ impl Engine {
     fn take_permit(self: &Arc<Self>, name: &[u8], permits: u32, wait: Wait<'_>) -> Result<Hold> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         if permits == 0 {
-            return Err(Error::InvalidConfig(
+            return Err(Error::InvalidArgument(
                 "a semaphore needs at least one permit".to_owned(),
             ));
         }

@@ -29,6 +29,8 @@ pub(crate) struct Engine {
     pub table: Table,
     pub counters: Arc<Counters>,
     pub watchdog: Option<Watchdog>,
+    /// [`Engine::shutdown`] was called: no new hold is taken.
+    pub shut_down: std::sync::atomic::AtomicBool,
     /// Read holds shared by this process's readers.
     pub shares: ReadShares,
     /// Releases nobody waits for (after an ambiguous failure, or a panic).
@@ -97,6 +99,7 @@ impl Engine {
             table: Table::default(),
             counters,
             watchdog: Some(watchdog),
+            shut_down: std::sync::atomic::AtomicBool::new(false),
             shares: ReadShares::default(),
         })
     }
@@ -109,6 +112,8 @@ impl Engine {
     /// Stops the background threads and waits for them until `deadline`; `false` if one
     /// is still running then.
     pub fn shutdown(&self, deadline: Instant) -> bool {
+        self.shut_down
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let mut all = self.subs.shutdown(deadline);
         if let Some(w) = &self.watchdog {
             all &= w.shutdown(deadline);

@@ -48,6 +48,7 @@ pub(crate) struct Watchdog {
     held: Arc<Mutex<Held>>,
     kick: Sender<()>,
     shutdown: Arc<AtomicBool>,
+    counters: Arc<Counters>,
     /// Waits that may take a grant as the lock (see [`Watchdog::expect_grant`]).
     expecting: Arc<AtomicUsize>,
     thread: crate::worker::Thread,
@@ -90,7 +91,7 @@ impl Watchdog {
         let cx = Context {
             cfg,
             topology,
-            counters,
+            counters: counters.clone(),
         };
         let thread = std::thread::Builder::new()
             .name("redbaton-watchdog".to_owned())
@@ -105,6 +106,7 @@ impl Watchdog {
             held,
             kick,
             shutdown,
+            counters,
             expecting,
             thread: crate::worker::Thread::new(thread),
         })
@@ -118,9 +120,15 @@ impl Watchdog {
     }
 
     /// Starts watching `lock` (renewing it, or with renewals off, telling its holder when
-    /// it expires). Wakes the thread only when the lock is due before the thread's next
+    /// it expires); after [`Self::shutdown`], marks it lost at once. Wakes the thread only when the lock is due before the thread's next
     /// planned look: most acquisitions cost no context switch.
     pub fn register(&self, lock: Arc<RemoteLock>, due: Stamp) {
+        if self.shutdown.load(Ordering::Relaxed) {
+            // A wait under way when the client was shut down, won since: nothing will
+            // renew the hold or watch it, and its holder is told so at once.
+            lock.mark_lost(LostReason::WatchdogFailed, &self.counters);
+            return;
+        }
         let mut held = self.held.lock();
         held.locks.insert(lock.id, lock);
         self.plan(held, due);

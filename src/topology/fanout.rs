@@ -12,8 +12,10 @@
 //! at once, as a timeout would; see `proto::skip`), so the healthy majority decides every
 //! round at once. Meanwhile one probe at a time (a `PING`) goes to the node on its own
 //! workers, which no caller waits for: once the node answers quickly again, it is used
-//! again. When a node's queue is full, the caller makes that node's call itself
-//! (backpressure).
+//! again. A call that waited in a node's queue for `stall` or more before a worker took
+//! it (queued behind calls to a node that has just hung, before any of them ended) is
+//! skipped too: a round waits for a hung node about one of its timeouts at most. When a
+//! node's queue is full, the caller makes that node's call itself (backpressure).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -33,9 +35,9 @@ const WORKERS_PER_NODE: usize = 2;
 /// Calls waiting for a node's workers, at most.
 const QUEUE_PER_NODE: usize = 64;
 
-/// One node's queue, and how its workers are doing.
+/// One node's queue (each call with when it was queued), and how its workers are doing.
 struct Lane {
-    jobs: Sender<Job>,
+    jobs: Sender<(Instant, Job)>,
     state: Arc<LaneState>,
 }
 
@@ -77,7 +79,7 @@ impl Fanout {
         let mut lanes = Vec::with_capacity(nodes);
         let mut threads = Vec::with_capacity(nodes * WORKERS_PER_NODE);
         for node in 0..nodes {
-            let (jobs, rx) = crossbeam_channel::bounded::<Job>(QUEUE_PER_NODE);
+            let (jobs, rx) = crossbeam_channel::bounded::<(Instant, Job)>(QUEUE_PER_NODE);
             let state = Arc::new(LaneState {
                 pending: AtomicUsize::new(0),
                 probing: AtomicBool::new(false),
@@ -91,11 +93,16 @@ impl Fanout {
                         .spawn(move || {
                             // Ends when the client drops the lanes. A panicking call is
                             // the caller's to see (its reply never comes); the worker
-                            // goes on.
-                            for job in rx {
-                                let started = Instant::now();
-                                let _ = catch_unwind(AssertUnwindSafe(job));
-                                *lane.progress.lock() = (Instant::now(), started.elapsed());
+                            // goes on. A call that waited `stall` in the queue is skipped,
+                            // and says nothing of how the node is doing.
+                            for (queued, job) in rx {
+                                if queued.elapsed() >= stall {
+                                    let _ = catch_unwind(AssertUnwindSafe(|| skipping(job)));
+                                } else {
+                                    let started = Instant::now();
+                                    let _ = catch_unwind(AssertUnwindSafe(job));
+                                    *lane.progress.lock() = (Instant::now(), started.elapsed());
+                                }
                                 lane.pending.fetch_sub(1, Ordering::AcqRel);
                             }
                         })?,
@@ -141,8 +148,8 @@ impl Fanout {
                 continue;
             }
             lane.state.pending.fetch_add(1, Ordering::AcqRel);
-            if let Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) =
-                lane.jobs.try_send(job)
+            if let Err(TrySendError::Full((_, job)) | TrySendError::Disconnected((_, job))) =
+                lane.jobs.try_send((Instant::now(), job))
             {
                 // Backlogged, or workers gone (shutting down): run it here.
                 lane.state.pending.fetch_sub(1, Ordering::AcqRel);
@@ -179,7 +186,7 @@ impl Fanout {
             state.probing.store(false, Ordering::Release);
         });
         lane.state.pending.fetch_add(1, Ordering::AcqRel);
-        if lane.jobs.try_send(job).is_err() {
+        if lane.jobs.try_send((Instant::now(), job)).is_err() {
             lane.state.pending.fetch_sub(1, Ordering::AcqRel);
             lane.state.probing.store(false, Ordering::Release);
         }

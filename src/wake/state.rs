@@ -59,8 +59,11 @@ pub(super) struct KeySub {
     pub(super) released: u64,
     pub(super) taken: u64,
     pub(super) opened: u64,
-    /// Keyspace `del` events not yet followed by the library's `r` for the same release.
-    pub(super) unpaired_dels: u32,
+    /// The key's last message was a keyspace `del`: an `r` that comes next is the library's
+    /// word on the same release (its script deletes, then publishes, nothing of this key's
+    /// in between). Any other message ends the pairing: a `del` no `r` follows (an
+    /// operator's, an acquisition undone) must not take the next release's `r` for its own.
+    pub(super) after_del: bool,
     pub(super) last_contended: Option<Instant>,
     /// This process released the key while others waited: its next contender waits for
     /// them (or this instant) before its first attempt.
@@ -191,6 +194,7 @@ impl Shared {
             ks.confirmed_at = None;
             ks.requested = false;
             ks.away = false;
+            ks.after_del = false;
             ks.poke();
         }
     }
@@ -275,16 +279,13 @@ impl Shared {
         let Some(ks) = st.keys.get_mut(lock) else {
             return;
         };
+        let after_del = std::mem::replace(&mut ks.after_del, matches!(kind, Event::Deleted));
         match kind {
-            Event::Deleted => {
-                ks.freed += 1;
-                ks.unpaired_dels += 1;
-            }
-            // Our release script deletes, then publishes `r`: the `del` came first (same
-            // connection, same order) and already woke the plain lock's waiters; the `r`
-            // still wakes those of read-write locks and semaphores.
-            Event::Released if ks.unpaired_dels > 0 => {
-                ks.unpaired_dels -= 1;
+            Event::Deleted => ks.freed += 1,
+            // Our release script deletes, then publishes `r`: the `del` came just before
+            // (same connection, same order) and already woke the plain lock's waiters;
+            // the `r` still wakes those of read-write locks and semaphores.
+            Event::Released if after_del => {
                 ks.released += 1;
                 ks.poke_hearing(Hears::Releases);
                 return;

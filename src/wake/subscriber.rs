@@ -191,7 +191,7 @@ impl Subscriber {
                 released: 0,
                 taken: 0,
                 opened: 0,
-                unpaired_dels: 0,
+                after_del: false,
                 last_contended: None,
                 yield_until: None,
                 listeners: Vec::new(),
