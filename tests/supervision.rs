@@ -238,7 +238,8 @@ fn panicking_release_does_not_strand_the_key() {
 }
 
 /// The subscriber thread panics while a waiter sleeps: it is restarted, re-subscribes,
-/// and the waiter is woken by the release, long before the re-check ceiling.
+/// and the waiter is woken by the release, long before the re-check ceiling. Its new
+/// connection counts as a reconnect.
 #[test]
 fn subscriber_panic_is_survived() {
     init_log();
@@ -246,6 +247,7 @@ fn subscriber_panic_is_survived() {
     let srv = RedisServer::start();
     let c = client(&srv, P);
     let waiter = waiter_behind_foreign(&srv, &c, P, "k");
+    let reconnects = c.stats().reconnects;
     fault::arm(P, Point::Subscriber, 1);
     thread::sleep(ms(500)); // it fires within a poll interval; the thread restarts
     fault::disarm(P, Point::Subscriber);
@@ -257,6 +259,10 @@ fn subscriber_panic_is_survived() {
     );
     waiter.join().unwrap().expect("acquired after the release");
     eprintln!("woken {:?} after the release", released.elapsed());
+    assert!(
+        c.stats().reconnects > reconnects,
+        "the restarted thread's connection"
+    );
 
     // A new waiter after the restart is woken by events too.
     let waiter = waiter_behind_foreign(&srv, &c, P, "k2");

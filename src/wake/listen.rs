@@ -37,7 +37,6 @@ pub(super) fn run(
 ) {
     let node = &shared.node;
     let mut backoff = Duration::from_millis(50);
-    let mut connected_once = false;
     while !shared.shutdown.load(Ordering::Relaxed) {
         if !shared.wants_connection() {
             let _ = kicked.recv_timeout(IDLE);
@@ -59,12 +58,11 @@ pub(super) fn run(
             }
         };
         shared.connected.store(true, Ordering::Relaxed);
-        if connected_once {
+        if shared.connected_once.swap(true, Ordering::Relaxed) {
             Counters::inc(&counters.reconnects);
             Counters::inc(&shared.reconnects);
             log::info!("subscriber {node}: reconnected; waiters retry once");
         }
-        connected_once = true;
         backoff = Duration::from_millis(50);
         let moved = || connector.pool.epoch() != epoch;
         let reader = Reader::new(stream, shared.booth.new_connection());

@@ -149,6 +149,9 @@ pub(super) struct Shared {
     /// Times this subscriber's connection was re-established.
     pub(super) reconnects: AtomicU64,
     /// Whether its connection is up now.
+    /// A connection was made once: the next one is a reconnect (counted), also when the
+    /// thread was restarted after a panic in between.
+    pub(super) connected_once: AtomicBool,
     pub(super) connected: AtomicBool,
 }
 

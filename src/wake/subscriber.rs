@@ -96,6 +96,7 @@ impl Subscriber {
             client_id,
             reconnects: AtomicU64::new(0),
             connected: AtomicBool::new(false),
+            connected_once: AtomicBool::new(false),
         });
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()

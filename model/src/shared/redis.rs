@@ -342,6 +342,7 @@ impl Redis {
 
     /// `WAITER_LEAVE`: whether a hold granted to `m` was passed on.
     fn leave(&mut self, cfg: &SharedConfig, now: u8, m: Member, out: &mut Vec<Publish>) -> bool {
+        let noted = self.nonces.iter().any(|(x, _)| *x == m);
         self.take_nonce(m);
         if score(&self.holds, m).is_some_and(|exp| exp > now) {
             zrem(&mut self.holds, m);
@@ -350,8 +351,9 @@ impl Redis {
         }
         let was_marked = zrem(self.marks(m.want), m);
         match m.want {
-            // A mark a release took to wake it: the wake-up goes on.
-            Want::Permit if !was_marked => self.wake_first(now, out),
+            // A mark a release took to wake it (its nonce still here): the wake-up goes
+            // on. No nonce: it never marked, or this leave ran before.
+            Want::Permit if !was_marked && noted => self.wake_first(now, out),
             Want::Permit => {}
             _ if was_marked => out.push(Publish::Free),
             _ => {}
