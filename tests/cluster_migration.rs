@@ -269,13 +269,7 @@ fn held_locks_are_renewed_while_their_slot_migrates() {
     let (slot, names) = cluster.names_in_one_slot(&KEYS, "mig-r", 2);
     let from = cluster.owner(slot);
     let to = cluster.other_master(from);
-    let other = (0..)
-        .map(|i| format!("mig-o{i}"))
-        .find(|n| {
-            let s = cluster.keyslot(&KEYS.lock_bytes(n.as_bytes()));
-            s != slot && cluster.owner(s) == from
-        })
-        .expect("a name of another slot of the source");
+    let other = cluster.name_beside(&KEYS, "mig-o", slot);
     let guards: Vec<_> = names
         .iter()
         .chain([&other])

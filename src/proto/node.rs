@@ -34,6 +34,18 @@ pub(crate) enum ReleaseReply {
     OtherAfterRetry,
 }
 
+impl ReleaseReply {
+    /// This reply, of a release that an earlier send may have made: gone or another's
+    /// then says only what a retry saw.
+    pub(crate) fn as_retried(self) -> Self {
+        match self {
+            ReleaseReply::Gone => ReleaseReply::GoneAfterRetry,
+            ReleaseReply::Other => ReleaseReply::OtherAfterRetry,
+            other => other,
+        }
+    }
+}
+
 /// When a command is sent again on a fresh connection after a network failure. Only
 /// idempotent commands are retried.
 #[derive(Debug, Clone, Copy)]
@@ -448,21 +460,10 @@ impl Node {
         Ok(())
     }
 
-    /// Runs a release `call` of `script` (1 released, 0 gone, -1 another owner).
-    pub(crate) fn release_by(
-        &self,
-        script: &Lua,
-        call: &Cmd,
-        retry: Retry,
-    ) -> Result<ReleaseReply> {
-        self.release_with(script, call, retry, None)
-    }
-
-    /// [`release_by`](Self::release_by) (also for the fair queue's leave: 2 passed on,
-    /// 1 released, 0 nothing ours), with `narrow`, its narrower form (a script and the call
-    /// it makes: the plain compare-and-delete, naming the lock key alone), run instead at
-    /// once when the call path says so ([`Sent::Narrow`]: the server refused the keys of
-    /// `call` together).
+    /// Runs a release `call` of `script` (1 released, 0 gone, -1 another owner; 2 passed on,
+    /// for the releases and leaves that grant), with `narrow`, its narrower form (a script
+    /// and the call it makes, naming the lock key alone), run instead at once when the call
+    /// path says so ([`Sent::Narrow`]: the server refused the keys of `call` together).
     pub(crate) fn release_with(
         &self,
         script: &Lua,
@@ -488,7 +489,7 @@ impl Node {
     }
 
     /// Runs release `calls` of `script` (a multi-lock's locks of one hash slot) in one
-    /// round trip, one status each (as [`release_by`](Self::release_by) reads it); `None`
+    /// round trip, one status each (as [`release_with`](Self::release_with) reads it); `None`
     /// when the call path says the server refused their keys together (a Redis Cluster
     /// slot migrating): the caller then releases them one by one.
     pub(crate) fn release_all(
@@ -617,15 +618,14 @@ impl ReleaseTries {
 /// What a release script's status says (2 passed on, 1 released, 0 gone, -1 another
 /// owner); `retried`: an earlier try of the call lost its reply, and may have done it.
 pub(crate) fn release_reply(status: i64, retried: bool) -> Result<ReleaseReply> {
-    match status {
-        1 => Ok(ReleaseReply::Released),
-        2 => Ok(ReleaseReply::Passed),
-        0 if retried => Ok(ReleaseReply::GoneAfterRetry),
-        0 => Ok(ReleaseReply::Gone),
-        -1 if retried => Ok(ReleaseReply::OtherAfterRetry),
-        -1 => Ok(ReleaseReply::Other),
-        n => Err(Error::Protocol(format!("release replied {n}"))),
-    }
+    let reply = match status {
+        1 => ReleaseReply::Released,
+        2 => ReleaseReply::Passed,
+        0 => ReleaseReply::Gone,
+        -1 => ReleaseReply::Other,
+        n => return Err(Error::Protocol(format!("release replied {n}"))),
+    };
+    Ok(if retried { reply.as_retried() } else { reply })
 }
 
 /// Whether a failed command may have reached Redis (and so may have taken effect).

@@ -587,6 +587,10 @@ impl Protocol {
         fences: &[Option<u64>],
         retry: Retry,
     ) -> Result<Vec<ReleaseReply>> {
+        // The pipeline refused part-way (a slot half moved: the source ran the releases
+        // of the keys it still had): what the releases one by one find gone or another's
+        // may have been ours until then.
+        let mut refused = false;
         if keys.len() > 1 {
             let calls: Option<Vec<(&Lua, Cmd)>> = keys
                 .iter()
@@ -598,11 +602,15 @@ impl Protocol {
                 if let Some(replies) = node.release_all(scripts[0], &calls, retry)? {
                     return Ok(replies);
                 }
+                refused = true;
             }
         }
         keys.iter()
             .zip(fences)
-            .map(|(k, &f)| self.release(node, k, token, f, retry))
+            .map(|(k, &f)| {
+                let reply = self.release(node, k, token, f, retry)?;
+                Ok(if refused { reply.as_retried() } else { reply })
+            })
             .collect()
     }
 

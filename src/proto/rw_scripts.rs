@@ -325,6 +325,14 @@ local function pass_on(ended, now, released)
     if not grant_permit(now) and not left[1] then redis.call('DEL', KEYS[1]) end
     return
   end
+  if not KEYS[2] then
+    -- The narrower call (a Redis Cluster slot half-way through a migration serves the
+    -- lock key alone): no mark is read, whoever waits tries; a write hold's counter stays
+    -- held (the next writer is told of a loss, erring on the side of caution).
+    if not left[1] then redis.call('DEL', KEYS[1]) end
+    publish(ARGV[2], 'r')
+    return
+  end
   -- Whether a write grant's fence marked the released write hold's counter.
   local marked = false
   if not left[1] then
@@ -628,16 +636,18 @@ local tag = string.sub(ARGV[1], 1, 1)
 local permit = tag == 'p'
 local nonces = KEYS[5]
 if permit then nonces = KEYS[3] end
-local noted = redis.call('ZREM', nonces, ARGV[1]) == 1
+-- The narrower call names the lock key alone (see `pass_on`): the mark and nonce expire.
+local noted = nonces and redis.call('ZREM', nonces, ARGV[1]) == 1
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
 local now = now_ms()
 if s and tonumber(s) > now then
   redis.call('ZREM', KEYS[1], ARGV[1])
-  if tag == 'w' then end_fence(KEYS[4], '0') end
+  if tag == 'w' and KEYS[4] then end_fence(KEYS[4], '0') end
   pass_on(ARGV[1], now, nil)
   return 2
 end
+if not KEYS[2] then return 0 end
 if permit then
   -- A mark gone while its nonce is still here was taken by a release that woke this
   -- waiter (with no permit to grant: a wake-up takes the mark, not the nonce): the
@@ -859,46 +869,53 @@ impl Node {
         fence: Option<u64>,
         retry: Retry,
     ) -> Result<ReleaseReply> {
-        let permit = member.starts_with(Want::Permit(0).tag());
-        // `waiters`: a permit's release names its waiting set and their nonces (the
-        // narrower form does not).
-        let call = |waiters: bool| {
-            let mut call = SHARED_RELEASE.call(match (permit, waiters) {
-                (false, _) => 5,
-                (true, true) => 3,
-                (true, false) => 1,
-            });
-            call.arg(keys.lock());
-            if waiters {
-                self.waiter_keys(&mut call, keys, permit);
-            }
-            self.ending_args(&mut call, keys, member, fence);
-            call
-        };
+        let call = |waiters: bool| self.ending_call(&SHARED_RELEASE, keys, member, fence, waiters);
         // Redis Cluster, the slot half-way through a migration: the server refuses a script
         // whose keys are not all on one side (`TRYAGAIN`), and always serves the lock key
         // alone, whose release then says `r` (every waiter tries) as with no mark.
-        if !permit {
-            return self.release_by(&SHARED_RELEASE, &call(true), retry);
-        }
         let narrow = || call(false);
         let narrow: (&Lua, &dyn Fn() -> Cmd) = (&SHARED_RELEASE, &narrow);
         self.release_with(&SHARED_RELEASE, &call(true), retry, Some(narrow))
     }
 
+    /// A call of `script`, one that ends a hold or a wait (see `SHARED_RELEASE`), of
+    /// `member` of `keys`; `waiters`: it names the waiting sets and their nonces (the
+    /// narrower form, the lock key alone, does not).
+    fn ending_call(
+        &self,
+        script: &Lua,
+        keys: &Keys,
+        member: &str,
+        fence: Option<u64>,
+        waiters: bool,
+    ) -> Cmd {
+        let permit = member.starts_with(Want::Permit(0).tag());
+        let mut call = script.call(match (permit, waiters) {
+            (_, false) => 1,
+            (true, true) => 3,
+            (false, true) => 5,
+        });
+        call.arg(keys.lock());
+        if waiters {
+            self.waiter_keys(&mut call, keys, permit);
+        }
+        self.ending_args(&mut call, keys, member, fence);
+        call
+    }
+
     /// A waiting writer, reader or permit-seeker `member` of `keys` gives up (see
     /// `WAITER_LEAVE`): whether a grant to it was passed on.
     pub fn leave_waiter(&self, keys: &Keys, member: &str) -> Result<bool> {
-        let permit = member.starts_with(Want::Permit(0).tag());
-        let mut call = WAITER_LEAVE.call(if permit { 3 } else { 5 });
-        call.arg(keys.lock());
-        self.waiter_keys(&mut call, keys, permit);
-        self.ending_args(&mut call, keys, member, None);
-        match self.run_script::<i64>(&WAITER_LEAVE, &call, Retry::ON_RESET, None)? {
-            2 => Ok(true),
-            0 => Ok(false),
-            -1 => Err(Error::WrongKind),
-            other => Err(Error::Protocol(format!("waiter leave replied {other}"))),
+        let call = |waiters: bool| self.ending_call(&WAITER_LEAVE, keys, member, None, waiters);
+        // Redis Cluster, the slot half-way through a migration: the lock key alone, as a
+        // release does (a grant that raced the leaving is passed on; the mark expires).
+        let narrow = || call(false);
+        let narrow: (&Lua, &dyn Fn() -> Cmd) = (&WAITER_LEAVE, &narrow);
+        let left = self.release_with(&WAITER_LEAVE, &call(true), Retry::ON_RESET, Some(narrow))?;
+        match left {
+            ReleaseReply::Passed => Ok(true),
+            ReleaseReply::Other | ReleaseReply::OtherAfterRetry => Err(Error::WrongKind),
+            _ => Ok(false),
         }
     }
 

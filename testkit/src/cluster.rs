@@ -350,6 +350,19 @@ impl Cluster {
             .unwrap_or_else(|| panic!("nobody serves slot {slot}"))
     }
 
+    /// A name starting with `stem` whose lock key (under `keys`' prefix) is in another slot
+    /// than `slot`, on the same master.
+    pub fn name_beside(&self, keys: &crate::keys::Keys, stem: &str, slot: u16) -> String {
+        let master = self.owner(slot);
+        (0..)
+            .map(|i| format!("{stem}{i}"))
+            .find(|n| {
+                let s = self.keyslot(&keys.lock_bytes(n.as_bytes()));
+                s != slot && self.owner(s) == master
+            })
+            .expect("a name of another slot of the master")
+    }
+
     /// The port of a running master other than the one on port `not`.
     pub fn other_master(&self, not: u16) -> u16 {
         self.masters()
