@@ -12,10 +12,30 @@ use redbaton_testkit::{init_log, ms, secs};
 
 const KEYS: Keys = Keys::DEFAULT;
 
-/// A cluster of its own, logging on.
-fn started() -> Cluster {
+/// One test at a time: each has a cluster of six servers and bounds that are a matter of
+/// timing (a failover, a waiter woken within seconds), on a machine of two cores.
+static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+/// A cluster of its own, logging on; the file's other tests wait while it is alive.
+struct Started {
+    cluster: Cluster,
+    _turn: parking_lot::MutexGuard<'static, ()>,
+}
+
+impl std::ops::Deref for Started {
+    type Target = Cluster;
+    fn deref(&self) -> &Cluster {
+        &self.cluster
+    }
+}
+
+fn started() -> Started {
+    let turn = ONE_AT_A_TIME.lock();
     init_log();
-    Cluster::start()
+    Started {
+        cluster: Cluster::start(),
+        _turn: turn,
+    }
 }
 
 /// The hash slot of the lock `name`.

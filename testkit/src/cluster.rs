@@ -408,6 +408,13 @@ impl Cluster {
     /// is the master. Returns its port.
     pub fn failover(&self, master: u16) -> u16 {
         let replica = self.replica_of(master);
+        // A manual failover waits for the replica to catch up with its master: one whose
+        // link is not up yet (a loaded machine, a cluster just made) may never.
+        wait_for(SETTLE, "the replica's link to its master", || {
+            replica
+                .info("replication")
+                .contains("master_link_status:up")
+        });
         redis::cmd("CLUSTER")
             .arg("FAILOVER")
             .query::<()>(&mut replica.conn())
