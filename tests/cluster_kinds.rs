@@ -12,11 +12,13 @@ use redbaton_testkit::{init_log, ms, secs};
 
 const KEYS: Keys = Keys::DEFAULT;
 
-/// One test at a time: each has a cluster of six servers and bounds that are a matter of
-/// timing (a failover, a waiter woken within seconds), on a machine of two cores.
-static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+/// Two tests at a time at most (whatever the number of test threads): each has a cluster
+/// of six servers and bounds that are a matter of timing (a failover, a waiter woken within
+/// seconds), on a machine of two cores.
+static TURNS: [parking_lot::Mutex<()>; 2] = [const { parking_lot::Mutex::new(()) }; 2];
 
-/// A cluster of its own, logging on; the file's other tests wait while it is alive.
+/// A cluster of its own, logging on; the file's other tests wait for a turn while it is
+/// alive.
 struct Started {
     cluster: Cluster,
     _turn: parking_lot::MutexGuard<'static, ()>,
@@ -30,7 +32,10 @@ impl std::ops::Deref for Started {
 }
 
 fn started() -> Started {
-    let turn = ONE_AT_A_TIME.lock();
+    let turn = TURNS
+        .iter()
+        .find_map(|t| t.try_lock())
+        .unwrap_or_else(|| TURNS[0].lock());
     init_log();
     Started {
         cluster: Cluster::start(),
@@ -237,7 +242,10 @@ fn latch_waiter_across(name: &str, settle: Duration, disturb: impl FnOnce(&Clust
     let done = latch_waiter(&waiter, name, 2, secs(90));
     std::thread::sleep(ms(500));
     let slot = slot_of(&cluster, name);
-    disturb(&cluster, slot, cluster.owner(slot));
+    let from = cluster.owner(slot);
+    // The count down must outlive a killed master: the test is of the waiter.
+    cluster.wait_replicated(from);
+    disturb(&cluster, slot, from);
     std::thread::sleep(settle);
     // A read first (reads ride through a failover): the count down that follows is not
     // sent on a connection to a dead master (a count down is sent once, see the guide).
@@ -377,6 +385,8 @@ fn waiters_of_every_kind_across_a_killed_master() {
         }),
     );
     std::thread::sleep(ms(1000));
+    // The holds and the waiters' marks must outlive the killed master.
+    cluster.wait_replicated(from);
     let promoted = cluster.kill_master(from);
     eprintln!("{from} killed, {promoted} promoted");
     std::thread::sleep(ms(2000));

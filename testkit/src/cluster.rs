@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use crate::server::{RedisServer, RedisServerBuilder};
 use crate::tls::Certs;
-use crate::wait::wait_for;
+use crate::wait::{wait_for, wait_until};
 
 /// How long a master may be unreachable before the others mark it failed.
 const NODE_TIMEOUT_MS: u64 = 2000;
@@ -415,16 +415,47 @@ impl Cluster {
                 .info("replication")
                 .contains("master_link_status:up")
         });
-        redis::cmd("CLUSTER")
-            .arg("FAILOVER")
-            .query::<()>(&mut replica.conn())
-            .expect("CLUSTER FAILOVER");
-        let port = replica.port();
-        wait_for(SETTLE, "the replica promoted", || {
+        // The master ignores a replica's request to fail over until gossip has told it the
+        // node is its replica; and a manual failover not done in 5 s is dropped without a
+        // word. So the request is made again until the replica is the master.
+        let (replica_id, promoted) = (node_id(replica), || {
             replica.info("replication").contains("role:master")
         });
+        wait_for(SETTLE, "the master knowing its replica", || {
+            let replicas: Vec<String> = redis::cmd("CLUSTER")
+                .arg("REPLICAS")
+                .arg(node_id(self.server(master)))
+                .query(&mut self.server(master).conn())
+                .unwrap_or_default();
+            replicas.iter().any(|line| line.starts_with(&replica_id))
+        });
+        wait_for(SETTLE, "the replica promoted", || {
+            redis::cmd("CLUSTER")
+                .arg("FAILOVER")
+                .query::<()>(&mut replica.conn())
+                .expect("CLUSTER FAILOVER");
+            wait_until(Duration::from_secs(7), promoted)
+        });
         self.wait_ok();
-        port
+        replica.port()
+    }
+
+    /// Waits until the replica of the master on port `master` has every write the master
+    /// had when called: a test whose state must survive a killed master calls it first
+    /// (replication is asynchronous, and a write not yet sent is lost with its master).
+    pub fn wait_replicated(&self, master: u16) {
+        let offset = |s: &RedisServer, field: &str| -> u64 {
+            s.info("replication")
+                .lines()
+                .find_map(|l| l.trim().strip_prefix(field))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        let written = offset(self.server(master), "master_repl_offset:");
+        let replica = self.replica_of(master);
+        wait_for(SETTLE, "the replica has the master's writes", || {
+            offset(replica, "slave_repl_offset:") >= written
+        });
     }
 
     /// Kills the master on port `master` (SIGKILL) and waits until its replica took over

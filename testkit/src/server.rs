@@ -1007,7 +1007,10 @@ fn write_config(spec: &Spec, port: u16) -> io::Result<()> {
          daemonize no\n\
          protected-mode no\n\
          save \"\"\n\
-         appendonly no\n"
+         appendonly no\n\
+         # A replica's first sync starts at once: the default waits 5 s for more replicas\n\
+         # (Redis 7 syncs diskless by default), and every cluster start would wait it out.\n\
+         repl-diskless-sync-delay 0\n"
     );
     // Lets tests use DEBUG SLEEP to simulate a busy server. The directive came with Redis
     // 7.0; before it DEBUG was always allowed, and 6.2 refuses to start on the line.
