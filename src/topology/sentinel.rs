@@ -19,7 +19,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use super::Route;
-use crate::config::{Config, SentinelConfig};
+use crate::config::{Config, SentinelConfig, Tls};
 use crate::error::{Error, Result, thread_error};
 use crate::proto::node::{Node, NodeId, Parts};
 use crate::proto::pool::open_connection;
@@ -39,7 +39,9 @@ pub(crate) struct Sentinel {
 
 /// What the watcher needs.
 struct Watcher {
-    name: String,
+    /// The master's name, and how to reach it (credentials, database, TLS).
+    sc: SentinelConfig,
+    tls: Tls,
     node: Weak<Node>,
     /// Clients of the sentinels themselves, for the `+switch-master` subscription and the
     /// master's address.
@@ -69,7 +71,8 @@ impl Sentinel {
             .collect::<Result<Vec<_>>>()?;
         let stop = Arc::new(AtomicBool::new(false));
         let mut watcher = Watcher {
-            name: sc.master.clone(),
+            sc: sc.clone(),
+            tls: cfg.tls.clone(),
             node: Weak::new(),
             sentinels,
             address: String::new(),
@@ -79,7 +82,7 @@ impl Sentinel {
             stop: stop.clone(),
             counters: counters.clone(),
         };
-        let (master, address) = watcher.first_master(sc, cfg)?;
+        let (master, address) = watcher.first_master()?;
         log::info!("sentinel: master {:?} is at {address}", sc.master);
         let id = NodeId::new(format!("sentinel:{}", sc.master));
         let parts = Parts {
@@ -172,7 +175,7 @@ impl Watcher {
                 Ok(msg) => {
                     let payload: String = msg.get_payload().unwrap_or_default();
                     // "<name> <old ip> <old port> <new ip> <new port>"
-                    if payload.split(' ').next() == Some(self.name.as_str()) {
+                    if payload.split(' ').next() == Some(self.sc.master.as_str()) {
                         log::info!("sentinel: +switch-master {payload}");
                         self.resolve();
                         last_check = Instant::now();
@@ -200,40 +203,25 @@ impl Watcher {
         };
         let (host, port) = match self.master_address() {
             Ok(Some(address)) => address,
-            Ok(None) => return log::debug!("sentinel: no sentinel knows {:?}", self.name),
+            Ok(None) => return log::debug!("sentinel: no sentinel knows {:?}", self.sc.master),
             Err(e) => return log::debug!("sentinel: no sentinel answered: {e}"),
         };
         let address = format!("{host}:{port}");
         if address == self.address {
             return;
         }
-        // The node's own settings (credentials, database, TLS) at the new address.
-        let info = node.pool.client().get_connection_info().clone();
-        let addr = match info.addr() {
-            redis::ConnectionAddr::TcpTls {
-                insecure,
-                tls_params,
-                ..
-            } => redis::ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: *insecure,
-                tls_params: tls_params.clone(),
-            },
-            _ => redis::ConnectionAddr::Tcp(host, port),
+        let client = match self.master_at(&host, port) {
+            Ok(client) => client,
+            Err(NotMaster::Role(role)) => {
+                return log::debug!("sentinel: {address} is a {role} yet, not the master");
+            }
+            Err(NotMaster::Unreachable(e)) => {
+                return log::debug!("sentinel: master at {address} unreachable: {e}");
+            }
         };
-        let client = match redis::Client::open(info.set_addr(addr)) {
-            Ok(c) => c,
-            Err(e) => return log::debug!("sentinel: master at {address}: {e}"),
-        };
-        match self.role(&client) {
-            Ok(role) if role == "master" => {}
-            Ok(role) => return log::debug!("sentinel: {address} is a {role} yet, not the master"),
-            Err(e) => return log::debug!("sentinel: master at {address} unreachable: {e}"),
-        }
         log::warn!(
             "sentinel: master {:?} moved from {} to {address}",
-            self.name,
+            self.sc.master,
             self.address
         );
         node.pool.repoint(client);
@@ -262,7 +250,7 @@ impl Watcher {
                 .and_then(|mut conn| {
                     redis::cmd("SENTINEL")
                         .arg("GET-MASTER-ADDR-BY-NAME")
-                        .arg(&self.name)
+                        .arg(&self.sc.master)
                         .query::<Option<(String, u16)>>(&mut conn)
                 });
             match asked {
@@ -278,10 +266,9 @@ impl Watcher {
         }
     }
 
-    /// The master when the client is built, with its address: as [`Self::resolve`] finds
-    /// it (on connections with the client's timeouts), with the credentials, database and
-    /// TLS of `sc` and `cfg`.
-    fn first_master(&self, sc: &SentinelConfig, cfg: &Config) -> Result<(redis::Client, String)> {
+    /// The master when the client is built, with its address, as [`Self::resolve`] finds
+    /// it (on connections with the client's timeouts).
+    fn first_master(&self) -> Result<(redis::Client, String)> {
         let not_found = |why: String| {
             Error::Redis(redis::RedisError::from((
                 redis::ErrorKind::MasterNameNotFoundBySentinel,
@@ -290,24 +277,39 @@ impl Watcher {
             )))
         };
         let Some((host, port)) = self.master_address().map_err(Error::Redis)? else {
-            return Err(not_found(format!("no sentinel knows {:?}", sc.master)));
+            return Err(not_found(format!("no sentinel knows {:?}", self.sc.master)));
         };
-        let auth = sc
+        let address = format!("{host}:{port}");
+        match self.master_at(&host, port) {
+            Ok(master) => Ok((master, address)),
+            Err(NotMaster::Role(role)) => {
+                Err(not_found(format!("{address} is a {role}, not the master")))
+            }
+            Err(NotMaster::Unreachable(e)) => Err(e),
+        }
+    }
+
+    /// A client of the server at `host:port` that a sentinel named the master, with the
+    /// credentials, database and TLS of the settings, if `ROLE` says it is the master.
+    fn master_at(&self, host: &str, port: u16) -> std::result::Result<redis::Client, NotMaster> {
+        let auth = self
+            .sc
             .master_auth
             .as_ref()
             .map(|(user, password)| (user.as_deref(), password.as_str()));
         let master = crate::proto::connect::open_client_to(
             "sentinel master",
-            (&host, port),
-            sc.master_tls,
+            (host, port),
+            self.sc.master_tls,
             auth,
-            sc.db,
-            &cfg.tls,
-        )?;
-        let address = format!("{host}:{port}");
-        match self.role(&master).map_err(Error::Redis)? {
-            role if role == "master" => Ok((master, address)),
-            role => Err(not_found(format!("{address} is a {role}, not the master"))),
+            self.sc.db,
+            &self.tls,
+        )
+        .map_err(NotMaster::Unreachable)?;
+        match self.role(&master) {
+            Ok(role) if role == "master" => Ok(master),
+            Ok(role) => Err(NotMaster::Role(role)),
+            Err(e) => Err(NotMaster::Unreachable(Error::Redis(e))),
         }
     }
 
@@ -321,4 +323,12 @@ impl Watcher {
             _ => String::new(),
         })
     }
+}
+
+/// Why a server a sentinel named is not taken as the master.
+enum NotMaster {
+    /// No client or no `ROLE` reply.
+    Unreachable(Error),
+    /// `ROLE` says it is something else (a replica not yet promoted).
+    Role(String),
 }
