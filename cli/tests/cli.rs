@@ -1,47 +1,14 @@
 //! The `redbaton` binary, run as a subprocess against a real `redis-server`: its tables,
 //! its JSON, the fence-checked release, and its exit codes.
 
-use std::process::{Command, Output};
+mod support;
 
-use redbaton::LockClient;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
 use redbaton_testkit::{dead_url, secs, test_server};
 use serde_json::Value;
 
-fn redbaton(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_redbaton"))
-        .arg("--url")
-        .arg(url)
-        .args(args)
-        .env_remove("REDIS_URL")
-        .env("RUST_BACKTRACE", "1")
-        .output()
-        .expect("run redbaton")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn code(o: &Output) -> i32 {
-    o.status.code().expect("exited")
-}
-
-fn json(o: &Output) -> Value {
-    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
-}
-
-fn client(srv: &RedisServer) -> LockClient {
-    LockClient::builder()
-        .node(srv.url())
-        .build()
-        .expect("client")
-}
+use support::{client, code, command, json, redbaton, run, stderr, stdout};
 
 #[test]
 fn smoke() {
@@ -141,7 +108,8 @@ fn list_shows_held_names() {
 }
 
 /// A name with control characters (a newline that would start a forged row, an escape
-/// sequence) is shown escaped in the tables, and as it is in the JSON.
+/// sequence) is shown escaped, in the tables and in the JSON, in the form that NAME
+/// arguments take back.
 #[test]
 fn a_name_cannot_forge_table_rows() {
     let srv = test_server();
@@ -156,7 +124,13 @@ fn a_name_cannot_forge_table_rows() {
         "{out}"
     );
     let o = redbaton(&srv.url(), &["list", "--json"]);
-    assert_eq!(json(&o)["name"], name);
+    let shown = json(&o)["name"].as_str().expect("a name").to_owned();
+    assert_eq!(
+        shown,
+        r"job\nadmin  lock  1700000000000000  29.9s  1  0\x1b[2J"
+    );
+    let o = redbaton(&srv.url(), &["status", &shown, "--json"]);
+    assert_eq!(json(&o)["kind"], "lock", "{shown} addresses the name");
 }
 
 #[test]
@@ -188,27 +162,13 @@ fn release_checks_the_fence() {
 }
 
 #[test]
-fn watch_refreshes() {
-    let srv = test_server();
-    let o = redbaton(
-        &srv.url(),
-        &["watch", "w", "--interval", "10", "--count", "3", "--json"],
-    );
-    assert_eq!(code(&o), 0);
-    assert_eq!(stdout(&o).lines().count(), 3);
-}
-
-#[test]
 fn usage_errors_exit_2() {
     let srv = test_server();
     let o = redbaton(&srv.url(), &["release", "x"]);
     assert_eq!(code(&o), 2, "--fence is required");
     let o = redbaton(&srv.url(), &["frobnicate"]);
     assert_eq!(code(&o), 2);
-    let o = Command::new(env!("CARGO_BIN_EXE_redbaton"))
-        .arg("--help")
-        .output()
-        .unwrap();
+    let o = run(&["--help"]);
     assert!(stdout(&o).contains("Exit codes"), "{}", stdout(&o));
 }
 
@@ -234,17 +194,245 @@ fn credentials_are_never_echoed() {
     let o = redbaton(&bad, &["status", "x"]);
     assert_eq!(code(&o), 3);
     assert!(!stderr(&o).contains("wrong-pass-123"), "{}", stderr(&o));
-    let o = Command::new(env!("CARGO_BIN_EXE_redbaton"))
-        .args(["status", "x", "--json"])
+    let o = command(&["status", "x", "--json"])
         .env("REDIS_URL", srv.url_with_auth())
         .output()
         .unwrap();
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     assert!(!stdout(&o).contains("right-pass"));
-    let o = Command::new(env!("CARGO_BIN_EXE_redbaton"))
-        .arg("--help")
+    let o = command(&["--help"])
         .env("REDIS_URL", srv.url_with_auth())
         .output()
         .unwrap();
     assert!(!stdout(&o).contains("right-pass"), "{}", stdout(&o));
+}
+
+/// A read-write lock's upgradable read hold is named `upgradable`, in the JSON and in the
+/// table.
+#[test]
+fn an_upgradable_read_is_named() {
+    let srv = test_server();
+    let c = client(&srv);
+    let _u = c.rwlock("up").upgradable_read().expect("upgradable read");
+    let o = redbaton(&srv.url(), &["status", "up", "--json"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let j = json(&o);
+    assert_eq!(j["holders"][0]["kind"], "upgradable", "{j}");
+    let o = redbaton(&srv.url(), &["status", "up"]);
+    assert!(stdout(&o).contains("1. upgradable"), "{}", stdout(&o));
+}
+
+/// A name that is not UTF-8 is listed in an escaped form that differs from any UTF-8
+/// name's, and that form, given back as NAME, addresses it: `status` shows the lock and
+/// `release` deletes it.
+#[test]
+fn a_listed_non_utf8_name_can_be_addressed() {
+    let srv = test_server();
+    let c = client(&srv);
+    let guard = c.lock([0xff, b'j', b'o', b'b']).expect("lock");
+    let _ascii = c.lock(r"\xffjob").expect("lock");
+    let o = redbaton(&srv.url(), &["list", "--json"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let mut shown: Vec<String> = stdout(&o)
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).expect("a JSON line")["name"]
+                .as_str()
+                .expect("a name")
+                .to_owned()
+        })
+        .collect();
+    shown.sort();
+    assert_eq!(shown, [r"\\xffjob", r"\xffjob"], "two names, two forms");
+    let o = redbaton(&srv.url(), &["status", r"\xffjob", "--json"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let j = json(&o);
+    assert_eq!(j["kind"], "lock", "{j}");
+    assert_eq!(j["fence"], guard.fencing_token() >> 12, "{j}");
+    let fence = (guard.fencing_token() >> 12).to_string();
+    let o = redbaton(&srv.url(), &["release", r"\xffjob", "--fence", &fence]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(!c.inspect([0xff, b'j', b'o', b'b']).unwrap().is_held());
+    assert!(
+        c.inspect(r"\xffjob").unwrap().is_held(),
+        "the other name stays"
+    );
+}
+
+/// A NAME argument with a backslash that starts no escape is a usage error that says how
+/// to write a backslash.
+#[test]
+fn a_bad_escape_in_a_name_is_a_usage_error() {
+    let srv = test_server();
+    let o = redbaton(&srv.url(), &["status", r"a\b"]);
+    support::no_panic(&o);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains(r"`\\`"), "{}", stderr(&o));
+}
+
+/// A NAME argument that is not UTF-8 is refused by the argument parser: exit 2, a clear
+/// message, no panic.
+#[test]
+fn a_non_utf8_name_argument_is_a_usage_error() {
+    use std::os::unix::ffi::OsStrExt;
+    let srv = test_server();
+    let o = command(&["--url", &srv.url(), "status"])
+        .arg(std::ffi::OsStr::from_bytes(b"\xffjob"))
+        .output()
+        .unwrap();
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    support::no_panic(&o);
+    assert!(
+        stderr(&o).to_lowercase().contains("utf-8"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// A key under the prefix whose name no lock may have (over 4,096 bytes), beside a real
+/// lock: `list` is not a usage error, and lists the real lock (the key is skipped, or
+/// reported on stderr with exit 3).
+#[test]
+fn list_survives_a_foreign_key_with_a_long_name() {
+    let srv = test_server();
+    let c = client(&srv);
+    let _g = c.lock("real").expect("lock");
+    let mut key = b"redbaton:{".to_vec();
+    key.extend(std::iter::repeat_n(b'x', 5000));
+    key.push(b'}');
+    let () = redis::cmd("SET")
+        .arg(&key)
+        .arg("v")
+        .query(&mut srv.conn())
+        .unwrap();
+    let o = redbaton(&srv.url(), &["list"]);
+    support::no_panic(&o);
+    assert!([0, 3].contains(&code(&o)), "stderr: {}", stderr(&o));
+    assert_eq!(code(&o) == 3, !stderr(&o).is_empty(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("real"), "{}", stdout(&o));
+}
+
+/// A name that `list` cannot inspect (here the user may not read its keys) is reported
+/// on stderr, the others are still listed, and the command ends with exit 3 (runtime), not
+/// 2 (usage).
+#[test]
+fn list_reports_a_name_it_cannot_read_and_goes_on() {
+    let srv = RedisServer::builder()
+        .acl_user("ops", "ops-pass", "~redbaton:{ok}* &* +@all")
+        .start();
+    let c = client(&srv);
+    let _ok = c.lock("ok").expect("lock");
+    let _hidden = c.lock("hidden").expect("lock");
+    let o = redbaton(&srv.url_as("ops", "ops-pass"), &["list"]);
+    support::no_panic(&o);
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    assert!(stdout(&o).contains("ok"), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("hidden"), "{}", stdout(&o));
+    let err = stderr(&o);
+    assert_eq!(
+        err.lines().count(),
+        2,
+        "the name's error, then a summary: {err}"
+    );
+    assert!(err.contains("the others are listed"), "{err}");
+}
+
+/// Connection options parse before the subcommand as after it, and reach the connection
+/// (exit 3 for a dead address, not 2): `--cluster SEED[,SEED]` (or repeated) and
+/// `--sentinel MASTER URL[,URL]`.
+#[test]
+fn connection_options_before_or_after_the_subcommand() {
+    let dead = dead_url();
+    let both = format!("{dead},{dead}");
+    for args in [
+        &["--cluster", &dead, "status", "x"][..],
+        &["--cluster", &both, "status", "x"],
+        &["--cluster", &dead, "--cluster", &dead, "status", "x"],
+        &["status", "x", "--cluster", &dead],
+        &["--sentinel", "mymaster", &dead, "status", "x"],
+        &["--sentinel", "mymaster", &both, "status", "x"],
+        &["status", "x", "--sentinel", "mymaster", &dead],
+    ] {
+        let o = run(args);
+        support::no_panic(&o);
+        assert_eq!(code(&o), 3, "{args:?}: {}", stderr(&o));
+    }
+}
+
+/// A long `--timeout` (a slow link) is accepted: the command takes no lock, so no lease
+/// bounds it.
+#[test]
+fn a_long_timeout_is_accepted() {
+    let srv = test_server();
+    for timeout in ["30", "60", "3600"] {
+        let o = redbaton(&srv.url(), &["--timeout", timeout, "status", "x"]);
+        support::no_panic(&o);
+        assert_eq!(code(&o), 0, "--timeout {timeout}: {}", stderr(&o));
+    }
+}
+
+/// Bad input (huge numbers, unknown flags, an empty name, a timeout out of range) is a
+/// clear error with exit 2 and no panic; a huge interval with `--count 1` ends at once.
+#[test]
+fn bad_input_is_a_usage_error() {
+    let srv = test_server();
+    let url = srv.url();
+    for args in [
+        &["release", "x", "--fence", "99999999999999999999"][..],
+        &["release", "x", "--fence", "-1"],
+        &["--timeout", "18446744073709551615", "status", "x"],
+        &["--timeout", "99999999999999999999", "status", "x"],
+        &["--timeout", "0", "status", "x"],
+        &["--timeout", "3601", "status", "x"],
+        &["status", "x", "--frobnicate"],
+        &["status", ""],
+        &["release", "", "--fence", "1"],
+        &["watch", "x", "--interval", "-5"],
+    ] {
+        let o = redbaton(&url, args);
+        support::no_panic(&o);
+        assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).trim().is_empty(), "{args:?}: a message");
+    }
+    let t = std::time::Instant::now();
+    let o = redbaton(
+        &url,
+        &[
+            "watch",
+            "x",
+            "--interval",
+            "18446744073709551615",
+            "--count",
+            "1",
+        ],
+    );
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(t.elapsed() < secs(20));
+    // The largest fence: refused as not held, exit 1.
+    let o = redbaton(&url, &["release", "x", "--fence", "18446744073709551615"]);
+    support::no_panic(&o);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+}
+
+/// Exit codes of `release`: 0 released, 1 wrong fence, 1 not held, 1 another kind; 3 when
+/// the server is gone.
+#[test]
+fn release_exit_codes() {
+    let srv = test_server();
+    let c = client(&srv);
+    let g = c.lock("rel").expect("lock");
+    let fence = (g.fencing_token() >> 12).to_string();
+    let wrong = (g.fencing_token() >> 12).saturating_add(1).to_string();
+    let release = |url: &str, name: &str, fence: &str| {
+        code(&redbaton(url, &["release", name, "--fence", fence]))
+    };
+    assert_eq!(release(&srv.url(), "rel", &wrong), 1);
+    assert_eq!(release(&srv.url(), "rel", &fence), 0);
+    assert_eq!(release(&srv.url(), "rel", &fence), 1);
+    let _p = c.semaphore("sem", 2).acquire().expect("permit");
+    assert_eq!(release(&srv.url(), "sem", "1"), 1);
+    drop(g);
+    let o = redbaton(&dead_url(), &["release", "rel", "--fence", &fence]);
+    support::no_panic(&o);
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
 }

@@ -1,0 +1,116 @@
+//! The command line's arguments.
+
+use std::path::PathBuf;
+
+use clap::{ArgAction, Parser, Subcommand};
+
+use crate::name::{self, NAME_HELP, Name};
+
+const EXIT_CODES: &str = "Exit codes: 0 ok (status of a free name included), 1 not found or \
+refused (release), 2 usage, 3 runtime (Redis unreachable, refused credentials, a server \
+error, names or nodes `list` could not read, stdout not writable). A closed stdout (`| head`) \
+ends the command with 0.";
+
+/// The operators' view of redbaton locks.
+#[derive(Parser)]
+#[command(name = "redbaton", version, about, after_help = EXIT_CODES)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+    #[command(flatten)]
+    pub conn: Connection,
+    /// Print JSON: one object per name (`list`: one per line).
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// What Redis holds for NAME: kind, holder and fence, lease left, holds, fair queue,
+    /// waiting marks.
+    Status {
+        #[arg(help = NAME_HELP, value_parser = name::parse)]
+        name: Name,
+    },
+    /// The names held or waited for under the prefix, with holder fence, lease left and
+    /// queue length. A name or a node that cannot be read is reported on stderr, the
+    /// others listed, and the command ends with exit 3.
+    List {
+        /// A Redis glob over names (`*`, `?`, `[a-z]`, `\` escapes); default every name.
+        #[arg(default_value = "*")]
+        pattern: String,
+    },
+    /// `status NAME`, refreshed every `--interval` until Ctrl-C (or stdout is closed).
+    Watch {
+        #[arg(help = NAME_HELP, value_parser = name::parse)]
+        name: Name,
+        /// Time between refreshes, in milliseconds.
+        #[arg(long, default_value_t = 1000, value_name = "MS")]
+        interval: u64,
+        /// Stop after this many refreshes, at least 1 (default: until Ctrl-C).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        count: Option<u64>,
+    },
+    /// Deletes NAME's lock only if its fence is still F (see `status`), and wakes its
+    /// waiters. Refuses (exit 1) otherwise, and for read-write locks and semaphores.
+    Release {
+        #[arg(help = NAME_HELP, value_parser = name::parse)]
+        name: Name,
+        /// The holder's fence, as `status` shows it.
+        #[arg(long, value_name = "F")]
+        fence: u64,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct Connection {
+    /// Redis URL (`redis://` or `rediss://`, credentials in it).
+    #[arg(
+        long,
+        global = true,
+        env = "REDIS_URL",
+        hide_env_values = true,
+        default_value = "redis://127.0.0.1:6379/"
+    )]
+    pub url: String,
+    /// Redis Cluster seed URLs, instead of --url: comma-separated, or the option repeated.
+    #[arg(
+        long,
+        global = true,
+        value_delimiter = ',',
+        value_name = "SEED",
+        conflicts_with = "sentinel"
+    )]
+    pub cluster: Vec<String>,
+    /// A Sentinel-managed master, instead of --url: its name, then its sentinels' URLs,
+    /// comma-separated.
+    #[arg(
+        long,
+        global = true,
+        num_args = 2,
+        action = ArgAction::Set,
+        value_names = ["MASTER", "URLS"]
+    )]
+    pub sentinel: Vec<String>,
+    /// Key prefix of the locks.
+    #[arg(long, global = true, default_value = "redbaton:")]
+    pub prefix: String,
+    /// CA certificate (PEM) to trust for `rediss://`.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS; with --tls-key.
+    #[arg(long, global = true, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Client private key (PEM) for mutual TLS; with --tls-cert.
+    #[arg(long, global = true, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Seconds to wait for a connection or a reply, 1 to 3600.
+    #[arg(
+        long,
+        global = true,
+        default_value_t = 3,
+        value_name = "SECS",
+        value_parser = clap::value_parser!(u64).range(1..=3600)
+    )]
+    pub timeout: u64,
+}
