@@ -396,6 +396,12 @@ fn cluster_inspects_slot_masters_and_lists_all() {
         );
     }
     assert_eq!(names(c.locks("*")), want);
+    // A client that routed nothing yet (as the command line is) lists every master too.
+    let fresh = lock_builder!(cluster(cluster.seed_urls()), io_timeouts(ms(1000)))
+        .wakeup(redbaton::Wakeup::Polling(ms(500)))
+        .build()
+        .expect("build");
+    assert_eq!(names(fresh.locks("*")), want);
     let fence = c.inspect("c0").unwrap().fence.unwrap();
     assert_eq!(
         c.force_release("c0", fence).unwrap(),

@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use redbaton::{Cancel, LockClient, Unlocked};
-use redbaton_testkit::cluster::Cluster;
+use redbaton_testkit::cluster::{Cluster, announces_ports_at_runtime, slot_port};
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer};
 use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{exists, lock_client, ms, test_server};
+use redbaton_testkit::{exists, lock_client, ms, secs, test_server};
 
 const PREFIX: &str = "lr:";
 const KEYS: Keys = Keys::new(PREFIX);
@@ -165,6 +165,84 @@ fn permit_release_whose_reply_is_lost_says_released() {
     drop(sem.try_acquire().expect("free"));
 }
 
+// --- contention marks ---------------------------------------------------------------------
+
+/// The contention mark of `name` (`p{n}:w`, see the design's key table).
+fn mark(name: &str) -> String {
+    format!("{}:w", KEYS.lock(name))
+}
+
+/// `take` waits for `a` (and takes whatever else it takes) while a stranger holds `a`: an
+/// attempt runs, finds `a` held and leaves our contention mark, and its reply is lost; the stranger lets go before the same-token retry arrives, which wins. The winner
+/// takes its mark with it, as a winner does: no holder of `a`, this one included, is left
+/// yielding its turns to a waiter that is not there.
+fn a_winning_retry_clears_its_mark(take: impl FnOnce(&LockClient) -> redbaton::Result<()>) {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    // Re-checks every 3,333 ms: a mark's TTL, twice that, is the needle of the first
+    // attempt that leaves one (an attempt before the wait is subscribed leaves none).
+    // Without the fair queue, whose waiters queue instead of marking.
+    let c = lock_client!(
+        node(proxy.url()),
+        key_prefix(PREFIX),
+        lease(ms(LEASE_MS)),
+        io_timeouts(secs(3)),
+        recheck_interval(ms(3333)),
+        fair(false)
+    );
+    // Scripts loaded: the first attempt below is answered by the script, not `NOSCRIPT`.
+    drop(c.try_multi_lock(["warm"]).expect("warm-up"));
+    drop(c.try_lock("warm").expect("warm-up"));
+    let mut conn = srv.conn();
+    let () = redis::cmd("SET")
+        .arg(key("a"))
+        .arg("stranger")
+        .arg("PX")
+        .arg(60_000)
+        .query(&mut conn)
+        .expect("SET");
+    // Each chunk takes 400 ms each way: the retry reaches Redis at least 800 ms after the
+    // first attempt ran, and the stranger lets go in between.
+    proxy.set_delay_both(ms(400));
+    proxy.drop_next_reply_matching(b"6666");
+    let url = srv.url();
+    let freer = thread::spawn(move || {
+        let mut conn = redbaton_testkit::raw_conn(&url);
+        // The first attempt ran once our mark is there: then the stranger goes.
+        wait_for(secs(10), "the first attempt ran", || {
+            exists(&mut conn, mark("a"))
+        });
+        let _: i64 = redis::cmd("DEL")
+            .arg(key("a"))
+            .query(&mut conn)
+            .expect("DEL");
+    });
+    let took = take(&c);
+    freer.join().expect("freer");
+    proxy.heal();
+    took.expect("a is free by the retry");
+    assert_eq!(
+        proxy.replies_dropped(),
+        1,
+        "the first attempt's reply was lost"
+    );
+    assert!(
+        !exists(&mut conn, mark("a")),
+        "the winner's contention mark is gone (PTTL {} ms)",
+        redbaton_testkit::pttl(&mut conn, mark("a"))
+    );
+}
+
+#[test]
+fn a_lock_whose_winning_retry_clears_its_mark() {
+    a_winning_retry_clears_its_mark(|c| c.try_lock_for("a", secs(15)).map(drop));
+}
+
+#[test]
+fn a_multi_lock_whose_winning_retry_clears_its_mark() {
+    a_winning_retry_clears_its_mark(|c| c.try_multi_lock_for(["a", "b"], secs(15)).map(drop));
+}
+
 // --- multi-lock, one node ------------------------------------------------------------------
 
 /// A multi-lock acquire whose first reply is lost is sent again with the same token: every
@@ -298,19 +376,6 @@ fn redlock_unlock_with_a_lost_reply_is_not_expired() {
 }
 
 // --- Redis Cluster ------------------------------------------------------------------------
-
-/// Whether the servers the tests start let a master announce another port while it runs
-/// (`CONFIG SET cluster-announce-port`), which the tests below use to put a proxy in front
-/// of one master: Redis 7 and later. Redis 6.2 only announces the port it started with
-/// (its own `CLUSTER SLOTS` keeps naming it); there the tests say so and check nothing.
-fn announces_ports_at_runtime(test: &str) -> bool {
-    let version = redbaton_testkit::binaries::server_version().expect("server version");
-    let yes = version.at_least(7, 0);
-    if !yes {
-        eprintln!("{test}: {version} cannot announce a master's port at runtime: not checked");
-    }
-    yes
-}
 
 /// Waits until every running node of `cluster` names the node `id` at `port` (gossip
 /// carries a node's announced port to the others).
@@ -480,33 +545,6 @@ fn cluster_multi_lock_release_during_a_migration_is_released() {
         Some(&Unlocked::Released),
         "both locks were ours until unlock and we deleted both: {outcome:?}"
     );
-}
-
-/// The port `server` says serves `slot` (`CLUSTER SLOTS`).
-fn slot_port(server: &RedisServer, slot: u16) -> Option<u16> {
-    let slots: Vec<redis::Value> = redis::cmd("CLUSTER")
-        .arg("SLOTS")
-        .query(&mut server.conn())
-        .ok()?;
-    for range in slots {
-        let redis::Value::Array(parts) = range else {
-            continue;
-        };
-        let int = |v: &redis::Value| match v {
-            redis::Value::Int(n) => Some(*n),
-            _ => None,
-        };
-        let (Some(a), Some(b)) = (int(&parts[0]), int(&parts[1])) else {
-            continue;
-        };
-        if (a..=b).contains(&i64::from(slot)) {
-            let redis::Value::Array(master) = &parts[2] else {
-                return None;
-            };
-            return int(&master[1]).and_then(|p| u16::try_from(p).ok());
-        }
-    }
-    None
 }
 
 /// A cluster whose master serving `c0` is reached through a proxy: the master announces

@@ -42,12 +42,7 @@ fn zrange(srv: &RedisServer, key: &str) -> Vec<String> {
 /// A client whose waits end only by a message (its re-checks and its holders' lease hints
 /// come long after the test).
 fn patient(url: &str) -> LockClient {
-    lock_client!(
-        node(url),
-        key_prefix(PREFIX),
-        lease(secs(60)),
-        recheck_interval(secs(60))
-    )
+    lock_client!(node(url), key_prefix(PREFIX), patient())
 }
 
 /// A writer that waited, marked, and won leaves no mark behind.

@@ -24,7 +24,9 @@ use crate::proto::node::Node;
 /// One node, a Sentinel-managed master or a Redis Cluster slot's master decides alone, and
 /// its view is the whole answer ([`nodes`](Self::nodes) is empty). On Redlock every
 /// master is read: [`nodes`](Self::nodes) has each answering master's own view, in the
-/// order the builder named them, and the other fields are the first answering master's;
+/// order the builder named them, the other fields are the first answering master's (but
+/// [`is_held`](Self::is_held) and [`is_waited_for`](Self::is_waited_for) look at every
+/// master's);
 /// [`unreachable`](Self::unreachable) names those that did not answer.
 ///
 /// Lists (holds, queue entries, marks) stop at 1,000 entries per key.
@@ -101,7 +103,8 @@ impl std::fmt::Debug for LockInfo {
 
 impl LockInfo {
     /// Whether somebody holds the name now: a plain lock, a live read, write or permit
-    /// hold, or a key of another type (which stands in every acquisition's way).
+    /// hold, or a key of another type (which stands in every acquisition's way); on
+    /// Redlock, on any master.
     ///
     /// # Examples
     ///
@@ -114,6 +117,11 @@ impl LockInfo {
     /// # Ok(()) }
     /// ```
     pub fn is_held(&self) -> bool {
+        self.nodes.iter().any(LockInfo::is_held) || self.held_here()
+    }
+
+    /// Whether this view (one node's) shows a hold.
+    fn held_here(&self) -> bool {
         match self.kind {
             LockKind::Free => false,
             LockKind::Lock | LockKind::Foreign { .. } => true,
@@ -124,7 +132,7 @@ impl LockInfo {
     }
 
     /// Whether some process waits for the name: a live fair-queue entry, a waiting
-    /// writer's or reader's mark, or a contention mark.
+    /// writer's or reader's mark, or a contention mark; on Redlock, on any master.
     ///
     /// # Examples
     ///
@@ -136,6 +144,11 @@ impl LockInfo {
     /// # Ok(()) }
     /// ```
     pub fn is_waited_for(&self) -> bool {
+        self.nodes.iter().any(LockInfo::is_waited_for) || self.waited_for_here()
+    }
+
+    /// Whether this view (one node's) shows a waiter.
+    fn waited_for_here(&self) -> bool {
         self.queue.iter().any(|q| q.expires_in.is_some())
             || !self.waiting_writers.is_empty()
             || !self.waiting_readers.is_empty()
@@ -406,7 +419,10 @@ impl LockClient {
     /// library did not write (nothing is deleted: their holds have no single fence, and
     /// each expires with its own lease; on Redlock, only when no node held the lock: the
     /// nodes that did delete it whatever another holds, and the call says `Released`);
-    /// [`Error::InvalidName`]; Redis errors.
+    /// [`Error::InvalidName`]; Redis errors. The script is sent once: after a connection
+    /// error ([`Error::is_connection`]) whether it ran is unknown, and
+    /// [`inspect`](Self::inspect) tells what is there now (sent again, it would find the
+    /// lock it had deleted gone and say `NotHeld`).
     ///
     /// # Examples
     ///
@@ -620,9 +636,12 @@ impl Iterator for Locks {
     fn next(&mut self) -> Option<Self::Item> {
         loop {
             if let Some(name) = self.pending.pop_front() {
-                let info = Keys::new(&self.engine.cfg.key_prefix, &name)
-                    .and_then(|keys| inspect_keys(&self.engine, &keys));
-                match info {
+                // A key under the prefix whose name no lock may have (too long) is not
+                // one of the library's: skipped, as keys of other programs are.
+                let Ok(keys) = Keys::new(&self.engine.cfg.key_prefix, &name) else {
+                    continue;
+                };
+                match inspect_keys(&self.engine, &keys) {
                     Ok(info) if !info.is_held() && !info.is_waited_for() => continue,
                     other => return Some(other),
                 }

@@ -58,8 +58,10 @@ impl LockClient {
     /// [`MAX_MULTI_NAMES`] names, [`Error::InvalidName`] for a bad name (nothing is sent
     /// then); [`Error::WouldDeadlock`] if this thread holds one of the names through a
     /// [`LockGuard`](crate::LockGuard); [`Error::WrongKind`] if a name is held as a
-    /// read-write lock or a semaphore; [`Error::Unsupported`] on a Redlock client; Redis
-    /// errors.
+    /// read-write lock or a semaphore; [`Error::Unsupported`] on a Redlock client;
+    /// [`Error::Lost`] on Redis Cluster when the names of one slot, taken first, were lost
+    /// while those of a later slot were waited for, three times in a row (each time what
+    /// was taken is given back and the names are taken again); Redis errors.
     ///
     /// # Examples
     ///

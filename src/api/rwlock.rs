@@ -1131,7 +1131,8 @@ impl UpgradableReadGuard {
 
 /// An upgrade that was not made (see [`UpgradableReadGuard::try_upgrade_for`]): why, and
 /// the upgradable read guard, given back. The guard still holds the upgradable read unless
-/// the error says it is lost ([`Error::Lost`]), or the upgrade went unanswered (a
+/// the error says it is lost ([`Error::Lost`]: also when the upgrade ran but its reply came
+/// after the hold's lease, too late to use), or the upgrade went unanswered (a
 /// connection error, [`Error::is_connection`]): it may have run, turning the upgradable
 /// read into the write hold, which the library gives back, so the guard is then lost
 /// ([`LostReason::Converted`](crate::LostReason::Converted)). Its

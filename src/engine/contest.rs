@@ -140,13 +140,21 @@ impl WaitEnd {
 
     /// The error a wait ends with after an attempt failed with `error` and was not tried
     /// again: when the caller's deadline passed (or it cancelled) while its master was
-    /// being replaced, a timeout (or a cancel), as for a hold kept until then.
+    /// being replaced, or while the attempt's reply was awaited, a timeout (or a cancel),
+    /// as for a hold kept until then.
     pub fn failed(ride: &Ride<'_>, wait: Wait<'_>, error: Error) -> Error {
         if ride.retried() && wait.cancelled() {
             return Error::Cancelled;
         }
-        if ride.retried() && wait.deadline().is_some_and(|d| Instant::now() >= d) {
+        let past = wait.deadline().is_some_and(|d| Instant::now() >= d);
+        if ride.retried() && past {
             log::debug!("deadline passed during a failover: {error:?}");
+            return Error::Timeout;
+        }
+        // The attempt's read is cut to what the deadline leaves (see `proto::node`): a
+        // reply that had not come by then ends the wait as the deadline does.
+        if past && matches!(&error, Error::Redis(e) if e.is_timeout()) {
+            log::debug!("deadline passed waiting for a reply: {error:?}");
             return Error::Timeout;
         }
         error
@@ -299,6 +307,9 @@ impl Contest<'_> {
         // it may have left to give back if the wait ends before the retry.
         let mut ride = Ride::new(&engine.topology, &engine.counters);
         let mut carried: Option<(String, Undo)> = None;
+        // What the attempts before a retry with their token may have left: the retry's own
+        // failure (a refused connection, say) says nothing of them.
+        let mut earlier = Undo::default();
         let mut end = WaitEnd::new(&engine.cfg);
         // Grants heard and not yet judged: at the deadline, or while the subscriber's
         // early attempt was in flight.
@@ -363,7 +374,10 @@ impl Contest<'_> {
                         leave: wait.waits_now(),
                         clear: self.marked,
                     };
-                    let retried = carried.take().map(|(tried, _)| tried);
+                    let retried = carried.take().map(|(tried, undo)| {
+                        earlier = undo;
+                        tried
+                    });
                     let token = self.token.map(str::to_owned).or(retried);
                     (before, marks, self.round(marks, token))
                 }
@@ -371,6 +385,7 @@ impl Contest<'_> {
             if !matches!(outcome, Ok(Round::Failed { .. })) {
                 ride.settled();
                 carried = None;
+                earlier = Undo::default();
             }
             let hint = match outcome {
                 Ok(Round::Acquired(won)) => return Ok(won),
@@ -391,6 +406,12 @@ impl Contest<'_> {
                     // Our own release of it wakes us: try again at once.
                     Some(Duration::ZERO)
                 }
+                Ok(Round::Late) if self.from.is_some() => {
+                    // A conversion that ran too late was given back (see `undo`): the
+                    // hold it converted is gone, which a timeout would deny.
+                    self.leave();
+                    return Err(Error::Lost(LostReason::Converted));
+                }
                 Ok(Round::Late) => {
                     end.late = true;
                     Some(Duration::ZERO)
@@ -398,8 +419,9 @@ impl Contest<'_> {
                 Ok(Round::Failed {
                     error,
                     token: tried,
-                    undo,
+                    mut undo,
                 }) => {
+                    undo.absorb(std::mem::take(&mut earlier));
                     // An attempt whose reply was lost may have left our mark (or queue
                     // entry): take it with us if we leave.
                     self.marked |= marks.leave && may_have_run(&error);

@@ -1,8 +1,9 @@
 //! The start-up check of the node's eviction policy.
 //!
-//! A lock key carries its lease as TTL, so a `volatile-*` policy may evict a held lock
+//! Every key of the library has a TTL (a lock key its lease, a fencing counter
+//! `fence_ttl`), so a `volatile-*` policy, as an `allkeys-*` one, may evict a held lock
 //! under memory pressure, and another client then takes it while the holder believes it
-//! holds it; an `allkeys-*` policy may evict lock keys and fencing counters alike. Only
+//! holds it, or a fencing counter, and the next holder is not told of a lost hold. Only
 //! `noeviction` (writes fail instead) is safe, and no policy evicts while `maxmemory` is
 //! 0 (no limit). The check reads the two settings where `CONFIG GET` is allowed and warns
 //! once per node per client; a refusal is not worth more than a debug line.
@@ -24,11 +25,8 @@ pub(crate) fn risk(settings: &HashMap<String, String>) -> Option<String> {
     if maxmemory == 0 || policy == "noeviction" {
         return None;
     }
-    let what = if policy.starts_with("volatile-") {
-        "a held lock's key (it has a TTL): another client can then take the lock"
-    } else {
-        "a held lock's key (another client can then take the lock) and a fencing counter"
-    };
+    // Every key of the library has a TTL, so `volatile-*` may evict any of them too.
+    let what = "a held lock's key (another client can then take the lock) and a fencing counter";
     Some(format!(
         "maxmemory-policy is {policy} with maxmemory {maxmemory}: under memory pressure Redis may evict {what}; set maxmemory-policy noeviction"
     ))
@@ -42,18 +40,14 @@ pub(crate) fn warn_if_risky(node: &NodeId, settings: &HashMap<String, String>) {
     }
 }
 
-/// Reads [`SETTINGS`] on its own (when waiters poll, no notification check reads them).
-/// A refusal (an ACL, a renamed `CONFIG`, a server that takes one parameter per
-/// `CONFIG GET`) reads nothing.
+/// Reads [`SETTINGS`] on its own (when waiters poll, no notification check reads them),
+/// one at a time on a server before Redis 7. A refusal (an ACL, a renamed `CONFIG`) reads
+/// nothing.
 pub(crate) fn read(node: &NodeId, conn: &mut Connection) -> HashMap<String, String> {
-    redis::cmd("CONFIG")
-        .arg("GET")
-        .arg(&SETTINGS[..])
-        .query(conn)
-        .unwrap_or_else(|e| {
-            log::debug!("node {node}: eviction policy unknown: {e}");
-            HashMap::new()
-        })
+    crate::wake::notify::config_get(conn, &SETTINGS).unwrap_or_else(|e| {
+        log::debug!("node {node}: eviction policy unknown: {e}");
+        HashMap::new()
+    })
 }
 
 #[cfg(test)]

@@ -42,7 +42,7 @@ use crate::config::Wakeup;
 use crate::engine::contest::{Next, Wait, WaitEnd};
 use crate::engine::state::Engine;
 use crate::engine::waiter::Waiter;
-use crate::error::{Error, Result, Unlocked};
+use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing::MAX_FENCE;
 use crate::local::held::{Acquisition, RemoteLock};
 use crate::proto::keys::{Keys, keyslot};
@@ -61,6 +61,10 @@ pub(crate) const MAX_NAMES: usize = 64;
 /// What a multi-lock's contention marks carry after the client's id: not the client's id
 /// itself, so that this process's own holders of the names count it as a waiter.
 const MARK_SUFFIX: &str = ":multi";
+/// Rounds a multi-lock takes its groups in when one taken early is lost while a later one
+/// is waited for: a name whose key keeps vanishing (an operator deleting it, a server
+/// evicting) ends the call with [`Error::Lost`] rather than have it try forever.
+const TAKE_ROUNDS: u32 = 3;
 
 /// A multi-lock held.
 pub(crate) struct MultiHeld {
@@ -102,6 +106,44 @@ impl Engine {
             .iter()
             .map(|locks| self.release_group(locks))
             .fold(Ok(Unlocked::Released), worst)
+    }
+
+    /// Gives back one group that a multi-lock took and does not keep (see [`Partial`]):
+    /// one release where the route says now, not ridden through a failover, which could
+    /// keep the caller (whose deadline is near or past, or who got an error) up to a
+    /// lease; what it could not confirm is left to the cleanup job.
+    fn give_back_group(self: &Arc<Self>, locks: &[Arc<RemoteLock>]) {
+        let Some(first) = locks.first() else {
+            return;
+        };
+        for lock in locks {
+            // No renewal may be sent once this returns.
+            lock.begin_release(&self.counters);
+        }
+        if let Some(w) = &self.watchdog {
+            locks.iter().for_each(|l| w.unregister(l));
+        }
+        let keys: Vec<Keys> = locks.iter().map(|l| l.keys.clone()).collect();
+        let fences: Vec<Option<u64>> = locks.iter().map(|l| Some(l.fence)).collect();
+        let route = self.topology.route(&first.keys);
+        let released = on_sole(&route, |node| {
+            let token = first.token.as_str();
+            (first.protocol).release_all(node, &keys, token, &fences, route.retry())
+        });
+        if let Err(e) = released {
+            log::debug!("giving back a multi-lock's names failed: {e}; left to the cleanup job");
+            let nodes: Vec<_> = route.nodes().iter().map(|n| n.id.clone()).collect();
+            for lock in locks {
+                let (token, fence) = (lock.token.clone(), Some(lock.fence));
+                (self.cleanup).release_later(
+                    &lock.keys,
+                    lock.protocol,
+                    token,
+                    fence,
+                    nodes.clone(),
+                );
+            }
+        }
     }
 
     /// The groups of `names` in the order they are taken, each with its keys sorted and
@@ -150,11 +192,43 @@ impl Engine {
         wait: Wait<'_>,
     ) -> Result<(Vec<Vec<Arc<RemoteLock>>>, Vec<Arc<RemoteLock>>)> {
         let groups = self.groups_of(names)?;
+        let mut rounds = 1;
+        let held = loop {
+            match self.take_groups(&groups, wait)? {
+                Ok(held) => break held,
+                Err(reason) if rounds < TAKE_ROUNDS => {
+                    rounds += 1;
+                    log::info!(
+                        "multi-lock: a name taken first was lost ({reason}) while later ones were waited for; taking them all again"
+                    );
+                }
+                Err(reason) => return Err(Error::Lost(reason)),
+            }
+        };
+        let mut by_name: Vec<Option<Arc<RemoteLock>>> = vec![None; names.len()];
+        for (group, locks) in groups.iter().zip(&held) {
+            for ((i, _), lock) in group.iter().zip(locks) {
+                by_name[*i] = Some(lock.clone());
+            }
+        }
+        Ok((held, by_name.into_iter().flatten().collect()))
+    }
+
+    /// One round of [`take_all`](Self::take_all): every group in order, or why one taken
+    /// early was lost while a later one was waited for (its key deleted, its lease run out
+    /// in a stall): the names were then never all held at once, and what was taken has
+    /// been given back.
+    #[allow(clippy::type_complexity)]
+    fn take_groups(
+        self: &Arc<Self>,
+        groups: &[Vec<(usize, Keys)>],
+        wait: Wait<'_>,
+    ) -> Result<std::result::Result<Vec<Vec<Arc<RemoteLock>>>, LostReason>> {
         let mut taken = Partial {
             engine: self,
             groups: Vec::with_capacity(groups.len()),
         };
-        for group in &groups {
+        for group in groups {
             let keys: Vec<Keys> = group.iter().map(|(_, k)| k.clone()).collect();
             let locks = self.take_group(&keys, wait).inspect_err(|e| {
                 if e.is_timeout() {
@@ -168,14 +242,11 @@ impl Engine {
             }
             taken.groups.push(locks);
         }
-        let held = std::mem::take(&mut taken.groups);
-        let mut by_name: Vec<Option<Arc<RemoteLock>>> = vec![None; names.len()];
-        for (group, locks) in groups.iter().zip(&held) {
-            for ((i, _), lock) in group.iter().zip(locks) {
-                by_name[*i] = Some(lock.clone());
-            }
+        let mut taken_locks = taken.groups.iter().flatten();
+        if let Some(reason) = taken_locks.find_map(|l| l.lost(&self.counters)) {
+            return Ok(Err(reason));
         }
-        Ok((held, by_name.into_iter().flatten().collect()))
+        Ok(Ok(std::mem::take(&mut taken.groups)))
     }
 
     /// Contends for the locks `keys` (one group) until all are ours, the wait policy says
@@ -279,13 +350,8 @@ struct Partial<'a> {
 
 impl Drop for Partial<'_> {
     fn drop(&mut self) {
-        if self.groups.is_empty() {
-            return;
-        }
-        if let Err(e) = self.engine.release_multi(&self.groups) {
-            log::warn!(
-                "giving back a multi-lock's names failed (they expire with their lease): {e}"
-            );
+        for locks in std::mem::take(&mut self.groups) {
+            self.engine.give_back_group(&locks);
         }
     }
 }
@@ -314,13 +380,15 @@ impl GroupContest<'_> {
         // Redis Cluster: retries through a failover with the token of the attempt that
         // failed (the script recognises its own token: invariant 3).
         let mut ride = Ride::new(&engine.topology, &engine.counters);
-        let mut carried: Option<String> = None;
+        // The token of a failed attempt that may have run, for the retry, and whether an
+        // attempt with it may have run (the retry's own failure says nothing of those).
+        let mut carried: Option<(String, bool)> = None;
         let mut end = WaitEnd::new(&engine.cfg);
         let mut fresh = true;
         loop {
             if wait.cancelled() {
                 // A failed attempt carried into the ride may have taken the names.
-                if let Some(token) = carried.take() {
+                if let Some((token, _)) = carried.take() {
                     self.release_later(token);
                 }
                 self.leave();
@@ -342,7 +410,7 @@ impl GroupContest<'_> {
                 leave: wait.waits_now(),
                 clear: self.marked,
             };
-            let token = carried.take().unwrap_or_else(new_token);
+            let (token, ran_before) = carried.take().unwrap_or_else(|| (new_token(), false));
             // On the lease clock: the validity counts from here.
             let started = Stamp::now();
             let outcome = self.attempt(&token, marks);
@@ -371,14 +439,15 @@ impl GroupContest<'_> {
                 }
                 Err(e) => {
                     self.marked |= marks.leave && may_have_run(&e);
+                    let ran = ran_before || may_have_run(&e);
                     if matches!(wait, Wait::Until(..))
                         && !wait.cancelled()
                         && ride.again(&e, deadline)
                     {
-                        carried = Some(token);
+                        carried = Some((token, ran));
                         continue;
                     }
-                    if may_have_run(&e) {
+                    if ran {
                         self.release_later(token);
                     }
                     self.leave();

@@ -28,8 +28,9 @@ pub(crate) const MAX_LISTED: usize = 1000;
 /// queue, queue expiries, writers, readers}`: `TIME`; the lock key's type, its value when
 /// a string (else nil) and `PTTL`; the fence counter (nil when gone or not a string); the
 /// mark's value and `PTTL`; then `member, score` lists of the lock key (a sorted set's
-/// holds, kind member first), the queue by arrival, the queue's expiries, and the waiting
-/// writers' and readers' marks. A key of an unexpected type reads as empty (`pcall`).
+/// holds, kind member first), the queue by arrival, the expiries of the entries listed,
+/// and the live waiting writers' and readers' marks. A key of an unexpected type reads as
+/// empty (`pcall`).
 static INSPECT: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(
         r"
@@ -44,12 +45,39 @@ local function range(key)
   if v.err then return {} end
   return v
 end
+-- The live marks of `key` (scored by expiry, in ms): dead ones, first by score, would
+-- fill the list and hide the live.
+local function live(key)
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local v = redis.pcall('ZRANGEBYSCORE', key, '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0,
+    ARGV[1] + 1)
+  if v.err then return {} end
+  return v
+end
+-- `member, score` of each member of `listed` (a `member, score` list) in `key`: the
+-- expiries of the queue entries listed, however many others expire first.
+local function scores_of(key, listed)
+  local members = {}
+  for i = 1, #listed, 2 do members[#members + 1] = listed[i] end
+  if #members == 0 then return {} end
+  local v = redis.pcall('ZMSCORE', key, unpack(members))
+  if v.err then return {} end
+  local out = {}
+  for i = 1, #members do
+    if v[i] then
+      out[#out + 1] = members[i]
+      out[#out + 1] = v[i]
+    end
+  end
+  return out
+end
 local ty = redis.call('TYPE', KEYS[1]).ok
 local holds = {}
 if ty == 'zset' then holds = range(KEYS[1]) end
+local queue = range(KEYS[5])
 return {t[1], t[2], ty, get(KEYS[1]), redis.call('PTTL', KEYS[1]), get(KEYS[2]),
-  get(KEYS[4]), redis.call('PTTL', KEYS[4]), holds, range(KEYS[5]), range(KEYS[6]),
-  range(KEYS[7]), range(KEYS[8])}
+  get(KEYS[4]), redis.call('PTTL', KEYS[4]), holds, queue, scores_of(KEYS[6], queue),
+  live(KEYS[7]), live(KEYS[8])}
 ",
     )
 });
@@ -219,8 +247,9 @@ pub(crate) enum Forced {
 }
 
 /// Deletes the lock of `keys` on `node` only while its fence counter is `fence` (see
-/// [`FORCE_RELEASE`]). Sent once: a retry after a lost reply would find the key gone and
-/// say "not held" of a lock it deleted.
+/// [`FORCE_RELEASE`]). Sent once, also when the connection drops (its outcome is then
+/// unknown, and the error says so): a retry after a lost reply would find the key gone
+/// and say "not held" of a lock it deleted.
 pub(crate) fn force_release(node: &Node, keys: &Keys, fence: u64) -> Result<Forced> {
     let mut call = FORCE_RELEASE.call(3);
     call.arg(keys.lock())
@@ -230,7 +259,7 @@ pub(crate) fn force_release(node: &Node, keys: &Keys, fence: u64) -> Result<Forc
         .arg(keys.channel())
         .arg(node.publish_mode());
     let (status, counter): (i64, Option<String>) =
-        node.run_script(&FORCE_RELEASE, &call, Retry::ON_RESET, None)?;
+        node.run_script(&FORCE_RELEASE, &call, Retry::NEVER, None)?;
     Ok(match status {
         1 => Forced::Released,
         0 => Forced::NotHeld,

@@ -186,20 +186,20 @@ fn taken_of(reply: Vec<i64>, locks: usize) -> Result<Taken> {
 }
 
 impl Node {
-    /// One [`MULTI_ACQUIRE`] `call` for a group of `locks` locks on this node, retried with
+    /// One [`MULTI_ACQUIRE`] call for a group of `locks` locks on this node, retried with
     /// the same token after an ambiguous failure as `retry` says (the script recognises its
-    /// own token), within `deadline`; with the replicas' `WAIT` when `replica_ack` asks.
+    /// own token; `calls`: the call, and the retry's when it differs, see
+    /// `Node::run_acquire`), within `deadline`; with the replicas' `WAIT` when `replica_ack` asks.
     /// When the outcome stays unknown, the caller must release the token's locks.
     pub(crate) fn acquire_all(
         &self,
-        call: &Cmd,
+        calls: (&Cmd, Option<&dyn Fn() -> Cmd>),
         locks: usize,
         retry: Retry,
         deadline: Option<std::time::Instant>,
     ) -> Result<Taken> {
         let took = |reply: &Vec<i64>| reply.first() == Some(&1);
-        let (reply, unacked) =
-            self.run_acquire(&MULTI_ACQUIRE, (call, None), retry, deadline, took)?;
+        let (reply, unacked) = self.run_acquire(&MULTI_ACQUIRE, calls, retry, deadline, took)?;
         match (taken_of(reply, locks)?, unacked) {
             (Taken::All(_), Some(acked)) => Ok(Taken::Unacked { acked }),
             (held @ Taken::Held { .. }, _) => {

@@ -414,8 +414,21 @@ impl Protocol {
         }
         let call = self.lock_call(node, req);
         let took = |reply: &(i64, i64, i64)| reply.0 == 1;
+        // A retry after a lost reply, whose first send may have left our contention mark:
+        // it clears it if it wins (see `multi_scripts` for the same on a multi-lock).
+        let clearing = Request {
+            marks: Marks {
+                clear: true,
+                ..req.marks
+            },
+            ..req
+        };
+        let again = || self.lock_call(node, clearing);
+        let marks_left =
+            matches!(self, Protocol::Lock { .. }) && req.marks.leave && !req.marks.clear;
+        let again = marks_left.then_some(&again as &dyn Fn() -> Cmd);
         let (reply, unacked) =
-            node.run_acquire(self.acquire_script(), (&call, None), retry, deadline, took)?;
+            node.run_acquire(self.acquire_script(), (&call, again), retry, deadline, took)?;
         match (attempt_of(node, reply)?, unacked) {
             (Attempt::Acquired { .. }, Some(acked)) => Ok(Attempt::Unacked { acked }),
             (attempt, _) => Ok(attempt),
@@ -571,7 +584,11 @@ impl Protocol {
         };
         let call =
             multi_scripts::acquire_call(site, keys, token, millis(lease), mark_ms, marks.clear);
-        node.acquire_all(&call, keys.len(), retry, deadline)
+        // A retry after a lost reply, whose first send may have left our marks: it clears
+        // them if it wins (a winner's marks would tell holders that someone waits).
+        let again = || multi_scripts::acquire_call(site, keys, token, millis(lease), mark_ms, true);
+        let again = (marks.leave && !marks.clear).then_some(&again as &dyn Fn() -> Cmd);
+        node.acquire_all((&call, again), keys.len(), retry, deadline)
     }
 
     /// Gives back `token`'s locks `keys` on `node` (a multi-lock's group), each as

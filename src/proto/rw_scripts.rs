@@ -229,8 +229,8 @@ end
 /// its mark and nonce go, and `g<member>:<nonce>:<fence>:<grant ms>` tells it, with the
 /// nonce of its latest attempt (`0` when it has none, or when the write hold before ended
 /// without a release: only a wake-up, whose confirming attempt tells of the loss). An
-/// upgrade waiting (an upgradable member marked as a writer, whose hold is gone) is only
-/// woken. Returns whether it wrote holds into the key (the key, left with no live hold,
+/// upgrade waiting (an upgradable member marked as a writer, whose hold is gone: no hold
+/// is live) is woken and its mark taken out, and the grant goes to the next waiting. Returns whether it wrote holds into the key (the key, left with no live hold,
 /// is deleted only when it did not: a grant would write it again at once), and whether it
 /// issued a write grant's fence (which marked `released`'s counter).
 const PASS_ON: &str = r"
@@ -263,6 +263,17 @@ end
 local function grant_first(now, released)
   local grant_ms = tonumber(ARGV[4])
   local w = first_waiting(KEYS[2], now)
+  -- An upgrade's mark, with no hold left here to upgrade (its upgrader crashed, or gave
+  -- up unheard): its upgrader, if alive, is told (its next attempt finds its hold gone),
+  -- and the grant goes on to the next waiting.
+  local skipped = 0
+  while w and string.sub(w, 1, 1) == 'u' and skipped < MARK_CHUNK do
+    redis.call('ZREM', KEYS[2], w)
+    redis.call('ZREM', KEYS[5], w)
+    publish(ARGV[2], 'g' .. w .. ':0')
+    skipped = skipped + 1
+    w = first_waiting(KEYS[2], now)
+  end
   if not w then
     -- No writer waits: the readers that marked themselves waiting get read holds, in
     -- one call each for all of them (an upgradable read, or a waiter with no mark, is

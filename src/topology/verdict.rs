@@ -50,6 +50,19 @@ impl Undo {
     pub fn is_empty(&self) -> bool {
         self.granted.is_empty() && self.unknown.is_empty()
     }
+
+    /// Adds what an earlier attempt with the same token may have left.
+    pub fn absorb(&mut self, earlier: Undo) {
+        for (mine, theirs) in [
+            (&mut self.granted, earlier.granted),
+            (&mut self.unknown, earlier.unknown),
+        ] {
+            mine.extend(theirs);
+            mine.sort();
+            mine.dedup();
+        }
+        self.unknown.retain(|n| !self.granted.contains(n));
+    }
 }
 
 /// How a round of replies is judged.

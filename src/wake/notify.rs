@@ -23,6 +23,9 @@ fn is_fatal(e: &redis::RedisError) -> bool {
         || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
 }
 
+/// The server setting of the classes notified.
+const FLAGS: &str = "notify-keyspace-events";
+
 /// The classes we need, in `notify-keyspace-events` syntax.
 pub(crate) const NEEDED: &str = "Kg$xe";
 
@@ -58,20 +61,8 @@ pub(crate) fn ensure_reading(
     allowed: bool,
     also: &[&str],
 ) -> redis::RedisResult<(Mode, HashMap<String, String>)> {
-    let current = match config_get(conn, also) {
-        Err(e) if !also.is_empty() && is_arity_error(&e) => {
-            // One parameter per call before Redis 7: the flags, then each of `also`.
-            config_get(conn, &[]).map(|mut flags| {
-                for &k in also {
-                    let one: redis::RedisResult<HashMap<String, String>> =
-                        redis::cmd("CONFIG").arg("GET").arg(k).query(conn);
-                    flags.extend(one.unwrap_or_default());
-                }
-                flags
-            })
-        }
-        other => other,
-    };
+    let params: Vec<&str> = std::iter::once(FLAGS).chain(also.iter().copied()).collect();
+    let current = config_get(conn, &params);
     let current = match current {
         Ok(v) => v,
         Err(e) if is_fatal(&e) => return Err(e),
@@ -89,12 +80,26 @@ pub(crate) fn ensure_reading(
 
 /// `CONFIG GET notify-keyspace-events` and `also`, as a map (a flat array on a RESP2
 /// connection, a map on the subscriber's RESP3 one).
-fn config_get(conn: &mut Connection, also: &[&str]) -> redis::RedisResult<HashMap<String, String>> {
-    redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("notify-keyspace-events")
-        .arg(also)
-        .query(conn)
+/// `CONFIG GET` of `params` in one call, or, on a server before Redis 7 (which takes one
+/// parameter per call), one call each: the first parameter's error is the call's, a later
+/// one's reads nothing of it.
+pub(crate) fn config_get(
+    conn: &mut Connection,
+    params: &[&str],
+) -> redis::RedisResult<HashMap<String, String>> {
+    let get = |conn: &mut Connection, params: &[&str]| {
+        redis::cmd("CONFIG").arg("GET").arg(params).query(conn)
+    };
+    match get(conn, params) {
+        Err(e) if params.len() > 1 && is_arity_error(&e) => {
+            let mut all: HashMap<String, String> = get(conn, &params[..1])?;
+            for &param in &params[1..] {
+                all.extend(get(conn, &[param]).unwrap_or_default());
+            }
+            Ok(all)
+        }
+        other => other,
+    }
 }
 
 /// A server before Redis 7 refuses a `CONFIG GET` of several parameters this way.
@@ -108,10 +113,7 @@ fn merge(
     allowed: bool,
     current: &HashMap<String, String>,
 ) -> redis::RedisResult<Mode> {
-    let flags = current
-        .get("notify-keyspace-events")
-        .cloned()
-        .unwrap_or_default();
+    let flags = current.get(FLAGS).cloned().unwrap_or_default();
     let lacking = missing(&flags);
     if lacking.is_empty() {
         return Ok(Mode::Keyspace);
@@ -124,7 +126,7 @@ fn merge(
     let merged = format!("{flags}{lacking}");
     match redis::cmd("CONFIG")
         .arg("SET")
-        .arg("notify-keyspace-events")
+        .arg(FLAGS)
         .arg(&merged)
         .query::<()>(conn)
     {

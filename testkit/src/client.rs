@@ -9,10 +9,13 @@
 //! Settings are the builder's own methods, written as calls and applied in order:
 //! `lock_client!(node(url), key_prefix("p:"), lease(secs(30)))`. One shorthand:
 //! `io_timeouts(d)` sets the connect, read and write timeouts to `d`, the bound the
-//! tests of failover and migration use for every network step.
+//! tests of failover and migration use for every network step. And `patient()`: a lease
+//! and a re-check interval of a minute, so that a wait ends only by a message (or its
+//! deadline), its re-checks and its holders' lease hints coming long after the test.
 
 /// A `redbaton::Builder` with `settings` applied in order (builder methods written as
-/// calls, plus `io_timeouts(d)` for the connect, read and write timeouts at once).
+/// calls, plus `io_timeouts(d)` for the connect, read and write timeouts at once and
+/// `patient()` for a minute's lease and re-check interval).
 ///
 /// ```ignore
 /// let b = lock_builder!(node(srv.url()), lease(secs(2)));
@@ -51,6 +54,10 @@ macro_rules! __lock_settings {
         $crate::__lock_settings!(
             $b.connect_timeout(d).read_timeout(d).write_timeout(d); $($($rest)*)?
         )
+    }};
+    ($b:expr; patient() $(, $($rest:tt)*)?) => {{
+        let minute = ::std::time::Duration::from_secs(60);
+        $crate::__lock_settings!($b.lease(minute).recheck_interval(minute); $($($rest)*)?)
     }};
     ($b:expr; $setting:ident($($arg:expr),* $(,)?) $(, $($rest:tt)*)?) => {
         $crate::__lock_settings!($b.$setting($($arg),*); $($($rest)*)?)

@@ -601,6 +601,27 @@ fn slot_owners(s: &RedisServer) -> Vec<(u16, u16, u16)> {
     out
 }
 
+/// The port that `server` says serves `slot` (`CLUSTER SLOTS`): the master's own, or the
+/// one it announces.
+pub fn slot_port(server: &RedisServer, slot: u16) -> Option<u16> {
+    slot_owners(server)
+        .into_iter()
+        .find(|(a, b, _)| (*a..=*b).contains(&slot))
+        .map(|(_, _, port)| port)
+}
+
+/// Whether the server can change the port a master announces while it runs
+/// (`CONFIG SET cluster-announce-port`, Redis 7 on), which tests that put a proxy in
+/// front of a master need; when not, says so for `test`, which is then not checked.
+pub fn announces_ports_at_runtime(test: &str) -> bool {
+    let version = crate::binaries::server_version().expect("server version");
+    let yes = version.at_least(7, 0);
+    if !yes {
+        eprintln!("{test}: {version} cannot announce a master's port at runtime: not checked");
+    }
+    yes
+}
+
 fn owns_slots(s: &RedisServer) -> bool {
     slot_owners(s).iter().any(|(_, _, port)| *port == s.port())
 }

@@ -396,12 +396,14 @@ impl Redis {
     /// `grant_first`: the write hold to the writer waiting longest, else read holds to
     /// every reader marked waiting, else `r`. Whether it wrote holds.
     fn grant_first(&mut self, cfg: &SharedConfig, now: u8, out: &mut Vec<Publish>) -> bool {
+        // An upgrade waiting whose upgradable hold is gone (no hold is live here): woken,
+        // its mark taken out, and the grant goes on to the next waiting.
+        while let Some(w) = first(&self.writers, now).filter(|w| w.member.want == Want::Upgradable)
+        {
+            zrem(&mut self.writers, w.member);
+            out.push(Publish::Wake(w.member));
+        }
         if let Some(w) = first(&self.writers, now) {
-            if w.member.want == Want::Upgradable {
-                // An upgrade waiting whose upgradable hold is gone: only woken.
-                out.push(Publish::Wake(w.member));
-                return false;
-            }
             self.fence += 1;
             self.grant(cfg, now, w.member, self.fence, out);
             return true;
