@@ -322,6 +322,34 @@ fn a_downgrade_keeps_a_waiting_writer_out_and_lets_local_readers_join() {
     assert_only_fences(&srv);
 }
 
+/// A downgrade turns the write hold into a read hold of the same acquisition (its fence
+/// kept): the hold's cap (`max_hold`) still counts from the write hold's acquisition, so
+/// that an upgradable read, an upgrade and a downgrade do not hold a name past it.
+#[test]
+fn a_downgrade_keeps_the_hold_cap_of_the_write_hold() {
+    let (_srv, c) =
+        test_server_and(|url| lock_client!(node(url), key_prefix(PREFIX), max_hold(ms(2000))));
+    let w = c.rwlock("cap").write().expect("write");
+    let taken = Instant::now();
+    thread::sleep(ms(1500));
+    let r = w.downgrade().expect("downgrade");
+    r.check().expect("held within the cap");
+    while r.check().is_ok() && taken.elapsed() < LIVENESS {
+        thread::sleep(ms(20));
+    }
+    let ended = taken.elapsed();
+    assert!(
+        matches!(r.check(), Err(Error::Lost(LostReason::HoldLimit))),
+        "{:?}",
+        r.check()
+    );
+    // The cap ends it at 2 s; counted from the downgrade it would be 3.5 s.
+    assert!(
+        ended < ms(3000),
+        "the read hold lasted {ended:?} from the write hold's acquisition, its cap 2 s"
+    );
+}
+
 #[test]
 fn a_downgrade_wakes_other_processes_readers() {
     let (srv, envs) = served("wake");

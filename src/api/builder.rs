@@ -466,8 +466,10 @@ impl Builder {
     /// `check()` fails from the cap on, and a hold past it is not handed to a waiting local
     /// thread but released in Redis. The cap counts from the acquisition in Redis: the
     /// local threads a hold is handed to (see [`local_handoff`](Self::local_handoff))
-    /// share it, and the rest of its cap. Must be above zero ([`Error::InvalidConfig`] otherwise); `Duration::MAX` means no
-    /// cap, the default.
+    /// share it, and the rest of its cap, as does the read hold a write hold is downgraded
+    /// to (an upgrade issues a new fence, and its write hold a cap of its own). Must be
+    /// above zero ([`Error::InvalidConfig`] otherwise); `Duration::MAX` means no cap, the
+    /// default.
     ///
     /// # Examples
     ///

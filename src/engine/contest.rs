@@ -812,7 +812,7 @@ impl Engine {
         Arc::new(self.remote_lock(acquisition))
     }
 
-    fn remote_lock(&self, acquisition: Acquisition) -> RemoteLock {
+    pub(crate) fn remote_lock(&self, acquisition: Acquisition) -> RemoteLock {
         let cfg = &self.cfg;
         let lease = cfg.lease;
         RemoteLock::new(

@@ -487,7 +487,7 @@ impl Engine {
                 return Err(e);
             }
         }
-        let remote = self.new_hold(Acquisition {
+        let acquisition = Acquisition {
             keys: keys.clone(),
             protocol,
             token: member,
@@ -495,7 +495,8 @@ impl Engine {
             previous_lost: false,
             nodes: from.nodes.clone(),
             started,
-        });
+        };
+        let remote = Arc::new(self.remote_lock(acquisition).capped_as(from));
         if let Some(w) = &self.watchdog {
             w.register(remote.clone(), remote.next_due());
         }

@@ -107,6 +107,14 @@ pub(crate) struct Acquisition {
 }
 
 impl RemoteLock {
+    /// This hold, made of `from` (a write hold turned into a read hold), keeps `from`'s
+    /// cap: the cap counts from the acquisition in Redis, which a conversion does not
+    /// renew.
+    pub fn capped_as(mut self, from: &RemoteLock) -> Self {
+        self.hold_limit = self.hold_limit.min(from.hold_limit);
+        self
+    }
+
     pub fn new(
         won: Acquisition,
         lease: Duration,
