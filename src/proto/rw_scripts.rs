@@ -230,7 +230,8 @@ end
 /// nonce of its latest attempt (`0` when it has none, or when the write hold before ended
 /// without a release: only a wake-up, whose confirming attempt tells of the loss). An
 /// upgrade waiting (an upgradable member marked as a writer, whose hold is gone: no hold
-/// is live) is woken and its mark taken out, and the grant goes to the next waiting. Returns whether it wrote holds into the key (the key, left with no live hold,
+/// is live) is woken and its mark taken out, and the grant goes to the next waiting.
+/// Returns whether it wrote holds into the key (the key, left with no live hold,
 /// is deleted only when it did not: a grant would write it again at once), and whether it
 /// issued a write grant's fence (which marked `released`'s counter).
 const PASS_ON: &str = r"
