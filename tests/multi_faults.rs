@@ -5,7 +5,8 @@
 //! name lists are refused before anything is sent; on a Cluster, a call that times out
 //! while a master it took names on is silent returns by its deadline, an attempt whose
 //! replies were lost is given back even when the ride through the failure ends refused,
-//! and a multi-lock is never returned with a lock already lost. (A retry that wins after
+//! and a multi-lock is never returned with a lock already lost. The plain lock's wait is
+//! the same contest: two of these cases are checked for it too. (A retry that wins after
 //! a lost reply is in `lost_replies.rs`.)
 //!
 //! Times are liveness bounds, never speed claims.
@@ -13,7 +14,7 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{LockClient, Unlocked};
+use redbaton::{LockClient, Result, Unlocked};
 use redbaton_testkit::cluster::{Cluster, announces_ports_at_runtime, slot_port};
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::proxy::Proxy;
@@ -45,14 +46,15 @@ fn client(url: &str, io: Duration) -> LockClient {
 }
 
 /// A server, a proxy in front of it, and a client through the proxy whose scripts are
-/// loaded (a warm-up multi-lock taken and given back), so that the first `EVALSHA` of a
-/// test is answered by the script, not by `NOSCRIPT`.
+/// loaded (a warm-up multi-lock and lock taken and given back), so that the first
+/// `EVALSHA` of a test is answered by the script, not by `NOSCRIPT`.
 fn behind_proxy(io: Duration) -> (RedisServer, Proxy, LockClient) {
     let srv = test_server();
     let proxy = Proxy::start(srv.addr());
     let c = client(&proxy.url(), io);
     let warm = c.multi_lock(["warm-1", "warm-2"]).expect("warm-up");
     assert_eq!(warm.unlock().expect("unlock"), Unlocked::Released);
+    drop(c.lock("warm-3").expect("warm-up"));
     (srv, proxy, c)
 }
 
@@ -84,26 +86,35 @@ fn smoke() {
     }
 }
 
-/// `try_multi_lock_for(names, 200 ms)` on free names over a link whose replies take
-/// 600 ms: the attempt runs in Redis and takes the names, but its reply cannot come
-/// within the caller's deadline. The call ends with `Error::Timeout`, as a wait that ran
-/// out does, and what the unanswered attempt took is given back.
-#[test]
-fn a_reply_cut_short_by_the_deadline_says_timeout() {
+/// `take` asks for the free `names` within 200 ms over a link whose replies take 600 ms:
+/// the attempt runs in Redis and takes the names, but its reply cannot come within the
+/// caller's deadline. The call ends with `Error::Timeout`, as a wait that ran out does,
+/// and what the unanswered attempt took is given back.
+fn cut_short_by_the_deadline(names: &[&str], take: impl FnOnce(&LockClient) -> Result<()>) {
     let (srv, proxy, c) = behind_proxy(secs(2));
     proxy.set_delay(ms(600));
     let asked = Instant::now();
-    let e = c
-        .try_multi_lock_for(["x", "y"], ms(200))
-        .expect_err("no reply within the deadline");
+    let e = take(&c).expect_err("no reply within the deadline");
     let took = asked.elapsed();
     proxy.set_delay(Duration::ZERO);
-    eprintln!("try_multi_lock_for(200 ms) over a 600 ms link: {e:?} after {took:?}");
+    eprintln!("{names:?} within 200 ms over a 600 ms link: {e:?} after {took:?}");
     assert!(e.is_timeout(), "the deadline ends the call: {e:?}");
     // What the unanswered attempt took is given back by the cleanup job.
     let mut conn = srv.conn();
-    let given_back = || !exists(&mut conn, key("x")) && !exists(&mut conn, key("y"));
-    wait_for(secs(5), "both names given back", given_back);
+    let given_back = || names.iter().all(|n| !exists(&mut conn, key(n)));
+    wait_for(secs(5), "every name given back", given_back);
+}
+
+#[test]
+fn a_reply_cut_short_by_the_deadline_says_timeout() {
+    let names = ["x", "y"];
+    cut_short_by_the_deadline(&names, |c| c.try_multi_lock_for(names, ms(200)).map(drop));
+}
+
+/// The same for a plain lock (`try_lock_for`), whose wait is the same contest.
+#[test]
+fn a_lock_whose_reply_is_cut_short_by_the_deadline_says_timeout() {
+    cut_short_by_the_deadline(&["l"], |c| c.try_lock_for("l", ms(200)).map(drop));
 }
 
 /// The server stalls longer than the lease while the attempt waits (its retry's reply
@@ -177,7 +188,7 @@ fn port_of(url: &str) -> u16 {
 
 /// A Redis Cluster whose master M1 (the one serving slot 0) is reached through a proxy:
 /// M1 announces the proxy's port, so the slot map names the proxy. With a name `a` on M1
-/// (in `slot_a`), and a client whose scripts are loaded. `None` (said for `test`) when the
+/// (in `slot_a`), and a client (without the fair queue) whose scripts are loaded. `None` (said for `test`) when the
 /// server cannot announce a port at runtime.
 struct ProxiedMaster {
     cluster: Cluster,
@@ -207,13 +218,19 @@ fn proxied_master(test: &str) -> Option<ProxiedMaster> {
     wait_for(secs(30), "every node names the proxy", || {
         names_port(&cluster, slot_a, proxy.port())
     });
-    let c = lock_client!(
+    // Without the fair queue, for the plain lock's tests (a multi-lock has none).
+    let b = lock_builder!(
         cluster(cluster.seed_urls()),
-        key_prefix(PREFIX),
-        lease(ms(LEASE_MS)),
-        io_timeouts(ms(300))
+        io_timeouts(ms(300)),
+        fair(false)
     );
+    let c = b
+        .key_prefix(PREFIX)
+        .lease(ms(LEASE_MS))
+        .build()
+        .expect("build");
     drop(c.multi_lock([a.as_str()]).expect("warm-up"));
+    drop(c.lock(&a).expect("warm-up"));
     Some(ProxiedMaster {
         cluster,
         m1,
@@ -279,16 +296,18 @@ fn cluster_a_multi_lock_that_times_out_returns_by_its_deadline() {
     });
 }
 
-/// Redis Cluster: `try_multi_lock_for([a], 6 s)`, `a` on a master (M1) reached through
-/// a proxy that loses every reply of the multi-lock's acquire (the script runs and takes
+/// Redis Cluster: `take` waits 6 s for `a`, on a master (M1) reached through a proxy
+/// that loses every reply matching `needle` (its acquire's: the script runs and takes
 /// `a`), so the wait rides through the failure with the attempt's token. Then M1
 /// announces a port nobody listens on (as when a master is killed and the map still names
 /// it): every later attempt is refused before it runs, and the call ends with `Timeout`.
 /// The hold the unanswered attempts made is given back once M1 is reachable again, not
 /// left until its lease ends.
-#[test]
-fn cluster_a_lost_attempt_is_given_back_after_a_ride_that_ends_refused() {
-    let test = "cluster_a_lost_attempt_is_given_back_after_a_ride_that_ends_refused";
+fn lost_attempts_then_refused(
+    test: &str,
+    needle: &[u8],
+    take: impl Fn(&LockClient, &str) -> Result<()> + Sync,
+) {
     let Some(m) = proxied_master(test) else {
         return;
     };
@@ -302,14 +321,11 @@ fn cluster_a_lost_attempt_is_given_back_after_a_ride_that_ends_refused() {
     } = m;
     let server = cluster.server(m1);
     let dead = port_of(&redbaton_testkit::dead_url());
-
-    // The mark id (`<client id>:multi`) is an argument of the multi-lock's acquire alone.
-    let (outcome, took) = proxy.losing_replies_matching(b":multi", || {
+    let (outcome, took) = proxy.losing_replies_matching(needle, || {
         thread::scope(|s| {
             let waiter = s.spawn(|| {
                 let asked = Instant::now();
-                let r = c.try_multi_lock_for([a.as_str()], secs(6));
-                (r.map(drop), asked.elapsed())
+                (take(&c, &a), asked.elapsed())
             });
             let mut conn = server.conn();
             wait_for(secs(5), "an unanswered attempt took a", || {
@@ -321,7 +337,7 @@ fn cluster_a_lost_attempt_is_given_back_after_a_ride_that_ends_refused() {
             waiter.join().expect("waiter")
         })
     });
-    eprintln!("try_multi_lock_for(6 s), replies lost then refused: {outcome:?} after {took:?}");
+    eprintln!("{test}: replies lost then refused: {outcome:?} after {took:?}");
     let e = outcome.expect_err("never answered");
     assert!(e.is_timeout(), "{e:?}");
     let mut conn = server.conn();
@@ -342,6 +358,28 @@ fn cluster_a_lost_attempt_is_given_back_after_a_ride_that_ends_refused() {
         "a, taken by the wait's unanswered attempts, is given back within 6 s of M1's \
          return; still held (PTTL {left} ms) after {:?}",
         start.elapsed()
+    );
+}
+
+#[test]
+fn cluster_a_lost_attempt_is_given_back_after_a_ride_that_ends_refused() {
+    // The mark id (`<client id>:multi`) is an argument of the multi-lock's acquire alone.
+    lost_attempts_then_refused(
+        "cluster_a_lost_attempt_is_given_back_after_a_ride_that_ends_refused",
+        b":multi",
+        |c, a| c.try_multi_lock_for([a], secs(6)).map(drop),
+    );
+}
+
+/// The same for a plain lock without the fair queue (whose leave would settle it
+/// otherwise), whose wait is the same contest: the needle is its lease, which only its
+/// acquire carries (nothing is held, so no renewal is sent).
+#[test]
+fn cluster_a_lock_lost_attempt_is_given_back_after_a_ride_that_ends_refused() {
+    lost_attempts_then_refused(
+        "cluster_a_lock_lost_attempt_is_given_back_after_a_ride_that_ends_refused",
+        LEASE_MS.to_string().as_bytes(),
+        |c, a| c.try_lock_for(a, secs(6)).map(drop),
     );
 }
 
