@@ -283,11 +283,17 @@ impl RedisServer {
         let replica = Self::builder()
             .config("replicaof", &format!("127.0.0.1 {}", self.port))
             .start();
-        crate::wait::wait_for(Duration::from_secs(20), "the replica in sync", || {
+        let info = |server: &RedisServer| {
             redis::cmd("INFO")
                 .arg("replication")
-                .query::<String>(&mut replica.conn())
-                .is_ok_and(|i| i.contains("master_link_status:up"))
+                .query::<String>(&mut server.conn())
+                .unwrap_or_default()
+        };
+        // In sync on both sides: the master counts a replica that synced without a disk
+        // (`WAIT` included) only once its first acknowledgement came, up to a second later.
+        crate::wait::wait_for(Duration::from_secs(20), "the replica in sync", || {
+            info(&replica).contains("master_link_status:up")
+                && info(self).contains(&format!("port={},state=online", replica.port))
         });
         replica
     }
