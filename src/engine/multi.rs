@@ -116,15 +116,7 @@ impl Engine {
         let Some(first) = locks.first() else {
             return;
         };
-        for lock in locks {
-            // No renewal may be sent once this returns.
-            lock.begin_release(&self.counters);
-        }
-        if let Some(w) = &self.watchdog {
-            locks.iter().for_each(|l| w.unregister(l));
-        }
-        let keys: Vec<Keys> = locks.iter().map(|l| l.keys.clone()).collect();
-        let fences: Vec<Option<u64>> = locks.iter().map(|l| Some(l.fence)).collect();
+        let (_, keys, fences) = self.end_group(locks);
         let route = self.topology.route(&first.keys);
         let released = on_sole(&route, |node| {
             let token = first.token.as_str();
@@ -275,21 +267,28 @@ impl Engine {
         .run()
     }
 
-    /// Gives back one group's locks (see [`release_multi`](Self::release_multi)).
-    fn release_group(self: &Arc<Self>, locks: &[Arc<RemoteLock>]) -> Result<Unlocked> {
-        let Some(first) = locks.first() else {
-            return Ok(Unlocked::Released);
-        };
-        // No renewal may be sent once this returns.
-        let lost: Vec<bool> = locks
+    /// Ends the holds of a group before its release or give-back: no renewal may be sent
+    /// once this returns. Says, per lock, whether it was already lost, and gives the keys
+    /// and fences the release scripts take.
+    fn end_group(&self, locks: &[Arc<RemoteLock>]) -> (Vec<bool>, Vec<Keys>, Vec<Option<u64>>) {
+        let lost = locks
             .iter()
             .map(|l| l.begin_release(&self.counters).is_some())
             .collect();
         if let Some(w) = &self.watchdog {
             locks.iter().for_each(|l| w.unregister(l));
         }
-        let keys: Vec<Keys> = locks.iter().map(|l| l.keys.clone()).collect();
-        let fences: Vec<Option<u64>> = locks.iter().map(|l| Some(l.fence)).collect();
+        let keys = locks.iter().map(|l| l.keys.clone()).collect();
+        let fences = locks.iter().map(|l| Some(l.fence)).collect();
+        (lost, keys, fences)
+    }
+
+    /// Gives back one group's locks (see [`release_multi`](Self::release_multi)).
+    fn release_group(self: &Arc<Self>, locks: &[Arc<RemoteLock>]) -> Result<Unlocked> {
+        let Some(first) = locks.first() else {
+            return Ok(Unlocked::Released);
+        };
+        let (lost, keys, fences) = self.end_group(locks);
         let (protocol, token) = (first.protocol, first.token.as_str());
         let route = self.topology.route(&first.keys);
         // One reply per lock; one error for the group, which a failover rides through.

@@ -219,17 +219,20 @@ impl Waiter {
         let subs = client.subs_for(route);
         let hears = self.hears;
         self.candidacy = None;
-        self.watches = keys
+        let watches: Vec<Watch> = keys
             .iter()
             .flat_map(|k| subs.iter().map(|s| s.watch(k, hears, poke_tx.clone())))
             .collect();
-        self.needed = (route.quorum() * keys.len()).min(self.watches.len());
-        self.usable = keys.len() * subs.iter().filter(|s| s.usable()).count();
+        // The new watches await our grant before the old ones go: a grant heard on a node
+        // watched in both is kept for the new watch (see `KeySub::forget`).
         if let Some(token) = &self.grant_token {
-            for w in &self.watches {
+            for w in &watches {
                 w.expect_grant(token);
             }
         }
+        drop(std::mem::replace(&mut self.watches, watches));
+        self.needed = (route.quorum() * keys.len()).min(self.watches.len());
+        self.usable = keys.len() * subs.iter().filter(|s| s.usable()).count();
         self.confirm(client, deadline);
         self.stand();
     }

@@ -35,6 +35,7 @@ static INSPECT: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(
         r"
 local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function get(key)
   local v = redis.pcall('GET', key)
   if type(v) == 'string' then return v end
@@ -48,8 +49,7 @@ end
 -- The live marks of `key` (scored by expiry, in ms): dead ones, first by score, would
 -- fill the list and hide the live.
 local function live(key)
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local v = redis.pcall('ZRANGEBYSCORE', key, '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0,
+  local v = redis.pcall('ZRANGEBYSCORE', key, '(' .. now_ms, '+inf', 'WITHSCORES', 'LIMIT', 0,
     ARGV[1] + 1)
   if v.err then return {} end
   return v

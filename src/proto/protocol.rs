@@ -416,14 +416,13 @@ impl Protocol {
         let took = |reply: &(i64, i64, i64)| reply.0 == 1;
         // A retry after a lost reply, whose first send may have left our contention mark:
         // it clears it if it wins (see `multi_scripts` for the same on a multi-lock).
-        let clearing = Request {
-            marks: Marks {
+        let again = || {
+            let marks = Marks {
                 clear: true,
                 ..req.marks
-            },
-            ..req
+            };
+            self.lock_call(node, Request { marks, ..req })
         };
-        let again = || self.lock_call(node, clearing);
         let marks_left =
             matches!(self, Protocol::Lock { .. }) && req.marks.leave && !req.marks.clear;
         let again = marks_left.then_some(&again as &dyn Fn() -> Cmd);

@@ -78,6 +78,59 @@ pub(super) struct KeySub {
 }
 
 impl KeySub {
+    /// A key nobody has subscribed to yet.
+    pub(super) fn new() -> Self {
+        KeySub {
+            channels: Vec::new(),
+            interest: 0,
+            confirmed: false,
+            confirmed_at: None,
+            requested: false,
+            unconfirmed: 0,
+            away: false,
+            moved: 0,
+            idle_since: None,
+            freed: 0,
+            released: 0,
+            taken: 0,
+            opened: 0,
+            after_del: false,
+            last_contended: None,
+            yield_until: None,
+            listeners: Vec::new(),
+            awaiting: Vec::new(),
+            grants: Vec::new(),
+            early: None,
+        }
+    }
+
+    /// Listener `id` is gone (its watch dropped). The grants heard for the token it
+    /// awaited go with it, unless another listener awaits the same token: a waiter that
+    /// watches the key anew (its route changed) starts the new watch before it drops the
+    /// old, and a grant heard in between is the new watch's.
+    pub(super) fn forget(&mut self, id: u64) {
+        self.listeners.retain(|(l, _, _)| *l != id);
+        if let Some(i) = self.awaiting.iter().position(|(l, _)| *l == id) {
+            let (_, token) = self.awaiting.swap_remove(i);
+            if !self.awaiting.iter().any(|(_, t)| *t == token) {
+                self.grants.retain(|(t, _)| *t != token);
+            }
+        }
+        if self.early.as_ref().is_some_and(|(l, _)| *l == id) {
+            self.early = None;
+        }
+    }
+
+    /// Keeps a grant to `token` for the listener that awaits it; `false` when none here
+    /// does (another process's turn).
+    fn hear_grant(&mut self, token: &[u8], grant: Grant) -> bool {
+        if !self.awaiting.iter().any(|(_, t)| t == token) {
+            return false;
+        }
+        self.grants.push((token.to_vec(), grant));
+        true
+    }
+
     pub(super) fn poke(&self) {
         for (_, _, tx) in &self.listeners {
             let _ = tx.try_send(());
@@ -316,10 +369,9 @@ impl Shared {
                 let Some((token, grant)) = grant_of(payload) else {
                     return;
                 };
-                if !ks.awaiting.iter().any(|(_, t)| t == token) {
+                if !ks.hear_grant(token, grant) {
                     return; // another process's turn
                 }
-                ks.grants.push((token.to_vec(), grant));
             }
             Event::Ignored => return,
         }
@@ -345,5 +397,40 @@ impl Shared {
         }
         drop(st);
         self.sent.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant() -> Grant {
+        Grant {
+            nonce: 7,
+            fence: 42,
+            lease: Duration::from_millis(500),
+        }
+    }
+
+    #[test]
+    fn a_grant_heard_while_a_waiter_watches_anew_is_kept_for_the_new_watch() {
+        let mut ks = KeySub::new();
+        ks.awaiting.push((1, b"t".to_vec()));
+        assert!(ks.hear_grant(b"t", grant()));
+        // The new watch awaits the same token before the old one is dropped.
+        ks.awaiting.push((2, b"t".to_vec()));
+        ks.forget(1);
+        assert_eq!(ks.grants.len(), 1, "the grant went with the old watch");
+        assert!(ks.hear_grant(b"t", grant()), "the new watch hears grants");
+        ks.forget(2);
+        assert!(ks.grants.is_empty(), "no listener left to take the grants");
+    }
+
+    #[test]
+    fn a_grant_to_a_token_nobody_here_awaits_is_not_kept() {
+        let mut ks = KeySub::new();
+        ks.awaiting.push((1, b"t".to_vec()));
+        assert!(!ks.hear_grant(b"other", grant()));
+        assert!(ks.grants.is_empty());
     }
 }

@@ -178,28 +178,7 @@ impl Subscriber {
         let ks = st
             .keys
             .entry(keys.lock().to_vec())
-            .or_insert_with(|| KeySub {
-                channels: Vec::new(),
-                interest: 0,
-                confirmed: false,
-                confirmed_at: None,
-                requested: false,
-                unconfirmed: 0,
-                away: false,
-                moved: 0,
-                idle_since: None,
-                freed: 0,
-                released: 0,
-                taken: 0,
-                opened: 0,
-                after_del: false,
-                last_contended: None,
-                yield_until: None,
-                listeners: Vec::new(),
-                awaiting: Vec::new(),
-                grants: Vec::new(),
-                early: None,
-            });
+            .or_insert_with(KeySub::new);
         ks.interest += 1;
         ks.idle_since = None;
         // The route names this node for the key (again): try here, whatever happened
@@ -292,14 +271,7 @@ impl Drop for Interest {
         if let Some(ks) = st.keys.get_mut(&self.lock) {
             ks.interest -= 1;
             if let Some(id) = self.listener {
-                ks.listeners.retain(|(l, _, _)| *l != id);
-                if let Some(i) = ks.awaiting.iter().position(|(l, _)| *l == id) {
-                    let (_, token) = ks.awaiting.swap_remove(i);
-                    ks.grants.retain(|(t, _)| *t != token);
-                }
-                if ks.early.as_ref().is_some_and(|(l, _)| *l == id) {
-                    ks.early = None;
-                }
+                ks.forget(id);
             }
             if ks.interest == 0 {
                 ks.idle_since = Some(Instant::now());
