@@ -610,6 +610,46 @@ fn drop_with_cleanup_jobs_against_stalled_server() {
     drops_in_time(&base, || drop(c), || proxy.heal());
 }
 
+/// `shutdown` stops the cleanup thread too, while it is trying a release again against a
+/// stalled server: it gives the release up (the key expires with its lease) rather than
+/// outlive the call, and no later failure starts it again.
+#[test]
+fn shutdown_stops_the_cleanup_thread() {
+    let (_s, base, srv) = begin();
+    let proxy = Proxy::start(srv.addr());
+    let c = rv_client!(proxy; io_timeouts(ms(500)));
+    c.lock("warm").unwrap().unlock().unwrap();
+    let cleanup = || {
+        lib_threads()
+            .iter()
+            .any(|t| t.starts_with("redbaton-clean"))
+    };
+    proxy.stall(true);
+    assert!(c.try_lock("cl").is_err());
+    assert!(
+        wait_until(secs(10), cleanup),
+        "no cleanup thread: {:?}",
+        lib_threads()
+    );
+    c.clone()
+        .shutdown(secs(5))
+        .expect("every thread stopped in time");
+    assert!(
+        !cleanup(),
+        "the cleanup thread outlived shutdown: {:?}",
+        lib_threads()
+    );
+    assert!(c.try_lock("cl2").is_err());
+    assert!(
+        !cleanup(),
+        "a job after shutdown started a thread: {:?}",
+        lib_threads()
+    );
+    proxy.heal();
+    drop(c);
+    back_to(&base, secs(15)).expect("threads left");
+}
+
 /// `locks(pattern)` lists each held name once, exactly as given (names with braces, glob
 /// characters, NUL, invalid UTF-8), matches `pattern` against names, and lists nothing
 /// for latches or fence counters.

@@ -256,8 +256,12 @@ impl LockClient {
         self.engine.subs.stats()
     }
 
-    /// Stops the client's background threads (the subscribers that wake waiters and the
-    /// watchdog that renews leases) and waits up to `timeout` for them to end.
+    /// Stops the client's background threads (the subscribers that wake waiters, the
+    /// watchdog that renews leases, and the cleanup thread that gives back holds whose
+    /// reply was lost) and waits up to `timeout` for them to end. The cleanup thread makes
+    /// the releases queued and gives up those it was trying again after a network error
+    /// (their keys expire with their lease); a release that fails after the shutdown is
+    /// left to the key's lease at once.
     ///
     /// Dropping the last clone of a client and its last guard stops them too; this is
     /// for a caller who wants to know they are gone, for example before a fork or at the

@@ -72,7 +72,8 @@ impl LockClient {
 /// Waiters sleep until the count down that reaches zero publishes on the name's channel
 /// (no polling): each waiter subscribes before it reads the count, and reads again on
 /// each wake-up, at the client's [`recheck_interval`](crate::Builder::recheck_interval)
-/// (a lost message costs a re-check, never a hang) and when the latch would expire. The
+/// (a lost message costs a re-check, never a hang) and when the latch would expire (a
+/// client that polls instead reads at each polling interval). The
 /// handle is cheap to clone, `Send` and `Sync`: share it, or make one per thread.
 ///
 /// A latch that expires before its count reached zero (nobody counted it down for a
@@ -125,6 +126,8 @@ impl Latch {
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a count of 0 or above
     /// [`MAX_LATCH_COUNT`]; [`Error::InvalidName`](crate::Error::InvalidName);
     /// [`Error::CountMismatch`](crate::Error::CountMismatch);
+    /// [`Error::WrongKind`](crate::Error::WrongKind) when the name's key holds something
+    /// else (left as it is);
     /// [`Error::Unsupported`](crate::Error::Unsupported) on a Redlock client; Redis errors.
     ///
     /// # Examples

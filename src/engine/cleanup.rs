@@ -11,10 +11,13 @@
 //! attempt fails this way, the process never grows more threads or memory; what does not
 //! fit is dropped and counted ([`Stats::cleanup_dropped`](crate::Stats::cleanup_dropped)):
 //! those keys expire with their lease instead. A job that fails for the network is tried
-//! again, while no new job waits, until its key would have expired anyway.
+//! again, while no new job waits, until what it gives back would have expired anyway: the
+//! hold one lease after it was written, a waiter's mark or queue entry its own TTL after
+//! the waiter's last attempt.
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -34,7 +37,7 @@ use crate::topology::{Route, Topology};
 pub(crate) const QUEUE: usize = 1024;
 
 /// The pause before a job that failed for the network is tried again (while no new job
-/// waits), until the key it gives back has expired anyway (see [`Cleanup`]'s `lease`).
+/// waits), until what it gives back has expired anyway (see `Job::lives`).
 const AGAIN_AFTER: Duration = Duration::from_millis(100);
 
 /// One release or leave to make: the key, our token, what to do, and the nodes that may
@@ -45,7 +48,8 @@ struct Job {
     token: String,
     undo: Undo,
     nodes: Vec<NodeId>,
-    queued_at: Instant,
+    /// When what the job gives back has expired anyway: it is not tried after that.
+    moot_at: Instant,
 }
 
 /// What a job gives back.
@@ -63,9 +67,13 @@ enum Undo {
 pub(crate) struct Cleanup {
     topology: Weak<Topology>,
     counters: Arc<Counters>,
-    /// A job older than this is skipped: the key has expired by then anyway.
+    /// How long a hold outlives its last write: a release older than this is skipped, the
+    /// key has expired by then anyway. (A leave waits longer when its mark or entry
+    /// lives longer, see [`Job::lives`].)
     lease: Duration,
     worker: Mutex<Option<Worker>>,
+    /// [`Cleanup::shutdown`] was called: no thread starts again, new jobs are dropped.
+    stopped: AtomicBool,
 }
 
 struct Worker {
@@ -80,7 +88,22 @@ impl Cleanup {
             counters,
             lease,
             worker: Mutex::new(None),
+            stopped: AtomicBool::new(false),
         }
+    }
+
+    /// Stops the thread: the jobs still queued are made, the ones being tried again are
+    /// given up (their keys expire with their TTL), and no new job is taken. Waits for it
+    /// until `deadline`; `false` if it still runs then (it ends once its current Redis
+    /// call returns).
+    pub fn shutdown(&self, deadline: Instant) -> bool {
+        self.stopped.store(true, Ordering::Relaxed);
+        let Some(mut worker) = self.worker.lock().take() else {
+            return true;
+        };
+        let thread = worker.thread.take();
+        drop(worker); // closes the queue
+        thread.is_none_or(|t| crate::worker::join_until(t, deadline).is_ok())
     }
 
     /// Queues a compare-and-delete of `token` on `nodes` (`fence`: the holder's, see
@@ -111,14 +134,23 @@ impl Cleanup {
         undo: Undo,
         nodes: Vec<NodeId>,
     ) {
+        let lives = Job::lives(protocol, &undo, self.lease);
         let job = Job {
             keys: keys.clone(),
             protocol,
             token,
             undo,
             nodes,
-            queued_at: Instant::now(),
+            moot_at: Instant::now() + lives,
         };
+        if self.stopped.load(Ordering::Relaxed) {
+            log::debug!(
+                "client shut down: the cleanup of {} is left to the keys' TTL",
+                job.keys.display()
+            );
+            Counters::inc(&self.counters.cleanup_dropped);
+            return;
+        }
         let mut worker = self.worker.lock();
         if worker.is_none() {
             match self.start() {
@@ -148,7 +180,7 @@ impl Cleanup {
 
     fn start(&self) -> std::io::Result<Worker> {
         let (jobs, rx) = crossbeam_channel::bounded::<Job>(QUEUE);
-        let (topology, lease) = (self.topology.clone(), self.lease);
+        let topology = self.topology.clone();
         let counters = self.counters.clone();
         let thread = std::thread::Builder::new()
             .name("redbaton-cleanup".to_owned())
@@ -174,8 +206,8 @@ impl Cleanup {
                     let Some(topology) = topology.upgrade() else {
                         return;
                     };
-                    if job.queued_at.elapsed() >= lease {
-                        // A long partition: the key has expired by now anyway.
+                    if Instant::now() >= job.moot_at {
+                        // A long partition: what the job gives back has expired by now.
                         continue;
                     }
                     match catch_unwind(AssertUnwindSafe(|| job.run(&topology, &counters))) {
@@ -206,6 +238,20 @@ impl Cleanup {
 }
 
 impl Job {
+    /// How long after it is queued what a job gives back may still be in Redis: a hold
+    /// (and a grant, shorter) lives its `lease` after its last write; a leave also takes
+    /// out the waiter's mark or queue entry, which lives its own TTL (two re-check
+    /// intervals, which may be longer than the lease) after the waiter's last attempt.
+    /// Given up earlier, a departed waiter's entry could stay in a fair queue ahead of
+    /// live waiters, and a release grant it the lock, which nobody takes until the grant
+    /// runs out.
+    fn lives(protocol: Protocol, undo: &Undo, lease: Duration) -> Duration {
+        match undo {
+            Undo::Release(_) => lease,
+            Undo::Leave => lease.max(protocol.waiter_ttl()),
+        }
+    }
+
     /// Makes the release or leave where the route of the key goes now; the errors.
     fn run(&self, topology: &Topology, counters: &Counters) -> Vec<Error> {
         let route = topology.route(&self.keys);
@@ -242,7 +288,11 @@ impl Drop for Cleanup {
             return;
         };
         let thread = worker.thread.take();
-        drop(worker); // closes the queue: the thread ends after the jobs left
+        // Closes the queue. The thread ends at once: the topology, dropped before this
+        // (it is declared first in `Engine`), is gone, and the jobs left go with it
+        // (their keys expire with their TTL): a client's drop never waits out a
+        // partition.
+        drop(worker);
         if let Some(t) = thread {
             crate::worker::join(t);
         }

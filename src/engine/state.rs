@@ -118,6 +118,7 @@ impl Engine {
         if let Some(w) = &self.watchdog {
             all &= w.shutdown(deadline);
         }
+        all &= self.cleanup.shutdown(deadline);
         all &= self.topology.shutdown(deadline);
         all
     }

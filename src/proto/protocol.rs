@@ -287,6 +287,20 @@ impl Protocol {
         self.release_may_grant()
     }
 
+    /// How long a waiter's mark or queue entry lives after its last attempt, unless the
+    /// waiter's next attempt renews it: what a leave takes out is gone by itself then.
+    pub fn waiter_ttl(self) -> Duration {
+        match self {
+            Protocol::Lock { mark_ttl }
+            | Protocol::Read { mark_ttl }
+            | Protocol::Write { mark_ttl }
+            | Protocol::Permit { mark_ttl, .. }
+            | Protocol::Upgradable { mark_ttl }
+            | Protocol::Upgrade { mark_ttl } => mark_ttl,
+            Protocol::FairLock(fair) => fair.entry_ttl,
+        }
+    }
+
     /// Whether a waiter waits in a queue, which a waiter giving up departs from (the fair
     /// queue; counted as a departure).
     pub fn queues_waiters(self) -> bool {

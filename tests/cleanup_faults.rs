@@ -1,0 +1,71 @@
+//! The cleanup job under faults, against a real `redis-server` and the fault-injecting
+//! proxy: a waiter of a fair lock whose leaving fails in a partition leaves its queue
+//! entry to the cleanup job, which keeps trying while the entry lives (two re-check
+//! intervals), not only for one lease: given up after a lease shorter than that, the
+//! departed waiter's entry would stay in the queue, ahead of live waiters, once the
+//! partition heals. (`lifecycle.rs` shows that `shutdown` stops the job's thread.)
+//!
+//! Times are liveness bounds, never speed claims.
+
+use std::thread;
+
+use redbaton::LockClient;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::wait::wait_for;
+use redbaton_testkit::{lock_client, ms, secs, test_server, test_server_and};
+
+/// The fair queue of the lock `name` under the default prefix.
+fn queue(name: &str) -> String {
+    format!("redbaton:{{{name}}}:q")
+}
+
+fn client(url: &str) -> LockClient {
+    lock_client!(node(url))
+}
+
+/// A fair lock is taken and given back, leaving no queue.
+#[test]
+fn smoke() {
+    let (srv, c) = test_server_and(client);
+    drop(c.lock("smoke").expect("lock"));
+    assert_eq!(srv.zcard(&queue("smoke")), 0);
+}
+
+/// A waiter of a fair lock (a lease of 1 s, a re-check interval of a minute: its queue
+/// entry lives two minutes after its last attempt) gives up while the link to Redis is a
+/// black hole: its leaving fails and is left to the cleanup job, which cannot reach Redis
+/// either. The partition lasts longer than the lease, far shorter than the entry's TTL;
+/// once it heals, the cleanup job still takes the entry out of the queue.
+#[test]
+fn a_leave_left_to_the_cleanup_job_is_tried_while_the_entry_lives() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let holder = lock_client!(node(srv.url()), lease(secs(1)));
+    let waiter = lock_client!(
+        node(proxy.url()),
+        lease(secs(1)),
+        recheck_interval(secs(60)),
+        io_timeouts(ms(300))
+    );
+    // Scripts loaded, so that the waiter's first attempt queues at once.
+    drop(waiter.lock("warm-up").expect("warm-up"));
+    let held = holder.lock("k").expect("lock");
+    thread::scope(|s| {
+        let w = s.spawn(|| waiter.try_lock_for("k", ms(1500)).map(drop));
+        wait_for(secs(30), "the waiter queued", || {
+            srv.zcard(&queue("k")) == 1
+        });
+        proxy.blackhole(true);
+        wait_for(secs(30), "the waiter gives up", || w.is_finished());
+        let e = w.join().expect("waiter").expect_err("the lock is held");
+        assert!(e.is_timeout(), "{e:?}");
+    });
+    // The leave was queued before the waiter returned: it is older than the lease now.
+    thread::sleep(ms(2500));
+    proxy.heal();
+    assert_eq!(srv.zcard(&queue("k")), 1, "the departed waiter's entry");
+    wait_for(secs(20), "the cleanup job takes the entry out", || {
+        srv.zcard(&queue("k")) == 0
+    });
+    held.unlock().expect("unlock");
+}
