@@ -591,16 +591,23 @@ fn no_clone_takes_a_hold_after_shutdown() {
     back_to(&base, secs(10)).expect("threads left");
 }
 
+/// A client of `srv` through a proxy, with I/O timeouts of `io`, whose scripts are loaded;
+/// then the proxy stalls: what the client sends goes unanswered.
+fn stalled(srv: &RedisServer, io: Duration) -> (Proxy, LockClient) {
+    let proxy = Proxy::start(srv.addr());
+    let c = rv_client!(proxy; io_timeouts(io));
+    c.lock("warm").unwrap().unlock().unwrap();
+    proxy.stall(true);
+    (proxy, c)
+}
+
 /// A client whose acquisitions lost their replies (stalled proxy) has releases queued for
 /// its cleanup thread; dropping the client then must not take much longer than one I/O
 /// timeout.
 #[test]
 fn drop_with_cleanup_jobs_against_stalled_server() {
     let (_s, base, srv) = begin();
-    let proxy = Proxy::start(srv.addr());
-    let c = rv_client!(proxy; io_timeouts(secs(1)));
-    c.lock("warm").unwrap().unlock().unwrap();
-    proxy.stall(true);
+    let (proxy, c) = stalled(&srv, secs(1));
     for i in 0..3 {
         let r = c.try_lock(format!("cl{i}"));
         assert!(r.is_err());
@@ -616,15 +623,12 @@ fn drop_with_cleanup_jobs_against_stalled_server() {
 #[test]
 fn shutdown_stops_the_cleanup_thread() {
     let (_s, base, srv) = begin();
-    let proxy = Proxy::start(srv.addr());
-    let c = rv_client!(proxy; io_timeouts(ms(500)));
-    c.lock("warm").unwrap().unlock().unwrap();
+    let (proxy, c) = stalled(&srv, ms(500));
     let cleanup = || {
         lib_threads()
             .iter()
             .any(|t| t.starts_with("redbaton-clean"))
     };
-    proxy.stall(true);
     assert!(c.try_lock("cl").is_err());
     assert!(
         wait_until(secs(10), cleanup),
@@ -645,9 +649,7 @@ fn shutdown_stops_the_cleanup_thread() {
         "a job after shutdown started a thread: {:?}",
         lib_threads()
     );
-    proxy.heal();
-    drop(c);
-    back_to(&base, secs(15)).expect("threads left");
+    drops_in_time(&base, || drop(c), || proxy.heal());
 }
 
 /// `locks(pattern)` lists each held name once, exactly as given (names with braces, glob

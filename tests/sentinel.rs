@@ -1,5 +1,7 @@
 //! A Sentinel-managed master: locks follow the master through a failover, waiters keep
-//! waking on events, and a holder whose lock did not survive is told. The group (master,
+//! waking on events, and a holder whose lock did not survive is told; a sentinel that
+//! names a server which is not the master (a replica, a dead address) is passed over for
+//! the next one, at build and after a failover. The group (master,
 //! replicas, sentinels) is made of real `redis-server` processes; the contenders are
 //! real child processes.
 
@@ -10,6 +12,7 @@ use std::time::{Duration, Instant};
 use redbaton::Unlocked;
 use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
+use redbaton_testkit::keys::Keys;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::sections::{Section, Worker};
 use redbaton_testkit::sentinel::SentinelGroup;
@@ -314,13 +317,61 @@ fn rwlocks_and_semaphores_follow_the_master() {
     );
 }
 
-/// Has `sentinel` fail `name` over now.
+/// Has `sentinel` fail `name` over, asking again while it refuses (a sentinel that has
+/// just started may not yet count its replica as a good one).
 fn failover(sentinel: &RedisServer, name: &str) {
-    let () = redis::cmd("SENTINEL")
-        .arg("FAILOVER")
+    let asked = Instant::now();
+    loop {
+        let r: redis::RedisResult<()> = redis::cmd("SENTINEL")
+            .arg("FAILOVER")
+            .arg(name)
+            .query(&mut sentinel.conn());
+        match r {
+            Ok(()) => return,
+            Err(e) => assert!(asked.elapsed() < secs(30), "failover refused: {e}"),
+        }
+        thread::sleep(ms(200));
+    }
+}
+
+/// A sentinel that names the server at `port` the master of `name`, and never fails it
+/// over within a test (only on `SENTINEL FAILOVER`).
+fn lone_sentinel(name: &str, port: u16) -> RedisServer {
+    RedisServer::builder()
+        .sentinel()
+        .config("sentinel", &format!("monitor {name} 127.0.0.1 {port} 1"))
+        .config("sentinel", &format!("down-after-milliseconds {name} 60000"))
+        .config("sentinel", &format!("failover-timeout {name} 60000"))
+        .start()
+}
+
+/// The port `sentinel` names as the master of `name`, if it names one.
+fn named_port(sentinel: &RedisServer, name: &str) -> Option<u16> {
+    redis::cmd("SENTINEL")
+        .arg("GET-MASTER-ADDR-BY-NAME")
         .arg(name)
-        .query(&mut sentinel.conn())
-        .expect("SENTINEL FAILOVER");
+        .query::<Option<(String, u16)>>(&mut sentinel.conn())
+        .ok()
+        .flatten()
+        .map(|(_, port)| port)
+}
+
+/// Tries `client.try_lock` every 200 ms for up to `limit`, until it takes the lock: the
+/// client has followed a failover. The last error otherwise.
+fn follows(client: &redbaton::LockClient, limit: Duration) -> Result<(), Option<String>> {
+    let t0 = Instant::now();
+    let mut last = None;
+    while t0.elapsed() < limit {
+        match client.try_lock("after") {
+            Ok(g) => {
+                drop(g);
+                return Ok(());
+            }
+            Err(e) => last = Some(e.to_string()),
+        }
+        thread::sleep(ms(200));
+    }
+    Err(last)
 }
 
 /// A master, one replica, one sentinel watching the master at `monitored` (its own port
@@ -332,15 +383,7 @@ fn manual_group(name: &str, master: &RedisServer, monitored: u16) -> (RedisServe
     wait_for(secs(20), "replica in sync", || {
         r.info("replication").contains("master_link_status:up")
     });
-    let sentinel = RedisServer::builder()
-        .sentinel()
-        .config(
-            "sentinel",
-            &format!("monitor {name} 127.0.0.1 {monitored} 1"),
-        )
-        .config("sentinel", &format!("down-after-milliseconds {name} 60000"))
-        .config("sentinel", &format!("failover-timeout {name} 60000"))
-        .start();
+    let sentinel = lone_sentinel(name, monitored);
     wait_for(secs(30), "the sentinel knows the replica", || {
         let m: Vec<String> = redis::cmd("SENTINEL")
             .arg("MASTER")
@@ -508,33 +551,17 @@ fn the_watcher_follows_a_failover_away_from_a_hung_master() {
     failover(&sentinel, name);
     wait_for(secs(30), "the replica promoted", || {
         r.info("replication").contains("role:master")
-            && redis::cmd("SENTINEL")
-                .arg("GET-MASTER-ADDR-BY-NAME")
-                .arg(name)
-                .query::<(String, u16)>(&mut sentinel.conn())
-                .is_ok_and(|(_, port)| port == r.port())
+            && named_port(&sentinel, name) == Some(r.port())
     });
-    let t0 = std::time::Instant::now();
-    let mut last = None;
-    let mut followed = false;
-    while t0.elapsed() < secs(20) {
-        match c.try_lock("after") {
-            Ok(g) => {
-                followed = true;
-                drop(g);
-                break;
-            }
-            Err(e) => last = Some(e.to_string()),
-        }
-        std::thread::sleep(ms(200));
-    }
+    let followed = follows(&c, secs(20));
     let failovers = c.stats().failovers;
     m.resume();
-    assert!(
-        followed,
-        "20 s after the sentinel named the new master, the client still fails ({last:?}; \
-         failovers seen: {failovers})"
-    );
+    if let Err(last) = followed {
+        panic!(
+            "20 s after the sentinel named the new master, the client still fails ({last:?}; \
+             failovers seen: {failovers})"
+        );
+    }
 }
 
 /// The first sentinel listed accepts connections and answers nothing (a stopped
@@ -569,4 +596,99 @@ fn build_does_not_wait_on_a_hung_sentinel() {
         ),
         Err(_) => panic!("build() with only a hung sentinel still waits after 30 s"),
     }
+}
+
+/// The first sentinel listed names a replica (of a server outside the group) as the
+/// master; the second names the real one. `build()` takes the master the second names,
+/// instead of failing on the first one's answer (a sentinel that missed a failover, or
+/// was restarted with an old configuration, answers so).
+#[test]
+fn build_asks_the_next_sentinel_when_the_first_names_a_replica() {
+    let name = "wrong-first";
+    let (m, _r, good) = group_of_one(name);
+    // Outside the group: a replica of a server of its own, which a sentinel of its own
+    // names the master.
+    let other = RedisServer::start();
+    let (replica, _other_sentinel) = manual_group("elsewhere", &other, other.port());
+    let stale = lone_sentinel(name, replica.port());
+    assert_eq!(named_port(&stale, name), Some(replica.port()));
+    let built = lock_builder!(
+        sentinel(name, vec![stale.url(), good.url()]),
+        io_timeouts(ms(1000))
+    )
+    .build();
+    let c = match built {
+        Ok(c) => c,
+        Err(e) => panic!("build() gave up on the first sentinel's replica: {e}"),
+    };
+    let g = c.lock("held").expect("lock");
+    assert!(
+        redbaton_testkit::exists(&mut m.conn(), Keys::DEFAULT.lock("held")),
+        "the lock is on the master the second sentinel names"
+    );
+    drop(g);
+}
+
+/// The client was built through the second sentinel (the first did not know the master
+/// then). The first then comes to name an address where nothing listens, and the second
+/// fails the master over to the replica: the watcher, asking the sentinels in order, must
+/// not stop at the first one's dead address, and the client goes on locking on the new
+/// master.
+#[test]
+fn the_watcher_asks_the_next_sentinel_when_the_first_names_a_dead_master() {
+    let name = "dead-first";
+    let (m, r, good) = group_of_one(name);
+    // Knows nothing of `name` yet: build() asks the next sentinel.
+    let stale = RedisServer::builder().sentinel().start();
+    let c = lock_client!(
+        sentinel(name, vec![stale.url(), good.url()]),
+        io_timeouts(ms(1000)),
+        fair(false),
+        wakeup(redbaton::Wakeup::Polling(ms(200)))
+    );
+    drop(c.lock("warm").expect("lock on the first master"));
+    // The first sentinel now names a dead address as the master.
+    let dead_port: u16 = redbaton_testkit::dead_url()
+        .trim_start_matches("redis://127.0.0.1:")
+        .trim_end_matches('/')
+        .parse()
+        .expect("a port");
+    for (what, cmd) in [
+        (
+            "SENTINEL MONITOR",
+            format!("MONITOR {name} 127.0.0.1 {dead_port} 1"),
+        ),
+        (
+            "SENTINEL SET",
+            format!("SET {name} down-after-milliseconds 60000"),
+        ),
+    ] {
+        let () = redis::cmd("SENTINEL")
+            .arg(cmd.split(' ').collect::<Vec<_>>())
+            .query(&mut stale.conn())
+            .expect(what);
+    }
+    assert_eq!(named_port(&stale, name), Some(dead_port));
+    // The second sentinel fails the master over to the replica.
+    failover(&good, name);
+    wait_for(secs(30), "the replica promoted", || {
+        r.info("replication").contains("role:master") && named_port(&good, name) == Some(r.port())
+    });
+    wait_for(secs(30), "the old master demoted", || {
+        !m.info("replication").contains("role:master")
+    });
+    // Generous: the watcher resolves again at a fault, and every ten seconds anyway.
+    if let Err(last) = follows(&c, secs(30)) {
+        panic!(
+            "30 s after the failover the client still fails ({last:?}; failovers seen: {})",
+            c.stats().failovers
+        );
+    }
+    assert!(c.stats().failovers >= 1);
+    let g = c.lock("on-new").expect("lock");
+    assert!(
+        redbaton_testkit::exists(&mut r.conn(), Keys::DEFAULT.lock("on-new")),
+        "the lock is on the new master"
+    );
+    drop(g);
 }

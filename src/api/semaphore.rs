@@ -48,10 +48,14 @@ impl LockClient {
 /// Each permit is a hold of its own in Redis with its own lease, renewed by the client's
 /// watchdog: a crashed holder's permit returns when its lease ends. Waiters sleep until a
 /// permit is released (no polling) or the earliest permit's lease runs out. A released
-/// permit wakes one waiting process, the one waiting longest, not all of them (nothing is
-/// reserved for it: it tries as any would); in a process, one thread at a time waits for a
-/// permit in Redis. Permits are not shared between threads, and a thread asking for a
-/// second permit simply takes one more.
+/// permit goes to one waiting process, the one waiting longest, not to all of them: the
+/// release grants it to that process in Redis, where it is held for it for a short grant
+/// lease (the releasing client's lease, at most one second) until it takes it, so that a
+/// second release goes to the next one. Meanwhile nobody else gets that permit; a waiter
+/// that gives up passes it on, and one that died holds it until the grant lease ends (the
+/// others find it free at their next re-check). In a process, one thread at a time waits
+/// for a permit in Redis (unless local handoff is off). Permits are not shared between
+/// threads, and a thread asking for a second permit simply takes one more.
 ///
 /// # Examples
 ///

@@ -8,7 +8,9 @@
 //! the sentinels for the master's address and checks with `ROLE` that it is one, on
 //! connections with the client's timeouts; so does the first resolution, when the client
 //! is built: a sentinel or master that accepts connections and answers nothing (a stopped
-//! process) costs a timeout, then the next sentinel is asked. When the address changes, the node's pool
+//! process) costs a timeout, then the next sentinel is asked, as it is when a sentinel
+//! names a server that is not the master (a replica, a server that does not answer: that
+//! sentinel may have missed a failover). When the address changes, the node's pool
 //! is pointed at the new master: idle connections close, the subscriber reconnects there
 //! and re-subscribes (its waiters then retry once), and the watchdog's next renewal goes
 //! there — where a lock that the promoted replica did not have is found gone, and its
@@ -201,21 +203,19 @@ impl Watcher {
         let Some(node) = self.node.upgrade() else {
             return;
         };
-        let (host, port) = match self.master_address() {
-            Ok(Some(address)) => address,
-            Ok(None) => return log::debug!("sentinel: no sentinel knows {:?}", self.sc.master),
-            Err(e) => return log::debug!("sentinel: no sentinel answered: {e}"),
-        };
-        let address = format!("{host}:{port}");
-        if address == self.address {
-            return;
-        }
-        let client = match self.master_at(&host, port) {
-            Ok(client) => client,
-            Err(NotMaster::Role(role)) => {
+        let (client, address) = match self.find_master() {
+            Ok(None) => return,
+            Ok(Some(master)) => master,
+            Err(Missing::Unanswered(e)) => {
+                return log::debug!("sentinel: no sentinel answered: {e}");
+            }
+            Err(Missing::Unknown) => {
+                return log::debug!("sentinel: no sentinel knows {:?}", self.sc.master);
+            }
+            Err(Missing::NotMaster(address, NotMaster::Role(role))) => {
                 return log::debug!("sentinel: {address} is a {role} yet, not the master");
             }
-            Err(NotMaster::Unreachable(e)) => {
+            Err(Missing::NotMaster(address, NotMaster::Unreachable(e))) => {
                 return log::debug!("sentinel: master at {address} unreachable: {e}");
             }
         };
@@ -240,30 +240,55 @@ impl Watcher {
         )
     }
 
-    /// The master's address, from the first sentinel that knows it; `Ok(None)` when those
-    /// that answered do not, the last error when none answered.
-    fn master_address(&self) -> redis::RedisResult<Option<(String, u16)>> {
-        let mut unanswered = None;
+    /// The master's address as `sentinel` names it (`None`: it does not know the name).
+    fn ask(&self, sentinel: &redis::Client) -> redis::RedisResult<Option<(String, u16)>> {
+        let mut conn = self.connect(sentinel, "redbaton:sentinel")?;
+        redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(&self.sc.master)
+            .query::<Option<(String, u16)>>(&mut conn)
+    }
+
+    /// The master, as the sentinels asked in order name it: the node's current address
+    /// as soon as one names it, or the first other server named that `ROLE` confirms is
+    /// the master. A sentinel whose answer is not the master (a replica, a server that
+    /// does not answer) may be one that missed a failover, or was restarted with an old
+    /// configuration: the next one is asked, rather than trusting it until it learns.
+    /// `None` for the current address; when none gives a master: the first server named
+    /// and why it was not taken, else whether any sentinel answered.
+    fn find_master(&self) -> std::result::Result<Option<(redis::Client, String)>, Missing> {
+        let mut missing = None;
         for sentinel in &self.sentinels {
-            let asked = self
-                .connect(sentinel, "redbaton:sentinel")
-                .and_then(|mut conn| {
-                    redis::cmd("SENTINEL")
-                        .arg("GET-MASTER-ADDR-BY-NAME")
-                        .arg(&self.sc.master)
-                        .query::<Option<(String, u16)>>(&mut conn)
-                });
-            match asked {
-                Ok(Some(address)) => return Ok(Some(address)),
-                Ok(None) => unanswered = Some(None),
-                Err(e) if unanswered.is_none() => unanswered = Some(Some(e)),
-                Err(_) => {}
+            let (host, port) = match self.ask(sentinel) {
+                Ok(Some(address)) => address,
+                Ok(None) => {
+                    if matches!(missing, None | Some(Missing::Unanswered(_))) {
+                        missing = Some(Missing::Unknown);
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    missing.get_or_insert(Missing::Unanswered(e));
+                    continue;
+                }
+            };
+            let address = format!("{host}:{port}");
+            if address == self.address {
+                return Ok(None);
+            }
+            match self.master_at(&host, port) {
+                Ok(client) => return Ok(Some((client, address))),
+                Err(why) => {
+                    log::debug!(
+                        "sentinel: {address} named by a sentinel is not taken; asking the next"
+                    );
+                    if !matches!(missing, Some(Missing::NotMaster(..))) {
+                        missing = Some(Missing::NotMaster(address, why));
+                    }
+                }
             }
         }
-        match unanswered {
-            Some(Some(e)) => Err(e),
-            _ => Ok(None),
-        }
+        Err(missing.unwrap_or(Missing::Unknown))
     }
 
     /// The master when the client is built, with its address, as [`Self::resolve`] finds
@@ -276,16 +301,18 @@ impl Watcher {
                 why,
             )))
         };
-        let Some((host, port)) = self.master_address().map_err(Error::Redis)? else {
-            return Err(not_found(format!("no sentinel knows {:?}", self.sc.master)));
-        };
-        let address = format!("{host}:{port}");
-        match self.master_at(&host, port) {
-            Ok(master) => Ok((master, address)),
-            Err(NotMaster::Role(role)) => {
+        match self.find_master() {
+            Ok(Some(master)) => Ok(master),
+            // No current address yet: never found.
+            Ok(None) => Err(not_found("no address".to_owned())),
+            Err(Missing::Unanswered(e)) => Err(Error::Redis(e)),
+            Err(Missing::Unknown) => {
+                Err(not_found(format!("no sentinel knows {:?}", self.sc.master)))
+            }
+            Err(Missing::NotMaster(address, NotMaster::Role(role))) => {
                 Err(not_found(format!("{address} is a {role}, not the master")))
             }
-            Err(NotMaster::Unreachable(e)) => Err(e),
+            Err(Missing::NotMaster(_, NotMaster::Unreachable(e))) => Err(e),
         }
     }
 
@@ -323,6 +350,16 @@ impl Watcher {
             _ => String::new(),
         })
     }
+}
+
+/// Why the sentinels' answers gave no master.
+enum Missing {
+    /// No sentinel answered (the first error).
+    Unanswered(redis::RedisError),
+    /// Those that answered do not know the master's name.
+    Unknown,
+    /// The first server named (its address) that is not taken, and why.
+    NotMaster(String, NotMaster),
 }
 
 /// Why a server a sentinel named is not taken as the master.
