@@ -356,6 +356,52 @@ fn named_port(sentinel: &RedisServer, name: &str) -> Option<u16> {
         .map(|(_, port)| port)
 }
 
+/// Has `good` fail `name` over from `m` to `r` (the pair), and checks that `client`
+/// follows it within 30 s (generous: the watcher resolves again at a fault, and every ten
+/// seconds anyway).
+fn fail_over_and_follow(
+    client: &redbaton::LockClient,
+    good: &RedisServer,
+    name: &str,
+    (m, r): (&RedisServer, &RedisServer),
+) {
+    failover(good, name);
+    wait_for(secs(30), "the replica promoted", || {
+        r.info("replication").contains("role:master") && named_port(good, name) == Some(r.port())
+    });
+    wait_for(secs(30), "the old master demoted", || {
+        !m.info("replication").contains("role:master")
+    });
+    if let Err(last) = follows(client, secs(30)) {
+        panic!(
+            "30 s after the failover the client still fails ({last:?}; failovers seen: {})",
+            client.stats().failovers
+        );
+    }
+    assert!(
+        client.stats().failovers >= 1,
+        "followed without a failover counted"
+    );
+}
+
+/// Takes the lock `name` with `client`, and checks that its key is on `server` (`what`).
+fn lock_is_on(client: &redbaton::LockClient, name: &str, server: &RedisServer, what: &str) {
+    let g = client.lock(name).expect("lock");
+    assert!(
+        redbaton_testkit::exists(&mut server.conn(), Keys::DEFAULT.lock(name)),
+        "the lock {name} is not on {what}"
+    );
+    drop(g);
+}
+
+/// Sends `SENTINEL <command>` (its words split at spaces) to `sentinel`.
+fn tell(sentinel: &RedisServer, command: &str) {
+    let () = redis::cmd("SENTINEL")
+        .arg(command.split(' ').collect::<Vec<_>>())
+        .query(&mut sentinel.conn())
+        .unwrap_or_else(|e| panic!("SENTINEL {command}: {e}"));
+}
+
 /// Tries `client.try_lock` every 200 ms for up to `limit`, until it takes the lock: the
 /// client has followed a failover. The last error otherwise.
 fn follows(client: &redbaton::LockClient, limit: Duration) -> Result<(), Option<String>> {
@@ -621,12 +667,7 @@ fn build_asks_the_next_sentinel_when_the_first_names_a_replica() {
         Ok(c) => c,
         Err(e) => panic!("build() gave up on the first sentinel's replica: {e}"),
     };
-    let g = c.lock("held").expect("lock");
-    assert!(
-        redbaton_testkit::exists(&mut m.conn(), Keys::DEFAULT.lock("held")),
-        "the lock is on the master the second sentinel names"
-    );
-    drop(g);
+    lock_is_on(&c, "held", &m, "the master the second sentinel names");
 }
 
 /// The client was built through the second sentinel (the first did not know the master
@@ -653,42 +694,45 @@ fn the_watcher_asks_the_next_sentinel_when_the_first_names_a_dead_master() {
         .trim_end_matches('/')
         .parse()
         .expect("a port");
-    for (what, cmd) in [
-        (
-            "SENTINEL MONITOR",
-            format!("MONITOR {name} 127.0.0.1 {dead_port} 1"),
-        ),
-        (
-            "SENTINEL SET",
-            format!("SET {name} down-after-milliseconds 60000"),
-        ),
-    ] {
-        let () = redis::cmd("SENTINEL")
-            .arg(cmd.split(' ').collect::<Vec<_>>())
-            .query(&mut stale.conn())
-            .expect(what);
-    }
+    tell(&stale, &format!("MONITOR {name} 127.0.0.1 {dead_port} 1"));
+    tell(&stale, &format!("SET {name} down-after-milliseconds 60000"));
     assert_eq!(named_port(&stale, name), Some(dead_port));
-    // The second sentinel fails the master over to the replica.
-    failover(&good, name);
-    wait_for(secs(30), "the replica promoted", || {
-        r.info("replication").contains("role:master") && named_port(&good, name) == Some(r.port())
-    });
-    wait_for(secs(30), "the old master demoted", || {
-        !m.info("replication").contains("role:master")
-    });
-    // Generous: the watcher resolves again at a fault, and every ten seconds anyway.
-    if let Err(last) = follows(&c, secs(30)) {
-        panic!(
-            "30 s after the failover the client still fails ({last:?}; failovers seen: {})",
-            c.stats().failovers
-        );
-    }
-    assert!(c.stats().failovers >= 1);
-    let g = c.lock("on-new").expect("lock");
-    assert!(
-        redbaton_testkit::exists(&mut r.conn(), Keys::DEFAULT.lock("on-new")),
-        "the lock is on the new master"
+    fail_over_and_follow(&c, &good, name, (&m, &r));
+    lock_is_on(&c, "on-new", &r, "the new master");
+}
+
+/// The first sentinel listed names the master through a link (a proxy: the address the
+/// client then uses). The link breaks, and that sentinel, cut off from the group, goes on
+/// naming the address it cannot reach while the second fails the master over to the
+/// replica: the watcher checks the current address too, rather than keep it because a
+/// sentinel still names it, and follows the second sentinel to the new master.
+#[test]
+fn the_watcher_leaves_a_current_master_that_a_stale_sentinel_still_names() {
+    let name = "stale-current";
+    let (m, r, good) = group_of_one(name);
+    let link = Proxy::start(m.addr());
+    let stale = lone_sentinel(name, link.port());
+    let c = lock_client!(
+        sentinel(name, vec![stale.url(), good.url()]),
+        io_timeouts(ms(1000)),
+        fair(false),
+        wakeup(redbaton::Wakeup::Polling(ms(200)))
     );
-    drop(g);
+    lock_is_on(&c, "warm", &m, "the master, through the link");
+    link.blackhole(true);
+    // The first sentinel forgets what it learned through the link (the replica, the
+    // other sentinel) and watches the cut address anew: it can learn nothing more.
+    tell(&stale, &format!("REMOVE {name}"));
+    tell(
+        &stale,
+        &format!("MONITOR {name} 127.0.0.1 {} 1", link.port()),
+    );
+    tell(&stale, &format!("SET {name} down-after-milliseconds 60000"));
+    assert_eq!(
+        named_port(&stale, name),
+        Some(link.port()),
+        "the stale sentinel"
+    );
+    fail_over_and_follow(&c, &good, name, (&m, &r));
+    link.blackhole(false);
 }

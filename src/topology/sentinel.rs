@@ -10,7 +10,8 @@
 //! is built: a sentinel or master that accepts connections and answers nothing (a stopped
 //! process) costs a timeout, then the next sentinel is asked, as it is when a sentinel
 //! names a server that is not the master (a replica, a server that does not answer: that
-//! sentinel may have missed a failover). When the address changes, the node's pool
+//! sentinel may have missed a failover), the current master's address included. When the
+//! address changes, the node's pool
 //! is pointed at the new master: idle connections close, the subscriber reconnects there
 //! and re-subscribes (its waiters then retry once), and the watchdog's next renewal goes
 //! there — where a lock that the promoted replica did not have is found gone, and its
@@ -249,15 +250,18 @@ impl Watcher {
             .query::<Option<(String, u16)>>(&mut conn)
     }
 
-    /// The master, as the sentinels asked in order name it: the node's current address
-    /// as soon as one names it, or the first other server named that `ROLE` confirms is
-    /// the master. A sentinel whose answer is not the master (a replica, a server that
-    /// does not answer) may be one that missed a failover, or was restarted with an old
-    /// configuration: the next one is asked, rather than trusting it until it learns.
+    /// The master, as the sentinels asked in order name it: the first server named that
+    /// `ROLE` confirms is the master. A sentinel whose answer is not the master (a
+    /// replica, a server that does not answer) may be one that missed a failover, or was
+    /// restarted with an old configuration: the next one is asked, rather than trusting it
+    /// until it learns. That holds for the node's current address too (checked once per
+    /// call): a stale sentinel naming the demoted master must not keep the client there.
     /// `None` for the current address; when none gives a master: the first server named
     /// and why it was not taken, else whether any sentinel answered.
     fn find_master(&self) -> std::result::Result<Option<(redis::Client, String)>, Missing> {
         let mut missing = None;
+        // The current address was found not to be the master by an earlier answer.
+        let mut current_refused = false;
         for sentinel in &self.sentinels {
             let (host, port) = match self.ask(sentinel) {
                 Ok(Some(address)) => address,
@@ -273,12 +277,15 @@ impl Watcher {
                 }
             };
             let address = format!("{host}:{port}");
-            if address == self.address {
-                return Ok(None);
+            let current = address == self.address;
+            if current && current_refused {
+                continue;
             }
             match self.master_at(&host, port) {
+                Ok(_) if current => return Ok(None),
                 Ok(client) => return Ok(Some((client, address))),
                 Err(why) => {
+                    current_refused |= current;
                     log::debug!(
                         "sentinel: {address} named by a sentinel is not taken; asking the next"
                     );
