@@ -499,9 +499,9 @@ pub enum LostReason {
     /// Redlock: fewer than a majority of nodes still hold the lock.
     NoQuorum,
     /// The watchdog thread kept failing, or was stopped by
-    /// [`LockClient::shutdown`](crate::LockClient::shutdown) before a wait under way won
-    /// the lock, so renewals stopped; the lock lives until its lease runs out, and this
-    /// holder is told at once rather than then.
+    /// [`LockClient::shutdown`](crate::LockClient::shutdown) while the lock was held (or
+    /// before a wait under way won it), so renewals stopped; the lock lives until its
+    /// lease runs out, and this holder is told at once rather than then.
     ///
     /// ```
     /// let r = redbaton::LostReason::WatchdogFailed;

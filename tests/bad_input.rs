@@ -334,8 +334,13 @@ fn lease_outside_10ms_to_24h_is_invalid() {
 fn renew_interval_must_be_positive_and_below_the_lease() {
     let srv = RedisServer::start();
     let lease = Duration::from_secs(3);
+    // The lease less its drift margin (1% + 2 ms): a renewal due later than that comes
+    // after the hold's validity ended, and every hold would be lost after one lease.
+    let valid_for = lease - Duration::from_millis(32);
     for renew in [
         Duration::ZERO,
+        valid_for,
+        lease - Duration::from_nanos(1),
         lease,
         lease + Duration::from_nanos(1),
         lease * 2,
@@ -349,9 +354,9 @@ fn renew_interval_must_be_positive_and_below_the_lease() {
     assert!(srv.client_list().is_empty());
     builder(&srv)
         .lease(lease)
-        .renew_interval(lease - Duration::from_nanos(1))
+        .renew_interval(valid_for - Duration::from_nanos(1))
         .build()
-        .expect("just below the lease is allowed");
+        .expect("just below the lease less its drift margin is allowed");
 }
 
 #[test]

@@ -444,8 +444,10 @@ impl Builder {
     }
 
     /// How often the watchdog renews a held lock; must be above zero and shorter than the
-    /// lease, else [`build`](Builder::build) fails with [`Error::InvalidConfig`].
-    /// Defaults to a third of the lease.
+    /// lease less its drift margin (lease × 1% + 2 ms: until then a hold is surely
+    /// valid), else [`build`](Builder::build) fails with [`Error::InvalidConfig`]. Leave
+    /// room for a round trip and a retry: a renewal whose reply comes after the validity
+    /// ended finds the hold already counted lost. Defaults to a third of the lease.
     ///
     /// # Examples
     ///
@@ -827,10 +829,13 @@ impl Builder {
         if !(1..=1024).contains(&cfg.pool_size) {
             return bad(format!("pool size {} outside 1..=1024", cfg.pool_size));
         }
+        // A renewal due once the lease less its drift margin has run out comes after the
+        // hold's validity ended: every hold would be lost after one lease.
         let renew_interval = cfg.renew_every(cfg.lease);
-        if renew_interval.is_zero() || renew_interval >= cfg.lease {
+        let valid_for = cfg.lease.saturating_sub(cfg.drift(cfg.lease));
+        if renew_interval.is_zero() || renew_interval >= valid_for {
             return bad(format!(
-                "renew interval {renew_interval:?} must be positive and shorter than the lease {:?}",
+                "renew interval {renew_interval:?} must be positive and shorter than the lease {:?} less its drift margin ({valid_for:?})",
                 cfg.lease
             ));
         }

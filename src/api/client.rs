@@ -265,7 +265,9 @@ impl LockClient {
     ///
     /// Dropping the last clone of a client and its last guard stops them too; this is
     /// for a caller who wants to know they are gone, for example before a fork or at the
-    /// end of a test. Locks held when it is called are no longer renewed: release them
+    /// end of a test. Locks held when it is called are no longer renewed, and their
+    /// guards are told at once that they are lost
+    /// ([`LostReason::WatchdogFailed`](crate::LostReason::WatchdogFailed)): release them
     /// first. Afterwards no clone of this client takes a new hold: calls for one return
     /// [`Error::ShutDown`], and a wait under way that wins the lock returns a guard already
     /// told it is lost ([`LostReason::WatchdogFailed`](crate::LostReason::WatchdogFailed)),

@@ -160,7 +160,7 @@ macro_rules! detached_methods {
             self.0.hold.previous_lost()
         }
 
-        #[doc = concat!("Until when the ", $what, " is surely held: its acquisition or last lease change, plus the lease, minus a drift margin (lease × 1% + 2 ms); once it is known lost, no later than when that was found.")]
+        #[doc = concat!("Until when the ", $what, " is surely held: its acquisition or last lease change, plus the lease, minus a drift margin (lease × 1% + 2 ms), and no later than the hold's cap ([`max_hold`](crate::Builder::max_hold)); once it is known lost, no later than when that was found.")]
         ///
         /// # Examples
         ///

@@ -179,7 +179,9 @@ impl LockGuard {
     /// change whose outcome is unknown (an [`extend`](LockGuard::extend) that failed on a
     /// lost reply) may have been applied: it can bring this forward, never push it back.
     /// Once the lock is known lost ([`check`](LockGuard::check) says why), this is no later
-    /// than when that was found: another holder may be in.
+    /// than when that was found: another holder may be in. With a cap on the hold
+    /// ([`max_hold`](crate::Builder::max_hold)), it is no later than the cap either: from
+    /// then on `check` fails.
     ///
     /// The lock's validity is kept on a clock that counts while the machine is suspended
     /// (`CLOCK_BOOTTIME` on Linux and Android, `CLOCK_MONOTONIC` on Apple platforms; on

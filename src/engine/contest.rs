@@ -19,7 +19,7 @@ use crate::engine::waiter::{Pending, Waiter};
 use crate::engine::watchdog::{Expecting, Watchdog};
 use crate::error::{Error, LostReason, Result};
 use crate::fencing::MAX_FENCE;
-use crate::local::held::{Acquisition, Changed, RemoteLock};
+use crate::local::held::{Acquisition, RemoteLock};
 use crate::local::mailbox::Cancellation;
 use crate::local::undo::OnUnwind;
 use crate::proto::keys::Keys;
@@ -852,12 +852,7 @@ impl<'a> Paused<'a> {
 impl Drop for Paused<'_> {
     fn drop(&mut self) {
         // Nothing changed the lease: the validity and the next renewal stay as they were.
-        let (hold, counters) = (self.hold, &self.engine.counters);
-        let unchanged = Changed::Unknown {
-            cap: hold.validity(),
-            retry_at: hold.next_due(),
-        };
-        hold.end_extend(self.engine.cfg.lease, unchanged, counters);
+        self.hold.cancel_extend();
     }
 }
 

@@ -171,6 +171,13 @@ impl Engine {
         // Sent times are on the lease clock: the validity counts from them.
         let began = Stamp::now();
         let seq = lock.begin_extend();
+        // `begin_extend` may have waited for a renewal in flight: the hold may have been
+        // lost, or reached its cap, meanwhile. A fresh lease for it would let its holder
+        // go on past that; nothing is sent, and the lease is as the renewal left it.
+        if let Some(reason) = lock.lost(&self.counters) {
+            lock.cancel_extend();
+            return Err(Error::Lost(reason));
+        }
         let unknown = |sent: Stamp| Changed::Unknown {
             cap: sent + lease - drift,
             retry_at: Stamp::now() + self.cfg.renew_retry(),

@@ -114,22 +114,39 @@ impl Watchdog {
 
     /// Stops the thread and waits for it until `deadline`; `false` if it is still running.
     pub fn shutdown(&self, deadline: Instant) -> bool {
-        self.shutdown.store(true, Ordering::Relaxed);
-        let _ = self.kick.try_send(());
+        self.stop();
         self.thread.join_until(deadline)
     }
 
+    /// Stops renewing and watching for good. The holds still watched are told at once
+    /// that they are lost ([`LostReason::WatchdogFailed`]), as a hold registered later is:
+    /// nothing renews them any more, and nothing would tell a holder that waits on its
+    /// lost channel when the lease runs out.
+    fn stop(&self) {
+        // Set before the holds are taken, under the same mutex as `register` reads it:
+        // a registration either sees it or is among the holds taken here.
+        self.shutdown.store(true, Ordering::Relaxed);
+        let _ = self.kick.try_send(());
+        let orphans: Vec<Arc<RemoteLock>> =
+            self.held.lock().locks.drain().map(|(_, l)| l).collect();
+        for lock in orphans {
+            lock.mark_lost(LostReason::WatchdogFailed, &self.counters);
+        }
+    }
+
     /// Starts watching `lock` (renewing it, or with renewals off, telling its holder when
-    /// it expires); after [`Self::shutdown`], marks it lost at once. Wakes the thread only when the lock is due before the thread's next
-    /// planned look: most acquisitions cost no context switch.
+    /// it expires); after [`Self::shutdown`], marks it lost at once. Wakes the thread only
+    /// when the lock is due before the thread's next planned look: most acquisitions cost
+    /// no context switch.
     pub fn register(&self, lock: Arc<RemoteLock>, due: Stamp) {
+        let mut held = self.held.lock();
         if self.shutdown.load(Ordering::Relaxed) {
+            drop(held);
             // A wait under way when the client was shut down, won since: nothing will
             // renew the hold or watch it, and its holder is told so at once.
             lock.mark_lost(LostReason::WatchdogFailed, &self.counters);
             return;
         }
-        let mut held = self.held.lock();
         held.locks.insert(lock.id, lock);
         self.plan(held, due);
     }
@@ -179,8 +196,7 @@ impl Watchdog {
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
-        self.shutdown.store(true, Ordering::Relaxed);
-        let _ = self.kick.try_send(());
+        self.stop();
         self.thread.join_now();
     }
 }

@@ -200,12 +200,13 @@ impl RemoteLock {
     }
 
     /// Until when the lock is surely held, as an `Instant` (the public API's, and a bound
-    /// for waits).
+    /// for waits): the end of its lease, or its cap if that comes first (from the cap on
+    /// the hold is lost, whatever its lease says).
     pub fn valid_until(&self) -> Instant {
-        self.validity().to_instant()
+        self.validity().min(self.hold_limit).to_instant()
     }
 
-    /// Until when the lock is surely held, on the lease clock.
+    /// Until when the lock's lease surely lasts, on the lease clock (its cap aside).
     pub fn validity(&self) -> Stamp {
         self.state.lock().valid_until
     }
@@ -369,6 +370,13 @@ impl RemoteLock {
         st.renewing = true;
         st.changes += 1;
         st.changes
+    }
+
+    /// A lease change begun with [`begin_extend`](Self::begin_extend) that was not sent
+    /// after all: the lease, the validity and the next renewal stay as they were.
+    pub fn cancel_extend(&self) {
+        self.state.lock().renewing = false;
+        self.renew_done.notify_all();
     }
 
     /// After an explicit extend to `lease`: its outcome. The watchdog goes on with the new
