@@ -78,7 +78,8 @@ pub enum Error {
     /// ```
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// Every pooled connection stayed busy for longer than the connect timeout.
+    /// Every pooled connection stayed busy for longer than the connect timeout (or than
+    /// what remained of the call's deadline).
     #[error("connection pool exhausted")]
     PoolExhausted,
     /// Redis answered something this library does not expect (a bug or a foreign value).

@@ -57,8 +57,9 @@ fn a_leave_left_to_the_cleanup_job_is_tried_while_the_entry_lives() {
         });
         proxy.blackhole(true);
         wait_for(secs(30), "the waiter gives up", || w.is_finished());
+        // Its deadline, or an attempt's read that timed out in the black hole first.
         let e = w.join().expect("waiter").expect_err("the lock is held");
-        assert!(e.is_timeout(), "{e:?}");
+        assert!(e.is_timeout() || e.is_connection(), "{e:?}");
     });
     // The leave was queued before the waiter returned: it is older than the lease now.
     thread::sleep(ms(2500));

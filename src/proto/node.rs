@@ -13,7 +13,7 @@ use crate::config::Config;
 use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
-use crate::proto::pool::Pool;
+use crate::proto::pool::{MIN_ATTEMPT, Pool};
 use crate::proto::scripts::{self, Lua, RAISE_FENCE, Site};
 use crate::stats::Counters;
 
@@ -74,8 +74,10 @@ impl Retry {
     };
 }
 
-/// The shortest read timeout an attempt gets, however close the caller's deadline.
-const MIN_ATTEMPT: Duration = Duration::from_millis(50);
+/// How long a pooled connection may lie idle before a command that is sent only once
+/// ([`Retry::NEVER`]) checks it: Redis's `timeout` closes a connection idle for longer than
+/// a whole number of seconds, 1 at least.
+const CHECK_IDLE_AFTER: Duration = Duration::from_secs(1);
 
 /// A node's stable name: its address (never a password), the same for as long as the node
 /// serves, whatever the order or number of nodes around it.
@@ -120,7 +122,8 @@ pub(crate) type Commands<'a> = dyn FnMut(&mut Connection, Option<&Cmd>) -> Redis
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Call {
     pub retry: Retry,
-    /// No read waits past it (but [`MIN_ATTEMPT`] at least), nothing is sent again after it.
+    /// No read, and no wait for or opening of a connection, goes past it (but
+    /// [`MIN_ATTEMPT`] at least); nothing is sent again after it.
     pub deadline: Option<Instant>,
     /// The caller has a narrower form of the call (fewer keys per command) to send instead
     /// if the server refuses these keys together.
@@ -220,8 +223,9 @@ impl Node {
         self.run_until(retry, None, f)
     }
 
-    /// [`run`](Self::run), within the caller's `deadline`: each read waits at most until
-    /// the deadline (but [`MIN_ATTEMPT`] at least, so an attempt has a chance), and
+    /// [`run`](Self::run), within the caller's `deadline`: each read, and getting a
+    /// connection (see [`Pool::get_until`]), waits at most until the deadline (but
+    /// [`MIN_ATTEMPT`] at least, so an attempt has a chance), and
     /// nothing is retried once it has passed. The node's call path decides what a command
     /// its server refused or redirected does next (Redis Cluster: `topology::call`).
     pub fn run_until<T>(
@@ -263,6 +267,12 @@ impl Node {
 
     /// `f` through the node's call path as `call` says; `None` when the path said to send
     /// the narrower form ([`Sent::Narrow`]).
+    ///
+    /// A call whose commands were sent and lost their reply may have run, whatever its
+    /// later tries meet: when the last one failed in a way that says it did not run (a
+    /// refused connection, an exhausted pool, a slot refused), the error of the lost reply
+    /// is returned instead, so that the caller does not take the call for one that never
+    /// reached Redis (see [`may_have_run`]).
     pub(crate) fn call<T>(
         &self,
         call: Call,
@@ -272,10 +282,20 @@ impl Node {
             return Err(Error::Redis(e));
         }
         let mut out = None;
+        let mut lost: Option<RedisError> = None;
         let sent = self.path.call(self, call, &mut |c, before| {
-            out = Some(f(c, before)?);
+            match f(c, before) {
+                Ok(v) => out = Some(v),
+                Err(e) => {
+                    if is_network_error(&e) && lost.is_none() {
+                        lost = Some(e.clone());
+                    }
+                    return Err(e);
+                }
+            }
             Ok(())
-        })?;
+        });
+        let sent = sent.map_err(|e| unknown_outcome(e, lost))?;
         Ok(match sent {
             Sent::Ran => out,
             Sent::Narrow => None,
@@ -286,8 +306,9 @@ impl Node {
     /// call path. A network failure discards the connection (its reply may still arrive)
     /// and every idle one (a server restart kills them all), tells the call path, then
     /// sends the commands again on a fresh connection as `retry` allows (`tries`: the
-    /// retries this call made so far), never once `deadline` has passed. Any other
-    /// failure is returned for the call path to judge.
+    /// retries this call made so far), never once `deadline` has passed. Commands that are
+    /// never sent again go on a connection checked first when it lay idle long (see
+    /// [`CHECK_IDLE_AFTER`]). Any other failure is returned for the call path to judge.
     pub(crate) fn send(
         &self,
         retry: Retry,
@@ -297,7 +318,7 @@ impl Node {
     ) -> Result<()> {
         let (_, read_timeout, _) = self.pool.timeouts();
         loop {
-            let mut conn = match self.pool.get() {
+            let mut conn = match self.pool.get_until(deadline) {
                 Ok(conn) => conn,
                 Err(e) => {
                     self.silent
@@ -310,6 +331,30 @@ impl Node {
                     return Err(e);
                 }
             };
+            if retry.times == 0 && conn.idle_for() >= CHECK_IDLE_AFTER {
+                // Commands sent once must not be lost to a connection that died while idle
+                // (Redis's `timeout`, a NAT): a `PING` finds out first, at no risk.
+                let ping = within_deadline(&mut conn, deadline, read_timeout, |c| {
+                    redis::cmd("PING").query::<()>(c)
+                });
+                if let Err(e) = ping
+                    && is_network_error(&e)
+                {
+                    conn.discard();
+                    drop(conn);
+                    self.pool.clear_idle();
+                    if e.is_timeout() {
+                        // Not dead but silent: another connection would wait as long.
+                        self.silent
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                        self.pool.note_fault();
+                        self.path.fault();
+                        return Err(Error::Redis(e));
+                    }
+                    log::debug!("node {}: idle connection closed: {e}", self.id);
+                    continue;
+                }
+            }
             Counters::inc(&self.counters.commands);
             let reply = within_deadline(&mut conn, deadline, read_timeout, &mut *commands);
             self.silent.store(
@@ -383,12 +428,16 @@ impl Node {
         // when the caller's deadline shortened the connection's read timeout.
         let (_, read_timeout, _) = self.pool.timeouts();
         c.set_read_timeout(Some(read_timeout.max(timeout + Duration::from_millis(500))))?;
-        let acked: i64 = redis::cmd("WAIT")
+        let acked: RedisResult<i64> = redis::cmd("WAIT")
             .arg(wanted)
             .arg(timeout.as_millis().max(1) as u64)
-            .query(c)?;
-        c.set_read_timeout(Some(read_timeout))?;
-        Ok(usize::try_from(acked).unwrap_or(0))
+            .query(c);
+        // Put back after an error reply too (an ACL refusing `WAIT`): the connection goes
+        // back to the pool, whose next borrower expects the pool's read timeout.
+        if !acked.as_ref().is_err_and(is_network_error) {
+            c.set_read_timeout(Some(read_timeout))?;
+        }
+        Ok(usize::try_from(acked?).unwrap_or(0))
     }
 
     /// How long an idle fencing counter lives, in ms.
@@ -437,11 +486,15 @@ impl Node {
         match parsed {
             Ok(v) => Ok(v),
             Err(e) if is_network_error(&e) || scripts::is_noscript(&e) || self.path.resend(&e) => {
-                if is_network_error(&e) {
+                let lost = is_network_error(&e).then(|| e.clone());
+                if lost.is_some() {
                     self.pool.clear_idle();
                 }
                 log::debug!("node {}: early attempt failed: {e}; retrying", self.id);
+                // The early attempt whose reply was lost may have run, whatever the retry
+                // meets (see `call`).
                 self.run_script(script, call, retry, deadline)
+                    .map_err(|e| unknown_outcome(e, lost))
             }
             Err(e) => Err(Error::Redis(e)),
         }
@@ -608,10 +661,7 @@ impl ReleaseTries {
     /// lost its reply: that try may have run, which a caller that tries again (through a
     /// failover) must know, so the earlier error is reported.
     fn error(&self, e: Error) -> Error {
-        match &self.lost_reply {
-            Some(lost) if !may_have_run(&e) => Error::Redis(lost.clone()),
-            _ => e,
-        }
+        unknown_outcome(e, self.lost_reply.clone())
     }
 }
 
@@ -626,6 +676,15 @@ pub(crate) fn release_reply(status: i64, retried: bool) -> Result<ReleaseReply> 
         n => return Err(Error::Protocol(format!("release replied {n}"))),
     };
     Ok(if retried { reply.as_retried() } else { reply })
+}
+
+/// The error of a call whose last try failed with `e`, when an earlier try lost its reply
+/// with `lost`: `e`, unless `e` says the call did not run while the lost try may have.
+fn unknown_outcome(e: Error, lost: Option<RedisError>) -> Error {
+    match lost {
+        Some(lost) if !may_have_run(&e) => Error::Redis(lost),
+        _ => e,
+    }
 }
 
 /// Whether a failed command may have reached Redis (and so may have taken effect).

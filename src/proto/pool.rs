@@ -8,7 +8,7 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use redis::{Connection, ConnectionLike, RedisResult};
@@ -38,10 +38,17 @@ pub(crate) struct Pool {
     freed: Condvar,
 }
 
+/// An idle connection: the epoch it was opened in, and since when it is idle.
+struct Idle {
+    conn: Connection,
+    epoch: u64,
+    since: Instant,
+}
+
 struct PoolState {
-    /// With the epoch each was opened in: one from before the address changed is closed
-    /// rather than lent.
-    idle: Vec<(Connection, u64)>,
+    /// With the epoch each was opened in (one from before the address changed is closed
+    /// rather than lent) and when it was put back.
+    idle: Vec<Idle>,
     /// Connections that exist: idle, lent out, or being opened.
     open: usize,
 }
@@ -49,10 +56,10 @@ struct PoolState {
 impl PoolState {
     /// The idle connection put back last, if it was opened in `epoch`; those opened to the
     /// address before the last change are closed on the way (no longer open).
-    fn pop_current(&mut self, epoch: u64) -> Option<Connection> {
-        while let Some((conn, opened_in)) = self.idle.pop() {
-            if opened_in == epoch {
-                return Some(conn);
+    fn pop_current(&mut self, epoch: u64) -> Option<(Connection, Instant)> {
+        while let Some(idle) = self.idle.pop() {
+            if idle.epoch == epoch {
+                return Some((idle.conn, idle.since));
             }
             self.open -= 1;
         }
@@ -123,25 +130,35 @@ impl Pool {
 
     /// A connection, reused or new; waits up to the connect timeout for one to be free.
     pub fn get(&self) -> Result<PooledConn<'_>> {
-        let deadline = crate::clock::from_now(self.connect_timeout);
+        self.get_until(None)
+    }
+
+    /// [`get`](Self::get) for a call that must be over by `deadline`: waiting for a free
+    /// connection, and opening one (the connect, then the replies to the commands that
+    /// set it up), each take no longer than what remains of it ([`MIN_ATTEMPT`] at
+    /// least), as the call's own reads do. Against a server that accepts connections but
+    /// does not answer, a fresh connection's set-up would otherwise wait a whole read
+    /// timeout past the deadline.
+    pub fn get_until(&self, deadline: Option<Instant>) -> Result<PooledConn<'_>> {
+        let waited_until = crate::clock::from_now(bounded(self.connect_timeout, deadline));
         let mut st = self.state.lock();
         loop {
             let epoch = self.epoch();
-            if let Some(conn) = st.pop_current(epoch) {
-                return Ok(PooledConn::new(self, conn, epoch));
+            if let Some((conn, since)) = st.pop_current(epoch) {
+                return Ok(PooledConn::new(self, conn, epoch, Some(since)));
             }
             if st.open < self.max {
                 st.open += 1;
                 drop(st);
-                return match self.connect("redbaton") {
-                    Ok((conn, epoch)) => Ok(PooledConn::new(self, conn, epoch)),
+                return match self.connect("redbaton", deadline) {
+                    Ok((conn, epoch)) => Ok(PooledConn::new(self, conn, epoch, None)),
                     Err(e) => {
                         self.forget_one();
                         Err(Error::Redis(e))
                     }
                 };
             }
-            if self.freed.wait_until(&mut st, deadline).timed_out() {
+            if self.freed.wait_until(&mut st, waited_until).timed_out() {
                 return Err(Error::PoolExhausted);
             }
         }
@@ -151,22 +168,32 @@ impl Pool {
     /// subscriber thread, which must not block on the pool).
     pub fn try_idle(&self) -> Option<PooledConn<'_>> {
         let epoch = self.epoch();
-        let conn = self.state.lock().pop_current(epoch)?;
-        Some(PooledConn::new(self, conn, epoch))
+        let (conn, since) = self.state.lock().pop_current(epoch)?;
+        Some(PooledConn::new(self, conn, epoch, Some(since)))
     }
 
-    /// A new connection to the node's current address, with the epoch of that address.
-    fn connect(&self, name: &str) -> RedisResult<(Connection, u64)> {
+    /// A new connection to the node's current address, with the epoch of that address;
+    /// opened, named and probed within `deadline` (see [`get_until`](Self::get_until)),
+    /// then given the pool's read and write timeouts.
+    fn connect(&self, name: &str, deadline: Option<Instant>) -> RedisResult<(Connection, u64)> {
         let (client, epoch) = self.target();
+        let read_timeout = bounded(self.read_timeout, deadline);
+        let write_timeout = bounded(self.write_timeout, deadline);
         let mut conn = open_connection(
             &client,
-            self.connect_timeout,
-            self.read_timeout,
-            self.write_timeout,
+            bounded(self.connect_timeout, deadline),
+            read_timeout,
+            write_timeout,
             name,
         )?;
         if self.sharded.wanted() {
             self.sharded.probe(&mut conn)?;
+        }
+        if read_timeout != self.read_timeout {
+            conn.set_read_timeout(Some(self.read_timeout))?;
+        }
+        if write_timeout != self.write_timeout {
+            conn.set_write_timeout(Some(self.write_timeout))?;
         }
         Ok((conn, epoch))
     }
@@ -177,7 +204,11 @@ impl Pool {
     }
 
     fn put_back(&self, conn: Connection, epoch: u64) {
-        self.state.lock().idle.push((conn, epoch));
+        self.state.lock().idle.push(Idle {
+            conn,
+            epoch,
+            since: Instant::now(),
+        });
         self.freed.notify_one();
     }
 
@@ -190,6 +221,18 @@ impl Pool {
         st.open -= n;
         drop(st);
         self.freed.notify_all();
+    }
+}
+
+/// The shortest time a step of a call (a read, a connect) is given, however close the
+/// call's deadline: an attempt needs a chance to succeed.
+pub(crate) const MIN_ATTEMPT: Duration = Duration::from_millis(50);
+
+/// `timeout`, or less when what remains of `deadline` is shorter ([`MIN_ATTEMPT`] at least).
+fn bounded(timeout: Duration, deadline: Option<Instant>) -> Duration {
+    match deadline {
+        Some(d) => timeout.min(d.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT)),
+        None => timeout,
     }
 }
 
@@ -224,20 +267,30 @@ pub(crate) struct PooledConn<'a> {
     conn: Option<Connection>,
     broken: bool,
     epoch: u64,
+    /// Since when it was idle in the pool; `None`: opened for this loan.
+    idle_since: Option<Instant>,
 }
 
 impl<'a> PooledConn<'a> {
-    fn new(pool: &'a Pool, conn: Connection, epoch: u64) -> Self {
+    fn new(pool: &'a Pool, conn: Connection, epoch: u64, idle_since: Option<Instant>) -> Self {
         PooledConn {
             pool,
             conn: Some(conn),
             broken: false,
             epoch,
+            idle_since,
         }
     }
 
     pub fn discard(&mut self) {
         self.broken = true;
+    }
+
+    /// How long it lay idle in the pool before this loan (zero when opened for it): the
+    /// server, or a middlebox, may have closed it meanwhile (Redis's `timeout` closes
+    /// connections idle for that many seconds), which only the next command finds out.
+    pub fn idle_for(&self) -> Duration {
+        self.idle_since.map_or(Duration::ZERO, |t| t.elapsed())
     }
 }
 

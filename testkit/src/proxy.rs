@@ -91,8 +91,20 @@ impl Conn {
 impl Proxy {
     /// Starts a proxy on a free 127.0.0.1 port forwarding to `target`.
     pub fn start(target: SocketAddr) -> Proxy {
-        let listener =
-            TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("proxy: bind 127.0.0.1:0");
+        Proxy::start_at(0, target)
+    }
+
+    /// Starts a proxy on 127.0.0.1:`port` (0: a free one) forwarding to `target`: an
+    /// address a client used, back to life after the proxy that had it was dropped (its
+    /// port is retried for a few seconds while the kernel lets it go).
+    pub fn start_at(port: u16, target: SocketAddr) -> Proxy {
+        let mut bound = TcpListener::bind((Ipv4Addr::LOCALHOST, port));
+        let tried = std::time::Instant::now();
+        while bound.is_err() && port != 0 && tried.elapsed() < Duration::from_secs(5) {
+            thread::sleep(Duration::from_millis(10));
+            bound = TcpListener::bind((Ipv4Addr::LOCALHOST, port));
+        }
+        let listener = bound.unwrap_or_else(|e| panic!("proxy: bind 127.0.0.1:{port}: {e}"));
         listener
             .set_nonblocking(true)
             .expect("proxy: nonblocking listener");
