@@ -143,8 +143,8 @@ fn a_call_that_must_connect_to_a_hung_server_keeps_its_deadline() {
     eprintln!("waits against a hung server: {waits:?}");
     for (waited, took) in &waits {
         assert!(
-            waited.is_err() && *took < secs(10),
-            "a 300 ms wait blocked {took:?}"
+            waited.as_ref().is_err_and(redbaton::Error::is_timeout) && *took < secs(10),
+            "a 300 ms wait: {waited:?} after {took:?}"
         );
     }
 }
@@ -173,4 +173,78 @@ fn a_count_down_after_the_server_closed_the_idle_connection_counts() {
     );
     assert_eq!(latch.count_down().expect("count down"), 2);
     assert_eq!(latch.count().expect("read"), 2);
+}
+
+// --- leaving at the deadline ---------------------------------------------------------------
+
+/// A wait that ends at its deadline takes its queue entry or mark out on the way, and that
+/// keeps the deadline too: against a hung server (stopped once the waiter has failed its
+/// first attempt and marked itself), leaving is left to the background once the deadline
+/// has passed, rather than wait a whole read timeout (20 s here) for the reply. For each
+/// kind of waiter: the fair lock's queue entry, the plain lock's mark, a writer's mark, a
+/// multi-lock's marks.
+#[test]
+fn a_wait_that_ends_at_its_deadline_against_a_hung_server_leaves_within_it() {
+    let srv = test_server();
+    let holder = lock_client!(node(srv.url()), key_prefix(PREFIX));
+    let waiter = |fair: bool| {
+        lock_client!(
+            node(srv.url()),
+            key_prefix(PREFIX),
+            lease(secs(60)),
+            io_timeouts(secs(20)),
+            fair(fair)
+        )
+    };
+    let (fair, plain) = (waiter(true), waiter(false));
+    let _held = (
+        holder.lock("fair").expect("lock"),
+        holder.lock("plain").expect("lock"),
+        holder.rwlock("rw").read().expect("read"),
+        holder.lock("m1").expect("lock"),
+    );
+    type Wait<'a> = Box<dyn FnOnce() -> redbaton::Result<()> + Send + 'a>;
+    let cases: [(&str, &LockClient, Wait<'_>); 4] = [
+        (
+            "fair lock",
+            &fair,
+            Box::new(|| fair.try_lock_for("fair", secs(1)).map(drop)),
+        ),
+        (
+            "plain lock",
+            &plain,
+            Box::new(|| plain.try_lock_for("plain", secs(1)).map(drop)),
+        ),
+        (
+            "writer",
+            &plain,
+            Box::new(|| plain.rwlock("rw").try_write_for(secs(1)).map(drop)),
+        ),
+        (
+            "multi-lock",
+            &plain,
+            Box::new(|| plain.try_multi_lock_for(["m1", "m2"], secs(1)).map(drop)),
+        ),
+    ];
+    for (what, client, wait) in cases {
+        let failed_before = client.stats().failed_attempts;
+        let (started, ended) = thread::scope(|s| {
+            let started = Instant::now();
+            let w = s.spawn(wait);
+            wait_for(secs(10), "the waiter's first attempt failed", || {
+                client.stats().failed_attempts > failed_before
+            });
+            srv.pause();
+            let _resume = Resume(&srv);
+            let r = w.join().expect("waiter");
+            assert!(r.is_err(), "{what}: {r:?}");
+            (started, Instant::now())
+        });
+        let took = ended - started;
+        eprintln!("{what}: the wait of 1 s against a hung server ended after {took:?}");
+        assert!(
+            took < secs(10),
+            "{what}: a wait of 1 s ended after {took:?}"
+        );
+    }
 }

@@ -174,3 +174,74 @@ fn an_unacknowledged_upgrade_gives_the_hold_back() {
         .unlock()
         .expect("unlock");
 }
+
+/// The quoted arguments of a `MONITOR` line.
+fn quoted(line: &str) -> Vec<&str> {
+    line.split('"').skip(1).step_by(2).collect()
+}
+
+/// A contender token (a UUID), or a shared hold's member (a kind letter, then the token).
+fn is_token(arg: &str) -> bool {
+    let uuid = arg.trim_start_matches(['r', 'w', 'u', 'p']);
+    uuid.len() == 36 && uuid.bytes().filter(|&b| b == b'-').count() == 4
+}
+
+/// A wait whose acquisitions win without enough replicas gives each back and tries again.
+/// A give-back may run late (its reply lost, its bytes delayed): a later attempt with the
+/// same token would win a hold that late give-back then deletes, or passes on, under its
+/// holder. So once a token's hold is given back, no attempt uses that token again: every
+/// script call after the first that is not an acquisition (a give-back, a leave) retires
+/// its token. For the fair lock's queue token, a writer's member and a permit's member.
+#[test]
+fn a_token_given_back_is_never_used_again() {
+    let server = test_server();
+    let client = lock_client!(node(server.url()), replica_ack(1, ms(50)));
+    let monitor = redbaton_testkit::monitor::Monitor::start(&server);
+    type Wait<'a> = Box<dyn Fn() -> bool + 'a>;
+    let waits: [(&str, Wait<'_>); 3] = [
+        (
+            "lock",
+            Box::new(|| client.try_lock_for("k", ms(400)).is_err()),
+        ),
+        (
+            "write",
+            Box::new(|| client.rwlock("rw").try_write_for(ms(400)).is_err()),
+        ),
+        (
+            "permit",
+            Box::new(|| client.semaphore("sem", 1).try_acquire_for(ms(400)).is_err()),
+        ),
+    ];
+    for (what, wait) in &waits {
+        assert!(wait(), "{what}: no replica acknowledges");
+    }
+    let lines = monitor.flush(&server);
+    // Per lock key: the script that acquires (the first one called), and per token what
+    // happened last, so that an acquisition after a give-back is seen.
+    let mut acquire_sha: std::collections::HashMap<&str, &str> = Default::default();
+    let mut given_back: std::collections::HashSet<&str> = Default::default();
+    let mut attempts = 0;
+    for line in &lines {
+        let args = quoted(line);
+        let ["EVALSHA", sha, _, key, rest @ ..] = args.as_slice() else {
+            continue;
+        };
+        let Some(token) = rest.iter().find(|a| is_token(a)) else {
+            continue;
+        };
+        let token = token.trim_start_matches(['r', 'w', 'u', 'p']);
+        if *acquire_sha.entry(key).or_insert(sha) == *sha {
+            attempts += 1;
+            assert!(
+                !given_back.contains(token),
+                "an attempt with token {token} after its hold was given back"
+            );
+        } else {
+            given_back.insert(token);
+        }
+    }
+    assert!(
+        attempts >= 6 && given_back.len() >= 3,
+        "{attempts} attempts, {given_back:?}"
+    );
+}

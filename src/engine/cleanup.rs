@@ -267,7 +267,7 @@ impl Job {
             Undo::Leave => {
                 let mut errors = Vec::new();
                 for node in route.holders(&self.nodes) {
-                    match protocol.leave(&node, keys, token, true) {
+                    match protocol.leave(&node, keys, token, true, None) {
                         Ok(true) => Counters::inc(&counters.grants_passed),
                         Ok(false) => {}
                         Err(e) => errors.push(e),

@@ -7,7 +7,7 @@
 //! read into the write hold): every attempt then uses that hold's member as its token, and
 //! the hold's renewals wait while an attempt is in flight (see [`Paused`]).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -221,22 +221,28 @@ impl Engine {
         // grant to it, survive from one attempt to the next. Shared holds: one member, so
         // that a retry after a lost reply, or after a wait, finds its own hold. A
         // conversion: the member of the hold it turns.
-        let token = match from {
+        // The wait may retire it for a new one (see `Contest::retire_token`).
+        let token = RefCell::new(match from {
             Some(from) => Some(from.token.clone()),
             None => protocol
                 .keeps_token_across_attempts()
                 .then(|| protocol.new_token()),
-        };
-        let token = token.as_deref();
+        });
         // A panic in the loop must not leave our entry in the queue, nor a grant to it.
         // (Every normal way out leaves the queue itself, or holds the lock.)
         let _unwinding = OnUnwind::new(|| {
-            if std::thread::panicking() {
-                leave_after_panic(self, keys, protocol, token);
+            if std::thread::panicking()
+                && let Ok(token) = token.try_borrow()
+            {
+                leave_after_panic(self, keys, protocol, token.as_deref());
             }
         });
         let mut waiter = wait.waiter(protocol.hears());
-        if let Some(t) = token.filter(|_| protocol.awaits_grant()) {
+        if let Some(t) = token
+            .borrow()
+            .as_deref()
+            .filter(|_| protocol.awaits_grant())
+        {
             waiter.await_grant(t);
         }
         Contest {
@@ -246,7 +252,8 @@ impl Engine {
             protocol,
             wait,
             waiter,
-            token,
+            token: &token,
+            spent: Cell::new(false),
             from,
             marked: false,
             fresh: true,
@@ -266,8 +273,12 @@ struct Contest<'a> {
     protocol: Protocol,
     wait: Wait<'a>,
     waiter: Waiter,
-    /// The token of every attempt, when the protocol keeps one for the whole wait.
-    token: Option<&'a str>,
+    /// The token of every attempt, when the protocol keeps one for the whole wait (until
+    /// it is retired, see [`Contest::retire_token`]).
+    token: &'a RefCell<Option<String>>,
+    /// A hold the kept token may have taken is being given back: the token must not be
+    /// used again.
+    spent: Cell<bool>,
     /// The hold of ours the attempts turn into another (see [`Start::Convert`]).
     from: Option<&'a RemoteLock>,
     /// An attempt of ours may have left a contention mark or a queue entry: taken with
@@ -315,6 +326,12 @@ impl Contest<'_> {
         // early attempt was in flight.
         let mut heard = Vec::new();
         loop {
+            // A give-back of a hold our token took: the attempts from now on use a new
+            // token, and what was heard for the old one is nobody's.
+            if self.spent.take() {
+                heard.clear();
+                self.retire_token();
+            }
             // A release granted us the lock (fair queue), or woke us as the writer
             // waiting longest. A fair grant that carries our latest attempt's nonce is
             // the lock (see `trust`); any other is confirmed by the attempt below: it
@@ -378,7 +395,7 @@ impl Contest<'_> {
                         earlier = undo;
                         tried
                     });
-                    let token = self.token.map(str::to_owned).or(retried);
+                    let token = self.token.borrow().clone().or(retried);
                     (before, marks, self.round(marks, token))
                 }
             };
@@ -569,7 +586,7 @@ impl Contest<'_> {
         if Stamp::now() >= until {
             return Ok(None);
         }
-        let token = self.token.map(str::to_owned).unwrap_or_default();
+        let token = self.token.borrow().clone().unwrap_or_default();
         let nodes = vec![node.id.clone()];
         // A grant with a nonce follows a release (after a loss it carries none, so that
         // the confirming attempt tells of it): nothing was lost before it.
@@ -694,6 +711,12 @@ impl Contest<'_> {
             // `try_lock`) releases it like any other.
             undo.unknown.clear();
         }
+        // A give-back can run late (its reply lost, its bytes delayed): were the kept
+        // token used again, a late one could delete, or pass on, the hold a later attempt
+        // with it wins, under its holder. The token is retired instead.
+        if !undo.is_empty() && self.token.borrow().is_some() {
+            self.spent.set(true);
+        }
         let deadline = self.wait.deadline();
         if !undo.granted.is_empty() && deadline.is_none_or(|d| Instant::now() < d) {
             let (route, protocol) = (&self.route, self.protocol);
@@ -717,6 +740,20 @@ impl Contest<'_> {
         }
     }
 
+    /// The attempts from now on use a new token, as a new contender's (fair queue: a new
+    /// entry, at the back: the hold given back was our turn). A conversion's token is the
+    /// hold it converts, and a conversion whose attempt is given back ends its wait.
+    fn retire_token(&mut self) {
+        if self.from.is_some() {
+            return;
+        }
+        let fresh = self.protocol.new_token();
+        if self.protocol.awaits_grant() {
+            self.waiter.await_grant(&fresh);
+        }
+        *self.token.borrow_mut() = Some(fresh);
+    }
+
     /// The wait ends without the hold: leave the fair queue (passing on a grant that
     /// raced us), or take our contention mark with us.
     fn leave(&self) {
@@ -727,12 +764,13 @@ impl Contest<'_> {
         if protocol.queues_waiters() {
             Counters::inc(&engine.counters.queue_departures);
         }
-        let Some(token) = self.token else {
-            engine.unmark(keys, &self.route, protocol);
+        let token = self.token.borrow();
+        let Some(token) = token.as_deref() else {
+            engine.unmark(keys, &self.route, protocol, self.wait.deadline());
             return;
         };
         for node in self.route.nodes() {
-            match protocol.leave(node, keys, token, true) {
+            match protocol.leave(node, keys, token, true, self.wait.deadline()) {
                 Ok(true) => Counters::inc(&engine.counters.grants_passed),
                 Ok(false) => {}
                 Err(e) => {
@@ -862,7 +900,7 @@ fn leave_after_panic(engine: &Engine, keys: &Keys, protocol: Protocol, token: Op
     let Some(token) = token else { return };
     let route = engine.topology.route(keys);
     for node in route.nodes() {
-        if let Err(e) = protocol.leave(node, keys, token, true) {
+        if let Err(e) = protocol.leave(node, keys, token, true, None) {
             log::debug!("leaving after a panic failed (the entry expires): {e}");
         }
     }

@@ -11,7 +11,7 @@
 //! (and maybe was made again by someone else's call) ends the wait with
 //! [`Error::LatchExpired`] instead of a wait for a count nobody lowers any more.
 
-use crate::engine::contest::Wait;
+use crate::engine::contest::{Wait, WaitEnd};
 use crate::engine::state::Engine;
 use crate::engine::waiter::Waiter;
 use crate::error::{Error, Result};
@@ -89,16 +89,13 @@ impl Engine {
                     state
                 }
                 Err(e) if !wait.cancelled() && ride.again(&e, deadline) => continue,
-                Err(_) if ride.retried() && wait.cancelled() => return Err(Error::Cancelled),
-                Err(e) if ride.retried() && past(deadline) => {
-                    log::debug!("deadline passed during a failover: {e:?}");
-                    return Err(Error::Timeout);
-                }
                 Err(e) => {
                     if e.is_latch_expired() {
                         log::debug!("latch {} expired while waited on", keys.display());
                     }
-                    return Err(e);
+                    // A read cut by the deadline, or a failover that outlasted it, ends
+                    // the wait as the deadline does.
+                    return Err(WaitEnd::failed(&ride, wait, e));
                 }
             };
             if state.left == 0 {

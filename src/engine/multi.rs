@@ -568,7 +568,7 @@ impl GroupContest<'_> {
             return;
         }
         let left = on_sole(&self.route, |node| {
-            self.protocol.leave_all(node, self.keys, &self.mark_id)
+            (self.protocol).leave_all(node, self.keys, &self.mark_id, self.wait.deadline())
         });
         if let Err(e) = left {
             log::debug!("removing a multi-lock's contention marks failed (they expire): {e}");

@@ -1,7 +1,7 @@
 //! Giving a lock back — to the next local waiter, or in Redis — and changing its lease.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::clock::{Stamp, from_now};
 use crate::engine::cleanup::release_at;
@@ -273,12 +273,17 @@ impl Engine {
     }
 
     /// Removes our contention mark on every node of the route (best effort).
-    pub(crate) fn unmark(self: &Arc<Self>, keys: &Keys, route: &Route, protocol: Protocol) {
+    pub(crate) fn unmark(
+        self: &Arc<Self>,
+        keys: &Keys,
+        route: &Route,
+        protocol: Protocol,
+        deadline: Option<Instant>,
+    ) {
         let k = keys.clone();
-        for r in self
-            .topology
-            .fan_out(route.nodes(), move |node| protocol.unmark(node, &k))
-        {
+        for r in self.topology.fan_out(route.nodes(), move |node| {
+            protocol.unmark(node, &k, deadline)
+        }) {
             if let Err(e) = r {
                 log::debug!("removing a contention mark failed: {e}");
             }

@@ -517,14 +517,20 @@ impl Node {
     /// for the releases and leaves that grant), with `narrow`, its narrower form (a script
     /// and the call it makes, naming the lock key alone), run instead at once when the call
     /// path says so ([`Sent::Narrow`]: the server refused the keys of `call` together).
+    /// `deadline`: a waiter's leaving keeps its wait's (see [`Call::deadline`]); a release
+    /// has none, its retries bound it.
     pub(crate) fn release_with(
         &self,
         script: &Lua,
         call: &Cmd,
         retry: Retry,
         narrow: Option<(&Lua, &dyn Fn() -> Cmd)>,
+        deadline: Option<Instant>,
     ) -> Result<ReleaseReply> {
-        let mut tries = ReleaseTries::default();
+        let mut tries = ReleaseTries {
+            deadline,
+            ..ReleaseTries::default()
+        };
         let mut reply = tries.call(self, retry, narrow.is_some(), |c, before| {
             script.run::<i64>(call, c, before)
         });
@@ -627,11 +633,13 @@ struct ReleaseTries {
     lost_reply: Option<RedisError>,
     /// A try ran after one whose reply was lost.
     retried: bool,
+    /// The caller's, if it has one (see [`Call::deadline`]).
+    deadline: Option<Instant>,
 }
 
 impl ReleaseTries {
-    /// Runs `f` through `node`'s call path (see [`Node::call`]), without a deadline (a
-    /// release is bounded by its retries), noting lost replies.
+    /// Runs `f` through `node`'s call path (see [`Node::call`]) within the caller's
+    /// deadline, if any (a release has none: its retries bound it), noting lost replies.
     fn call<T>(
         &mut self,
         node: &Node,
@@ -641,7 +649,7 @@ impl ReleaseTries {
     ) -> Result<Option<T>> {
         let how = Call {
             retry,
-            deadline: None,
+            deadline: self.deadline,
             narrower,
         };
         node.call(how, |c, before| {

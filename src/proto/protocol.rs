@@ -528,7 +528,7 @@ impl Protocol {
         // and its head takes the lock at its next attempt once the slot has moved.
         match self.exclusive_release(node, keys, token, fence) {
             Some((script, call)) => {
-                node.release_with(script, &call, retry, Some((&RELEASE, &narrow)))
+                node.release_with(script, &call, retry, Some((&RELEASE, &narrow)), None)
             }
             // What an upgrade's attempt may have left is the write hold it turns into (the
             // upgradable hold is not the attempt's to give back).
@@ -646,7 +646,13 @@ impl Protocol {
 
     /// A multi-lock's waiter stops waiting for the locks `keys` on `node` without them:
     /// its contention marks (those holding `mark_id`) go, in one round trip.
-    pub fn leave_all(self, node: &Node, keys: &[Keys], mark_id: &str) -> Result<()> {
+    pub fn leave_all(
+        self,
+        node: &Node,
+        keys: &[Keys],
+        mark_id: &str,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
         let site = Site {
             client_id: mark_id,
             ..node.site()
@@ -654,7 +660,7 @@ impl Protocol {
         let calls: Vec<Cmd> = keys.iter().map(|k| unmark_call(site, k)).collect();
         let how = Call {
             retry: Retry::ON_RESET,
-            deadline: None,
+            deadline,
             narrower: false,
         };
         node.call(how, |c, before| {
@@ -666,14 +672,24 @@ impl Protocol {
     /// A waiter with `token` stops waiting on `node` without the hold; `marked`: an
     /// attempt of its may have left a mark or a queue entry. Out of the queue (passing
     /// on a grant that raced its leaving), or its mark removed. Whether it passed a grant
-    /// on.
-    pub fn leave(self, node: &Node, keys: &Keys, token: &str, marked: bool) -> Result<bool> {
+    /// on. Within the wait's `deadline`, if any: once it has passed, each read waits a
+    /// moment at most and nothing is sent again, so that a wait that ended never waits out
+    /// a server that does not answer; what could not be done is left to the caller (the
+    /// cleanup job), or to the mark's TTL.
+    pub fn leave(
+        self,
+        node: &Node,
+        keys: &Keys,
+        token: &str,
+        marked: bool,
+        deadline: Option<Instant>,
+    ) -> Result<bool> {
         if !marked {
             return Ok(false);
         }
         match self {
             Protocol::Lock { .. } => {
-                self.unmark(node, keys)?;
+                self.unmark(node, keys, deadline)?;
                 Ok(false)
             }
             Protocol::FairLock(fair) => {
@@ -695,14 +711,19 @@ impl Protocol {
                     &call,
                     Retry::ON_RESET,
                     Some((&RELEASE, &narrow)),
+                    deadline,
                 )?;
                 Ok(reply == ReleaseReply::Passed)
             }
             Protocol::Read { .. } | Protocol::Write { .. } | Protocol::Permit { .. } => {
-                node.leave_waiter(keys, token)
+                node.leave_waiter(keys, token, deadline)
             }
-            Protocol::Upgradable { .. } => node.unmark_waiter(keys, token, false).map(|()| false),
-            Protocol::Upgrade { .. } => node.unmark_waiter(keys, token, true).map(|()| false),
+            Protocol::Upgradable { .. } => {
+                (node.unmark_waiter(keys, token, false, deadline)).map(|()| false)
+            }
+            Protocol::Upgrade { .. } => {
+                (node.unmark_waiter(keys, token, true, deadline)).map(|()| false)
+            }
         }
     }
 
@@ -717,10 +738,11 @@ impl Protocol {
         }
     }
 
-    /// Removes our own contention mark on `node` (a waiter of a plain lock gave up).
-    pub fn unmark(self, node: &Node, keys: &Keys) -> Result<()> {
+    /// Removes our own contention mark on `node` (a waiter of a plain lock gave up),
+    /// within the wait's `deadline`, if any.
+    pub fn unmark(self, node: &Node, keys: &Keys, deadline: Option<Instant>) -> Result<()> {
         let call = unmark_call(node.site(), keys);
-        node.run_script::<i64>(&UNMARK, &call, Retry::ON_RESET, None)?;
+        node.run_script::<i64>(&UNMARK, &call, Retry::ON_RESET, deadline)?;
         Ok(())
     }
 

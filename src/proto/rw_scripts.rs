@@ -887,7 +887,7 @@ impl Node {
         // alone, whose release then says `r` (every waiter tries) as with no mark.
         let narrow = || call(false);
         let narrow: (&Lua, &dyn Fn() -> Cmd) = (&SHARED_RELEASE, &narrow);
-        self.release_with(&SHARED_RELEASE, &call(true), retry, Some(narrow))
+        self.release_with(&SHARED_RELEASE, &call(true), retry, Some(narrow), None)
     }
 
     /// A call of `script`, one that ends a hold or a wait (see `SHARED_RELEASE`), of
@@ -916,14 +916,26 @@ impl Node {
     }
 
     /// A waiting writer, reader or permit-seeker `member` of `keys` gives up (see
-    /// `WAITER_LEAVE`): whether a grant to it was passed on.
-    pub fn leave_waiter(&self, keys: &Keys, member: &str) -> Result<bool> {
+    /// `WAITER_LEAVE`): whether a grant to it was passed on. Within the wait's
+    /// `deadline`, if any.
+    pub fn leave_waiter(
+        &self,
+        keys: &Keys,
+        member: &str,
+        deadline: Option<Instant>,
+    ) -> Result<bool> {
         let call = |waiters: bool| self.ending_call(&WAITER_LEAVE, keys, member, None, waiters);
         // Redis Cluster, the slot half-way through a migration: the lock key alone, as a
         // release does (a grant that raced the leaving is passed on; the mark expires).
         let narrow = || call(false);
         let narrow: (&Lua, &dyn Fn() -> Cmd) = (&WAITER_LEAVE, &narrow);
-        let left = self.release_with(&WAITER_LEAVE, &call(true), Retry::ON_RESET, Some(narrow))?;
+        let left = self.release_with(
+            &WAITER_LEAVE,
+            &call(true),
+            Retry::ON_RESET,
+            Some(narrow),
+            deadline,
+        )?;
         match left {
             ReleaseReply::Passed => Ok(true),
             ReleaseReply::Other | ReleaseReply::OtherAfterRetry => Err(Error::WrongKind),
@@ -1001,7 +1013,13 @@ impl Node {
     /// Removes the mark of a waiter that is never granted (an upgradable read, or an
     /// upgrade, as a writer when `write`; see `WAITER_UNMARK`): it stops waiting without
     /// the hold.
-    pub fn unmark_waiter(&self, keys: &Keys, member: &str, write: bool) -> Result<()> {
+    pub fn unmark_waiter(
+        &self,
+        keys: &Keys,
+        member: &str,
+        write: bool,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
         let (script, set) = if write {
             (&*WAITER_UNMARK, keys.writers())
         } else {
@@ -1012,7 +1030,7 @@ impl Node {
             .arg(member)
             .arg(keys.channel())
             .arg(self.publish_mode());
-        self.run_script::<i64>(script, &call, Retry::ON_RESET, None)?;
+        self.run_script::<i64>(script, &call, Retry::ON_RESET, deadline)?;
         Ok(())
     }
 }
