@@ -326,12 +326,8 @@ impl Contest<'_> {
         // early attempt was in flight.
         let mut heard = Vec::new();
         loop {
-            // A give-back of a hold our token took: the attempts from now on use a new
-            // token, and what was heard for the old one is nobody's.
-            if self.spent.take() {
-                heard.clear();
-                self.retire_token();
-            }
+            // After the early attempt's round (see below).
+            self.settle_token(&mut heard);
             // A release granted us the lock (fair queue), or woke us as the writer
             // waiting longest. A fair grant that carries our latest attempt's nonce is
             // the lock (see `trust`); any other is confirmed by the attempt below: it
@@ -399,6 +395,9 @@ impl Contest<'_> {
                     (before, marks, self.round(marks, token))
                 }
             };
+            // Before anything else is sent for us: the early attempt armed before the sleep
+            // below carries the token too.
+            self.settle_token(&mut heard);
             if !matches!(outcome, Ok(Round::Failed { .. })) {
                 ride.settled();
                 carried = None;
@@ -737,6 +736,15 @@ impl Contest<'_> {
             engine
                 .cleanup
                 .release_later(self.keys, self.protocol, token, None, undo.unknown);
+        }
+    }
+
+    /// When the round just judged gave back a hold our kept token took: the attempts from
+    /// now on use a new token, and the grants heard for the old one are nobody's.
+    fn settle_token(&mut self, heard: &mut Vec<Grant>) {
+        if self.spent.take() {
+            heard.clear();
+            self.retire_token();
         }
     }
 
