@@ -5,8 +5,9 @@
 //! - `Proc::lock`: `LockClient::lock` → the local table (`local::table`): the first
 //!   thread that wants the key contends, the others queue behind it in the process.
 //! - `Proc::attempt`: one round of `engine::contend` — `FAIR_ACQUIRE` (fair: one token
-//!   for the whole wait) or `ACQUIRE` (plain: a new token per attempt). A won attempt's
-//!   validity counts from when it was sent (`judge`: `started + lease − drift`); a lost
+//!   for the whole wait, until a give-back retires it) or `ACQUIRE` (plain: a new token
+//!   per attempt). A won attempt's validity counts from its first send (`judge`:
+//!   `started + lease − drift`); a lost
 //!   one sleeps until the holder's remaining lease or the re-check ceiling, whichever
 //!   comes first, or at once if a message came since the attempt was sent (the waiter's
 //!   snapshots).
@@ -16,8 +17,12 @@
 //!   attempt as the lock, valid until that attempt's `sent + grant lease − drift`, and
 //!   has the watchdog renew it a quarter of that later; any other grant is confirmed by the attempt
 //!   (`Rules::grants`). Every attempt of a wait carries the next nonce.
-//! - `Proc::give_up`: a read timeout. An attempt's makes `lock` fail (one node does not
-//!   ride through errors): the thread is told, the process leaves the queue
+//! - `Proc::give_up`: a read timeout. An attempt's is sent again with the same token
+//!   and nonce (`Config::acquire_retries`, the node's `Retry::LOST_REPLY`), its validity
+//!   still counted from its first send; a won reply with no validity left is given back
+//!   before the next attempt (`Rules::late_give_back`), which uses a new token
+//!   (`Proc::retire_token`, `Rules::retire_given_back_token`). Once the resends are spent, it
+//!   makes `lock` fail (one node does not ride through errors): the thread is told, the process leaves the queue
 //!   (`FAIR_LEAVE`) or, plain, releases the token it tried (`engine::cleanup`), and the
 //!   next local waiter contends. A lease change's leaves the validity at
 //!   `min(old, sent_at + new lease − drift)` (`Rules::min_on_unknown`). A release's
@@ -91,14 +96,17 @@ pub struct Hold {
 pub enum Remote {
     Free,
     /// Contending with `token`; between attempts, asleep until `wake` unless `heard`.
-    /// Fair: `nonce` and `sent` are the latest attempt's, `grant` the nonce and fence of
-    /// the latest grant heard for `token` and not yet judged.
+    /// `nonce` and `sent` are the latest attempt's (`sent`: its first send, from which
+    /// its validity counts), `resent` how many times it was sent again after its reply
+    /// did not come; `grant` the nonce and fence of a grant heard for `token` and not yet
+    /// judged (one carrying the latest nonce, if any was heard).
     Contend {
         token: Token,
         wake: u8,
         heard: bool,
         nonce: u8,
         sent: u8,
+        resent: u8,
         grant: Option<(u8, u8)>,
     },
     Hold(Hold),
@@ -247,6 +255,7 @@ impl Proc {
             heard: false,
             nonce: 1,
             sent: now,
+            resent: 0,
             grant: None,
         };
         self.send(now, Op::Acquire { token, nonce: 1 }, true, fx);
@@ -269,8 +278,8 @@ impl Proc {
 
     /// The contender's next attempt (the first is sent by `lock`).
     fn attempt(&mut self, cfg: &Config, now: u8, fx: &mut Effects) {
-        // Plain: a token per attempt; fair: one per wait, so that its place in the queue
-        // and a grant to it survive.
+        // Plain: a token per attempt; fair: one per wait (until a give-back retires it,
+        // see `retire_token`), so that its place in the queue and a grant to it survive.
         let fresh = (cfg.mode == Mode::Plain).then(|| self.new_token());
         if self.take_granted(cfg, now, fx) {
             return;
@@ -280,6 +289,7 @@ impl Proc {
             heard,
             nonce,
             sent,
+            resent,
             ..
         } = &mut self.remote
         else {
@@ -289,14 +299,34 @@ impl Proc {
             *token = t;
         } else {
             *nonce += 1;
-            *sent = now;
         }
+        *sent = now;
+        *resent = 0;
         *heard = false;
         let op = Op::Acquire {
             token: *token,
             nonce: *nonce,
         };
         self.send(now, op, true, fx);
+    }
+
+    /// After a give-back of a hold the kept token may have taken (`Contest::undo` sets
+    /// `spent`): the following attempts use a new token, as a new contender's (fair
+    /// queue: a new entry, at the back), and a grant kept for the old one is dropped; a
+    /// grant to the old one heard later is not ours (only a wake-up). The old token is
+    /// never used again: an entry a late attempt of it leaves expires, or its grant runs
+    /// out. The library retires the token at the top of the next pass, after the
+    /// give-back returned; nothing is judged in between. Plain: every attempt has a new
+    /// token anyway.
+    fn retire_token(&mut self, cfg: &Config) {
+        if cfg.mode != Mode::Fair || !matches!(self.remote, Remote::Contend { .. }) {
+            return;
+        }
+        let fresh = self.new_token();
+        if let Remote::Contend { token, grant, .. } = &mut self.remote {
+            *token = fresh;
+            *grant = None;
+        }
     }
 
     /// Before an attempt: a grant heard that carries the nonce of the latest attempt
@@ -447,6 +477,14 @@ impl Proc {
         };
         fx.timed_out = true;
         match (request.op, &mut self.remote) {
+            // The node sends the same call again (`Retry::LOST_REPLY`): same token, same
+            // nonce; the attempt's validity still counts from its first send.
+            (Op::Acquire { .. }, Remote::Contend { resent, .. })
+                if *resent < cfg.acquire_retries =>
+            {
+                *resent += 1;
+                self.send(now, request.op, true, fx);
+            }
             (Op::Acquire { token, .. }, Remote::Contend { .. }) => {
                 // `lock()` fails for the contender; what the attempt may have left is
                 // cleaned up, not waited for.
@@ -463,6 +501,8 @@ impl Proc {
             }
             (Op::Extend { .. }, Remote::Hold(h)) => unknown_change(h, cfg, now, &request),
             (Op::Release { .. }, Remote::Releasing) => self.next_contender(now, fx),
+            // The give-back of a late win went unanswered: the next attempt goes now
+            // (`react`, after the tick's choices), while the give-back may still run.
             _ => {}
         }
     }
@@ -472,6 +512,9 @@ impl Proc {
 /// be the new one, counted from any time after it was sent, so the validity can only
 /// shrink to what the new lease gives from `sent_at` (with `Rules::min_on_unknown`).
 /// The watchdog tries again shortly.
+/// An explicit `extend` sets the lease the watchdog renews with whatever its outcome
+/// (`RemoteLock::end_extend`): the change may have been applied, and the next renewal,
+/// sent soon, applies it for sure.
 fn unknown_change(h: &mut Hold, cfg: &Config, now: u8, request: &Request) {
     let Op::Extend { lease, renew, .. } = request.op else {
         return;
@@ -480,9 +523,10 @@ fn unknown_change(h: &mut Hold, cfg: &Config, now: u8, request: &Request) {
         let bound = (request.sent + lease).saturating_sub(cfg.drift);
         h.valid_until = h.valid_until.min(bound);
     }
-    if renew {
-        h.renew_at = now + cfg.renew_retry;
+    if !renew {
+        h.lease = lease;
     }
+    h.renew_at = now + cfg.renew_retry;
 }
 
 /// The adversary's handle on a process: its steps.
@@ -576,6 +620,7 @@ impl Process for Proc {
             token,
             heard,
             grant,
+            nonce: latest,
             ..
         } = &mut self.remote
         else {
@@ -599,8 +644,12 @@ impl Process for Proc {
                 nonce,
                 fence,
             } if to == *token => {
-                // Kept for the contender, which judges it before its next attempt.
-                *grant = Some((nonce, fence));
+                // Kept for the contender, which judges it before its next attempt: the
+                // library keeps every grant heard and takes one that carries the latest
+                // attempt's nonce (`Contest::trust`), so a later one does not hide it.
+                if grant.is_none_or(|(of, _)| of != *latest) {
+                    *grant = Some((nonce, fence));
+                }
                 *heard = true;
                 self.react(cfg, now, fx);
             }
@@ -629,15 +678,29 @@ impl Process for Proc {
                     fresh,
                     previous_lost,
                 },
-                Remote::Contend { wake, heard, .. },
+                Remote::Contend {
+                    wake, heard, sent, ..
+                },
             ) => {
-                let valid_until = (request.sent + cfg.lease).saturating_sub(cfg.drift);
+                // From the attempt's first send (`judge`: `started + lease − drift`).
+                let valid_until = (*sent + cfg.lease).saturating_sub(cfg.drift);
                 if valid_until <= now {
-                    // No validity left: the attempt counts as failed (a guard is never
-                    // born dead), try again.
+                    // No validity left (`Round::Late`): a guard is never born dead. The
+                    // hold is given back as an attempt nobody used (`Contest::undo`,
+                    // waited for), and the next attempt, with a new token in the fair
+                    // queue, goes once that is answered or given up.
                     *wake = now;
                     *heard = false;
-                    self.react(cfg, now, fx);
+                    if cfg.rules.late_give_back {
+                        let op = Op::Release { token, fence: None };
+                        self.send(now, op, true, fx);
+                        // The give-back may run late: the token it carries is spent.
+                        if cfg.rules.retire_given_back_token {
+                            self.retire_token(cfg);
+                        }
+                    } else {
+                        self.react(cfg, now, fx);
+                    }
                     return;
                 }
                 let holder = self.waiting().expect("a contender waits");
@@ -667,11 +730,10 @@ impl Process for Proc {
             }
             (Op::Extend { lease, renew, .. }, answer, Remote::Hold(h)) => match answer {
                 Answer::Extended => {
-                    let valid_until = (request.sent + lease).saturating_sub(cfg.drift);
-                    if renew {
-                        h.valid_until = h.valid_until.max(valid_until);
-                    } else {
-                        h.valid_until = valid_until;
+                    // Not the later of the old and the new (`RemoteLock::apply`): the
+                    // lease applied is the lease.
+                    h.valid_until = (request.sent + lease).saturating_sub(cfg.drift);
+                    if !renew {
                         h.lease = lease;
                     }
                     h.renew_at = request.sent + cfg.renew_every(h.lease);
@@ -682,6 +744,8 @@ impl Process for Proc {
                 _ => unknown_change(h, cfg, now, &request),
             },
             (Op::Release { .. }, _, Remote::Releasing) => self.next_contender(now, fx),
+            // The give-back of a late win answered: the next attempt goes now.
+            (Op::Release { .. }, _, Remote::Contend { .. }) => self.react(cfg, now, fx),
             _ => {}
         }
     }

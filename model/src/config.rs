@@ -27,10 +27,11 @@ pub struct Rules {
     /// last applied one (see `redis::Key::seq`). Without it every change that finds the
     /// token applies, in whatever order the changes arrive.
     pub ordered_changes: bool,
-    /// An acquisition's refresh of its own token (a retry after a lost reply, the
-    /// confirmation of a grant) counts as change number 0: refused once a later change
-    /// applied. Only meaningful with `ordered_changes`.
-    pub ordered_refresh: bool,
+    /// An acquisition's refresh of its own token (a retry after a lost reply, a first
+    /// send landing after its retry, the confirmation of a grant) only lengthens the
+    /// lease (`PTTL < lease`). Without it the refresh sets the lease whatever it was,
+    /// and may cut short a longer one an extend set.
+    pub refresh_lengthens: bool,
     /// What a waiter makes of a grant message to its token.
     pub grants: Grants,
     /// A grant that follows a hold which ended without a release carries nonce 0, so
@@ -43,6 +44,21 @@ pub struct Rules {
     /// news for the next holder. Without it every give-back ends the hold as a release
     /// does, hiding a loss before it.
     pub transparent_give_back: bool,
+    /// A won attempt with no validity left by its reply (`Round::Late`: a pause or
+    /// resends outlasted the lease counted from the first send) is given back with its
+    /// token (`Contest::undo`, a release with no fence, waited for), and the next attempt
+    /// goes at once. Without it the late win is left for the next attempt, which finds
+    /// its token and confirms the hold, as the queue's `next_call_settles_unknown` does
+    /// for an unknown outcome (`Config::keeping_late_wins`: an alternative that holds
+    /// too).
+    pub late_give_back: bool,
+    /// A token whose hold was given back is never used again by its wait
+    /// (`Contest::retire_token`): the following attempts use a new one (fair queue: a
+    /// new entry, at the back), and a grant to the old one is not the waiter's. Without
+    /// it the fair queue's next attempt reuses the token given back (the library before
+    /// the fix), and a give-back that runs late deletes or passes on the hold that attempt
+    /// won, under its holder.
+    pub retire_given_back_token: bool,
 }
 
 /// What a waiter makes of a grant message to its token (`g<token>:<nonce>:<fence>:<ms>`).
@@ -69,10 +85,12 @@ impl Rules {
     pub const FIXED: Rules = Rules {
         min_on_unknown: true,
         ordered_changes: true,
-        ordered_refresh: true,
+        refresh_lengthens: true,
         grants: Grants::Trusted,
         confirm_after_loss: true,
         transparent_give_back: true,
+        late_give_back: true,
+        retire_given_back_token: true,
     };
 }
 
@@ -103,6 +121,12 @@ pub struct Config {
     pub drift: u8,
     /// A client gives a request up this long after sending it (the read timeout).
     pub timeout: u8,
+    /// How many times an acquisition attempt whose reply did not come by the timeout is
+    /// sent again, with the same token and nonce, before `lock()` fails
+    /// (`Retry::LOST_REPLY` of one node: 2). Its validity, and the bound of a grant that
+    /// follows it, still count from its first send. The CI bounds send once more: with
+    /// two faults, a `lock()` that fails (and leaves the queue) is then still reachable.
+    pub acquire_retries: u8,
     /// The longest the adversary keeps a request in flight before it must run or drop
     /// it, and a message to a running process before it must deliver or drop it. From
     /// `timeout` on, a request can run after its sender gave up.
@@ -140,6 +164,7 @@ impl Config {
             extends: vec![1, 4],
             drift: 0,
             timeout: 1,
+            acquire_retries: 1,
             max_delay: 1,
             recheck: 2,
             renew_retry: 1,
@@ -151,9 +176,8 @@ impl Config {
         }
     }
 
-    /// The longer check: two more ticks (81 million states, about 4 minutes and 11 GB on
-    /// two threads; each tick roughly doubles the states, and two locks per thread
-    /// outgrow 9 GB at six ticks already).
+    /// The longer check: two more ticks (15 million states, about 95 s and 2.6 GB on two
+    /// threads; each tick roughly doubles the states).
     pub fn deep() -> Config {
         Config {
             horizon: 7,
@@ -175,7 +199,17 @@ impl Config {
         self.with_rules(Rules {
             min_on_unknown: false,
             ordered_changes: false,
-            ordered_refresh: false,
+            refresh_lengthens: false,
+            ..Rules::FIXED
+        })
+    }
+
+    /// A late win left for the next attempt to confirm (with the same token), instead of
+    /// given back with its token retired: the alternative to the library's rule, which
+    /// keeps the waiter's place in the queue.
+    pub fn keeping_late_wins(self) -> Config {
+        self.with_rules(Rules {
+            late_give_back: false,
             ..Rules::FIXED
         })
     }

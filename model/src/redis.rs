@@ -16,7 +16,7 @@
 //! | [`Op::Acquire`], fair | `proto::fair_scripts::FAIR_ACQUIRE` (with `grant` of its `COMMON`) |
 //! | [`Op::Release`], plain | `proto::scripts::RELEASE` |
 //! | [`Op::Release`], fair | `proto::fair_scripts::FAIR_RELEASE` (`pass_on`) |
-//! | [`Op::Extend`] | `proto::scripts::EXTEND` (one key), with the lease-change order |
+//! | [`Op::Extend`] | `proto::renewal::EXTEND` (one key and its lease record) |
 //! | [`Op::Leave`] | `proto::fair_scripts::FAIR_LEAVE` |
 //!
 //! Left out: the contention marks (`c<client id>`, the mark key), which only steer the
@@ -40,11 +40,16 @@ pub struct Key {
     pub token: Token,
     /// The tick at which the key expires: present while `now < expires` (`PX`).
     pub expires: u8,
-    /// The sequence number of the last lease change applied to this hold: 0 when the key
-    /// is set (acquisition or grant); a lease change numbered `n` applies only if
-    /// `n >= seq`, and then stores `n`. The holder numbers its changes 1, 2, … in the
-    /// order it sends them, so an older change never overwrites a newer one's TTL.
+    /// The sequence number of the last lease change applied to this hold (the lease
+    /// record `<n>:<token>`): 0 when the key is set (acquisition or grant) or once the
+    /// record expired; a lease change numbered `n` applies only if `n >= seq`, and then
+    /// stores `n`. The holder numbers its changes 1, 2, … in the order it sends them, so
+    /// an older change never overwrites a newer one's TTL.
     pub seq: u8,
+    /// When the lease record expires: it is written with the lease of the change it
+    /// records (`PX`), so it can end before the key does once an acquisition's refresh
+    /// lengthened the key (0 while there is no record).
+    pub record_expires: u8,
 }
 
 /// An entry of the fair queue (`L:q` for the order, `L:qx` for the expiry).
@@ -172,6 +177,14 @@ impl Redis {
             self.truth.lost = true;
             self.lock = None;
         }
+        if let Some(k) = &mut self.lock
+            && k.seq > 0
+            && k.record_expires <= now
+        {
+            // The lease record is gone: no change of this hold is known applied.
+            k.seq = 0;
+            k.record_expires = 0;
+        }
         self.queue.retain(|e| e.expires > now);
     }
 
@@ -210,6 +223,7 @@ impl Redis {
             token,
             expires,
             seq: 0,
+            record_expires: 0,
         });
         (fence, told)
     }
@@ -273,12 +287,20 @@ impl Redis {
         self.ended(fence);
     }
 
-    /// The `PEXPIRE` of an acquisition that finds its own token: change number 0.
+    /// The `PEXPIRE` of an acquisition that finds its own token (a retry after a lost
+    /// reply, a first send that landed after its retry, a grant's confirmation): only
+    /// when it lengthens the lease (`PTTL < lease`), whatever lease changes applied
+    /// before, so that an attempt delayed on the way never cuts short a longer lease an
+    /// extend set since. It neither reads nor writes the lease record. Without
+    /// `Rules::refresh_lengthens`, the lease is set whatever it was (the library before
+    /// the lease-change fix).
     fn refresh(&mut self, rules: &Rules, now: u8, lease: u8) {
-        if let Some(k) = &mut self.lock
-            && (!rules.ordered_changes || !rules.ordered_refresh || k.seq == 0)
-        {
-            k.expires = now + lease;
+        if let Some(k) = &mut self.lock {
+            if rules.refresh_lengthens {
+                k.expires = k.expires.max(now + lease);
+            } else {
+                k.expires = now + lease;
+            }
         }
     }
 
@@ -463,7 +485,11 @@ impl Redis {
             return Answer::Stale;
         }
         k.expires = now + lease;
-        k.seq = k.seq.max(seq);
+        if rules.ordered_changes {
+            // `SET record <n>:<token> PX lease`.
+            k.seq = seq;
+            k.record_expires = now + lease;
+        }
         Answer::Extended
     }
 }

@@ -21,6 +21,19 @@ fn ci_configuration_holds_every_property() {
     );
 }
 
+/// A late win left for the next attempt, which finds its token and confirms it, instead
+/// of given back with its token retired: the alternative to the library's rule holds too.
+#[test]
+fn keeping_late_wins_holds_every_property() {
+    let report = check(Config::ci().keeping_late_wins(), THREADS, None);
+    report.assert_holds();
+    assert!(
+        report.never.is_empty(),
+        "paths never taken: {:?}",
+        report.never
+    );
+}
+
 /// Checks `cfg` until `property` is violated, and returns the length of the shortest path
 /// to that (a variant may break other properties on the way: they are printed too).
 fn violation(cfg: Config, property: &'static str) -> usize {
@@ -95,14 +108,31 @@ fn a_give_back_that_marks_the_counter_released_makes_previous_lost_wrong() {
     );
 }
 
-/// Every grant confirmed by an attempt (the library before grants were trusted) holds
-/// too (a tick less, to keep the run short).
+/// A won attempt whose reply comes after its lease (counted from its first send) ran out
+/// is given back with its token; were the fair queue's next attempt to reuse that token,
+/// a give-back that runs after that attempt won would delete or pass on the lock under
+/// its holder (the library before `Contest::retire_token`).
+#[test]
+fn reusing_a_given_back_token_breaks_exclusion() {
+    let steps = violation(
+        Config::ci().with_rules(Rules {
+            retire_given_back_token: false,
+            ..Rules::FIXED
+        }),
+        EXCLUSION,
+    );
+    println!("counterexample path length: {steps}");
+}
+
+/// Every grant confirmed by an attempt (the library before grants were trusted, and
+/// where `Contest::may_trust` says no) holds too; a tick less, to keep the run short.
 #[test]
 fn confirmed_grants_hold_every_property() {
     let cfg = Config {
         horizon: 4,
-        ..Config::ci().with_grants(Grants::Confirmed)
-    };
+        ..Config::ci()
+    }
+    .with_grants(Grants::Confirmed);
     check(cfg, THREADS, None).assert_holds();
 }
 
