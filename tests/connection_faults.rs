@@ -171,7 +171,10 @@ fn a_count_down_after_the_server_closed_the_idle_connection_counts() {
                 .any(|c| c.get("name").is_some_and(|n| n == "redbaton"))
         },
     );
+    let sent = c.stats().commands;
     assert_eq!(latch.count_down().expect("count down"), 2);
+    // The check of the idle connection is a command the client sent too.
+    assert_eq!(c.stats().commands - sent, 2, "the PING and the count down");
     assert_eq!(latch.count().expect("read"), 2);
 }
 

@@ -334,6 +334,7 @@ impl Node {
             if retry.times == 0 && conn.idle_for() >= CHECK_IDLE_AFTER {
                 // Commands sent once must not be lost to a connection that died while idle
                 // (Redis's `timeout`, a NAT): a `PING` finds out first, at no risk.
+                Counters::inc(&self.counters.commands);
                 let ping = within_deadline(&mut conn, deadline, read_timeout, |c| {
                     redis::cmd("PING").query::<()>(c)
                 });
