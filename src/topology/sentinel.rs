@@ -127,8 +127,9 @@ impl Drop for Sentinel {
 
 impl Watcher {
     fn run(mut self) {
+        const FIRST_BACKOFF: Duration = Duration::from_millis(50);
         let mut next = 0;
-        let mut backoff = Duration::from_millis(50);
+        let mut backoff = FIRST_BACKOFF;
         while !self.stop.load(Ordering::Relaxed) {
             let Some(node) = self.node.upgrade() else {
                 return;
@@ -137,9 +138,15 @@ impl Watcher {
             // One sentinel at a time; the next one when it fails.
             let sentinel = self.sentinels[next % self.sentinels.len()].clone();
             next += 1;
+            let began = Instant::now();
             match self.follow(&sentinel) {
                 Ok(()) => return,
                 Err(e) => {
+                    // A subscription that served a while is a new failure, not one more
+                    // of a run: it waits the first pause again, not the longest.
+                    if began.elapsed() >= RECHECK {
+                        backoff = FIRST_BACKOFF;
+                    }
                     log::debug!("sentinel: subscription lost: {e}; trying the next sentinel");
                     // Whatever was missed meanwhile: look now.
                     self.resolve();
