@@ -1,7 +1,8 @@
 //! The checks of the shared holds (`redbaton_model::shared`): a read-write lock (with
-//! upgrades, downgrades and local turns) and a semaphore hold every property; a grant
-//! taken without the nonce rule, a renewal that revives, an unanswered upgrade whose guard
-//! is kept and an unanswered downgrade whose write hold a local turn takes over break
+//! upgrades, downgrades, local turns, and resends with late wins given back) and a
+//! semaphore hold every property; a grant taken without the nonce rule, a renewal that
+//! revives, an unanswered upgrade whose guard is kept, an unanswered downgrade whose write
+//! hold a local turn takes over and a member reused after a late give-back break
 //! exclusion.
 
 use redbaton_model::shared::props::EXCLUSION;
@@ -95,6 +96,30 @@ fn an_unanswered_upgrade_keeping_its_guard_breaks_exclusion() {
         upgrade_keeps_guard: true,
         ..SharedConfig::upgrade()
     });
+}
+
+/// An attempt whose reply is lost is sent again with the same member; a win whose reply
+/// comes after its lease, counted from the first send, ran out is given back, and the
+/// wait goes on with a new member. One permit is never shared.
+#[test]
+fn resends_and_late_give_backs_hold_every_property() {
+    for cfg in [SharedConfig::resends(), SharedConfig::resends_of_permits()] {
+        let report = holds(cfg);
+        assert_eq!(report.never, ["holds shared"], "one reader, one permit");
+    }
+}
+
+/// The wait's next attempt reuses the member a late win gave back: the give-back runs
+/// late, after that attempt won the hold again, and deletes it under its holder; the
+/// other process gets in (a reader beside the writer, or the one permit twice).
+#[test]
+fn reusing_a_given_back_member_breaks_exclusion() {
+    for cfg in [SharedConfig::resends(), SharedConfig::resends_of_permits()] {
+        breaks(SharedConfig {
+            reuse_given_back_member: true,
+            ..cfg
+        });
+    }
 }
 
 /// Replies as slow as the read timeout: a renewal may run after its hold expired.

@@ -11,8 +11,14 @@
 //!   valid until that attempt's `sent + grant lease − drift`, with the first renewal due
 //!   a quarter of the way (`Contest::trust`); any other grant is a wake-up that the
 //!   attempt confirms (`SharedConfig::grants` names the broken variants).
-//! - A read timeout of an attempt fails the wait: `WAITER_LEAVE` passes on a hold the
-//!   lost attempt may have taken, or a grant that raced it.
+//! - A read timeout of an attempt sends it again with the same member and nonce
+//!   (`SharedConfig::acquire_retries`, the node's `Retry::LOST_REPLY`); a hold it wins
+//!   counts from the first send, and a win with no validity left by its reply
+//!   (`Vote::Late`) is given back (`Contest::undo`: `SHARED_RELEASE` of the member,
+//!   awaited) before the next attempt, which uses a new member (`Contest::retire_token`;
+//!   `SharedConfig::reuse_given_back_member` is the broken variant). Once the resends are
+//!   spent the wait fails: `WAITER_LEAVE` passes on a hold the lost attempt may have
+//!   taken, or a grant that raced it.
 //! - The watchdog renews (`SHARED_EXTEND`) once a third of the lease passed; a renewal's
 //!   reply gives `max(old, sent + lease − drift)`, its loss leaves the validity as it was
 //!   (a renewal sent later never shortens it), a hold gone ends it.
@@ -76,9 +82,13 @@ pub struct Proc {
     pub pid: Pid,
     pub want: Want,
     pub phase: Phase,
-    /// The latest attempt's nonce and when it was sent.
+    /// The latest attempt's nonce and when it was first sent.
     pub nonce: u8,
     pub sent: u8,
+    /// How many times the latest attempt was sent again.
+    pub resent: u8,
+    /// The wait's member now: a new one after a late win was given back.
+    pub token: u8,
     /// An attempt of this wait may have marked it waiting.
     pub marked: bool,
     /// Threads of the process still to take a turn on its hold.
@@ -119,6 +129,8 @@ impl Proc {
             },
             nonce: 0,
             sent: 0,
+            resent: 0,
+            token: 0,
             marked: false,
             turns: match want {
                 Want::Read | Want::Write => cfg.turns,
@@ -135,6 +147,7 @@ impl Proc {
         Member {
             want: self.hold().map_or(self.want, |h| h.kind),
             proc: self.pid.id,
+            token: self.token,
         }
     }
 
@@ -142,6 +155,7 @@ impl Proc {
         Member {
             want: self.want,
             proc: self.pid.id,
+            token: self.token,
         }
     }
 
@@ -218,6 +232,7 @@ impl Proc {
         }
         self.nonce += 1;
         self.sent = now;
+        self.resent = 0;
         self.phase = Phase::Wait {
             wake: now,
             heard: false,
@@ -326,6 +341,12 @@ impl Process for Proc {
         }
         self.pending = None;
         match (&mut self.phase, request.op) {
+            // The node sends the same call again (`Retry::LOST_REPLY`): same member, same
+            // nonce; a hold it wins still counts from the first send.
+            (Phase::Wait { .. }, Op::Acquire { .. }) if self.resent < cfg.acquire_retries => {
+                self.resent += 1;
+                self.send(now, request.op, true, fx);
+            }
             (Phase::Wait { .. }, Op::Acquire { .. }) => {
                 self.send(now, Op::Leave { m: self.member() }, false, fx);
                 self.phase = Phase::Done;
@@ -436,6 +457,11 @@ impl Process for Proc {
                 *heard = true;
                 self.react(cfg, now, fx);
             }
+            // To a member the wait gave up (a late win given back): only a wake-up.
+            Publish::Grant { to, .. } | Publish::Wake(to) if to.proc == me.proc => {
+                *heard = true;
+                self.react(cfg, now, fx);
+            }
             Publish::Free => {
                 *heard = true;
                 self.react(cfg, now, fx);
@@ -454,17 +480,35 @@ impl Process for Proc {
     ) {
         self.pending = None;
         match (request.op, answer, &mut self.phase) {
-            (Op::Acquire { .. }, Answer::Won { fence }, Phase::Wait { wake, heard, .. }) => {
-                let (valid_until, renew_at) = cfg.lease_from(request.sent);
+            (
+                Op::Acquire { m, .. },
+                Answer::Won { fence },
+                Phase::Wait {
+                    wake, heard, grant, ..
+                },
+            ) => {
+                // From the attempt's first send (`judge`).
+                let (valid_until, renew_at) = cfg.lease_from(self.sent);
                 if valid_until <= now {
-                    // No validity left: as a failed attempt, go again.
+                    // No validity left (`Vote::Late`): the hold is given back
+                    // (`Contest::undo`, `SHARED_RELEASE` of the member, awaited), and the
+                    // next attempt goes once that is answered or given up. The give-back
+                    // may run late: the member it carries is spent, and the following
+                    // attempts use a new one (`Contest::retire_token`); a grant kept for
+                    // the old one is dropped.
                     *wake = now;
                     *heard = false;
-                    self.react(cfg, now, fx);
+                    if !cfg.reuse_given_back_member {
+                        *grant = None;
+                        self.token += 1;
+                    }
+                    self.send(now, Op::Release { m }, true, fx);
                     return;
                 }
                 self.begin(fence, valid_until, renew_at, false, fx);
             }
+            // A late win's give-back answered: the next attempt goes.
+            (Op::Release { .. }, _, Phase::Wait { .. }) => self.react(cfg, now, fx),
             (Op::Acquire { .. }, Answer::Failed { hint }, Phase::Wait { wake, heard, .. }) => {
                 self.marked = true;
                 *wake = cfg.wake(now, hint, *heard);

@@ -45,6 +45,19 @@ pub struct SharedConfig {
     pub recheck: u8,
     /// The watchdog retries a renewal whose outcome is unknown this much later.
     pub renew_retry: u8,
+    /// How many times an attempt whose reply did not come by the read timeout is sent
+    /// again, with the same member and nonce, before the wait fails (the node's
+    /// `Retry::LOST_REPLY`). A hold it wins counts from its first send; a win whose reply
+    /// comes after that lease ran out (`Vote::Late`) is given back (`SHARED_RELEASE` of
+    /// the member, awaited, which may itself run late), and the wait goes on. 0 (a lost
+    /// reply fails the wait) in every configuration but `resends()`, to keep their state
+    /// counts; the library's node sends twice more.
+    pub acquire_retries: u8,
+    /// Broken: after a late win was given back, the wait's next attempts use the same
+    /// member (the library before `Contest::retire_token`); a give-back that runs late
+    /// then deletes the hold such an attempt won, under its holder. The library's rule:
+    /// a new member, as a new waiter's (a new mark, at the back).
+    pub reuse_given_back_member: bool,
     /// The last tick.
     pub horizon: u8,
     /// Pauses the adversary may begin.
@@ -88,6 +101,8 @@ impl SharedConfig {
             max_delay: 1,
             recheck: 2,
             renew_retry: 1,
+            acquire_retries: 0,
+            reuse_given_back_member: false,
             horizon: 6,
             pauses: 1,
             faults: 2,
@@ -144,6 +159,27 @@ impl SharedConfig {
             timeout: 2,
             max_delay: 2,
             ..SharedConfig::rw()
+        }
+    }
+
+    /// An attempt whose reply is lost is sent again once (`acquire_retries`): a reader
+    /// and a writer, horizon 7 (about 150,000 states). A pause between an attempt and its
+    /// resend makes a late win, given back while the wait goes on.
+    pub fn resends() -> SharedConfig {
+        SharedConfig {
+            wants: vec![Want::Read, Want::Write],
+            acquire_retries: 1,
+            horizon: 7,
+            ..SharedConfig::rw()
+        }
+    }
+
+    /// The same for two permit-seekers and one permit.
+    pub fn resends_of_permits() -> SharedConfig {
+        SharedConfig {
+            wants: vec![Want::Permit; 2],
+            permits: 1,
+            ..SharedConfig::resends()
         }
     }
 

@@ -7,7 +7,8 @@
 //! - **fencing**: each write hold begins with a fence above every earlier write hold's.
 //!
 //! `sometimes` properties show the paths are taken: each kind of hold taken from a grant
-//! with no confirming attempt, and holds shared (two readers, two permits, at once).
+//! with no confirming attempt, a hold won with a new member after a late win was given
+//! back, and holds shared (two readers, two permits, at once).
 
 use stateright::Property;
 
@@ -88,6 +89,12 @@ pub fn properties(cfg: &SharedConfig) -> Vec<Property<SharedModel>> {
                     && p.hold().is_some_and(|h| h.kind == Want::Read)
             })
         }));
+    }
+    if cfg.acquire_retries > 0 && !cfg.reuse_given_back_member {
+        props.push(Property::sometimes(
+            "a hold won after a late win was given back",
+            |_, s: &State| s.procs.iter().any(|p| p.believes(s.now) && p.token > 0),
+        ));
     }
     if cfg.turns > 0 {
         props.push(Property::sometimes("a local turn taken", |_, s: &State| {

@@ -15,11 +15,15 @@
 
 use crate::shared::config::{SharedConfig, Want};
 
-/// A hold's or a mark's owner: one process's one wait (a process takes one hold).
+/// A hold's or a mark's owner: one process's one wait (a process takes one hold), the
+/// member it uses now (`r<token>`, `w<token>`, `p<token>`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Member {
     pub want: Want,
     pub proc: u8,
+    /// Which of the wait's members: the wait takes a new one after it gave a late win
+    /// back (`Contest::retire_token`).
+    pub token: u8,
 }
 
 /// Which waiting marks: `…:ww` (writers, permit-seekers, waiting upgrades) or `…:wr`.
@@ -205,7 +209,7 @@ impl Redis {
         self.holds.retain(|e| e.exp > now);
         let w = Member {
             want: Want::Write,
-            proc: m.proc,
+            ..m
         };
         let head = first(&self.holds, now);
         if head.is_some_and(|h| h.member == w) {
