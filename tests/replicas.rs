@@ -142,7 +142,11 @@ fn an_unacknowledged_upgrade_gives_the_hold_back() {
     let (master, replica) = with_replica();
     let client = lock_client!(node(master.url()), replica_ack(1, ms(100)));
     let rw = client.rwlock("rw");
-    let upgradable = rw.try_upgradable_read().expect("acknowledged");
+    // Tried again until acknowledged: a replica that has just synced may ack its first
+    // write later than the 100 ms allowed (a busy machine).
+    let upgradable = rw
+        .try_upgradable_read_for(Duration::from_secs(10))
+        .expect("acknowledged");
     replica.pause();
     let e = upgradable
         .try_upgrade_for(ms(500))
