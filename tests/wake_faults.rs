@@ -58,6 +58,16 @@ fn waiter(c: &LockClient, name: &[u8]) -> Waiting {
     rx
 }
 
+/// A thread of `c` waiting for `name`, once it has failed its attempt and had time to go
+/// to sleep. The count it waits for is read before the thread starts: a waiter whose
+/// subscription is still there attempts at once, before this thread could read it after.
+fn sleeping_waiter(c: &LockClient, name: &[u8]) -> Waiting {
+    let failed = c.stats().failed_attempts;
+    let w = waiter(c, name);
+    asleep(c, failed + 1);
+    w
+}
+
 /// Waits until `c` has failed `n` attempts in all and its waiters had time to go to
 /// sleep.
 fn asleep(c: &LockClient, n: u64) {
@@ -220,8 +230,7 @@ fn subscriber_closed_for_its_output_buffer_then_release_wakes() {
     for (i, racing) in [(0, false), (1, true)] {
         let name = format!("obuf-{i}");
         let guard = holder.lock(&name).expect("lock");
-        let w = waiter(&c, name.as_bytes());
-        asleep(&c, c.stats().failed_attempts + 1);
+        let w = sleeping_waiter(&c, name.as_bytes());
         let before = c.stats();
         let subs = srv.subscribers();
         assert_eq!(subs.len(), 1, "one subscriber connection");
@@ -364,8 +373,7 @@ fn watching_again_as_the_lingering_subscription_goes() {
     let name = "linger";
     for offset_ms in [1900u64, 1960, 1990, 2000, 2005, 2010, 2030, 2080] {
         let guard = holder.lock(name).expect("lock");
-        let w = waiter(&c, name.as_bytes());
-        asleep(&c, c.stats().failed_attempts + 1);
+        let w = sleeping_waiter(&c, name.as_bytes());
         drop(guard);
         w.recv_timeout(WOKEN)
             .expect("woken")
@@ -373,8 +381,7 @@ fn watching_again_as_the_lingering_subscription_goes() {
         // Its watch is gone: the subscription lingers 2 s, then is unsubscribed.
         let guard = holder.lock(name).expect("lock");
         thread::sleep(Duration::from_millis(offset_ms));
-        let w = waiter(&c, name.as_bytes());
-        asleep(&c, c.stats().failed_attempts + 1);
+        let w = sleeping_waiter(&c, name.as_bytes());
         let released = Instant::now();
         drop(guard);
         let (at, s) = w
