@@ -134,13 +134,15 @@ fn the_thread_reads_again_after_the_waiters() {
     assert_eq!(got(&w, "k").waiter_reads, 1);
 
     let both = holder.multi_lock(["m1", "m2"]).unwrap();
+    // Read before the thread starts: its first attempts may fail before this thread runs
+    // again, and the count would then wait for attempts that never come.
+    let before = other.stats().failed_attempts;
     let (tx, rx) = crossbeam_channel::bounded(1);
     let c = other.clone();
     thread::spawn(move || {
         let got = c.try_multi_lock_for(["m1", "m2"], WOKEN).map(drop);
         let _ = tx.send((got, c.stats()));
     });
-    let before = other.stats().failed_attempts;
     failed(&other, before + 2);
     both.unlock().unwrap();
     let (result, s) = rx.recv_timeout(WOKEN + secs(5)).expect("returns");
