@@ -5,6 +5,8 @@
 //! gives it (see [`CallPath`]).
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use redis::{Cmd, Connection, FromRedisValue, RedisError, RedisResult, Value};
@@ -13,7 +15,7 @@ use crate::config::Config;
 use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
-use crate::proto::pool::{MIN_ATTEMPT, Pool};
+use crate::proto::pool::{MIN_ATTEMPT, Pool, PooledConn};
 use crate::proto::scripts::{self, Lua, RAISE_FENCE, Site};
 use crate::stats::Counters;
 
@@ -159,7 +161,7 @@ pub(crate) struct Node {
     path: Arc<dyn CallPath>,
     /// The last command got no reply (a network error or a timeout): asked last when
     /// any node will do (the cluster's slot map).
-    silent: std::sync::atomic::AtomicBool,
+    silent: AtomicBool,
 }
 
 /// What every node of a client shares, given when a node is made: the client's counters,
@@ -173,7 +175,7 @@ pub(crate) struct Parts {
 impl Node {
     /// Whether the last command got a reply (see `silent`).
     pub fn answering(&self) -> bool {
-        !self.silent.load(std::sync::atomic::Ordering::Relaxed)
+        !self.silent.load(Relaxed)
     }
 
     /// A node at `url`; `label` names it in errors (the URL may hold a password).
@@ -208,7 +210,7 @@ impl Node {
             grant_ms: millis(cfg.grant_lease()),
             ack: cfg.replica_ack,
             path,
-            silent: std::sync::atomic::AtomicBool::new(false),
+            silent: AtomicBool::new(false),
         }
     }
 
@@ -321,8 +323,7 @@ impl Node {
             let mut conn = match self.pool.get_until(deadline) {
                 Ok(conn) => conn,
                 Err(e) => {
-                    self.silent
-                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                    self.silent.store(true, Relaxed);
                     // A node that refuses connections may have been replaced (a master
                     // killed in a cluster).
                     if e.is_connection() {
@@ -341,15 +342,10 @@ impl Node {
                 if let Err(e) = ping
                     && is_network_error(&e)
                 {
-                    conn.discard();
-                    drop(conn);
-                    self.pool.clear_idle();
+                    self.close(conn);
                     if e.is_timeout() {
                         // Not dead but silent: another connection would wait as long.
-                        self.silent
-                            .store(true, std::sync::atomic::Ordering::Relaxed);
-                        self.pool.note_fault();
-                        self.path.fault();
+                        self.unanswered();
                         return Err(Error::Redis(e));
                     }
                     log::debug!("node {}: idle connection closed: {e}", self.id);
@@ -358,17 +354,10 @@ impl Node {
             }
             Counters::inc(&self.counters.commands);
             let reply = within_deadline(&mut conn, deadline, read_timeout, &mut *commands);
-            self.silent.store(
-                reply.as_ref().is_err_and(is_network_error),
-                std::sync::atomic::Ordering::Relaxed,
-            );
             match reply {
                 Err(e) if is_network_error(&e) => {
-                    conn.discard();
-                    drop(conn);
-                    self.pool.clear_idle();
-                    self.pool.note_fault();
-                    self.path.fault();
+                    self.close(conn);
+                    self.unanswered();
                     if *tries >= retry.times
                         || (e.is_timeout() && !retry.after_timeout)
                         || past(deadline)
@@ -378,9 +367,28 @@ impl Node {
                     *tries += 1;
                     log::debug!("node {}: retrying after network error: {e}", self.id);
                 }
-                reply => return reply.map_err(Error::Redis),
+                reply => {
+                    self.silent.store(false, Relaxed);
+                    return reply.map_err(Error::Redis);
+                }
             }
         }
+    }
+
+    /// Closes a connection a network error showed dead, and the idle ones beside it, which
+    /// the same cause (a restart, a network fault) most likely closed too.
+    fn close(&self, mut conn: PooledConn<'_>) {
+        conn.discard();
+        drop(conn);
+        self.pool.clear_idle();
+    }
+
+    /// A command got no reply: the node is asked last where any will do (`silent`), and
+    /// the pool and the call path are told, since the node may have moved.
+    fn unanswered(&self) {
+        self.silent.store(true, Relaxed);
+        self.pool.note_fault();
+        self.path.fault();
     }
 
     /// Runs an acquire `call` of `script`, retried as `retry` says within `deadline`.
