@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use redbaton::LockClient;
 use redbaton_testkit::lock_client;
+use redbaton_testkit::monitor::{Monitor, script_calls};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::test_server;
 use redbaton_testkit::{init_log, ms};
@@ -179,11 +180,6 @@ fn an_unacknowledged_upgrade_gives_the_hold_back() {
         .expect("unlock");
 }
 
-/// The quoted arguments of a `MONITOR` line.
-fn quoted(line: &str) -> Vec<&str> {
-    line.split('"').skip(1).step_by(2).collect()
-}
-
 /// A contender token (a UUID), or a shared hold's member (a kind letter, then the token).
 fn is_token(arg: &str) -> bool {
     let uuid = arg.trim_start_matches(['r', 'w', 'u', 'p']);
@@ -200,7 +196,7 @@ fn is_token(arg: &str) -> bool {
 fn a_token_given_back_is_never_used_again() {
     let server = test_server();
     let client = lock_client!(node(server.url()), replica_ack(1, ms(50)));
-    let monitor = redbaton_testkit::monitor::Monitor::start(&server);
+    let monitor = Monitor::start(&server);
     type Wait<'a> = Box<dyn Fn() -> bool + 'a>;
     let waits: [(&str, Wait<'_>); 3] = [
         (
@@ -225,16 +221,14 @@ fn a_token_given_back_is_never_used_again() {
     let mut acquire_sha: std::collections::HashMap<&str, &str> = Default::default();
     let mut given_back: std::collections::HashSet<&str> = Default::default();
     let mut attempts = 0;
-    for line in &lines {
-        let args = quoted(line);
-        let ["EVALSHA", sha, _, key, rest @ ..] = args.as_slice() else {
-            continue;
-        };
-        let Some(token) = rest.iter().find(|a| is_token(a)) else {
+    let calls = script_calls(&lines);
+    for call in &calls {
+        let (Some(key), Some(token)) = (call.keys.first(), call.argv.iter().find(|a| is_token(a)))
+        else {
             continue;
         };
         let token = token.trim_start_matches(['r', 'w', 'u', 'p']);
-        if *acquire_sha.entry(key).or_insert(sha) == *sha {
+        if *acquire_sha.entry(key.as_str()).or_insert(call.sha.as_str()) == call.sha {
             attempts += 1;
             assert!(
                 !given_back.contains(token),

@@ -15,7 +15,7 @@ use redbaton_testkit::child_only;
 use redbaton_testkit::clock::mono_ns;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::lock_builder;
-use redbaton_testkit::monitor::{Monitor, parse_line};
+use redbaton_testkit::monitor::{Monitor, ScriptCall, parse_line, script_calls};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::test_server;
 use redbaton_testkit::{child, init_log, ms};
@@ -548,7 +548,9 @@ fn a_thousand_key_extend_batch_works() {
             break false;
         };
         let full = parse_line(&line)
-            .and_then(|(_, args)| EvalCall::parse(&args))
+            .and_then(|(_, args)| ScriptCall::parse(&args))
+            .filter(|c| !c.argv.is_empty())
+            .map(EvalCall::classify)
             .is_some_and(|c| c.kind == Kind::Extend && c.keys.len() == N);
         lines.push(line);
         // NOSCRIPT retries are told apart only by what follows: settle first.
@@ -616,14 +618,12 @@ struct EvalCall {
 }
 
 impl EvalCall {
-    fn parse(args: &[String]) -> Option<EvalCall> {
-        if !args.first()?.eq_ignore_ascii_case("evalsha") {
-            return None;
-        }
-        let sha = args.get(1)?.clone();
-        let numkeys: usize = args.get(2)?.parse().ok()?;
-        let mut keys = args.get(3..3 + numkeys)?.to_vec();
-        let mut argv = args.get(3 + numkeys..)?.to_vec();
+    fn classify(call: ScriptCall) -> EvalCall {
+        let ScriptCall {
+            sha,
+            mut keys,
+            mut argv,
+        } = call;
         // A lock's renewal names each lock with its lease record, and sends its token with
         // the change's number: keep the locks and their tokens.
         let records = keys.len() % 2 == 0
@@ -638,17 +638,19 @@ impl EvalCall {
         }
         let kind = if keys.get(1).is_some_and(|k| k.ends_with(":fence")) && argv.len() >= 8 {
             Kind::Acquire
-        } else if argv.first()?.parse::<u64>().is_ok() && argv.len() == keys.len() + 1 {
+        } else if argv.first().is_some_and(|a| a.parse::<u64>().is_ok())
+            && argv.len() == keys.len() + 1
+        {
             Kind::Extend
         } else {
             Kind::Release
         };
-        Some(EvalCall {
+        EvalCall {
             kind,
             sha,
             keys,
             argv,
-        })
+        }
     }
 
     /// The token this call carries for `key`.
@@ -661,31 +663,12 @@ impl EvalCall {
     }
 }
 
-/// The EVALSHA calls that ran, in server order. An EVALSHA answered NOSCRIPT (the first
-/// of each script after a start) is followed on its connection by redis-rs's
-/// `SCRIPT LOAD` and the same EVALSHA again: the failed one is left out.
+/// The EVALSHA calls that ran, in server order, classified.
 fn eval_calls(lines: &[String]) -> Vec<EvalCall> {
-    let mut calls: Vec<(EvalCall, bool)> = Vec::new();
-    let mut last_eval: HashMap<String, usize> = HashMap::new();
-    for line in lines {
-        let Some((client, args)) = parse_line(line) else {
-            continue;
-        };
-        if let Some(call) = EvalCall::parse(&args) {
-            last_eval.insert(client, calls.len());
-            calls.push((call, true));
-        } else if args.len() >= 2
-            && args[0].eq_ignore_ascii_case("script")
-            && args[1].eq_ignore_ascii_case("load")
-            && let Some(i) = last_eval.remove(&client)
-        {
-            calls[i].1 = false;
-        }
-    }
-    calls
+    script_calls(lines)
         .into_iter()
-        .filter(|(_, ran)| *ran)
-        .map(|(c, _)| c)
+        .filter(|c| !c.argv.is_empty())
+        .map(EvalCall::classify)
         .collect()
 }
 

@@ -1,6 +1,7 @@
 //! `MONITOR`: every command a server runs, the commands its scripts call included (client
 //! `lua`), in the order it ran them, for tests of what reached Redis.
 
+use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, channel};
 use std::thread;
 use std::time::Duration;
@@ -107,4 +108,77 @@ pub fn parse_line(line: &str) -> Option<(String, Vec<String>)> {
         }
         out.push(arg);
     }
+}
+
+/// A script call a server ran: `EVALSHA sha numkeys key... arg...`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScriptCall {
+    pub sha: String,
+    pub keys: Vec<String>,
+    pub argv: Vec<String>,
+}
+
+impl ScriptCall {
+    /// The script call a `MONITOR` line's arguments (see [`parse_line`]) make, if they are
+    /// an `EVALSHA`.
+    ///
+    /// ```
+    /// use redbaton_testkit::monitor::ScriptCall;
+    ///
+    /// let args = ["EVALSHA", "abc", "1", "k", "t-1"].map(String::from);
+    /// let call = ScriptCall::parse(&args).unwrap();
+    /// assert_eq!((call.keys, call.argv), (vec!["k".to_string()], vec!["t-1".to_string()]));
+    /// ```
+    pub fn parse(args: &[String]) -> Option<ScriptCall> {
+        if !args.first()?.eq_ignore_ascii_case("evalsha") {
+            return None;
+        }
+        let numkeys: usize = args.get(2)?.parse().ok()?;
+        Some(ScriptCall {
+            sha: args.get(1)?.clone(),
+            keys: args.get(3..3 + numkeys)?.to_vec(),
+            argv: args.get(3 + numkeys..)?.to_vec(),
+        })
+    }
+}
+
+/// The script calls that ran, in server order, from `MONITOR` lines. An `EVALSHA` answered
+/// `NOSCRIPT` (the first of each script after a start) is followed on its connection by
+/// redis-rs's `SCRIPT LOAD` and the same `EVALSHA` again: the one that did not run is left
+/// out.
+///
+/// ```
+/// use redbaton_testkit::monitor::script_calls;
+///
+/// let lines = [
+///     r#"1.1 [0 127.0.0.1:5001] "EVALSHA" "def" "1" "k" "t-2""#,
+///     r#"1.2 [0 127.0.0.1:5001] "SCRIPT" "LOAD" "return 1""#,
+///     r#"1.3 [0 127.0.0.1:5001] "EVALSHA" "def" "1" "k" "t-2""#,
+/// ]
+/// .map(String::from);
+/// assert_eq!(script_calls(&lines).len(), 1);
+/// ```
+pub fn script_calls(lines: &[String]) -> Vec<ScriptCall> {
+    let mut calls: Vec<(ScriptCall, bool)> = Vec::new();
+    let mut last_call: HashMap<String, usize> = HashMap::new();
+    for line in lines {
+        let Some((client, args)) = parse_line(line) else {
+            continue;
+        };
+        if let Some(call) = ScriptCall::parse(&args) {
+            last_call.insert(client, calls.len());
+            calls.push((call, true));
+        } else if args.len() >= 2
+            && args[0].eq_ignore_ascii_case("script")
+            && args[1].eq_ignore_ascii_case("load")
+            && let Some(i) = last_call.remove(&client)
+        {
+            calls[i].1 = false;
+        }
+    }
+    calls
+        .into_iter()
+        .filter(|(_, ran)| *ran)
+        .map(|(c, _)| c)
+        .collect()
 }
