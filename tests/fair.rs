@@ -430,6 +430,23 @@ fn a_queue_of_thousands_of_expired_entries_does_not_lock_the_name_out() {
     assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
 }
 
+/// A release that finds only dead entries in the queue deletes the lock with every key of
+/// its hold: the lease record an extend wrote goes with it, as when nobody queued.
+#[test]
+fn a_release_past_dead_entries_leaves_no_key_of_the_hold() {
+    let (srv, c) = test_server_and(client);
+    let guard = c.lock("k").expect("lock");
+    guard.extend(secs(60)).expect("extend");
+    assert!(
+        redbaton_testkit::exists(&mut srv.conn(), "redbaton:{k}:lease"),
+        "{:?}",
+        keys_left(&srv)
+    );
+    fill_expired(&srv, 3);
+    assert!(guard.unlock().expect("unlock").was_held());
+    assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
+}
+
 /// Child: waits for "k" with a re-check interval of `F_RECHECK_MS` (its queue entry lives
 /// twice that unless refreshed), until killed.
 #[test]

@@ -109,7 +109,8 @@ local function grant_lost(fence)
   local _, held, after_lost = fence_read(redis.pcall('GET', KEYS[2]))
   return held and after_lost
 end
--- Gives a lock that `token` holds to the head of the queue, or deletes it; `fence`: the
+-- Gives a lock that `token` holds to the head of the queue, or deletes it with its lease
+-- record (KEYS[5]: no key of the hold outlives it); `fence`: the
 -- holder's fence, or '0' for an attempt nobody used (see `end_fence` of `END_FENCE_FN`).
 -- 2: granted to the head; 1: released.
 -- A queue with expired entries left after the prune has no head anybody knows is alive:
@@ -120,7 +121,7 @@ local function pass_on(q, qx, qn, channel, grant_ms, now_ms, fence)
   if head and type(grant(head, q, qx, qn, channel, grant_ms, grant_lost(fence))) ~= 'table' then
     return 2
   end
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1], KEYS[5])
   end_fence(KEYS[2], fence)
   publish(channel, 'r')
   return 1
@@ -235,8 +236,8 @@ return pass_on(KEYS[3], KEYS[4], KEYS[6], ARGV[2], ARGV[3], math.floor(clock_us(
 
 /// A waiter leaves: out of the queue, and a grant that raced its leaving passed on.
 ///
-/// KEYS: lock, fence, queue, queue expiries, lease record (unused: the release's call
-/// shape), queue nonces. ARGV: token, channel, grant lease ms, a fence (unused: a lock a
+/// KEYS: lock, fence, queue, queue expiries, lease record (deleted with a lock passed
+/// on to nobody, as by a release), queue nonces. ARGV: token, channel, grant lease ms, a fence (unused: a lock a
 /// waiter leaves with is one nobody used, given back as such), fence counter TTL ms,
 /// publish mode.
 /// Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0 nothing was
