@@ -167,7 +167,14 @@ impl Engine {
             };
             drop(watch);
             let Some(at) = confirmed_at else { continue };
-            match route.lock_protocol().foreign_mark(node, keys) {
+            // The read is bounded like the wait for the confirmation: a server that stops
+            // answering must not keep this waiter past its own deadline (a handoff, which
+            // sends nothing, may be waiting for it). Not read at all once that has passed:
+            // unchecked, the holder applies the budget, which is safe.
+            if wait.cancelled() || Instant::now() >= until {
+                return;
+            }
+            match route.lock_protocol().foreign_mark(node, keys, Some(until)) {
                 Ok(foreign) => self.table.marks_checked(keys, &node.id, at, foreign),
                 Err(e) => log::debug!("node {}: mark check failed: {e}", node.id),
             }

@@ -173,7 +173,8 @@ impl Engine {
                         stop_waiting(t, write);
                     };
                     let keep = remote.is_some_and(|(r, _)| {
-                        self.unlocked_for(st, keys, undo, || self.keep_turns(&r))
+                        let deadline = wait.deadline();
+                        self.unlocked_for(st, keys, undo, || self.keep_turns(&r, deadline))
                     });
                     st.turns.entry(keys.clone()).or_default().checked(keep);
                     self.shares.changed.notify_all();
@@ -282,13 +283,14 @@ impl Engine {
 
     /// Whether the process may go on taking turns on `remote`, held as `mode` (the hold is
     /// live and nobody else waits for it). An error counts as no: the hold drains and is
-    /// asked for again.
-    fn keep_turns(&self, remote: &RemoteLock) -> bool {
+    /// asked for again. Asked within `deadline`, the asking thread's: a server that stops
+    /// answering must not keep that thread past it (the answer is then no).
+    fn keep_turns(&self, remote: &RemoteLock, deadline: Option<Instant>) -> bool {
         let route = self.topology.route(&remote.keys);
         route.nodes().iter().all(|node| {
             match remote
                 .protocol
-                .keeps_turns(node, &remote.keys, &remote.token)
+                .keeps_turns(node, &remote.keys, &remote.token, deadline)
             {
                 Ok(keep) => keep,
                 Err(e) => {

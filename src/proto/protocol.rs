@@ -729,11 +729,17 @@ impl Protocol {
 
     /// Whether the process may go on passing its hold `token` of a read-write lock among
     /// its threads: the hold is live and nobody else waits for it (see `RW_KEEP`). Other
-    /// holds: no.
-    pub fn keeps_turns(self, node: &Node, keys: &Keys, token: &str) -> Result<bool> {
+    /// holds: no. Asked within `deadline`, the asking thread's own.
+    pub fn keeps_turns(
+        self,
+        node: &Node,
+        keys: &Keys,
+        token: &str,
+        deadline: Option<Instant>,
+    ) -> Result<bool> {
         match self {
-            Protocol::Read { .. } => node.keep_turns(keys, token, false),
-            Protocol::Write { .. } => node.keep_turns(keys, token, true),
+            Protocol::Read { .. } => node.keep_turns(keys, token, false, deadline),
+            Protocol::Write { .. } => node.keep_turns(keys, token, true, deadline),
             _ => Ok(false),
         }
     }
@@ -747,17 +753,18 @@ impl Protocol {
     }
 
     /// Whether another client failed to get the lock `keys` on `node` lately: its mark
-    /// is alive, or (fair queue) someone is queued.
-    pub fn foreign_mark(self, node: &Node, keys: &Keys) -> Result<bool> {
+    /// is alive, or (fair queue) someone is queued. Read within `deadline`: the caller is
+    /// a waiter, which must not wait on a stalled server past its own deadline.
+    pub fn foreign_mark(self, node: &Node, keys: &Keys, deadline: Option<Instant>) -> Result<bool> {
         if let Protocol::FairLock(_) = self {
             // The queue is the mark: whoever is in it waits (this process's contender is
             // not, while it holds the lock).
-            let queued: u64 = node.run(Retry::ON_RESET, |c| {
+            let queued: u64 = node.run_until(Retry::ON_RESET, deadline, |c| {
                 redis::cmd("ZCARD").arg(keys.queue()).query(c)
             })?;
             return Ok(queued > 0);
         }
-        let mark: Option<Vec<u8>> = node.run(Retry::ON_RESET, |c| {
+        let mark: Option<Vec<u8>> = node.run_until(Retry::ON_RESET, deadline, |c| {
             redis::cmd("GET").arg(keys.mark()).query(c)
         })?;
         Ok(mark.is_some_and(|m| m != node.client_id().as_bytes()))

@@ -999,14 +999,20 @@ impl Node {
 
     /// Whether the hold `member` (the write hold if `write`) is live and nobody else
     /// waits for it (see `RW_KEEP`).
-    pub fn keep_turns(&self, keys: &Keys, member: &str, write: bool) -> Result<bool> {
+    pub fn keep_turns(
+        &self,
+        keys: &Keys,
+        member: &str,
+        write: bool,
+        deadline: Option<Instant>,
+    ) -> Result<bool> {
         let mut call = RW_KEEP.call(3);
         call.arg(keys.lock())
             .arg(keys.writers())
             .arg(keys.readers())
             .arg(member)
             .arg(if write { "w" } else { "r" });
-        let keep: i64 = self.run_script(&RW_KEEP, &call, Retry::ON_RESET, None)?;
+        let keep: i64 = self.run_script(&RW_KEEP, &call, Retry::ON_RESET, deadline)?;
         Ok(keep == 1)
     }
 
