@@ -14,26 +14,39 @@
 
 use std::time::{Duration, Instant};
 
-use redbaton::{LockClient, Unlocked};
+use redbaton::{Builder, LockClient, LockGuard, Unlocked};
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{init_log, lock_client, ms, secs, test_server};
+use redbaton_testkit::{init_log, lock_builder, ms, secs, test_server};
 
 const PREFIX: &str = "bf:";
 const KEYS: Keys = Keys::new(PREFIX);
 /// Liveness bound of the waits of the test itself (never a speed claim).
 const LIVENESS: Duration = Duration::from_secs(20);
 
-/// A client of `srv` under this file's prefix, with long leases (nothing expires unless a
+/// Clients of `srv` under this file's prefix, with long leases (nothing expires unless a
 /// test makes it) and a long read timeout (a call to a stalled server waits that long).
-fn client(srv: &RedisServer) -> LockClient {
-    lock_client!(
+fn builder(srv: &RedisServer) -> Builder {
+    lock_builder!(
         node(srv.url()),
         key_prefix(PREFIX),
         patient(),
         read_timeout(secs(30))
     )
+}
+
+fn client(srv: &RedisServer) -> LockClient {
+    builder(srv).build().expect("client")
+}
+
+/// A server of its own, a client of it, and `name` held by that client.
+fn holding(name: &str) -> (RedisServer, LockClient, LockGuard) {
+    init_log();
+    let srv = test_server();
+    let c = client(&srv);
+    let held = c.lock(name).expect("lock");
+    (srv, c, held)
 }
 
 /// Whether the client holds a subscription to the keyspace channel of `name`'s lock key
@@ -52,10 +65,7 @@ fn subscribed(srv: &RedisServer, name: &str) -> bool {
 /// A lock is handed to a queued thread, which then releases it in Redis.
 #[test]
 fn smoke() {
-    init_log();
-    let srv = test_server();
-    let c = client(&srv);
-    let held = c.lock("smoke").expect("lock");
+    let (srv, c, held) = holding("smoke");
     let token = held.fencing_token();
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
@@ -77,12 +87,9 @@ fn smoke() {
 /// asked, not after the client's read timeout.
 #[test]
 fn a_thread_queued_while_the_server_stalls_keeps_its_deadline() {
-    init_log();
-    let srv = test_server();
-    let c = client(&srv);
     let name = "stall";
     // An earlier wait behind a local holder leaves the key subscribed for a while.
-    let held = c.lock(name).expect("lock");
+    let (srv, c, held) = holding(name);
     std::thread::scope(|s| {
         let waiter = s.spawn(|| c.lock(name).expect("handed the lock").unlock());
         wait_for(LIVENESS, "the waiter queues", || subscribed(&srv, name));
@@ -117,12 +124,10 @@ fn a_thread_queued_while_the_server_stalls_keeps_its_deadline() {
 fn a_lock_deleted_just_before_the_handoff_is_reported_to_the_new_holder() {
     init_log();
     let srv = test_server();
-    let c = lock_client!(
-        node(srv.url()),
-        key_prefix(PREFIX),
-        lease(secs(30)),
-        renew_interval(ms(300))
-    );
+    let c = builder(&srv)
+        .renew_interval(ms(300))
+        .build()
+        .expect("client");
     let other = client(&srv);
     let name = "deleted";
     let held = c.lock(name).expect("lock");
@@ -153,11 +158,8 @@ fn a_lock_deleted_just_before_the_handoff_is_reported_to_the_new_holder() {
 /// name is free in Redis at the end.
 #[test]
 fn threads_queued_at_shutdown_end_and_are_never_handed_a_live_lock() {
-    init_log();
-    let srv = test_server();
-    let c = client(&srv);
     let name = "shutdown";
-    let held = c.lock(name).expect("lock");
+    let (srv, c, held) = holding(name);
     std::thread::scope(|s| {
         let waiters: Vec<_> = (0..3)
             .map(|_| {
@@ -247,13 +249,7 @@ fn a_waiter_leaving_as_the_baton_reaches_it_never_strands_the_lock() {
 fn a_budget_check_on_a_stalled_server_keeps_the_callers_deadline() {
     init_log();
     let srv = test_server();
-    let c = lock_client!(
-        node(srv.url()),
-        key_prefix(PREFIX),
-        patient(),
-        read_timeout(secs(30)),
-        handoff_slice(ms(50))
-    );
+    let c = builder(&srv).handoff_slice(ms(50)).build().expect("client");
     let rw = c.rwlock("rw-stall");
     let reading = rw.read().expect("read");
     // The read hold's time slice runs out: the next turn asks Redis first.
