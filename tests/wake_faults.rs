@@ -1,16 +1,22 @@
 //! Waiters woken by events under faults of the subscriber's connection and of the server's
 //! notification settings, and at the edges of what the subscriber maps: a stray `del`,
 //! notifications turned off at runtime, the subscriber closed for its output buffer, odd
-//! names, hundreds of names, a stopped server. The re-check and the holders' leases are a
-//! minute; every bound below is far under both.
+//! names, hundreds of names, a stopped server. And races of the subscriber's connection:
+//! a shutdown while a waiter reads it in the thread's stead, a waiter whose read outlives
+//! it (the thread, restarted after a panic, gave up waiting for it), a Redis Cluster key
+//! that moves to another master while subscribed there. The re-check and the holders'
+//! leases are a minute; every bound below is far under both.
 
 use std::thread;
 use std::time::{Duration, Instant};
 
+use redbaton::fault::{self, Point};
 use redbaton::{LockClient, Stats, Unlocked};
+use redbaton_testkit::cluster::Cluster;
+use redbaton_testkit::keys::{DEFAULT_PREFIX, Keys};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{init_log, lock_client, raw_conn, secs};
+use redbaton_testkit::{init_log, lock_client, ms, raw_conn, secs, test_server};
 
 /// A wait woken by an event ends within this, however loaded the machine (the re-check
 /// and the holders' leases are 60 s).
@@ -19,8 +25,15 @@ const WOKEN: Duration = Duration::from_secs(8);
 const WAIT: Duration = Duration::from_secs(25);
 
 fn client(srv: &RedisServer) -> LockClient {
+    client_under(srv, DEFAULT_PREFIX)
+}
+
+/// A client of `srv` whose keys start with `prefix` (a test that injects faults, which act
+/// on the clients of one prefix, has a prefix of its own).
+fn client_under(srv: &RedisServer, prefix: &str) -> LockClient {
     lock_client!(
         node(srv.url()),
+        key_prefix(prefix),
         lease(secs(60)),
         recheck_interval(secs(60)),
         local_handoff(false),
@@ -41,11 +54,16 @@ type Waiting = crossbeam_channel::Receiver<Result<(Instant, Stats), String>>;
 
 /// A thread of `c` waiting for `name` (up to `WAIT`); it unlocks at once when it has it.
 fn waiter(c: &LockClient, name: &[u8]) -> Waiting {
+    waiter_for(c, name, WAIT)
+}
+
+/// A thread of `c` waiting for `name` (up to `wait`); it unlocks at once when it has it.
+fn waiter_for(c: &LockClient, name: &[u8], wait: Duration) -> Waiting {
     let (tx, rx) = crossbeam_channel::bounded(1);
     let (c, name) = (c.clone(), name.to_vec());
     thread::spawn(move || {
         let got = c
-            .try_lock_for(&name, WAIT)
+            .try_lock_for(&name, wait)
             .map_err(|e| format!("{e:?}"))
             .and_then(|g| {
                 let at = Instant::now();
@@ -62,8 +80,13 @@ fn waiter(c: &LockClient, name: &[u8]) -> Waiting {
 /// to sleep. The count it waits for is read before the thread starts: a waiter whose
 /// subscription is still there attempts at once, before this thread could read it after.
 fn sleeping_waiter(c: &LockClient, name: &[u8]) -> Waiting {
+    sleeping_waiter_for(c, name, WAIT)
+}
+
+/// [`sleeping_waiter`] waiting up to `wait` in all.
+fn sleeping_waiter_for(c: &LockClient, name: &[u8], wait: Duration) -> Waiting {
     let failed = c.stats().failed_attempts;
-    let w = waiter(c, name);
+    let w = waiter_for(c, name, wait);
     asleep(c, failed + 1);
     w
 }
@@ -131,7 +154,12 @@ fn by_events(s: &Stats) {
 
 /// The lock key of a plain name under the default prefix.
 fn lock_key(name: &str) -> String {
-    format!("redbaton:{{{name}}}")
+    lock_key_under(DEFAULT_PREFIX, name)
+}
+
+/// The lock key of a plain name under `prefix`.
+fn lock_key_under(prefix: &str, name: &str) -> String {
+    format!("{prefix}{{{name}}}")
 }
 
 /// A waiter behind a holder is woken by the release's event.
@@ -409,4 +437,189 @@ fn pubsub_kill_with_waiters_of_many_names_racing_their_releases() {
     let s = many.released();
     assert!(s.reconnects >= 1, "{s:?}");
     by_events(&s);
+}
+
+/// Holds `name` for a minute the way another process would: its key, set directly.
+fn hold(srv: &RedisServer, prefix: &str, name: &str) {
+    let _: () = redis::cmd("SET")
+        .arg(lock_key_under(prefix, name))
+        .arg("someone-else")
+        .arg("PX")
+        .arg(60_000)
+        .query(&mut srv.conn())
+        .expect("set the lock key");
+}
+
+/// Frees `name` as an operator would (a keyspace `del`, no library `r`).
+fn free(srv: &RedisServer, prefix: &str, name: &str) {
+    let _: () = redis::cmd("DEL")
+        .arg(lock_key_under(prefix, name))
+        .query(&mut srv.conn())
+        .expect("del the lock key");
+}
+
+/// The waiter got the lock, woken by the event of the key freed just now: well before
+/// its deadline, whose last attempt would find the key free too.
+fn woken(w: &Waiting) {
+    let freed = Instant::now();
+    let (at, s) = w.recv_timeout(WAIT).expect("reported").expect("the lock");
+    let after = at.saturating_duration_since(freed);
+    assert!(
+        after < WOKEN,
+        "woken {after:?} after the key was freed: {s:?}"
+    );
+    by_events(&s);
+}
+
+/// `shutdown` while a waiter reads the subscriber connection in the thread's stead (the
+/// usual case while one waiter sleeps): the thread ends, and so does its connection,
+/// although a clone of the client (the waiter's) lives on. The connection had been left
+/// in the waiter's hands, still subscribed, for as long as any clone lived.
+#[test]
+fn shutdown_closes_the_connection_a_waiter_reads() {
+    let srv = test_server();
+    let c = client_under(&srv, "sd:");
+    hold(&srv, "sd:", "k");
+    let w = sleeping_waiter_for(&c, b"k", secs(8));
+    assert_eq!(srv.subscribers().len(), 1, "the waiter's subscriber");
+    c.clone().shutdown(secs(5)).expect("shutdown in time");
+    wait_for(secs(5), "the subscriber connection to close", || {
+        srv.subscribers().is_empty()
+    });
+    // The wait goes on, woken only by its timers now.
+    let r = w.recv_timeout(secs(30)).expect("reported");
+    assert!(r.is_err(), "the key is held for a minute: {r:?}");
+    drop(c);
+}
+
+/// Stops the next thread of `prefix`'s clients that passes `point` there, and returns
+/// once it is stopped.
+fn stop_at(prefix: &str, point: Point) {
+    fault::stall(prefix, point);
+    wait_for(secs(10), "a thread stopped at the fault point", || {
+        fault::stalled(prefix, point)
+    });
+}
+
+/// Lets `srv` accept new clients, or not: then the connections it has now (the
+/// harness's own, not listed, included) are all it takes.
+fn admit_new_clients(srv: &RedisServer, admit: bool) {
+    let most = if admit {
+        10_000
+    } else {
+        srv.client_list().len() + 1
+    };
+    srv.config_set("maxclients", &most.to_string());
+}
+
+/// The subscriber thread panics while a waiter has its connection in hand, and the waiter
+/// keeps it past the second the restarted thread waits for it (here stopped at its read;
+/// a slow early attempt does the same), while the thread cannot connect again at once.
+/// The read it then finishes is on a connection nobody will read after it: it must not
+/// subscribe the waiters' keys there (nor count its confirmations), or they count as
+/// subscribed while the thread's new connection never subscribes them, and the release
+/// wakes nobody.
+#[test]
+fn a_read_past_a_crash_subscribes_nothing_on_the_dead_connection() {
+    const P: &str = "stale-read:";
+    let srv = test_server();
+    let c = client_under(&srv, P);
+    hold(&srv, P, "k");
+    let w = sleeping_waiter(&c, b"k");
+    // The waiter stops in its read, the connection in hand.
+    stop_at(P, Point::WaiterRead);
+    admit_new_clients(&srv, false);
+    fault::arm(P, Point::Subscriber, 1);
+    // The thread panics at its next look, waits a second for its connection, gives up
+    // on it, forgets the subscriptions and cannot connect again.
+    wait_for(secs(10), "the thread gave up its connection", || {
+        c.subscribers().iter().all(|s| !s.connected)
+    });
+    fault::disarm(P, Point::Subscriber);
+    // The waiter reads on, the old connection in hand, and gives it back (dropped).
+    fault::disarm(P, Point::WaiterRead);
+    thread::sleep(ms(300));
+    admit_new_clients(&srv, true);
+    wait_for(secs(10), "the restarted thread's connection", || {
+        c.subscribers().iter().all(|s| s.connected)
+    });
+    wait_for(secs(10), "the key subscribed on the new connection", || {
+        srv.subscribers().len() == 1
+    });
+    thread::sleep(ms(300)); // the waiter's retry after the reconnect, and its sleep
+    free(&srv, P, "k");
+    woken(&w);
+}
+
+/// Subscribers of the classic channel `channel` on `srv`.
+fn numsub(srv: &RedisServer, channel: &str) -> i64 {
+    let (_, n): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query(&mut srv.conn())
+        .expect("PUBSUB NUMSUB");
+    n
+}
+
+/// Redis Cluster: a waiter's key moves to another master, which frees it. Once the
+/// key's subscription on the old master has lingered out, nothing of it is left
+/// subscribed there: the old master dropped the shard channel itself, and the keyspace
+/// channel (classic, which no slot move touches) is ours to unsubscribe. It had been left
+/// subscribed, unlisted, until the connection ended. Servers without sharded pub/sub
+/// (before Redis 7) drop nothing when a slot moves, so the waiter is not told of the move
+/// and keeps its subscriptions where they are (`tests/sharded.rs` shows what it hears
+/// then): nothing here applies to them.
+#[test]
+fn cluster_a_moved_key_leaves_no_subscription_on_its_old_master() {
+    init_log();
+    let cluster = Cluster::start();
+    if !cluster.masters()[0].version().at_least(7, 0) {
+        eprintln!("no sharded pub/sub on this server: no moved-slot drop to follow");
+        return;
+    }
+    let c = lock_client!(
+        cluster(cluster.seed_urls()),
+        io_timeouts(secs(1)),
+        lease(secs(60)),
+        recheck_interval(secs(60)),
+        local_handoff(false),
+        fair(false)
+    );
+    let name = "moving";
+    let key = Keys::DEFAULT.lock(name);
+    let slot = cluster.keyslot(key.as_bytes());
+    let from = cluster.owner(slot);
+    let to = cluster.other_master(from);
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("someone-else")
+        .arg("PX")
+        .arg(60_000)
+        .query(&mut cluster.server(from).conn())
+        .expect("set the lock key");
+    let keyspace = format!("__keyspace@0__:{key}");
+    let w = sleeping_waiter(&c, name.as_bytes());
+    wait_for(
+        secs(10),
+        "the waiter's subscription on the key's master",
+        || numsub(cluster.server(from), &keyspace) == 1,
+    );
+    let attempts = c.stats().failed_attempts;
+    cluster.move_slot(slot, to);
+    wait_for(
+        secs(10),
+        "the waiter's subscription and attempt there",
+        || numsub(cluster.server(to), &keyspace) == 1 && c.stats().failed_attempts > attempts,
+    );
+    thread::sleep(ms(300));
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query(&mut cluster.server(to).conn())
+        .expect("del the lock key");
+    woken(&w);
+    wait_for(
+        secs(10),
+        "the old master's subscription to linger out",
+        || numsub(cluster.server(from), &keyspace) == 0,
+    );
 }

@@ -65,7 +65,10 @@ pub(super) fn run(
         }
         backoff = Duration::from_millis(50);
         let moved = || connector.pool.epoch() != epoch;
-        let reader = Reader::new(stream, shared.booth.new_connection());
+        // Only this thread forgets subscriptions (a new generation), and it did so before
+        // this connection: its generation is the current one.
+        let generation = shared.state.lock().generation;
+        let reader = Reader::new(stream, shared.booth.new_connection(), generation);
         let err = serve(&shared, &kicked, reader, &counters, &moved);
         shared.connected.store(false, Ordering::Relaxed);
         shared.lost_connection();

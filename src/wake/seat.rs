@@ -49,14 +49,19 @@ pub(super) struct Reader {
     /// The thread's connection it is: one a waiter brings back after the thread moved on
     /// to a newer one is dropped.
     pub epoch: u64,
+    /// The subscriptions' generation (`State::generation`) it serves: once the thread has
+    /// forgotten them (a new generation), a read of this connection still in a waiter's
+    /// hands must neither subscribe on it nor count its confirmations.
+    pub generation: u64,
 }
 
 impl Reader {
-    pub fn new(stream: Stream, epoch: u64) -> Self {
+    pub fn new(stream: Stream, epoch: u64, generation: u64) -> Self {
         Reader {
             stream,
             last_traffic: Instant::now(),
             epoch,
+            generation,
         }
     }
 }
@@ -113,6 +118,17 @@ impl Seat {
     fn is_leader(&self, ticket: u64) -> bool {
         self.leader.as_ref().is_some_and(|(t, _)| *t == ticket)
     }
+
+    /// The thread is done with its connection: dropped where it is parked, and when the
+    /// waiter that has it in hand gives it back (a new epoch), and nobody has the turn.
+    fn retire(&mut self) {
+        self.epoch += 1;
+        self.reader = None;
+        self.leader = None;
+        self.failed = None;
+        self.parked = false;
+        self.recall = false;
+    }
 }
 
 /// What the thread gets when it stops waiting for its parked connection.
@@ -129,12 +145,7 @@ impl Booth {
     /// an older one, wherever it is, is dropped.
     pub fn new_connection(&self) -> u64 {
         let mut seat = self.seat.lock();
-        seat.epoch += 1;
-        seat.reader = None;
-        seat.leader = None;
-        seat.failed = None;
-        seat.parked = false;
-        seat.recall = false;
+        seat.retire();
         seat.epoch
     }
 
@@ -196,7 +207,11 @@ impl Booth {
                 return Parked::Back(reader);
             }
             if shutdown.load(Ordering::Relaxed) {
-                seat.parked = false;
+                // The connection ends with the thread, also when a waiter reads it now:
+                // left parked (or given back by that waiter), it would stay open and
+                // subscribed, and that waiter would go on reading it, for as long as any
+                // clone of the client lives.
+                seat.retire();
                 return Parked::Stop;
             }
             check();

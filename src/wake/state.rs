@@ -255,14 +255,17 @@ impl Shared {
         }
     }
 
-    /// Acts on what the server said.
-    pub(super) fn incoming(&self, incoming: Incoming<'_>) {
+    /// Acts on what the server said on a connection of subscriptions' `generation`.
+    /// Messages are events whichever connection brought them; what concerns the
+    /// subscriptions themselves counts only from a connection of the current generation
+    /// (see `turn::sync_subscriptions`).
+    pub(super) fn incoming(&self, incoming: Incoming<'_>, generation: u64) {
         match incoming {
             Incoming::Message { channel, payload } => self.dispatch(channel, payload),
-            Incoming::Subscribed { channel } => self.confirmed(channel),
+            Incoming::Subscribed { channel } => self.confirmed(channel, generation),
             // Redis Cluster: the shard channel's slot is served elsewhere already.
             Incoming::Refused { channel, error } if error.redirect_node().is_some() => {
-                self.dropped(channel);
+                self.dropped(channel, generation);
             }
             Incoming::Refused { channel, error } => {
                 // The probe at connect found the channels of the prefix allowed: this one
@@ -272,19 +275,22 @@ impl Shared {
                     self.node,
                     String::from_utf8_lossy(channel)
                 );
-                self.confirmed(channel);
+                self.confirmed(channel, generation);
             }
-            Incoming::Dropped { channel } => self.dropped(channel),
+            Incoming::Dropped { channel } => self.dropped(channel, generation),
         }
     }
 
     /// One channel of a key is confirmed; the key is, once all its channels are.
-    fn confirmed(&self, channel: &[u8]) {
+    fn confirmed(&self, channel: &[u8], generation: u64) {
         let Some(lock) = lock_of_keyspace_channel(channel).or_else(|| lock_of_channel(channel))
         else {
             return;
         };
         let mut st = self.state.lock();
+        if st.generation != generation {
+            return; // asked for on a connection the thread has left
+        }
         let Some(ks) = st.keys.get_mut(lock) else {
             return;
         };
@@ -302,11 +308,14 @@ impl Shared {
 
     /// The server dropped (or refused) the shard channel of a key: its slot is served by
     /// another node. Its waiters follow it (see the module's header).
-    fn dropped(&self, channel: &[u8]) {
+    fn dropped(&self, channel: &[u8], generation: u64) {
         let Some(lock) = lock_of_channel(channel) else {
             return;
         };
         let mut st = self.state.lock();
+        if st.generation != generation {
+            return; // a connection the thread has left: its subscriptions are not ours
+        }
         let Some(ks) = st.keys.get_mut(lock) else {
             return;
         };

@@ -47,12 +47,13 @@ pub(super) fn step(
     kicked: Option<&Receiver<()>>,
 ) -> RedisResult<bool> {
     let stream = &mut reader.stream;
+    let generation = reader.generation;
     let mut heard = false;
     let mut on = |i: Incoming<'_>| {
         heard = true;
-        shared.incoming(i);
+        shared.incoming(i, generation);
     };
-    if sync_subscriptions(shared, stream, counters, &mut on)? {
+    if sync_subscriptions(shared, stream, generation, counters, &mut on)? {
         stream.poll(poll, &mut on)?;
     } else if let Some(kicked) = kicked {
         // Nothing subscribed: sleep on the kick channel rather than the socket.
@@ -65,7 +66,7 @@ pub(super) fn step(
     if reader.last_traffic.elapsed() >= HEALTH_CHECK {
         Counters::inc(&counters.commands);
         stream.ping()?;
-        stream.settle(&mut |i| shared.incoming(i))?;
+        stream.settle(&mut |i| shared.incoming(i, generation))?;
         reader.last_traffic = Instant::now();
     }
     Ok(false)
@@ -73,14 +74,26 @@ pub(super) fn step(
 
 /// Sends the (un)subscribes the state asks for and reads the replies. Returns whether any
 /// key is subscribed.
+///
+/// Nothing is sent on a connection of an earlier `generation`: a waiter can still have one
+/// in hand when the thread, restarted after a panic, gave up waiting for it and forgot
+/// its subscriptions. Subscribed there, a key would count as subscribed while the
+/// thread's new connection never subscribes it (and its events would go to a connection
+/// dropped at the end of the read); a lingering key unsubscribed and forgotten there
+/// would stay subscribed on the new one.
 fn sync_subscriptions(
     shared: &Shared,
     stream: &mut Stream,
+    generation: u64,
     counters: &Counters,
     on: &mut dyn FnMut(Incoming<'_>),
 ) -> RedisResult<bool> {
     let (subscribe, unsubscribe, active) = {
         let mut st = shared.state.lock();
+        if st.generation != generation {
+            // Read on until given back (its messages are events all the same).
+            return Ok(true);
+        }
         let now = Instant::now();
         let mut subscribe = Vec::new();
         let mut unsubscribe = Vec::new();
@@ -112,7 +125,10 @@ fn sync_subscriptions(
         }
         st.keys.retain(|_, ks| {
             let expired = ks.interest == 0 && ks.idle_since.is_some_and(|t| now - t >= LINGER);
-            if expired && (ks.confirmed || ks.requested) {
+            // A key whose slot moved away is neither confirmed nor asked for any more, but
+            // only its shard channel was dropped by the server: what `channels` has left
+            // (the keyspace channel) is still subscribed on this connection.
+            if expired && (ks.confirmed || ks.requested || ks.away) {
                 unsubscribe.extend(ks.channels.iter().cloned());
             }
             !expired
