@@ -552,9 +552,11 @@ impl fmt::Display for LostReason {
 #[non_exhaustive]
 pub enum Unlocked {
     /// Given back in Redis — deleted, or with the fair queue granted to the next waiting
-    /// process: it was still ours. Also when the reply was lost and a retry found the key
-    /// gone or held by the next owner while our lease was still running: the first
-    /// attempt did it.
+    /// process: it was still ours. Also, on one node (a Sentinel master, a Cluster
+    /// slot's), when the reply was lost and a retry found the key gone or held by the
+    /// next owner while our lease was still running: the first attempt did it. Redlock
+    /// counts such a retry's answer towards no majority (a node may have lost the key in
+    /// a restart, the cause of the lost reply).
     Released,
     /// Passed to a waiting thread of this process without a Redis command.
     HandedOff,

@@ -7,7 +7,7 @@
 //! One bounded queue per node: a hung node's calls (each waits out its timeout) occupy
 //! only that node's workers, never the workers of the healthy nodes. And no round waits
 //! for a hung node either: once a node's last call took half a read timeout or more (or
-//! every worker is busy and none has finished a call for that long), the node is
+//! every worker is in a call that began that long ago), the node is
 //! *stalled*, and calls to it are made on the caller's thread in skipping mode (they fail
 //! at once, as a timeout would; see `proto::skip`), so the healthy majority decides every
 //! round at once. Meanwhile one probe at a time (a `PING`) goes to the node on its own
@@ -19,7 +19,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -43,22 +43,32 @@ struct Lane {
 
 /// Shared with the node's workers (which must not hold the sender: dropping it ends them).
 struct LaneState {
-    /// Calls queued or running.
-    pending: AtomicUsize,
     /// A probe of a stalled node is queued or running.
     probing: AtomicBool,
-    /// When a worker last finished a call (or the lane started), and how long that
-    /// call took.
-    progress: Mutex<(Instant, Duration)>,
+    /// How the node's calls are going.
+    progress: Mutex<Progress>,
+}
+
+/// How a node's calls are going, as its workers see them.
+struct Progress {
+    /// How long the last call (or probe) that ended took.
+    took: Duration,
+    /// When each worker's call in progress began; `None`: the worker waits for a call.
+    busy: [Option<Instant>; WORKERS_PER_NODE],
 }
 
 impl LaneState {
     /// The node is not keeping up: its last call (or probe) took `stall` or more, or every
-    /// worker is busy and none has finished anything for `stall`.
+    /// worker is in a call that began `stall` ago or more. Counted from when each call
+    /// began, not from when a call last ended: after an idle spell (no call, so none
+    /// ended) a burst of calls that keeps every worker busy for a moment is no stall.
     fn stalled(&self, stall: Duration) -> bool {
-        let pending = self.pending.load(Ordering::Acquire);
-        let (at, took) = *self.progress.lock();
-        took >= stall || (pending >= WORKERS_PER_NODE && at.elapsed() >= stall)
+        let progress = self.progress.lock();
+        progress.took >= stall
+            || progress
+                .busy
+                .iter()
+                .all(|began| began.is_some_and(|b| b.elapsed() >= stall))
     }
 }
 
@@ -81,9 +91,11 @@ impl Fanout {
         for node in 0..nodes {
             let (jobs, rx) = crossbeam_channel::bounded::<(Instant, Job)>(QUEUE_PER_NODE);
             let state = Arc::new(LaneState {
-                pending: AtomicUsize::new(0),
                 probing: AtomicBool::new(false),
-                progress: Mutex::new((Instant::now(), Duration::ZERO)),
+                progress: Mutex::new(Progress {
+                    took: Duration::ZERO,
+                    busy: [None; WORKERS_PER_NODE],
+                }),
             });
             for w in 0..WORKERS_PER_NODE {
                 let (rx, lane) = (rx.clone(), state.clone());
@@ -100,10 +112,12 @@ impl Fanout {
                                     let _ = catch_unwind(AssertUnwindSafe(|| skipping(job)));
                                 } else {
                                     let started = Instant::now();
+                                    lane.progress.lock().busy[w] = Some(started);
                                     let _ = catch_unwind(AssertUnwindSafe(job));
-                                    *lane.progress.lock() = (Instant::now(), started.elapsed());
+                                    let mut progress = lane.progress.lock();
+                                    progress.busy[w] = None;
+                                    progress.took = started.elapsed();
                                 }
-                                lane.pending.fetch_sub(1, Ordering::AcqRel);
                             }
                         })?,
                 );
@@ -147,12 +161,10 @@ impl Fanout {
                 skipped.push(job);
                 continue;
             }
-            lane.state.pending.fetch_add(1, Ordering::AcqRel);
             if let Err(TrySendError::Full((_, job)) | TrySendError::Disconnected((_, job))) =
                 lane.jobs.try_send((Instant::now(), job))
             {
                 // Backlogged, or workers gone (shutting down): run it here.
-                lane.state.pending.fetch_sub(1, Ordering::AcqRel);
                 inline.push(job);
             }
         }
@@ -185,9 +197,7 @@ impl Fanout {
             probe(node);
             state.probing.store(false, Ordering::Release);
         });
-        lane.state.pending.fetch_add(1, Ordering::AcqRel);
         if lane.jobs.try_send((Instant::now(), job)).is_err() {
-            lane.state.pending.fetch_sub(1, Ordering::AcqRel);
             lane.state.probing.store(false, Ordering::Release);
         }
     }
@@ -202,5 +212,37 @@ impl Drop for Fanout {
                 let _ = t.join();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lane(took: Duration, busy: [Option<Instant>; WORKERS_PER_NODE]) -> LaneState {
+        LaneState {
+            probing: AtomicBool::new(false),
+            progress: Mutex::new(Progress { took, busy }),
+        }
+    }
+
+    #[test]
+    fn a_node_stalls_by_its_slow_calls_not_by_an_idle_spell() {
+        let stall = Duration::from_secs(1);
+        let now = Instant::now();
+        let long_ago = now.checked_sub(Duration::from_secs(5)).unwrap_or(now);
+        // Idle, or every worker in a call that has just begun (after an idle spell too).
+        assert!(!lane(Duration::ZERO, [None; WORKERS_PER_NODE]).stalled(stall));
+        assert!(!lane(Duration::ZERO, [Some(now); WORKERS_PER_NODE]).stalled(stall));
+        // One worker free.
+        let mut one_free = [Some(long_ago); WORKERS_PER_NODE];
+        one_free[0] = None;
+        assert!(!lane(Duration::ZERO, one_free).stalled(stall));
+        if long_ago < now {
+            // Every worker in a call that began a stall ago or more: hung.
+            assert!(lane(Duration::ZERO, [Some(long_ago); WORKERS_PER_NODE]).stalled(stall));
+        }
+        // The last call took a stall or more.
+        assert!(lane(stall, [None; WORKERS_PER_NODE]).stalled(stall));
     }
 }

@@ -194,10 +194,18 @@ pub(crate) fn lease_left(lease: Duration, started: Stamp, drift: Duration) -> bo
 }
 
 /// One outcome of a release from the nodes' replies. `was_valid`: the lease had not run
-/// out when the release began, so a key that only a retry found gone was deleted by our
-/// first attempt, and one that a retry found held by another token was given up by it
-/// (deleted and taken since, or granted to the next waiter of the fair queue): nobody
-/// else could have taken it while our lease lasted.
+/// out when the release began, so on one node a key that only a retry found gone was
+/// deleted by our first attempt, and one that a retry found held by another token was
+/// given up by it (deleted and taken since, or granted to the next waiter of the fair
+/// queue): nobody else could have taken it while our lease lasted.
+///
+/// Not so on several nodes (Redlock): there one node may lose our key while the lease
+/// runs (a restart empties it, which is also what breaks the connection and makes the
+/// retry), or never have held it (its grant did not count). A retry's "gone" or "another
+/// owner" there says only that our first attempt may have deleted the key: it never
+/// counts towards the majority that makes a release. It counts as an unanswered node
+/// does (so an error is returned when one is needed to tell), and with no error to
+/// return the outcome errs on the safe side: not held until the unlock.
 pub(crate) fn tally_release(
     replies: Vec<Result<ReleaseReply>>,
     was_valid: bool,
@@ -209,16 +217,10 @@ pub(crate) fn tally_release(
             .filter(|r| matches!(r, Ok(x) if want.contains(x)))
             .count()
     };
-    let released = if was_valid {
-        count(&[
-            ReleaseReply::Released,
-            ReleaseReply::Passed,
-            ReleaseReply::GoneAfterRetry,
-            ReleaseReply::OtherAfterRetry,
-        ])
-    } else {
-        count(&[ReleaseReply::Released, ReleaseReply::Passed])
-    };
+    let retried = count(&[ReleaseReply::GoneAfterRetry, ReleaseReply::OtherAfterRetry]);
+    let sole = replies.len() == 1;
+    let released = count(&[ReleaseReply::Released, ReleaseReply::Passed])
+        + if was_valid && sole { retried } else { 0 };
     let other = count(&[ReleaseReply::Other, ReleaseReply::OtherAfterRetry]);
     let needed = quorum.min(replies.len());
     if released >= needed {
@@ -228,7 +230,7 @@ pub(crate) fn tally_release(
     // "gone" or "another owner" may be one whose grant never counted, and tells nothing
     // of the nodes that held ours): the lock was not ours only when the answers leave
     // too few nodes for a majority even if every unanswered one released it.
-    let unknown = replies.iter().filter(|r| r.is_err()).count();
+    let unknown = replies.iter().filter(|r| r.is_err()).count() + if sole { 0 } else { retried };
     if released + unknown >= needed
         && let Some(Err(e)) = replies.into_iter().find(|r| r.is_err())
     {
@@ -543,6 +545,38 @@ mod tests {
         assert_eq!(
             tally_release(vec![ok(Gone), Err(io_error()), ok(Other)], true, 2).unwrap(),
             Unlocked::HeldByOther
+        );
+        // Several nodes: a retry's answer may be a node that lost our key (a restart) or
+        // never held it; with the first delete, no majority is known to have released.
+        assert_eq!(
+            tally_release(
+                vec![ok(Released), ok(GoneAfterRetry), ok(GoneAfterRetry)],
+                true,
+                2
+            )
+            .unwrap(),
+            Unlocked::Expired
+        );
+        assert_eq!(
+            tally_release(vec![ok(Released), ok(OtherAfterRetry), ok(Gone)], true, 2).unwrap(),
+            Unlocked::HeldByOther
+        );
+        // ... nor can it make an unanswered node's outcome definite.
+        let e = tally_release(
+            vec![ok(Released), ok(GoneAfterRetry), Err(io_error())],
+            true,
+            2,
+        )
+        .unwrap_err();
+        assert!(e.is_connection());
+        assert_eq!(
+            tally_release(
+                vec![ok(Released), ok(GoneAfterRetry), ok(Released)],
+                true,
+                2
+            )
+            .unwrap(),
+            Unlocked::Released
         );
     }
 

@@ -1,0 +1,115 @@
+//! Redlock under faults that the fan-out and the verdicts on the nodes' replies must
+//! survive: healthy nodes called by several threads after an idle spell, nodes that lose
+//! their keys in a restart right before an unlock.
+
+use std::sync::{Arc, Barrier};
+use std::thread;
+
+use redbaton::{LockClient, Unlocked};
+use redbaton_testkit::keys::Keys;
+use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::{self, RedisServer};
+use redbaton_testkit::wait::join_within;
+use redbaton_testkit::{init_log, lock_client, ms, secs};
+
+const PREFIX: &str = "rf:";
+const KEYS: Keys = Keys::new(PREFIX);
+
+/// `n` servers, and their URLs.
+fn nodes(n: usize) -> (Vec<RedisServer>, Vec<String>) {
+    init_log();
+    let servers = server::start_many(n);
+    let urls = servers.iter().map(RedisServer::url).collect();
+    (servers, urls)
+}
+
+/// The token in the lock key of `name` on `srv`, if any.
+fn token_on(srv: &RedisServer, name: &str) -> Option<String> {
+    redis::cmd("GET")
+        .arg(KEYS.lock(name))
+        .query(&mut srv.conn())
+        .expect("GET the lock key")
+}
+
+#[test]
+fn smoke() {
+    let (servers, urls) = nodes(3);
+    let client = lock_client!(nodes(urls), key_prefix(PREFIX));
+    let guard = client.lock("smoke").expect("lock");
+    let token = token_on(&servers[0], "smoke").expect("held on node 0");
+    for s in &servers {
+        assert_eq!(token_on(s, "smoke").as_deref(), Some(token.as_str()));
+    }
+    assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
+}
+
+/// Healthy nodes, each behind a link with 150 ms of latency (a tenth of the 1.5 s a call
+/// may take before its node counts as stalled), idle for longer than that bound. Then
+/// several threads take different locks at once: every node answers every call in about
+/// 150 ms, so every `try_lock` is granted by every node. No node is skipped as stalled
+/// merely because its workers are busy with calls that have just started, after a spell
+/// in which no call ended because none was made.
+#[test]
+fn busy_workers_after_an_idle_spell_are_not_a_stall() {
+    let (servers, _) = nodes(3);
+    let proxies: Vec<Proxy> = servers.iter().map(|s| Proxy::start(s.addr())).collect();
+    let urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let client = Arc::new(lock_client!(
+        nodes(urls),
+        key_prefix(PREFIX),
+        read_timeout(secs(3))
+    ));
+    client
+        .lock("warm")
+        .expect("warm-up lock")
+        .unlock()
+        .expect("warm-up unlock");
+    for p in &proxies {
+        p.set_delay(ms(150));
+    }
+    // Longer than the stall bound (half the read timeout) with no call at all.
+    thread::sleep(ms(1_800));
+    let threads = 6;
+    let start = Arc::new(Barrier::new(threads));
+    let workers = (0..threads)
+        .map(|i| {
+            let (client, start) = (client.clone(), start.clone());
+            thread::spawn(move || {
+                start.wait();
+                let got = client.try_lock(format!("busy{i}"));
+                got.map(|g| g.unlock()).map_err(|e| format!("{e:?}"))
+            })
+        })
+        .collect();
+    let outcomes = join_within(workers, secs(30), "the lockers");
+    eprintln!("{outcomes:?}");
+    for (i, outcome) in outcomes.into_iter().enumerate() {
+        let unlocked = outcome.unwrap_or_else(|e| panic!("locker {i}: {e}"));
+        assert_eq!(unlocked.expect("unlock"), Unlocked::Released, "locker {i}");
+    }
+}
+
+/// Granted by all three nodes; then two of them restart empty (they lose our key) and the
+/// holder unlocks before any renewal has looked. The client's pooled connections to the
+/// restarted nodes are dead, so their releases fail once and are tried again, and find no
+/// key: only the one node that kept the key deleted it. A minority's delete is no release
+/// of a Redlock (while the two were empty another majority could be taken): the unlock
+/// must not report `Released`.
+#[test]
+fn an_unlock_deleted_by_a_minority_is_not_released() {
+    let (servers, urls) = nodes(3);
+    let client: LockClient = lock_client!(nodes(urls), key_prefix(PREFIX), lease(secs(30)));
+    let guard = client.lock("gone").expect("lock on all three");
+    for s in &servers {
+        assert!(token_on(s, "gone").is_some(), "granted by every node");
+    }
+    servers[1].restart();
+    servers[2].restart();
+    let outcome = guard.unlock();
+    eprintln!("unlock after two of three restarted empty: {outcome:?}");
+    assert!(
+        !matches!(outcome, Ok(Unlocked::Released)),
+        "only one node of three deleted the key, yet unlock said {outcome:?}"
+    );
+    assert_eq!(token_on(&servers[0], "gone"), None, "deleted where it was");
+}
