@@ -34,7 +34,9 @@ pub enum Error {
     /// The lock was lost while held (see [`LostReason`]).
     #[error("lock lost: {0}")]
     Lost(LostReason),
-    /// Redlock: too few nodes granted the lock (or answered at all) for a majority.
+    /// Redlock: too few nodes granted the lock (or answered at all) for a majority. A
+    /// timed wait whose deadline passed before a majority could answer ends with
+    /// [`Error::Timeout`] instead.
     #[error("no quorum: {granted} of {nodes} nodes granted the lock, {needed} needed")]
     NoQuorum {
         /// Nodes that granted the lock in the last round.

@@ -31,6 +31,14 @@ fn token_on(srv: &RedisServer, name: &str) -> Option<String> {
         .expect("GET the lock key")
 }
 
+/// `n` servers, each behind a proxy, and the proxies' URLs.
+fn proxied(n: usize) -> (Vec<RedisServer>, Vec<Proxy>, Vec<String>) {
+    let (servers, _) = nodes(n);
+    let proxies: Vec<Proxy> = servers.iter().map(|s| Proxy::start(s.addr())).collect();
+    let urls = proxies.iter().map(Proxy::url).collect();
+    (servers, proxies, urls)
+}
+
 #[test]
 fn smoke() {
     let (servers, urls) = nodes(3);
@@ -51,9 +59,7 @@ fn smoke() {
 /// in which no call ended because none was made.
 #[test]
 fn busy_workers_after_an_idle_spell_are_not_a_stall() {
-    let (servers, _) = nodes(3);
-    let proxies: Vec<Proxy> = servers.iter().map(|s| Proxy::start(s.addr())).collect();
-    let urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let (_servers, proxies, urls) = proxied(3);
     let client = Arc::new(lock_client!(
         nodes(urls),
         key_prefix(PREFIX),
@@ -112,4 +118,28 @@ fn an_unlock_deleted_by_a_minority_is_not_released() {
         "only one node of three deleted the key, yet unlock said {outcome:?}"
     );
     assert_eq!(token_on(&servers[0], "gone"), None, "deleted where it was");
+}
+
+/// Two nodes of three answer only after a second: a wait of 300 ms cannot reach a
+/// majority in time. It ends as any wait whose deadline passes: `Timeout` (and counted as
+/// one), not the `NoQuorum` of a round whose replies were cut short by that deadline.
+#[test]
+fn a_wait_whose_deadline_cuts_the_round_short_times_out() {
+    let (_servers, proxies, urls) = proxied(3);
+    let client = lock_client!(nodes(urls), key_prefix(PREFIX), read_timeout(secs(3)));
+    client
+        .lock("slow")
+        .expect("warm-up lock")
+        .unlock()
+        .expect("warm-up unlock");
+    for p in &proxies[1..] {
+        p.set_delay(secs(1));
+    }
+    let timeouts = client.stats().timeouts;
+    let outcome = client.try_lock_for("slow", ms(300)).map(drop);
+    assert!(
+        matches!(outcome, Err(ref e) if e.is_timeout()),
+        "a 300 ms wait with two nodes of three a second away: {outcome:?}"
+    );
+    assert_eq!(client.stats().timeouts, timeouts + 1);
 }

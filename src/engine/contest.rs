@@ -152,9 +152,15 @@ impl WaitEnd {
             return Error::Timeout;
         }
         // The attempt's read is cut to what the deadline leaves (see `proto::node`): a
-        // reply that had not come by then ends the wait as the deadline does.
-        if past && matches!(&error, Error::Redis(e) if e.is_timeout()) {
-            log::debug!("deadline passed waiting for a reply: {error:?}");
+        // reply that had not come by then ends the wait as the deadline does; so does a
+        // Redlock round left short of a majority by such cut reads.
+        let cut = match &error {
+            Error::Redis(e) => e.is_timeout(),
+            Error::NoQuorum { .. } => true,
+            _ => false,
+        };
+        if past && cut {
+            log::debug!("deadline passed waiting for replies: {error:?}");
             return Error::Timeout;
         }
         error
