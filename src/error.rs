@@ -135,7 +135,9 @@ pub enum Error {
     ShutDown,
     /// Redis Cluster: the lock's hash slot is half-way through a migration between two
     /// masters, and the servers refused the lock's scripts (`TRYAGAIN`) for longer than
-    /// the call could wait. While a slot migrates, Redis runs a command naming several
+    /// the call could wait, or redirected them back and forth between the two masters
+    /// (the source still `MIGRATING` while the target no longer imports the slot, after
+    /// a failover of its own). While a slot migrates, Redis runs a command naming several
     /// keys of it only where all of them exist, and a free lock has no key: it cannot be
     /// taken until the migration ends. [`try_lock`](crate::LockClient::try_lock) gives
     /// this after about 2 s, [`lock`](crate::LockClient::lock) after one

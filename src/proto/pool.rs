@@ -229,7 +229,7 @@ impl Pool {
 pub(crate) const MIN_ATTEMPT: Duration = Duration::from_millis(50);
 
 /// `timeout`, or less when what remains of `deadline` is shorter ([`MIN_ATTEMPT`] at least).
-fn bounded(timeout: Duration, deadline: Option<Instant>) -> Duration {
+pub(crate) fn bounded(timeout: Duration, deadline: Option<Instant>) -> Duration {
     match deadline {
         Some(d) => timeout.min(d.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT)),
         None => timeout,

@@ -7,11 +7,13 @@
 //! `MOVED` records the slot's new owner in the slot map and has the map read again at the
 //! next route. `TRYAGAIN` and `CLUSTERDOWN` are sent again after growing pauses, within
 //! the caller's deadline (or [`CLUSTER_SETTLE`] without one); a `TRYAGAIN` that outlasts
-//! it gives [`Error::SlotMigrating`]. `CLUSTERDOWN`, and any command that got no reply or
-//! no connection, marks the map stale: a failover may have given the slot to another
-//! master. Everywhere (a Sentinel-managed master demoted under us too), `READONLY` drops
-//! the node's idle connections, tells whoever follows the node's address, and is sent
-//! again if the caller allows retries.
+//! it gives [`Error::SlotMigrating`], and so do redirects that do not settle within
+//! [`MAX_HOPS`] (an `ASK` and a `MOVED` sending the command back and forth).
+//! `CLUSTERDOWN`, and any command that got no reply or no connection, marks the map
+//! stale: a failover may have given the slot to another master. Everywhere (a
+//! Sentinel-managed master demoted under us too), `READONLY` drops the node's idle
+//! connections, tells whoever follows the node's address, and is sent again if the
+//! caller allows retries.
 //!
 //! `TRYAGAIN` is what a slot migration does to a command naming several keys (Redis's
 //! `getNodeByQuery`, `src/cluster.c`): the source (`MIGRATING`) runs it when all of its
@@ -64,7 +66,8 @@ use crate::stats::Counters;
 /// never redirected builds nothing).
 static ASKING: std::sync::LazyLock<Cmd> = std::sync::LazyLock::new(|| redis::cmd("ASKING"));
 
-/// Most redirects one command follows: a slot moves at most a few times in a row.
+/// Most redirects one command follows: a slot moves at most a few times in a row. Past
+/// them the command gives [`Error::SlotMigrating`] (it ran nowhere).
 const MAX_HOPS: u32 = 5;
 /// How long `TRYAGAIN` (keys of one command half-way through a slot migration) and
 /// `CLUSTERDOWN` (a failover in progress) are retried when the caller set no deadline.
@@ -157,7 +160,18 @@ impl CallPath for Path {
                                 hops += 1;
                                 continue 'hop;
                             }
-                            _ => return Err(Error::Redis(e)),
+                            // The redirects do not settle: a slot half-way between two
+                            // masters that disagree on it (the source `MIGRATING`, the
+                            // target not `IMPORTING` after a failover of its own), or a
+                            // map in flux. The command ran nowhere: said as for a slot
+                            // that stays half-way, which a ride waits out, and which
+                            // neither reaches the caller as a raw redirect nor counts as
+                            // a command that may have run (a count down is sent again).
+                            Some(_) => {
+                                log::debug!("node {}: {e}; redirects did not settle", on.id);
+                                return Err(Error::SlotMigrating);
+                            }
+                            None => return Err(Error::Redis(e)),
                         }
                     }
                     Failure::Migrating | Failure::ClusterDown if self.in_cluster() => {

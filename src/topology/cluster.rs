@@ -43,6 +43,7 @@ use crate::error::{Error, Result};
 use crate::proto::connect::{is_tls_url, open_client, open_client_at};
 use crate::proto::keys::{Keys, keyslot};
 use crate::proto::node::{Node, Parts, Retry};
+use crate::proto::pool::bounded;
 use crate::proto::protocol::Protocols;
 use crate::stats::Counters;
 
@@ -147,6 +148,14 @@ impl Shared {
     /// Reads the slot map again, unless another thread is reading it or it was read less
     /// than [`MIN_REFRESH`] ago (`force`: at start). Asks the known masters first, then
     /// the seeds.
+    ///
+    /// A read on a caller's path (not `force`) takes one read timeout in all, each node
+    /// asked [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) at least: it runs on the
+    /// thread of whoever routed (a caller with a deadline, the watchdog), and the nodes
+    /// are asked one after another, so that a stalled cluster (every master and seed
+    /// accepting connections and answering nothing) would otherwise keep that thread one
+    /// read timeout per node. A node that did not answer is asked last next time (see
+    /// `Node::answering`).
     fn refresh(&self, force: bool) -> Result<()> {
         let Some(mut last) = self.refreshed.try_lock() else {
             return Ok(());
@@ -161,10 +170,11 @@ impl Shared {
         // routes while the map is read.
         let mut masters: Vec<Arc<Node>> = self.map.read().all.nodes().to_vec();
         masters.sort_by_key(|n| !n.answering());
+        let until = (!force).then(|| Instant::now() + self.cfg.read_timeout);
         let mut first_error = None;
         let mut found = None;
         for node in &masters {
-            match node.run(Retry::NEVER, |c| slots::read(c, tls)) {
+            match node.run_until(Retry::NEVER, until, |c| slots::read(c, tls)) {
                 Ok(shards) if !shards.is_empty() => {
                     found = Some(shards);
                     break;
@@ -177,7 +187,7 @@ impl Shared {
         }
         if found.is_none() {
             for (i, url) in self.seeds.iter().enumerate() {
-                match self.read_seed(i, url, tls) {
+                match self.read_seed(i, url, tls, until) {
                     Ok(shards) if !shards.is_empty() => {
                         found = Some(shards);
                         break;
@@ -204,12 +214,20 @@ impl Shared {
         self.install(&shards)
     }
 
-    fn read_seed(&self, i: usize, url: &str, tls: bool) -> Result<Vec<Shard>> {
+    /// The map as seed `i` at `url` has it, asked within `until` (but [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) at
+    /// least for the connect and for the reads).
+    fn read_seed(
+        &self,
+        i: usize,
+        url: &str,
+        tls: bool,
+        until: Option<Instant>,
+    ) -> Result<Vec<Shard>> {
         let client = open_client(&format!("cluster seed {i}"), url, &self.cfg.tls)?;
         let mut conn = crate::proto::pool::open_connection(
             &client,
-            self.cfg.connect_timeout,
-            self.cfg.read_timeout,
+            bounded(self.cfg.connect_timeout, until),
+            bounded(self.cfg.read_timeout, until),
             self.cfg.write_timeout,
             "redbaton",
         )
@@ -239,7 +257,18 @@ impl Shared {
             .iter()
             .map(|n| Route::following(n.clone(), protocol))
             .collect();
+        // The nodes that serve no slot now (a master demoted by a failover, one removed
+        // from the cluster) keep their node, for when they serve again, but not their idle
+        // connections: no route leads there any more, and a server closes no idle
+        // connection by default (`timeout 0`), so they would stay open while the client
+        // lives.
+        let idle: Vec<Arc<Node>> = (map.known.values())
+            .filter(|n| !nodes.iter().any(|m| Arc::ptr_eq(m, n)))
+            .cloned()
+            .collect();
         map.all = Route::every(Arc::from(nodes), 1, protocol);
+        drop(map);
+        idle.iter().for_each(|n| n.pool.clear_idle());
         Ok(())
     }
 
