@@ -1,12 +1,14 @@
 //! Redlock under faults that the fan-out and the verdicts on the nodes' replies must
 //! survive: healthy nodes called by several threads after an idle spell, nodes that lose
-//! their keys in a restart right before an unlock.
+//! their keys in a restart right before an unlock, a round cut short by its deadline, a
+//! hung node that rounds skip.
 
 use std::sync::{Arc, Barrier};
 use std::thread;
 
 use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::monitor::{Monitor, script_calls};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer};
 use redbaton_testkit::wait::join_within;
@@ -142,4 +144,54 @@ fn a_wait_whose_deadline_cuts_the_round_short_times_out() {
         "a 300 ms wait with two nodes of three a second away: {outcome:?}"
     );
     assert_eq!(client.stats().timeouts, timeouts + 1);
+}
+
+/// One node of three hung (stopped) while a waiter waits for a lock the other two hold
+/// for someone else: after the first call to it (which may have run, and is given back
+/// when the node answers again), the rounds skip it and send it nothing. A skipped call
+/// ran nowhere, so nothing is given back there for it: once the node answers again, every
+/// token a script call brings it is one an acquisition brought it first.
+#[test]
+fn nothing_is_given_back_where_a_skipped_call_never_went() {
+    let (servers, urls) = nodes(3);
+    let holder = lock_client!(nodes(urls.clone()), key_prefix(PREFIX));
+    let waiter = lock_client!(
+        nodes(urls),
+        key_prefix(PREFIX),
+        read_timeout(secs(1)),
+        recheck_interval(ms(100))
+    );
+    let held = holder.lock("hung").expect("lock");
+    let monitor = Monitor::start(&servers[2]);
+    servers[2].pause();
+    let waited = waiter.try_lock_for("hung", secs(3)).map(drop);
+    assert!(waited.is_err(), "held by a majority: {waited:?}");
+    servers[2].resume();
+    // The cleanup job's give-backs, tried again every 100 ms, reach the node now.
+    thread::sleep(secs(3));
+    let calls = script_calls(&monitor.flush(&servers[2]));
+    let mut acquired = std::collections::HashSet::new();
+    let acquire = calls.first().map(|c| c.sha.clone());
+    let mut stray = Vec::new();
+    for call in &calls {
+        let Some(token) = call.argv.first() else {
+            continue;
+        };
+        if Some(&call.sha) == acquire.as_ref() {
+            acquired.insert(token.clone());
+        } else if !acquired.contains(token) {
+            stray.push(token.clone());
+        }
+    }
+    eprintln!(
+        "{} script calls on the hung node after it answered again, {} acquisitions",
+        calls.len(),
+        acquired.len()
+    );
+    assert!(
+        stray.is_empty(),
+        "{} give-backs of tokens that never reached the node: {stray:?}",
+        stray.len()
+    );
+    drop(held);
 }

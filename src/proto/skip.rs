@@ -1,5 +1,7 @@
-//! Skipping a stalled node: a call made under [`skipping`] fails at once with a timeout,
-//! without touching the node, as if the node had not answered in time.
+//! Skipping a stalled node: a call made under [`skipping`] fails at once, without
+//! touching the node, as a refused connection does: it did not run there (see
+//! `node::may_have_run`), so nothing is given back there for it, and a waiter's mark is
+//! not counted as left there.
 //!
 //! The Redlock fan-out uses it for a node whose earlier calls are all still waiting out
 //! their timeouts (a hung node): a round then counts that node as a vote against and is
@@ -27,7 +29,7 @@ pub(crate) fn skipping<T>(f: impl FnOnce() -> T) -> T {
 pub(crate) fn skipped() -> Option<redis::RedisError> {
     SKIPPING.with(Cell::get).then(|| {
         redis::RedisError::from(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
+            std::io::ErrorKind::ConnectionRefused,
             "node skipped: its earlier calls are still waiting for it",
         ))
     })
