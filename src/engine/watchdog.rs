@@ -402,8 +402,11 @@ fn extend_on_nodes(
                 chunks.push(chunk);
             }
         }
-        let sent = chunks.iter().map(|c| c.len() as u64).sum();
-        Counters::add(&counters.renewals_sent, sent);
+        // A node skipped as stalled (Redlock) is sent nothing: not counted.
+        if !crate::proto::skip::is_skipping() {
+            let sent = chunks.iter().map(|c| c.len() as u64).sum();
+            Counters::add(&counters.renewals_sent, sent);
+        }
         let mut replies: Vec<(usize, Option<ExtendReply>)> = Vec::new();
         match node.extend_batches(&batches) {
             Ok(lists) => {

@@ -25,9 +25,14 @@ pub(crate) fn skipping<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
+/// Whether the current thread is skipping: what it sends to a node is not sent.
+pub(crate) fn is_skipping() -> bool {
+    SKIPPING.with(Cell::get)
+}
+
 /// The error a skipped command fails with, when the current thread is skipping.
 pub(crate) fn skipped() -> Option<redis::RedisError> {
-    SKIPPING.with(Cell::get).then(|| {
+    is_skipping().then(|| {
         redis::RedisError::from(std::io::Error::new(
             std::io::ErrorKind::ConnectionRefused,
             "node skipped: its earlier calls are still waiting for it",
