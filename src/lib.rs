@@ -51,7 +51,9 @@
 //! still increments the nodes that granted it). So after a successful round the client
 //! raises the counter of every granting node to the highest among them before returning
 //! the guard. Any later majority shares at least one node with this one, whose counter is
-//! now at least this token's: the next holder's token is higher.
+//! now at least this token's: the next holder's token is higher. The guard is returned
+//! only when the nodes carrying its token's fence are a majority: when raises fail on too
+//! many nodes, the acquisition fails with [`Error::NoQuorum`], as without enough grants.
 //!
 //! What is promised, and what is not:
 //!

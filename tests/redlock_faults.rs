@@ -234,3 +234,68 @@ fn renewals_skipped_on_a_hung_node_are_not_counted_as_sent() {
     assert!(!held.is_lost(), "a majority renews it");
     drop(held);
 }
+
+/// One node's fence counter is far ahead of the others' (its clock ran ahead, or it issued
+/// fences the others never saw), so a hold granted by all three takes that node's fence and
+/// must raise the two behind to it: a later majority of those two alone then issues a
+/// higher token. Here every raise is lost on its way to the two, and the hold is then left
+/// to expire (its holder crashed). No token handed out may be below one handed out before:
+/// a hold whose fence a majority does not carry is not handed out.
+#[test]
+fn a_hold_whose_fence_no_majority_carries_is_not_handed_out() {
+    let (servers, proxies, urls) = proxied(3);
+    let name = "raised";
+    let ahead: u64 = redis::cmd("TIME")
+        .query::<(u64, u64)>(&mut servers[0].conn())
+        .map(|(s, us)| s * 1_000_000 + us + 100_000_000_000_000)
+        .expect("TIME");
+    let _: () = redis::cmd("SET")
+        .arg(KEYS.fence(name))
+        .arg(ahead)
+        .query(&mut servers[0].conn())
+        .expect("SET the counter ahead");
+    let client = lock_client!(
+        nodes(urls.clone()),
+        key_prefix(PREFIX),
+        lease(secs(1)),
+        auto_renew(false)
+    );
+    // The raise is the one script of a single key called on the fence counter.
+    let fence_key = KEYS.fence(name);
+    let raise = format!("$1\r\n1\r\n${}\r\n{fence_key}", fence_key.len());
+    let first = proxies[1].refusing_requests_matching(raise.as_bytes(), || {
+        proxies[2]
+            .refusing_requests_matching(raise.as_bytes(), || client.try_lock_for(name, secs(2)))
+    });
+    let refused = proxies[1].requests_refused() + proxies[2].requests_refused();
+    assert!(refused > 0, "no raise was sent to the nodes behind");
+    let mut tokens = Vec::new();
+    match first {
+        Ok(guard) => {
+            tokens.push(guard.fencing_token());
+            // The holder crashes: no release writes its fence back.
+            std::mem::forget(guard);
+            thread::sleep(ms(1_500));
+        }
+        Err(e) => eprintln!("the hold whose raises were lost: {e}"),
+    }
+    // The node that was ahead is gone; the two behind are a majority, for another process.
+    proxies[0].blackhole(true);
+    let other = lock_client!(nodes(urls), key_prefix(PREFIX), read_timeout(secs(1)));
+    let second = thread::scope(|s| {
+        s.spawn(|| {
+            let guard = other
+                .try_lock_for(name, secs(10))
+                .expect("a majority of two");
+            guard.fencing_token()
+        })
+        .join()
+        .expect("the second holder")
+    });
+    tokens.push(second);
+    eprintln!("tokens: {tokens:?} (counter ahead at {ahead})");
+    assert!(
+        tokens.windows(2).all(|w| w[1] > w[0]),
+        "a token went backwards: {tokens:?}"
+    );
+}

@@ -587,6 +587,16 @@ impl Contest<'_> {
         let Some(grant) = grants.iter().rev().find(|g| trusted && g.nonce == nonce) else {
             return Ok(None);
         };
+        // A permit's grant carries the semaphore's count where a fence would be: one of
+        // another count (the name was made again meanwhile, by a process that asked for
+        // another) is only a wake-up, whose attempt reports the mismatch.
+        let fence = match self.protocol {
+            Protocol::Permit { permits, .. } if grant.fence != u64::from(permits) => {
+                return Ok(None);
+            }
+            Protocol::Permit { .. } => 0,
+            _ => grant.fence,
+        };
         let until = sent + grant.lease.saturating_sub(cfg.drift(grant.lease));
         if Stamp::now() >= until {
             return Ok(None);
@@ -595,7 +605,7 @@ impl Contest<'_> {
         let nodes = vec![node.id.clone()];
         // A grant with a nonce follows a release (after a loss it carries none, so that
         // the confirming attempt tells of it): nothing was lost before it.
-        let remote = self.acquired(token, (grant.fence, false), nodes, sent, Some(until))?;
+        let remote = self.acquired(token, (fence, false), nodes, sent, Some(until))?;
         Counters::inc(&self.engine.counters.grants_trusted);
         // A write hold granted by the release of a read-write lock's last hold: other
         // processes' readers, held back while we waited, may wait still, so the process
@@ -639,24 +649,39 @@ impl Contest<'_> {
             .min();
         let mut vote = vote(replies, rules);
         // Redlock: only nodes behind need it; with counters in step there is no extra
-        // round trip. A slow node's raise may take what the lease had left: then the hold
-        // is nobody's, as a round that took too long.
+        // round trip. A hold whose fence fewer than a majority carry after the raises is
+        // nobody's: a later majority could miss them all and issue a lower token. It fails
+        // as a round without enough grants does. A slow node's raise may take what the
+        // lease had left: then the hold is nobody's, as a round that took too long.
         if let Vote::Won {
             fence,
             granted,
             behind,
             ..
-        } = &mut vote
+        } = &vote
             && !behind.is_empty()
         {
-            engine.raise_fences(self.keys, &self.route, *fence, behind);
-            if !lease_left(lease, started, engine.cfg.drift(lease)) {
-                let granted = std::mem::take(granted);
-                vote = Vote::Late {
-                    undo: Undo {
-                        granted,
-                        unknown: Vec::new(),
+            let raised = engine.raise_fences(self.keys, &self.route, *fence, behind);
+            let carried = granted.len() - behind.len() + raised;
+            let short = carried < rules.quorum;
+            if short || !lease_left(lease, started, engine.cfg.drift(lease)) {
+                let Vote::Won { granted, .. } = vote else {
+                    unreachable!("matched above")
+                };
+                let undo = Undo {
+                    granted,
+                    unknown: Vec::new(),
+                };
+                vote = match short {
+                    true => Vote::Failed {
+                        error: Error::NoQuorum {
+                            granted: carried,
+                            needed: rules.quorum,
+                            nodes: self.route.nodes().len(),
+                        },
+                        undo,
                     },
+                    false => Vote::Late { undo },
                 };
             }
         }

@@ -253,23 +253,31 @@ impl Engine {
 
     /// Redlock: raises the fencing counter of the granting nodes that are behind to
     /// `fence`, the highest among them, before the lock is used. Any later majority
-    /// overlaps this one in at least one node, whose counter is now at least `fence`: the
-    /// next holder's token is higher, even though the nodes' counters drift apart. A node
-    /// that fails here (or restarts empty later) weakens that promise: see the crate docs.
+    /// overlaps the nodes whose counter is now at least `fence` in at least one node, as
+    /// long as they are a majority: the next holder's token is then higher, even though
+    /// the nodes' counters drift apart. Returns how many of `behind` were raised (a raise
+    /// whose reply was lost counts as not raised); the caller hands the hold out only when
+    /// those and the granting nodes already at `fence` are a majority. A node that
+    /// restarts empty later weakens that promise: see the crate docs.
     pub(crate) fn raise_fences(
         self: &Arc<Self>,
         keys: &Keys,
         route: &Route,
         fence: u64,
         behind: &[NodeId],
-    ) {
+    ) -> usize {
         let k = keys.clone();
         let replies = self.topology.fan_out(&route.among(behind), move |node| {
             node.raise_fence(&k, fence)
         });
-        for e in replies.into_iter().filter_map(|r| r.err()) {
-            log::debug!("raising a fence counter failed: {e}");
+        let mut raised = 0;
+        for r in replies {
+            match r {
+                Ok(()) => raised += 1,
+                Err(e) => log::debug!("raising a fence counter failed: {e}"),
+            }
         }
+        raised
     }
 
     /// Removes our contention mark on every node of the route (best effort).

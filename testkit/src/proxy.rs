@@ -50,6 +50,9 @@ enum DropArm {
     Matching(Vec<u8>),
     /// Every client→server chunk containing these bytes, until disarmed.
     EveryMatching(Vec<u8>),
+    /// Every client→server chunk containing these bytes never reaches Redis: the
+    /// connection is closed instead, until disarmed.
+    RefuseMatching(Vec<u8>),
 }
 
 struct Shared {
@@ -65,6 +68,7 @@ struct Shared {
     threads: Mutex<Vec<JoinHandle<()>>>,
     accepted: AtomicU64,
     replies_dropped: AtomicU64,
+    requests_refused: AtomicU64,
 }
 
 struct Conn {
@@ -122,6 +126,7 @@ impl Proxy {
             threads: Mutex::new(Vec::new()),
             accepted: AtomicU64::new(0),
             replies_dropped: AtomicU64::new(0),
+            requests_refused: AtomicU64::new(0),
         });
         let accept_shared = Arc::clone(&shared);
         let accept_thread = thread::Builder::new()
@@ -185,17 +190,24 @@ impl Proxy {
     /// [`drop_next_reply_matching`](Self::drop_next_reply_matching) does once), then heals
     /// the proxy.
     pub fn losing_replies_matching<T>(&self, needle: &[u8], f: impl FnOnce() -> T) -> T {
-        /// Heals the proxy however `f` ends (a failed assertion too).
-        struct Heal<'a>(&'a Proxy);
-        impl Drop for Heal<'_> {
-            fn drop(&mut self) {
-                self.0.heal();
-            }
-        }
         assert!(!needle.is_empty(), "empty needle");
         *self.shared.drop_arm.lock() = DropArm::EveryMatching(needle.to_vec());
         let _heal = Heal(self);
         f()
+    }
+
+    /// Runs `f` while every request containing `needle` is lost on its way (it never runs
+    /// in Redis; its connection is closed instead), then heals the proxy.
+    pub fn refusing_requests_matching<T>(&self, needle: &[u8], f: impl FnOnce() -> T) -> T {
+        assert!(!needle.is_empty(), "empty needle");
+        *self.shared.drop_arm.lock() = DropArm::RefuseMatching(needle.to_vec());
+        let _heal = Heal(self);
+        f()
+    }
+
+    /// How many requests `refusing_requests_matching` has kept from Redis so far.
+    pub fn requests_refused(&self) -> u64 {
+        self.shared.requests_refused.load(Ordering::SeqCst)
     }
 
     /// Whether a `drop_next_reply*` fault is still waiting for its request.
@@ -252,6 +264,15 @@ impl Proxy {
     }
 }
 
+/// Heals the proxy however a fault's closure ends (a failed assertion too).
+struct Heal<'a>(&'a Proxy);
+
+impl Drop for Heal<'_> {
+    fn drop(&mut self) {
+        self.0.heal();
+    }
+}
+
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
@@ -282,11 +303,23 @@ impl Shared {
         }
     }
 
+    /// Whether this client→server chunk is to be kept from Redis.
+    fn refuses(&self, chunk: &[u8]) -> bool {
+        let refused = match &*self.drop_arm.lock() {
+            DropArm::RefuseMatching(needle) => contains(chunk, needle),
+            _ => false,
+        };
+        if refused {
+            self.requests_refused.fetch_add(1, Ordering::SeqCst);
+        }
+        refused
+    }
+
     /// Consumes the armed fault if this client→server chunk triggers it.
     fn take_drop_arm(&self, chunk: &[u8]) -> bool {
         let mut arm = self.drop_arm.lock();
         let (hit, once) = match &*arm {
-            DropArm::Off => (false, false),
+            DropArm::Off | DropArm::RefuseMatching(_) => (false, false),
             DropArm::Any => (true, true),
             DropArm::Matching(needle) => (contains(chunk, needle), true),
             DropArm::EveryMatching(needle) => (contains(chunk, needle), false),
@@ -440,6 +473,10 @@ fn pump_loop(shared: &Shared, conn: &Conn, dir: Dir, mut from: &TcpStream, mut t
         }
         match dir {
             Dir::ClientToServer => {
+                if shared.refuses(chunk) {
+                    conn.close();
+                    return;
+                }
                 if shared.take_drop_arm(chunk) {
                     conn.drop_reply.store(true, Ordering::SeqCst);
                 }
