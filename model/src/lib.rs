@@ -20,6 +20,7 @@
 //! | `props.rs` | the properties and the history they read |
 //! | `system.rs` | the `stateright::Model` tying them together |
 //! | `shared/` | the same for read-write locks and semaphores: their scripts and grants |
+//! | `redlock.rs` | Redlock's fencing tokens across nodes whose counters and clocks drift |
 //!
 //! `cargo test -p redbaton-model` checks [`Config::ci`] and the broken variants; the
 //! longer check is `cargo run --release -p redbaton-model --example deep` (see the crate
@@ -31,6 +32,7 @@ pub mod config;
 pub mod net;
 pub mod props;
 pub mod redis;
+pub mod redlock;
 pub mod shared;
 pub mod system;
 pub mod world;
@@ -97,6 +99,15 @@ impl Report {
 /// on the way are reported too).
 pub fn check(cfg: Config, threads: usize, until: Option<&'static str>) -> Report {
     check_model(LockModel::new(cfg), threads, until)
+}
+
+/// [`check`] for Redlock's fencing tokens across nodes (see [`redlock`]).
+pub fn check_redlock(
+    cfg: redlock::RedlockConfig,
+    threads: usize,
+    until: Option<&'static str>,
+) -> Report {
+    check_model(redlock::RedlockModel::new(cfg), threads, until)
 }
 
 /// [`check`] for the shared holds: a read-write lock or a semaphore (see [`shared`]).
