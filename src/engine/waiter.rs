@@ -490,8 +490,12 @@ impl Waiter {
                     self.confirm(client, deadline);
                     return Woken::Reconnected;
                 }
+                // A fair waiter that cannot hear its grant wakes when anyone takes the
+                // key (a grant is a `set` of the key): its attempt finds its own token if
+                // the lock was granted to it, before the grant's short lease runs out.
+                let deaf = self.grant_token.is_some() && !w.hears_grants();
                 let woken = match self.hears {
-                    Hears::Key => s.freed != b.freed,
+                    Hears::Key => s.freed != b.freed || (deaf && s.taken != b.taken),
                     Hears::Releases => s.released != b.released,
                     Hears::Zero => s.opened != b.opened,
                 };

@@ -3,11 +3,13 @@
 //!
 //! Keys of a lock `L` (all share its hash tag): `L` itself, its fence counter, its mark,
 //! `L:q` — a sorted set of the waiting contenders' tokens scored by arrival (server time,
-//! µs) — `L:qx`, the same tokens scored by when their entry expires unless the waiter's
-//! next attempt refreshes it (server time, ms), and `L:qn`, the same tokens scored by the
-//! nonce of the latest attempt that queued or refreshed them (a sorted set, so that the
-//! queue needs no command beyond the sorted-set ones). A waiter's entry is its
-//! contender token, the same for every attempt of one wait; each attempt has a new nonce.
+//! µs, or just after the last entry's when the clock reads earlier: a clock stepped back
+//! never lets a later waiter ahead) — `L:qx`, the same tokens scored by when their entry
+//! expires unless the waiter's next attempt refreshes it (server time, ms), and `L:qn`,
+//! the same tokens scored by the nonce of the latest attempt that queued or refreshed them
+//! (a sorted set, so that the queue needs no command beyond the sorted-set ones). A
+//! waiter's entry is its contender token, the same for every attempt of one wait; each
+//! attempt has a new nonce.
 //!
 //! A grant is `SET L <head> PX <grant lease>`, a fence (the counter written held: see
 //! `FENCE_FN`) and a publish of `g<head>:<nonce>:<fence>:<grant ms>` on the lock's channel
@@ -68,6 +70,19 @@ local function dequeue(q, qx, qn, token)
   redis.call('ZREM', qx, token)
   redis.call('ZREM', qn, token)
 end
+-- The first entry by arrival that has an expiry, after `prune`. An entry without one (its
+-- `qx` member evicted, or deleted) is refreshed by nobody and never pruned: it would be
+-- granted the lock in its turn, a grant lease each, while it kept the queue alive. It is
+-- dropped on the way, at most PRUNE_CHUNK of them. Nil when the queue is empty; false
+-- when more such entries may be left (no head is known to be alive, as for `prune`).
+local function live_head(q, qx, qn)
+  for _ = 1, PRUNE_CHUNK do
+    local head = redis.call('ZRANGE', q, 0, 0)[1]
+    if not head or redis.call('ZSCORE', qx, head) then return head end
+    dequeue(q, qx, qn, head)
+  end
+  return false
+end
 -- Keeps `key` for at least `ms`: a queue lives as long as its longest-lived entry, and an
 -- abandoned one (its waiters all gone) disappears with it.
 local function keep_for(key, ms)
@@ -117,7 +132,7 @@ end
 -- the lock is freed for whoever comes next; so is one whose grant cannot issue a fence
 -- (its head's next attempt meets the counter's error).
 local function pass_on(q, qx, qn, channel, grant_ms, now_ms, fence)
-  local head = prune(q, qx, qn, now_ms) and redis.call('ZRANGE', q, 0, 0)[1]
+  local head = prune(q, qx, qn, now_ms) and live_head(q, qx, qn)
   if head and type(grant(head, q, qx, qn, channel, grant_ms, grant_lost(fence))) ~= 'table' then
     return 2
   end
@@ -175,7 +190,7 @@ if cur == ARGV[1] then
 end
 if not cur then
   -- Expired entries left over (see prune): no known live head, the lock goes to us.
-  local head = clean and redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  local head = clean and live_head(KEYS[3], KEYS[4], KEYS[5])
   if not head or head == ARGV[1] then
     -- Free (read above, in this script), so the SET NX takes it.
     local fence, after_lost = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[#ARGV - 1])
@@ -189,7 +204,14 @@ if not cur then
 end
 if ARGV[5] ~= '0' then
   local entry_ms = tonumber(ARGV[5])
-  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
+  if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
+    -- Behind the last entry, whatever the clock says: a clock stepped back since an
+    -- earlier waiter queued must not put a later one ahead of it.
+    local last = tonumber(redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')[2])
+    local arrival = now
+    if last and last >= now then arrival = last + 1 end
+    redis.call('ZADD', KEYS[3], arrival, ARGV[1])
+  end
   redis.call('ZADD', KEYS[4], now_ms + entry_ms, ARGV[1])
   redis.call('ZADD', KEYS[5], ARGV[7], ARGV[1])
   keep_for(KEYS[3], entry_ms + QUEUE_MARGIN_MS)

@@ -28,7 +28,8 @@ pub(crate) const MAX_LISTED: usize = 1000;
 /// queue, queue expiries, writers, readers}`: `TIME`; the lock key's type, its value when
 /// a string (else nil) and `PTTL`; the fence counter (nil when gone or not a string); the
 /// mark's value and `PTTL`; then `member, score` lists of the lock key (a sorted set's
-/// holds, kind member first), the queue by arrival, the expiries of the entries listed,
+/// holds, kind member first), the queue by arrival (past the limit, its live entries and
+/// then the first dead ones: see `queue_of`), the expiries of the entries listed,
 /// and the live waiting writers' and readers' marks. A key of an unexpected type reads as
 /// empty (`pcall`).
 static INSPECT: LazyLock<Lua> = LazyLock::new(|| {
@@ -71,10 +72,40 @@ local function scores_of(key, listed)
   end
   return out
 end
+-- The queue by arrival, at most ARGV[1] + 1 entries. A longer queue: its live entries (their
+-- expiry in `qx` ahead) and then dead ones, first by arrival: dead entries queued first
+-- (crashed waiters not yet pruned) would fill the list and hide the live waiters after them.
+local function queue_of(q, qx)
+  local first = range(q)
+  local limit = tonumber(ARGV[1]) + 1
+  if #first < 2 * limit then return first end
+  local live = redis.pcall('ZRANGEBYSCORE', qx, '(' .. now_ms, '+inf', 'LIMIT', 0, limit)
+  if live.err or #live == 0 then return first end
+  local arrivals = redis.pcall('ZMSCORE', q, unpack(live))
+  if arrivals.err then return first end
+  local entries, is_live = {}, {}
+  for i = 1, #live do
+    if arrivals[i] then
+      is_live[live[i]] = true
+      entries[#entries + 1] = {live[i], arrivals[i]}
+    end
+  end
+  for i = 1, #first, 2 do
+    if #entries >= limit then break end
+    if not is_live[first[i]] then entries[#entries + 1] = {first[i], first[i + 1]} end
+  end
+  table.sort(entries, function(a, b) return tonumber(a[2]) < tonumber(b[2]) end)
+  local out = {}
+  for _, e in ipairs(entries) do
+    out[#out + 1] = e[1]
+    out[#out + 1] = e[2]
+  end
+  return out
+end
 local ty = redis.call('TYPE', KEYS[1]).ok
 local holds = {}
 if ty == 'zset' then holds = range(KEYS[1]) end
-local queue = range(KEYS[5])
+local queue = queue_of(KEYS[5], KEYS[6])
 return {t[1], t[2], ty, get(KEYS[1]), redis.call('PTTL', KEYS[1]), get(KEYS[2]),
   get(KEYS[4]), redis.call('PTTL', KEYS[4]), holds, queue, scores_of(KEYS[6], queue),
   live(KEYS[7]), live(KEYS[8])}

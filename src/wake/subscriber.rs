@@ -401,4 +401,10 @@ impl Watch {
     pub fn moved(&self) -> bool {
         self.snapshot().moved != self.moved
     }
+
+    /// Whether a grant to the waiter can be heard on this node: an ACL may refuse the
+    /// library's channels while it allows the keyspace channels.
+    pub fn hears_grants(&self) -> bool {
+        self.interest.shared.own_channel.load(Ordering::Relaxed)
+    }
 }
