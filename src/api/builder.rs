@@ -157,10 +157,15 @@ impl Builder {
     /// [`sentinel_master_tls`](Self::sentinel_master_tls).
     ///
     /// On a failover the client moves its connections, its subscriptions (waiters retry
-    /// once) and its renewals to the new master. A lock survives it when the promoted
-    /// replica had it — [`replica_ack`](Self::replica_ack) makes that the rule rather than
-    /// luck; otherwise its holder's lost signal fires at the next renewal. Fencing
-    /// counters are as fresh as the promoted replica was.
+    /// once) and its renewals to the new master. Meanwhile calls ride through it as in a
+    /// [`cluster`](Self::cluster): a wait retries until its deadline, a
+    /// [`lock`](crate::LockClient::lock) without one for one [`lease`](Self::lease),
+    /// [`unlock`](crate::LockGuard::unlock) and [`extend`](crate::LockGuard::extend) while
+    /// the lock's lease lasts; [`try_lock`](crate::LockClient::try_lock) does not wait.
+    /// A lock survives it when the promoted replica had it —
+    /// [`replica_ack`](Self::replica_ack) makes that the rule rather than luck; otherwise
+    /// its holder's lost signal fires at the next renewal. Fencing counters are as fresh
+    /// as the promoted replica was.
     ///
     /// # Examples
     ///

@@ -325,8 +325,12 @@ impl Node {
                 Err(e) => {
                     self.silent.store(true, Relaxed);
                     // A node that refuses connections may have been replaced (a master
-                    // killed in a cluster).
+                    // killed in a cluster, or one the sentinels replaced).
                     if e.is_connection() {
+                        // Not an exhausted pool: the node answers others.
+                        if matches!(e, Error::Redis(_)) {
+                            self.pool.note_fault();
+                        }
                         self.path.fault();
                     }
                     return Err(e);

@@ -273,10 +273,18 @@ impl<'a> Failure<'a> {
             },
             Server(Kind::TryAgain) => Failure::Migrating,
             Server(Kind::ClusterDown) => Failure::ClusterDown,
-            _ if e.code() == Some("READONLY") => Failure::ReadOnly,
+            _ if e.code() == Some("READONLY") || is_script_readonly(e) => Failure::ReadOnly,
             _ => Failure::Other,
         }
     }
+}
+
+/// Whether `e` is a script's write refused by a replica as Redis before 7 says it: an
+/// `ERR Error running script … -READONLY You can't write against a read only replica.`,
+/// where Redis 7 keeps the `READONLY` code. A script on a demoted master fails so at its
+/// first write, having written nothing.
+fn is_script_readonly(e: &RedisError) -> bool {
+    e.code() == Some("ERR") && e.detail().is_some_and(|d| d.contains("-READONLY "))
 }
 
 /// Whether `e` is what a Redis Cluster client sees while a master fails over or a slot

@@ -244,11 +244,13 @@ impl Topology {
 
     /// Whether a call that failed with `e` should read its route again and retry after a
     /// short pause, and for how long at most when the caller set no deadline (counted from
-    /// the first failure). Redis Cluster rides through a failover this way (see
-    /// [`Cluster::failover_window`]); the other layouts return `None`: `e` is the answer.
+    /// the first failure). Redis Cluster and Sentinel ride through a failover this way (see
+    /// [`Cluster::failover_window`], [`Sentinel::failover_window`]); the other layouts
+    /// return `None`: `e` is the answer.
     pub fn ride_through(&self, e: &Error) -> Option<Duration> {
         match self {
             Topology::Cluster(t) if is_failover_symptom(e) => Some(t.failover_window()),
+            Topology::Sentinel(t) if is_failover_symptom(e) => Some(t.failover_window()),
             _ => None,
         }
     }

@@ -1,11 +1,13 @@
-//! Riding through a failover. When a call's node cannot be reached, or the cluster says
-//! it is electing a new master, the call pauses briefly and tries again on the route read
-//! afresh: the failed command marked the slot map stale, so the next route asks the
-//! cluster who serves the slot now. It keeps trying until its bound: the caller's deadline,
-//! the lock's validity (release, extend), or, for a wait without a deadline, the window
-//! the topology gives from the first failure. The topology decides which errors are worth
-//! it ([`Topology::ride_through`]); everywhere but Redis Cluster the first error is the
-//! answer, as before.
+//! Riding through a failover. When a call's node cannot be reached, refuses writes
+//! (`READONLY`: a demoted master), or the cluster says it is electing a new master, the
+//! call pauses briefly and tries again on the route read afresh: the failed command marked
+//! the slot map stale, so the next route asks the cluster who serves the slot now; behind
+//! Sentinel it told the watcher, which asks the sentinels and points the node at the
+//! master they name. It keeps trying until its bound: the caller's deadline, the lock's
+//! validity (release, extend), or, for a wait without a deadline, the window the topology
+//! gives from the first failure. The topology decides which errors are worth it
+//! ([`Topology::ride_through`]); on one node and over Redlock the first error is the
+//! answer.
 //!
 //! The pauses grow from [`FIRST_PAUSE`] to [`MAX_PAUSE`] with a jitter, so a few hundred
 //! waiters of a dead master do not stampede the cluster in step; the map itself is read

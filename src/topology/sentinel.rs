@@ -3,8 +3,9 @@
 //! stay attached to it while its connections move to whichever server is master.
 //!
 //! A watcher thread follows the sentinels' `+switch-master` messages, and re-resolves the
-//! master when a command on it fails in a way that may mean it moved (a network error, a
-//! `READONLY` reply) and every [`RECHECK`] in case a message was missed. Re-resolving asks
+//! master when a command on it fails in a way that may mean it moved (a network error or
+//! a refused connection, a `READONLY` reply) and every [`RECHECK`] in case a message was
+//! missed; calls meanwhile ride through (see `ride`) until it has. Re-resolving asks
 //! the sentinels for the master's address and checks with `ROLE` that it is one, on
 //! connections with the client's timeouts; so does the first resolution, when the client
 //! is built: a sentinel or master that accepts connections and answers nothing (a stopped
@@ -36,6 +37,8 @@ const POLL: Duration = Duration::from_millis(100);
 
 pub(crate) struct Sentinel {
     route: Route,
+    /// How long a call without a deadline rides through a failover: one lease.
+    lease: Duration,
     stop: Arc<AtomicBool>,
     thread: crate::worker::Thread,
 }
@@ -102,6 +105,7 @@ impl Sentinel {
             .map_err(|e| thread_error("sentinel", e))?;
         Ok(Sentinel {
             route: Route::new(Arc::from(vec![node]), Protocols::of(cfg)),
+            lease: cfg.lease,
             stop,
             thread: crate::worker::Thread::new(thread),
         })
@@ -109,6 +113,17 @@ impl Sentinel {
 
     pub fn route(&self) -> Route {
         self.route.clone()
+    }
+
+    /// How long a call without a deadline waits for the client to follow a failover (see
+    /// [`Topology::ride_through`](super::Topology::ride_through)): one lease, as in a
+    /// Cluster. Until the watcher points the node at the new master, the old one refuses
+    /// writes (`READONLY`) or cannot be reached, and the sentinels take
+    /// `down-after-milliseconds` and an election to replace a dead master; a call that
+    /// returned the first such error would fail while the master it wants is about to be
+    /// named.
+    pub fn failover_window(&self) -> Duration {
+        self.lease
     }
 
     /// Stops the watcher and waits for it until `deadline`; `false` if it still runs.
@@ -150,10 +165,21 @@ impl Watcher {
                     log::debug!("sentinel: subscription lost: {e}; trying the next sentinel");
                     // Whatever was missed meanwhile: look now.
                     self.resolve();
-                    std::thread::sleep(backoff);
+                    self.pause(backoff);
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
             }
+        }
+    }
+
+    /// Sleeps for `d`, or until the client stops (a drop waits for this thread).
+    fn pause(&self, d: Duration) {
+        let until = Instant::now() + d;
+        while !self.stop.load(Ordering::Relaxed) {
+            let Some(left) = until.checked_duration_since(Instant::now()) else {
+                return;
+            };
+            std::thread::sleep(left.min(POLL));
         }
     }
 
@@ -176,11 +202,6 @@ impl Watcher {
             if self.stop.load(Ordering::Relaxed) {
                 return Ok(());
             }
-            let Some(node) = self.node.upgrade() else {
-                return Ok(());
-            };
-            let fault = node.pool.take_fault();
-            drop(node);
             match ps.get_message() {
                 Ok(msg) => {
                     let payload: String = msg.get_payload().unwrap_or_default();
@@ -195,6 +216,13 @@ impl Watcher {
                 Err(e) if e.is_timeout() => {}
                 Err(e) => return Err(e),
             }
+            // Taken after the read, not before it: a fault the node met while the read
+            // waited is acted on now, not one read later (a call rides until then).
+            let Some(node) = self.node.upgrade() else {
+                return Ok(());
+            };
+            let fault = node.pool.take_fault();
+            drop(node);
             if fault || last_check.elapsed() >= RECHECK {
                 self.resolve();
                 last_check = Instant::now();
@@ -263,13 +291,19 @@ impl Watcher {
     /// restarted with an old configuration: the next one is asked, rather than trusting it
     /// until it learns. That holds for the node's current address too (checked once per
     /// call): a stale sentinel naming the demoted master must not keep the client there.
-    /// `None` for the current address; when none gives a master: the first server named
-    /// and why it was not taken, else whether any sentinel answered.
+    /// `None` for the current address (and when the client stops); when none gives a
+    /// master: the first server named and why it was not taken, else whether any sentinel
+    /// answered.
     fn find_master(&self) -> std::result::Result<Option<(redis::Client, String)>, Missing> {
         let mut missing = None;
         // The current address was found not to be the master by an earlier answer.
         let mut current_refused = false;
         for sentinel in &self.sentinels {
+            // A client being dropped waits for this thread: each sentinel that does not
+            // answer costs a timeout, so none more is asked once it stops.
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
             let (host, port) = match self.ask(sentinel) {
                 Ok(Some(address)) => address,
                 Ok(None) => {
