@@ -96,7 +96,15 @@ impl Engine {
             st.threads
                 .insert((keys.clone(), me), mine(mode, remote, *token));
         }
-        let back = st.turns.get_mut(&keys).and_then(|t| t.give_back_if_idle());
+        let mut back = st.turns.get_mut(&keys).and_then(|t| t.give_back_if_idle());
+        // The last thread that waited for the hold gives it back as its own wait allows.
+        if let Some(remote) = back.take_if(|_| bounded(wait)) {
+            let undo = |t: &mut Turn| t.released();
+            self.unlocked_for(&mut st, &keys, undo, || self.give_back_for(&remote, wait));
+            if let Some(turn) = st.turns.get_mut(&keys) {
+                turn.released();
+            }
+        }
         self.settle(st, &keys, back);
         taken.map(|(remote, token, path)| self.sharer(remote, token, path))
     }
@@ -185,7 +193,7 @@ impl Engine {
                         t.released();
                         stop_waiting(t, write);
                     };
-                    self.unlocked_for(st, keys, undo, || self.give_back(&remote));
+                    self.unlocked_for(st, keys, undo, || self.give_back_for(&remote, wait));
                     st.turns.entry(keys.clone()).or_default().released();
                     self.shares.changed.notify_all();
                 }
@@ -305,6 +313,20 @@ impl Engine {
     fn give_back(self: &Arc<Self>, remote: &Arc<RemoteLock>) {
         if let Err(e) = self.release_shared(remote) {
             log::debug!("giving a hold back failed (it expires with its lease): {e}");
+        }
+    }
+
+    /// [`give_back`](Self::give_back), by a thread that waits for a turn as `wait` allows:
+    /// one with a deadline (or that may not wait at all) leaves the release to the cleanup
+    /// job, since a server that stopped answering would keep it in the release past its
+    /// deadline.
+    fn give_back_for(self: &Arc<Self>, remote: &Arc<RemoteLock>, wait: Wait<'_>) {
+        if !bounded(wait) {
+            return self.give_back(remote);
+        }
+        self.release_in_background(remote);
+        if let Some(w) = &self.watchdog {
+            w.unregister(remote);
         }
     }
 
@@ -543,6 +565,11 @@ impl Engine {
             w.unregister(remote);
         }
     }
+}
+
+/// Whether a wait must end by a deadline, or may not wait at all.
+fn bounded(wait: Wait<'_>) -> bool {
+    matches!(wait, Wait::No | Wait::Until(Some(_), _))
 }
 
 /// A thread that wanted a turn (to write if `write`) no longer waits for one.

@@ -12,8 +12,9 @@
 //!
 //! Every script that reads the holds drops the expired ones (so a crashed holder's hold
 //! ends by itself) and deletes the key when only the kind member is left; a new or renewed
-//! hold raises the key's expiry to twice its lease when it is shorter than the lease, so
-//! that the whole key goes at the latest a lease after every holder has gone.
+//! hold raises the key's expiry to its own when it is shorter, so that the whole key goes
+//! with the last hold to expire: a key left with expired holds alone would be taken for
+//! another kind by a plain lock of the name, which reads no sorted set.
 //!
 //! `p{n}:ww` is a sorted set of the writers waiting for a read-write lock, scored by when
 //! their mark expires (each failed write attempt that will wait renews its mark, and drops
@@ -55,8 +56,10 @@
 //! back as soon as their readers are done, rather than at their next budget check.
 //!
 //! A freed permit is granted the same way to the permit-seeker waiting longest (its
-//! member held for the grant lease, its mark and nonce taken out, `g<member>:<nonce>:0:
-//! <grant ms>`: permits have no fence), so that a second release in quick succession
+//! member held for the grant lease, its mark and nonce taken out, `g<member>:<nonce>:
+//! <permits>:<grant ms>`: permits have no fence, and the semaphore's count in its place
+//! lets a waiter that asked for another count take it for a wake-up, whose attempt is told
+//! of the mismatch), so that a second release in quick succession
 //! grants to the next one, not the same one twice. With no live mark (waiters of an older
 //! version, or none), or no permit free, or called without the waiting sets (the narrow
 //! call of a Cluster migration), it wakes as before: `g<member>:0` to the one waiting
@@ -152,12 +155,12 @@ local function load(key, now)
   end
   return k, stored, head[3], tonumber(head[4])
 end
--- Holds `member` until `now + lease`, and keeps the key at least that long (holds all but
--- never outlive the key; a key outliving its holds is harmless: every script drops them).
--- A key whose expiry is too short gets twice the lease: the next holds need not extend it.
+-- Holds `member` until `now + lease`, and keeps the key that long, no longer than its
+-- longest hold: a key that outlived its holds would stand in the way of a plain lock of
+-- the name (which cannot read holds in a sorted set, and takes the key for another kind).
 local function hold(key, member, now, lease)
   redis.call('ZADD', key, now + lease, member)
-  if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, 2 * lease) end
+  if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, lease) end
 end
 -- The live member of `set` (waiting marks scored by expiry) that expires first: the one
 -- renewed least lately, so the one waiting longest; nil if none.
@@ -244,7 +247,7 @@ local function grant_holds(members, now, ms)
     args[2 * i] = m
   end
   redis.call('ZADD', KEYS[1], -1, '#rw', unpack(args))
-  redis.call('PEXPIRE', KEYS[1], 2 * ms)
+  redis.call('PEXPIRE', KEYS[1], ms)
 end
 -- The nonces of `members`' latest attempts (nil when lost or unknown), taken out of
 -- `nonces` with their marks of `set`.
@@ -290,7 +293,9 @@ local function grant_first(now, released)
       local fence = current_fence(KEYS[4])
       for i, r in ipairs(readers) do tell_grant(r, nonces[i], fence, grant_ms) end
     end
-    if others then publish(ARGV[2], 'r') end
+    -- A full chunk may leave readers marked beyond it: `r` sends them to try, as they
+    -- would get in beside the readers granted (no writer waits).
+    if others or #marked == MARK_CHUNK then publish(ARGV[2], 'r') end
     return #readers > 0, false
   end
   if string.sub(w, 1, 1) ~= 'w' then
@@ -324,7 +329,9 @@ local function grant_permit(now)
   end
   local grant_ms = tonumber(ARGV[4])
   hold(KEYS[1], w, now, grant_ms)
-  tell_grant(w, take_nonces(KEYS[2], KEYS[3], {w}, false)[1], 0, grant_ms)
+  -- The count where a write grant's fence would be: a waiter that asked for another
+  -- count takes the grant for a wake-up, and its attempt is told of the mismatch.
+  tell_grant(w, take_nonces(KEYS[2], KEYS[3], {w}, false)[1], -tonumber(sem), grant_ms)
   return true
 end
 local function pass_on(ended, now, released)
@@ -412,7 +419,7 @@ local waits = ARGV[4] ~= '0'
 local function take()
   if k == 'none' then
     redis.call('ZADD', KEYS[1], -1, '#rw', now + lease, ARGV[2])
-    redis.call('PEXPIRE', KEYS[1], 2 * lease)
+    redis.call('PEXPIRE', KEYS[1], lease)
   else
     hold(KEYS[1], ARGV[2], now, lease)
   end
@@ -635,7 +642,8 @@ return 0
 /// that raced its leaving is passed on (the write hold as an attempt nobody used: the
 /// counter keeps what the hold before it left, see `end_fence` of `END_FENCE_FN`); else a
 /// writer's leaving tells the readers it held back (`r`), and a permit-seeker whose mark a
-/// release took to wake it passes the wake-up on.
+/// release took to wake it passes the wake-up on. A permit granted to it that lapsed
+/// before it was taken is passed on too: nobody else was told it is free.
 ///
 /// KEYS and ARGV: those of [`SHARED_RELEASE`] (the fence is unused): for a read-write lock
 /// lock, writers, readers, fence counter, nonces; for a semaphore lock, permit-seekers,
@@ -656,6 +664,14 @@ local now = now_ms()
 if s and tonumber(s) > now then
   redis.call('ZREM', KEYS[1], ARGV[1])
   if tag == 'w' and KEYS[4] then end_fence(KEYS[4], '0') end
+  pass_on(ARGV[1], now, nil)
+  return 2
+end
+if permit and s then
+  -- A permit granted to it (or taken by an attempt whose reply was lost) that lapsed
+  -- unused: nobody was told it is free, and the others sleep until their re-checks. It
+  -- goes on now, as a release's would.
+  redis.call('ZREM', KEYS[1], ARGV[1])
   pass_on(ARGV[1], now, nil)
   return 2
 end
