@@ -353,6 +353,12 @@ impl Redis {
             self.pass_on(cfg, now, m.want, out);
             return true;
         }
+        // A permit granted to it (or taken by an attempt whose reply was lost) that lapsed
+        // unused goes on, as a release's would: nobody else was told it is free.
+        if m.want == Want::Permit && zrem(&mut self.holds, m) {
+            self.pass_on(cfg, now, m.want, out);
+            return true;
+        }
         let was_marked = zrem(self.marks(m.want), m);
         match m.want {
             // A mark a release took to wake it (its nonce still here): the wake-up goes
