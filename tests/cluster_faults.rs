@@ -93,12 +93,17 @@ fn a_stalled_cluster_keeps_the_callers_deadline() {
     drop(g.expect("the lock once the masters answer"));
 }
 
-/// The connections of `client`'s pools (named `redbaton`) open on `server`.
+/// The connections named `name` open on `server`: `redbaton` for the client's pools,
+/// `redbaton:sub` for its subscribers.
+fn connections_named(server: &RedisServer, name: &str) -> usize {
+    let named =
+        |c: &std::collections::HashMap<String, String>| c.get("name").is_some_and(|n| n == name);
+    server.client_list().iter().filter(|c| named(c)).count()
+}
+
+/// The connections of `client`'s pools open on `server`.
 fn pooled_connections(server: &RedisServer) -> usize {
-    let pooled = |c: &std::collections::HashMap<String, String>| {
-        c.get("name").is_some_and(|n| n == "redbaton")
-    };
-    server.client_list().iter().filter(|c| pooled(c)).count()
+    connections_named(server, "redbaton")
 }
 
 /// After a failover the old master is a replica and serves no slot: once the slot map has
@@ -121,6 +126,37 @@ fn no_idle_connection_is_kept_to_a_demoted_master() {
     assert!(
         closed,
         "{left} idle connection(s) to the demoted master {old} (now {new}'s replica)"
+    );
+}
+
+/// A waiter of a name made the client's subscriber connect to its master; after a
+/// failover that master is a replica serving no slot, and nothing waits there any more:
+/// once the slot map has been read again, the subscriber closes its connection to it
+/// rather than keep it (and its `PING`s) for as long as the client lives.
+#[test]
+fn no_subscriber_connection_is_kept_to_a_demoted_master() {
+    let (cluster, client) = started();
+    let name = "demoted-sub";
+    let old = master_of_name(&cluster, name);
+    let guard = client.lock(name).expect("lock on the master");
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| drop(client.lock(name).expect("the waiter's lock")));
+        let subscribed = redbaton_testkit::wait::wait_until(secs(10), || {
+            connections_named(cluster.server(old), "redbaton:sub") > 0
+        });
+        drop(guard);
+        waiter.join().expect("the waiter");
+        assert!(subscribed, "the waiter's subscriber connected to {old}");
+    });
+    let new = cluster.failover(old);
+    let closed = redbaton_testkit::wait::wait_until(secs(15), || {
+        drop(client.lock(name).expect("lock on the new master"));
+        connections_named(cluster.server(old), "redbaton:sub") == 0
+    });
+    let left = connections_named(cluster.server(old), "redbaton:sub");
+    assert!(
+        closed,
+        "{left} subscriber connection(s) to the demoted master {old} (now {new}'s replica)"
     );
 }
 

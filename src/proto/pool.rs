@@ -26,6 +26,9 @@ pub(crate) struct Pool {
     /// A command failed in a way that may mean the node moved (a network error, a
     /// `READONLY` reply); whoever follows the node's address takes it and looks again.
     fault: AtomicBool,
+    /// The node serves nothing now (a Redis Cluster master demoted by a failover, or
+    /// removed): nothing should keep a connection open to it while nothing needs one.
+    retired: AtomicBool,
     /// Whether the node's library channels are sharded (`SPUBLISH`): asked by the first
     /// connection, and by the next one after the connections were dropped (the server
     /// behind the address may have changed).
@@ -73,6 +76,7 @@ impl Pool {
             client: Mutex::new(client),
             epoch: AtomicU64::new(0),
             fault: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
             sharded: Sharded::new(&cfg.key_prefix),
             connect_timeout: cfg.connect_timeout,
             read_timeout: cfg.read_timeout,
@@ -210,6 +214,21 @@ impl Pool {
             since: Instant::now(),
         });
         self.freed.notify_one();
+    }
+
+    /// Says whether the node serves anything now. A node that stops serving drops its
+    /// idle connections (a server closes no idle connection by default, `timeout 0`), and
+    /// its subscriber closes its connection once nothing waits there.
+    pub fn set_serving(&self, serving: bool) {
+        let was_retired = self.retired.swap(!serving, Ordering::AcqRel);
+        if !serving && !was_retired {
+            self.clear_idle();
+        }
+    }
+
+    /// Whether the node serves nothing now (see [`set_serving`](Self::set_serving)).
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 
     /// Drops every idle connection (after the server restarted, say).

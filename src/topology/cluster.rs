@@ -258,17 +258,17 @@ impl Shared {
             .map(|n| Route::following(n.clone(), protocol))
             .collect();
         // The nodes that serve no slot now (a master demoted by a failover, one removed
-        // from the cluster) keep their node, for when they serve again, but not their idle
+        // from the cluster) keep their node, for when they serve again, but not their
         // connections: no route leads there any more, and a server closes no idle
         // connection by default (`timeout 0`), so they would stay open while the client
-        // lives.
-        let idle: Vec<Arc<Node>> = (map.known.values())
-            .filter(|n| !nodes.iter().any(|m| Arc::ptr_eq(m, n)))
-            .cloned()
-            .collect();
-        map.all = Route::every(Arc::from(nodes), 1, protocol);
+        // lives (see `Pool::set_serving`).
+        let known: Vec<Arc<Node>> = map.known.values().cloned().collect();
+        map.all = Route::every(Arc::from(nodes.clone()), 1, protocol);
         drop(map);
-        idle.iter().for_each(|n| n.pool.clear_idle());
+        for n in &known {
+            n.pool
+                .set_serving(nodes.iter().any(|m| Arc::ptr_eq(m, n)));
+        }
         Ok(())
     }
 
@@ -320,6 +320,7 @@ impl SlotMap for Shared {
             if let Some(o) = map.owner.get_mut(usize::from(slot)) {
                 *o = i as u16;
             }
+            node.pool.set_serving(true);
             self.stale.store(true, Ordering::Relaxed);
         }
         Some(node)

@@ -64,16 +64,25 @@ pub(super) fn run(
             log::info!("subscriber {node}: reconnected; waiters retry once");
         }
         backoff = Duration::from_millis(50);
-        let moved = || connector.pool.epoch() != epoch;
+        let node_now = NodeNow {
+            moved: &|| connector.pool.epoch() != epoch,
+            retired: &|| connector.pool.is_retired(),
+        };
         // Only this thread forgets subscriptions (a new generation), and it did so before
         // this connection: its generation is the current one.
         let generation = shared.state.lock().generation;
         let reader = Reader::new(stream, shared.booth.new_connection(), generation);
-        let err = serve(&shared, &kicked, reader, &counters, &moved);
+        let end = serve(&shared, &kicked, reader, &counters, &node_now);
         shared.connected.store(false, Ordering::Relaxed);
         shared.lost_connection();
-        match err {
-            Ok(()) => break,
+        match end {
+            Ok(Closed::Stopped) => break,
+            Ok(Closed::Retired) => {
+                // Not a lost connection: the next one, if any waiter comes, is no
+                // reconnect.
+                shared.connected_once.store(false, Ordering::Relaxed);
+                log::debug!("subscriber {node}: the node serves nothing now; disconnected");
+            }
             Err(e) => log::warn!("subscriber {node}: connection lost: {e}"),
         }
     }
@@ -150,19 +159,41 @@ fn probe(
     Ok(allowed)
 }
 
-/// Serves one connection until it fails (`Err`) or the client shuts down (`Ok`); while
-/// waiters offer to read it themselves, it is theirs (see `seat`).
+/// What a connection's node is now: moved to another address (a Sentinel failover), or
+/// serving nothing (a Redis Cluster master demoted or removed).
+struct NodeNow<'a> {
+    moved: &'a dyn Fn() -> bool,
+    retired: &'a dyn Fn() -> bool,
+}
+
+/// Why a connection was closed without failing.
+enum Closed {
+    /// The client shuts down.
+    Stopped,
+    /// Its node serves nothing and nothing is subscribed.
+    Retired,
+}
+
+/// Serves one connection until it fails (`Err`), the client shuts down, or its node
+/// serves nothing with nothing subscribed; while waiters offer to read it themselves, it
+/// is theirs (see `seat`).
 fn serve(
     shared: &Shared,
     kicked: &Receiver<()>,
     reader: Reader,
     counters: &Counters,
-    moved: &dyn Fn() -> bool,
-) -> RedisResult<()> {
+    node: &NodeNow<'_>,
+) -> RedisResult<Closed> {
+    let moved = node.moved;
     let mut reader = reader;
     loop {
         if shared.shutdown.load(Ordering::Relaxed) {
-            return Ok(());
+            return Ok(Closed::Stopped);
+        }
+        // A demoted master's connection would otherwise stay open (and `PING`ed) while the
+        // client lives; a waiter that comes later connects again (`wants_connection`).
+        if (node.retired)() && !shared.booth.wanted() && shared.is_idle() {
+            return Ok(Closed::Retired);
         }
         if moved() {
             // The node's address changed (a failover): events now come from the new
@@ -178,7 +209,7 @@ fn serve(
             match shared.booth.park(reader, &shared.shutdown, moved, &check) {
                 Parked::Back(r) => reader = r,
                 Parked::Failed(e) => return Err(e),
-                Parked::Stop => return Ok(()),
+                Parked::Stop => return Ok(Closed::Stopped),
             }
             continue;
         }

@@ -233,6 +233,11 @@ impl Shared {
         self.lost_connection();
     }
 
+    /// Nothing is subscribed, lingering or asked for.
+    pub(super) fn is_idle(&self) -> bool {
+        self.state.lock().keys.is_empty()
+    }
+
     pub(super) fn wants_connection(&self) -> bool {
         let st = self.state.lock();
         st.keys.values().any(|k| k.interest > 0)
