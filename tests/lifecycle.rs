@@ -402,8 +402,9 @@ fn guards_outlive_their_client_and_threads_end() {
     );
 }
 
-/// `mem::forget` of a guard: the hold stays (it expires with its lease), and the forgotten
-/// guard keeps the client's threads alive, but the client's `Drop` returns at once.
+/// `mem::forget` of a guard: the hold stays (the watchdog renews it while the process
+/// lives), and the forgotten guard keeps the client's threads alive, but the client's
+/// `Drop` returns at once.
 #[test]
 fn forgotten_guard_does_not_hang_drop() {
     let _s = serial();

@@ -67,8 +67,10 @@ impl LockClient {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidName`], [`Error::WouldDeadlock`] if this thread already holds it,
-    /// Redis errors, [`Error::NoQuorum`] for Redlock. Redis Cluster: a master being
+    /// [`Error::InvalidName`], [`Error::WouldDeadlock`] if this thread already holds it
+    /// through this client or a clone of it (a guard it forgot with `mem::forget` too: it
+    /// keeps the lock); a lock this thread holds through another client is waited for like
+    /// another process's. Redis errors, [`Error::NoQuorum`] for Redlock. Redis Cluster: a master being
     /// replaced is waited for up to one lease before its error is returned (see
     /// [`Builder::cluster`](crate::Builder::cluster)).
     ///

@@ -1,7 +1,8 @@
 //! One watchdog thread per client: renews every held lock at about a third of its lease,
 //! all due locks of a node in one round trip, and marks locks lost when a renewal proves
 //! they are gone or the lease ran out before one succeeded. With renewals off it still
-//! watches: the holder's lost channel fires when the lease runs out.
+//! watches: the holder's lost channel fires when the lease runs out. A pass's round trips
+//! run on a thread of the pass's own, so that a hung node cannot delay that signal.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -27,6 +28,8 @@ use crate::topology::verdict::Renewal;
 
 /// Longest sleep, so that hold caps and shutdown are noticed without a kick.
 const MAX_SLEEP: Duration = Duration::from_secs(1);
+/// While a pass's round trips are under way, how often the holds are looked at anyway.
+const LOOK_AGAIN: Duration = Duration::from_millis(50);
 /// Locks per extend call.
 const BATCH: usize = 1000;
 
@@ -276,8 +279,14 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     let mut h = held.lock();
     // Registrations during this pass must kick: the plan is being remade.
     h.planned = None;
-    h.locks
-        .retain(|_, lock| match lock.due(now, horizon, counters) {
+    h.locks.retain(|_, lock| {
+        // By the local clock first: `due` only looks again shortly at a hold whose lease
+        // change is under way, and the holder's own extend may wait on a hung node past
+        // the end of the validity.
+        if lock.lost(counters).is_some() {
+            return false;
+        }
+        match lock.due(now, horizon, counters) {
             Due::Forget => false,
             Due::At(t) => {
                 next = next.min(t);
@@ -287,7 +296,8 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
                 due.push((lock.clone(), lease, seq));
                 true
             }
-        });
+        }
+    });
     drop(h);
     if due.is_empty() {
         return next;
@@ -306,10 +316,14 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
         }
     });
     crate::fault::hit(&cfg.key_prefix, crate::fault::Point::Watchdog);
-    // Per lock: (extended, gone, other owner) node counts.
-    let tallies = extend_on_nodes(cx, topology, &due);
-    undo.disarm();
-    for ((lock, lease, _), (ok, gone, other)) in due.iter().zip(tallies) {
+    let plan = Plan::of(topology, &due);
+    // Per lock: (extended, gone, other owner) node counts, and the nodes yet to answer.
+    let mut tallies = vec![(0, 0, 0); due.len()];
+    let mut waiting = plan.nodes_per_lock();
+    // A lock's outcome, applied as soon as its nodes have answered: a node that hangs
+    // holds up its own locks only (see `telling_meanwhile`).
+    let mut settle = |i: usize, (ok, gone, other): (usize, usize, usize)| {
+        let (lock, lease, _) = &due[i];
         let route = topology.route(&lock.keys);
         let outcome = match route.renewal((ok, gone, other), lock.nodes.len()) {
             Renewal::Renewed => Changed::Applied {
@@ -325,35 +339,153 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
         lock.end_renew(outcome, counters);
         // Its cap may come before the retry.
         next = next.min(now + retry).min(lock.next_due());
+    };
+    let mut heard = |replies: Vec<(usize, Option<ExtendReply>)>| {
+        for (i, reply) in replies {
+            match reply {
+                Some(ExtendReply::Extended) => tallies[i].0 += 1,
+                Some(ExtendReply::Gone) => tallies[i].1 += 1,
+                Some(ExtendReply::Other) => tallies[i].2 += 1,
+                // Refused as stale: a newer change's own reply says how it went.
+                Some(ExtendReply::Stale) | None => {}
+            }
+            waiting[i] = waiting[i].saturating_sub(1);
+            if waiting[i] == 0 {
+                settle(i, tallies[i]);
+            }
+        }
+    };
+    telling_meanwhile(held, counters, &mut heard, |report| {
+        extend_on_nodes(cx, topology, &due, &plan, report)
+    });
+    undo.disarm();
+    // A node whose call never ran (a Redlock node skipped as stalled) said nothing.
+    for i in 0..due.len() {
+        if waiting[i] > 0 {
+            settle(i, tallies[i]);
+        }
     }
     next
 }
 
+/// What one node said of the locks it was asked to renew: their indexes in the pass, each
+/// with its reply (`None`: no reply).
+type Replies = Vec<(usize, Option<ExtendReply>)>;
+
+/// Runs `renew` (a pass's round trips, which a hung node stretches to the read timeout) on
+/// a thread of its own; each node's replies, sent on the channel it is given, are `heard`
+/// here as they come (its locks' outcomes applied at once), while this thread tells the
+/// holders whose validity or cap ends meanwhile that their hold is lost, by the local
+/// clock: a holder waiting on its lost channel must not learn it a read timeout late, and
+/// the locks of the nodes that answered are renewed by then. A panic in `renew` is raised
+/// here.
+fn telling_meanwhile(
+    held: &Mutex<Held>,
+    counters: &Counters,
+    heard: &mut dyn FnMut(Replies),
+    renew: impl Fn(Sender<Replies>) + Sync,
+) {
+    let (report, reports) = crossbeam_channel::unbounded::<Replies>();
+    std::thread::scope(|s| {
+        let renew = &renew;
+        let sender = report.clone();
+        let worker = std::thread::Builder::new()
+            .name("redbaton-renewal".to_owned())
+            .spawn_scoped(s, move || renew(sender));
+        drop(report);
+        let Ok(worker) = worker else {
+            // No thread to be had: the holders are told when the pass is over.
+            let (report, reports) = crossbeam_channel::unbounded::<Replies>();
+            renew(report);
+            reports.try_iter().for_each(&mut *heard);
+            return;
+        };
+        // Also looked at every `LOOK_AGAIN`: an extend may have shortened another lease.
+        loop {
+            let again = Instant::now() + LOOK_AGAIN;
+            let next = tell_lost(held, counters).map_or(again, |end| end.min(again));
+            match reports.recv_deadline(next) {
+                Ok(replies) => heard(replies),
+                Err(RecvTimeoutError::Timeout) => {}
+                // Every sender gone: the pass is over (or its thread panicked).
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        worker
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+/// Marks lost every watched hold whose validity or cap has ended (its holder is told), and
+/// returns when the next of the others ends, if any does.
+fn tell_lost(held: &Mutex<Held>, counters: &Counters) -> Option<Instant> {
+    let now = Instant::now();
+    let held = held.lock();
+    held.locks
+        .values()
+        .filter(|lock| lock.lost(counters).is_none())
+        .map(|lock| lock.valid_until())
+        // Past its end and not lost: released meanwhile, nothing to tell.
+        .filter(|end| *end > now)
+        .min()
+}
+
+/// Which nodes hold the due locks (Redis Cluster: the master serving each lock's slot
+/// now), and per node the indexes of its locks; whether calls go one slot at a time.
+struct Plan {
+    nodes: Vec<Arc<Node>>,
+    held_by: Vec<Vec<usize>>,
+    by_slot: bool,
+    locks: usize,
+}
+
+impl Plan {
+    fn of(topology: &Topology, due: &[Renewing]) -> Plan {
+        let mut nodes: Vec<Arc<Node>> = Vec::new();
+        let mut held_by: Vec<Vec<usize>> = Vec::new();
+        for (i, (lock, ..)) in due.iter().enumerate() {
+            for node in topology.route(&lock.keys).holders(&lock.nodes) {
+                match nodes.iter().position(|n| n.id == node.id) {
+                    Some(k) => held_by[k].push(i),
+                    None => {
+                        nodes.push(node);
+                        held_by.push(vec![i]);
+                    }
+                }
+            }
+        }
+        Plan {
+            nodes,
+            held_by,
+            // Redis Cluster refuses one script call over keys of several slots.
+            by_slot: topology.batches_by_slot(),
+            locks: due.len(),
+        }
+    }
+
+    /// Per lock, how many nodes are asked to renew it.
+    fn nodes_per_lock(&self) -> Vec<usize> {
+        let mut count = vec![0; self.locks];
+        for i in self.held_by.iter().flatten() {
+            count[*i] += 1;
+        }
+        count
+    }
+}
+
 /// Sends the extends: one round trip per node (its batches pipelined: Redis Cluster wants
-/// one script call per slot), every node in parallel.
+/// one script call per slot), every node in parallel, each node's replies sent on `report`
+/// as soon as it answered.
 fn extend_on_nodes(
     cx: &Context,
     topology: &Topology,
     due: &[Renewing],
-) -> Vec<(usize, usize, usize)> {
+    plan: &Plan,
+    report: Sender<Replies>,
+) {
     let counters = cx.counters.clone();
-    // The nodes that hold the due locks (Redis Cluster: the master serving each lock's
-    // slot now), and per node the indexes of its locks.
-    let mut nodes: Vec<Arc<Node>> = Vec::new();
-    let mut held_by: Vec<Vec<usize>> = Vec::new();
-    for (i, (lock, ..)) in due.iter().enumerate() {
-        for node in topology.route(&lock.keys).holders(&lock.nodes) {
-            match nodes.iter().position(|n| n.id == node.id) {
-                Some(k) => held_by[k].push(i),
-                None => {
-                    nodes.push(node);
-                    held_by.push(vec![i]);
-                }
-            }
-        }
-    }
-    // Redis Cluster refuses one script call over keys of several slots: batch per slot.
-    let by_slot = topology.batches_by_slot();
+    let by_slot = plan.by_slot;
     let jobs: Arc<Vec<Job>> = Arc::new(
         due.iter()
             .map(|(lock, lease, seq)| {
@@ -366,9 +498,12 @@ fn extend_on_nodes(
             })
             .collect(),
     );
-    let held_by: Arc<HashMap<NodeId, Vec<usize>>> =
-        Arc::new(nodes.iter().map(|n| n.id.clone()).zip(held_by).collect());
-    let per_node = topology.fan_out(&nodes, move |node| {
+    let held_by: Arc<HashMap<NodeId, Vec<usize>>> = Arc::new(
+        (plan.nodes.iter().map(|n| n.id.clone()))
+            .zip(plan.held_by.iter().cloned())
+            .collect(),
+    );
+    topology.fan_out(&plan.nodes, move |node| {
         // Group this node's locks by lease, slot and kind: one script call per group and
         // batch, the script chosen by how the locks are held.
         let mut by_lease: HashMap<(Duration, u16, bool), Vec<usize>> = HashMap::new();
@@ -407,7 +542,7 @@ fn extend_on_nodes(
             let sent = chunks.iter().map(|c| c.len() as u64).sum();
             Counters::add(&counters.renewals_sent, sent);
         }
-        let mut replies: Vec<(usize, Option<ExtendReply>)> = Vec::new();
+        let mut replies: Replies = Vec::new();
         match node.extend_batches(&batches) {
             Ok(lists) => {
                 for (chunk, list) in chunks.iter().zip(lists) {
@@ -419,17 +554,7 @@ fn extend_on_nodes(
                 replies.extend(chunks.iter().flat_map(|c| c.iter()).map(|&i| (i, None)));
             }
         }
-        replies
+        // The pass's thread is gone only after a panic: nobody to tell.
+        let _ = report.send(replies);
     });
-    let mut tallies = vec![(0, 0, 0); due.len()];
-    for (i, reply) in per_node.into_iter().flatten() {
-        match reply {
-            Some(ExtendReply::Extended) => tallies[i].0 += 1,
-            Some(ExtendReply::Gone) => tallies[i].1 += 1,
-            Some(ExtendReply::Other) => tallies[i].2 += 1,
-            // Refused as stale: a newer change's own reply says how it went.
-            Some(ExtendReply::Stale) | None => {}
-        }
-    }
-    tallies
 }

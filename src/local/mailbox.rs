@@ -214,12 +214,17 @@ impl Slot {
                         TIMER.note(Instant::now().saturating_duration_since(from));
                     }
                 }
-                _ => match deadline {
-                    Some(d) => {
-                        self.changed.wait_until(&mut inbox, d);
+                _ => {
+                    // Past the spin window, if any (told late, or the timer woke late):
+                    // sleep without the permit, so that another key's head may spin.
+                    inbox.expected = None;
+                    match deadline {
+                        Some(d) => {
+                            self.changed.wait_until(&mut inbox, d);
+                        }
+                        None => self.changed.wait(&mut inbox),
                     }
-                    None => self.changed.wait(&mut inbox),
-                },
+                }
             }
         }
     }
@@ -471,5 +476,28 @@ mod tests {
         // A late grant is still there for the caller's leave-the-queue check.
         s.give(contend());
         assert!(s.take().is_some());
+    }
+
+    #[test]
+    fn a_release_expected_in_the_past_gives_the_permit_back_before_sleeping() {
+        let s = slot();
+        // The holder ahead already held longer than its estimate (or the head's timer woke
+        // past the spin window): the head sleeps, and must not keep a spin permit meanwhile.
+        s.expect_release(Instant::now() - Duration::from_secs(1), permit());
+        let t = {
+            let s = s.clone();
+            std::thread::spawn(move || s.wait(Some(Instant::now() + Duration::from_secs(10)), None))
+        };
+        let mut given_back = false;
+        for _ in 0..500 {
+            if s.inbox.lock().expected.is_none() {
+                given_back = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        s.give(contend());
+        assert!(t.join().unwrap().is_some());
+        assert!(given_back, "the sleeping head kept its spin permit");
     }
 }

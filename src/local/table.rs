@@ -92,6 +92,11 @@ struct Entry {
     holder: Option<ThreadId>,
     contenders: usize,
     releasing: bool,
+    /// Threads that held the key here when another thread won it anew in Redis (without
+    /// the local handoff every thread contends there, and one may win once a local
+    /// holder's key was deleted or expired): their guards still live, and their release
+    /// must leave the current holder's state alone.
+    unseated: Vec<ThreadId>,
     queue: VecDeque<Arc<Slot>>,
     /// Handoff number within the current remote acquisition (low bits of the fence).
     seq: u32,
@@ -119,6 +124,7 @@ impl Entry {
             holder: None,
             contenders: 0,
             releasing: false,
+            unseated: Vec::new(),
             queue: VecDeque::new(),
             seq: 0,
             acquired_at: Instant::now(),
@@ -174,7 +180,11 @@ impl Entry {
     }
 
     fn idle(&self) -> bool {
-        self.holder.is_none() && self.contenders == 0 && !self.releasing && self.queue.is_empty()
+        self.holder.is_none()
+            && self.contenders == 0
+            && !self.releasing
+            && self.unseated.is_empty()
+            && self.queue.is_empty()
     }
 
     /// Wakes the first queued waiter as the process's contender.
@@ -303,6 +313,15 @@ impl Table {
             .get_mut(keys.lock())
             .expect("a contender's entry lives until it leaves");
         entry.contenders -= 1;
+        // A thread unseated before that wins again is the holder: its stale guard's
+        // release then clears the holder early (a second lock of the name on this thread
+        // is no longer refused), but leaves no state behind.
+        entry.unseated.retain(|t| *t != me);
+        if let Some(old) = entry.holder.filter(|t| *t != me) {
+            // Its hold was lost in Redis, and its guard is not dropped yet (see
+            // `unseated`).
+            entry.unseated.push(old);
+        }
         entry.holder = Some(me);
         entry.seq = 0;
         entry.acquired_at = Instant::now();
@@ -324,11 +343,24 @@ impl Table {
         subs: &[P],
     ) -> Step {
         let keys = &remote.keys;
+        let me = std::thread::current().id();
         let mut map = self.map.lock();
         let active = map.len();
         let entry = map
             .get_mut(keys.lock())
             .expect("a holder's entry lives until it releases");
+        if entry.holder != Some(me) {
+            // Another thread of this process won the key in Redis since (this thread's
+            // hold is gone there): it holds the entry now, and keeps it. Only this
+            // thread's token is released in Redis; nothing is handed on.
+            if !entry.unseated.contains(&me) {
+                entry.unseated.push(me);
+            }
+            return Step::Remote {
+                forced: None,
+                contended: false,
+            };
+        }
         entry.holder = None;
         let hold = entry.note_hold();
         let window = cfg.contention_window();
@@ -392,7 +424,15 @@ impl Table {
         let entry = map
             .get_mut(keys.lock())
             .expect("a holder's entry lives until it releases");
-        debug_assert_eq!(entry.holder, Some(me), "only the holder detaches");
+        if entry.holder != Some(me) {
+            // Unseated by another thread's win in Redis (see `acquired`): the entry is
+            // that thread's now, and the detached guard releases without the table.
+            entry.unseated.retain(|t| *t != me);
+            if entry.idle() {
+                map.remove(keys.lock());
+            }
+            return;
+        }
         entry.holder = None;
         if entry.contenders == 0 && !entry.releasing {
             entry.promote(false);
@@ -417,6 +457,16 @@ impl Table {
         let Some(entry) = map.get_mut(keys.lock()) else {
             return;
         };
+        let me = std::thread::current().id();
+        if let Some(i) = entry.unseated.iter().position(|t| *t == me) {
+            // The release of a holder that was unseated (see `acquired`): the entry's
+            // state is the current holder's.
+            entry.unseated.swap_remove(i);
+            if entry.idle() {
+                map.remove(keys.lock());
+            }
+            return;
+        }
         entry.releasing = false;
         if entry.holder.is_none() && entry.contenders == 0 {
             entry.promote(yield_first);
@@ -734,5 +784,49 @@ mod tests {
             slot.take(),
             Some(Grant::Contend { yield_first: false })
         ));
+    }
+
+    #[test]
+    fn an_unseated_holder_leaves_the_new_holder_its_entry_in_either_order() {
+        let cfg = crate::api::builder::Builder::new()
+            .local_handoff(false)
+            .validate()
+            .expect("valid settings");
+        for new_first in [false, true] {
+            let (table, keys, subs, old) = held();
+            let release = |lock: &Arc<RemoteLock>| {
+                assert!(matches!(
+                    table.release(lock, true, &cfg, &subs),
+                    Step::Remote { forced: None, .. }
+                ));
+                table.released(&keys, false);
+            };
+            let new_holder = std::thread::scope(|s| {
+                s.spawn(|| {
+                    // Without the handoff this thread contends beside the holder, and wins
+                    // once the holder's key is gone.
+                    assert!(matches!(
+                        table.enter(&keys, true, false, &subs),
+                        Ok(Role::Contend)
+                    ));
+                    table.acquired(&keys);
+                    if new_first {
+                        release(&remote(&keys));
+                    }
+                    std::thread::current().id()
+                })
+                .join()
+                .unwrap()
+            });
+            release(&old);
+            if new_first {
+                assert!(table.map.lock().is_empty(), "entry removed when idle");
+            } else {
+                let map = table.map.lock();
+                let entry = &map[keys.lock()];
+                assert_eq!(entry.holder, Some(new_holder), "still the new holder's");
+                assert!(!entry.releasing && entry.unseated.is_empty());
+            }
+        }
     }
 }

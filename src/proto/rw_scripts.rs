@@ -12,9 +12,10 @@
 //!
 //! Every script that reads the holds drops the expired ones (so a crashed holder's hold
 //! ends by itself) and deletes the key when only the kind member is left; a new or renewed
-//! hold raises the key's expiry to its own when it is shorter, so that the whole key goes
-//! with the last hold to expire: a key left with expired holds alone would be taken for
-//! another kind by a plain lock of the name, which reads no sorted set.
+//! hold raises the key's expiry to its own when it is shorter, and a hold that ends while
+//! others remain lowers it to the latest of theirs, so that the whole key goes with the
+//! last hold to expire: a key left with expired holds alone would be taken for another
+//! kind by a plain lock of the name, which reads no sorted set.
 //!
 //! `p{n}:ww` is a sorted set of the writers waiting for a read-write lock, scored by when
 //! their mark expires (each failed write attempt that will wait renews its mark, and drops
@@ -334,10 +335,19 @@ local function grant_permit(now)
   tell_grant(w, take_nonces(KEYS[2], KEYS[3], {w}, false)[1], -tonumber(sem), grant_ms)
   return true
 end
+-- Keeps the key, whose holds `left` are live, as long as its longest live hold, no longer
+-- (see `hold`, which only lengthens it): the hold that ended may be the one that set its
+-- TTL, and a key left with expired holds alone stands in the way of a plain lock.
+local function fit(left, now)
+  if not left[1] then return end
+  local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+  redis.call('PEXPIRE', KEYS[1], tonumber(last[2]) - now)
+end
 local function pass_on(ended, now, released)
   local permit = string.sub(ended, 1, 1) == 'p'
   -- The kind member's score is negative: a live hold is scored after now.
   local left = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 2)
+  fit(left, now)
   if permit then
     -- The waiter waiting longest: its mark is the oldest renewed, and goes (the next
     -- release grants to, or wakes, the next one).

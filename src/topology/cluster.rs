@@ -266,8 +266,7 @@ impl Shared {
         map.all = Route::every(Arc::from(nodes.clone()), 1, protocol);
         drop(map);
         for n in &known {
-            n.pool
-                .set_serving(nodes.iter().any(|m| Arc::ptr_eq(m, n)));
+            n.pool.set_serving(nodes.iter().any(|m| Arc::ptr_eq(m, n)));
         }
         Ok(())
     }

@@ -6,7 +6,7 @@
 //! | key | written by | how long it may stay |
 //! |---|---|---|
 //! | `L` (string) | exclusive lock, fair grant | its lease |
-//! | `L` (sorted set) | read-write lock or semaphore holds | twice the lease |
+//! | `L` (sorted set) | read-write lock or semaphore holds | its longest live hold's lease |
 //! | `L:fence` | every remote acquisition | see [`KeyPolicy::fence`] |
 //! | `L:lease` | a lease change (renewal, extend) of an exclusive lock | its lease |
 //! | `L:w` | a failed non-fair acquire that waits (the contention mark) | the mark TTL |
@@ -125,11 +125,10 @@ impl KeyPolicy {
         }
     }
 
-    /// How long a key of `kind` may stay; `zset`: the key is a sorted set (only matters
-    /// for the lock key: read-write and semaphore holds keep their key twice the lease).
-    pub fn allowed(&self, kind: KeyKind, zset: bool) -> Allowed {
+    /// How long a key of `kind` may stay (a read-write lock's or semaphore's key, a
+    /// sorted set, ends with its longest live hold, as an exclusive lock's with its lease).
+    pub fn allowed(&self, kind: KeyKind) -> Allowed {
         match kind {
-            KeyKind::Lock if zset => Allowed::Within(self.lease * 2),
             KeyKind::Lock | KeyKind::LeaseRecord => Allowed::Within(self.lease),
             KeyKind::Fence => self.fence,
             KeyKind::Mark => Allowed::Within(self.mark_ttl),
@@ -207,8 +206,7 @@ pub fn misplaced(
             });
             continue;
         };
-        let ty: String = redis::cmd("TYPE").arg(&key).query(conn).expect("TYPE");
-        let allowed = policy.allowed(kind, ty == "zset");
+        let allowed = policy.allowed(kind);
         let ok = match allowed {
             Allowed::Forever => true,
             Allowed::Within(d) => pttl >= 0 && pttl as u128 <= d.as_millis(),
@@ -307,23 +305,19 @@ mod tests {
     fn bounds_follow_the_configuration() {
         let p = KeyPolicy::new(Duration::from_secs(1), Duration::from_secs(5));
         assert_eq!(
-            p.allowed(KeyKind::Lock, false),
+            p.allowed(KeyKind::Lock),
             Allowed::Within(Duration::from_secs(1))
         );
         assert_eq!(
-            p.allowed(KeyKind::Lock, true),
-            Allowed::Within(Duration::from_secs(2))
-        );
-        assert_eq!(
-            p.allowed(KeyKind::Mark, false),
+            p.allowed(KeyKind::Mark),
             Allowed::Within(Duration::from_secs(10))
         );
         assert_eq!(
-            p.allowed(KeyKind::Fence, false),
+            p.allowed(KeyKind::Fence),
             Allowed::Within(Duration::from_secs(7 * 24 * 3600))
         );
         assert_eq!(
-            p.allowed(KeyKind::LeaseRecord, false),
+            p.allowed(KeyKind::LeaseRecord),
             Allowed::Within(Duration::from_secs(1))
         );
     }
