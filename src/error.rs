@@ -398,10 +398,7 @@ impl Error {
     /// ```
     pub fn is_auth(&self) -> bool {
         match self {
-            Error::Redis(e) => {
-                e.kind() == redis::ErrorKind::AuthenticationFailed
-                    || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))
-            }
+            Error::Redis(e) => is_auth_error(e),
             _ => false,
         }
     }
@@ -479,6 +476,12 @@ impl From<redis::RedisError> for Error {
 /// Redis, and the connection must not be used again.
 pub(crate) fn is_network_error(e: &redis::RedisError) -> bool {
     e.is_timeout() || e.is_connection_dropped() || e.is_io_error() || e.is_connection_refusal()
+}
+
+/// Redis refused the credentials, or wants some and got none (see [`Error::is_auth`]).
+pub(crate) fn is_auth_error(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))
 }
 
 /// Why a held lock was lost.

@@ -267,12 +267,16 @@ pub(crate) fn open_connection(
     let mut conn = client.get_connection_with_timeout(connect_timeout)?;
     conn.set_read_timeout(Some(read_timeout))?;
     conn.set_write_timeout(Some(write_timeout))?;
-    // Naming is a courtesy to operators; an ACL may forbid it.
+    // Naming is a courtesy to operators; an ACL may forbid it. But a server that wants a
+    // password the URL does not give refuses every command on the connection (`NOAUTH`)
+    // and closes it at the first long one (a protocol error, `unauthenticated multibulk
+    // length`): lent out, it would fail the call with an error that does not say why,
+    // then go back to the pool already closed.
     if let Err(e) = redis::cmd("CLIENT")
         .arg("SETNAME")
         .arg(name)
         .query::<()>(&mut conn)
-        && crate::error::is_network_error(&e)
+        && (crate::error::is_network_error(&e) || crate::error::is_auth_error(&e))
     {
         return Err(e);
     }
