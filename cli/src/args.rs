@@ -33,8 +33,9 @@ pub enum Command {
         name: Name,
     },
     /// The names held or waited for under the prefix, with holder fence, lease left and
-    /// queue length. A name or a node that cannot be read is reported on stderr, the
-    /// others listed, and the command ends with exit 3.
+    /// the processes waiting in the fair queue (expired entries not counted). A name or a
+    /// node that cannot be read is reported on stderr, the others listed, and the command
+    /// ends with exit 3.
     List {
         /// A Redis glob over names (`*`, `?`, `[a-z]`, `\` escapes); default every name.
         #[arg(default_value = "*")]

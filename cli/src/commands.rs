@@ -106,6 +106,16 @@ pub fn release(
             );
             (text, None, true)
         }
+        // The script is sent once: with the connection lost, it may have run (the lock
+        // deleted) with its reply lost. "Failed" alone would tell the operator nothing was
+        // done.
+        Err(e) if e.is_connection() => {
+            return Err(Failure::Runtime(format!(
+                "{}: whether {name} was released is unknown; `redbaton status {name}` shows \
+                 whether it is still held",
+                error_text(&e)
+            )));
+        }
         Err(e) => return Err(e.into()),
     };
     let written = if json {

@@ -48,3 +48,9 @@ pub fn live_holds(info: &LockInfo) -> usize {
         _ => info.holds.iter().filter(|h| h.lease_left.is_some()).count(),
     }
 }
+
+/// The processes waiting in the fair queue: its live entries (an expired one's waiter died
+/// or gave up unheard: it is dropped, never granted).
+pub fn waiting(info: &LockInfo) -> usize {
+    info.queue.iter().filter(|q| q.expires_in.is_some()).count()
+}

@@ -2,7 +2,7 @@
 
 use redbaton::{Hold, LockInfo};
 
-use crate::describe::{hold_name, human, kind_name, live_holds, ttl};
+use crate::describe::{hold_name, human, kind_name, live_holds, ttl, waiting};
 use crate::name::escape;
 
 /// `list`'s header row.
@@ -18,7 +18,7 @@ pub fn list_line(info: &LockInfo) -> String {
         info.fence.map_or("-".to_owned(), |f| f.to_string()),
         ttl(info).map_or("-".to_owned(), |t| human(Some(t))),
         live_holds(info).to_string(),
-        info.queue.len().to_string(),
+        waiting(info).to_string(),
     ])
 }
 
@@ -63,7 +63,14 @@ pub fn table(info: &LockInfo) -> String {
             );
         }
     }
-    row("queue", format!("{} waiting", info.queue.len()));
+    let (live, expired) = (waiting(info), info.queue.len() - waiting(info));
+    row(
+        "queue",
+        match expired {
+            0 => format!("{live} waiting"),
+            n => format!("{live} waiting, {n} expired"),
+        },
+    );
     for (i, q) in info.queue.iter().enumerate() {
         row(
             "",
@@ -75,7 +82,12 @@ pub fn table(info: &LockInfo) -> String {
             ),
         );
     }
-    if matches!(info.kind, redbaton::LockKind::ReadWrite) || !info.waiting_writers.is_empty() {
+    if let redbaton::LockKind::Semaphore { .. } = info.kind {
+        // A semaphore's waiters are marked as a read-write lock's writers are: they wait
+        // for a permit, and nobody writes.
+        row("permit waiters", info.waiting_writers.len().to_string());
+    } else if matches!(info.kind, redbaton::LockKind::ReadWrite) || !info.waiting_writers.is_empty()
+    {
         row("writers waiting", info.waiting_writers.len().to_string());
         row("readers waiting", info.waiting_readers.len().to_string());
     }

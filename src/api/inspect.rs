@@ -416,9 +416,12 @@ impl LockClient {
     /// # Errors
     ///
     /// [`Error::WrongKind`] when the name is a read-write lock, a semaphore or a key this
-    /// library did not write (nothing is deleted: their holds have no single fence, and
-    /// each expires with its own lease; on Redlock, only when no node held the lock: the
-    /// nodes that did delete it whatever another holds, and the call says `Released`);
+    /// library did not write (of another type, or a string with no expiry: every lock this
+    /// library takes has a lease). Nothing is deleted (read-write and semaphore holds have
+    /// no single fence: each expires with its own lease). On Redlock, only when no node
+    /// held the lock or failed to answer: the nodes that did delete it whatever another
+    /// holds, and the call says `Released`; a lock held under another fence on some node is
+    /// `FenceMismatch`.
     /// [`Error::InvalidName`]; Redis errors. The script is sent once: after a connection
     /// error ([`Error::is_connection`]) whether it ran is unknown, and
     /// [`inspect`](Self::inspect) tells what is there now (sent again, it would find the
@@ -445,7 +448,7 @@ impl LockClient {
         let replies = on_each(engine, route.nodes(), &keys, move |node, keys| {
             inspect_scripts::force_release(node, keys, fence)
         });
-        let mut outcome = ForceRelease::NotHeld;
+        let mut mismatch = None;
         let (mut released, mut foreign) = (0, false);
         let mut error = None;
         for (_, reply) in replies {
@@ -453,7 +456,7 @@ impl LockClient {
                 Ok(Forced::Released) => released += 1,
                 Ok(Forced::NotALock) => foreign = true,
                 Ok(Forced::OtherFence(current)) => {
-                    outcome = ForceRelease::FenceMismatch { current };
+                    mismatch = Some(ForceRelease::FenceMismatch { current });
                 }
                 Ok(Forced::NotHeld) => {}
                 Err(e) => {
@@ -462,12 +465,15 @@ impl LockClient {
             }
         }
         // Redlock: what the other nodes did counts, whatever one node holds: a lock
-        // deleted on some is reported deleted.
-        match (released, error) {
-            (0, _) if foreign => Err(Error::WrongKind),
-            (0, Some(e)) => Err(e),
-            (0, None) => Ok(outcome),
-            (nodes, _) => Ok(ForceRelease::Released { nodes }),
+        // deleted on some is reported deleted. Then a node whose outcome is unknown (it
+        // may have deleted the lock), then a lock held under another fence, before another
+        // program's key on some node: each of these says more of the lock than the last.
+        match (released, error, mismatch) {
+            (0, Some(e), _) => Err(e),
+            (0, None, Some(mismatch)) => Ok(mismatch),
+            (0, None, None) if foreign => Err(Error::WrongKind),
+            (0, None, None) => Ok(ForceRelease::NotHeld),
+            (nodes, _, _) => Ok(ForceRelease::Released { nodes }),
         }
     }
 }

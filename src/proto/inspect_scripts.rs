@@ -28,7 +28,8 @@ pub(crate) const MAX_LISTED: usize = 1000;
 /// queue, queue expiries, writers, readers}`: `TIME`; the lock key's type, its value when
 /// a string (else nil) and `PTTL`; the fence counter (nil when gone or not a string); the
 /// mark's value and `PTTL`; then `member, score` lists of the lock key (a sorted set's
-/// holds, kind member first), the queue by arrival (past the limit, its live entries and
+/// holds, kind member first; past the limit, its live holds after the first expired ones:
+/// see `holds_of`), the queue by arrival (past the limit, its live entries and
 /// then the first dead ones: see `queue_of`), the expiries of the entries listed,
 /// and the live waiting writers' and readers' marks. A key of an unexpected type reads as
 /// empty (`pcall`).
@@ -102,9 +103,31 @@ local function queue_of(q, qx)
   end
   return out
 end
+-- The lock key's members by score (its kind member first), at most ARGV[1] + 1. More: the
+-- kind member, expired holds first by expiry as room is left, then the live holds. Holds
+-- are dropped when a script acquires or releases, never by a renewal: the holds of crashed
+-- holders expire first and would fill the list and hide the live ones after them.
+local function holds_of(key)
+  local first = range(key)
+  local limit = tonumber(ARGV[1]) + 1
+  if #first < 2 * limit then return first end
+  local live = redis.pcall('ZRANGEBYSCORE', key, '(' .. now_ms, '+inf', 'WITHSCORES', 'LIMIT',
+    0, limit - 1)
+  if live.err or #live == 0 then return first end
+  local out = {first[1], first[2]}
+  local room = limit - 1 - #live / 2
+  for i = 3, #first, 2 do
+    if room <= 0 or tonumber(first[i + 1]) > now_ms then break end
+    out[#out + 1] = first[i]
+    out[#out + 1] = first[i + 1]
+    room = room - 1
+  end
+  for i = 1, #live do out[#out + 1] = live[i] end
+  return out
+end
 local ty = redis.call('TYPE', KEYS[1]).ok
 local holds = {}
-if ty == 'zset' then holds = range(KEYS[1]) end
+if ty == 'zset' then holds = holds_of(KEYS[1]) end
 local queue = queue_of(KEYS[5], KEYS[6])
 return {t[1], t[2], ty, get(KEYS[1]), redis.call('PTTL', KEYS[1]), get(KEYS[2]),
   get(KEYS[4]), redis.call('PTTL', KEYS[4]), holds, queue, scores_of(KEYS[6], queue),
@@ -119,7 +142,8 @@ return {t[1], t[2], ty, get(KEYS[1]), redis.call('PTTL', KEYS[1]), get(KEYS[2]),
 /// publish mode. Returns `{status, counter}`: 1 deleted (the lock and its lease record,
 /// and `r` published so that waiters wake, as `RELEASE` does), 0 no lock, −1 the counter
 /// is another fence (nothing deleted), 2 the key is not a plain lock (a read-write lock, a
-/// semaphore, or a value of another type: nothing deleted). `counter` is the fence
+/// semaphore, a value of another type, or a string with no expiry, which no lock of this
+/// library is: nothing deleted). `counter` is the fence
 /// counter as read (nil when gone; in any of its forms, see `scripts::FENCE_FN`). The
 /// counter is left as it is: held, so that the next holder is told that the hold before
 /// it ended without a release.
@@ -131,7 +155,8 @@ local cur = redis.pcall('GET', KEYS[2])
 if type(cur) ~= 'string' then cur = false end
 local ty = redis.call('TYPE', KEYS[1]).ok
 if ty == 'none' then return {0, cur} end
-if ty ~= 'string' then return {2, cur} end
+-- Every lock this library takes has a lease: a string with no expiry is another program's.
+if ty ~= 'string' or redis.call('PTTL', KEYS[1]) == -1 then return {2, cur} end
 local n = cur and tonumber(cur)
 if not n or math.abs(n) ~= tonumber(ARGV[1]) then return {-1, cur} end
 redis.call('DEL', KEYS[1], KEYS[3])
@@ -273,7 +298,8 @@ pub(crate) enum Forced {
     NotHeld,
     /// The fence counter is another value (`None`: gone or not a number).
     OtherFence(Option<u64>),
-    /// The key is a read-write lock, a semaphore or another type's value.
+    /// The key is a read-write lock, a semaphore, another type's value or a string with no
+    /// expiry.
     NotALock,
 }
 
