@@ -291,6 +291,22 @@ fn binary_name_waiter_is_woken_by_the_release() {
 
 // --- builder settings ----------------------------------------------------------------------
 
+/// A TLS URL that asks to skip the server's certificate check (`#insecure`) is refused
+/// when the client is built, before it connects anywhere: the library always checks
+/// certificates (give the CA with `tls_ca_cert` instead).
+#[test]
+fn an_insecure_tls_url_is_invalid_config() {
+    for url in [
+        "rediss://127.0.0.1:1/#insecure",
+        "rediss://127.0.0.1:1/0#insecure",
+    ] {
+        assert_invalid_config(
+            redbaton::LockClient::builder().node(url).build(),
+            "#insecure",
+        );
+    }
+}
+
 #[test]
 fn lease_outside_10ms_to_24h_is_invalid() {
     let srv = RedisServer::start();

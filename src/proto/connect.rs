@@ -106,6 +106,16 @@ fn connection_info(label: &str, url: &str) -> Result<redis::ConnectionInfo> {
 
 fn client_of(label: &str, info: redis::ConnectionInfo, tls: &Tls) -> Result<redis::Client> {
     let wants_tls = matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. });
+    // The server's certificate is always checked: a URL asking not to is a configuration
+    // error now, not a connection error at the first connect.
+    if matches!(
+        info.addr(),
+        redis::ConnectionAddr::TcpTls { insecure: true, .. }
+    ) {
+        return Err(Error::InvalidConfig(format!(
+            "{label}: `#insecure` (no certificate check) is not supported; give the CA with tls_ca_cert"
+        )));
+    }
     let bad_url = || Error::InvalidConfig(format!("{label}: unparsable redis url"));
     // No `CLIENT SETINFO` pipeline at connect: against a hung server each of its replies
     // would wait a full timeout.
