@@ -16,7 +16,7 @@ use std::fmt;
 ///
 /// let err = Error::Timeout;
 /// assert!(err.is_timeout());
-/// assert_eq!(err.to_string(), "timed out waiting for the lock");
+/// assert_eq!(err.to_string(), "wait timed out");
 /// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -24,8 +24,9 @@ pub enum Error {
     /// `try_lock`: the lock is held by someone else right now.
     #[error("lock is held elsewhere")]
     WouldBlock,
-    /// The wait deadline passed before the lock could be taken.
-    #[error("timed out waiting for the lock")]
+    /// The wait deadline passed before the lock (a hold, a permit, or a latch's opening)
+    /// came.
+    #[error("wait timed out")]
     Timeout,
     /// The caller cancelled the wait with a [`Cancel`](crate::Cancel) before the lock
     /// could be taken. Nothing of the wait is left behind (no queue entry, no mark).
