@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, NodeId, ReleaseReply, Retry};
 use crate::proto::protocol::Protocol;
-use crate::stats::Counters;
+use crate::stats::{Count, Counters};
 use crate::topology::{Route, Topology};
 
 /// Releases waiting for the cleanup thread, at most; and as many again waiting to be
@@ -93,9 +93,9 @@ impl Cleanup {
     }
 
     /// Stops the thread: the jobs still queued are made, the ones being tried again are
-    /// given up (their keys expire with their TTL), and no new job is taken. Waits for it
-    /// until `deadline`; `false` if it still runs then (it ends once its current Redis
-    /// call returns).
+    /// given up (their keys expire with their TTL; counted as dropped), and no new job is
+    /// taken. Waits for it until `deadline`; `false` if it still runs then (it ends once
+    /// its current Redis call returns).
     pub fn shutdown(&self, deadline: Instant) -> bool {
         self.stopped.store(true, Ordering::Relaxed);
         let Some(mut worker) = self.worker.lock().take() else {
@@ -187,11 +187,19 @@ impl Cleanup {
             .spawn(move || {
                 // Jobs that failed for the network, tried again while no new job waits.
                 let mut again: VecDeque<Job> = VecDeque::new();
+                // The jobs given up when the thread stops, before what they give back has
+                // expired, are dropped as much as those that did not fit in the queue:
+                // their keys expire with their TTL.
+                let give_up = |jobs: &mut dyn Iterator<Item = Job>| {
+                    let now = Instant::now();
+                    let live = jobs.filter(|job| now < job.moot_at).count();
+                    counters.cleanup_dropped.count(live as u64);
+                };
                 loop {
                     let job = match rx.try_recv() {
                         Ok(job) => job,
-                        // The client dropped the sender.
-                        Err(TryRecvError::Disconnected) => return,
+                        // The client shut down: the queue is made, the retries given up.
+                        Err(TryRecvError::Disconnected) => return give_up(&mut again.drain(..)),
                         Err(TryRecvError::Empty) => match again.pop_front() {
                             Some(job) => {
                                 std::thread::sleep(AGAIN_AFTER);
@@ -199,12 +207,16 @@ impl Cleanup {
                             }
                             None => match rx.recv() {
                                 Ok(job) => job,
-                                Err(_) => return,
+                                Err(_) => return give_up(&mut again.drain(..)),
                             },
                         },
                     };
                     let Some(topology) = topology.upgrade() else {
-                        return;
+                        // The client is gone: this job, the retries and the queue with it.
+                        let mut left = std::iter::once(job)
+                            .chain(again.drain(..))
+                            .chain(rx.try_iter());
+                        return give_up(&mut left);
                     };
                     if Instant::now() >= job.moot_at {
                         // A long partition: what the job gives back has expired by now.

@@ -841,6 +841,10 @@ impl Contest<'_> {
     ) -> Result<Arc<RemoteLock>> {
         let engine = self.engine;
         if fence > MAX_FENCE {
+            // A conversion ran: the hold it turned is gone with the one given back here.
+            if let Some(from) = self.from {
+                from.mark_lost(LostReason::Converted, &engine.counters);
+            }
             release_on(
                 &engine.topology,
                 self.keys,

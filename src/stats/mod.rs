@@ -285,8 +285,9 @@ counters! {
     /// Redis Cluster: calls (acquire, release, extend) retried after their master could
     /// not be reached or the cluster was failing over, once the slot map was read again.
     failover_retries => ("redbaton_cluster_failover_retries_total"),
-    /// Background releases (after an acquire whose outcome was unknown) dropped because the
-    /// cleanup queue was full: those keys expire with their lease instead.
+    /// Background releases (after an acquire whose outcome was unknown) dropped: the cleanup
+    /// queue was full, or the client shut down or was dropped before they were made while
+    /// what they give back was still live. Those keys expire with their lease instead.
     cleanup_dropped => ("redbaton_cleanup_dropped_total"),
 }
 
