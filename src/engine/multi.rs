@@ -116,24 +116,21 @@ impl Engine {
         let Some(first) = locks.first() else {
             return;
         };
-        let (_, keys, fences) = self.end_group(locks);
+        let (_, keys, _) = self.end_group(locks);
+        // Holds nobody used: released with fence 0, so that a counter that told of a lost
+        // hold before them still tells the next holder (see `END_FENCE_FN`).
+        let unused = vec![None; keys.len()];
         let route = self.topology.route(&first.keys);
         let released = on_sole(&route, |node| {
             let token = first.token.as_str();
-            (first.protocol).release_all(node, &keys, token, &fences, route.retry())
+            (first.protocol).release_all(node, &keys, token, &unused, route.retry())
         });
         if let Err(e) = released {
             log::debug!("giving back a multi-lock's names failed: {e}; left to the cleanup job");
             let nodes: Vec<_> = route.nodes().iter().map(|n| n.id.clone()).collect();
             for lock in locks {
-                let (token, fence) = (lock.token.clone(), Some(lock.fence));
-                (self.cleanup).release_later(
-                    &lock.keys,
-                    lock.protocol,
-                    token,
-                    fence,
-                    nodes.clone(),
-                );
+                let token = lock.token.clone();
+                (self.cleanup).release_later(&lock.keys, lock.protocol, token, None, nodes.clone());
             }
         }
     }
@@ -235,7 +232,12 @@ impl Engine {
             taken.groups.push(locks);
         }
         let mut taken_locks = taken.groups.iter().flatten();
-        if let Some(reason) = taken_locks.find_map(|l| l.lost(&self.counters)) {
+        // Renewals that stopped (a shutdown, a failed watchdog) mark every hold lost at its
+        // registration: taking the names again would not cure that, and the wait returns
+        // the guard already told, as a lock's wait does.
+        if let Some(reason) = taken_locks.find_map(|l| l.lost(&self.counters))
+            && reason != LostReason::WatchdogFailed
+        {
             return Ok(Err(reason));
         }
         Ok(Ok(std::mem::take(&mut taken.groups)))
