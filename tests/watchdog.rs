@@ -522,12 +522,12 @@ fn thousand_locks_are_renewed_in_few_round_trips() {
 /// A 1,000-key extend works: once all 1,000 held locks are due in the same watchdog pass
 /// they are renewed by ONE script call with 1,000 keys, and every key is extended.
 ///
-/// When that happens depends on the watchdog's schedule: a pass renews every lock due
-/// within a quarter renew interval (here 1.5 s), so locks acquired within that window are
-/// renewed together from the first renewal cycle on (a wider spread stays split for good:
-/// the window is sized for a loaded debug build, whose 1,000 acquisitions can take a
-/// second). The test watches MONITOR until it sees such a call (normally about 6 s in),
-/// never longer than 40 s.
+/// When that happens depends on the watchdog's schedule: a pass that renews a lock due now
+/// takes every lock due within a quarter renew interval (here 1.5 s) with it, so locks
+/// acquired within that window are renewed together from the first renewal cycle on (a
+/// wider spread stays split for good: the window is sized for a loaded debug build, whose
+/// 1,000 acquisitions can take a second). The test watches MONITOR until it sees such a
+/// call (normally about 6 s in), never longer than 40 s.
 #[test]
 fn a_thousand_key_extend_batch_works() {
     init_log();

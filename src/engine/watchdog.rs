@@ -273,10 +273,17 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     let cfg = &cx.cfg;
     let counters = &cx.counters;
     let now = Stamp::now();
-    let horizon = now + cfg.renew_batch();
     let mut next = now + MAX_SLEEP;
     let mut due: Vec<Renewing> = Vec::new();
     let mut h = held.lock();
+    // The locks due within a quarter interval ride along, but only with one that is due
+    // now: a look at an arbitrary moment (the thread looks at least every `MAX_SLEEP`)
+    // would take the first few early and split locks taken close together into batches
+    // that never meet again.
+    let horizon = match h.locks.values().any(|lock| lock.next_due() <= now) {
+        true => now + cfg.renew_batch(),
+        false => now,
+    };
     // Registrations during this pass must kick: the plan is being remade.
     h.planned = None;
     h.locks.retain(|_, lock| {
