@@ -80,6 +80,13 @@ impl Report {
         assert!(self.violations.is_empty(), "violations: see above");
     }
 
+    /// [`assert_holds`](Self::assert_holds), and every `sometimes` property met: the check
+    /// took every path its configuration names.
+    pub fn assert_holds_on_every_path(&self) {
+        self.assert_holds();
+        assert!(self.never.is_empty(), "paths never taken: {:?}", self.never);
+    }
+
     /// Prints the path to each violation; the length of the shortest path found to a
     /// violation of `property`, and a panic if there is none.
     pub fn assert_broken(&self, property: &str) -> usize {

@@ -13,12 +13,7 @@ fn ci_configuration_holds_every_property() {
     let cfg = Config::ci();
     println!("checking {cfg:?}");
     let report = check(cfg, THREADS, None);
-    report.assert_holds();
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    report.assert_holds_on_every_path();
 }
 
 /// A late win left for the next attempt, which finds its token and confirms it, instead
@@ -26,12 +21,7 @@ fn ci_configuration_holds_every_property() {
 #[test]
 fn keeping_late_wins_holds_every_property() {
     let report = check(Config::ci().keeping_late_wins(), THREADS, None);
-    report.assert_holds();
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    report.assert_holds_on_every_path();
 }
 
 /// Checks `cfg` until `property` is violated, and returns the length of the shortest path
@@ -157,12 +147,7 @@ fn plain_scripts_hold_every_property() {
         ..Config::ci().plain()
     };
     let report = check(cfg, THREADS, None);
-    report.assert_holds();
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    report.assert_holds_on_every_path();
 }
 
 /// The long check, also `cargo run --release -p redbaton-model --example deep`.
@@ -170,10 +155,5 @@ fn plain_scripts_hold_every_property() {
 #[ignore = "the long check: run with --release -- --ignored"]
 fn deep_configuration_holds_every_property() {
     let report = check(Config::deep(), THREADS, None);
-    report.assert_holds();
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    report.assert_holds_on_every_path();
 }

@@ -21,12 +21,8 @@ fn holds(cfg: SharedConfig) -> Report {
 /// Checks `cfg`, which holds every property and takes every path its `sometimes`
 /// properties name.
 fn holds_on_every_path(cfg: SharedConfig) {
-    let report = holds(cfg);
-    assert!(
-        report.never.is_empty(),
-        "paths never taken: {:?}",
-        report.never
-    );
+    println!("checking {cfg:?}");
+    check_shared(cfg, THREADS, None).assert_holds_on_every_path();
 }
 
 /// Checks `cfg` until exclusion breaks; the length of the shortest path found.

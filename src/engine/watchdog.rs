@@ -286,14 +286,8 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     };
     // Registrations during this pass must kick: the plan is being remade.
     h.planned = None;
-    h.locks.retain(|_, lock| {
-        // By the local clock first: `due` only looks again shortly at a hold whose lease
-        // change is under way, and the holder's own extend may wait on a hung node past
-        // the end of the validity.
-        if lock.lost(counters).is_some() {
-            return false;
-        }
-        match lock.due(now, horizon, counters) {
+    h.locks
+        .retain(|_, lock| match lock.due(now, horizon, counters) {
             Due::Forget => false,
             Due::At(t) => {
                 next = next.min(t);
@@ -303,8 +297,7 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
                 due.push((lock.clone(), lease, seq));
                 true
             }
-        }
-    });
+        });
     drop(h);
     if due.is_empty() {
         return next;
@@ -399,14 +392,14 @@ fn telling_meanwhile(
         let worker = std::thread::Builder::new()
             .name("redbaton-renewal".to_owned())
             .spawn_scoped(s, move || renew(sender));
-        drop(report);
         let Ok(worker) = worker else {
             // No thread to be had: the holders are told when the pass is over.
-            let (report, reports) = crossbeam_channel::unbounded::<Replies>();
             renew(report);
             reports.try_iter().for_each(&mut *heard);
             return;
         };
+        // The worker's sender alone is left: its end ends the wait below.
+        drop(report);
         // Also looked at every `LOOK_AGAIN`: an extend may have shortened another lease.
         loop {
             let again = Instant::now() + LOOK_AGAIN;

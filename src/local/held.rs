@@ -295,13 +295,15 @@ impl RemoteLock {
         if st.released || st.lost.is_some() {
             return Due::Forget;
         }
-        if st.renewing || st.extend_waiting {
-            // The holder is extending it right now: look again shortly.
-            return Due::At(now + Duration::from_millis(10));
-        }
+        // By the clock first, also while the holder's own extend is under way: it may wait
+        // on a hung node past the end of the validity.
         self.lost_by(&mut st, now, counters);
         if st.lost.is_some() {
             return Due::Forget;
+        }
+        if st.renewing || st.extend_waiting {
+            // The holder is extending it right now: look again shortly.
+            return Due::At(now + Duration::from_millis(10));
         }
         if !self.renews || st.next_renew > horizon {
             return Due::At(self.next_look(&st));
