@@ -3,7 +3,8 @@
 //! entry to the cleanup job, which keeps trying while the entry lives (two re-check
 //! intervals), not only for one lease: given up after a lease shorter than that, the
 //! departed waiter's entry would stay in the queue, ahead of live waiters, once the
-//! partition heals. (`lifecycle.rs` shows that `shutdown` stops the job's thread.)
+//! partition heals; and an attempt that lands after its caller gave up is given back.
+//! (`lifecycle.rs` shows that `shutdown` stops the job's thread.)
 //!
 //! Times are liveness bounds, never speed claims.
 
@@ -69,4 +70,35 @@ fn a_leave_left_to_the_cleanup_job_is_tried_while_the_entry_lives() {
         srv.zcard(&queue("k")) == 0
     });
     held.unlock().expect("unlock");
+}
+
+/// An attempt delayed on its way lands after its caller gave up, and takes the free lock
+/// with a token nobody holds. The give-back of that attempt found nothing when it ran (it
+/// overtook the attempt on a fresh connection), so the cleanup job looks again for a while
+/// and gives the late hold back: another client gets the lock soon after the late attempt
+/// lands, not a lease later. Fair and plain locks alike.
+#[test]
+fn an_attempt_that_lands_after_its_caller_gave_up_is_given_back() {
+    for fair in [false, true] {
+        let srv = test_server();
+        let proxy = Proxy::start(srv.addr());
+        let late = lock_client!(node(proxy.url()), lease(secs(10)), fair(fair));
+        let other = client(&srv.url());
+        // Connections and scripts ready, so that the one delayed request is the attempt.
+        drop(late.lock("warm-up").expect("warm-up"));
+        proxy.set_delay_both(ms(2000));
+        let e = late
+            .try_lock_for("k", ms(300))
+            .expect_err("the attempt is delayed");
+        assert!(e.is_timeout() || e.is_connection(), "{e:?}");
+        // The give-back and what follows go through at once; the attempt lands at 2 s.
+        proxy.set_delay_both(ms(0));
+        wait_for(secs(5), "the late attempt landed", || {
+            srv.keys_but_fences("redbaton:{k}*")
+                .contains(&"redbaton:{k}".to_owned())
+        });
+        // The late hold would last 10 s. Given back, the other client gets the lock soon.
+        let got = other.try_lock_for("k", secs(6));
+        assert!(got.is_ok(), "fair {fair}: {:?}", got.err());
+    }
 }

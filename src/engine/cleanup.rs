@@ -14,6 +14,14 @@
 //! again, while no new job waits, until what it gives back would have expired anyway: the
 //! hold one lease after it was written, a waiter's mark or queue entry its own TTL after
 //! the waiter's last attempt.
+//!
+//! An attempt delayed on its way can land after its give-back ran (the give-back went on
+//! a fresh connection and overtook it), and take a free lock, or queue again, with a token
+//! nobody holds: the name would then be nobody's for a lease. So a give-back of an attempt
+//! (a release of a hold nobody used, or a leave) is looked at again while what a late
+//! attempt could leave lives, at pauses that double from [`LOOK_AGAIN`]: a late landing is
+//! given back within about as long as the attempt was late. The token was retired when it
+//! was given back (invariant 3), so a look finds only what a late attempt left.
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -22,7 +30,7 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Sender, TryRecvError, TrySendError};
+use crossbeam_channel::{RecvTimeoutError, Sender, TryRecvError, TrySendError};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
@@ -40,6 +48,10 @@ pub(crate) const QUEUE: usize = 1024;
 /// waits), until what it gives back has expired anyway (see `Job::lives`).
 const AGAIN_AFTER: Duration = Duration::from_millis(100);
 
+/// The first pause before a give-back of an attempt is looked at again (see the module
+/// docs); each look after that waits twice as long as the one before.
+const LOOK_AGAIN: Duration = Duration::from_millis(100);
+
 /// One release or leave to make: the key, our token, what to do, and the nodes that may
 /// hold it.
 struct Job {
@@ -50,6 +62,11 @@ struct Job {
     nodes: Vec<NodeId>,
     /// When what the job gives back has expired anyway: it is not tried after that.
     moot_at: Instant,
+    /// Not run before then (a look again, see the module docs).
+    due: Instant,
+    /// How many times it ran and reached Redis: a job that did is looked at again, not
+    /// retried, and is not counted as dropped when the client shuts down.
+    looks: u32,
 }
 
 /// What a job gives back.
@@ -117,13 +134,20 @@ impl Cleanup {
         fence: Option<u64>,
         nodes: Vec<NodeId>,
     ) {
-        self.later(keys, protocol, token, Undo::Release(fence), nodes);
+        self.later(keys, protocol, token, Undo::Release(fence), nodes, 0);
     }
 
     /// Queues the leaving of the waiter `token` on `nodes`, as [`Self::release_later`]
     /// does a release; what cannot be queued expires (the mark or entry, and any grant).
     pub fn leave_later(&self, keys: &Keys, protocol: Protocol, token: String, nodes: Vec<NodeId>) {
-        self.later(keys, protocol, token, Undo::Leave, nodes);
+        self.later(keys, protocol, token, Undo::Leave, nodes, 0);
+    }
+
+    /// Queues a look, after a pause, at the leaving of the waiter `token` that was made on
+    /// `nodes` while an attempt of it was still unanswered there: the attempt may land
+    /// after the leaving (see the module docs).
+    pub fn look_again(&self, keys: &Keys, protocol: Protocol, token: String, nodes: Vec<NodeId>) {
+        self.later(keys, protocol, token, Undo::Leave, nodes, 1);
     }
 
     fn later(
@@ -133,15 +157,19 @@ impl Cleanup {
         token: String,
         undo: Undo,
         nodes: Vec<NodeId>,
+        looks: u32,
     ) {
         let lives = Job::lives(protocol, &undo, self.lease);
+        let now = Instant::now();
         let job = Job {
             keys: keys.clone(),
             protocol,
             token,
             undo,
             nodes,
-            moot_at: Instant::now() + lives,
+            moot_at: now + lives,
+            due: now + Job::pause(looks),
+            looks,
         };
         if self.stopped.load(Ordering::Relaxed) {
             log::debug!(
@@ -187,12 +215,18 @@ impl Cleanup {
             .spawn(move || {
                 // Jobs that failed for the network, tried again while no new job waits.
                 let mut again: VecDeque<Job> = VecDeque::new();
+                // Jobs to look at again when due (see the module docs), while no new job
+                // or retry waits.
+                let mut looks: Vec<Job> = Vec::new();
                 // The jobs given up when the thread stops, before what they give back has
                 // expired, are dropped as much as those that did not fit in the queue:
-                // their keys expire with their TTL.
+                // their keys expire with their TTL. (A look again is not: its job was
+                // made.)
                 let give_up = |jobs: &mut dyn Iterator<Item = Job>| {
                     let now = Instant::now();
-                    let live = jobs.filter(|job| now < job.moot_at).count();
+                    let live = jobs
+                        .filter(|job| now < job.moot_at && job.looks == 0)
+                        .count();
                     counters.cleanup_dropped.count(live as u64);
                 };
                 loop {
@@ -205,10 +239,22 @@ impl Cleanup {
                                 std::thread::sleep(AGAIN_AFTER);
                                 job
                             }
-                            None => match rx.recv() {
-                                Ok(job) => job,
-                                Err(_) => return give_up(&mut again.drain(..)),
-                            },
+                            None => {
+                                let next = (looks.iter().enumerate())
+                                    .min_by_key(|(_, job)| job.due)
+                                    .map(|(i, job)| (i, job.due));
+                                let got = match next {
+                                    Some((i, due)) => match rx.recv_deadline(due) {
+                                        Err(RecvTimeoutError::Timeout) => Ok(looks.swap_remove(i)),
+                                        got => got.map_err(|_| ()),
+                                    },
+                                    None => rx.recv().map_err(|_| ()),
+                                };
+                                match got {
+                                    Ok(job) => job,
+                                    Err(()) => return give_up(&mut again.drain(..)),
+                                }
+                            }
                         },
                     };
                     let Some(topology) = topology.upgrade() else {
@@ -218,8 +264,15 @@ impl Cleanup {
                             .chain(rx.try_iter());
                         return give_up(&mut left);
                     };
-                    if Instant::now() >= job.moot_at {
+                    let now = Instant::now();
+                    if now >= job.moot_at {
                         // A long partition: what the job gives back has expired by now.
+                        continue;
+                    }
+                    if now < job.due {
+                        if looks.len() < QUEUE {
+                            looks.push(job);
+                        }
                         continue;
                     }
                     match catch_unwind(AssertUnwindSafe(|| job.run(&topology, &counters))) {
@@ -234,6 +287,11 @@ impl Cleanup {
                         Ok(errors) => {
                             for e in errors {
                                 log::debug!("cleanup failed (the keys expire with their TTL): {e}");
+                            }
+                            if let Some(job) = job.look_again()
+                                && looks.len() < QUEUE
+                            {
+                                looks.push(job);
                             }
                         }
                         Err(_) => {
@@ -264,15 +322,49 @@ impl Job {
         }
     }
 
+    /// The pause before the look number `looks` (none before a job's first run).
+    fn pause(looks: u32) -> Duration {
+        match looks {
+            0 => Duration::ZERO,
+            n => LOOK_AGAIN.saturating_mul(1 << (n - 1).min(20)),
+        }
+    }
+
+    /// The same job, to run again after the next pause, when it gives back an attempt (a
+    /// hold nobody used, or a wait) and what a late attempt could leave lives past then.
+    fn look_again(mut self) -> Option<Job> {
+        if matches!(self.undo, Undo::Release(Some(_))) {
+            return None;
+        }
+        self.looks += 1;
+        self.due = Instant::now() + Job::pause(self.looks);
+        (self.due < self.moot_at).then_some(self)
+    }
+
     /// Makes the release or leave where the route of the key goes now; the errors.
     fn run(&self, topology: &Topology, counters: &Counters) -> Vec<Error> {
         let route = topology.route(&self.keys);
         let (keys, protocol, token) = (&self.keys, self.protocol, &self.token);
+        // A look again that finds something: an attempt landed after its caller left.
+        let late = || {
+            if self.looks > 0 {
+                log::info!(
+                    "an attempt on {} landed after its caller left; given back",
+                    keys.display()
+                );
+            }
+        };
         let release = |fence| {
-            release_on(topology, keys, &route, protocol, token, fence, &self.nodes)
-                .into_iter()
-                .filter_map(|r| r.err())
-                .collect::<Vec<_>>()
+            let replies = release_on(topology, keys, &route, protocol, token, fence, &self.nodes);
+            let mut errors = Vec::new();
+            for reply in replies {
+                match reply {
+                    Ok(ReleaseReply::Released | ReleaseReply::Passed) => late(),
+                    Ok(_) => {}
+                    Err(e) => errors.push(e),
+                }
+            }
+            errors
         };
         match self.undo {
             Undo::Release(fence) => release(fence),
@@ -280,7 +372,10 @@ impl Job {
                 let mut errors = Vec::new();
                 for node in route.holders(&self.nodes) {
                     match protocol.leave(&node, keys, token, true, None) {
-                        Ok(true) => Counters::inc(&counters.grants_passed),
+                        Ok(true) => {
+                            late();
+                            Counters::inc(&counters.grants_passed)
+                        }
                         Ok(false) => {}
                         Err(e) => errors.push(e),
                     }

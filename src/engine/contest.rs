@@ -260,6 +260,7 @@ impl Engine {
             waiter,
             token: &token,
             spent: Cell::new(false),
+            unsettled: RefCell::new(Vec::new()),
             from,
             marked: false,
             fresh: true,
@@ -285,6 +286,10 @@ struct Contest<'a> {
     /// A hold the kept token may have taken is being given back: the token must not be
     /// used again.
     spent: Cell<bool>,
+    /// The nodes where an attempt with the kept token went unanswered, left to the next
+    /// call with it (fair queue: the next attempt, or the leave). It may still land after
+    /// the leave: the cleanup job looks again there (see `cleanup`).
+    unsettled: RefCell<Vec<NodeId>>,
     /// The hold of ours the attempts turn into another (see [`Start::Convert`]).
     from: Option<&'a RemoteLock>,
     /// An attempt of ours may have left a contention mark or a queue entry: taken with
@@ -739,7 +744,12 @@ impl Contest<'_> {
             // the leave passes such a lock on: only a lock taken without enough replicas
             // is given back now. A caller that neither attempts again nor leaves (a
             // `try_lock`) releases it like any other.
-            undo.unknown.clear();
+            let mut unsettled = self.unsettled.borrow_mut();
+            for node in undo.unknown.drain(..) {
+                if !unsettled.contains(&node) {
+                    unsettled.push(node);
+                }
+            }
         }
         // A give-back can run late (its reply lost, its bytes delayed): were the kept
         // token used again, a late one could delete, or pass on, the hold a later attempt
@@ -775,6 +785,13 @@ impl Contest<'_> {
     fn settle_token(&mut self, heard: &mut Vec<Grant>) {
         if self.spent.take() {
             heard.clear();
+            // What the next call with the old token was to settle is left to the cleanup
+            // job: the next call uses a new one.
+            let unsettled = self.unsettled.take();
+            let old = self.token.borrow().clone();
+            if let Some(old) = old.filter(|_| !unsettled.is_empty() && self.from.is_none()) {
+                (self.engine.cleanup).leave_later(self.keys, self.protocol, old, unsettled);
+            }
             self.retire_token();
         }
     }
@@ -808,6 +825,7 @@ impl Contest<'_> {
             engine.unmark(keys, &self.route, protocol, self.wait.deadline());
             return;
         };
+        let mut unsettled = self.unsettled.take();
         for node in self.route.nodes() {
             match protocol.leave(node, keys, token, true, self.wait.deadline()) {
                 Ok(true) => Counters::inc(&engine.counters.grants_passed),
@@ -816,6 +834,7 @@ impl Contest<'_> {
                     // Our mark or entry, and a grant to us (or a hold a lost attempt
                     // took), may be left: the cleanup job leaves again.
                     log::debug!("leaving failed: {e}; left in the background");
+                    unsettled.retain(|id| *id != node.id);
                     engine.cleanup.leave_later(
                         keys,
                         protocol,
@@ -824,6 +843,9 @@ impl Contest<'_> {
                     );
                 }
             }
+        }
+        if !unsettled.is_empty() {
+            (engine.cleanup).look_again(keys, protocol, token.to_owned(), unsettled);
         }
     }
 
