@@ -6,9 +6,10 @@
 //! call that takes every lock of it or none (`multi_scripts::MULTI_ACQUIRE`), and waits,
 //! when it cannot, like a lock's contender: it watches every key of the group, confirmed,
 //! before the attempt whose failure makes it wait (invariant 1), and sleeps until an event
-//! of any of them, the soonest end of the holders' leases, the re-check, the deadline or a
-//! cancel. Groups are taken one after the other; what was taken is given back when a later
-//! group cannot be (a timeout, a cancel, an error, a panic).
+//! of any of them, the time the whole group may be free (the latest end of the leases and
+//! fair-queue entries in its way), the re-check, the deadline or a cancel. Groups are
+//! taken one after the other; what was taken is given back when a later group cannot be
+//! (a timeout, a cancel, an error, a panic).
 //!
 //! # Why groups are taken in slot order
 //!
@@ -28,14 +29,27 @@
 //! share node, slot and lease: one renewal call covers them), and a loss of any one is the
 //! loss of the multi-lock. The local table never knows them: as with a detached guard,
 //! nothing is handed to a local thread, and this process's threads wait for the names in
-//! Redis like any other contender. A multi-lock does not queue in the fair queue: it takes
-//! a name when its key is free (a fair release grants the key to the head of its queue, so
-//! that is when nobody is queued), and its contention marks make the holders' processes,
-//! this one included, keep to their fairness budget. Early attempts are not used.
+//! Redis like any other contender. A multi-lock does not queue in the fair queue, nor pass
+//! it: it takes a name when its key is free and nobody alive is queued for it (a fair
+//! release grants the key to the head of its queue), and its contention marks make the
+//! holders' processes, this one included, keep to their fairness budget. Early attempts
+//! are not used.
+//!
+//! # One mark for the client's multi-locks
+//!
+//! A name's mark key holds one id, and every multi-lock of a client marks with the same
+//! one (see [`MARK_SUFFIX`]), so that whichever of them wins clears it. A multi-lock that
+//! stops waiting therefore leaves the mark of a name another multi-lock of the client
+//! still waits for (see [`Waiting`]): removed, it would tell the holder's process that
+//! nobody waits until that one's next attempt, as a process's one contender per name
+//! (singleflight) never does to its local waiters. Left open: the last one's removal,
+//! on its way, can still meet the first attempt of one that begins to wait just then.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use crate::clock::Stamp;
 use crate::config::Wakeup;
@@ -65,6 +79,71 @@ const MARK_SUFFIX: &str = ":multi";
 /// is waited for: a name whose key keeps vanishing (an operator deleting it, a server
 /// evicting) ends the call with [`Error::Lost`] rather than have it try forever.
 const TAKE_ROUNDS: u32 = 3;
+
+/// The client's multi-locks that wait with contention marks, counted by the mark they
+/// share (see [`Waiting`]).
+#[derive(Default)]
+pub(crate) struct MultiMarks(Mutex<HashMap<Mark, usize>>);
+
+/// A contention mark: the id it holds and its key.
+type Mark = (String, Vec<u8>);
+
+/// A group contest's count in its client's [`MultiMarks`], from before its first attempt
+/// that may leave a mark until its contest ends.
+struct Waiting<'a> {
+    counts: &'a MultiMarks,
+    marks: Vec<Mark>,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(counts: &'a MultiMarks) -> Self {
+        Waiting {
+            counts,
+            marks: Vec::new(),
+        }
+    }
+
+    /// Counted for the marks of `keys` with `mark_id`, unless already.
+    fn join(&mut self, mark_id: &str, keys: &[Keys]) {
+        if !self.marks.is_empty() {
+            return;
+        }
+        self.marks = keys
+            .iter()
+            .map(|k| (mark_id.to_owned(), k.mark().to_vec()))
+            .collect();
+        let mut waiting = self.counts.0.lock();
+        for mark in &self.marks {
+            *waiting.entry(mark.clone()).or_default() += 1;
+        }
+    }
+
+    /// No longer counted: per key (in `join`'s order, all false if never counted), whether
+    /// it was the last of the client's multi-locks waiting with that mark, whose leaving
+    /// may remove it.
+    fn leave(&mut self) -> Vec<bool> {
+        let mut waiting = self.counts.0.lock();
+        std::mem::take(&mut self.marks)
+            .into_iter()
+            .map(|mark| match waiting.get_mut(&mark) {
+                Some(n) if *n > 1 => {
+                    *n -= 1;
+                    false
+                }
+                _ => {
+                    waiting.remove(&mark);
+                    true
+                }
+            })
+            .collect()
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
 
 /// A multi-lock held.
 pub(crate) struct MultiHeld {
@@ -265,6 +344,7 @@ impl Engine {
             wait,
             waiter: wait.waiter(Hears::Key),
             marked: false,
+            waiting: Waiting::new(&self.multi_marks),
         }
         .run()
     }
@@ -371,6 +451,8 @@ struct GroupContest<'a> {
     /// An attempt of ours may have left contention marks: taken with us when we leave
     /// without the locks.
     marked: bool,
+    /// Counted among the client's multi-locks that wait with marks (see [`Waiting`]).
+    waiting: Waiting<'a>,
 }
 
 impl GroupContest<'_> {
@@ -411,6 +493,11 @@ impl GroupContest<'_> {
                 leave: wait.waits_now(),
                 clear: self.marked,
             };
+            if marks.leave {
+                // Before the attempt that may mark: a multi-lock of the client leaving
+                // meanwhile then leaves the mark to us.
+                self.waiting.join(&self.mark_id, keys);
+            }
             let (token, ran_before) = carried.take().unwrap_or_else(|| (new_token(), false));
             // On the lease clock: the validity counts from here.
             let started = Stamp::now();
@@ -564,13 +651,22 @@ impl GroupContest<'_> {
         }
     }
 
-    /// The wait ends without the locks: our contention marks go with us.
-    fn leave(&self) {
+    /// The wait ends without the locks: our contention marks go with us, but for those
+    /// another multi-lock of the client still waits with.
+    fn leave(&mut self) {
+        let last = self.waiting.leave();
         if !self.marked {
             return;
         }
+        let keys: Vec<Keys> = (self.keys.iter().zip(last))
+            .filter(|&(_, last)| last)
+            .map(|(k, _)| k.clone())
+            .collect();
+        if keys.is_empty() {
+            return;
+        }
         let left = on_sole(&self.route, |node| {
-            (self.protocol).leave_all(node, self.keys, &self.mark_id, self.wait.deadline())
+            (self.protocol).leave_all(node, &keys, &self.mark_id, self.wait.deadline())
         });
         if let Err(e) = left {
             log::debug!("removing a multi-lock's contention marks failed (they expire): {e}");

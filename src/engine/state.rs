@@ -7,6 +7,7 @@ use std::time::Instant;
 use crate::config::{Config, Wakeup};
 use crate::engine::cleanup::Cleanup;
 use crate::engine::eviction;
+use crate::engine::multi::MultiMarks;
 use crate::engine::subs::{Subs, Template};
 use crate::engine::watchdog::Watchdog;
 use crate::error::{Result, thread_error};
@@ -35,6 +36,8 @@ pub(crate) struct Engine {
     pub shares: ReadShares,
     /// Releases nobody waits for (after an ambiguous failure, or a panic).
     pub cleanup: Cleanup,
+    /// The multi-locks that wait with contention marks, by mark.
+    pub multi_marks: MultiMarks,
 }
 
 impl Engine {
@@ -101,6 +104,7 @@ impl Engine {
             watchdog: Some(watchdog),
             shut_down: std::sync::atomic::AtomicBool::new(false),
             shares: ReadShares::default(),
+            multi_marks: MultiMarks::default(),
         })
     }
 

@@ -29,16 +29,19 @@ use crate::stats::Counters;
 
 /// Acquire every lock of a group, all or none, in one round trip; idempotent.
 ///
-/// KEYS: per lock, its key, its fence counter and its contention mark (three each, in the
-/// group's order). ARGV: token, lease in ms, the mark id, the mark's TTL in ms (0: the
-/// caller will not wait, so it leaves no mark), `1` if the caller marked before (its marks
-/// are deleted when it wins), the fence counter's TTL in ms, then one library channel per
-/// lock, then the publish mode (see `sharded`).
+/// KEYS: per lock, its key, its fence counter, its contention mark and its fair queue's
+/// expiries (`L:qx`, see `fair_scripts`): four each, in the group's order. ARGV: token,
+/// lease in ms, the mark id, the mark's TTL in ms (0: the caller will not wait, so it
+/// leaves no mark), `1` if the caller marked before (its marks are deleted when it wins),
+/// the fence counter's TTL in ms, then one library channel per lock, then the publish mode
+/// (see `sharded`).
 ///
 /// Returns `{1, fence…}` (one fence per lock, in order; negative when the hold before
 /// that lock's ended without a release, see `FENCE_FN`) when every lock is ours;
-/// `{0, pttl}` when another holder has at least one, with the soonest end of their leases
-/// (`-1`: none of them has a TTL); `{2, 0}` when a key is a read-write lock or a semaphore.
+/// `{0, ms}` when at least one is in the way (held by another, or free with a live waiter
+/// in its fair queue), with when the whole group may be free: the latest end among their
+/// leases and queue entries (`-1`: one of them has no TTL); `{2, 0}` when a key is a
+/// read-write lock or a semaphore.
 ///
 /// * **All or none.** Each key is read first (`GET`, a `pcall`: another kind of lock is an
 ///   answer). Every key free or holding our token: each free one is taken with
@@ -49,44 +52,65 @@ use crate::stats::Counters;
 ///   counter that cannot be written deletes what the call took before returning the
 ///   error; a lock given back here marks its counter as an attempt nobody used (see
 ///   `END_FENCE_FN`).
+/// * **The fair queue.** It is not joined, but it is not passed over either: a free key
+///   whose queue has a live entry (its expiry ahead) is in the way, as a held one is. Its
+///   waiter, woken by the same release, takes it (or a release grants it to the head),
+///   and its release wakes the multi-lock; a lock that is free with nobody queued alive
+///   is taken.
+/// * **When to look again.** All or none: the group cannot be taken before every lease
+///   and queue entry in the way has ended, or a release (which is heard) ends it sooner.
+///   Waking at the soonest of them, a lease renewed meanwhile, only costs attempts.
 /// * **Marks.** A failed attempt of a caller that will wait leaves its mark id on each
-///   key held by another, and publishes `c<mark id>` on that lock's channel, as `ACQUIRE`
-///   does: the holders' processes apply their fairness budget. The queue of the fair
-///   lock is not joined: a multi-lock takes a name when its key is free.
+///   key in the way, and publishes `c<mark id>` on that lock's channel, as `ACQUIRE`
+///   does: the holders' processes apply their fairness budget.
 pub(crate) static MULTI_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{OWNER_FN}{}",
         r"
-local n = #KEYS / 3
+local n = #KEYS / 4
 local token, lease = ARGV[1], ARGV[2]
-local owners = {}
-local held, soonest = false, -1
+local owners, blocked = {}, {}
+-- When the whole group may be free: the latest end among the leases and queue entries
+-- in the way (-1: one of them does not end by itself).
+local held, latest, forever = false, -1, false
+local now_ms
 for i = 1, n do
-  local cur = redis.pcall('GET', KEYS[3 * i - 2])
+  local cur = redis.pcall('GET', KEYS[4 * i - 3])
   if type(cur) == 'table' then return {2, 0} end
   owners[i] = cur
+  local left
   if cur and cur ~= token then
-    held = true
-    local pttl = redis.call('PTTL', KEYS[3 * i - 2])
-    if pttl >= 0 and (soonest < 0 or pttl < soonest) then soonest = pttl end
+    left = redis.call('PTTL', KEYS[4 * i - 3])
+  elseif not cur then
+    -- A free lock with a live fair-queue entry is that waiter's, whose attempt (woken by
+    -- the same release) takes it: taken past it, the queue would be passed over.
+    local last = redis.call('ZRANGE', KEYS[4 * i], -1, -1, 'WITHSCORES')[2]
+    if last then
+      now_ms = now_ms or math.floor(clock_us() / 1000)
+      if tonumber(last) > now_ms then left = tonumber(last) - now_ms end
+    end
+  end
+  if left then
+    held, blocked[i] = true, true
+    if left < 0 then forever = true elseif left > latest then latest = left end
   end
 end
 if held then
   for i = 1, n do
     if owners[i] == token then
-      redis.call('DEL', KEYS[3 * i - 2])
-      end_fence(KEYS[3 * i - 1], '0')
+      redis.call('DEL', KEYS[4 * i - 3])
+      end_fence(KEYS[4 * i - 2], '0')
       publish(ARGV[6 + i], 'r')
-    elseif owners[i] and ARGV[4] ~= '0' then
-      redis.call('SET', KEYS[3 * i], ARGV[3], 'PX', ARGV[4])
+    elseif blocked[i] and ARGV[4] ~= '0' then
+      redis.call('SET', KEYS[4 * i - 1], ARGV[3], 'PX', ARGV[4])
       publish(ARGV[6 + i], 'c' .. ARGV[3])
     end
   end
-  return {0, soonest}
+  return {0, forever and -1 or latest}
 end
 local out = {1}
 for i = 1, n do
-  local lock, counter = KEYS[3 * i - 2], KEYS[3 * i - 1]
+  local lock, counter = KEYS[4 * i - 3], KEYS[4 * i - 2]
   local fence
   if owners[i] == token then
     if redis.call('PTTL', lock) < tonumber(lease) then redis.call('PEXPIRE', lock, lease) end
@@ -99,9 +123,9 @@ for i = 1, n do
     if after_lost then fence = -fence end
     if type(fence) == 'table' then
       for j = 1, i - 1 do
-        if redis.call('GET', KEYS[3 * j - 2]) == token then
-          redis.call('DEL', KEYS[3 * j - 2])
-          end_fence(KEYS[3 * j - 1], '0')
+        if redis.call('GET', KEYS[4 * j - 3]) == token then
+          redis.call('DEL', KEYS[4 * j - 3])
+          end_fence(KEYS[4 * j - 2], '0')
           publish(ARGV[6 + j], 'r')
         end
       end
@@ -111,7 +135,7 @@ for i = 1, n do
   out[i + 1] = fence
 end
 if ARGV[5] == '1' then
-  for i = 1, n do delete_owned({KEYS[3 * i]}, ARGV[3]) end
+  for i = 1, n do delete_owned({KEYS[4 * i - 1]}, ARGV[3]) end
 end
 return out
 "
@@ -124,8 +148,9 @@ pub(crate) enum Taken {
     /// Every lock of the group is ours: their fences, in the group's order, each with
     /// whether the hold before it ended without a release (see `FENCE_FN`).
     All(Vec<(u64, bool)>),
-    /// Another holder has at least one of them (nothing was taken); `pttl`: the soonest
-    /// end of their leases (`None`: none of them has a TTL).
+    /// At least one of them is held by another or is a queued waiter's (nothing was
+    /// taken); `pttl`: when they may all be free, the latest end of the leases and queue
+    /// entries in the way (`None`: one of them has no TTL).
     Held { pttl: Option<Duration> },
     /// The script took them all, but fewer replicas than asked acknowledged it in time
     /// (`replica_ack`): the caller must give them back.
@@ -144,9 +169,12 @@ pub(crate) fn acquire_call(
     mark_ms: u64,
     clear: bool,
 ) -> Cmd {
-    let mut call = MULTI_ACQUIRE.call(3 * keys.len());
+    let mut call = MULTI_ACQUIRE.call(4 * keys.len());
     for k in keys {
-        call.arg(k.lock()).arg(k.fence()).arg(k.mark());
+        call.arg(k.lock())
+            .arg(k.fence())
+            .arg(k.mark())
+            .arg(k.queue_expiry());
     }
     call.arg(token)
         .arg(lease_ms)
@@ -215,7 +243,7 @@ impl Node {
 mod tests {
     use super::*;
 
-    /// The replies the script gives, read: fences in order, the soonest lease, another
+    /// The replies the script gives, read: fences in order, when the group may be free, another
     /// kind, and anything else refused.
     #[test]
     fn replies_are_read() {
