@@ -562,13 +562,17 @@ pub enum Unlocked {
     /// Given back in Redis — deleted, or with the fair queue granted to the next waiting
     /// process: it was still ours. Also, on one node (a Sentinel master, a Cluster
     /// slot's), when the reply was lost and a retry found the key gone or held by the
-    /// next owner while our lease was still running: the first attempt did it. Redlock
-    /// counts such a retry's answer towards no majority (a node may have lost the key in
-    /// a restart, the cause of the lost reply).
+    /// next owner while our lease was still running: the first attempt did it. A lock's
+    /// retry (plain or fair) that finds the key gone asks the fence counter first, and says
+    /// [`Expired`](Unlocked::Expired) when it shows the hold ended without that attempt
+    /// (the counter gone with the key in a restart without data, or still holding our
+    /// hold as held). Redlock counts a retry's "gone" towards no majority (a node may have
+    /// lost the key in a restart, the cause of the lost reply).
     Released,
     /// Passed to a waiting thread of this process without a Redis command.
     HandedOff,
-    /// The key was already gone: the lease had expired (or someone deleted it).
+    /// The key was already gone: the lease had expired, someone deleted it, or the server
+    /// lost it (a restart without data).
     Expired,
     /// The key holds another owner's token; it was left alone.
     HeldByOther,

@@ -24,10 +24,13 @@ use crate::proto::node::Node;
 /// One node, a Sentinel-managed master or a Redis Cluster slot's master decides alone, and
 /// its view is the whole answer ([`nodes`](Self::nodes) is empty). On Redlock every
 /// master is read: [`nodes`](Self::nodes) has each answering master's own view, in the
-/// order the builder named them, the other fields are the first answering master's (but
-/// [`is_held`](Self::is_held) and [`is_waited_for`](Self::is_waited_for) look at every
-/// master's);
-/// [`unreachable`](Self::unreachable) names those that did not answer.
+/// order the builder named them, and the other fields are the majority's: the view of
+/// the first master whose lock key a majority of the masters share (one holder's token,
+/// or a key of one other kind), since only a majority makes a Redlock hold. A key on
+/// fewer (a round under way, what a failed one left, masters that did not answer) is no
+/// holder: the view is then the first answering master's, [`LockKind::Free`], with no
+/// [`holder`](Self::holder). [`is_waited_for`](Self::is_waited_for) looks at every
+/// master's; [`unreachable`](Self::unreachable) names those that did not answer.
 ///
 /// Lists (holds, queue entries, marks) stop at 1,000 entries per key.
 ///
@@ -104,7 +107,7 @@ impl std::fmt::Debug for LockInfo {
 impl LockInfo {
     /// Whether somebody holds the name now: a plain lock, a live read, write or permit
     /// hold, or a key of another type (which stands in every acquisition's way); on
-    /// Redlock, on any master.
+    /// Redlock, on a majority of the masters (see [`LockInfo`]).
     ///
     /// # Examples
     ///
@@ -117,11 +120,6 @@ impl LockInfo {
     /// # Ok(()) }
     /// ```
     pub fn is_held(&self) -> bool {
-        self.nodes.iter().any(LockInfo::is_held) || self.held_here()
-    }
-
-    /// Whether this view (one node's) shows a hold.
-    fn held_here(&self) -> bool {
         match self.kind {
             LockKind::Free => false,
             LockKind::Lock | LockKind::Foreign { .. } => true,
@@ -211,7 +209,8 @@ pub enum LockKind {
 #[non_exhaustive]
 pub struct Holder {
     /// The holder's fence: the fence counter while it holds (what
-    /// [`force_release`](LockClient::force_release) compares). A guard's
+    /// [`force_release`](LockClient::force_release) compares; `None` when the counter is
+    /// gone, which `force_release` takes as fence 0). A guard's
     /// [`fencing_token`](crate::LockGuard::fencing_token) is this fence shifted left by 12
     /// bits, plus the number of local handoffs.
     pub fence: Option<u64>,
@@ -409,9 +408,10 @@ impl LockClient {
     /// watchdog still renews): it does not stop that holder, which may still act on what
     /// it protects. The fence counter outlives an acquisition by
     /// [`Builder::fence_ttl`](crate::Builder::fence_ttl) (7 days), renewals or not: a hold
-    /// kept longer shows no fence and cannot be released this way (set `fence_ttl` above
-    /// the longest hold). A resource that checks fencing tokens refuses its writes once a new
-    /// holder has written.
+    /// kept longer has no counter ([`Holder::fence`] is `None`), and fence `0` frees it
+    /// (only while the name has no counter: any acquisition since writes one, so a lock
+    /// taken again is still never deleted). A resource that checks fencing tokens refuses
+    /// its writes once a new holder has written.
     ///
     /// # Errors
     ///
@@ -504,11 +504,15 @@ fn inspect_keys(engine: &Engine, keys: &Keys) -> Result<LockInfo> {
     let replies = on_each(engine, route.nodes(), keys, inspect_scripts::inspect);
     let many = replies.len() > 1;
     let mut views = Vec::with_capacity(replies.len());
+    let mut owners = Vec::with_capacity(replies.len());
     let mut unreachable = Vec::new();
     let mut error = None;
     for (node, reply) in replies {
         match reply {
-            Ok(snapshot) => views.push(view(keys.name(), node, &snapshot, &mine)),
+            Ok(snapshot) => {
+                views.push(view(keys.name(), node, &snapshot, &mine));
+                owners.push(snapshot.value);
+            }
             Err(e) => {
                 log::debug!("inspect {}: node {node}: {e}", keys.display());
                 unreachable.push(node);
@@ -519,12 +523,39 @@ fn inspect_keys(engine: &Engine, keys: &Keys) -> Result<LockInfo> {
     let Some(first) = views.first() else {
         return Err(error.unwrap_or_else(|| Error::Protocol("no node to inspect".to_owned())));
     };
-    let mut info = first.clone();
-    if many {
-        info.nodes = views;
-        info.unreachable = unreachable;
+    if !many {
+        return Ok(first.clone());
     }
+    let mut info = majority_view(&views, &owners, route.quorum());
+    info.nodes = views;
+    info.unreachable = unreachable;
     Ok(info)
+}
+
+/// Redlock: the view that `quorum` masters share, of the masters' `views` (`owners`: the
+/// token each one's lock key holds, if a string). A holder is one token on a majority,
+/// as only a majority makes a Redlock hold, and a key of another kind counts alike; the
+/// first such master's view is the answer. Without a majority (a round under way, a
+/// leftover of one that failed, masters that did not answer) nobody holds the name: the
+/// first master's view, free.
+fn majority_view(views: &[LockInfo], owners: &[Option<String>], quorum: usize) -> LockInfo {
+    let same = |i: usize, j: usize| {
+        views[i].kind == views[j].kind
+            && (views[i].kind != LockKind::Lock || owners[i] == owners[j])
+    };
+    let agreed = (0..views.len()).find(|&i| {
+        views[i].kind != LockKind::Free
+            && (0..views.len()).filter(|&j| same(i, j)).count() >= quorum
+    });
+    match agreed {
+        Some(i) => views[i].clone(),
+        None => LockInfo {
+            kind: LockKind::Free,
+            holder: None,
+            holds: Vec::new(),
+            ..views[0].clone()
+        },
+    }
 }
 
 /// The public view of what `INSPECT` read on node `node`; `mine`: this client's tokens of

@@ -127,7 +127,10 @@ impl Engine {
     /// the route read afresh each time it is retried through a failover (Redis Cluster),
     /// until `lock`'s validity ends: its key is gone by then anyway. A retry that finds the key gone, or
     /// another token in it, after a try whose reply was lost says so (`GoneAfterRetry`,
-    /// `OtherAfterRetry`): that try may have deleted it or passed it on.
+    /// `OtherAfterRetry`): that try may have deleted it or passed it on. (A node's own
+    /// retry of a lock's release, plain or fair, reads the fence counter when it finds the
+    /// key gone, and says plain `Gone` when no try before released it: see
+    /// `scripts::RELEASE`.)
     pub(crate) fn release_riding(
         &self,
         lock: &RemoteLock,

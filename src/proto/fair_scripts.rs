@@ -41,7 +41,8 @@ use redis::Cmd;
 
 use super::keys::Keys;
 use super::scripts::{
-    CLOCK_FN, END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, OWNER_FN, Site, fence_arg,
+    CLOCK_FN, END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, GONE_AGAIN_FN, HOLD_FENCE_FN, Lua, OWNER_FN,
+    Site, fence_arg,
 };
 use super::sharded::PUBLISH_FN;
 
@@ -230,14 +231,23 @@ return {0, redis.call('PTTL', KEYS[1]), 0}
 /// KEYS: lock, fence, queue, queue expiries, lease record (deleted with the lock; a grant
 /// leaves it to the next holder's first lease change, or its TTL), queue nonces. ARGV:
 /// token, channel, grant lease ms, the holder's fence (`0`: an attempt nobody used is
-/// given back, see `end_fence` of `END_FENCE_FN`), fence counter TTL ms, publish mode.
+/// given back, see `end_fence` of `END_FENCE_FN`), fence counter TTL ms, then `1` when
+/// the release is sent again after a try whose reply was lost (see `fair_call`), then the
+/// publish mode.
 /// Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
-/// (or another kind) holds it.
+/// (or another kind) holds it; a release sent again that finds the key gone reads the
+/// fence counter as the plain release does (see `scripts::RELEASE`, "A retry"): 3, gone
+/// and not released by a try of ours.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}{CLOCK_FN}{FENCE_FN}{COMMON}{PASS_ON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}{GONE_AGAIN_FN}{}{CLOCK_FN}{FENCE_FN}{COMMON}{PASS_ON}{}",
         r"
 local status = ownership(KEYS[1], ARGV[1])
+if status == 0 and #ARGV == 7 then
+",
+        r"
+  return gone_again(KEYS[2], ARGV[4], ARGV[5])
+end
 if status ~= 1 then return status end
 -- Nobody queued: released, before the functions of a grant are defined.
 if redis.call('EXISTS', KEYS[3]) == 0 then
@@ -307,14 +317,15 @@ pub(crate) fn fair_acquire_call(
 }
 
 /// A call of [`FAIR_RELEASE`] or [`FAIR_LEAVE`]: the same keys and arguments; a grant
-/// lasts `grant_ms`; `fence`: the holder's (see `scripts::fence_arg`).
+/// lasts `grant_ms`; `fence`: the holder's (see `scripts::fence_arg`); `again`: a release
+/// sent again after a try whose reply was lost (see [`FAIR_RELEASE`]).
 pub(crate) fn fair_call(
     script: &Lua,
     site: Site<'_>,
     keys: &Keys,
     token: &str,
-    grant_ms: u64,
-    fence: Option<u64>,
+    (grant_ms, fence): (u64, Option<u64>),
+    again: bool,
 ) -> Cmd {
     let mut call = script.call(6);
     call.arg(keys.lock())
@@ -327,7 +338,10 @@ pub(crate) fn fair_call(
         .arg(keys.channel())
         .arg(grant_ms)
         .arg(fence_arg(fence))
-        .arg(site.fence_ttl_ms)
-        .arg(site.publish);
+        .arg(site.fence_ttl_ms);
+    if again {
+        call.arg(1);
+    }
+    call.arg(site.publish);
     call
 }

@@ -136,7 +136,8 @@ return {t[1], t[2], ty, get(KEYS[1]), redis.call('PTTL', KEYS[1]), get(KEYS[2]),
     )
 });
 
-/// Deletes a plain lock only while its fence counter is the given fence.
+/// Deletes a plain lock only while its fence counter is the given fence (0: while there
+/// is no counter, as under a hold kept longer than the counter's TTL).
 ///
 /// KEYS: lock, fence, lease record. ARGV: the fence (decimal), the library's channel, the
 /// publish mode. Returns `{status, counter}`: 1 deleted (the lock and its lease record,
@@ -157,8 +158,11 @@ local ty = redis.call('TYPE', KEYS[1]).ok
 if ty == 'none' then return {0, cur} end
 -- Every lock this library takes has a lease: a string with no expiry is another program's.
 if ty ~= 'string' or redis.call('PTTL', KEYS[1]) == -1 then return {2, cur} end
+-- No counter (a hold kept longer than its TTL, or a value that is no number) reads as
+-- fence 0, as `fence_read` has it: fence 0 frees such a hold, and no other.
 local n = cur and tonumber(cur)
-if not n or math.abs(n) ~= tonumber(ARGV[1]) then return {-1, cur} end
+if not n or n ~= n then n = 0 end
+if math.abs(n) ~= tonumber(ARGV[1]) then return {-1, cur} end
 redis.call('DEL', KEYS[1], KEYS[3])
 publish(ARGV[2], 'r')
 return {1, cur}

@@ -540,16 +540,35 @@ impl Node {
         narrow: Option<(&Lua, &dyn Fn() -> Cmd)>,
         deadline: Option<Instant>,
     ) -> Result<ReleaseReply> {
+        self.release_again(script, (call, None), retry, narrow, deadline)
+    }
+
+    /// [`release_with`](Self::release_with), with `again`, when given, making the call
+    /// sent after a try whose reply was lost: one that can tell, when it finds the key
+    /// gone, whether that try released it (status 3: it did not, see `scripts::RELEASE`).
+    pub(crate) fn release_again(
+        &self,
+        script: &Lua,
+        (call, again): (&Cmd, Option<&dyn Fn() -> Cmd>),
+        retry: Retry,
+        narrow: Option<(&Lua, &dyn Fn() -> Cmd)>,
+        deadline: Option<Instant>,
+    ) -> Result<ReleaseReply> {
         let mut tries = ReleaseTries {
             deadline,
             ..ReleaseTries::default()
         };
-        let mut reply = tries.call(self, retry, narrow.is_some(), |c, before| {
+        let mut retried: Option<Cmd> = None;
+        let mut reply = tries.call(self, retry, narrow.is_some(), |c, before, after_lost| {
+            let call = match again {
+                Some(again) if after_lost => &*retried.get_or_insert_with(again),
+                _ => call,
+            };
             script.run::<i64>(call, c, before)
         });
         if let (Ok(None), Some((narrow, narrow_call))) = (&reply, narrow) {
             let narrow_call = narrow_call();
-            reply = tries.call(self, retry, false, |c, before| {
+            reply = tries.call(self, retry, false, |c, before, _| {
                 narrow.run::<i64>(&narrow_call, c, before)
             });
         }
@@ -571,7 +590,7 @@ impl Node {
         retry: Retry,
     ) -> Result<Option<Vec<ReleaseReply>>> {
         let mut tries = ReleaseTries::default();
-        let statuses = tries.call(self, retry, true, |c, before| {
+        let statuses = tries.call(self, retry, true, |c, before, _| {
             scripts::run_pipelined::<i64>(&[script], calls, c, before)
         });
         let Some(statuses) = statuses.map_err(|e| tries.error(e))? else {
@@ -652,13 +671,14 @@ struct ReleaseTries {
 
 impl ReleaseTries {
     /// Runs `f` through `node`'s call path (see [`Node::call`]) within the caller's
-    /// deadline, if any (a release has none: its retries bound it), noting lost replies.
+    /// deadline, if any (a release has none: its retries bound it), noting lost replies;
+    /// `f`'s last argument says whether a try before lost its reply.
     fn call<T>(
         &mut self,
         node: &Node,
         retry: Retry,
         narrower: bool,
-        mut f: impl FnMut(&mut Connection, Option<&Cmd>) -> RedisResult<T>,
+        mut f: impl FnMut(&mut Connection, Option<&Cmd>, bool) -> RedisResult<T>,
     ) -> Result<Option<T>> {
         let how = Call {
             retry,
@@ -666,8 +686,9 @@ impl ReleaseTries {
             narrower,
         };
         node.call(how, |c, before| {
-            self.retried |= self.lost_reply.is_some();
-            let reply = f(c, before);
+            let after_lost = self.lost_reply.is_some();
+            self.retried |= after_lost;
+            let reply = f(c, before, after_lost);
             if let Err(e) = &reply
                 && is_network_error(e)
             {
@@ -687,9 +708,11 @@ impl ReleaseTries {
 }
 
 /// What a release script's status says (2 passed on, 1 released, 0 gone, -1 another
-/// owner); `retried`: an earlier try of the call lost its reply, and may have done it.
+/// owner; 3 gone, and a retry proved that no earlier try released it); `retried`: an
+/// earlier try of the call lost its reply, and may have done it.
 pub(crate) fn release_reply(status: i64, retried: bool) -> Result<ReleaseReply> {
     let reply = match status {
+        3 => return Ok(ReleaseReply::Gone),
         1 => ReleaseReply::Released,
         2 => ReleaseReply::Passed,
         0 => ReleaseReply::Gone,

@@ -40,8 +40,8 @@ use crate::proto::node::{Call, Node, ReleaseReply, Retry, millis, new_token};
 use crate::proto::renewal::EXTEND;
 use crate::proto::rw_scripts::{SHARED_EXTEND, SharedAttempt, Want};
 use crate::proto::scripts::{
-    ACQUIRE, Lua, RELEASE, Site, UNMARK, acquire_call, acquire_reply, release_call, run_pipelined,
-    unmark_call,
+    ACQUIRE, Lua, RELEASE, Site, UNMARK, acquire_call, acquire_reply, release_call, release_cmd,
+    run_pipelined, unmark_call,
 };
 use crate::stats::Counters;
 
@@ -526,9 +526,25 @@ impl Protocol {
         // has no key: during a migration the narrow release is the fair release of a lock
         // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
         // and its head takes the lock at its next attempt once the slot has moved.
-        match self.exclusive_release(node, keys, token, fence) {
+        match self.exclusive_release(node, keys, token, fence, false) {
             Some((script, call)) => {
-                node.release_with(script, &call, retry, Some((&RELEASE, &narrow)), None)
+                // A holder's release sent again after a lost reply asks the fence counter,
+                // when it finds the key gone, whether the lost try released it (see
+                // `scripts::RELEASE`, "A retry").
+                let again = || match self.exclusive_release(node, keys, token, fence, true) {
+                    Some((_, again)) => again,
+                    None => call.clone(),
+                };
+                let again = fence
+                    .is_some_and(|f| f != 0)
+                    .then_some(&again as &dyn Fn() -> Cmd);
+                node.release_again(
+                    script,
+                    (&call, again),
+                    retry,
+                    Some((&RELEASE, &narrow)),
+                    None,
+                )
             }
             // What an upgrade's attempt may have left is the write hold it turns into (the
             // upgradable hold is not the attempt's to give back).
@@ -542,22 +558,24 @@ impl Protocol {
 
     /// The call that gives back `token`'s exclusive lock `keys` on `node`: the plain
     /// compare-and-delete, or (fair queue) the release that grants the lock to the head
-    /// of the queue; `None` for a shared hold. `fence` as for [`release`](Self::release).
+    /// of the queue; `None` for a shared hold. `fence` as for [`release`](Self::release);
+    /// `again`: sent again after a try whose reply was lost.
     fn exclusive_release(
         self,
         node: &Node,
         keys: &Keys,
         token: &str,
         fence: Option<u64>,
+        again: bool,
     ) -> Option<(&'static Lua, Cmd)> {
+        let site = node.site();
         match self {
-            Protocol::Lock { .. } => Some((
-                &RELEASE,
-                release_call(node.site(), keys, token, fence, true),
-            )),
+            Protocol::Lock { .. } => {
+                Some((&RELEASE, release_cmd(site, keys, token, fence, true, again)))
+            }
             Protocol::FairLock(fair) => {
-                let grant_ms = millis(fair.grant_lease);
-                let call = fair_call(&FAIR_RELEASE, node.site(), keys, token, grant_ms, fence);
+                let grant = (millis(fair.grant_lease), fence);
+                let call = fair_call(&FAIR_RELEASE, site, keys, token, grant, again);
                 Some((&FAIR_RELEASE, call))
             }
             Protocol::Read { .. }
@@ -625,7 +643,7 @@ impl Protocol {
             let calls: Option<Vec<(&Lua, Cmd)>> = keys
                 .iter()
                 .zip(fences)
-                .map(|(k, &f)| self.exclusive_release(node, k, token, f))
+                .map(|(k, &f)| self.exclusive_release(node, k, token, f, false))
                 .collect();
             if let Some(calls) = calls {
                 let (scripts, calls): (Vec<&Lua>, Vec<Cmd>) = calls.into_iter().unzip();
@@ -693,14 +711,8 @@ impl Protocol {
                 Ok(false)
             }
             Protocol::FairLock(fair) => {
-                let call = fair_call(
-                    &FAIR_LEAVE,
-                    node.site(),
-                    keys,
-                    token,
-                    millis(fair.grant_lease),
-                    None,
-                );
+                let grant = (millis(fair.grant_lease), None);
+                let call = fair_call(&FAIR_LEAVE, node.site(), keys, token, grant, false);
                 // Redis Cluster, the slot half-way through a migration: refused like the
                 // fair release (see `release`), leaving is the plain compare-and-delete of
                 // our token, which gives back a grant that raced our leaving; our queue

@@ -407,19 +407,58 @@ return {0, redis.call('PTTL', KEYS[1]), 0}
 /// wakes twice.
 /// Returns 1 released, 0 the key was gone, -1 another token (or another kind of lock)
 /// holds it.
+///
+/// # A retry
+///
+/// A release sent again after a try whose reply was lost (see [`release_cmd`])
+/// carries one more argument before the publish mode, the fence counter's TTL in ms. When
+/// it finds the key gone, the counter tells whether a try before ended the hold: a
+/// release writes the hold's fence back released (see [`END_FENCE_FN`]), so the counter
+/// holding our fence released says it did (0, gone: our first try released it). Our fence still held, a fence below
+/// ours (data that came back older) or no counter at all (a restart without data, a
+/// `FLUSHALL`) says the hold ended without it: 3, gone and not released by us. A counter
+/// past our fence (the name was taken since) cannot tell: 0. Neither can a counter that
+/// is gone when the hold is old enough for it to have expired under it (it is kept
+/// `fence_ttl` from the acquisition, whose fence is at least the server's clock then in
+/// µs): past half that TTL, 0. Only this branch reads the counter and the clock: the first
+/// try's commands are those above.
 pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}{GONE_AGAIN_FN}{}",
         r"
 local status = delete_owned({KEYS[1], KEYS[2]}, ARGV[1])
 if status == 1 then
   if KEYS[3] then end_fence(KEYS[3], ARGV[3]) end
   publish(ARGV[2], 'r')
+elseif status == 0 and #ARGV == 5 then
+",
+        r"
+  return gone_again(KEYS[3], ARGV[3], ARGV[4])
 end
 return status
 "
     ))
 });
+
+/// How a release sent again after a try whose reply was lost reads a key it finds gone
+/// (see [`RELEASE`], "A retry"; the fair queue's release reads it the same way), after
+/// [`FENCE_FORM_FN`]: `gone_again(counter, fence, ttl_ms)` is 3 when the fence counter
+/// shows that no try of the holder of `fence` released the hold, else 0 (released by one,
+/// or cannot tell). Written inside the branch that calls it: only a retry that finds the
+/// key gone creates the function.
+pub(crate) const GONE_AGAIN_FN: &str = r"
+  local function gone_again(counter, fence, ttl_ms)
+    local last, held = fence_read(redis.pcall('GET', counter))
+    local ours = tonumber(fence)
+    if last > ours or (last == ours and not held) then return 0 end
+    if last == 0 then
+      local t = redis.call('TIME')
+      local age_us = tonumber(t[1]) * 1000000 + tonumber(t[2]) - ours
+      if age_us >= tonumber(ttl_ms) * 500 then return 0 end
+    end
+    return 3
+  end
+";
 
 /// Compare-and-delete of a waiter's own mark, when it stops waiting without the lock
 /// (`delete_owned`, see [`OWNER_FN`]).
@@ -523,15 +562,31 @@ pub(crate) fn release_call(
     fence: Option<u64>,
     whole: bool,
 ) -> Cmd {
+    release_cmd(site, keys, token, fence, whole, false)
+}
+
+/// [`release_call`]; `again`: the whole release sent again after a try whose reply was
+/// lost, which carries the fence counter's TTL in ms before the publish mode (a script
+/// reads the mode as its last argument), so that finding the key gone it reads the counter
+/// to tell whether a try before released it (see [`RELEASE`]).
+pub(crate) fn release_cmd(
+    site: Site<'_>,
+    keys: &Keys,
+    token: &str,
+    fence: Option<u64>,
+    whole: bool,
+    again: bool,
+) -> Cmd {
     let mut call = RELEASE.call(if whole { 3 } else { 1 });
     call.arg(keys.lock());
     if whole {
         call.arg(keys.lease()).arg(keys.fence());
     }
-    call.arg(token)
-        .arg(keys.channel())
-        .arg(fence_arg(fence))
-        .arg(site.publish);
+    call.arg(token).arg(keys.channel()).arg(fence_arg(fence));
+    if again {
+        call.arg(site.fence_ttl_ms);
+    }
+    call.arg(site.publish);
     call
 }
 
