@@ -644,6 +644,12 @@ impl SharedGuard {
         );
         match self.engine.upgrade(&self.hold, wait) {
             Ok(hold) => Ok(self.replaced_by(hold, Kind::Write)),
+            // An attempt left unanswered at the deadline may have run, and the upgradable
+            // hold with it (see `UpgradeError`): a timeout would say the read goes on.
+            Err(e @ (Error::Timeout | Error::Cancelled)) => match self.check() {
+                Err(lost) => Err((self, lost)),
+                Ok(()) => Err((self, e)),
+            },
             Err(e) => Err((self, e)),
         }
     }
@@ -1132,8 +1138,9 @@ impl UpgradableReadGuard {
 /// An upgrade that was not made (see [`UpgradableReadGuard::try_upgrade_for`]): why, and
 /// the upgradable read guard, given back. The guard still holds the upgradable read unless
 /// the error says it is lost ([`Error::Lost`]: also when the upgrade ran but its reply came
-/// after the hold's lease, too late to use), or the upgrade went unanswered (a
-/// connection error, [`Error::is_connection`]): it may have run, turning the upgradable
+/// after the hold's lease, too late to use, or when an attempt was still unanswered at
+/// the deadline), or the upgrade went unanswered (a connection error,
+/// [`Error::is_connection`]): it may have run, turning the upgradable
 /// read into the write hold, which the library gives back, so the guard is then lost
 /// ([`LostReason::Converted`](crate::LostReason::Converted)). Its
 /// [`check`](UpgradableReadGuard::check) always says which. Converts into [`Error`] for `?`

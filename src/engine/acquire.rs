@@ -123,7 +123,7 @@ impl Engine {
         undo.disarm();
         match contended.map(|won| won.remote) {
             Ok(lock) => {
-                self.table.acquired(keys);
+                self.table.acquired(keys, lock.acquired_at);
                 if let Some(w) = &self.watchdog {
                     w.register(lock.clone(), lock.next_due());
                 }
@@ -142,7 +142,10 @@ impl Engine {
     /// Run by the first local waiter queued behind a holder (it is idle anyway): once the
     /// key's subscription is confirmed, read the mark key, so that a remote waiter whose
     /// live mark came before the subscription is known too. One `GET` per node and episode.
-    /// A cancelled wait stops waiting for the confirmation (and reads nothing).
+    /// A cancelled wait stops waiting for the confirmation (and reads nothing). Nor is the
+    /// mark key read when the subscription was confirmed before the round that won the
+    /// hold began: every mark since was heard, and a read on a server that stopped
+    /// answering would keep this waiter from a handoff it may be given meanwhile.
     fn check_marks(self: &Arc<Self>, keys: &Keys, wait: Wait<'_>) {
         let soon = crate::clock::from_now(self.cfg.read_timeout);
         let until = wait.deadline().map_or(soon, |d| d.min(soon));
@@ -173,6 +176,9 @@ impl Engine {
             // unchecked, the holder applies the budget, which is safe.
             if wait.cancelled() || Instant::now() >= until {
                 return;
+            }
+            if self.table.marks_heard_since(keys, at) {
+                continue;
             }
             match route.lock_protocol().foreign_mark(node, keys, Some(until)) {
                 Ok(foreign) => self.table.marks_checked(keys, &node.id, at, foreign),

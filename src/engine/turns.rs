@@ -23,7 +23,7 @@ use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::fencing::{self, MAX_LOCAL_SEQ};
-use crate::local::held::{Acquisition, RemoteLock};
+use crate::local::held::{Acquisition, Changed, RemoteLock};
 use crate::local::shares::{Budget, Mine, Mode, Next, SharesState, Turn};
 use crate::local::table::Probe;
 use crate::local::undo::OnUnwind;
@@ -490,9 +490,13 @@ impl Engine {
         // On the lease clock: the read hold's validity counts from here.
         let started = Stamp::now();
         let paused = Paused::new(self, from);
-        match node.downgrade_shared(keys, &from.token, from.fence, lease, route.retry()) {
-            Ok(true) => paused.replaced(),
-            Ok(false) => {
+        let done = node.downgrade_shared(keys, &from.token, from.fence, lease, route.retry());
+        let unacked = match done {
+            Ok((true, unacked)) => {
+                paused.replaced();
+                unacked
+            }
+            Ok((false, _)) => {
                 drop(paused);
                 from.mark_lost(LostReason::Deleted, &self.counters);
                 return Err(Error::Lost(LostReason::Deleted));
@@ -510,7 +514,7 @@ impl Engine {
                 }
                 return Err(e);
             }
-        }
+        };
         let acquisition = Acquisition {
             keys: keys.clone(),
             protocol,
@@ -521,6 +525,17 @@ impl Engine {
             started,
         };
         let remote = Arc::new(self.remote_lock(acquisition).capped_as(from));
+        if unacked.is_some() {
+            // Too few replicas have the read hold: a failover could bring the write hold
+            // back, lasting as long as it was acknowledged. The read hold is trusted no
+            // longer, as a lease change of unknown outcome, and renewed (and acknowledged)
+            // at once.
+            let unknown = Changed::Unknown {
+                cap: from.validity(),
+                retry_at: Stamp::now(),
+            };
+            remote.end_renew(unknown, &self.counters);
+        }
         if let Some(w) = &self.watchdog {
             w.register(remote.clone(), remote.next_due());
         }

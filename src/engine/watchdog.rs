@@ -241,10 +241,11 @@ fn run(
     if kicked.recv().is_err() {
         return;
     }
+    let mut refused = Refused::new();
     while !shutdown.load(Ordering::Relaxed) {
         // Hold the nodes only while working, so that dropping the client ends us.
         let next = match cx.topology.upgrade() {
-            Some(topology) => renew_due(cx, &topology, held),
+            Some(topology) => renew_due(cx, &topology, held, &mut refused),
             None => return, // registrations come from a live client: it is gone now
         };
         let longest = if expecting.load(Ordering::Relaxed) > 0 {
@@ -267,9 +268,28 @@ fn run(
     }
 }
 
+/// Per watched lock (by id), how many of its renewals in a row a node refused at `AUTH`.
+type Refused = HashMap<u64, u32>;
+
+/// When to renew again a lock of which the `n`-th renewal in a row was refused at
+/// `AUTH` (n ≥ 1), sent at `now`, valid until `valid_until`: `retry` doubled for each
+/// refusal after the first, since retrying cannot help until an operator puts the password
+/// back, but never later than half the validity left (nor sooner than `retry`), so that a
+/// password put back still saves the lock.
+fn backoff(n: u32, retry: Duration, now: Stamp, valid_until: Stamp) -> Stamp {
+    let doubled = retry.saturating_mul(1 << n.saturating_sub(1).min(20));
+    let latest = (valid_until.since(now) / 2).max(retry);
+    now + doubled.min(latest)
+}
+
 /// Renews what is due (and what would be due within a quarter interval, to batch), and
-/// returns when to look again.
-fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
+/// returns when to look again. `refused` counts the renewals refused at `AUTH` in a row.
+fn renew_due(
+    cx: &Context,
+    topology: &Topology,
+    held: &Mutex<Held>,
+    refused: &mut Refused,
+) -> Stamp {
     let cfg = &cx.cfg;
     let counters = &cx.counters;
     let now = Stamp::now();
@@ -298,6 +318,9 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
                 true
             }
         });
+    if !refused.is_empty() {
+        refused.retain(|id, _| h.locks.contains_key(id));
+    }
     drop(h);
     if due.is_empty() {
         return next;
@@ -320,9 +343,11 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     // Per lock: (extended, gone, other owner) node counts, and the nodes yet to answer.
     let mut tallies = vec![(0, 0, 0); due.len()];
     let mut waiting = plan.nodes_per_lock();
+    // Per lock: whether a node refused its renewal at `AUTH` in this pass.
+    let mut turned_away = vec![false; due.len()];
     // A lock's outcome, applied as soon as its nodes have answered: a node that hangs
     // holds up its own locks only (see `telling_meanwhile`).
-    let mut settle = |i: usize, (ok, gone, other): (usize, usize, usize)| {
+    let mut settle = |i: usize, (ok, gone, other): (usize, usize, usize), turned_away: bool| {
         let (lock, lease, _) = &due[i];
         let route = topology.route(&lock.keys);
         let outcome = match route.renewal((ok, gone, other), lock.nodes.len()) {
@@ -336,12 +361,25 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
                 unknown(*lease)
             }
         };
+        let outcome = match (outcome, turned_away) {
+            (Changed::Unknown { cap, .. }, true) => {
+                let n = refused.entry(lock.id).or_default();
+                *n += 1;
+                let retry_at = backoff(*n, retry, now, lock.validity().min(cap));
+                Changed::Unknown { cap, retry_at }
+            }
+            (outcome, _) => {
+                refused.remove(&lock.id);
+                outcome
+            }
+        };
         lock.end_renew(outcome, counters);
         // Its cap may come before the retry.
         next = next.min(now + retry).min(lock.next_due());
     };
-    let mut heard = |replies: Vec<(usize, Option<ExtendReply>)>| {
+    let mut heard = |(replies, refused): Replies| {
         for (i, reply) in replies {
+            turned_away[i] |= refused;
             match reply {
                 Some(ExtendReply::Extended) => tallies[i].0 += 1,
                 Some(ExtendReply::Gone) => tallies[i].1 += 1,
@@ -351,7 +389,7 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
             }
             waiting[i] = waiting[i].saturating_sub(1);
             if waiting[i] == 0 {
-                settle(i, tallies[i]);
+                settle(i, tallies[i], turned_away[i]);
             }
         }
     };
@@ -362,15 +400,15 @@ fn renew_due(cx: &Context, topology: &Topology, held: &Mutex<Held>) -> Stamp {
     // A node whose call never ran (a Redlock node skipped as stalled) said nothing.
     for i in 0..due.len() {
         if waiting[i] > 0 {
-            settle(i, tallies[i]);
+            settle(i, tallies[i], turned_away[i]);
         }
     }
     next
 }
 
 /// What one node said of the locks it was asked to renew: their indexes in the pass, each
-/// with its reply (`None`: no reply).
-type Replies = Vec<(usize, Option<ExtendReply>)>;
+/// with its reply (`None`: no reply), and whether the node refused the call at `AUTH`.
+type Replies = (Vec<(usize, Option<ExtendReply>)>, bool);
 
 /// Runs `renew` (a pass's round trips, which a hung node stretches to the read timeout) on
 /// a thread of its own; each node's replies, sent on the channel it is given, are `heard`
@@ -542,7 +580,8 @@ fn extend_on_nodes(
             let sent = chunks.iter().map(|c| c.len() as u64).sum();
             Counters::add(&counters.renewals_sent, sent);
         }
-        let mut replies: Replies = Vec::new();
+        let mut replies = Vec::new();
+        let mut refused = false;
         match node.extend_batches(&batches) {
             Ok(lists) => {
                 for (chunk, list) in chunks.iter().zip(lists) {
@@ -551,10 +590,11 @@ fn extend_on_nodes(
             }
             Err(e) => {
                 log::debug!("node {}: renewal failed: {e}", node.id);
+                refused = e.is_auth();
                 replies.extend(chunks.iter().flat_map(|c| c.iter()).map(|&i| (i, None)));
             }
         }
         // The pass's thread is gone only after a panic: nobody to tell.
-        let _ = report.send(replies);
+        let _ = report.send((replies, refused));
     });
 }

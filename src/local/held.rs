@@ -175,11 +175,13 @@ impl RemoteLock {
         self.next_look(&self.state.lock())
     }
 
-    /// The next renewal (with renewals off: the end of the validity), or the hold's cap if
-    /// that comes first.
+    /// The next renewal (with renewals off: the end of the validity), or the end of the
+    /// validity or the hold's cap if that comes first: a retry planned past the end (a
+    /// renewal that failed late in the lease) must not make the holder learn of the loss
+    /// late.
     fn next_look(&self, st: &State) -> Stamp {
         let next = if self.renews {
-            st.next_renew
+            st.next_renew.min(st.valid_until)
         } else {
             st.valid_until
         };

@@ -102,6 +102,9 @@ struct Entry {
     seq: u32,
     /// When the current remote acquisition began (the budget's time slice).
     acquired_at: Instant,
+    /// When the round that won it began (`RemoteLock::acquired_at`): a subscription
+    /// confirmed by then heard every other process that failed to get it since.
+    round_at: Instant,
     /// Keeps the key subscribed while local threads queue behind a holder, so that the
     /// holder hears when a remote process fails to get the lock.
     interests: Vec<Box<dyn Send>>,
@@ -128,6 +131,7 @@ impl Entry {
             queue: VecDeque::new(),
             seq: 0,
             acquired_at: Instant::now(),
+            round_at: Instant::now(),
             interests: Vec::new(),
             checked: Vec::new(),
             marked_at: None,
@@ -288,6 +292,16 @@ impl Table {
         }
     }
 
+    /// Whether marks left before a subscription confirmed at `confirmed_at` need no look:
+    /// it was confirmed before the round that won the current hold began, so every other
+    /// process that failed to get the lock since published its mark to it, and the holder
+    /// counts it as known (see `Entry::others`).
+    pub fn marks_heard_since(&self, keys: &Keys, confirmed_at: Instant) -> bool {
+        let map = self.map.lock();
+        map.get(keys.lock())
+            .is_some_and(|e| e.holder.is_some() && confirmed_at <= e.round_at)
+    }
+
     /// A waiter that was granted the duty to contend but gives up before contending
     /// (its deadline passed in the same instant): pass the duty on.
     pub fn contend_failed(&self, keys: &Keys) {
@@ -305,7 +319,7 @@ impl Table {
     }
 
     /// The calling thread, a contender, got the lock in Redis.
-    pub fn acquired(&self, keys: &Keys) {
+    pub fn acquired(&self, keys: &Keys, round_at: Instant) {
         let me = std::thread::current().id();
         let mut map = self.map.lock();
         let active = map.len();
@@ -325,6 +339,7 @@ impl Table {
         entry.holder = Some(me);
         entry.seq = 0;
         entry.acquired_at = Instant::now();
+        entry.round_at = round_at;
         entry.held_since = entry.acquired_at;
         entry.tell_next(active);
     }
@@ -567,7 +582,7 @@ mod tests {
             table.enter(keys, true, true, subs),
             Ok(Role::Contend)
         ));
-        table.acquired(keys);
+        table.acquired(keys, Instant::now());
         remote(keys)
     }
 
@@ -809,7 +824,7 @@ mod tests {
                         table.enter(&keys, true, false, &subs),
                         Ok(Role::Contend)
                     ));
-                    table.acquired(&keys);
+                    table.acquired(&keys, Instant::now());
                     if new_first {
                         release(&remote(&keys));
                     }

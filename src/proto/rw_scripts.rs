@@ -995,7 +995,8 @@ impl Node {
 
     /// Turns the write hold `member` of `keys` into the read hold of the same token (see
     /// `RW_DOWNGRADE`), retried after an ambiguous failure as `retry` says. Whether it was
-    /// done: `false` when the write hold had expired or was gone.
+    /// done: `false` when the write hold had expired or was gone; and, when it was done
+    /// and `replica_ack` asks, how many replicas acknowledged it if fewer than asked.
     pub fn downgrade_shared(
         &self,
         keys: &Keys,
@@ -1003,7 +1004,7 @@ impl Node {
         fence: u64,
         lease: Duration,
         retry: Retry,
-    ) -> Result<bool> {
+    ) -> Result<(bool, Option<usize>)> {
         let mut call = RW_DOWNGRADE.call(4);
         call.arg(keys.lock())
             .arg(keys.writers())
@@ -1015,9 +1016,13 @@ impl Node {
             .arg(keys.channel())
             .arg(fence_arg(Some(fence)))
             .arg(self.publish_mode());
-        match self.run_script::<i64>(&RW_DOWNGRADE, &call, retry, None)? {
-            1 => Ok(true),
-            0 => Ok(false),
+        // Acknowledged as an acquisition is (see `run_acquire`): the read hold replaces
+        // the write hold, and a failover must not bring the write hold back.
+        let (replied, unacked) =
+            self.run_acquire::<i64>(&RW_DOWNGRADE, (&call, None), retry, None, |r| *r == 1)?;
+        match replied {
+            1 => Ok((true, unacked)),
+            0 => Ok((false, None)),
             -1 => Err(Error::WrongKind),
             other => Err(Error::Protocol(format!("downgrade replied {other}"))),
         }
