@@ -556,7 +556,11 @@ impl GroupContest<'_> {
                 if engine.cfg.wakeup == Wakeup::Notifications {
                     // Subscribe, confirmed, then the attempt whose failure makes us wait.
                     self.waiter.watch_all(keys, engine, &self.route, deadline);
-                    continue;
+                    // No subscriber serves the route (the client shut down): the sleep
+                    // below waits on timers, rather than the next attempt at once.
+                    if self.waiter.watching() {
+                        continue;
+                    }
                 }
             }
             let route = &self.route;

@@ -3,6 +3,7 @@
 //! that appear later (a Redis Cluster master after a reshard or a failover).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use parking_lot::RwLock;
@@ -19,6 +20,9 @@ pub(crate) struct Subs {
     /// `None` when waiters poll: no subscriber at all.
     template: Option<Template>,
     counters: Arc<Counters>,
+    /// The client shut down: no subscriber starts any more (a wait still under way that
+    /// follows its key to a new node is woken by its timers there, as everywhere).
+    stopped: AtomicBool,
 }
 
 /// What every subscriber of the client shares.
@@ -34,6 +38,7 @@ impl Subs {
             list: RwLock::new(Arc::from(Vec::new())),
             template,
             counters,
+            stopped: AtomicBool::new(false),
         }
     }
 
@@ -47,7 +52,7 @@ impl Subs {
     ///
     /// # Errors
     ///
-    /// The thread could not be spawned.
+    /// The thread could not be spawned, or the client shut down.
     pub fn start(&self, node: &Node, keyspace: bool) -> Result<Arc<Subscriber>> {
         let Some(t) = &self.template else {
             return Err(crate::error::Error::Protocol(
@@ -57,6 +62,11 @@ impl Subs {
         let mut list = self.list.write();
         if let Some(s) = list.iter().find(|s| *s.node() == node.id) {
             return Ok(s.clone());
+        }
+        // Read under the list's lock, which `shutdown` takes to set it: a subscriber is
+        // either in the list it stops, or never started.
+        if self.stopped.load(Ordering::Relaxed) {
+            return Err(crate::error::Error::ShutDown);
         }
         let setup = Setup {
             node: node.id.clone(),
@@ -95,6 +105,7 @@ impl Subs {
             .iter()
             .filter_map(|n| match list.iter().find(|s| *s.node() == n.id) {
                 Some(s) => Some(s.clone()),
+                None if self.stopped.load(Ordering::Relaxed) => None,
                 None => self
                     .start(n, true)
                     .inspect_err(|e| log::warn!("node {}: no subscriber: {e}", n.id))
@@ -127,7 +138,11 @@ impl Subs {
     /// Stops every subscriber and waits for them until `deadline`; `false` if one still
     /// runs then.
     pub fn shutdown(&self, deadline: Instant) -> bool {
-        let list = self.list.read().clone();
+        let list = {
+            let list = self.list.write();
+            self.stopped.store(true, Ordering::Relaxed);
+            list.clone()
+        };
         let mut all = true;
         for s in list.iter() {
             all &= s.shutdown(deadline);

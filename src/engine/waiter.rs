@@ -418,14 +418,23 @@ impl Waiter {
             Wakeup::Notifications => {
                 if !self.watching() {
                     self.watch(keys, client, route, deadline);
-                    return;
-                }
-                match before {
-                    Some(before) => {
-                        arm(self);
-                        self.wait_change(&before, hint, deadline, client)
+                    if self.watching() {
+                        return;
                     }
-                    None => self.wait_degraded(hint, deadline, keys, client),
+                    // No subscriber serves the route (the client shut down before the
+                    // key moved to a node it had none for): nothing to confirm, and the
+                    // next attempt must not follow at once, or the wait spins on
+                    // attempts. Timers alone wake it, as a wait without confirmed
+                    // subscriptions.
+                    self.wait_degraded(hint, deadline, keys, client)
+                } else {
+                    match before {
+                        Some(before) => {
+                            arm(self);
+                            self.wait_change(&before, hint, deadline, client)
+                        }
+                        None => self.wait_degraded(hint, deadline, keys, client),
+                    }
                 }
             }
         };
