@@ -84,9 +84,11 @@ const READONLY_PAUSE: Duration = Duration::from_millis(50);
 /// The slot map of a Redis Cluster, as its call path needs it (`topology::cluster`
 /// implements it).
 pub(crate) trait SlotMap: Send + Sync {
-    /// The node at `addr` (`host:port`) that a redirect for `slot` names; `moved`: the
-    /// slot now belongs to it (`MOVED`), rather than for this one command (`ASK`).
-    fn follow(&self, slot: u16, addr: &str, moved: bool) -> Option<Arc<Node>>;
+    /// The node at `addr` (`host:port`) that a redirect for `slot` from node `from`
+    /// names; `moved`: the slot now belongs to it (`MOVED`), rather than for this one
+    /// command (`ASK`). An empty host (`:port`, a server set to
+    /// `cluster-preferred-endpoint-type unknown-endpoint`) is `from`'s.
+    fn follow(&self, from: &Node, slot: u16, addr: &str, moved: bool) -> Option<Arc<Node>>;
     /// The layout may have changed (a master moved): read the map again soon.
     fn stale(&self);
 }
@@ -150,7 +152,7 @@ impl CallPath for Path {
                         return Ok(Sent::Narrow);
                     }
                     Failure::Redirect { slot, addr, moved } if self.in_cluster() => {
-                        let target = self.map().and_then(|map| map.follow(slot, addr, moved));
+                        let target = self.map().and_then(|map| map.follow(on, slot, addr, moved));
                         match target {
                             Some(next) if hops < MAX_HOPS => {
                                 Counters::inc(&on.counters().redirects);

@@ -112,9 +112,7 @@ impl Cluster {
     /// The master serving the slot of `keys`' lock key.
     pub fn route(&self, keys: &Keys) -> Route {
         let shared = &self.shared;
-        if shared.stale.load(Ordering::Relaxed) {
-            let _ = shared.refresh(false);
-        }
+        shared.fresh();
         let slot = keyslot(keys.lock());
         let map = shared.map.read();
         match map.owner[usize::from(slot)] {
@@ -128,8 +126,11 @@ impl Cluster {
         }
     }
 
-    /// Every master.
+    /// Every master. Read afresh when a fault or a redirect marked the map stale, as a
+    /// route is: a listing (`locks`) may be all a client does, and it would otherwise ask
+    /// a master that died, and miss the replica that took over, for ever.
     pub fn all(&self) -> Route {
+        self.shared.fresh();
         self.shared.map.read().all.clone()
     }
 
@@ -145,6 +146,13 @@ impl Cluster {
 }
 
 impl Shared {
+    /// Reads the map again if something marked it stale (see [`refresh`](Self::refresh)).
+    fn fresh(&self) {
+        if self.stale.load(Ordering::Relaxed) {
+            let _ = self.refresh(false);
+        }
+    }
+
     /// Reads the slot map again, unless another thread is reading it or it was read less
     /// than [`MIN_REFRESH`] ago (`force`: at start). Asks the known masters first, then
     /// the seeds.
@@ -298,9 +306,26 @@ impl Shared {
 }
 
 impl SlotMap for Shared {
-    fn follow(&self, slot: u16, addr: &str, moved: bool) -> Option<Arc<Node>> {
+    fn follow(&self, from: &Node, slot: u16, addr: &str, moved: bool) -> Option<Arc<Node>> {
         let (host, port) = addr.rsplit_once(':')?;
-        let node = self.node(host, port.parse().ok()?).ok()?;
+        let port = port.parse().ok()?;
+        let from_host;
+        let host = if host.is_empty() {
+            // The server announces no endpoint: the target is on the host the command was
+            // sent to (a node's address is its key in `known`).
+            from_host = self
+                .map
+                .read()
+                .known
+                .iter()
+                .find(|(_, n)| n.id == from.id)
+                .and_then(|(at, _)| at.rsplit_once(':'))
+                .map(|(host, _)| host.to_owned())?;
+            from_host.as_str()
+        } else {
+            host
+        };
+        let node = self.node(host, port).ok()?;
         if moved {
             // Route the slot there at once; read the whole map again soon (one moved slot
             // usually means more: a reshard, a failover).
