@@ -3,14 +3,15 @@
 //! queued; entries that lost their expiry (their `:qx` member evicted or deleted) never
 //! hold the lock back; a waiter whose ACL refuses the library's channels, so that it cannot
 //! hear its grant, still takes its turn; a restart with waiters queued loses none of them;
-//! and `inspect` sees a live waiter however many dead entries came before it. Real
+//! `inspect` sees a live waiter however many dead entries came before it; and the head
+//! leaving a free lock lets the next waiter or a multi-lock behind it have it. Real
 //! `redis-server`; a server's clock step is simulated by the score it would have written.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 
-use redbaton::{LockClient, LockGuard};
+use redbaton::{Cancel, LockClient, LockGuard, Wakeup};
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{join_all, wait_for};
 use redbaton_testkit::{lock_client, ms, secs, test_server, test_server_and};
@@ -220,4 +221,69 @@ fn a_server_restart_mid_queue_loses_no_waiter() {
     assert_eq!(order, ["first", "second"]);
     drop(guard);
     assert!(srv.keys_but_fences("redbaton:*").is_empty());
+}
+
+/// The head of the queue, cut off from its wake-ups, is cancelled while the lock is free
+/// (its holder's key was deleted: no release), with `wait` (a lock's or a multi-lock's
+/// wait, of `url`, with a deadline of half a minute) behind it: `wait` gets the name
+/// soon after.
+fn the_head_leaves_a_free_lock<W: Send>(wait: impl FnOnce(&str) -> W + Send)
+where
+    W: FnOnce() -> redbaton::Result<()>,
+{
+    let srv = test_server();
+    let url = srv.url();
+    let holder = client(&url);
+    // The head polls once a minute: it sleeps through the key's deletion, and is
+    // cancelled before it looks again.
+    let head = lock_client!(node(url.clone()), wakeup(Wakeup::Polling(secs(60))));
+    let guard = holder.lock("k").expect("lock");
+    let cancel = Cancel::new();
+    let behind = wait(&url);
+    thread::scope(|s| {
+        let first = s.spawn(|| head.lock_cancellable("k", &cancel).map(drop));
+        wait_for(secs(20), "the head to queue", || srv.zcard(QUEUE) == 1);
+        let second = s.spawn(behind);
+        wait_for(secs(20), "the one behind to wait", || {
+            srv.zcard(QUEUE) == 2 || !srv.keys("redbaton:{k}:w").is_empty()
+        });
+        // Free, with the head queued: the one behind tries and fails (the head is first).
+        redis::cmd("DEL")
+            .arg("redbaton:{k}")
+            .exec(&mut srv.conn())
+            .expect("DEL");
+        thread::sleep(ms(300));
+        cancel.cancel();
+        let e = first.join().expect("head").expect_err("the head gives up");
+        assert!(e.is_cancelled(), "{e:?}");
+        // Long before the waits' deadlines (and their last attempts) or re-checks.
+        wait_for(secs(8), "the one behind to take the name", || {
+            second.is_finished()
+        });
+        second
+            .join()
+            .expect("behind")
+            .expect("the turn of the one behind");
+    });
+    drop(guard);
+}
+
+/// A fair waiter behind the head: its attempt grants the free lock to the head on the
+/// spot, and the head's leaving passes that grant on to it.
+#[test]
+fn the_head_leaving_a_free_lock_passes_it_to_the_next_waiter() {
+    the_head_leaves_a_free_lock(|url| {
+        let next = client(url);
+        move || next.try_lock_for("k", secs(30)).map(drop)
+    });
+}
+
+/// A multi-lock behind the head waits for it (it does not pass the queue) and grants
+/// nothing: the head's leaving of a free lock wakes it, not its re-check a minute later.
+#[test]
+fn the_head_leaving_a_free_lock_wakes_a_multi_lock_behind_it() {
+    the_head_leaves_a_free_lock(|url| {
+        let multi = client(url);
+        move || multi.try_multi_lock_for(["k", "other"], secs(30)).map(drop)
+    });
 }

@@ -67,9 +67,10 @@ local function prune(q, qx, qn, now_ms)
 end
 -- Takes `token` out of the queue.
 local function dequeue(q, qx, qn, token)
-  redis.call('ZREM', q, token)
+  local was = redis.call('ZREM', q, token)
   redis.call('ZREM', qx, token)
   redis.call('ZREM', qn, token)
+  return was == 1
 end
 -- The first entry by arrival that has an expiry, after `prune`. An entry without one (its
 -- `qx` member evicted, or deleted) is refreshed by nobody and never pruned: it would be
@@ -273,15 +274,21 @@ return pass_on(KEYS[3], KEYS[4], KEYS[6], ARGV[2], ARGV[3], math.floor(clock_us(
 /// waiter leaves with is one nobody used, given back as such), fence counter TTL ms,
 /// publish mode.
 /// Returns 2 a grant to us was passed to the next waiter, 1 it was released, 0 nothing was
-/// ours.
+/// ours. A waiter that leaves the queue of a free lock publishes `r`, as a release does:
+/// a multi-lock that a live entry kept from the free name (see `multi_scripts`) tries
+/// again.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
         "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{END_FENCE_FN}{OWNER_FN}{COMMON}{PASS_ON}{}",
         r"
-dequeue(KEYS[3], KEYS[4], KEYS[6], ARGV[1])
-if ownership(KEYS[1], ARGV[1]) == 1 then
+local queued = dequeue(KEYS[3], KEYS[4], KEYS[6], ARGV[1])
+local status = ownership(KEYS[1], ARGV[1])
+if status == 1 then
   return pass_on(KEYS[3], KEYS[4], KEYS[6], ARGV[2], ARGV[3], math.floor(clock_us() / 1000), '0')
 end
+-- A free lock that a waiter was queued for: whoever an attempt refused because it was
+-- queued first (a multi-lock, which grants nothing) hears of no release; wake them.
+if queued and status == 0 then publish(ARGV[2], 'r') end
 return 0
 "
     ))
