@@ -227,9 +227,9 @@ fn a_server_restart_mid_queue_loses_no_waiter() {
 /// (its holder's key was deleted: no release), with `wait` (a lock's or a multi-lock's
 /// wait, of `url`, with a deadline of half a minute) behind it: `wait` gets the name
 /// soon after.
-fn the_head_leaves_a_free_lock<W: Send>(wait: impl FnOnce(&str) -> W + Send)
+fn the_head_leaves_a_free_lock<W>(wait: impl FnOnce(&str) -> W)
 where
-    W: FnOnce() -> redbaton::Result<()>,
+    W: FnOnce() -> redbaton::Result<()> + Send,
 {
     let srv = test_server();
     let url = srv.url();
