@@ -93,14 +93,25 @@ impl Detached {
 impl Drop for Detached {
     fn drop(&mut self) {
         if !self.released {
-            warn_on_drop(&self.hold.remote.keys, self.release());
+            release_on_drop(&self.hold.remote.keys, || self.release());
         }
     }
 }
 
-/// Logs what a guard's release on drop did, when it is worth a warning (it never panics:
-/// the guard may be dropped while unwinding).
-pub(crate) fn warn_on_drop(keys: &Keys, released: Result<Unlocked>) {
+/// Runs a guard's release on drop and logs what it did, when it is worth a warning. It
+/// never panics: the guard may be dropped while its thread unwinds, where a second panic
+/// aborts the process. A panic of the release itself (a bug) is caught and logged; the
+/// release path has already left the lock to the cleanup thread as it unwound.
+pub(crate) fn release_on_drop(keys: &Keys, release: impl FnOnce() -> Result<Unlocked>) {
+    let name = keys.display();
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(release)) {
+        Ok(released) => warn_on_drop(keys, released),
+        Err(_) => log::error!("{name:?}: release on drop panicked (given back in the background)"),
+    }
+}
+
+/// Logs what a guard's release on drop did, when it is worth a warning.
+fn warn_on_drop(keys: &Keys, released: Result<Unlocked>) {
     let name = keys.display();
     match released {
         Ok(outcome) if outcome.was_held() => {}

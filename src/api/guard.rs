@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
-use crate::api::detached::{Detached, DetachedGuard, extend_checked};
+use crate::api::detached::{Detached, DetachedGuard, extend_checked, release_on_drop};
 use crate::engine::acquire::path_of;
 use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
@@ -322,7 +322,7 @@ impl LockGuard {
     /// ```
     pub fn detach(mut self) -> DetachedGuard {
         self.released = true;
-        self.client.table.detach(&self.remote.keys);
+        self.client.table.detach(&self.remote);
         let hold = Hold {
             remote: self.remote.clone(),
             sharer: 0,
@@ -371,19 +371,8 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        if self.released {
-            return;
-        }
-        match self.let_go() {
-            Ok(outcome) if outcome.was_held() => {}
-            Ok(outcome) => log::warn!(
-                "lock {:?} dropped but it was not held: {outcome}",
-                self.remote.keys.display()
-            ),
-            Err(e) => log::warn!(
-                "lock {:?}: release on drop failed (it expires with its lease): {e}",
-                self.remote.keys.display()
-            ),
+        if !self.released {
+            release_on_drop(&self.remote.keys, || self.let_go());
         }
     }
 }

@@ -442,11 +442,18 @@ impl Drop for MultiGuard {
         if self.released {
             return;
         }
-        match self.release() {
-            Ok(outcome) if outcome.was_held() => {}
-            Ok(outcome) => log::warn!("multi-lock {:?} dropped: {outcome}", self.display()),
-            Err(e) => log::warn!(
+        // Never a panic out of a drop, which may run while the thread unwinds (see
+        // `release_on_drop`).
+        let released = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.release()));
+        match released {
+            Ok(Ok(outcome)) if outcome.was_held() => {}
+            Ok(Ok(outcome)) => log::warn!("multi-lock {:?} dropped: {outcome}", self.display()),
+            Ok(Err(e)) => log::warn!(
                 "multi-lock {:?}: release on drop failed (it expires with its lease): {e}",
+                self.display()
+            ),
+            Err(_) => log::error!(
+                "multi-lock {:?}: release on drop panicked (it expires with its lease)",
                 self.display()
             ),
         }

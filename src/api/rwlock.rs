@@ -9,7 +9,7 @@ use crossbeam_channel::Receiver;
 
 use crate::api::cancel::Cancel;
 use crate::api::client::LockClient;
-use crate::api::detached::{Detached, DetachedWriteGuard, warn_on_drop};
+use crate::api::detached::{Detached, DetachedWriteGuard, release_on_drop};
 use crate::engine::contest::Wait;
 use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
@@ -697,7 +697,7 @@ impl SharedGuard {
 impl Drop for SharedGuard {
     fn drop(&mut self) {
         if !self.released {
-            warn_on_drop(&self.hold.remote.keys, self.release());
+            release_on_drop(&self.hold.remote.keys, || self.release());
         }
     }
 }

@@ -123,7 +123,7 @@ impl Engine {
         undo.disarm();
         match contended.map(|won| won.remote) {
             Ok(lock) => {
-                self.table.acquired(keys, lock.acquired_at);
+                self.table.acquired(keys, lock.id, lock.acquired_at);
                 if let Some(w) = &self.watchdog {
                     w.register(lock.clone(), lock.next_due());
                 }

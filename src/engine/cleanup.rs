@@ -114,8 +114,13 @@ impl Cleanup {
     /// taken. Waits for it until `deadline`; `false` if it still runs then (it ends once
     /// its current Redis call returns).
     pub fn shutdown(&self, deadline: Instant) -> bool {
-        self.stopped.store(true, Ordering::Relaxed);
-        let Some(mut worker) = self.worker.lock().take() else {
+        // Set under the worker's lock, where `later` reads it: no thread starts after this.
+        let taken = {
+            let mut worker = self.worker.lock();
+            self.stopped.store(true, Ordering::Relaxed);
+            worker.take()
+        };
+        let Some(mut worker) = taken else {
             return true;
         };
         let thread = worker.thread.take();
@@ -171,6 +176,7 @@ impl Cleanup {
             due: now + Job::pause(looks),
             looks,
         };
+        let mut worker = self.worker.lock();
         if self.stopped.load(Ordering::Relaxed) {
             log::debug!(
                 "client shut down: the cleanup of {} is left to the keys' TTL",
@@ -179,7 +185,6 @@ impl Cleanup {
             Counters::inc(&self.counters.cleanup_dropped);
             return;
         }
-        let mut worker = self.worker.lock();
         if worker.is_none() {
             match self.start() {
                 Ok(w) => *worker = Some(w),

@@ -90,6 +90,10 @@ pub(crate) enum Forced {
 
 struct Entry {
     holder: Option<ThreadId>,
+    /// The id of the remote lock the holder holds (`RemoteLock::id`): a thread that won
+    /// the key anew while the guard of its earlier, lost hold still lives has two guards,
+    /// and only the current hold's guard may change the entry.
+    hold: Option<u64>,
     contenders: usize,
     releasing: bool,
     /// Threads that held the key here when another thread won it anew in Redis (without
@@ -125,6 +129,7 @@ impl Entry {
     fn new() -> Self {
         Entry {
             holder: None,
+            hold: None,
             contenders: 0,
             releasing: false,
             unseated: Vec::new(),
@@ -318,8 +323,8 @@ impl Table {
         }
     }
 
-    /// The calling thread, a contender, got the lock in Redis.
-    pub fn acquired(&self, keys: &Keys, round_at: Instant) {
+    /// The calling thread, a contender, got the lock `id` (`RemoteLock::id`) in Redis.
+    pub fn acquired(&self, keys: &Keys, id: u64, round_at: Instant) {
         let me = std::thread::current().id();
         let mut map = self.map.lock();
         let active = map.len();
@@ -327,9 +332,8 @@ impl Table {
             .get_mut(keys.lock())
             .expect("a contender's entry lives until it leaves");
         entry.contenders -= 1;
-        // A thread unseated before that wins again is the holder: its stale guard's
-        // release then clears the holder early (a second lock of the name on this thread
-        // is no longer refused), but leaves no state behind.
+        // A thread unseated before that wins again is the holder: its stale guard, told
+        // apart by its lock's id, is then released as an unseated holder's (see `release`).
         entry.unseated.retain(|t| *t != me);
         if let Some(old) = entry.holder.filter(|t| *t != me) {
             // Its hold was lost in Redis, and its guard is not dropped yet (see
@@ -337,6 +341,7 @@ impl Table {
             entry.unseated.push(old);
         }
         entry.holder = Some(me);
+        entry.hold = Some(id);
         entry.seq = 0;
         entry.acquired_at = Instant::now();
         entry.round_at = round_at;
@@ -364,10 +369,11 @@ impl Table {
         let entry = map
             .get_mut(keys.lock())
             .expect("a holder's entry lives until it releases");
-        if entry.holder != Some(me) {
+        if entry.holder != Some(me) || entry.hold != Some(remote.id) {
             // Another thread of this process won the key in Redis since (this thread's
-            // hold is gone there): it holds the entry now, and keeps it. Only this
-            // thread's token is released in Redis; nothing is handed on.
+            // hold is gone there), or this thread did with a new hold: it holds the entry
+            // now, and keeps it. Only this guard's token is released in Redis; nothing is
+            // handed on.
             if !entry.unseated.contains(&me) {
                 entry.unseated.push(me);
             }
@@ -433,15 +439,17 @@ impl Table {
     /// detached guard releases it there later, without the table): nobody is handed the
     /// lock locally. The next local waiter becomes the process's contender, which waits in
     /// Redis like any other until the detached holder releases.
-    pub fn detach(&self, keys: &Keys) {
+    pub fn detach(&self, remote: &RemoteLock) {
+        let keys = &remote.keys;
         let me = std::thread::current().id();
         let mut map = self.map.lock();
         let entry = map
             .get_mut(keys.lock())
             .expect("a holder's entry lives until it releases");
-        if entry.holder != Some(me) {
-            // Unseated by another thread's win in Redis (see `acquired`): the entry is
-            // that thread's now, and the detached guard releases without the table.
+        if entry.holder != Some(me) || entry.hold != Some(remote.id) {
+            // Unseated by another thread's win in Redis, or by this thread's own (see
+            // `acquired`): the entry is that hold's now, and the detached guard releases
+            // without the table.
             entry.unseated.retain(|t| *t != me);
             if entry.idle() {
                 map.remove(keys.lock());
@@ -582,8 +590,9 @@ mod tests {
             table.enter(keys, true, true, subs),
             Ok(Role::Contend)
         ));
-        table.acquired(keys, Instant::now());
-        remote(keys)
+        let lock = remote(keys);
+        table.acquired(keys, lock.id, Instant::now());
+        lock
     }
 
     /// Queues a waiter on another thread; returns its slot once it is queued.
@@ -761,8 +770,8 @@ mod tests {
 
     #[test]
     fn a_detached_holder_hands_nothing_on_and_the_next_waiter_contends() {
-        let (table, keys, subs, _lock, slot) = held_and_queued();
-        table.detach(&keys);
+        let (table, keys, subs, lock, slot) = held_and_queued();
+        table.detach(&lock);
         assert!(matches!(
             slot.take(),
             Some(Grant::Contend { yield_first: false })
@@ -781,8 +790,8 @@ mod tests {
 
     #[test]
     fn a_detached_holder_alone_leaves_no_entry() {
-        let (table, keys, _subs, _lock) = held();
-        table.detach(&keys);
+        let (table, _keys, _subs, lock) = held();
+        table.detach(&lock);
         assert!(table.map.lock().is_empty(), "entry removed when idle");
     }
 
@@ -824,9 +833,10 @@ mod tests {
                         table.enter(&keys, true, false, &subs),
                         Ok(Role::Contend)
                     ));
-                    table.acquired(&keys, Instant::now());
+                    let new = remote(&keys);
+                    table.acquired(&keys, new.id, Instant::now());
                     if new_first {
-                        release(&remote(&keys));
+                        release(&new);
                     }
                     std::thread::current().id()
                 })

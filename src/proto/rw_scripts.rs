@@ -265,20 +265,31 @@ local function tell_grant(member, nonce, fence, ms)
   nonce = nonce and string.format('%.0f', tonumber(nonce)) or '0'
   publish(ARGV[2], 'g' .. member .. ':' .. nonce .. ':' .. string.format('%.0f', fence) .. ':' .. ms)
 end
-local function grant_first(now, released)
-  local grant_ms = tonumber(ARGV[4])
-  local w = first_waiting(KEYS[2], now)
-  -- An upgrade's mark, with no hold left here to upgrade (its upgrader crashed, or gave
-  -- up unheard): its upgrader, if alive, is told (its next attempt finds its hold gone),
-  -- and the grant goes on to the next waiting.
+-- The first live mark of `set` whose kind (its first letter) `grantable` accepts; the
+-- marks before it (at most MARK_CHUNK) are woken with a grant of nonce 0, whose attempt
+-- finds what is wrong, and taken out with their nonces, so that the waiters behind them
+-- are not left for their re-checks.
+local function first_grantable(set, nonces, now, grantable)
+  local w = first_waiting(set, now)
   local skipped = 0
-  while w and string.sub(w, 1, 1) == 'u' and skipped < MARK_CHUNK do
-    redis.call('ZREM', KEYS[2], w)
-    redis.call('ZREM', KEYS[5], w)
+  while w and not grantable(string.sub(w, 1, 1)) and skipped < MARK_CHUNK do
+    redis.call('ZREM', set, w)
+    redis.call('ZREM', nonces, w)
     publish(ARGV[2], 'g' .. w .. ':0')
     skipped = skipped + 1
-    w = first_waiting(KEYS[2], now)
+    w = first_waiting(set, now)
   end
+  return w
+end
+local function grant_first(now, released)
+  local grant_ms = tonumber(ARGV[4])
+  -- An upgrade's mark, with no hold left here to upgrade (its upgrader crashed, or gave
+  -- up unheard): its upgrader, if alive, is told (its next attempt finds its hold gone),
+  -- and the grant goes on to the next waiting. So does a permit-seeker's mark left from
+  -- when the name was a semaphore (its attempt finds the other kind).
+  local w = first_grantable(KEYS[2], KEYS[5], now, function(kind)
+    return kind ~= 'u' and kind ~= 'p'
+  end)
   if not w then
     -- No writer waits: the readers that marked themselves waiting get read holds, in
     -- one call each for all of them (an upgradable read, or a waiter with no mark, is
@@ -322,8 +333,13 @@ end
 -- the nonces), held for the grant lease, when the semaphore has a permit free (its count
 -- is the kind member's); else, or without the sets (the narrow call), the wake-up of old.
 local function grant_permit(now)
-  local w = KEYS[3] and first_waiting(KEYS[2], now)
-  local sem = w and redis.call('ZSCORE', KEYS[1], '#sem')
+  -- A mark of another kind's waiter (a writer left waiting when the name became a
+  -- semaphore) is never granted a permit: it would take the permit for its own hold, with
+  -- the count for a fence. It is woken and passed over.
+  local w = KEYS[3] and first_grantable(KEYS[2], KEYS[3], now, function(kind)
+    return kind == 'p'
+  end)
+  local sem = w and string.sub(w, 1, 1) == 'p' and redis.call('ZSCORE', KEYS[1], '#sem')
   if not sem or redis.call('ZCOUNT', KEYS[1], now + 1, '+inf') >= -tonumber(sem) then
     wake_first(KEYS[2], ARGV[2], now, true)
     return false
@@ -448,7 +464,20 @@ if first == ARGV[2] and ARGV[1] == 'w' then
   return {1, fence, others(), after_lost and 1 or 0}
 end
 if ARGV[1] ~= 'w' then
-  local w = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  local function first_writer()
+    return redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  end
+  local w = first_writer()
+  -- A permit-seeker's mark left from when the name was a semaphore holds no reader back,
+  -- as a writer's would: it is woken (its attempt finds the other kind) and goes.
+  local skipped = 0
+  while w[1] and string.sub(w[1], 1, 1) == 'p' and skipped < MARK_CHUNK do
+    redis.call('ZREM', KEYS[3], w[1])
+    redis.call('ZREM', KEYS[5], w[1])
+    publish(ARGV[8], 'g' .. w[1] .. ':0')
+    skipped = skipped + 1
+    w = first_writer()
+  end
   -- A write hold is the only hold: when it exists, it is the first.
   local free = (not first or string.sub(first, 1, 1) ~= 'w') and not w[1]
   if free and ARGV[1] == 'u' then
