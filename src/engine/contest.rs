@@ -138,6 +138,19 @@ impl WaitEnd {
         Next::Sleep(deadline)
     }
 
+    /// What a wait that ended with `error` says: a slot half-way through a migration is
+    /// waited out until the caller's deadline (see `topology::call`), so a wait that a
+    /// refusal ended at its deadline timed out, whichever step met the refusal last (an
+    /// attempt, a grant's confirmation, a leave); `try_lock` and a wait without a deadline
+    /// say `SlotMigrating`.
+    pub fn at_deadline(wait: Wait<'_>, error: Error) -> Error {
+        let past = wait.deadline().is_some_and(|d| Instant::now() >= d);
+        match error {
+            Error::SlotMigrating if past => Error::Timeout,
+            error => error,
+        }
+    }
+
     /// The error a wait ends with after an attempt failed with `error` and was not tried
     /// again: when the caller's deadline passed (or it cancelled) while its master was
     /// being replaced, or while the attempt's reply was awaited, a timeout (or a cancel),
@@ -269,6 +282,7 @@ impl Engine {
             expecting: None,
         }
         .run(yield_first)
+        .map_err(|e| WaitEnd::at_deadline(wait, e))
     }
 }
 
