@@ -9,6 +9,7 @@ pub(crate) mod contest;
 mod eviction;
 mod latch;
 pub(crate) mod multi;
+pub(crate) mod multi_marks;
 mod probe;
 pub(crate) mod release;
 pub(crate) mod shared_hold;

@@ -40,20 +40,19 @@
 //! A name's mark key holds one id, and every multi-lock of a client marks with the same
 //! one (see [`MARK_SUFFIX`]), so that whichever of them wins clears it. A multi-lock that
 //! stops waiting therefore leaves the mark of a name another multi-lock of the client
-//! still waits for (see [`Waiting`]): removed, it would tell the holder's process that
+//! still waits for (see `multi_marks`): removed, it would tell the holder's process that
 //! nobody waits until that one's next attempt, as a process's one contender per name
 //! (singleflight) never does to its local waiters. Left open: the last one's removal,
 //! on its way, can still meet the first attempt of one that begins to wait just then.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use parking_lot::Mutex;
 
 use crate::clock::Stamp;
 use crate::config::Wakeup;
 use crate::engine::contest::{Next, Wait, WaitEnd};
+use crate::engine::multi_marks::Waiting;
 use crate::engine::state::Engine;
 use crate::engine::waiter::Waiter;
 use crate::error::{Error, LostReason, Result, Unlocked};
@@ -79,71 +78,6 @@ const MARK_SUFFIX: &str = ":multi";
 /// is waited for: a name whose key keeps vanishing (an operator deleting it, a server
 /// evicting) ends the call with [`Error::Lost`] rather than have it try forever.
 const TAKE_ROUNDS: u32 = 3;
-
-/// The client's multi-locks that wait with contention marks, counted by the mark they
-/// share (see [`Waiting`]).
-#[derive(Default)]
-pub(crate) struct MultiMarks(Mutex<HashMap<Mark, usize>>);
-
-/// A contention mark: the id it holds and its key.
-type Mark = (String, Vec<u8>);
-
-/// A group contest's count in its client's [`MultiMarks`], from before its first attempt
-/// that may leave a mark until its contest ends.
-struct Waiting<'a> {
-    counts: &'a MultiMarks,
-    marks: Vec<Mark>,
-}
-
-impl<'a> Waiting<'a> {
-    fn new(counts: &'a MultiMarks) -> Self {
-        Waiting {
-            counts,
-            marks: Vec::new(),
-        }
-    }
-
-    /// Counted for the marks of `keys` with `mark_id`, unless already.
-    fn join(&mut self, mark_id: &str, keys: &[Keys]) {
-        if !self.marks.is_empty() {
-            return;
-        }
-        self.marks = keys
-            .iter()
-            .map(|k| (mark_id.to_owned(), k.mark().to_vec()))
-            .collect();
-        let mut waiting = self.counts.0.lock();
-        for mark in &self.marks {
-            *waiting.entry(mark.clone()).or_default() += 1;
-        }
-    }
-
-    /// No longer counted: per key (in `join`'s order, all false if never counted), whether
-    /// it was the last of the client's multi-locks waiting with that mark, whose leaving
-    /// may remove it.
-    fn leave(&mut self) -> Vec<bool> {
-        let mut waiting = self.counts.0.lock();
-        std::mem::take(&mut self.marks)
-            .into_iter()
-            .map(|mark| match waiting.get_mut(&mark) {
-                Some(n) if *n > 1 => {
-                    *n -= 1;
-                    false
-                }
-                _ => {
-                    waiting.remove(&mark);
-                    true
-                }
-            })
-            .collect()
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.leave();
-    }
-}
 
 /// A multi-lock held.
 pub(crate) struct MultiHeld {

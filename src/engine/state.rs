@@ -7,7 +7,7 @@ use std::time::Instant;
 use crate::config::{Config, Wakeup};
 use crate::engine::cleanup::Cleanup;
 use crate::engine::eviction;
-use crate::engine::multi::MultiMarks;
+use crate::engine::multi_marks::MultiMarks;
 use crate::engine::subs::{Subs, Template};
 use crate::engine::watchdog::Watchdog;
 use crate::error::{Result, thread_error};
