@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{Error, LockClient, Unlocked};
+use redbaton::{Error, LockClient, LockKind, Unlocked};
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::lock_builder;
@@ -104,6 +104,13 @@ fn a_free_lock_while_its_slot_migrates() {
     let (cluster, client) = &started(LEASE);
     let check = |name: &str, stage: &str, from: u16, to: u16| {
         let key = KEYS.lock_bytes(name.as_bytes());
+        // The operators' view reads the keys one at a time where they are.
+        let (info, took) = timed(|| client.inspect(name));
+        let info = info.unwrap_or_else(|e| panic!("{stage}: inspect: {e:?} after {took:?}"));
+        assert_eq!(info.kind, LockKind::Free, "{stage}: inspect: {info:?}");
+        let fence = KEYS.fence_bytes(name.as_bytes());
+        let counter = exists_on(cluster, from, &fence) || exists_on(cluster, to, &fence);
+        assert_eq!(info.fence.is_some(), counter, "{stage}: inspect: {info:?}");
         let wait = secs(3);
         let (r, took) = timed(|| client.try_lock_for(name, wait));
         eprintln!("{stage}: try_lock_for: {r:?} after {took:?}");
@@ -283,6 +290,14 @@ fn held_locks_are_renewed_while_their_slot_migrates() {
         assert!(g.check().is_ok(), "{name}: lost while its slot migrates");
     }
     assert!(exists_on(cluster, to, &moved), "renewed on the target");
+    // The operators' view finds the hold, its key on the target and its counter on the
+    // source.
+    let info = client
+        .inspect(&names[0])
+        .expect("inspect while the slot migrates");
+    assert_eq!(info.kind, LockKind::Lock, "{info:?}");
+    let holder = info.holder.expect("a holder");
+    assert!(holder.mine && holder.fence.is_some(), "{holder:?}");
     for (name, g) in names.iter().chain([&other]).zip(guards) {
         let (r, took) = timed(|| g.unlock());
         eprintln!("{name}: unlock {r:?} after {took:?}");

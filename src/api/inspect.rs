@@ -19,7 +19,9 @@ use crate::proto::node::Node;
 
 /// What Redis holds for one name: its kind, holder or holds, fair queue, waiting marks and
 /// fence counter, read in one round trip on the node that serves it, at one instant of the
-/// server's clock.
+/// server's clock (in a Redis Cluster slot half-way through a migration, whose masters
+/// refuse a command naming keys that only some of them hold, one key per command,
+/// wherever each one is: moments apart).
 ///
 /// One node, a Sentinel-managed master or a Redis Cluster slot's master decides alone, and
 /// its view is the whole answer ([`nodes`](Self::nodes) is empty). On Redlock every

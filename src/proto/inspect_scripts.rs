@@ -12,7 +12,7 @@ use redis::Value;
 
 use crate::error::{Error, Result};
 use crate::proto::keys::{Keys, name_of_key};
-use crate::proto::node::{Node, Retry};
+use crate::proto::node::{Call, Node, Retry};
 use crate::proto::scripts::Lua;
 use crate::proto::sharded::PUBLISH_FN;
 
@@ -196,19 +196,74 @@ pub(crate) struct Snapshot {
 }
 
 /// Reads every key of `keys` on `node` in one round trip (see [`INSPECT`]).
+///
+/// In a Redis Cluster slot half-way through a migration, whose masters refuse a command
+/// naming keys that only some of them hold (`topology::call`), it reads the keys one at a
+/// time instead, each where it is ([`inspect_by_key`]).
 pub(crate) fn inspect(node: &Node, keys: &Keys) -> Result<Snapshot> {
-    let mut call = INSPECT.call(8);
-    call.arg(keys.lock())
-        .arg(keys.fence())
-        .arg(keys.lease())
-        .arg(keys.mark())
-        .arg(keys.queue())
-        .arg(keys.queue_expiry())
-        .arg(keys.writers())
-        .arg(keys.readers())
-        .arg(MAX_LISTED - 1);
-    let reply: Value = node.run_script(&INSPECT, &call, Retry::LOST_REPLY, None)?;
+    let call = inspect_call([
+        keys.lock(),
+        keys.fence(),
+        keys.lease(),
+        keys.mark(),
+        keys.queue(),
+        keys.queue_expiry(),
+        keys.writers(),
+        keys.readers(),
+    ]);
+    let whole = Call {
+        retry: Retry::LOST_REPLY,
+        deadline: None,
+        narrower: true,
+    };
+    match node.call(whole, |c, before| INSPECT.run::<Value>(&call, c, before))? {
+        Some(reply) => parse(reply),
+        None => inspect_by_key(node, keys),
+    }
+}
+
+/// A call of [`INSPECT`] on `keys`, in its order.
+fn inspect_call(keys: [&[u8]; 8]) -> redis::Cmd {
+    let mut call = INSPECT.call(keys.len());
+    for key in keys {
+        call.arg(key);
+    }
+    call.arg(MAX_LISTED - 1);
+    call
+}
+
+fn parse(reply: Value) -> Result<Snapshot> {
     parse_snapshot(reply).map_err(|what| Error::Protocol(format!("inspect replied {what}")))
+}
+
+/// [`inspect`] one key at a time: [`INSPECT`] with one key in every place, which Redis
+/// serves like any command naming one key (where the key is, or on the slot's target
+/// after `ASK`), and of whose reply only that key's fields are kept. The keys are read
+/// moments apart, not at one instant as the one script reads them; a queue longer than
+/// [`MAX_LISTED`] is listed from its first entries by arrival, live or not.
+fn inspect_by_key(node: &Node, keys: &Keys) -> Result<Snapshot> {
+    let read = |key: &[u8]| -> Result<Snapshot> {
+        let call = inspect_call([key; 8]);
+        parse(node.run_script(&INSPECT, &call, Retry::LOST_REPLY, None)?)
+    };
+    let lock = read(keys.lock())?;
+    let queue = read(keys.queue())?.queue;
+    // The expiries of the entries listed: `qx` read as a queue lists its members with
+    // their scores, the expiries.
+    let queue_expiry = read(keys.queue_expiry())?
+        .queue_expiry
+        .into_iter()
+        .filter(|(member, _)| queue.iter().any(|(m, _)| m == member))
+        .collect();
+    Ok(Snapshot {
+        fence: read(keys.fence())?.fence,
+        mark: read(keys.mark())?.mark,
+        queue,
+        queue_expiry,
+        writers: read(keys.writers())?.writers,
+        readers: read(keys.readers())?.readers,
+        ..lock
+    })
 }
 
 fn parse_snapshot(reply: Value) -> std::result::Result<Snapshot, String> {
