@@ -24,6 +24,9 @@ pub enum Point {
     Watchdog,
     /// In a release to Redis, after renewals stopped and before the compare-and-delete.
     Release,
+    /// In the cleanup thread, as it runs a job: a release or a leave that nobody waits
+    /// for (an attempt whose reply was lost, say).
+    Cleanup,
 }
 
 #[cfg(feature = "fault-injection")]

@@ -89,6 +89,8 @@ pub(crate) struct Cleanup {
     /// lives longer, see [`Job::lives`].)
     lease: Duration,
     worker: Mutex<Option<Worker>>,
+    /// The client's key prefix (where faults are injected, see `crate::fault`).
+    prefix: String,
     /// [`Cleanup::shutdown`] was called: no thread starts again, new jobs are dropped.
     stopped: AtomicBool,
 }
@@ -99,12 +101,18 @@ struct Worker {
 }
 
 impl Cleanup {
-    pub fn new(topology: Weak<Topology>, counters: Arc<Counters>, lease: Duration) -> Self {
+    pub fn new(
+        topology: Weak<Topology>,
+        counters: Arc<Counters>,
+        lease: Duration,
+        prefix: String,
+    ) -> Self {
         Cleanup {
             topology,
             counters,
             lease,
             worker: Mutex::new(None),
+            prefix,
             stopped: AtomicBool::new(false),
         }
     }
@@ -215,6 +223,7 @@ impl Cleanup {
         let (jobs, rx) = crossbeam_channel::bounded::<Job>(QUEUE);
         let topology = self.topology.clone();
         let counters = self.counters.clone();
+        let prefix = self.prefix.clone();
         let thread = std::thread::Builder::new()
             .name("redbaton-cleanup".to_owned())
             .spawn(move || {
@@ -280,7 +289,11 @@ impl Cleanup {
                         }
                         continue;
                     }
-                    match catch_unwind(AssertUnwindSafe(|| job.run(&topology, &counters))) {
+                    let run = || {
+                        crate::fault::hit(&prefix, crate::fault::Point::Cleanup);
+                        job.run(&topology, &counters)
+                    };
+                    match catch_unwind(AssertUnwindSafe(run)) {
                         Ok(errors) if errors.iter().any(Error::is_connection) => {
                             log::debug!("cleanup of {} failed; trying again", job.keys.display());
                             if again.len() < QUEUE {

@@ -93,7 +93,12 @@ impl Engine {
         // Also with renewals off: it tells holders when their lease runs out.
         let watchdog = Watchdog::start(cfg.clone(), Arc::downgrade(&topology), counters.clone())
             .map_err(|e| thread_error("watchdog", e))?;
-        let cleanup = Cleanup::new(Arc::downgrade(&topology), counters.clone(), cfg.lease);
+        let cleanup = Cleanup::new(
+            Arc::downgrade(&topology),
+            counters.clone(),
+            cfg.lease,
+            cfg.key_prefix.clone(),
+        );
         Ok(Engine {
             cleanup,
             cfg,

@@ -342,6 +342,12 @@ impl Waiter {
             if self.cancelled() {
                 return false;
             }
+            // The client shut down: its subscribers stopped (poking every waiter as they
+            // forgot the subscriptions), and nothing confirms any more. A wait under way
+            // goes on without events: its attempts follow the holder's lease.
+            if client.shut_down.load(std::sync::atomic::Ordering::Relaxed) {
+                return false;
+            }
             let confirmed = self
                 .watches
                 .iter()

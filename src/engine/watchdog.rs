@@ -103,6 +103,7 @@ impl Watchdog {
                     "watchdog",
                     || run(&cx, &h, &kicked, &s, &e),
                     |in_a_row| crashed(&cx, &h, &k, in_a_row),
+                    |backoff| crate::supervise::pause(backoff, &s, &k, &kicked),
                 );
             })?;
         Ok(Watchdog {

@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 use redis::{Cmd, RedisError};
 
 use crate::error::{Error, Result, is_network_error};
-use crate::proto::node::{Call, CallPath, Commands, Node, Sent, past};
+use crate::proto::node::{Call, CallPath, Commands, Node, Sent};
 use crate::stats::Counters;
 
 /// `ASKING`, sent ahead of a command that follows an `ASK` (built once: a call that is
@@ -78,7 +78,8 @@ const CLUSTER_SETTLE: Duration = Duration::from_secs(2);
 /// that died) costs a waiter four commands a second, not a hundred.
 const FIRST_SETTLE_PAUSE: Duration = Duration::from_millis(10);
 const MAX_SETTLE_PAUSE: Duration = Duration::from_millis(250);
-/// The pause before a command refused with `READONLY` is sent again.
+/// The pause before a command refused with `READONLY` is sent again (not taken when it
+/// would reach the caller's deadline).
 const READONLY_PAUSE: Duration = Duration::from_millis(50);
 
 /// The slot map of a Redis Cluster, as its call path needs it (`topology::cluster`
@@ -204,7 +205,12 @@ impl CallPath for Path {
                         // allows.
                         on.pool.clear_idle();
                         on.pool.note_fault();
-                        if tries >= call.retry.times || past(call.deadline) {
+                        // A pause that would reach the caller's deadline is not taken: the
+                        // command could not be sent again in time.
+                        let in_time = call
+                            .deadline
+                            .is_none_or(|d| Instant::now() + READONLY_PAUSE < d);
+                        if tries >= call.retry.times || !in_time {
                             return Err(Error::Redis(e));
                         }
                         tries += 1;

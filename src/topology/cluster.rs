@@ -182,7 +182,8 @@ impl Shared {
         let mut first_error = None;
         let mut found = None;
         for node in &masters {
-            match node.run_until(Retry::NEVER, until, |c| slots::read(c, tls)) {
+            let asked = self.host_of(node).unwrap_or_default();
+            match node.run_until(Retry::NEVER, until, |c| slots::read(c, tls, &asked)) {
                 Ok(shards) if !shards.is_empty() => {
                     found = Some(shards);
                     break;
@@ -240,8 +241,21 @@ impl Shared {
             "redbaton",
         )
         .map_err(Error::Redis)?;
+        let asked = match client.get_connection_info().addr() {
+            redis::ConnectionAddr::Tcp(host, _) | redis::ConnectionAddr::TcpTls { host, .. } => {
+                host.clone()
+            }
+            _ => String::new(),
+        };
         Counters::inc(&self.counters.commands);
-        slots::read(&mut conn, tls).map_err(Error::Redis)
+        slots::read(&mut conn, tls, &asked).map_err(Error::Redis)
+    }
+
+    /// The host `node` is reached at (a node's address is its key in `known`).
+    fn host_of(&self, node: &Node) -> Option<String> {
+        let map = self.map.read();
+        let (at, _) = map.known.iter().find(|(_, n)| n.id == node.id)?;
+        at.rsplit_once(':').map(|(host, _)| host.to_owned())
     }
 
     /// Makes `shards` the map.
@@ -312,15 +326,8 @@ impl SlotMap for Shared {
         let from_host;
         let host = if host.is_empty() {
             // The server announces no endpoint: the target is on the host the command was
-            // sent to (a node's address is its key in `known`).
-            from_host = self
-                .map
-                .read()
-                .known
-                .iter()
-                .find(|(_, n)| n.id == from.id)
-                .and_then(|(at, _)| at.rsplit_once(':'))
-                .map(|(host, _)| host.to_owned())?;
+            // sent to.
+            from_host = self.host_of(from)?;
             from_host.as_str()
         } else {
             host

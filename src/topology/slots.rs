@@ -22,10 +22,13 @@ pub(crate) struct Shard {
 }
 
 /// The masters of the cluster that `conn` belongs to. `tls`: the client connects with
-/// TLS, so a master's TLS port is the one to use when the server tells it apart.
-pub(crate) fn read(conn: &mut Connection, tls: bool) -> RedisResult<Vec<Shard>> {
+/// TLS, so a master's TLS port is the one to use when the server tells it apart. `asked`:
+/// the host `conn` is connected to, where a master is when the server knows no address of
+/// it (`cluster-preferred-endpoint-type unknown-endpoint`, or a node that does not know its
+/// own address): a client is to reach it there, at the port given.
+pub(crate) fn read(conn: &mut Connection, tls: bool, asked: &str) -> RedisResult<Vec<Shard>> {
     match redis::cmd("CLUSTER").arg("SHARDS").query::<Value>(conn) {
-        Ok(v) => Ok(from_shards(&v, tls)),
+        Ok(v) => Ok(from_shards(&v, tls, asked)),
         Err(e)
             if matches!(
                 e.kind(),
@@ -35,7 +38,7 @@ pub(crate) fn read(conn: &mut Connection, tls: bool) -> RedisResult<Vec<Shard>> 
             ) =>
         {
             let v = redis::cmd("CLUSTER").arg("SLOTS").query::<Value>(conn)?;
-            Ok(from_slots(&v))
+            Ok(from_slots(&v, asked))
         }
         Err(e) => Err(e),
     }
@@ -79,7 +82,13 @@ fn pairs(v: &Value) -> Vec<(String, &Value)> {
         .collect()
 }
 
-fn from_shards(v: &Value, tls: bool) -> Vec<Shard> {
+/// A host a client can reach: not an unknown endpoint (`?`, empty, or a RESP null, which
+/// `text` does not read).
+fn known(host: Option<String>) -> Option<String> {
+    host.filter(|h| !h.is_empty() && h != "?")
+}
+
+fn from_shards(v: &Value, tls: bool, asked: &str) -> Vec<Shard> {
     let mut out = Vec::new();
     for shard in items(v) {
         let fields = pairs(shard);
@@ -105,10 +114,9 @@ fn from_shards(v: &Value, tls: bool) -> Vec<Shard> {
                 continue;
             }
             let online = field("health").and_then(text).as_deref() == Some("online");
-            let host = field("endpoint")
-                .and_then(text)
-                .filter(|h| !h.is_empty() && h != "?")
-                .or_else(|| field("ip").and_then(text));
+            let host = known(field("endpoint").and_then(text))
+                .or_else(|| known(field("ip").and_then(text)))
+                .or_else(|| known(Some(asked.to_owned())));
             let port = tls
                 .then(|| field("tls-port").and_then(int))
                 .flatten()
@@ -128,7 +136,11 @@ fn from_shards(v: &Value, tls: bool) -> Vec<Shard> {
     out
 }
 
-fn from_slots(v: &Value) -> Vec<Shard> {
+/// A master's entry of `CLUSTER SLOTS` is `[endpoint, port, id, {ip, hostname}]`; the
+/// endpoint is `?` (a hostname preferred but none announced) or null (an unknown endpoint),
+/// and the map, since Redis 7, gives the addresses other than the endpoint: its `ip` is
+/// used then, and the host asked without one.
+fn from_slots(v: &Value, asked: &str) -> Vec<Shard> {
     let mut out: Vec<Shard> = Vec::new();
     for range in items(v) {
         let r = items(range);
@@ -140,10 +152,18 @@ fn from_slots(v: &Value) -> Vec<Shard> {
             continue;
         };
         let m = items(master);
-        let (Some(host), Some(port)) = (
-            m.first().and_then(|v| text(v)),
-            m.get(1).and_then(|v| int(v)),
-        ) else {
+        let ip = || {
+            let more = pairs(m.get(3)?);
+            known(
+                more.iter()
+                    .find(|(k, _)| k == "ip")
+                    .and_then(|(_, v)| text(v)),
+            )
+        };
+        let host = known(m.first().and_then(|v| text(v)))
+            .or_else(ip)
+            .or_else(|| known(Some(asked.to_owned())));
+        let (Some(host), Some(port)) = (host, m.get(1).and_then(|v| int(v))) else {
             continue;
         };
         let range = (start as u16, end as u16);
@@ -202,7 +222,7 @@ mod tests {
                 node("master", 7000, "online"),
             ]),
         ]);
-        let shards = from_shards(&Value::Array(vec![shard]), false);
+        let shards = from_shards(&Value::Array(vec![shard]), false, "10.0.0.9");
         assert_eq!(
             shards,
             vec![Shard {
@@ -235,8 +255,8 @@ mod tests {
             Value::Array(vec![node]),
         ]);
         let v = Value::Array(vec![shard]);
-        assert_eq!(from_shards(&v, true)[0].port, 7100);
-        assert_eq!(from_shards(&v, false)[0].port, 7000);
+        assert_eq!(from_shards(&v, true, "10.0.0.9")[0].port, 7100);
+        assert_eq!(from_shards(&v, false, "10.0.0.9")[0].port, 7000);
     }
 
     #[test]
@@ -254,9 +274,49 @@ mod tests {
             range(11, 20, 7001),
             range(21, 30, 7000),
         ]);
-        let shards = from_slots(&v);
+        let shards = from_slots(&v, "10.0.0.9");
         assert_eq!(shards.len(), 2);
         assert_eq!(shards[0].ranges, vec![(0, 10), (21, 30)]);
         assert_eq!(shards[1].port, 7001);
+    }
+
+    /// `CLUSTER SLOTS` from a server that knows no endpoint of its masters (Redis 7 and
+    /// later: `?` when a hostname is preferred but none announced, null with
+    /// `cluster-preferred-endpoint-type unknown-endpoint`): a master is reached at the
+    /// `ip` of the entry's address map, or, without one, on the host asked, at its port.
+    #[test]
+    fn slots_reply_with_unknown_endpoints() {
+        let master = |endpoint: Value, port: i64, more: Vec<Value>| {
+            Value::Array(vec![
+                endpoint,
+                Value::Int(port),
+                s("id"),
+                Value::Array(more),
+            ])
+        };
+        let range = |a: i64, b: i64, master: Value| {
+            Value::Array(vec![Value::Int(a), Value::Int(b), master])
+        };
+        let v = Value::Array(vec![
+            range(0, 10, master(s("?"), 7000, vec![s("ip"), s("10.0.0.1")])),
+            range(
+                11,
+                20,
+                master(Value::Nil, 7001, vec![s("ip"), s("10.0.0.2")]),
+            ),
+            range(21, 30, master(Value::Nil, 7002, vec![])),
+            range(31, 40, master(s(""), 7003, vec![s("ip"), s("")])),
+        ]);
+        let at: Vec<(String, u16)> = from_slots(&v, "10.0.0.9")
+            .into_iter()
+            .map(|shard| (shard.host, shard.port))
+            .collect();
+        let want = [
+            ("10.0.0.1", 7000),
+            ("10.0.0.2", 7001),
+            ("10.0.0.9", 7002),
+            ("10.0.0.9", 7003),
+        ];
+        assert_eq!(at, want.map(|(h, p)| (h.to_owned(), p)));
     }
 }

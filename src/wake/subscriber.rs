@@ -117,6 +117,7 @@ impl Subscriber {
                         sh.crashed();
                         true
                     },
+                    |backoff| crate::supervise::pause(backoff, &sh.shutdown, &sh.kick, &kicked),
                 );
             })?;
         Ok(Subscriber {
