@@ -448,11 +448,13 @@ pub(crate) fn release_on(
         protocol,
         token,
         fence,
+        false,
     )
 }
 
-/// Compare-and-delete of `token`'s hold of `protocol` on `nodes`, in parallel; `fence`:
-/// the holder's (see `Protocol::release`).
+/// Compare-and-delete of `token`'s hold of `protocol` on `nodes`, in parallel; `fence`
+/// and `resent`: see `Protocol::release`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn release_at(
     topology: &Topology,
     keys: &Keys,
@@ -461,12 +463,13 @@ pub(crate) fn release_at(
     protocol: Protocol,
     token: &str,
     fence: Option<u64>,
+    resent: bool,
 ) -> Vec<Result<ReleaseReply>> {
     if let [node] = nodes {
-        return vec![protocol.release(node, keys, token, fence, retry)];
+        return vec![protocol.release(node, keys, token, fence, retry, resent)];
     }
     let (k, t) = (keys.clone(), token.to_owned());
     topology.fan_out(nodes, move |node| {
-        protocol.release(node, &k, &t, fence, retry)
+        protocol.release(node, &k, &t, fence, retry, resent)
     })
 }

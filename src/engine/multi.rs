@@ -42,8 +42,10 @@
 //! stops waiting therefore leaves the mark of a name another multi-lock of the client
 //! still waits for (see `multi_marks`): removed, it would tell the holder's process that
 //! nobody waits until that one's next attempt, as a process's one contender per name
-//! (singleflight) never does to its local waiters. Left open: the last one's removal,
-//! on its way, can still meet the first attempt of one that begins to wait just then.
+//! (singleflight) never does to its local waiters. The last one's removal, on its way,
+//! is waited for by one that begins to wait just then, before its first attempt: its
+//! mark comes after the removal. (A removal whose reply is lost, after its wait's
+//! deadline, may still land after that attempt: the mark is back at the next one.)
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -136,7 +138,7 @@ impl Engine {
         let route = self.topology.route(&first.keys);
         let released = on_sole(&route, |node| {
             let token = first.token.as_str();
-            (first.protocol).release_all(node, &keys, token, &unused, route.retry())
+            (first.protocol).release_all(node, &keys, token, &unused, route.retry(), false)
         });
         if let Err(e) = released {
             log::debug!("giving back a multi-lock's names failed: {e}; left to the cleanup job");
@@ -308,9 +310,9 @@ impl Engine {
         let (protocol, token) = (first.protocol, first.token.as_str());
         let route = self.topology.route(&first.keys);
         // One reply per lock; one error for the group, which a failover rides through.
-        let (_, replies) = self.release_riding(first, route, |route| {
+        let (_, replies) = self.release_riding(first, route, |route, resent| {
             match on_sole(route, |node| {
-                protocol.release_all(node, &keys, token, &fences, route.retry())
+                protocol.release_all(node, &keys, token, &fences, route.retry(), resent)
             }) {
                 Ok(replies) => replies.into_iter().map(Ok).collect(),
                 Err(e) => vec![Err(e)],
@@ -430,7 +432,7 @@ impl GroupContest<'_> {
             if marks.leave {
                 // Before the attempt that may mark: a multi-lock of the client leaving
                 // meanwhile then leaves the mark to us.
-                self.waiting.join(&self.mark_id, keys);
+                self.waiting.join(&self.mark_id, keys, deadline);
             }
             let (token, ran_before) = carried.take().unwrap_or_else(|| (new_token(), false));
             // On the lease clock: the validity counts from here.
@@ -564,7 +566,7 @@ impl GroupContest<'_> {
                 // Attempts nobody used: the counters say what they said before.
                 let unused = vec![None; self.keys.len()];
                 self.protocol
-                    .release_all(node, self.keys, &token, &unused, route.retry())
+                    .release_all(node, self.keys, &token, &unused, route.retry(), false)
             });
             match released {
                 Ok(_) => return,
@@ -590,9 +592,17 @@ impl GroupContest<'_> {
     }
 
     /// The wait ends without the locks: our contention marks go with us, but for those
-    /// another multi-lock of the client still waits with.
+    /// another multi-lock of the client still waits with. A multi-lock of the client that
+    /// begins to wait on one of them meanwhile waits until they are gone.
     fn leave(&mut self) {
         let last = self.waiting.leave();
+        self.remove_marks(last);
+        self.waiting.removed();
+    }
+
+    /// Removes our contention marks of the keys where `last` says we were the last of the
+    /// client's multi-locks to wait with them.
+    fn remove_marks(&self, last: Vec<bool>) {
         if !self.marked {
             return;
         }

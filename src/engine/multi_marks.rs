@@ -3,26 +3,49 @@
 //! clears it; one that stops waiting must leave the mark to another still waiting. The
 //! client counts them per mark here, apart from the contest (which the engine's state,
 //! holding the count, must not import).
+//!
+//! The last one to leave a mark removes it in Redis, after it has left the count: a
+//! multi-lock that begins to wait on the mark meanwhile would mark it, and that removal,
+//! arriving after, would take its mark. So a removal on its way is noted with the count,
+//! and a multi-lock that joins a mark being removed waits for the removal to end before
+//! its attempt (within its deadline): its mark then comes after the removal.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::proto::keys::Keys;
 
 /// The client's multi-locks that wait with contention marks, counted by the mark they
-/// share (see [`Waiting`]).
+/// share (see [`Waiting`]), and the marks whose removal is on its way.
 #[derive(Default)]
-pub(crate) struct MultiMarks(Mutex<HashMap<Mark, usize>>);
+pub(crate) struct MultiMarks {
+    marks: Mutex<HashMap<Mark, Count>>,
+    /// Notified when a removal ends.
+    removed: Condvar,
+}
 
 /// A contention mark: the id it holds and its key.
 type Mark = (String, Vec<u8>);
+
+/// One mark's multi-locks.
+#[derive(Default)]
+struct Count {
+    /// How many wait with it.
+    waiting: usize,
+    /// The last one to leave it is removing it in Redis.
+    removing: bool,
+}
 
 /// A group contest's count in its client's [`MultiMarks`], from before its first attempt
 /// that may leave a mark until its contest ends.
 pub(crate) struct Waiting<'a> {
     counts: &'a MultiMarks,
     marks: Vec<Mark>,
+    /// The marks this one left last, whose removal is on its way until
+    /// [`removed`](Self::removed).
+    removing: Vec<Mark>,
 }
 
 impl<'a> Waiting<'a> {
@@ -30,11 +53,14 @@ impl<'a> Waiting<'a> {
         Waiting {
             counts,
             marks: Vec::new(),
+            removing: Vec::new(),
         }
     }
 
-    /// Counted for the marks of `keys` with `mark_id`, unless already.
-    pub fn join(&mut self, mark_id: &str, keys: &[Keys]) {
+    /// Counted for the marks of `keys` with `mark_id`, unless already; first waits (until
+    /// `deadline`, if any) for the removal on its way of any of them to end, so that the
+    /// mark our next attempt leaves is not taken by it.
+    pub fn join(&mut self, mark_id: &str, keys: &[Keys], deadline: Option<Instant>) {
         if !self.marks.is_empty() {
             return;
         }
@@ -42,35 +68,68 @@ impl<'a> Waiting<'a> {
             .iter()
             .map(|k| (mark_id.to_owned(), k.mark().to_vec()))
             .collect();
-        let mut waiting = self.counts.0.lock();
+        let mut waiting = self.counts.marks.lock();
+        let removing = |waiting: &HashMap<Mark, Count>| {
+            (self.marks.iter()).any(|m| waiting.get(m).is_some_and(|c| c.removing))
+        };
+        while removing(&waiting) {
+            match deadline {
+                Some(d) => {
+                    if self.counts.removed.wait_until(&mut waiting, d).timed_out() {
+                        break;
+                    }
+                }
+                None => self.counts.removed.wait(&mut waiting),
+            }
+        }
         for mark in &self.marks {
-            *waiting.entry(mark.clone()).or_default() += 1;
+            waiting.entry(mark.clone()).or_default().waiting += 1;
         }
     }
 
     /// No longer counted: per key (in `join`'s order, all false if never counted), whether
     /// it was the last of the client's multi-locks waiting with that mark, whose leaving
-    /// may remove it.
+    /// may remove it. Those marks are noted as being removed until
+    /// [`removed`](Self::removed).
     pub fn leave(&mut self) -> Vec<bool> {
-        let mut waiting = self.counts.0.lock();
-        std::mem::take(&mut self.marks)
-            .into_iter()
-            .map(|mark| match waiting.get_mut(&mark) {
-                Some(n) if *n > 1 => {
-                    *n -= 1;
-                    false
-                }
-                _ => {
+        let mut waiting = self.counts.marks.lock();
+        let marks = std::mem::take(&mut self.marks);
+        let mut last = Vec::with_capacity(marks.len());
+        for mark in marks {
+            let count = waiting.entry(mark.clone()).or_default();
+            count.waiting = count.waiting.saturating_sub(1);
+            let alone = count.waiting == 0;
+            if alone {
+                count.removing = true;
+                self.removing.push(mark);
+            }
+            last.push(alone);
+        }
+        last
+    }
+
+    /// The removal of the marks this one left last has ended (or was never sent): a
+    /// multi-lock waiting to join them goes on.
+    pub fn removed(&mut self) {
+        if self.removing.is_empty() {
+            return;
+        }
+        let mut waiting = self.counts.marks.lock();
+        for mark in std::mem::take(&mut self.removing) {
+            if let Some(count) = waiting.get_mut(&mark) {
+                count.removing = false;
+                if count.waiting == 0 {
                     waiting.remove(&mark);
-                    true
                 }
-            })
-            .collect()
+            }
+        }
+        self.counts.removed.notify_all();
     }
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.leave();
+        self.removed();
     }
 }

@@ -109,7 +109,7 @@ impl Engine {
         lock: &RemoteLock,
         route: Route,
     ) -> (Route, Vec<Result<ReleaseReply>>) {
-        self.release_riding(lock, route, |route| {
+        self.release_riding(lock, route, |route, resent| {
             let (keys, token, retry) = (&lock.keys, lock.token.as_str(), route.retry());
             release_at(
                 &self.topology,
@@ -119,23 +119,25 @@ impl Engine {
                 lock.protocol,
                 token,
                 Some(lock.fence),
+                resent,
             )
         })
     }
 
     /// Runs `release` (one reply per node of the route it is given) on `route`, then on
-    /// the route read afresh each time it is retried through a failover (Redis Cluster),
-    /// until `lock`'s validity ends: its key is gone by then anyway. A retry that finds the key gone, or
-    /// another token in it, after a try whose reply was lost says so (`GoneAfterRetry`,
-    /// `OtherAfterRetry`): that try may have deleted it or passed it on. (A node's own
-    /// retry of a lock's release, plain or fair, reads the fence counter when it finds the
-    /// key gone, and says plain `Gone` when no try before released it: see
-    /// `scripts::RELEASE`.)
+    /// the route read afresh each time it is retried through a failover (Redis Cluster,
+    /// Sentinel), until `lock`'s validity ends: its key is gone by then anyway. A retry
+    /// that finds the key gone, or another token in it, after a try whose reply was lost
+    /// says so (`GoneAfterRetry`, `OtherAfterRetry`): that try may have deleted it or
+    /// passed it on. `release`'s second argument says that a try before may have run: the
+    /// release is then sent in its retry form, which reads the fence counter when it finds
+    /// the key gone and says `NotReleased` when no try of ours released it (see
+    /// `scripts::RELEASE`, "A retry"), as a node's own retry after a lost reply does.
     pub(crate) fn release_riding(
         &self,
         lock: &RemoteLock,
         route: Route,
-        mut release: impl FnMut(&Route) -> Vec<Result<ReleaseReply>>,
+        mut release: impl FnMut(&Route, bool) -> Vec<Result<ReleaseReply>>,
     ) -> (Route, Vec<Result<ReleaseReply>>) {
         let mut ride = Ride::new(&self.topology, &self.counters);
         let mut ran = false;
@@ -145,14 +147,10 @@ impl Engine {
             let route = route
                 .take()
                 .unwrap_or_else(|| self.topology.route(&lock.keys));
-            let mut replies = release(&route);
+            let mut replies = release(&route, ran);
             if ran {
-                for r in &mut replies {
-                    match r {
-                        Ok(ReleaseReply::Gone) => *r = Ok(ReleaseReply::GoneAfterRetry),
-                        Ok(ReleaseReply::Other) => *r = Ok(ReleaseReply::OtherAfterRetry),
-                        _ => {}
-                    }
+                for r in replies.iter_mut().flatten() {
+                    *r = r.as_retried();
                 }
             }
             match replies.as_slice() {

@@ -34,6 +34,10 @@ pub(crate) enum ReleaseReply {
     /// lost, may have released it (with the fair queue: granted it to the next waiter,
     /// whose token the retry finds) and the next holder have it since.
     OtherAfterRetry,
+    /// Gone, and a retry that read the fence counter proved that no try of ours released
+    /// it (status 3, see `scripts::RELEASE`, "A retry"): the hold ended without us, however
+    /// many tries before lost their replies.
+    NotReleased,
 }
 
 impl ReleaseReply {
@@ -540,12 +544,14 @@ impl Node {
         narrow: Option<(&Lua, &dyn Fn() -> Cmd)>,
         deadline: Option<Instant>,
     ) -> Result<ReleaseReply> {
-        self.release_again(script, (call, None), retry, narrow, deadline)
+        self.release_again(script, (call, None), retry, narrow, deadline, false)
     }
 
     /// [`release_with`](Self::release_with), with `again`, when given, making the call
     /// sent after a try whose reply was lost: one that can tell, when it finds the key
     /// gone, whether that try released it (status 3: it did not, see `scripts::RELEASE`).
+    /// `resent`: a try of this release made by an earlier call (a failover ridden through,
+    /// see `ride`) may have run, so every try of this one is sent and read as such a retry.
     pub(crate) fn release_again(
         &self,
         script: &Lua,
@@ -553,9 +559,11 @@ impl Node {
         retry: Retry,
         narrow: Option<(&Lua, &dyn Fn() -> Cmd)>,
         deadline: Option<Instant>,
+        resent: bool,
     ) -> Result<ReleaseReply> {
         let mut tries = ReleaseTries {
             deadline,
+            resent,
             ..ReleaseTries::default()
         };
         let mut retried: Option<Cmd> = None;
@@ -582,15 +590,26 @@ impl Node {
     /// Runs release `calls` of `script` (a multi-lock's locks of one hash slot) in one
     /// round trip, one status each (as [`release_with`](Self::release_with) reads it); `None`
     /// when the call path says the server refused their keys together (a Redis Cluster
-    /// slot migrating): the caller then releases them one by one.
+    /// slot migrating): the caller then releases them one by one. `again` and `resent` as
+    /// for [`release_again`](Self::release_again): the calls sent after a try whose reply
+    /// was lost, which read the fence counters of the keys they find gone.
     pub(crate) fn release_all(
         &self,
         script: &Lua,
-        calls: &[Cmd],
+        (calls, again): (&[Cmd], Option<&dyn Fn() -> Vec<Cmd>>),
         retry: Retry,
+        resent: bool,
     ) -> Result<Option<Vec<ReleaseReply>>> {
-        let mut tries = ReleaseTries::default();
-        let statuses = tries.call(self, retry, true, |c, before, _| {
+        let mut tries = ReleaseTries {
+            resent,
+            ..ReleaseTries::default()
+        };
+        let mut retried: Option<Vec<Cmd>> = None;
+        let statuses = tries.call(self, retry, true, |c, before, after_lost| {
+            let calls = match again {
+                Some(again) if after_lost => &retried.get_or_insert_with(again)[..],
+                _ => calls,
+            };
             scripts::run_pipelined::<i64>(&[script], calls, c, before)
         });
         let Some(statuses) = statuses.map_err(|e| tries.error(e))? else {
@@ -667,6 +686,8 @@ struct ReleaseTries {
     retried: bool,
     /// The caller's, if it has one (see [`Call::deadline`]).
     deadline: Option<Instant>,
+    /// A try of the release made by an earlier call may have run: every try is a retry.
+    resent: bool,
 }
 
 impl ReleaseTries {
@@ -686,7 +707,7 @@ impl ReleaseTries {
             narrower,
         };
         node.call(how, |c, before| {
-            let after_lost = self.lost_reply.is_some();
+            let after_lost = self.resent || self.lost_reply.is_some();
             self.retried |= after_lost;
             let reply = f(c, before, after_lost);
             if let Err(e) = &reply
@@ -712,7 +733,7 @@ impl ReleaseTries {
 /// earlier try of the call lost its reply, and may have done it.
 pub(crate) fn release_reply(status: i64, retried: bool) -> Result<ReleaseReply> {
     let reply = match status {
-        3 => return Ok(ReleaseReply::Gone),
+        3 => return Ok(ReleaseReply::NotReleased),
         1 => ReleaseReply::Released,
         2 => ReleaseReply::Passed,
         0 => ReleaseReply::Gone,

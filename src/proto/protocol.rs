@@ -506,7 +506,10 @@ impl Protocol {
     /// back; see `scripts::fence_arg`). `retry` may be non-zero: a repeated release is
     /// harmless, and reports [`ReleaseReply::GoneAfterRetry`] for a key that the first
     /// attempt may have deleted ([`ReleaseReply::OtherAfterRetry`]: passed on, or deleted
-    /// and taken since).
+    /// and taken since). `resent`: an earlier call of this release (before a failover
+    /// ridden through) may have run: every try is sent, and its reply read, as a retry
+    /// after a lost reply (a lock's release then reads the fence counter when it finds the
+    /// key gone).
     pub fn release(
         self,
         node: &Node,
@@ -514,6 +517,7 @@ impl Protocol {
         token: &str,
         fence: Option<u64>,
         retry: Retry,
+        resent: bool,
     ) -> Result<ReleaseReply> {
         // Redis Cluster, the lock's slot half-way through a migration: the server refuses
         // a script whose keys are not all on one side (`TRYAGAIN`). The narrow release names
@@ -526,7 +530,7 @@ impl Protocol {
         // has no key: during a migration the narrow release is the fair release of a lock
         // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
         // and its head takes the lock at its next attempt once the slot has moved.
-        match self.exclusive_release(node, keys, token, fence, false) {
+        let shared = match self.exclusive_release(node, keys, token, fence, false) {
             Some((script, call)) => {
                 // A holder's release sent again after a lost reply asks the fence counter,
                 // when it finds the key gone, whether the lost try released it (see
@@ -538,13 +542,14 @@ impl Protocol {
                 let again = fence
                     .is_some_and(|f| f != 0)
                     .then_some(&again as &dyn Fn() -> Cmd);
-                node.release_again(
+                return node.release_again(
                     script,
                     (&call, again),
                     retry,
                     Some((&RELEASE, &narrow)),
                     None,
-                )
+                    resent,
+                );
             }
             // What an upgrade's attempt may have left is the write hold it turns into (the
             // upgradable hold is not the attempt's to give back).
@@ -553,7 +558,10 @@ impl Protocol {
                 node.release_shared(keys, &member, fence, retry)
             }
             None => node.release_shared(keys, token, fence, retry),
-        }
+        };
+        // A shared hold's release has no retry form: after an earlier call that may have
+        // run, what it finds gone or another's says only what a retry saw.
+        shared.map(|r| if resent { r.as_retried() } else { r })
     }
 
     /// The call that gives back `token`'s exclusive lock `keys` on `node`: the plain
@@ -625,8 +633,9 @@ impl Protocol {
     /// Gives back `token`'s locks `keys` on `node` (a multi-lock's group), each as
     /// [`release`](Self::release) does, in one pipelined round trip; one by one when the
     /// server refuses their keys together (a Redis Cluster slot migrating) or there is
-    /// one. One reply per lock, in order. `fences`: each lock's, as for
-    /// [`release`](Self::release).
+    /// one. One reply per lock, in order. `fences` (each lock's) and `resent` as for
+    /// [`release`](Self::release): a retry after a lost reply (the pipeline's own, or
+    /// `resent`) reads the fence counter of a key it finds gone, as a lock's release does.
     pub fn release_all(
         self,
         node: &Node,
@@ -634,6 +643,7 @@ impl Protocol {
         token: &str,
         fences: &[Option<u64>],
         retry: Retry,
+        resent: bool,
     ) -> Result<Vec<ReleaseReply>> {
         // The pipeline refused part-way (a slot half moved: the source ran the releases
         // of the keys it still had): what the releases one by one find gone or another's
@@ -647,7 +657,20 @@ impl Protocol {
                 .collect();
             if let Some(calls) = calls {
                 let (scripts, calls): (Vec<&Lua>, Vec<Cmd>) = calls.into_iter().unzip();
-                if let Some(replies) = node.release_all(scripts[0], &calls, retry)? {
+                // The retry form of each release, as `release` sends it: only a holder's
+                // (an unused attempt given back, fence `None`, has nothing to read).
+                let again = || {
+                    let again = |(k, &f): (&Keys, &Option<u64>)| {
+                        let resend = f.is_some_and(|f| f != 0);
+                        self.exclusive_release(node, k, token, f, resend)
+                    };
+                    let calls = keys.iter().zip(fences).filter_map(again);
+                    calls.map(|(_, call)| call).collect()
+                };
+                let again = (fences.iter().any(|f| f.is_some_and(|f| f != 0)))
+                    .then_some(&again as &dyn Fn() -> Vec<Cmd>);
+                let sent = node.release_all(scripts[0], (&calls, again), retry, resent)?;
+                if let Some(replies) = sent {
                     return Ok(replies);
                 }
                 refused = true;
@@ -656,7 +679,7 @@ impl Protocol {
         keys.iter()
             .zip(fences)
             .map(|(k, &f)| {
-                let reply = self.release(node, k, token, f, retry)?;
+                let reply = self.release(node, k, token, f, retry, resent)?;
                 Ok(if refused { reply.as_retried() } else { reply })
             })
             .collect()
