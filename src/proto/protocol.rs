@@ -530,15 +530,13 @@ impl Protocol {
         // has no key: during a migration the narrow release is the fair release of a lock
         // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
         // and its head takes the lock at its next attempt once the slot has moved.
-        let shared = match self.exclusive_release(node, keys, token, fence, false) {
-            Some((script, call)) => {
+        let shared = match self.exclusive_release(node, keys, token, fence) {
+            Some((script, build)) => {
+                let call = build(false);
                 // A holder's release sent again after a lost reply asks the fence counter,
                 // when it finds the key gone, whether the lost try released it (see
                 // `scripts::RELEASE`, "A retry").
-                let again = || match self.exclusive_release(node, keys, token, fence, true) {
-                    Some((_, again)) => again,
-                    None => call.clone(),
-                };
+                let again = || build(true);
                 let again = fence
                     .is_some_and(|f| f != 0)
                     .then_some(&again as &dyn Fn() -> Cmd);
@@ -564,34 +562,36 @@ impl Protocol {
         shared.map(|r| if resent { r.as_retried() } else { r })
     }
 
-    /// The call that gives back `token`'s exclusive lock `keys` on `node`: the plain
-    /// compare-and-delete, or (fair queue) the release that grants the lock to the head
-    /// of the queue; `None` for a shared hold. `fence` as for [`release`](Self::release);
-    /// `again`: sent again after a try whose reply was lost.
-    fn exclusive_release(
+    /// The script that gives back `token`'s exclusive lock `keys` on `node`, the plain
+    /// compare-and-delete or (fair queue) the release that grants the lock to the head of
+    /// the queue, and a builder of its call: `true` builds the form sent again after a try
+    /// whose reply was lost. `None` for a shared hold. `fence` as for
+    /// [`release`](Self::release).
+    fn exclusive_release<'a>(
         self,
-        node: &Node,
-        keys: &Keys,
-        token: &str,
+        node: &'a Node,
+        keys: &'a Keys,
+        token: &'a str,
         fence: Option<u64>,
-        again: bool,
-    ) -> Option<(&'static Lua, Cmd)> {
-        let site = node.site();
-        match self {
-            Protocol::Lock { .. } => {
-                Some((&RELEASE, release_cmd(site, keys, token, fence, true, again)))
-            }
-            Protocol::FairLock(fair) => {
-                let grant = (millis(fair.grant_lease), fence);
-                let call = fair_call(&FAIR_RELEASE, site, keys, token, grant, again);
-                Some((&FAIR_RELEASE, call))
-            }
+    ) -> Option<(&'static Lua, impl Fn(bool) -> Cmd + 'a)> {
+        let script: &'static Lua = match self {
+            Protocol::Lock { .. } => &RELEASE,
+            Protocol::FairLock(_) => &FAIR_RELEASE,
             Protocol::Read { .. }
             | Protocol::Write { .. }
             | Protocol::Permit { .. }
             | Protocol::Upgradable { .. }
-            | Protocol::Upgrade { .. } => None,
-        }
+            | Protocol::Upgrade { .. } => return None,
+        };
+        let site = node.site();
+        let build = move |again| match self {
+            Protocol::FairLock(fair) => {
+                let grant = (millis(fair.grant_lease), fence);
+                fair_call(&FAIR_RELEASE, site, keys, token, grant, again)
+            }
+            _ => release_cmd(site, keys, token, fence, true, again),
+        };
+        Some((script, build))
     }
 
     /// One all-or-nothing attempt at the exclusive locks of `group` on `node` (see
@@ -650,26 +650,27 @@ impl Protocol {
         // may have been ours until then.
         let mut refused = false;
         if keys.len() > 1 {
-            let calls: Option<Vec<(&Lua, Cmd)>> = keys
+            let releases: Option<Vec<_>> = keys
                 .iter()
                 .zip(fences)
-                .map(|(k, &f)| self.exclusive_release(node, k, token, f, false))
+                .map(|(k, &f)| self.exclusive_release(node, k, token, f).map(|r| (r, f)))
                 .collect();
-            if let Some(calls) = calls {
-                let (scripts, calls): (Vec<&Lua>, Vec<Cmd>) = calls.into_iter().unzip();
+            if let Some(releases) = releases {
+                let calls: Vec<Cmd> = releases
+                    .iter()
+                    .map(|((_, build), _)| build(false))
+                    .collect();
                 // The retry form of each release, as `release` sends it: only a holder's
                 // (an unused attempt given back, fence `None`, has nothing to read).
                 let again = || {
-                    let again = |(k, &f): (&Keys, &Option<u64>)| {
-                        let resend = f.is_some_and(|f| f != 0);
-                        self.exclusive_release(node, k, token, f, resend)
-                    };
-                    let calls = keys.iter().zip(fences).filter_map(again);
-                    calls.map(|(_, call)| call).collect()
+                    (releases.iter())
+                        .map(|((_, build), f)| build(f.is_some_and(|f| f != 0)))
+                        .collect()
                 };
                 let again = (fences.iter().any(|f| f.is_some_and(|f| f != 0)))
                     .then_some(&again as &dyn Fn() -> Vec<Cmd>);
-                let sent = node.release_all(scripts[0], (&calls, again), retry, resent)?;
+                let script = releases[0].0.0;
+                let sent = node.release_all(script, (&calls, again), retry, resent)?;
                 if let Some(replies) = sent {
                     return Ok(replies);
                 }
