@@ -418,31 +418,25 @@ impl Waiter {
         arm: impl FnOnce(&mut Self),
     ) {
         let c = &client.counters;
-        let woken = match client.cfg.wakeup {
+        let woken = match (client.cfg.wakeup, before) {
             // Only a cancellation pokes a polling waiter (it watches nothing).
-            Wakeup::Polling(every) => self.sleep_interval(every, deadline, Woken::Poll),
-            Wakeup::Notifications => {
-                if !self.watching() {
-                    self.watch(keys, client, route, deadline);
-                    if self.watching() {
-                        return;
-                    }
-                    // No subscriber serves the route (the client shut down before the
-                    // key moved to a node it had none for): nothing to confirm, and the
-                    // next attempt must not follow at once, or the wait spins on
-                    // attempts. Timers alone wake it, as a wait without confirmed
-                    // subscriptions.
-                    self.wait_degraded(hint, deadline, keys, client)
-                } else {
-                    match before {
-                        Some(before) => {
-                            arm(self);
-                            self.wait_change(&before, hint, deadline, client)
-                        }
-                        None => self.wait_degraded(hint, deadline, keys, client),
-                    }
+            (Wakeup::Polling(every), _) => self.sleep_interval(every, deadline, Woken::Poll),
+            (Wakeup::Notifications, _) if !self.watching() => {
+                self.watch(keys, client, route, deadline);
+                if self.watching() {
+                    return;
                 }
+                // No subscriber serves the route (the client shut down before the key
+                // moved to a node it had none for): nothing to confirm, and the next
+                // attempt must not follow at once, or the wait spins on attempts. Timers
+                // alone wake it, as a wait without confirmed subscriptions.
+                self.wait_degraded(hint, deadline, keys, client)
             }
+            (Wakeup::Notifications, Some(before)) => {
+                arm(self);
+                self.wait_change(&before, hint, deadline, client)
+            }
+            (Wakeup::Notifications, None) => self.wait_degraded(hint, deadline, keys, client),
         };
         match woken {
             Woken::Event => Counters::inc(&c.wakeups_event),
