@@ -636,22 +636,31 @@ impl SharedGuard {
 
     /// Turns the upgradable read hold into the write hold (see
     /// [`UpgradableReadGuard::upgrade`]); on an error, this guard back, still holding
-    /// whatever it held.
+    /// whatever it held unless it is lost (its upgradable read then given back).
     fn upgrade(self, wait: Wait<'_>) -> std::result::Result<SharedGuard, (Self, Error)> {
         debug_assert!(
             self.kind == Kind::Upgradable,
             "only an upgradable read upgrades"
         );
-        match self.engine.upgrade(&self.hold, wait) {
-            Ok(hold) => Ok(self.replaced_by(hold, Kind::Write)),
+        let failed = match self.engine.upgrade(&self.hold, wait) {
+            Ok(hold) => return Ok(self.replaced_by(hold, Kind::Write)),
             // An attempt left unanswered at the deadline may have run, and the upgradable
             // hold with it (see `UpgradeError`): a timeout would say the read goes on.
             Err(e @ (Error::Timeout | Error::Cancelled)) => match self.check() {
-                Err(lost) => Err((self, lost)),
-                Ok(()) => Err((self, e)),
+                Err(lost) => lost,
+                Ok(()) => e,
             },
-            Err(e) => Err((self, e)),
+            Err(e) => e,
+        };
+        if self.check().is_err() {
+            // Lost, the upgrade having maybe run: should it not have, the upgradable read
+            // is still held in Redis and keeps writers out, while the guard, which says it
+            // is lost, may be kept for long. It goes back now, renewed no more. Whatever
+            // the upgrade did is safe: a late one finds no upgradable read to turn, and a
+            // write hold it made is given back by the upgrade.
+            self.engine.release_in_background(&self.hold.remote);
         }
+        Err((self, failed))
     }
 
     /// Turns the write hold into a read hold (see [`WriteGuard::downgrade`]); on an error
@@ -1142,7 +1151,9 @@ impl UpgradableReadGuard {
 /// the deadline), or the upgrade went unanswered (a connection error,
 /// [`Error::is_connection`]): it may have run, turning the upgradable
 /// read into the write hold, which the library gives back, so the guard is then lost
-/// ([`LostReason::Converted`](crate::LostReason::Converted)). Its
+/// ([`LostReason::Converted`](crate::LostReason::Converted)). A guard lost so has its
+/// upgradable read given back at once, should it still be held in Redis: writers do not
+/// wait for the guard's drop. Its
 /// [`check`](UpgradableReadGuard::check) always says which. Converts into [`Error`] for `?`
 /// (the guard is then dropped, which lets go of the hold). Not `Send`, as the guard it
 /// carries.

@@ -123,6 +123,9 @@ impl Engine {
             slice: self.cfg.handoff_slice,
             uses: self.cfg.max_handoffs,
         };
+        // Why this thread's budget check failed, if it did: a caller that does not wait is
+        // told that, not that the name is held (nobody answered).
+        let mut unchecked: Option<Error> = None;
         loop {
             let turn = st.turns.entry(keys.clone()).or_default();
             let lost = turn
@@ -180,9 +183,14 @@ impl Engine {
                         t.checked(false);
                         stop_waiting(t, write);
                     };
-                    let keep = remote.is_some_and(|(r, _)| {
+                    let keep = remote.map_or(Ok(false), |(r, _)| {
                         let deadline = wait.deadline();
                         self.unlocked_for(st, keys, undo, || self.keep_turns(&r, deadline))
+                    });
+                    let keep = keep.unwrap_or_else(|e| {
+                        log::debug!("checking for waiting writers failed: {e}");
+                        unchecked = Some(e);
+                        false
                     });
                     st.turns.entry(keys.clone()).or_default().checked(keep);
                     self.shares.changed.notify_all();
@@ -198,7 +206,7 @@ impl Engine {
                     self.shares.changed.notify_all();
                 }
                 Next::Wait => match wait {
-                    Wait::No => return Err(Error::WouldBlock),
+                    Wait::No => return Err(unchecked.take().unwrap_or(Error::WouldBlock)),
                     Wait::Until(..) => self.await_change(st, wait)?,
                 },
             }
@@ -290,23 +298,20 @@ impl Engine {
     }
 
     /// Whether the process may go on taking turns on `remote`, held as `mode` (the hold is
-    /// live and nobody else waits for it). An error counts as no: the hold drains and is
-    /// asked for again. Asked within `deadline`, the asking thread's: a server that stops
-    /// answering must not keep that thread past it (the answer is then no).
-    fn keep_turns(&self, remote: &RemoteLock, deadline: Option<Instant>) -> bool {
+    /// live and nobody else waits for it), or the first error (which the caller counts as
+    /// no: the hold drains and is asked for again). Asked within `deadline`, the asking
+    /// thread's: a server that stops answering must not keep that thread past it.
+    fn keep_turns(&self, remote: &RemoteLock, deadline: Option<Instant>) -> Result<bool> {
         let route = self.topology.route(&remote.keys);
-        route.nodes().iter().all(|node| {
-            match remote
+        for node in route.nodes() {
+            let keep = remote
                 .protocol
-                .keeps_turns(node, &remote.keys, &remote.token, deadline)
-            {
-                Ok(keep) => keep,
-                Err(e) => {
-                    log::debug!("checking for waiting writers failed: {e}");
-                    false
-                }
+                .keeps_turns(node, &remote.keys, &remote.token, deadline);
+            if !keep? {
+                return Ok(false);
             }
-        })
+        }
+        Ok(true)
     }
 
     /// Gives a remote hold back on behalf of the process (nobody waits for the outcome).

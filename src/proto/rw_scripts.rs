@@ -35,7 +35,8 @@
 //!
 //! On the library's channel a release says `r` (a waiter may get in), `g<member>:0`, a
 //! wake-up for one waiter alone (nothing is reserved: its next attempt takes what is free
-//! as any would, and marks itself again if it fails), or a grant,
+//! as any would, and marks itself again if it fails: a permit-seeker in the place its
+//! mark had), or a grant,
 //! `g<member>:<nonce>:<fence>:<grant ms>`, as the fair queue's (see `fair_scripts`).
 //!
 //! When the last hold of a read-write lock ends (a release, or a waiter leaving with a
@@ -170,17 +171,47 @@ local function first_waiting(set, now)
 end
 -- Wakes the member of `set` waiting longest alone (`g<member>:0`) and, when `take`, takes
 -- its mark out, so that the next wake-up goes to the next one; `r` (whoever waits) when
--- no mark is live, or there is no `set`.
-local function wake_first(set, channel, now, take)
+-- no mark is live, or there is no `set`. With `nonces`, a mark taken leaves its expiry
+-- in place of its nonce (negated: nonces are positive), unused until its next attempt:
+-- should that fail, the waiter is marked again in the place it had, not behind the
+-- waiters that came after it (see `SEM_ACQUIRE`).
+local function wake_first(set, channel, now, take, nonces)
   local w = set and first_waiting(set, now)
   if not w then
     publish(channel, 'r')
     return
   end
-  if take then redis.call('ZREM', set, w) end
+  if take then
+    if nonces and redis.call('ZSCORE', nonces, w) then
+      redis.call('ZADD', nonces, -tonumber(redis.call('ZSCORE', set, w)), w)
+    end
+    redis.call('ZREM', set, w)
+  end
   publish(channel, 'g' .. w .. ':0')
 end
--- Marks `member` waiting in `set` until `now + ttl`, and drops the marks that expired
+local MARK_CHUNK = 64
+-- The first live mark of `set` whose kind (its first letter) `grantable` accepts, and
+-- when it expires; the marks before it (at most MARK_CHUNK: past them, the first one
+-- left) are woken on `channel` with a grant of nonce 0, whose attempt finds what is
+-- wrong, and taken out with their nonces, so that the waiters behind them are not left
+-- for their re-checks.
+local function first_grantable(set, nonces, now, channel, grantable)
+  local function first()
+    return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  end
+  local w = first()
+  local skipped = 0
+  while w[1] and not grantable(string.sub(w[1], 1, 1)) and skipped < MARK_CHUNK do
+    redis.call('ZREM', set, w[1])
+    redis.call('ZREM', nonces, w[1])
+    publish(channel, 'g' .. w[1] .. ':0')
+    skipped = skipped + 1
+    w = first()
+  end
+  return w[1], w[2] and tonumber(w[2])
+end
+-- Marks `member` waiting in `set` until `now + ttl` (or until `place`, a live mark's
+-- expiry it had, see `wake_first`), and drops the marks that expired
 -- (their waiters crashed or gave up unheard): as many as were added, so one call each,
 -- amortized. With `nonces` (the waiting writers' and readers' nonces), the expired marks'
 -- nonces go too, at most MARK_CHUNK a call (a call adds one), and `nonce`, when given, is
@@ -188,8 +219,7 @@ end
 -- least as long as this mark: their key's TTL, like the set's, is only ever lengthened
 -- (marks of another set, or of another TTL, share it; a key re-made by ZADD has none).
 -- Returns whether `member` was not marked before.
-local MARK_CHUNK = 64
-local function mark(set, member, now, ttl, nonces, nonce)
+local function mark(set, member, now, ttl, nonces, nonce, place)
   if nonces then
     local dead = redis.call('ZRANGEBYSCORE', set, '-inf', now, 'LIMIT', 0, MARK_CHUNK)
     if #dead > 0 then
@@ -199,7 +229,7 @@ local function mark(set, member, now, ttl, nonces, nonce)
   else
     redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
   end
-  local new = redis.call('ZADD', set, now + ttl, member) == 1
+  local new = redis.call('ZADD', set, place or now + ttl, member) == 1
   local longer = redis.call('PTTL', set) < ttl
   if longer then redis.call('PEXPIRE', set, 2 * ttl) end
   if nonce then
@@ -265,29 +295,13 @@ local function tell_grant(member, nonce, fence, ms)
   nonce = nonce and string.format('%.0f', tonumber(nonce)) or '0'
   publish(ARGV[2], 'g' .. member .. ':' .. nonce .. ':' .. string.format('%.0f', fence) .. ':' .. ms)
 end
--- The first live mark of `set` whose kind (its first letter) `grantable` accepts; the
--- marks before it (at most MARK_CHUNK) are woken with a grant of nonce 0, whose attempt
--- finds what is wrong, and taken out with their nonces, so that the waiters behind them
--- are not left for their re-checks.
-local function first_grantable(set, nonces, now, grantable)
-  local w = first_waiting(set, now)
-  local skipped = 0
-  while w and not grantable(string.sub(w, 1, 1)) and skipped < MARK_CHUNK do
-    redis.call('ZREM', set, w)
-    redis.call('ZREM', nonces, w)
-    publish(ARGV[2], 'g' .. w .. ':0')
-    skipped = skipped + 1
-    w = first_waiting(set, now)
-  end
-  return w
-end
 local function grant_first(now, released)
   local grant_ms = tonumber(ARGV[4])
   -- An upgrade's mark, with no hold left here to upgrade (its upgrader crashed, or gave
   -- up unheard): its upgrader, if alive, is told (its next attempt finds its hold gone),
   -- and the grant goes on to the next waiting. So does a permit-seeker's mark left from
   -- when the name was a semaphore (its attempt finds the other kind).
-  local w = first_grantable(KEYS[2], KEYS[5], now, function(kind)
+  local w = first_grantable(KEYS[2], KEYS[5], now, ARGV[2], function(kind)
     return kind ~= 'u' and kind ~= 'p'
   end)
   if not w then
@@ -329,28 +343,6 @@ local function grant_first(now, released)
   tell_grant(w, take_nonces(KEYS[2], KEYS[5], {w}, lost)[1], fence, grant_ms)
   return true, true
 end
--- A permit freed: granted to the permit-seeker waiting longest (KEYS[2] its mark, KEYS[3]
--- the nonces), held for the grant lease, when the semaphore has a permit free (its count
--- is the kind member's); else, or without the sets (the narrow call), the wake-up of old.
-local function grant_permit(now)
-  -- A mark of another kind's waiter (a writer left waiting when the name became a
-  -- semaphore) is never granted a permit: it would take the permit for its own hold, with
-  -- the count for a fence. It is woken and passed over.
-  local w = KEYS[3] and first_grantable(KEYS[2], KEYS[3], now, function(kind)
-    return kind == 'p'
-  end)
-  local sem = w and string.sub(w, 1, 1) == 'p' and redis.call('ZSCORE', KEYS[1], '#sem')
-  if not sem or redis.call('ZCOUNT', KEYS[1], now + 1, '+inf') >= -tonumber(sem) then
-    wake_first(KEYS[2], ARGV[2], now, true)
-    return false
-  end
-  local grant_ms = tonumber(ARGV[4])
-  hold(KEYS[1], w, now, grant_ms)
-  -- The count where a write grant's fence would be: a waiter that asked for another
-  -- count takes the grant for a wake-up, and its attempt is told of the mismatch.
-  tell_grant(w, take_nonces(KEYS[2], KEYS[3], {w}, false)[1], -tonumber(sem), grant_ms)
-  return true
-end
 -- Keeps the key, whose holds `left` are live, as long as its longest live hold, no longer
 -- (see `hold`, which only lengthens it): the hold that ended may be the one that set its
 -- TTL, and a key left with expired holds alone stands in the way of a plain lock.
@@ -358,6 +350,31 @@ local function fit(left, now)
   if not left[1] then return end
   local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
   redis.call('PEXPIRE', KEYS[1], tonumber(last[2]) - now)
+end
+-- A permit freed: granted to the permit-seeker waiting longest (KEYS[2] its mark, KEYS[3]
+-- the nonces), held for the grant lease, when the semaphore has a permit free (its count
+-- is the kind member's); else, or without the sets (the narrow call), the wake-up of old.
+local function grant_permit(now)
+  -- A mark of another kind's waiter (a writer left waiting when the name became a
+  -- semaphore) is never granted a permit: it would take the permit for its own hold, with
+  -- the count for a fence. It is woken and passed over.
+  local w = KEYS[3] and first_grantable(KEYS[2], KEYS[3], now, ARGV[2], function(kind)
+    return kind == 'p'
+  end)
+  local sem = w and string.sub(w, 1, 1) == 'p' and redis.call('ZSCORE', KEYS[1], '#sem')
+  if not sem or redis.call('ZCOUNT', KEYS[1], now + 1, '+inf') >= -tonumber(sem) then
+    wake_first(KEYS[2], ARGV[2], now, true, KEYS[3])
+    return false
+  end
+  local grant_ms = tonumber(ARGV[4])
+  hold(KEYS[1], w, now, grant_ms)
+  -- The key may still have the TTL of the permit that ended (a lease): it goes with the
+  -- grant, should its grantee never take it, unless other holds live longer.
+  fit({w}, now)
+  -- The count where a write grant's fence would be: a waiter that asked for another
+  -- count takes the grant for a wake-up, and its attempt is told of the mismatch.
+  tell_grant(w, take_nonces(KEYS[2], KEYS[3], {w}, false)[1], -tonumber(sem), grant_ms)
+  return true
 end
 local function pass_on(ended, now, released)
   local permit = string.sub(ended, 1, 1) == 'p'
@@ -464,22 +481,13 @@ if first == ARGV[2] and ARGV[1] == 'w' then
   return {1, fence, others(), after_lost and 1 or 0}
 end
 if ARGV[1] ~= 'w' then
-  local function first_writer()
-    return redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  end
-  local w = first_writer()
   -- A permit-seeker's mark left from when the name was a semaphore holds no reader back,
   -- as a writer's would: it is woken (its attempt finds the other kind) and goes.
-  local skipped = 0
-  while w[1] and string.sub(w[1], 1, 1) == 'p' and skipped < MARK_CHUNK do
-    redis.call('ZREM', KEYS[3], w[1])
-    redis.call('ZREM', KEYS[5], w[1])
-    publish(ARGV[8], 'g' .. w[1] .. ':0')
-    skipped = skipped + 1
-    w = first_writer()
-  end
+  local w, w_until = first_grantable(KEYS[3], KEYS[5], now, ARGV[8], function(kind)
+    return kind ~= 'p'
+  end)
   -- A write hold is the only hold: when it exists, it is the first.
-  local free = (not first or string.sub(first, 1, 1) ~= 'w') and not w[1]
+  local free = (not first or string.sub(first, 1, 1) ~= 'w') and not w
   if free and ARGV[1] == 'u' then
     -- One upgradable hold at a time: when another one's ends, if there is one.
     local holds = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'WITHSCORES')
@@ -503,7 +511,7 @@ if ARGV[1] ~= 'w' then
     local nonce = ARGV[1] == 'r' and ARGV[6] or nil
     mark(KEYS[4], ARGV[2], now, tonumber(ARGV[4]), KEYS[5], nonce)
   end
-  if w[2] and (not until_ or tonumber(w[2]) < until_) then until_ = tonumber(w[2]) end
+  if w_until and (not until_ or w_until < until_) then until_ = w_until end
 elseif not first then
   -- The fence before the hold: a failed SET leaves nothing to undo (unlike the plain
   -- lock's `take_fenced`, whose SET NX is its test of a free lock).
@@ -616,8 +624,9 @@ return 1
 ///
 /// An attempt that fails and will wait marks the member waiting until the mark's TTL, as a
 /// waiting writer does (each attempt renews it), so that a release grants it a permit
-/// alone when its turn comes; one that succeeds takes its mark out, so that no release
-/// grants to a holder.
+/// alone when its turn comes (an attempt woken by a release that had no permit to grant,
+/// which took its mark, marks it again in the place it had, see `wake_first`); one that succeeds takes its mark (and its nonce) out, so
+/// that no release grants to a holder.
 static SEM_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
 local now = now_ms()
@@ -630,10 +639,22 @@ if first then n = redis.call('ZCARD', KEYS[1]) - 1 end
 if n < permits or (first and redis.call('ZSCORE', KEYS[1], ARGV[1])) then
   if not first then redis.call('ZADD', KEYS[1], -permits, '#sem') end
   hold(KEYS[1], ARGV[1], now, tonumber(ARGV[2]))
-  if KEYS[2] and redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then redis.call('ZREM', KEYS[3], ARGV[1]) end
+  -- Its mark, and its nonce, which outlives the mark a wake-up took.
+  if KEYS[2] then
+    redis.call('ZREM', KEYS[2], ARGV[1])
+    redis.call('ZREM', KEYS[3], ARGV[1])
+  end
   return {1, 0}
 end
-if KEYS[2] and ARGV[4] ~= '0' then mark(KEYS[2], ARGV[1], now, tonumber(ARGV[4]), KEYS[3], ARGV[5]) end
+if KEYS[2] and ARGV[4] ~= '0' then
+  -- Woken with no permit to take, its mark taken and its expiry left with its nonce (see
+  -- `wake_first`): it is marked again in the place it had, while that mark would live
+  -- past its next attempt (due within half a mark's TTL, its re-check interval).
+  local kept = -tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or 0)
+  local place = nil
+  if kept > now + tonumber(ARGV[4]) / 2 then place = kept end
+  mark(KEYS[2], ARGV[1], now, tonumber(ARGV[4]), KEYS[3], ARGV[5], place)
+end
 return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 ")
 });
@@ -720,10 +741,14 @@ if permit then
   -- waiter (with no permit to grant: a wake-up takes the mark, not the nonce): the
   -- wake-up goes on to the next one, so that a freed permit is never left for the
   -- re-checks. No nonce: this waiter never marked, or this is the leave sent again after
-  -- its first run (whose reply was lost) took both: nothing to pass on, and the next
-  -- waiter keeps its place.
-  if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 and noted then
-    wake_first(KEYS[2], ARGV[2], now, true)
+  -- its first run (whose reply was lost) took both, or a release granted it a permit
+  -- (taking both) that lapsed unused with the key (which goes with its last hold): with
+  -- the key, nothing to pass on, and the next waiter keeps its place; without it, every
+  -- permit is free, and the next waiter is woken, as it would be for the lapsed grant.
+  if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then
+    if noted or (redis.call('EXISTS', KEYS[1]) == 0 and first_waiting(KEYS[2], now)) then
+      wake_first(KEYS[2], ARGV[2], now, true, nonces)
+    end
   end
   return 0
 end
@@ -765,7 +790,8 @@ return out
 
 /// May a process go on letting its own threads take turns on its hold? Yes (1) while the
 /// hold is live and nobody else waits: no writer for a read hold, no writer or reader for
-/// the write hold; no (0) otherwise. Cheap on purpose: a process asks once per budget of
+/// the write hold (a permit-seeker's mark left from when the name was a semaphore is no
+/// writer); no (0) otherwise. Cheap on purpose: a process asks once per budget of
 /// local turns.
 ///
 /// KEYS: lock, waiting writers, waiting readers. ARGV: member, `r` or `w`.
@@ -774,9 +800,15 @@ static RW_KEEP: LazyLock<Lua> = LazyLock::new(|| {
 local now = now_ms()
 local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not s or tonumber(s) <= now then return 0 end
-if first_waiting(KEYS[2], now) or (ARGV[2] == 'w' and first_waiting(KEYS[3], now)) then
-  return 0
+if ARGV[2] == 'w' and first_waiting(KEYS[3], now) then return 0 end
+-- A permit-seeker's mark left from when the name was a semaphore waits for no hold of
+-- this kind (its attempt finds the other kind): only the other marks count. Past a chunk
+-- of such marks, somebody may wait.
+local marks = redis.call('ZRANGEBYSCORE', KEYS[2], now + 1, '+inf', 'LIMIT', 0, MARK_CHUNK)
+for _, m in ipairs(marks) do
+  if string.sub(m, 1, 1) ~= 'p' then return 0 end
 end
+if #marks == MARK_CHUNK then return 0 end
 return 1
 ")
 });
