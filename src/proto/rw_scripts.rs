@@ -281,12 +281,14 @@ local function grant_holds(members, now, ms)
   redis.call('PEXPIRE', KEYS[1], ms)
 end
 -- The nonces of `members`' latest attempts (nil when lost or unknown), taken out of
--- `nonces` with their marks of `set`.
+-- `nonces` with their marks of `set`. Read after the grant's holds were written: a read
+-- refused (an ACL without ZMSCORE) leaves them unknown: the grants go out as wake-ups,
+-- whose attempts find the holds theirs, rather than the release failing half-way.
 local function take_nonces(set, nonces, members, lost)
   redis.call('ZREM', set, unpack(members))
-  local found = redis.call('ZMSCORE', nonces, unpack(members))
+  local found = redis.pcall('ZMSCORE', nonces, unpack(members))
   redis.call('ZREM', nonces, unpack(members))
-  if lost then return {} end
+  if lost or found.err then return {} end
   return found
 end
 -- One grant message: `nonce` '0' (none) makes it a wake-up whose attempt confirms it.
@@ -362,7 +364,10 @@ local function grant_permit(now)
     return kind == 'p'
   end)
   local sem = w and string.sub(w, 1, 1) == 'p' and redis.call('ZSCORE', KEYS[1], '#sem')
-  if not sem or redis.call('ZCOUNT', KEYS[1], now + 1, '+inf') >= -tonumber(sem) then
+  -- Counted after the ended hold was taken out: a count refused (an ACL without ZCOUNT)
+  -- wakes the waiter, whose attempt takes the free permit, rather than failing half-way.
+  local live = sem and redis.pcall('ZCOUNT', KEYS[1], now + 1, '+inf')
+  if not sem or type(live) ~= 'number' or live >= -tonumber(sem) then
     wake_first(KEYS[2], ARGV[2], now, true, KEYS[3])
     return false
   end
@@ -468,9 +473,10 @@ local function take()
   end
 end
 -- Whether somebody else may wait, asked for a write hold only (one command: a mark left
--- by a waiter that has gone only costs its process a shorter turn).
+-- by a waiter that has gone only costs its process a shorter turn). Asked after the hold
+-- was taken: refused (an ACL without EXISTS), somebody may wait, and the hold stands.
 local function others()
-  if ARGV[1] == 'r' or redis.call('EXISTS', KEYS[3], KEYS[4]) == 0 then return 0 end
+  if ARGV[1] == 'r' or redis.pcall('EXISTS', KEYS[3], KEYS[4]) == 0 then return 0 end
   return 1
 end
 -- A retry whose earlier attempt took the hold (its reply was lost) finds it: the write

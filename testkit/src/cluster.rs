@@ -51,8 +51,8 @@ const REPLICA_PASSWORD: &str = "replica-secret";
 /// slot migration. `+wait` would be needed for `replica_ack`.
 pub const APP_ACL: &str = "resetkeys ~redbaton:* resetchannels &redbaton:* &__keyspace@* \
      -@all +evalsha +script|load +get +set +del +pexpire +pttl +incr +publish \
-     +exists +time +zadd +zrem +zrange +zrangebyscore +zcard +zscore +zremrangebyscore \
-     +subscribe +unsubscribe +ping +client|setname +config|get \
+     +exists +time +zadd +zrem +zrange +zrangebyscore +zcard +zcount +zscore +zmscore \
+     +zremrangebyscore +type +scan +subscribe +unsubscribe +ping +client|setname +config|get \
      +spublish +ssubscribe +sunsubscribe +cluster|shards +cluster|slots +asking";
 
 /// Three masters (with the slots split evenly at start) and a replica for each.
