@@ -249,7 +249,7 @@ where
                     H::effects(s, fx);
                 }
             }
-            H::ticked(s);
+            H::ticked(cfg, s);
         }
     }
 }

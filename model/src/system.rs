@@ -72,7 +72,7 @@ impl Ledger<Redis, Proc> for History {
         }
     }
 
-    fn ticked(s: &mut State) {
+    fn ticked(_cfg: &Config, s: &mut State) {
         let starving = props::starving(s);
         s.history.tick(starving);
     }

@@ -80,7 +80,7 @@ pub trait Ledger<R, P: Process>: Clone + Debug + Eq + Hash + Sized {
     /// Records what a process's step did outside it.
     fn effects(s: &mut Sim<R, P, Self>, fx: P::Effects);
     /// A tick ended.
-    fn ticked(_s: &mut Sim<R, P, Self>) {}
+    fn ticked(_cfg: &P::Cfg, _s: &mut Sim<R, P, Self>) {}
 }
 
 /// A whole system at one moment.

@@ -3,9 +3,9 @@
 //! semaphore hold every property; a grant taken without the nonce rule, a renewal that
 //! revives, an unanswered upgrade whose guard is kept, an unanswered downgrade whose write
 //! hold a local turn takes over and a member reused after a late give-back break
-//! exclusion.
+//! exclusion; the bound on a permit left free while a permit-seeker waits is tight.
 
-use redbaton_model::shared::props::EXCLUSION;
+use redbaton_model::shared::props::{EXCLUSION, UNCLAIMED};
 use redbaton_model::{Grants, Report, SharedConfig, check_shared};
 
 /// Checker threads: the CI machines have 2 cores.
@@ -44,6 +44,17 @@ fn a_semaphore_holds_every_property() {
 fn a_semaphore_of_one_permit_holds_every_property() {
     let report = holds(SharedConfig::semaphore_of_one());
     assert_eq!(report.never, ["holds shared"], "one permit is never shared");
+}
+
+/// The bound on a permit left free while a permit-seeker waits is tight: one tick less
+/// and the checker finds a permit free while the seeker sleeps until its re-check (the
+/// messages of two releases lost: a grant and a wake-up nobody heard), so the property is
+/// not vacuous.
+#[test]
+fn the_unclaimed_permit_bound_is_tight() {
+    let mut cfg = SharedConfig::semaphore();
+    cfg.starve_bound -= 1;
+    check_shared(cfg, THREADS, Some(UNCLAIMED)).assert_broken(UNCLAIMED);
 }
 
 /// An upgradable reader that upgrades (`try_upgrade`), beside a writer and a reader.

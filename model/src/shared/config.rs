@@ -27,7 +27,10 @@ pub struct SharedConfig {
     /// (`local::shares`): when the thread holding lets go, the next one takes the hold
     /// over with no request, unless it is known lost or its validity ran out; then it
     /// would ask Redis with a token of its own, as another process does (left out).
-    /// Upgradable reads and permits are a thread's own, never shared.
+    /// Upgradable reads and permits are a thread's own, never shared. `RW_KEEP` (does
+    /// another process wait?) is left out, on the side of more behaviour: a turn never
+    /// ends for a waiter elsewhere. Its passing over of permit-seekers' marks concerns
+    /// no check: a name has one kind, so no read-write check has such a mark.
     pub turns: u8,
     /// A semaphore's permits (with `Want::Permit`).
     pub permits: u8,
@@ -65,6 +68,9 @@ pub struct SharedConfig {
     /// Faults the adversary may cause: a request, reply or message lost or duplicated,
     /// a request run after its sender gave up.
     pub faults: u8,
+    /// Liveness of a semaphore: the most ticks in a row a permit may be left free while
+    /// a permit-seeker waits and nobody is paused, counted from the last fault.
+    pub starve_bound: u8,
     /// What a waiter makes of a grant message to its member.
     pub grants: Grants,
     /// Broken: `SHARED_EXTEND` renews a hold that has expired but is still in the set
@@ -106,6 +112,7 @@ impl SharedConfig {
             horizon: 6,
             pauses: 1,
             faults: 2,
+            starve_bound: 2,
             grants: Grants::Trusted,
             renewal_revives: false,
             upgrade_keeps_guard: false,

@@ -9,7 +9,7 @@
 //! | `config.rs` | bounds, durations, the variants |
 //! | `redis.rs` | the sorted sets, marks, nonces, fence counter; the scripts |
 //! | `client.rs` | a process: wait, grants, renewals, release |
-//! | `props.rs` | exclusion, fencing, and the paths taken |
+//! | `props.rs` | exclusion, fencing, a permit left free, and the paths taken |
 
 pub mod client;
 pub mod config;
@@ -31,16 +31,31 @@ pub type State = Sim<Redis, Proc, History>;
 /// One move of the adversary on the shared holds.
 pub type Move = adversary::Move<Proc>;
 
-/// The write fences seen.
+/// The write fences seen, and how long a permit has been left free.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct History {
     /// The last write hold's fence.
     pub last_fence: u8,
     /// A write hold began with a fence not above the one before.
     pub fence_regressed: bool,
+    /// Ticks in a row, since the last fault, with a permit free while a permit-seeker
+    /// waits (`props::unclaimed`).
+    pub unclaimed: u8,
 }
 
 impl Ledger<Redis, Proc> for History {
+    fn fault(&mut self) {
+        self.unclaimed = 0;
+    }
+
+    fn ticked(cfg: &SharedConfig, s: &mut State) {
+        s.history.unclaimed = if props::unclaimed(cfg, s) {
+            s.history.unclaimed.saturating_add(1)
+        } else {
+            0
+        };
+    }
+
     fn effects(s: &mut State, fx: Effects) {
         for r in fx.sent {
             put(&mut s.net.requests, r);

@@ -4,7 +4,14 @@
 //!   valid_until`, a paused process's belief included), no other believes it holds
 //!   anything; at most one believes it holds the upgradable read; at most `permits`
 //!   believe they hold a permit;
-//! - **fencing**: each write hold begins with a fence above every earlier write hold's.
+//! - **fencing**: each write hold begins with a fence above every earlier write hold's;
+//! - **no permit left unclaimed** (a bounded, safety-style liveness check, as the lock's
+//!   starvation check): a semaphore's permit is not left free in Redis for more than
+//!   `SharedConfig::starve_bound` ticks in a row while a permit-seeker waits and nobody
+//!   is paused, counted from the last fault. A permit granted to a seeker that never
+//!   takes it lapses with the key (its TTL fitted to the grant), and whoever waits next
+//!   gets in by its re-check, or at once when the grantee leaves (`WAITER_LEAVE` wakes
+//!   it).
 //!
 //! `sometimes` properties show the paths are taken: each kind of hold taken from a grant
 //! with no confirming attempt, a hold won with a new member after a late win was given
@@ -17,6 +24,7 @@ use crate::shared::config::{SharedConfig, Want};
 use crate::shared::{SharedModel, State};
 
 pub const EXCLUSION: &str = "shared exclusion";
+pub const UNCLAIMED: &str = "no permit left free while a permit-seeker waits";
 
 /// A property's condition.
 type Condition = fn(&SharedModel, &State) -> bool;
@@ -38,6 +46,16 @@ fn excluded(cfg: &SharedConfig, s: &State) -> bool {
     (writers == 0 || all == 1) && permits <= usize::from(cfg.permits) && upgradable <= 1
 }
 
+/// Whether a semaphore has a permit free in Redis (fewer live holds than permits) while
+/// a permit-seeker waits, and nobody is paused (a paused waiter's wait, or a paused
+/// holder's renewals, are the adversary's).
+pub fn unclaimed(cfg: &SharedConfig, s: &State) -> bool {
+    let held = s.redis.holds.iter().filter(|e| e.exp > s.now).count();
+    held < usize::from(cfg.permits)
+        && s.procs.iter().all(|p| !p.pid.paused)
+        && s.procs.iter().any(|p| p.want == Want::Permit && p.waits())
+}
+
 /// Whether a process of kind `want` believes a hold taken from a grant message alone.
 fn trusted(s: &State, want: Want) -> bool {
     s.procs
@@ -52,6 +70,11 @@ pub fn properties(cfg: &SharedConfig) -> Vec<Property<SharedModel>> {
             !s.history.fence_regressed
         }),
     ];
+    if cfg.wants.contains(&Want::Permit) {
+        props.push(Property::always(UNCLAIMED, |m: &SharedModel, s: &State| {
+            s.history.unclaimed <= m.cfg.starve_bound
+        }));
+    }
     if cfg.grants != Grants::Trusted {
         return props;
     }

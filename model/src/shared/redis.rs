@@ -5,13 +5,21 @@
 //!
 //! Scores are ticks. A hold or a mark whose score has passed stays in its set until a
 //! script takes it out, as in Redis; its score then reads 0 (`expire`), so that states
-//! differing only in how long ago something expired are one state. Two things are left
-//! out, each on the side of more behaviour: the key's own TTL (it outlives every hold,
-//! and a key gone would only make a late release a no-op) and the fence counter's loss
-//! forms (a write grant after a write hold that expired carries nonce 0 in the library, a
-//! wake-up; here it carries the nonce, so it is trusted more often, never less). Marks
-//! of equal score are taken in the order of their members, as Redis does; in the library
-//! members are random UUIDs, so any order can happen, of which the model checks one.
+//! differing only in how long ago something expired are one state.
+//!
+//! The key's own TTL: every script keeps it at its longest hold (a hold only lengthens
+//! it, the end of a hold fits it to the longest left, `fit`, and a permit's grant fits it
+//! to the grant when no other hold lives longer), so the key goes when its last live hold
+//! expires. A semaphore's key does so here (`expire`): a permit-seeker that leaves after
+//! its granted permit lapsed with the key finds nothing to pass on and wakes the next
+//! waiter (`leave`), and a late release of a lapsed permit is a no-op. A read-write
+//! lock's key is kept here until a script takes its holds out, on the side of more
+//! behaviour (a late release of an expired hold still passes it on). The fence counter's
+//! loss forms are left out, also on that side (a write grant after a write hold that
+//! expired carries nonce 0 in the library, a wake-up; here it carries the nonce, so it is
+//! trusted more often, never less). Marks of equal score are taken in the order of their
+//! members, as Redis does; in the library members are random UUIDs, so any order can
+//! happen, of which the model checks one.
 
 use crate::shared::config::{SharedConfig, Want};
 
@@ -89,6 +97,16 @@ pub enum Publish {
     Grant { to: Member, nonce: u8, fence: u8 },
 }
 
+/// What `…:qn` keeps for a member.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Noted {
+    /// Its latest attempt's nonce (positive).
+    Nonce(u8),
+    /// The expiry of the mark a wake-up took (`wake_first` with nonces; stored negated in
+    /// the library), kept until its next attempt re-marks it there; 0 once it has passed.
+    Place(u8),
+}
+
 /// The name's keys.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Redis {
@@ -98,8 +116,9 @@ pub struct Redis {
     pub writers: Vec<Entry>,
     /// `…:wr`: waiting readers.
     pub readers: Vec<Entry>,
-    /// `…:qn`: the nonce of each marked waiter's latest attempt.
-    pub nonces: Vec<(Member, u8)>,
+    /// `…:qn`: the nonce of each marked waiter's latest attempt, or the place a woken
+    /// permit-seeker's mark had.
+    pub nonces: Vec<(Member, Noted)>,
     /// The fence counter: the last fence issued (to a write hold).
     pub fence: u8,
 }
@@ -140,6 +159,22 @@ impl Redis {
                 e.exp = 0;
             }
             set.sort_unstable();
+        }
+        for (_, noted) in &mut self.nonces {
+            if let Noted::Place(exp) = noted
+                && *exp <= now
+            {
+                *exp = 0;
+            }
+        }
+        // A semaphore's key goes with its last live hold (its TTL is its longest hold's):
+        // the expired holds go with it.
+        if self
+            .holds
+            .iter()
+            .all(|e| e.exp == 0 && e.member.want == Want::Permit)
+        {
+            self.holds.clear();
         }
     }
 
@@ -246,16 +281,26 @@ impl Redis {
         }
     }
 
+    /// Takes `m`'s entry out of `…:qn`: the nonce a grant tells (0: none, or a place,
+    /// which no attempt's nonce matches).
     fn take_nonce(&mut self, m: Member) -> u8 {
         let n = self.nonces.iter().find(|(x, _)| *x == m).map(|(_, n)| *n);
         self.nonces.retain(|(x, _)| *x != m);
-        n.unwrap_or(0)
+        match n {
+            Some(Noted::Nonce(n)) => n,
+            _ => 0,
+        }
     }
 
     /// `mark`: drops the marks of `set` that expired (and their nonces), marks `m` waiting
     /// until `now + ttl` and stores `nonce` as its latest attempt's (an upgradable read,
     /// which is never granted, and a waiting upgrade store none).
     fn mark(&mut self, cfg: &SharedConfig, now: u8, set: Set, m: Member, nonce: Option<u8>) {
+        self.mark_at(now, set, m, now + cfg.mark_ttl(), nonce);
+    }
+
+    /// `mark` with `place`: marks `m` waiting until `exp`.
+    fn mark_at(&mut self, now: u8, set: Set, m: Member, exp: u8, nonce: Option<u8>) {
         let set = match set {
             Set::Writers => &mut self.writers,
             Set::Readers => &mut self.readers,
@@ -266,10 +311,10 @@ impl Redis {
             .map(|e| e.member)
             .collect();
         set.retain(|e| e.exp > now);
-        zadd(set, m, now + cfg.mark_ttl());
+        zadd(set, m, exp);
         self.nonces.retain(|(x, _)| !dead.contains(x) && *x != m);
         if let Some(nonce) = nonce {
-            self.nonces.push((m, nonce));
+            self.nonces.push((m, Noted::Nonce(nonce)));
             self.nonces.sort_unstable();
         }
     }
@@ -335,10 +380,23 @@ impl Redis {
                 let n = live(&self.holds, now).count();
                 if n < usize::from(cfg.permits) || mine {
                     zadd(&mut self.holds, m, now + cfg.lease);
-                    self.unmark(m, true);
+                    // Its mark, and its nonce or place, which outlives the mark a wake-up
+                    // took.
+                    zrem(&mut self.writers, m);
+                    self.take_nonce(m);
                     return Answer::Won { fence: 0 };
                 }
-                self.mark(cfg, now, Set::Writers, m, Some(nonce));
+                // Woken with no permit to take (its mark taken, its place kept): marked
+                // again in the place it had while that outlives its next attempt (half a
+                // mark's TTL, its re-check), else at the back.
+                let kept = self.nonces.iter().find_map(|&(x, n)| match n {
+                    Noted::Place(exp) if x == m => Some(exp),
+                    _ => None,
+                });
+                let exp = kept
+                    .filter(|&exp| exp > now + cfg.mark_ttl() / 2)
+                    .unwrap_or(now + cfg.mark_ttl());
+                self.mark_at(now, Set::Writers, m, exp, Some(nonce));
                 hint(head.map(|f| f.exp))
             }
         }
@@ -361,9 +419,17 @@ impl Redis {
         }
         let was_marked = zrem(self.marks(m.want), m);
         match m.want {
-            // A mark a release took to wake it (its nonce still here): the wake-up goes
-            // on. No nonce: it never marked, or this leave ran before.
-            Want::Permit if !was_marked && noted => self.wake_first(now, out),
+            // A mark a release took to wake it (its nonce, or place, still here): the
+            // wake-up goes on. No nonce: it never marked, or this leave ran before, or a
+            // permit granted to it lapsed with the key (which goes with its last hold):
+            // every permit is free, and the next waiter is woken.
+            Want::Permit
+                if !was_marked
+                    && (noted
+                        || (self.holds.is_empty() && first(&self.writers, now).is_some())) =>
+            {
+                self.wake_first(now, out)
+            }
             Want::Permit => {}
             _ if was_marked => out.push(Publish::Free),
             _ => {}
@@ -459,6 +525,9 @@ impl Redis {
     ) -> bool {
         match first(&self.writers, now) {
             Some(w) if left < usize::from(cfg.permits) => {
+                // The key's TTL is fitted to its longest live hold (`fit`), the grant's
+                // when none lives longer: should the grantee never take it, the key goes
+                // with it (`expire`), not with the released permit's lease.
                 self.grant(cfg, now, w.member, 0, out);
                 true
             }
@@ -469,11 +538,17 @@ impl Redis {
         }
     }
 
-    /// `wake_first` (taking the mark): `g<member>:0` to the one waiting longest, or `r`.
+    /// `wake_first` (taking the mark, with the nonces): `g<member>:0` to the one waiting
+    /// longest, whose mark's expiry takes its nonce's place; or `r`.
     fn wake_first(&mut self, now: u8, out: &mut Vec<Publish>) {
         match first(&self.writers, now) {
             Some(w) => {
                 zrem(&mut self.writers, w.member);
+                for (x, noted) in &mut self.nonces {
+                    if *x == w.member {
+                        *noted = Noted::Place(w.exp);
+                    }
+                }
                 out.push(Publish::Wake(w.member));
             }
             None => out.push(Publish::Free),
