@@ -188,3 +188,30 @@ fn a_write_hold_whose_waiter_check_is_refused_is_kept() {
     w.unlock().expect("unlock");
     assert!(members(&srv, "redbaton:{rw}").is_empty());
 }
+
+/// A server out of memory refuses a script's first write that may take memory: a shared
+/// hold's renewal writes the hold's new expiry (`ZADD`), which takes none, yet is such a
+/// command. The renewal lengthens the key's TTL first (`PEXPIRE`, which Redis lets
+/// through), so read holds and permits are kept while the server is full, as locks are.
+#[test]
+fn shared_holds_are_renewed_while_the_server_is_out_of_memory() {
+    let srv = server();
+    let c = lock_client!(
+        node(srv.url_as("locker", "lockerpw").as_str()),
+        lease(ms(600))
+    );
+    let read = c.rwlock("rw").read().expect("read");
+    let permit = c.semaphore("s", 2).acquire().expect("permit");
+    let lock = c.lock("l").expect("lock");
+    oom(&srv);
+    // Three leases: renewed every third of one, each hold needs several renewals.
+    thread::sleep(ms(1800));
+    let kept = [
+        ("read", read.check()),
+        ("permit", permit.check()),
+        ("lock", lock.check()),
+    ];
+    for (what, kept) in &kept {
+        assert!(kept.is_ok(), "{what} out of memory: {kept:?}");
+    }
+}

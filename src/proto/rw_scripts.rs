@@ -784,7 +784,12 @@ for i = 1, #KEYS do
   if type(s) == 'table' and s.err then
     out[i] = -1
   elseif s and tonumber(s) > now then
-    hold(KEYS[i], ARGV[i + 1], now, lease)
+    -- The key's TTL (only ever lengthened) before the hold's expiry: a server out of
+    -- memory refuses a script's first write that may take memory (`ZADD`), never a
+    -- `PEXPIRE`, nor any write after one, so holds are renewed while it is full, as
+    -- locks are.
+    redis.call('PEXPIRE', KEYS[i], math.max(redis.call('PTTL', KEYS[i]), lease))
+    redis.call('ZADD', KEYS[i], now + lease, ARGV[i + 1])
     out[i] = 1
   else
     out[i] = 0
