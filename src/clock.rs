@@ -71,18 +71,6 @@ impl Stamp {
         self.0.saturating_sub(earlier.0)
     }
 
-    /// The point on the lease clock of `at`, an `Instant` near now (a message's send
-    /// time): now, less (or plus) how far `at` is from `Instant::now()`. A suspend between
-    /// `at` and now is not counted back, so a validity counted from the result may be that
-    /// much too long: only for instants a round trip old.
-    pub fn from_instant(at: Instant) -> Stamp {
-        let (instant, now) = (Instant::now(), Stamp::now());
-        match at.checked_duration_since(instant) {
-            Some(ahead) => now + ahead,
-            None => now - instant.saturating_duration_since(at),
-        }
-    }
-
     /// The `Instant` that is as far from `Instant::now()` as this is from now on the lease
     /// clock: for the public API (`valid_until`) and for waits bounded by a validity.
     pub fn to_instant(self) -> Instant {
@@ -152,13 +140,12 @@ mod tests {
 
     #[test]
     fn conversions_keep_the_order_of_events() {
-        let now = Instant::now();
         for d in [
             Duration::ZERO,
             Duration::from_millis(5),
             Duration::from_secs(30),
         ] {
-            let ahead = Stamp::from_instant(now + d);
+            let (now, ahead) = (Instant::now(), Stamp::now() + d);
             let back = ahead.to_instant();
             // Two clock readings apart at most: well under a millisecond, say 50.
             let err = back.max(now + d) - back.min(now + d);
@@ -166,7 +153,6 @@ mod tests {
         }
         let past = Stamp::now() - Duration::from_secs(10);
         assert!(past.to_instant() <= Instant::now() - Duration::from_secs(9));
-        assert!(Stamp::from_instant(now) <= Stamp::now());
         // Saturating, never panicking.
         assert!(Stamp::now() + Duration::MAX > Stamp::now());
         assert_eq!(Stamp(Duration::ZERO) - Duration::MAX, Stamp(Duration::ZERO));

@@ -279,6 +279,7 @@ impl Engine {
             fresh: true,
             nonce: Cell::new(0),
             last: Cell::new(None),
+            round_trip: Cell::new(Duration::ZERO),
             expecting: None,
         }
         .run(yield_first)
@@ -317,6 +318,9 @@ struct Contest<'a> {
     /// The nonce of the latest attempt sent, and when it was sent first: a grant that
     /// carries it ran after then (see [`Contest::trust`]).
     last: Cell<Option<(u64, Stamp)>>,
+    /// How long the latest attempt took from its send to its reply: the first renewal of a
+    /// hold taken from a grant needs about as long to be answered (see [`Contest::trust`]).
+    round_trip: Cell<Duration>,
     /// Held from the first sleep of a wait that may take a grant as the lock: the
     /// watchdog looks often enough meanwhile that the lock's first renewal needs no
     /// wake-up of it at the handoff (see `Watchdog::expect_grant`).
@@ -552,6 +556,7 @@ impl Contest<'_> {
         let paused = self.from.map(|from| Paused::new(engine, from));
         let replies =
             (engine.topology).attempt(&self.route, self.protocol, req, self.wait.deadline());
+        self.round_trip.set(started.elapsed());
         let round = self.judge(token, started, replies);
         if let (Some(paused), Ok(Round::Acquired(_))) = (paused, &round) {
             paused.replaced();
@@ -573,8 +578,10 @@ impl Contest<'_> {
                 "early attempt without a sole node".to_owned(),
             ));
         }
-        let sent = Stamp::from_instant(shot.sent);
+        let sent = shot.sent;
         self.last.set(Some((pending.nonce, sent)));
+        // Up to now, not to the reply: longer, which only makes a grant less often taken.
+        self.round_trip.set(sent.elapsed());
         self.judge(pending.token, sent, replies)
     }
 
@@ -593,7 +600,8 @@ impl Contest<'_> {
     /// quarter of that validity later (`Config::first_renewal`), gives it the full lease.
     /// A grant of an older attempt (it may be of an earlier entry, whose lease ran out and
     /// whose fence another holder followed), or one heard after that bound (a slow
-    /// network, a stopped process), is only a wake-up:
+    /// network, a stopped process), or with less than two of our round trips left before
+    /// it (the first renewal would not be answered in time), is only a wake-up:
     /// `None`, and the next attempt confirms it. So is any grant where the next attempt
     /// must decide: without renewals (the bound would be the whole hold), with replica
     /// acknowledgements (a grant is not known to be replicated), on more than one node.
@@ -617,7 +625,12 @@ impl Contest<'_> {
             _ => grant.fence,
         };
         let until = sent + grant.lease.saturating_sub(cfg.drift(grant.lease));
-        if Stamp::now() >= until {
+        // The first renewal, a quarter of the time left from now, must be answered before
+        // the bound: with less than two round trips left (a slow link, a grant read late),
+        // the hold would be lost the moment it is taken, although Redis keeps it renewed.
+        // The confirming attempt takes it with the full lease instead.
+        let now = Stamp::now();
+        if now >= until || until.since(now) < self.round_trip.get().saturating_mul(2) {
             return Ok(None);
         }
         let token = self.token.borrow().clone().unwrap_or_default();

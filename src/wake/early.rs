@@ -24,6 +24,7 @@ use std::time::Instant;
 
 use redis::{Cmd, RedisResult, Value};
 
+use crate::clock::Stamp;
 use crate::error::is_network_error;
 use crate::proto::node::within_deadline;
 use crate::proto::pool::Pool;
@@ -52,7 +53,10 @@ impl Armed {
     pub fn fire(self, at: Snapshot) -> Option<Shot> {
         let mut conn = self.pool.try_idle()?;
         let (_, read_timeout, _) = self.pool.timeouts();
-        let sent = Instant::now();
+        // On the lease clock at the send itself: converted from an `Instant` later (when
+        // the reply is read), a suspend of the machine meanwhile would put the send later
+        // than it was, and a validity counted from it would be too long.
+        let sent = Stamp::now();
         let reply = within_deadline(&mut conn, self.deadline, read_timeout, |c| {
             c.send_packed_command(&self.packed)?;
             c.recv_response()
@@ -69,8 +73,8 @@ impl Armed {
 
 /// An attempt the subscriber made for a contender.
 pub(crate) struct Shot {
-    /// When it was sent: the lease is counted from here.
-    pub sent: Instant,
+    /// When it was sent, on the lease clock: the lease is counted from here.
+    pub sent: Stamp,
     /// The key's counters when it was sent.
     pub at: Snapshot,
     /// The raw reply (errors included: the contender decides what they mean).
