@@ -22,7 +22,16 @@
 
 use std::time::Duration;
 
+use clap::Parser;
 use redbaton::LockClient;
+
+/// Fenced writes: a holder paused past its lease wakes and writes with its old fencing
+/// token; the resource (a hash in Redis that keeps the highest token it saw) refuses it.
+///
+/// Redis: $REDIS_URL when set; else 127.0.0.1:6379 if one answers; else a throwaway
+/// redis-server (temp dir, no persistence) started here and stopped at the end.
+#[derive(Parser)]
+struct Cli {}
 
 /// Writes `value` to the hash `KEYS[1]` only if the fencing token `ARGV[1]` is higher than
 /// the last one that wrote it; returns 1 when written, 0 when refused as stale. Tokens are
@@ -41,6 +50,7 @@ fn padded(token: u64) -> String {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    Cli::parse();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let (url, _server) = redbaton_testkit::example_redis(true);
     println!("using {url}");
@@ -95,5 +105,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     assert!(fresh > stale && accepted && refused && value == "balance 100");
     println!("holder 1 unlocks: {:?}", first.unlock()?);
     println!("holder 2 unlocks: {:?}", second.unlock()?);
+    redis::cmd("DEL").arg(resource).query::<()>(&mut conn)?;
     Ok(())
 }

@@ -49,9 +49,13 @@ use redbaton_testkit::{clock, server};
 
 type BoxError = Box<dyn std::error::Error>;
 
-/// Cross-process lock handoff latency by wakeup strategy.
+/// Cross-process handoff latency: from the holder's unlock() returning in one process to
+/// the waiter's lock() returning in another, for each wakeup strategy, beside a PING round
+/// trip (p50, p99).
+///
+/// Redis: $REDIS_URL when set; else a throwaway redis-server (it must be on PATH); with
+/// --compare-cluster, a throwaway node and a throwaway Redis Cluster.
 #[derive(Parser, Debug)]
-#[command(about)]
 struct Cli {
     /// Fewer handoffs per strategy (a smoke run of a few seconds).
     #[arg(long)]

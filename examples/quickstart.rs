@@ -9,15 +9,35 @@
 
 use std::time::Duration;
 
+use clap::Parser;
 use redbaton::LockClient;
 
+/// Four threads add 1 to a counter in Redis 50 times each, under one lock: the counter
+/// ends at 200 only if no two of them ever held the lock at once.
+///
+/// Redis: $REDIS_URL when set; else 127.0.0.1:6379 if one answers; else a throwaway
+/// redis-server (temp dir, no persistence) started here and stopped at the end.
+#[derive(Parser)]
+struct Cli {}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    Cli::parse();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
 
     // REDIS_URL, else 127.0.0.1:6379 if it answers, else a throwaway server kept alive until
     // the end of main (or a message saying how to install one, and exit status 1).
-    let (url, _server) = redbaton_testkit::example_redis(true);
-    println!("using {url}");
+    let (url, server) = redbaton_testkit::example_redis(true);
+    match &server {
+        Some(_) => println!(
+            "no Redis on 127.0.0.1:6379 and no REDIS_URL: started a throwaway redis-server \
+             at {url} (temp dir, no persistence), stopped when this program ends"
+        ),
+        None => println!(
+            "using the Redis at {url}: it writes quickstart:counter (deleted at the end) and \
+             the lock's keys under quickstart: (its fence counter expires in 7 days), and may \
+             add the classes it needs to notify-keyspace-events"
+        ),
+    }
 
     let client = LockClient::builder()
         .node(url.as_str())
@@ -75,6 +95,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .query::<()>(&mut conn)?;
     if n != 200 {
         return Err("counter is off: mutual exclusion failed".into());
+    }
+    // Stop the client's threads before the server they talk to.
+    client.shutdown(Duration::from_secs(10))?;
+    if let Some(server) = server {
+        drop(server);
+        println!("stopped the throwaway redis-server");
     }
     Ok(())
 }

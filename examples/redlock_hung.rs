@@ -66,7 +66,16 @@ fn report(phase: &str, mut s: Vec<Duration>) {
     );
 }
 
+/// Redlock with one node hung: lock() + unlock() latency from several threads with three
+/// healthy nodes, then with one of them stopped (SIGSTOP): p50/p90/p99/max per phase.
+///
+/// Starts its own three throwaway redis-servers. REDLOCK_HUNG_ITERS (200) sets the
+/// iterations per thread, REDLOCK_HUNG_THREADS (4) the threads.
+#[derive(clap::Parser)]
+struct Cli {}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    <Cli as clap::Parser>::parse();
     let iters = env("REDLOCK_HUNG_ITERS", 200);
     let threads = env("REDLOCK_HUNG_THREADS", 4);
     let servers = server::start_many(3);

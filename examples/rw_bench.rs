@@ -46,18 +46,55 @@ use std::time::{Duration, Instant};
 
 const NAME: &str = "bench";
 
+/// A read-mostly workload on one name, under the read-write lock and under the exclusive
+/// lock (or a semaphore), from several processes: sections per second and Redis commands
+/// per section, beside the same workload under parking_lot's RwLock and Mutex in one
+/// process.
+///
+/// Redis: $REDIS_URL when set; else a throwaway redis-server (it must be on PATH).
+#[derive(clap::Parser)]
+struct Cli {
+    /// Processes.
+    #[arg(default_value_t = 4)]
+    procs: u64,
+    /// Threads per process.
+    #[arg(default_value_t = 4)]
+    threads: u64,
+    /// Critical sections per thread.
+    #[arg(default_value_t = 500)]
+    sections: u64,
+    /// Length of a section, in microseconds.
+    #[arg(default_value_t = 100)]
+    hold_us: u64,
+    /// Share of the sections that are reads, in percent.
+    #[arg(default_value_t = 90)]
+    read_pct: u64,
+    /// Sections sleep (I/O-bound work) instead of keeping their core busy.
+    #[arg(long)]
+    sleep: bool,
+    /// One mode only (by default rwlock and lock; semaphore only when asked for).
+    #[arg(long, value_parser = ["rwlock", "lock", "semaphore"])]
+    only: Option<String>,
+    /// The semaphore's permits, with `--only semaphore`.
+    #[arg(long, default_value_t = 2)]
+    permits: u64,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut args: Vec<String> = std::env::args().collect();
+    let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--worker") {
         return worker(&args[2..]);
     }
-    let sleep = take_flag(&mut args, "--sleep");
-    let only = take_option(&mut args, "--only");
-    let permits: u64 =
-        take_option(&mut args, "--permits").map_or(2, |p| p.parse().expect("--permits N"));
-    let num = |i: usize, default: u64| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
-    let (procs, threads, sections, hold_us, read_pct) =
-        (num(1, 4), num(2, 4), num(3, 500), num(4, 100), num(5, 90));
+    let Cli {
+        procs,
+        threads,
+        sections,
+        hold_us,
+        read_pct,
+        sleep,
+        only,
+        permits,
+    } = clap::Parser::parse();
     let (url, _server) = redbaton_testkit::example_redis(false);
     let mut admin = redis::Client::open(url.as_str())?.get_connection()?;
     let workload = Workload {
@@ -273,21 +310,6 @@ fn worker(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     }
     println!("done {} {}", stats.failed_attempts, stats.wakeups_event);
     Ok(())
-}
-
-/// Removes `flag` from the arguments; whether it was there.
-fn take_flag(args: &mut Vec<String>, flag: &str) -> bool {
-    let before = args.len();
-    args.retain(|a| a != flag);
-    args.len() != before
-}
-
-/// Removes `option` and its value from the arguments; the value.
-fn take_option(args: &mut Vec<String>, option: &str) -> Option<String> {
-    let i = args.iter().position(|a| a == option)?;
-    let value = args.get(i + 1).cloned();
-    args.drain(i..(i + 2).min(args.len()));
-    value
 }
 
 /// What each thread does: `sections` critical sections of `hold`, `read_pct` % of them
