@@ -792,20 +792,37 @@ fn signal(child: &mut Child, sig: libc::c_int) -> bool {
 /// process is gone, however it went, and the reaper kills the server and
 /// removes its temp dir. It checks that the PID is still a `redis-server` (or Valkey)
 /// where `/proc` can tell, so a reused PID is never killed.
-struct Reaper(Option<(Child, ChildStdin)>);
+pub(crate) struct Reaper(Option<(Child, ChildStdin)>);
 
 impl Reaper {
     fn arm(pid: u32, dir: &Path) -> Reaper {
+        // Deaf to the signals a terminal sends the whole process group (Ctrl-C): the
+        // reaper must outlive the process it watches to clean up after it.
         const SCRIPT: &str = r#"
+trap '' INT HUP TERM
 if read _; then exit 0; fi
 comm=$(cat "/proc/$0/comm" 2>/dev/null || echo redis-server)
 case "$comm" in redis*|valkey*) kill -9 "$0" 2>/dev/null ;; esac
 rm -rf "$1""#;
+        Reaper::spawn(SCRIPT, &[&pid.to_string(), &dir.to_string_lossy()])
+    }
+
+    /// Removes `dir` when the test process ends without [`disarm`](Self::disarm): a
+    /// directory kept for the whole process (certificates of a cluster in a `static`),
+    /// which no destructor removes.
+    pub(crate) fn for_dir(dir: &Path) -> Reaper {
+        const SCRIPT: &str = r#"
+trap '' INT HUP TERM
+if read _; then exit 0; fi
+rm -rf "$0""#;
+        Reaper::spawn(SCRIPT, &[&dir.to_string_lossy()])
+    }
+
+    fn spawn(script: &str, args: &[&str]) -> Reaper {
         let spawned = Command::new("sh")
             .arg("-c")
-            .arg(SCRIPT)
-            .arg(pid.to_string())
-            .arg(dir)
+            .arg(script)
+            .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -818,7 +835,7 @@ rm -rf "$1""#;
         }))
     }
 
-    fn disarm(&mut self) {
+    pub(crate) fn disarm(&mut self) {
         if let Some((mut child, mut pipe)) = self.0.take() {
             let _ = pipe.write_all(b"\n");
             drop(pipe);

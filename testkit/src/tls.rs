@@ -8,7 +8,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, SanType,
 };
 
-use crate::server::{RedisServer, RedisServerBuilder};
+use crate::server::{Reaper, RedisServer, RedisServerBuilder};
 
 /// PEM material and the files the server reads it from.
 pub struct Certs {
@@ -18,6 +18,15 @@ pub struct Certs {
     pub client_cert_pem: Vec<u8>,
     pub client_key_pem: Vec<u8>,
     dir: tempfile::TempDir,
+    /// Removes `dir` if the process ends without dropping these (a `static` cluster's).
+    reaper: Reaper,
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        // The directory goes with `dir`.
+        self.reaper.disarm();
+    }
 }
 
 impl Certs {
@@ -68,11 +77,13 @@ impl Certs {
         ] {
             std::fs::write(dir.path().join(name), pem).expect("write certificate");
         }
+        let reaper = Reaper::for_dir(dir.path());
         Certs {
             ca_pem,
             client_cert_pem: client_cert,
             client_key_pem: client_key,
             dir,
+            reaper,
         }
     }
 
