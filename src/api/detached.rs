@@ -25,7 +25,6 @@ use crate::engine::shared_hold::Hold;
 use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::local::held::RemoteLock;
-use crate::proto::keys::Keys;
 use crate::stats::HoldKind;
 
 /// The state behind a detached guard: the hold (its remote lock, token and when and how
@@ -93,30 +92,30 @@ impl Detached {
 impl Drop for Detached {
     fn drop(&mut self) {
         if !self.released {
-            release_on_drop(&self.hold.remote.keys, || self.release());
+            release_on_drop(
+                format_args!("{:?}", self.hold.remote.keys.display()),
+                || self.release(),
+            );
         }
     }
 }
 
-/// Runs a guard's release on drop and logs what it did, when it is worth a warning. It
-/// never panics: the guard may be dropped while its thread unwinds, where a second panic
-/// aborts the process. A panic of the release itself (a bug) is caught and logged; the
-/// release path has already left the lock to the cleanup thread as it unwound.
-pub(crate) fn release_on_drop(keys: &Keys, release: impl FnOnce() -> Result<Unlocked>) {
-    let name = keys.display();
+/// Runs a guard's release on drop and logs what it did, when it is worth a warning;
+/// `what` names the guard's hold in the messages (a lock's name, a multi-lock's names).
+/// It never panics: the guard may be dropped while its thread unwinds, where a second
+/// panic aborts the process. A panic of the release itself (a bug) is caught and logged;
+/// the hold is then given back in the background, or ends with its lease at the latest.
+pub(crate) fn release_on_drop(
+    what: impl std::fmt::Display,
+    release: impl FnOnce() -> Result<Unlocked>,
+) {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(release)) {
-        Ok(released) => warn_on_drop(keys, released),
-        Err(_) => log::error!("{name:?}: release on drop panicked (given back in the background)"),
-    }
-}
-
-/// Logs what a guard's release on drop did, when it is worth a warning.
-fn warn_on_drop(keys: &Keys, released: Result<Unlocked>) {
-    let name = keys.display();
-    match released {
-        Ok(outcome) if outcome.was_held() => {}
-        Ok(outcome) => log::warn!("{name:?} dropped but it was not held: {outcome}"),
-        Err(e) => log::warn!("{name:?}: release on drop failed (it expires with its lease): {e}"),
+        Ok(Ok(outcome)) if outcome.was_held() => {}
+        Ok(Ok(outcome)) => log::warn!("{what} dropped but it was not held: {outcome}"),
+        Ok(Err(e)) => log::warn!("{what}: release on drop failed (it expires with its lease): {e}"),
+        Err(_) => log::error!(
+            "{what}: release on drop panicked (it expires with its lease at the latest)"
+        ),
     }
 }
 

@@ -372,7 +372,9 @@ impl LockGuard {
 impl Drop for LockGuard {
     fn drop(&mut self) {
         if !self.released {
-            release_on_drop(&self.remote.keys, || self.let_go());
+            release_on_drop(format_args!("{:?}", self.remote.keys.display()), || {
+                self.let_go()
+            });
         }
     }
 }

@@ -13,6 +13,7 @@ use crossbeam_channel::Receiver;
 
 use crate::api::cancel::Cancel;
 use crate::api::client::LockClient;
+use crate::api::detached::release_on_drop;
 use crate::engine::contest::Wait;
 use crate::engine::multi::{MAX_NAMES, MultiHeld};
 use crate::engine::state::Engine;
@@ -442,21 +443,9 @@ impl Drop for MultiGuard {
         if self.released {
             return;
         }
-        // Never a panic out of a drop, which may run while the thread unwinds (see
-        // `release_on_drop`).
-        let released = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.release()));
-        match released {
-            Ok(Ok(outcome)) if outcome.was_held() => {}
-            Ok(Ok(outcome)) => log::warn!("multi-lock {:?} dropped: {outcome}", self.display()),
-            Ok(Err(e)) => log::warn!(
-                "multi-lock {:?}: release on drop failed (it expires with its lease): {e}",
-                self.display()
-            ),
-            Err(_) => log::error!(
-                "multi-lock {:?}: release on drop panicked (it expires with its lease)",
-                self.display()
-            ),
-        }
+        release_on_drop(format_args!("multi-lock {:?}", self.display()), || {
+            self.release()
+        });
     }
 }
 

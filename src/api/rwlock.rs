@@ -706,7 +706,10 @@ impl SharedGuard {
 impl Drop for SharedGuard {
     fn drop(&mut self) {
         if !self.released {
-            release_on_drop(&self.hold.remote.keys, || self.release());
+            release_on_drop(
+                format_args!("{:?}", self.hold.remote.keys.display()),
+                || self.release(),
+            );
         }
     }
 }
