@@ -213,51 +213,55 @@ fn an_unlock_ridden_through_a_sentinel_failover_that_lost_the_key_is_not_release
 /// waits poll (once a minute): no subscription of the first delays the second's attempt.
 #[test]
 fn a_multi_lock_leaving_keeps_the_mark_of_one_that_began_to_wait() {
-    let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let c = lock_client!(
-        node(proxy.url()),
-        key_prefix(PREFIX),
-        patient(),
-        wakeup(Wakeup::Polling(secs(60))),
-        io_timeouts(secs(3))
-    );
+    let (srv, proxy, c) = waited_for_once("m");
     let mark = mark("m");
-    stranger_holds(&srv, "m");
     let waits = |cancel: &Cancel| c.multi_lock_cancellable(["m"], cancel).map(drop);
-    // A wait that marks and is cancelled, and so removes its mark: every script is loaded
-    // (a `NOSCRIPT` would add round trips to the removal below).
-    let (warm_up, first, second) = (Cancel::new(), Cancel::new(), Cancel::new());
+    let (first, second) = (Cancel::new(), Cancel::new());
     let marked = || exists(&mut srv.conn(), &mark);
     std::thread::scope(|s| {
-        for (cancel, last) in [(&warm_up, false), (&first, true)] {
-            let a = s.spawn(|| waits(cancel));
-            wait_for(secs(5), "the mark of the one waiting", marked);
-            if last {
-                proxy.set_delay_both(ms(600));
-            }
-            cancel.cancel();
-            if !last {
-                let left = a.join().expect("the warm-up");
-                assert!(left.is_err_and(|e| e.is_cancelled()));
-                assert!(!marked(), "its mark went with it");
-                continue;
-            }
-            // The first one's removal is on its way (held back by the proxy); the second
-            // one's attempt is not.
-            std::thread::sleep(ms(150));
-            proxy.set_delay_both(ms(0));
-            let b = s.spawn(|| waits(&second));
-            let left = a.join().expect("the first one");
-            assert!(left.is_err_and(|e| e.is_cancelled()));
-            std::thread::sleep(ms(200));
-            let still = marked();
-            second.cancel();
-            let left = b.join().expect("the second one");
-            assert!(left.is_err_and(|e| e.is_cancelled()));
-            assert!(still, "the second one waits with its mark");
-        }
+        let a = s.spawn(|| waits(&first));
+        wait_for(secs(5), "the mark of the one waiting", marked);
+        proxy.set_delay_both(ms(600));
+        first.cancel();
+        // The first one's removal is on its way (held back by the proxy); the second
+        // one's attempt is not.
+        std::thread::sleep(ms(150));
+        proxy.set_delay_both(ms(0));
+        let b = s.spawn(|| waits(&second));
+        let left = a.join().expect("the first one");
+        assert!(left.is_err_and(|e| e.is_cancelled()));
+        std::thread::sleep(ms(200));
+        let still = marked();
+        second.cancel();
+        let left = b.join().expect("the second one");
+        assert!(left.is_err_and(|e| e.is_cancelled()));
+        assert!(still, "the second one waits with its mark");
     });
+}
+
+/// A stranger's hold of `name` behind a proxy, and a client through the proxy whose waits
+/// poll (once a minute: no subscription delays an attempt) and one of whose multi-locks
+/// has waited for `name` and been cancelled: it marked the name and removed its mark, so
+/// every script of a wait and of its leaving is loaded (a `NOSCRIPT` would add round trips
+/// to a later removal).
+fn waited_for_once(name: &str) -> (RedisServer, Proxy, LockClient) {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let polling = lock_builder!(node(proxy.url()), key_prefix(PREFIX), patient());
+    let polling = polling.wakeup(Wakeup::Polling(secs(60)));
+    let c = polling.read_timeout(secs(10)).build().expect("client");
+    stranger_holds(&srv, name);
+    let cancel = Cancel::new();
+    let marked = || exists(&mut srv.conn(), mark(name));
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| c.multi_lock_cancellable([name], &cancel).map(drop));
+        wait_for(secs(5), "the mark of the one waiting", marked);
+        cancel.cancel();
+        let left = waiting.join().expect("the one waiting");
+        assert!(left.is_err_and(|e| e.is_cancelled()));
+        assert!(!marked(), "its mark went with it");
+    });
+    (srv, proxy, c)
 }
 
 /// The mark only tells holders that someone waits: a multi-lock whose mark was taken from
@@ -287,5 +291,39 @@ fn a_multi_lock_whose_mark_was_taken_still_wakes_on_the_release() {
             .expect("the waiter")
             .expect("woken, it takes w");
         assert_eq!(g.unlock().expect("unlock"), Unlocked::Released);
+    });
+}
+
+/// A multi-lock that begins to wait while another of its client is removing their shared
+/// mark waits for that removal before its first attempt; a cancel ends that wait at once.
+/// The removal's reply is held back on the wire for seconds: the cancel must not wait for
+/// it.
+#[test]
+fn a_cancel_ends_a_multi_lock_waiting_for_a_mark_removal() {
+    let (srv, proxy, c) = waited_for_once("c");
+    let mark = mark("c");
+    let (first, second) = (Cancel::new(), Cancel::new());
+    let waits = |cancel: &Cancel| c.multi_lock_cancellable(["c"], cancel).map(drop);
+    let marked = || exists(&mut srv.conn(), &mark);
+    std::thread::scope(|s| {
+        let a = s.spawn(|| waits(&first));
+        wait_for(secs(5), "the first one's mark", marked);
+        // Its attempt's reply has come back: it sleeps until its next look.
+        std::thread::sleep(ms(300));
+        proxy.set_delay(secs(3));
+        first.cancel();
+        // The first one's removal ran; its reply is on its way.
+        wait_for(secs(5), "the first one's removal", || !marked());
+        let b = s.spawn(|| waits(&second));
+        std::thread::sleep(ms(200));
+        let asked = std::time::Instant::now();
+        second.cancel();
+        let left = b.join().expect("the second one");
+        let took = asked.elapsed();
+        proxy.set_delay(ms(0));
+        assert!(left.is_err_and(|e| e.is_cancelled()));
+        assert!(took < secs(2), "the cancel ended the wait after {took:?}");
+        let left = a.join().expect("the first one");
+        assert!(left.is_err_and(|e| e.is_cancelled()));
     });
 }

@@ -432,7 +432,10 @@ impl GroupContest<'_> {
             if marks.leave {
                 // Before the attempt that may mark: a multi-lock of the client leaving
                 // meanwhile then leaves the mark to us.
-                self.waiting.join(&self.mark_id, keys, deadline);
+                if !(self.waiting).join(&self.mark_id, keys, deadline, wait.cancel()) {
+                    // Cancelled while a removal was on its way: the loop's check ends it.
+                    continue;
+                }
             }
             let (token, ran_before) = carried.take().unwrap_or_else(|| (new_token(), false));
             // On the lease clock: the validity counts from here.

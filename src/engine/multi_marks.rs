@@ -8,21 +8,28 @@
 //! multi-lock that begins to wait on the mark meanwhile would mark it, and that removal,
 //! arriving after, would take its mark. So a removal on its way is noted with the count,
 //! and a multi-lock that joins a mark being removed waits for the removal to end before
-//! its attempt (within its deadline): its mark then comes after the removal.
+//! its attempt (within its deadline, and until the caller cancels): its mark then comes
+//! after the removal.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::local::mailbox::Cancellation;
 use crate::proto::keys::Keys;
 
 /// The client's multi-locks that wait with contention marks, counted by the mark they
-/// share (see [`Waiting`]), and the marks whose removal is on its way.
+/// share (see [`Waiting`]), and the marks whose removal is on its way. Shared with the
+/// cancel wakers of the multi-locks waiting for a removal.
 #[derive(Default)]
-pub(crate) struct MultiMarks {
+pub(crate) struct MultiMarks(Arc<Counts>);
+
+#[derive(Default)]
+struct Counts {
     marks: Mutex<HashMap<Mark, Count>>,
-    /// Notified when a removal ends.
+    /// Notified when a removal ends, and when a multi-lock waiting for one is cancelled.
     removed: Condvar,
 }
 
@@ -59,32 +66,55 @@ impl<'a> Waiting<'a> {
 
     /// Counted for the marks of `keys` with `mark_id`, unless already; first waits (until
     /// `deadline`, if any) for the removal on its way of any of them to end, so that the
-    /// mark our next attempt leaves is not taken by it.
-    pub fn join(&mut self, mark_id: &str, keys: &[Keys], deadline: Option<Instant>) {
+    /// mark our next attempt leaves is not taken by it. False, and not counted, when
+    /// `cancel` ends that wait.
+    pub fn join(
+        &mut self,
+        mark_id: &str,
+        keys: &[Keys],
+        deadline: Option<Instant>,
+        cancel: Option<&Arc<Cancellation>>,
+    ) -> bool {
         if !self.marks.is_empty() {
-            return;
+            return true;
         }
-        self.marks = keys
+        let marks: Vec<Mark> = keys
             .iter()
             .map(|k| (mark_id.to_owned(), k.mark().to_vec()))
             .collect();
-        let mut waiting = self.counts.marks.lock();
+        let counts = &self.counts.0;
         let removing = |waiting: &HashMap<Mark, Count>| {
-            (self.marks.iter()).any(|m| waiting.get(m).is_some_and(|c| c.removing))
+            (marks.iter()).any(|m| waiting.get(m).is_some_and(|c| c.removing))
         };
+        // Registered before the flag is read under the mutex, and notifying under it: a
+        // cancel is either seen below or wakes the wait (see `Cancellation::cancel`).
+        let _woken = cancel.map(|c| {
+            let counts = Arc::clone(counts);
+            c.on_cancel(move || {
+                let _marks = counts.marks.lock();
+                counts.removed.notify_all();
+            })
+        });
+        let cancelled = || cancel.is_some_and(|c| c.is_cancelled());
+        let mut waiting = counts.marks.lock();
         while removing(&waiting) {
+            if cancelled() {
+                return false;
+            }
             match deadline {
                 Some(d) => {
-                    if self.counts.removed.wait_until(&mut waiting, d).timed_out() {
+                    if counts.removed.wait_until(&mut waiting, d).timed_out() {
                         break;
                     }
                 }
-                None => self.counts.removed.wait(&mut waiting),
+                None => counts.removed.wait(&mut waiting),
             }
         }
-        for mark in &self.marks {
+        for mark in &marks {
             waiting.entry(mark.clone()).or_default().waiting += 1;
         }
+        self.marks = marks;
+        true
     }
 
     /// No longer counted: per key (in `join`'s order, all false if never counted), whether
@@ -92,7 +122,7 @@ impl<'a> Waiting<'a> {
     /// may remove it. Those marks are noted as being removed until
     /// [`removed`](Self::removed).
     pub fn leave(&mut self) -> Vec<bool> {
-        let mut waiting = self.counts.marks.lock();
+        let mut waiting = self.counts.0.marks.lock();
         let marks = std::mem::take(&mut self.marks);
         let mut last = Vec::with_capacity(marks.len());
         for mark in marks {
@@ -114,7 +144,7 @@ impl<'a> Waiting<'a> {
         if self.removing.is_empty() {
             return;
         }
-        let mut waiting = self.counts.marks.lock();
+        let mut waiting = self.counts.0.marks.lock();
         for mark in std::mem::take(&mut self.removing) {
             if let Some(count) = waiting.get_mut(&mark) {
                 count.removing = false;
@@ -123,7 +153,7 @@ impl<'a> Waiting<'a> {
                 }
             }
         }
-        self.counts.removed.notify_all();
+        self.counts.0.removed.notify_all();
     }
 }
 
