@@ -19,13 +19,39 @@ pub fn connect(c: &Connection) -> Result<LockClient, Failure> {
         .connect_timeout(timeout)
         .read_timeout(timeout)
         .write_timeout(timeout);
+    let urls: Vec<String> = if !c.cluster.is_empty() {
+        c.cluster.clone()
+    } else if let [_, sentinels] = c.sentinel.as_slice() {
+        let urls = sentinels.split(',').filter(|u| !u.is_empty());
+        urls.map(str::to_owned).collect()
+    } else if c.url.trim().is_empty() {
+        // Most likely `$REDIS_URL` set to nothing: "unparsable redis url" would name an
+        // address the operator never typed.
+        return Err(Failure::Usage(
+            "the Redis URL is empty: give --url, or set $REDIS_URL (unset, it defaults to \
+             redis://127.0.0.1:6379/)"
+                .to_owned(),
+        ));
+    } else {
+        vec![c.url.clone()]
+    };
+    // TLS options only apply to TLS URLs: given with plain ones, they would be ignored
+    // and the command would talk in clear text to a server meant to be reached over TLS.
+    let tls_options = c.tls_ca.is_some() || c.tls_cert.is_some();
+    if tls_options && !urls.iter().any(|u| is_tls(u)) {
+        return Err(Failure::Usage(
+            "--tls-ca, --tls-cert and --tls-key apply to TLS connections only: write the URL \
+             as rediss://"
+                .to_owned(),
+        ));
+    }
     b = if !c.cluster.is_empty() {
-        b.cluster(c.cluster.clone())
-    } else if let [master, sentinels] = c.sentinel.as_slice() {
-        b.sentinel(
-            master.clone(),
-            sentinels.split(',').filter(|u| !u.is_empty()),
-        )
+        b.cluster(urls)
+    } else if let [master, _] = c.sentinel.as_slice() {
+        // Sentinels reached over TLS serve a deployment whose master speaks TLS too.
+        let master_tls = !urls.is_empty() && urls.iter().all(|u| is_tls(u));
+        b.sentinel(master.clone(), urls)
+            .sentinel_master_tls(master_tls)
     } else {
         b.node(c.url.clone())
     };
@@ -39,4 +65,12 @@ pub fn connect(c: &Connection) -> Result<LockClient, Failure> {
         b = b.tls_client_identity(read(cert)?, read(key)?);
     }
     Ok(b.build()?)
+}
+
+/// Whether `url` connects over TLS (`rediss://`, or its `valkeys://` spelling).
+fn is_tls(url: &str) -> bool {
+    let scheme = url
+        .split_once("://")
+        .map_or("", |(scheme, _)| scheme.trim());
+    scheme.eq_ignore_ascii_case("rediss") || scheme.eq_ignore_ascii_case("valkeys")
 }

@@ -53,8 +53,13 @@ impl From<std::io::Error> for Failure {
     }
 }
 
-/// The error and its sources, each said once.
+/// The error and its sources, each said once. A timed-out socket says "resource
+/// temporarily unavailable" (EAGAIN), which tells an operator nothing: it is said as a
+/// timeout, with the option that sets it.
 pub fn error_text(e: &redbaton::Error) -> String {
+    if e.redis_error().is_some_and(|r| r.is_timeout()) {
+        return format!("{e}: timed out (no reply within --timeout)");
+    }
     let mut text = e.to_string();
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {

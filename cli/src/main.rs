@@ -11,9 +11,11 @@
 //!
 //! Connection, before or after the subcommand: `--url` (or `$REDIS_URL`; default
 //! `redis://127.0.0.1:6379/`), or `--cluster SEED[,SEED...]` (or the option repeated), or
-//! `--sentinel MASTER URL[,URL...]`; `--prefix` (default `redbaton:`, as the library's);
+//! `--sentinel MASTER URL[,URL...]` (the master over TLS when its sentinels are
+//! `rediss://`); `--prefix` (default `redbaton:`, as the library's);
 //! `--timeout SECS` (1 to 3600, default 3); TLS with `rediss://` URLs, `--tls-ca`,
-//! `--tls-cert` and `--tls-key`. Credentials go in the URL (`redis://user:password@host/`) or in
+//! `--tls-cert` and `--tls-key` (a usage error with plain `redis://` URLs, which would
+//! ignore them). Credentials go in the URL (`redis://user:password@host/`) or in
 //! `$REDIS_URL`; they are never printed. The command only reads, except `release`; it
 //! never changes the server's configuration.
 //!
@@ -30,13 +32,18 @@
 //! * 0: done (`status` of a free name included);
 //! * 1: not found or refused (`release` of a name not held, under another fence, or of
 //!   another kind);
-//! * 2: usage (bad arguments, an invalid name, unreadable TLS files, `watch --count 0`);
+//! * 2: usage (bad arguments, an invalid name, an empty or unparsable URL, unreadable TLS
+//!   files, TLS options without a `rediss://` URL, `watch --count 0`);
 //! * 3: runtime (Redis unreachable, refused credentials, a server error; `list`: a name or
 //!   a node it could not read, reported on stderr after the others are listed; stdout not
 //!   writable).
 //!
 //! A closed stdout (`redbaton watch NAME | head`) ends the command at its next write, with
-//! exit 0.
+//! exit 0 (`watch`: also while it waits for its next look).
+//!
+//! `watch` fails as `status` does at start-up (its first look); after that, a failed look
+//! (a restart, a killed connection, a timeout) is one line on stderr and a new look after a
+//! bounded backoff, not the end of the command (see `Command::Watch`).
 
 mod args;
 mod commands;
