@@ -63,8 +63,10 @@ pub enum Command {
     Watch {
         #[arg(help = NAME_HELP, value_parser = name::parse)]
         name: Name,
-        /// Time between refreshes, in milliseconds.
-        #[arg(long, default_value_t = 1000, value_name = "MS")]
+        /// Time between refreshes, in milliseconds, at least 10 (0 would send Redis a
+        /// script in a tight loop).
+        #[arg(long, default_value_t = 1000, value_name = "MS",
+              value_parser = clap::value_parser!(u64).range(10..))]
         interval: u64,
         /// Stop after this many looks, failed ones included, at least 1 (default: until
         /// Ctrl-C).

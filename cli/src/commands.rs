@@ -151,16 +151,18 @@ fn stdout_closed_within(pause: Duration) -> bool {
 
 /// `list PATTERN`: every name it can read; the others are reported on stderr, and make
 /// the command fail once the listing is done.
+/// Nothing found is said on stderr with where it looked: a wrong `--prefix` or database
+/// must not look like an idle system.
 pub fn list(
     out: &mut impl Write,
     client: &LockClient,
-    pattern: &str,
+    (prefix, pattern): (&str, &str),
     json: bool,
 ) -> Result<(), Failure> {
     if !json {
         out.write_all(list_header().as_bytes())?;
     }
-    let mut failed = 0_usize;
+    let (mut listed, mut failed) = (0_usize, 0_usize);
     for info in client.locks(pattern) {
         match info {
             Ok(info) if json => writeln!(out, "{}", json_line(&info))?,
@@ -168,13 +170,21 @@ pub fn list(
             Err(e) => {
                 failed += 1;
                 warn(&format!("list: {}", error_text(&e)));
+                continue;
             }
         }
+        listed += 1;
     }
     out.flush()?;
-    match failed {
-        0 => Ok(()),
-        n => Err(Failure::Runtime(format!(
+    match (listed, failed) {
+        (0, 0) => {
+            warn(&format!(
+                "list: no name held or waited for matches `{pattern}` under prefix `{prefix}`"
+            ));
+            Ok(())
+        }
+        (_, 0) => Ok(()),
+        (_, n) => Err(Failure::Runtime(format!(
             "list: {n} name(s) or page(s) could not be read; the others are listed"
         ))),
     }

@@ -74,7 +74,9 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     let out = &mut std::io::stdout().lock();
     match &cli.command {
         Command::Status { name } => commands::status(out, &client, name, cli.json),
-        Command::List { pattern } => commands::list(out, &client, pattern, cli.json),
+        Command::List { pattern } => {
+            commands::list(out, &client, (&cli.conn.prefix, pattern), cli.json)
+        }
         Command::Watch {
             name,
             interval,

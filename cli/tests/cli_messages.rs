@@ -191,3 +191,37 @@ fn a_lock_that_shows_no_fence_is_released_with_fence_dash() {
     );
     drop(guard);
 }
+
+/// `list` that finds nothing says so on stderr, naming the prefix and the pattern it looked
+/// under (a wrong `--prefix` or database would otherwise look like an idle system), and
+/// still succeeds with nothing on stdout but the header (nothing at all with `--json`).
+#[test]
+fn a_list_that_finds_nothing_says_where_it_looked() {
+    let srv = test_server();
+    let _held = client(&srv).lock("job").expect("lock");
+    let o = redbaton(&srv.url(), &["--prefix", "other:", "list", "j*"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(stdout(&o).lines().count(), 1, "the header: {}", stdout(&o));
+    let err = stderr(&o);
+    assert!(err.contains("other:") && err.contains("j*"), "{err}");
+    let o = redbaton(&srv.url(), &["--json", "--prefix", "other:", "list"]);
+    assert_eq!((code(&o), stdout(&o)), (0, String::new()), "{}", stderr(&o));
+    assert!(stderr(&o).contains("other:"), "{}", stderr(&o));
+    let o = redbaton(&srv.url(), &["list"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(stdout(&o).contains("job"), "{}", stdout(&o));
+    assert_eq!(stderr(&o), "", "a list with names says nothing more");
+}
+
+/// `watch --interval` below 10 ms (0: a script sent in a tight loop for as long as an
+/// operator leaves the terminal open) is a usage error naming the option.
+#[test]
+fn a_watch_interval_below_10_ms_is_refused() {
+    let srv = test_server();
+    for interval in ["0", "9"] {
+        let o = redbaton(&srv.url(), &["watch", "x", "--interval", interval]);
+        no_panic(&o);
+        assert_eq!(code(&o), 2, "{interval}: {}", stderr(&o));
+        assert!(stderr(&o).contains("--interval"), "{}", stderr(&o));
+    }
+}
