@@ -119,7 +119,12 @@ impl Latch {
     ///
     /// A count down is sent once: when its reply is lost (a network error, a timeout),
     /// the error is returned and it may or may not have counted. It is not sent again,
-    /// since a second one would count twice.
+    /// since a second one would count twice. Such an error is a connection error
+    /// ([`Error::is_connection`](crate::Error::is_connection)) whose
+    /// [`redis_error`](crate::Error::redis_error) is not a refused connection; a refused
+    /// connection or [`Error::PoolExhausted`](crate::Error::PoolExhausted) did not count.
+    /// A count down that surely did not count (refused, or refused by a master demoted
+    /// meanwhile) is sent again where the master is now, on Redis Cluster and Sentinel.
     ///
     /// # Errors
     ///

@@ -17,9 +17,10 @@ use crate::engine::waiter::Waiter;
 use crate::error::{Error, Result};
 use crate::proto::keys::Keys;
 use crate::proto::latch_scripts::{MAX_COUNT, Op, State};
-use crate::proto::node::{may_have_run, past};
+use crate::proto::node::{Retry, may_have_run, past};
 use crate::stats::Counters;
 use crate::topology::Route;
+use crate::topology::is_read_only;
 use crate::topology::ride::Ride;
 use crate::wake::events::Hears;
 
@@ -30,8 +31,38 @@ impl Engine {
         let left = self.latch_call(&keys, count, Op::CountDown)?.left;
         if left == 0 {
             log::debug!("latch {} is open", keys.display());
+            self.latch_republish_open(&keys);
         }
         Ok(left)
+    }
+
+    /// Redis Cluster with shard channels: says `z` again where the name's channel is
+    /// served. A count down that followed an `ASK` (its slot half-way to another master,
+    /// the latch's key moved already) ran, and published, on the target, while the
+    /// source serves the slot's shard channels until the slot has moved: the waiters,
+    /// subscribed there, would hear nothing until their re-check. A waiter that heard the
+    /// first `z` loses a read to the second at most. Best effort: the count down is done.
+    fn latch_republish_open(&self, keys: &Keys) {
+        if self.cfg.cluster.is_empty() {
+            return;
+        }
+        let route = self.topology.route(keys);
+        let Some(node) = route.sole() else {
+            return;
+        };
+        if node.publish_mode() != "s" {
+            // Classic messages reach every node of the cluster.
+            return;
+        }
+        let published = node.run(Retry::NEVER, |c| {
+            redis::cmd("SPUBLISH")
+                .arg(keys.channel())
+                .arg("z")
+                .query::<i64>(c)
+        });
+        if let Err(e) = published {
+            log::debug!("latch {}: `z` not published again: {e}", keys.display());
+        }
     }
 
     /// The count left of the latch `name` of `count`.
@@ -88,7 +119,10 @@ impl Engine {
                     ride.settled();
                     state
                 }
-                Err(e) if !wait.cancelled() && ride.again(&e, deadline) => continue,
+                // Cancelled while the read was under way (a stalled server's read ends
+                // only at its timeout): the cancel is the answer, not how the read ended.
+                Err(_) if wait.cancelled() => return Err(Error::Cancelled),
+                Err(e) if ride.again(&e, deadline) => continue,
                 Err(e) => {
                     if e.is_latch_expired() {
                         log::debug!("latch {} expired while waited on", keys.display());
@@ -121,16 +155,17 @@ impl Engine {
         }
     }
 
-    /// `op` on the latch `keys`, riding through a failover (Redis Cluster) when the call
-    /// is a read or surely did not run: a count down whose reply was lost is not sent
-    /// again, since a second one would count twice.
+    /// `op` on the latch `keys`, riding through a failover (Redis Cluster, Sentinel) when
+    /// the call is a read or surely did not count: a count down whose reply was lost is
+    /// not sent again, since a second one would count twice, while one a demoted master
+    /// refused (`READONLY`) wrote nothing there and is sent where the master is now.
     fn latch_call(&self, keys: &Keys, count: u64, op: Op<'_>) -> Result<State> {
         let mut ride = Ride::new(&self.topology, &self.counters);
         loop {
             let route = self.topology.route(keys);
             match self.latch_on(&route, keys, count, op, None) {
                 Err(e)
-                    if (matches!(op, Op::Read { .. }) || !may_have_run(&e))
+                    if (matches!(op, Op::Read { .. }) || !may_have_run(&e) || is_read_only(&e))
                         && ride.again(&e, None) => {}
                 other => return other,
             }

@@ -295,6 +295,13 @@ fn is_script_readonly(e: &RedisError) -> bool {
     e.code() == Some("ERR") && e.detail().is_some_and(|d| d.contains("-READONLY "))
 }
 
+/// Whether `e` is a demoted master's refusal of a write (`READONLY`, wrapped in a script
+/// error before Redis 7): a script refused so stopped at its first write, having written
+/// nothing, so a call that must not run twice may be sent again where the master is now.
+pub(crate) fn is_read_only(e: &Error) -> bool {
+    matches!(e, Error::Redis(r) if Failure::of(r) == Failure::ReadOnly)
+}
+
 /// Whether `e` is what a Redis Cluster client sees while a master fails over or a slot
 /// moves, rather than an answer about the lock: the node cannot be reached (killed, not
 /// yet replaced), it no longer takes writes (`READONLY`), the cluster is electing a new

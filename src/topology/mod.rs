@@ -32,6 +32,7 @@ use crate::proto::protocol::{Attempt, Kind, Protocol, Protocols, Request};
 use crate::stats::Counters;
 
 use call::{Path, is_failover_symptom};
+pub(crate) use call::is_read_only;
 use cluster::Cluster;
 use redlock::Redlock;
 use sentinel::Sentinel;
