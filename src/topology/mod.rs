@@ -31,8 +31,8 @@ use crate::proto::node::{Node, NodeId, Parts, Retry};
 use crate::proto::protocol::{Attempt, Kind, Protocol, Protocols, Request};
 use crate::stats::Counters;
 
-use call::{Path, is_failover_symptom};
 pub(crate) use call::is_read_only;
+use call::{Path, is_failover_symptom};
 use cluster::Cluster;
 use redlock::Redlock;
 use sentinel::Sentinel;
