@@ -431,3 +431,30 @@ fn a_cancelled_contender_passes_the_duty_on() {
     });
     drop(c.try_lock("k").expect("free again"));
 }
+
+/// A wait cancelled while its attempt's read waits on a stalled server (such a read ends
+/// only at its timeout) ends with `Cancelled`, as a wait whose deadline passed meanwhile
+/// ends with `Timeout`: not with the read's error.
+#[test]
+fn a_wait_cancelled_during_a_stalled_attempt_says_cancelled() {
+    let srv = test_server();
+    let holder = client(&srv.url());
+    let polling = lock_client!(
+        node(srv.url()),
+        io_timeouts(secs(1)),
+        wakeup(redbaton::Wakeup::Polling(ms(100)))
+    );
+    let _held = holder.lock("stalled").expect("lock");
+    let cancel = Cancel::new();
+    thread::scope(|s| {
+        let waiter = s.spawn(|| polling.lock_cancellable("stalled", &cancel).map(drop));
+        thread::sleep(ms(300));
+        srv.pause();
+        // An attempt comes within 100 ms, and its read waits for the stalled server.
+        thread::sleep(ms(400));
+        cancel.cancel();
+        let out = join(waiter, "the cancelled wait");
+        srv.resume();
+        assert_cancelled(out);
+    });
+}

@@ -156,14 +156,6 @@ impl WaitEnd {
     /// being replaced, or while the attempt's reply was awaited, a timeout (or a cancel),
     /// as for a hold kept until then.
     pub fn failed(ride: &Ride<'_>, wait: Wait<'_>, error: Error) -> Error {
-        if ride.retried() && wait.cancelled() {
-            return Error::Cancelled;
-        }
-        let past = wait.deadline().is_some_and(|d| Instant::now() >= d);
-        if ride.retried() && past {
-            log::debug!("deadline passed during a failover: {error:?}");
-            return Error::Timeout;
-        }
         // The attempt's read is cut to what the deadline leaves (see `proto::node`): a
         // reply that had not come by then ends the wait as the deadline does; so does a
         // Redlock round left short of a majority by such cut reads.
@@ -172,6 +164,16 @@ impl WaitEnd {
             Error::NoQuorum { .. } => true,
             _ => false,
         };
+        // A cancel cannot cut a read short: one that ends at its timeout after the caller
+        // cancelled ends the wait as the cancel does.
+        if (ride.retried() || cut) && wait.cancelled() {
+            return Error::Cancelled;
+        }
+        let past = wait.deadline().is_some_and(|d| Instant::now() >= d);
+        if ride.retried() && past {
+            log::debug!("deadline passed during a failover: {error:?}");
+            return Error::Timeout;
+        }
         if past && cut {
             log::debug!("deadline passed waiting for replies: {error:?}");
             return Error::Timeout;
