@@ -326,11 +326,16 @@ impl Engine {
                 )),
             };
         }
-        replies
+        let outcomes = replies
             .into_iter()
             .zip(lost)
-            .map(|(reply, lost)| tally_release(vec![reply], !lost, 1))
-            .fold(Ok(Unlocked::Released), worst)
+            .zip(locks)
+            .map(|((reply, lost), lock)| {
+                let outcome = tally_release(vec![reply], !lost, 1);
+                self.found_lost(lock, lost, false, &outcome);
+                outcome
+            });
+        outcomes.fold(Ok(Unlocked::Released), worst)
     }
 }
 

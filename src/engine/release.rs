@@ -7,7 +7,7 @@ use crate::clock::{Stamp, from_now};
 use crate::engine::cleanup::release_at;
 use crate::engine::clock::YIELD;
 use crate::engine::state::Engine;
-use crate::error::{Error, Result, Unlocked};
+use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::local::held::{Changed, RemoteLock};
 use crate::local::table::{Forced, Step};
 use crate::local::undo::OnUnwind;
@@ -99,7 +99,39 @@ impl Engine {
             self.table
                 .released(&lock.keys, forced.is_some() && contended && !grants);
         }
-        tally_release(replies, lost.is_none(), route.quorum())
+        let outcome = tally_release(replies, lost.is_none(), route.quorum());
+        self.found_lost(lock, lost.is_some(), route.sole().is_none(), &outcome);
+        outcome
+    }
+
+    /// Counts a hold that its release found gone or another's (`outcome`) when it was not
+    /// known lost as the release began (`was_lost`): it was lost while held, unnoticed
+    /// until then (its key deleted or lost in a restart between two renewals, or taken),
+    /// and counts once, with the reason a renewal would have given (`redlock`: a majority
+    /// lost), or `Expired` when its lease ran out while the release was under way.
+    pub(crate) fn found_lost(
+        &self,
+        lock: &RemoteLock,
+        was_lost: bool,
+        redlock: bool,
+        outcome: &Result<Unlocked>,
+    ) {
+        let other = match outcome {
+            _ if was_lost => return,
+            Ok(Unlocked::Expired) => false,
+            Ok(Unlocked::HeldByOther) => true,
+            _ => return,
+        };
+        let reason = if Stamp::now() >= lock.validity() {
+            LostReason::Expired
+        } else if redlock {
+            LostReason::NoQuorum
+        } else if other {
+            LostReason::Stolen
+        } else {
+            LostReason::Deleted
+        };
+        self.counters.lost(reason);
     }
 
     /// Compare-and-delete of `lock` on every node of its route (Redlock: not only those

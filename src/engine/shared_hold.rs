@@ -109,7 +109,9 @@ impl Engine {
         }
         let route = self.topology.route(&remote.keys);
         let (route, replies) = self.release_everywhere(remote, route);
-        tally_release(replies, lost.is_none(), route.quorum())
+        let outcome = tally_release(replies, lost.is_none(), route.quorum());
+        self.found_lost(remote, lost.is_some(), route.sole().is_none(), &outcome);
+        outcome
     }
 
     /// Contends for a shared hold until it is ours, the wait policy says stop, or an error

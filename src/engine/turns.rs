@@ -458,6 +458,15 @@ impl Engine {
             let keys = &from.keys;
             let route = self.topology.route(keys);
             let won = self.contest(keys, route, Kind::Upgrade, wait, Start::Convert(from));
+            // An attempt left unanswered at the deadline (or the cancel) may have run, and
+            // the upgradable hold with it: the call says the hold is lost, and is counted
+            // as that, not as a timeout.
+            let won = won.map_err(|e| match e {
+                Error::Timeout | Error::Cancelled => {
+                    from.lost(&self.counters).map_or(e, Error::Lost)
+                }
+                e => e,
+            });
             let (remote, _) = self.watched(won).inspect_err(|e| {
                 if let Error::Lost(reason) = e {
                     from.mark_lost(*reason, &self.counters);

@@ -216,8 +216,9 @@ macro_rules! counters {
 counters! {
     /// Locks taken in Redis (one per remote acquisition, however many local holders).
     remote_acquisitions => ("redbaton_remote_acquisitions_total"),
-    /// Acquire attempts that found the lock held; on Redlock, one per node that found it
-    /// held (an attempt refused by all of three nodes counts three).
+    /// Acquire attempts that found the lock held, or won it too late to use (the lease
+    /// had run out by the reply); on Redlock, one per node that found it held (an attempt
+    /// refused by all of three nodes counts three).
     failed_attempts => ("redbaton_failed_attempts_total"),
     /// Locks passed to a waiting local thread with no Redis command.
     local_handoffs => ("redbaton_handoffs_total"),
@@ -256,10 +257,14 @@ counters! {
     renewals_sent => ("redbaton_renewals_total"),
     /// Renewals that failed at the network level (retried until the lease runs out).
     renewals_failed => ("redbaton_renewals_failed_total"),
-    /// Locks found lost while held.
+    /// Locks found lost while held: by the watchdog, by the holder's own look (`is_lost`,
+    /// `check`, `extend`) past the lease or the cap, or by the release, which found the
+    /// key gone or another owner's. Once per hold in Redis, however many local holders
+    /// share it.
     // Emitted by `Counters::lost`, with the reason as a label.
     locks_lost,
-    /// Calls that returned `Error::Timeout`, latch waits included.
+    /// Waits that returned `Error::Timeout`: calls for a hold (a lock, a read or write
+    /// hold, a permit, a multi-lock, an upgrade) and latch waits.
     timeouts => ("redbaton_timeouts_total"),
     /// Sentinel: times the master moved to another server and the client followed it.
     failovers => ("redbaton_failovers_total"),
@@ -282,8 +287,10 @@ counters! {
     redirects => ("redbaton_cluster_redirects_total"),
     /// Redis Cluster: times the slot map was read again from the cluster.
     slot_refreshes => ("redbaton_cluster_slot_refreshes_total"),
-    /// Redis Cluster: calls (acquire, release, extend) retried after their master could
-    /// not be reached or the cluster was failing over, once the slot map was read again.
+    /// Redis Cluster and Sentinel: retries of a call (acquire, release, extend, latch
+    /// call) after its master could not be reached or the cluster was failing over, once
+    /// the slot map (or the sentinels) was read again. One per retry: a call that rides
+    /// through a failover of a few seconds counts several.
     failover_retries => ("redbaton_cluster_failover_retries_total"),
     /// Background releases (after an acquire whose outcome was unknown) dropped: the cleanup
     /// queue was full, or the client shut down or was dropped before they were made while
