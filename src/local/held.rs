@@ -189,15 +189,18 @@ impl RemoteLock {
     }
 
     /// Marks the lock lost if it is known to be at `now` and not marked yet: its validity
-    /// has ended (`Expired`), or its cap has passed (`HoldLimit`).
+    /// has ended (`Expired`), or its cap has passed (`HoldLimit`); when both have (nobody
+    /// looked meanwhile: the process was paused), for the one that came first.
     fn lost_by(&self, st: &mut State, now: Stamp, counters: &Counters) {
         if st.lost.is_some() {
             return;
         }
-        if now >= st.valid_until {
-            Self::set_lost(st, LostReason::Expired, counters);
-        } else if now >= self.hold_limit {
-            Self::set_lost(st, LostReason::HoldLimit, counters);
+        let (end, reason) = match self.hold_limit < st.valid_until {
+            true => (self.hold_limit, LostReason::HoldLimit),
+            false => (st.valid_until, LostReason::Expired),
+        };
+        if now >= end {
+            Self::set_lost(st, reason, counters);
         }
     }
 
@@ -393,5 +396,41 @@ impl RemoteLock {
         Self::apply(&mut st, outcome, counters);
         drop(st);
         self.renew_done.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::node::NodeId;
+
+    /// A hold taken `ago`, with a `lease` and a cap of `max_hold`.
+    fn taken(ago: Duration, lease: Duration, max_hold: Duration) -> RemoteLock {
+        let won = Acquisition {
+            keys: Keys::new("t:", b"held").expect("keys"),
+            protocol: Protocol::Lock {
+                mark_ttl: Duration::from_secs(1),
+            },
+            token: "token".to_owned(),
+            fence: 1,
+            previous_lost: false,
+            nodes: vec![NodeId::new("node")],
+            started: Stamp::now() - ago,
+        };
+        RemoteLock::new(won, lease, Duration::ZERO, None, Some(max_hold))
+    }
+
+    /// A hold looked at only after both its lease and its cap have passed (the process was
+    /// paused) is lost for whichever came first.
+    #[test]
+    fn a_hold_past_its_lease_and_its_cap_is_lost_for_the_first_of_them() {
+        let counters = Counters::default();
+        let s = Duration::from_secs;
+        let capped_first = taken(s(10), s(5), s(2));
+        assert_eq!(capped_first.lost(&counters), Some(LostReason::HoldLimit));
+        let expired_first = taken(s(10), s(2), s(5));
+        assert_eq!(expired_first.lost(&counters), Some(LostReason::Expired));
+        let within_both = taken(s(1), s(5), s(5));
+        assert_eq!(within_both.lost(&counters), None);
     }
 }
