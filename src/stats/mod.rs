@@ -226,7 +226,10 @@ counters! {
     /// (not the release after the 4,095 local handoffs one fencing token can number, which
     /// a process alone on a key makes too).
     budget_releases => ("redbaton_budget_releases_total"),
-    /// Commands sent to Redis by this client: scripts, (un)subscribes, pings.
+    /// Requests sent to Redis by this client, one per round trip: a script call, a
+    /// pipeline (a multi-lock's or a renewal pass's batches to one node count one), an
+    /// (un)subscribe, a `PING`. A script that Redis had to load first counts once with
+    /// the call it served.
     commands => ("redbaton_commands_total"),
     /// Waits ended by a notification for the key.
     wakeups_event => ("redbaton_wakeups_total", "cause" = "event"),
