@@ -371,6 +371,14 @@ impl Builder {
     /// The most command connections the client opens to each node (1 to 1024). The
     /// subscriber thread's connection comes on top: one per node.
     ///
+    /// Connections are opened as calls need them, on the calling thread, and kept open
+    /// while idle; one that failed at the network level is closed, with the idle ones
+    /// beside it, and never lent again (a late reply may still be on its way). A call that
+    /// finds every connection busy waits for one for up to the
+    /// [`connect_timeout`](Builder::connect_timeout), or what remains of its deadline when
+    /// that is shorter, then fails with [`Error::PoolExhausted`]: an application with more
+    /// threads than connections should size the pool for the calls it makes at once.
+    ///
     /// # Examples
     ///
     /// ```

@@ -178,25 +178,20 @@ impl Pool {
 
     /// A new connection to the node's current address, with the epoch of that address;
     /// opened, named and probed within `deadline` (see [`get_until`](Self::get_until)),
-    /// then given the pool's read and write timeouts.
+    /// then given the pool's read and write timeouts. Each step is bounded by what remains
+    /// of the deadline when it starts: bounds reckoned once, before the connect, would let
+    /// each of three slow replies take nearly the whole deadline.
     fn connect(&self, name: &str, deadline: Option<Instant>) -> RedisResult<(Connection, u64)> {
         let (client, epoch) = self.target();
-        let read_timeout = bounded(self.read_timeout, deadline);
-        let write_timeout = bounded(self.write_timeout, deadline);
-        let mut conn = open_connection(
-            &client,
-            bounded(self.connect_timeout, deadline),
-            read_timeout,
-            write_timeout,
-            name,
-        )?;
+        let timeouts = (self.connect_timeout, self.read_timeout, self.write_timeout);
+        let mut conn = open_connection_until(&client, timeouts, name, deadline)?;
         if self.sharded.wanted() {
+            conn.set_read_timeout(Some(bounded(self.read_timeout, deadline)))?;
+            conn.set_write_timeout(Some(bounded(self.write_timeout, deadline)))?;
             self.sharded.probe(&mut conn)?;
         }
-        if read_timeout != self.read_timeout {
+        if deadline.is_some() {
             conn.set_read_timeout(Some(self.read_timeout))?;
-        }
-        if write_timeout != self.write_timeout {
             conn.set_write_timeout(Some(self.write_timeout))?;
         }
         Ok((conn, epoch))
@@ -207,12 +202,25 @@ impl Pool {
         self.freed.notify_one();
     }
 
+    /// Makes a lent connection idle, or closes it when it talks to an address the node no
+    /// longer has, or belongs to a node that serves nothing now: lent when the node moved
+    /// or stopped serving, it missed the closing of the idle ones, and would otherwise
+    /// stay open for as long as the client lives. Checked under the state lock, which
+    /// [`repoint`](Self::repoint) and [`set_serving`](Self::set_serving) take to close the
+    /// idle connections after the change: a connection put back meanwhile is closed by one
+    /// or the other.
     fn put_back(&self, conn: Connection, epoch: u64) {
-        self.state.lock().idle.push(Idle {
-            conn,
-            epoch,
-            since: Instant::now(),
-        });
+        let mut st = self.state.lock();
+        if epoch == self.epoch() && !self.is_retired() {
+            st.idle.push(Idle {
+                conn,
+                epoch,
+                since: Instant::now(),
+            });
+        } else {
+            st.open -= 1;
+        }
+        drop(st);
         self.freed.notify_one();
     }
 
@@ -264,9 +272,21 @@ pub(crate) fn open_connection(
     write_timeout: Duration,
     name: &str,
 ) -> RedisResult<Connection> {
-    let mut conn = client.get_connection_with_timeout(connect_timeout)?;
-    conn.set_read_timeout(Some(read_timeout))?;
-    conn.set_write_timeout(Some(write_timeout))?;
+    let timeouts = (connect_timeout, read_timeout, write_timeout);
+    open_connection_until(client, timeouts, name, None)
+}
+
+/// [`open_connection`] within `deadline`: the connect (with the handshake the URL asks
+/// for), then the naming, each bounded by what remains of it when that step starts.
+fn open_connection_until(
+    client: &redis::Client,
+    (connect_timeout, read_timeout, write_timeout): (Duration, Duration, Duration),
+    name: &str,
+    deadline: Option<Instant>,
+) -> RedisResult<Connection> {
+    let mut conn = client.get_connection_with_timeout(bounded(connect_timeout, deadline))?;
+    conn.set_read_timeout(Some(bounded(read_timeout, deadline)))?;
+    conn.set_write_timeout(Some(bounded(write_timeout, deadline)))?;
     // Naming is a courtesy to operators; an ACL may forbid it. But a server that wants a
     // password the URL does not give refuses every command on the connection (`NOAUTH`)
     // and closes it at the first long one (a protocol error, `unauthenticated multibulk
@@ -333,9 +353,7 @@ impl DerefMut for PooledConn<'_> {
 impl Drop for PooledConn<'_> {
     fn drop(&mut self) {
         match self.conn.take() {
-            Some(conn) if !self.broken && conn.is_open() && self.epoch == self.pool.epoch() => {
-                self.pool.put_back(conn, self.epoch)
-            }
+            Some(conn) if !self.broken && conn.is_open() => self.pool.put_back(conn, self.epoch),
             _ => self.pool.forget_one(),
         }
     }
