@@ -534,3 +534,47 @@ fn a_connection_lent_when_its_master_is_demoted_is_not_kept() {
         "{left} command connection(s) kept to the demoted master"
     );
 }
+
+/// An exhausted pool is the client's load, not the node's fault: on Redis Cluster it must
+/// not send the client to read the slot map again (a `CLUSTER SLOTS` on a caller's path,
+/// every 100 ms while the load lasts). One connection per master, locks that wait for a
+/// replica's acknowledgement while that replica is paused (each holds the connection for
+/// the `WAIT`, 300 ms, on a master that answers at once), and callers allowed 100 ms.
+#[test]
+fn an_exhausted_pool_on_a_cluster_reads_no_slot_map() {
+    let cluster = Cluster::start();
+    let c = lock_client!(
+        cluster(cluster.seed_urls()),
+        key_prefix(PREFIX),
+        pool_size(1),
+        replica_ack(1, ms(300))
+    );
+    let slot = cluster.keyslot(&KEYS.lock_bytes(b"{busy}warm"));
+    // The replica acknowledges once it has caught up with its master.
+    cluster.wait_replicated(cluster.owner(slot));
+    redbaton_testkit::wait::wait_for(secs(10), "a lock the replica acknowledges", || {
+        c.try_lock("{busy}warm").is_ok()
+    });
+    let before = c.stats().slot_refreshes;
+    let replica = cluster.replica_of(cluster.owner(slot));
+    replica.pause();
+    let exhausted = std::sync::atomic::AtomicUsize::new(0);
+    thread::scope(|s| {
+        for t in 0..4 {
+            let (c, exhausted) = (&c, &exhausted);
+            s.spawn(move || {
+                for i in 0..5 {
+                    let got = c.try_lock_for(format!("{{busy}}{t}:{i}"), ms(100));
+                    if matches!(got, Err(Error::PoolExhausted)) {
+                        exhausted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    replica.resume();
+    let exhausted = exhausted.load(Ordering::Relaxed);
+    assert!(exhausted > 0, "no call found the pool busy: the test shows nothing");
+    let refreshes = c.stats().slot_refreshes - before;
+    assert_eq!(refreshes, 0, "{exhausted} calls found the pool busy");
+}

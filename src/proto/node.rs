@@ -326,15 +326,16 @@ impl Node {
         loop {
             let mut conn = match self.pool.get_until(deadline) {
                 Ok(conn) => conn,
+                // Every connection busy: the client's own load, not the node's fault (it
+                // answers the calls that hold them). Neither silent nor moved: a slot map
+                // read on every exhausted call would add to the load.
+                Err(Error::PoolExhausted) => return Err(Error::PoolExhausted),
                 Err(e) => {
                     self.silent.store(true, Relaxed);
                     // A node that refuses connections may have been replaced (a master
                     // killed in a cluster, or one the sentinels replaced).
                     if e.is_connection() {
-                        // Not an exhausted pool: the node answers others.
-                        if matches!(e, Error::Redis(_)) {
-                            self.pool.note_fault();
-                        }
+                        self.pool.note_fault();
                         self.path.fault();
                     }
                     return Err(e);
