@@ -574,7 +574,10 @@ fn an_exhausted_pool_on_a_cluster_reads_no_slot_map() {
     });
     replica.resume();
     let exhausted = exhausted.load(Ordering::Relaxed);
-    assert!(exhausted > 0, "no call found the pool busy: the test shows nothing");
+    assert!(
+        exhausted > 0,
+        "no call found the pool busy: the test shows nothing"
+    );
     let refreshes = c.stats().slot_refreshes - before;
     assert_eq!(refreshes, 0, "{exhausted} calls found the pool busy");
 }
