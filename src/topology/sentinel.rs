@@ -2,21 +2,24 @@
 //! a stable name (`sentinel:<master name>`), so held locks, subscriptions and the watchdog
 //! stay attached to it while its connections move to whichever server is master.
 //!
-//! A watcher thread follows the sentinels' `+switch-master` messages, and re-resolves the
-//! master when a command on it fails in a way that may mean it moved (a network error or
-//! a refused connection, a `READONLY` reply) and every [`RECHECK`] in case a message was
-//! missed; calls meanwhile ride through (see `ride`) until it has. Re-resolving asks
-//! the sentinels for the master's address and checks with `ROLE` that it is one, on
-//! connections with the client's timeouts; so does the first resolution, when the client
-//! is built: a sentinel or master that accepts connections and answers nothing (a stopped
-//! process) costs a timeout, then the next sentinel is asked, as it is when a sentinel
-//! names a server that is not the master (a replica, a server that does not answer: that
-//! sentinel may have missed a failover), the current master's address included. When the
-//! address changes, the node's pool
-//! is pointed at the new master: idle connections close, the subscriber reconnects there
-//! and re-subscribes (its waiters then retry once), and the watchdog's next renewal goes
-//! there — where a lock that the promoted replica did not have is found gone, and its
-//! holder told.
+//! A watcher thread follows the sentinels' `+switch-master` messages (on one sentinel at
+//! a time: one that knows the master, and answers a ping when it has been quiet), and
+//! re-resolves the master when a command on it fails in a way that may mean it moved (a
+//! network error or a refused connection, a `READONLY` reply) and every [`RECHECK`] in
+//! case a message was missed; calls meanwhile ride through (see `ride`) until it has.
+//! Re-resolving asks every sentinel at once for the master's address and the
+//! configuration epoch of its answer, then checks with `ROLE`, the latest epoch's answer
+//! first, that the server named is the master, on connections with the client's
+//! timeouts; so does the first resolution, when the client is built. A sentinel that
+//! missed a failover names the old master under an older epoch, so its place in the list
+//! never takes the client there; a sentinel or master that accepts connections and
+//! answers nothing (a stopped process) costs a timeout, and a server named that is not
+//! the master (a replica, a server that does not answer) is passed over for the next one
+//! named, the current master's address included. When the address changes, the node's
+//! pool is pointed at the new master: idle connections close, the subscriber reconnects
+//! there and re-subscribes (its waiters then retry once), and the watchdog's next renewal
+//! goes there — where a lock that the promoted replica did not have is found gone, and
+//! its holder told.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -24,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use super::Route;
 use crate::config::{Config, SentinelConfig, Tls};
-use crate::error::{Error, Result, thread_error};
+use crate::error::{Error, Result, is_auth_error, thread_error};
 use crate::proto::node::{Node, NodeId, Parts};
 use crate::proto::pool::open_connection;
 use crate::proto::protocol::Protocols;
@@ -34,6 +37,13 @@ use crate::stats::Counters;
 const RECHECK: Duration = Duration::from_secs(10);
 /// How long a read on the sentinel subscription waits before the thread looks at faults.
 const POLL: Duration = Duration::from_millis(100);
+/// How long the sentinel subscription may stay quiet before it is pinged: a hung sentinel
+/// is left for the next one within this and a read timeout.
+const KEEPALIVE: Duration = Duration::from_secs(2);
+/// How long the other sentinels are waited for once one has named the master: their
+/// answers may carry a later epoch, and on a network that answers at all they come within
+/// this.
+const ANSWER_GRACE: Duration = Duration::from_millis(500);
 
 pub(crate) struct Sentinel {
     route: Route,
@@ -184,26 +194,41 @@ impl Watcher {
     }
 
     /// Listens to one sentinel's `+switch-master` until it fails (`Err`) or the client
-    /// stops (`Ok`).
+    /// stops (`Ok`). A sentinel that does not know the master (it answers `nil` for the
+    /// name) is not listened to: it would never announce this master's failover. Nor is
+    /// one that stops answering: a sentinel that hangs with its connections open (a
+    /// stopped process, a silent partition) delivers no message and no error, so the
+    /// subscription is pinged when it has been quiet for [`KEEPALIVE`], and left for the
+    /// next sentinel when the pong does not come within the read timeout.
     fn follow(&mut self, sentinel: &redis::Client) -> redis::RedisResult<()> {
-        let mut conn = sentinel.get_connection_with_timeout(self.connect_timeout)?;
-        conn.set_write_timeout(Some(self.connect_timeout))?;
-        // The subscription's confirmation too is read with a timeout: a sentinel that
-        // accepts connections and answers nothing must not hold the watcher (nor the
-        // client's drop, which joins it).
-        conn.set_read_timeout(Some(self.read_timeout))?;
+        // Named, and every read (the subscription's confirmation included) bounded: a
+        // sentinel that accepts connections and answers nothing must not hold the
+        // watcher (nor the client's drop, which joins it).
+        let mut conn = self.connect(sentinel, "redbaton:sentinel")?;
+        let named: Option<(String, u16)> = redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(&self.sc.master)
+            .query(&mut conn)?;
+        if named.is_none() {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::MasterNameNotFoundBySentinel,
+                "this sentinel does not know the master",
+            )));
+        }
         let mut ps = conn.as_pubsub();
         ps.subscribe("+switch-master")?;
         ps.set_read_timeout(Some(POLL))?;
         // A switch may have happened before the subscription.
         self.resolve();
         let mut last_check = Instant::now();
+        let mut heard = Instant::now();
         loop {
             if self.stop.load(Ordering::Relaxed) {
                 return Ok(());
             }
             match ps.get_message() {
                 Ok(msg) => {
+                    heard = Instant::now();
                     let payload: String = msg.get_payload().unwrap_or_default();
                     // "<name> <old ip> <old port> <new ip> <new port>"
                     if payload.split(' ').next() == Some(self.sc.master.as_str()) {
@@ -211,10 +236,15 @@ impl Watcher {
                         self.resolve();
                         last_check = Instant::now();
                     }
-                    continue;
                 }
                 Err(e) if e.is_timeout() => {}
                 Err(e) => return Err(e),
+            }
+            if heard.elapsed() >= KEEPALIVE {
+                ps.set_read_timeout(Some(self.read_timeout))?;
+                let _: redis::Value = ps.ping()?;
+                ps.set_read_timeout(Some(POLL))?;
+                heard = Instant::now();
             }
             // Taken after the read, not before it: a fault the node met while the read
             // waited is acted on now, not one read later (a call rides until then).
@@ -276,65 +306,121 @@ impl Watcher {
         )
     }
 
-    /// The master's address as `sentinel` names it (`None`: it does not know the name).
-    fn ask(&self, sentinel: &redis::Client) -> redis::RedisResult<Option<(String, u16)>> {
-        let mut conn = self.connect(sentinel, "redbaton:sentinel")?;
-        redis::cmd("SENTINEL")
-            .arg("GET-MASTER-ADDR-BY-NAME")
-            .arg(&self.sc.master)
-            .query::<Option<(String, u16)>>(&mut conn)
+    /// Every sentinel's answer, in the order of the list (`None`: no answer in time). They
+    /// are asked at once, a thread each, and every one is waited for until the first that
+    /// names the master has answered, then [`ANSWER_GRACE`] more: the others' epochs may
+    /// outrank its answer, but a sentinel that does not answer (a dead host, a stopped
+    /// process) must hold up the resolution (and the calls riding a failover on it)
+    /// neither for its timeouts nor once per such sentinel. A thread left behind ends with
+    /// its own timeouts. A sentinel whose thread cannot be started is asked in turn.
+    fn ask_all(&self) -> Vec<Option<redis::RedisResult<Option<Named>>>> {
+        let timeouts = (self.connect_timeout, self.read_timeout, self.write_timeout);
+        if let [sentinel] = self.sentinels.as_slice() {
+            return vec![Some(ask(sentinel, &self.sc.master, timeouts))];
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut answers: Vec<Option<_>> = self.sentinels.iter().map(|_| None).collect();
+        let mut asking = 0;
+        for (i, sentinel) in self.sentinels.iter().enumerate() {
+            let (client, master, tx) = (sentinel.clone(), self.sc.master.clone(), tx.clone());
+            let spawned = std::thread::Builder::new()
+                .name("redbaton-sentinel-ask".to_owned())
+                .spawn(move || {
+                    let _ = tx.send((i, ask(&client, &master, timeouts)));
+                });
+            match spawned {
+                Ok(_) => asking += 1,
+                Err(_) => answers[i] = Some(ask(sentinel, &self.sc.master, timeouts)),
+            }
+        }
+        let mut until = (answers.iter().flatten())
+            .any(|a| matches!(a, Ok(Some(_))))
+            .then(|| Instant::now() + ANSWER_GRACE);
+        while asking > 0 {
+            let got = match until {
+                Some(until) => rx.recv_deadline(until).ok(),
+                None => rx.recv().ok(),
+            };
+            let Some((i, answer)) = got else { break };
+            asking -= 1;
+            if until.is_none() && matches!(answer, Ok(Some(_))) {
+                until = Some(Instant::now() + ANSWER_GRACE);
+            }
+            answers[i] = Some(answer);
+        }
+        answers
     }
 
-    /// The master, as the sentinels asked in order name it: the first server named that
-    /// `ROLE` confirms is the master. A sentinel whose answer is not the master (a
-    /// replica, a server that does not answer) may be one that missed a failover, or was
-    /// restarted with an old configuration: the next one is asked, rather than trusting it
-    /// until it learns. That holds for the node's current address too (checked once per
-    /// call): a stale sentinel naming the demoted master must not keep the client there.
-    /// `None` for the current address (and when the client stops); when none gives a
-    /// master: the first server named and why it was not taken, else whether any sentinel
-    /// answered.
+    /// The master, as the sentinels name it: every sentinel is asked, and the servers
+    /// named are tried in the order of the answers' configuration epochs, the latest
+    /// first (among answers of one epoch, in the order of the list), until `ROLE`
+    /// confirms one is the master. That is the sentinels' own rule: a sentinel that missed
+    /// a failover (cut off from the others, or restarted with an old configuration) names
+    /// the old master under the epoch before it, and the old master may still say it is
+    /// one (not yet demoted, or restarted as a master): the list's order must not send
+    /// the client there, nor back there after it followed the failover. A server whose
+    /// answer is not the master (a replica, a server that does not answer) is passed
+    /// over for the next one named, the current address included; each address is tried
+    /// once. `None` for the current address (and when the client stops); when none gives
+    /// a master: the first server named and why it was not taken, else whether any
+    /// sentinel answered.
     fn find_master(&self) -> std::result::Result<Option<(redis::Client, String)>, Missing> {
+        // A client being dropped waits for this thread: no sentinel is asked once it
+        // stops.
+        if self.stop.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
         let mut missing = None;
-        // The current address was found not to be the master by an earlier answer.
-        let mut current_refused = false;
-        for sentinel in &self.sentinels {
-            // A client being dropped waits for this thread: each sentinel that does not
-            // answer costs a timeout, so none more is asked once it stops.
-            if self.stop.load(Ordering::Relaxed) {
-                return Ok(None);
-            }
-            let (host, port) = match self.ask(sentinel) {
-                Ok(Some(address)) => address,
+        let mut named = Vec::with_capacity(self.sentinels.len());
+        // A sentinel that gave no answer in time did so while another named the master.
+        for answer in self.ask_all().into_iter().flatten() {
+            match answer {
+                Ok(Some(answer)) => named.push(answer),
                 Ok(None) => {
                     if matches!(missing, None | Some(Missing::Unanswered(_))) {
                         missing = Some(Missing::Unknown);
                     }
-                    continue;
                 }
-                Err(e) => {
-                    missing.get_or_insert(Missing::Unanswered(e));
-                    continue;
-                }
-            };
+                // The first error, unless a later sentinel refused the credentials: that
+                // says what to fix, where a dead sentinel's refused connection does not.
+                Err(e) => match &missing {
+                    None => missing = Some(Missing::Unanswered(e)),
+                    Some(Missing::Unanswered(first))
+                        if !is_auth_error(first) && is_auth_error(&e) =>
+                    {
+                        missing = Some(Missing::Unanswered(e));
+                    }
+                    Some(_) => {}
+                },
+            }
+        }
+        // Stable: the list's order within one epoch.
+        named.sort_by_key(|n| std::cmp::Reverse(n.epoch));
+        let mut tried: Vec<String> = Vec::new();
+        for Named { host, port, epoch } in named {
             let address = format!("{host}:{port}");
-            let current = address == self.address;
-            if current && current_refused {
+            if tried.contains(&address) {
                 continue;
             }
+            // A client being dropped waits for this thread: each server named that does
+            // not answer costs a timeout, so none more is tried once it stops.
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
             match self.master_at(&host, port) {
-                Ok(_) if current => return Ok(None),
+                Ok(_) if address == self.address => return Ok(None),
                 Ok(client) => return Ok(Some((client, address))),
                 Err(why) => {
-                    current_refused |= current;
                     log::debug!(
-                        "sentinel: {address} named by a sentinel is not taken; asking the next"
+                        "sentinel: {address} named by a sentinel (epoch {epoch}) is not \
+                         taken; trying the next"
                     );
                     if !matches!(missing, Some(Missing::NotMaster(..))) {
-                        missing = Some(Missing::NotMaster(address, why));
+                        missing = Some(Missing::NotMaster(address.clone(), why));
                     }
                 }
             }
+            tried.push(address);
         }
         Err(missing.unwrap_or(Missing::Unknown))
     }
@@ -400,9 +486,52 @@ impl Watcher {
     }
 }
 
+/// What `sentinel` says of the master `master` (`None`: it does not know the name), asked
+/// on a connection with the client's timeouts.
+fn ask(
+    sentinel: &redis::Client,
+    master: &str,
+    (connect_timeout, read_timeout, write_timeout): (Duration, Duration, Duration),
+) -> redis::RedisResult<Option<Named>> {
+    let name = "redbaton:sentinel";
+    let mut conn = open_connection(sentinel, connect_timeout, read_timeout, write_timeout, name)?;
+    let Some((host, port)) = redis::cmd("SENTINEL")
+        .arg("GET-MASTER-ADDR-BY-NAME")
+        .arg(master)
+        .query::<Option<(String, u16)>>(&mut conn)?
+    else {
+        return Ok(None);
+    };
+    // The epoch of that answer, from `SENTINEL MASTER` (whose own address field still
+    // names the old master while the replicas are being moved: the address is the one
+    // above). A sentinel that refuses it (an ACL that allows only the address) gives an
+    // answer that any with an epoch outranks.
+    let epoch = match redis::cmd("SENTINEL")
+        .arg("MASTER")
+        .arg(master)
+        .query::<std::collections::HashMap<String, String>>(&mut conn)
+    {
+        Ok(fields) => fields
+            .get("config-epoch")
+            .and_then(|e| e.parse().ok())
+            .unwrap_or(0),
+        Err(e) if crate::error::is_network_error(&e) => return Err(e),
+        Err(_) => 0,
+    };
+    Ok(Some(Named { host, port, epoch }))
+}
+
+/// One sentinel's answer: the master's address, and the configuration epoch under which
+/// that sentinel knows it (0 when it does not say).
+struct Named {
+    host: String,
+    port: u16,
+    epoch: u64,
+}
+
 /// Why the sentinels' answers gave no master.
 enum Missing {
-    /// No sentinel answered (the first error).
+    /// No sentinel answered (the first error, or the first refusal of the credentials).
     Unanswered(redis::RedisError),
     /// Those that answered do not know the master's name.
     Unknown,
