@@ -230,27 +230,31 @@ impl Engine {
             let l = lock.clone();
             // Every try is the same change (the same number): a retry of one that was
             // applied is applied again, never refused.
-            let replies = self.topology.fan_out(&holders, move |node| {
-                let change = Change {
-                    key: l.keys.lock(),
-                    record: l.keys.lease(),
-                    token: l.token.as_str(),
-                    seq,
-                };
-                node.extend(&[change], lease)
-            });
-            let count = |want: ExtendReply| {
-                replies
-                    .iter()
-                    .filter(|r| matches!(r, Ok(v) if v.first() == Some(&want)))
-                    .count()
-            };
-            let tally = (
-                count(ExtendReply::Extended),
-                count(ExtendReply::Gone),
-                count(ExtendReply::Other),
+            // Redlock: decided as soon as a majority's replies decide it, as a renewal is;
+            // a node that hangs is not waited for (its change, if it lands, is this one).
+            let n = holders.len();
+            let replies = self.topology.fan_out_until(
+                &holders,
+                move |node| {
+                    let change = Change {
+                        key: l.keys.lock(),
+                        record: l.keys.lease(),
+                        token: l.token.as_str(),
+                        seq,
+                    };
+                    node.extend(&[change], lease)
+                },
+                |so_far| {
+                    route.renewal(tally_extends(so_far.iter().flatten()), n) != Renewal::Unknown
+                },
             );
-            let verdict = route.renewal(tally, replies.len());
+            let replies: Vec<Result<Vec<ExtendReply>>> = replies
+                .into_iter()
+                .map(|r| {
+                    r.unwrap_or_else(|| Err(Error::Protocol("extend: no reply yet".to_owned())))
+                })
+                .collect();
+            let verdict = route.renewal(tally_extends(replies.iter()), replies.len());
             match (verdict, replies.as_slice()) {
                 (Renewal::Unknown, [Err(e)]) if ride.again(e, Some(lock.valid_until())) => {}
                 _ => break (started, replies, verdict),
@@ -330,4 +334,21 @@ impl Engine {
             }
         }
     }
+}
+
+/// (extended, gone, other owner) among the replies of an extend's nodes.
+fn tally_extends<'a>(
+    replies: impl Iterator<Item = &'a Result<Vec<ExtendReply>>> + Clone,
+) -> (usize, usize, usize) {
+    let count = |want: ExtendReply| {
+        replies
+            .clone()
+            .filter(|r| matches!(r, Ok(v) if v.first() == Some(&want)))
+            .count()
+    };
+    (
+        count(ExtendReply::Extended),
+        count(ExtendReply::Gone),
+        count(ExtendReply::Other),
+    )
 }

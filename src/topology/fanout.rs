@@ -15,7 +15,9 @@
 //! again. A call that waited in a node's queue for `stall` or more before a worker took
 //! it (queued behind calls to a node that has just hung, before any of them ended) is
 //! skipped too: a round waits for a hung node about one of its timeouts at most. When a
-//! node's queue is full, the caller makes that node's call itself (backpressure).
+//! node's queue is full, the caller makes that node's call itself (backpressure). A caller
+//! whose replies so far decide its outcome (a lease change a majority applied) may return
+//! without waiting for the rest, whose calls go on on their lanes.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -133,12 +135,16 @@ impl Fanout {
     }
 
     /// `f(i)` for every position `i` of `nodes` (each the index of a node), in parallel,
-    /// each on its node's lane; results in the order of `nodes`.
-    ///
-    /// # Panics
-    ///
-    /// When `f` panicked for some node (after every other node's call ended).
-    pub fn map<T, F>(&self, nodes: &[usize], f: Arc<F>) -> Vec<T>
+    /// each on its node's lane; results in the order of `nodes`. Returns as soon as `done`
+    /// says the results so far decide the outcome (a majority answered alike): the calls
+    /// still under way go on on their lanes, and their results (`None` here) are dropped.
+    /// A call that panicked is `None`.
+    pub fn map_until<T, F>(
+        &self,
+        nodes: &[usize],
+        f: Arc<F>,
+        done: impl Fn(&[Option<T>]) -> bool,
+    ) -> Vec<Option<T>>
     where
         T: Send + 'static,
         F: Fn(usize) -> T + Send + Sync + 'static,
@@ -178,10 +184,11 @@ impl Fanout {
         drop(tx);
         for (i, v) in rx.iter().take(n) {
             out[i] = Some(v);
+            if done(&out) {
+                break;
+            }
         }
-        out.into_iter()
-            .map(|v| v.expect("a node's call panicked"))
-            .collect()
+        out
     }
 }
 

@@ -334,6 +334,26 @@ impl Topology {
         vec![(node.id.clone(), reply)]
     }
 
+    /// [`fan_out`](Self::fan_out), but on Redlock it returns as soon as `done` says the
+    /// replies so far decide the outcome (`None`: a node that has not answered yet, whose
+    /// call goes on on its own): a hung node holds up no call that a majority decided.
+    /// Elsewhere every node's reply is awaited.
+    pub fn fan_out_until<T, F>(
+        &self,
+        nodes: &[Arc<Node>],
+        f: F,
+        done: impl Fn(&[Option<T>]) -> bool,
+    ) -> Vec<Option<T>>
+    where
+        T: Send + 'static,
+        F: Fn(&Node) -> T + Send + Sync + 'static,
+    {
+        match (self, nodes) {
+            (Topology::Redlock(t), [_, _, ..]) => t.fan_out(nodes, f, &done),
+            _ => self.fan_out(nodes, f).into_iter().map(Some).collect(),
+        }
+    }
+
     /// `f(node)` for each of `nodes`, in parallel where several must answer (a round
     /// costs about the slowest node's round trip, not the sum); replies in `nodes` order.
     pub fn fan_out<T, F>(&self, nodes: &[Arc<Node>], f: F) -> Vec<T>
@@ -343,7 +363,9 @@ impl Topology {
     {
         match (self, nodes) {
             (_, [node]) => vec![f(node)],
-            (Topology::Redlock(t), _) => t.fan_out(nodes, f),
+            (Topology::Redlock(t), _) => (t.fan_out(nodes, f, &|_| false).into_iter())
+                .map(|v| v.expect("a node's call panicked"))
+                .collect(),
             // Redis Cluster: masters come and go, so no standing lanes; a scoped thread per
             // extra master (only the watchdog asks several at once, every few seconds), so
             // that a hung master does not hold up the renewals on the others.

@@ -42,11 +42,15 @@ impl Redlock {
         self.route.clone()
     }
 
-    pub fn fan_out<T, F>(&self, nodes: &[Arc<Node>], f: F) -> Vec<T>
-    where
-        T: Send + 'static,
-        F: Fn(&Node) -> T + Send + Sync + 'static,
-    {
+    /// `f` on every node of `nodes`, in parallel, until `done` says the replies so far
+    /// decide the outcome: a node that hangs then holds up no caller whose majority has
+    /// answered (`None`: no reply yet, its call goes on on its lane; or its call panicked).
+    pub fn fan_out<T: Send + 'static>(
+        &self,
+        nodes: &[Arc<Node>],
+        f: impl Fn(&Node) -> T + Send + Sync + 'static,
+        done: &dyn Fn(&[Option<T>]) -> bool,
+    ) -> Vec<Option<T>> {
         // Each call goes to its node's own lane, whichever nodes this call names.
         let lanes: Vec<usize> = nodes
             .iter()
@@ -60,6 +64,6 @@ impl Redlock {
             .collect();
         let nodes: Arc<[Arc<Node>]> = Arc::from(nodes);
         self.fanout
-            .map(&lanes, Arc::new(move |i: usize| f(&nodes[i])))
+            .map_until(&lanes, Arc::new(move |i: usize| f(&nodes[i])), done)
     }
 }
