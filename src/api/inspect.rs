@@ -385,7 +385,7 @@ impl LockClient {
     /// ```
     pub fn locks(&self, pattern: &str) -> impl Iterator<Item = Result<LockInfo>> + use<> {
         let engine = self.engine().clone();
-        let nodes = engine.topology.nodes().to_vec();
+        let nodes = engine.topology.nodes_now().to_vec();
         let scan = Scan::new(&engine.cfg.key_prefix, pattern);
         Locks {
             engine,
@@ -503,7 +503,17 @@ fn inspect_keys(engine: &Engine, keys: &Keys) -> Result<LockInfo> {
         .map(|w| w.tokens_of(keys.lock()))
         .unwrap_or_default();
     let route = engine.topology.route(keys);
-    let replies = on_each(engine, route.nodes(), keys, inspect_scripts::inspect);
+    let mut replies = on_each(engine, route.nodes(), keys, inspect_scripts::inspect);
+    // Redis Cluster: the master asked may have left since the map was read (removed from
+    // the cluster, or replaced in a failover); its failure marked the map stale, and this
+    // read is asked once more of the slot's owner now, when that is another node.
+    if let ([(_, Err(e))], [asked]) = (&replies[..], route.nodes())
+        && engine.topology.ride_through(e).is_some()
+        && let Some(now) = engine.topology.route(keys).sole().cloned()
+        && now.id != asked.id
+    {
+        replies = on_each(engine, &[now], keys, inspect_scripts::inspect);
+    }
     let many = replies.len() > 1;
     let mut views = Vec::with_capacity(replies.len());
     let mut owners = Vec::with_capacity(replies.len());
@@ -526,7 +536,14 @@ fn inspect_keys(engine: &Engine, keys: &Keys) -> Result<LockInfo> {
         return Err(error.unwrap_or_else(|| Error::Protocol("no node to inspect".to_owned())));
     };
     if !many {
-        return Ok(first.clone());
+        let mut info = first.clone();
+        // A Redis Cluster master that gave the slot away answers `MOVED`, which the call
+        // followed to the slot's owner now, and the route names that owner from then on:
+        // the node that answered is that one, not the one first asked.
+        if let Some(now) = engine.topology.route(keys).sole() {
+            info.node = now.id.to_string();
+        }
+        return Ok(info);
     }
     let mut info = majority_view(&views, &owners, route.quorum());
     info.nodes = views;

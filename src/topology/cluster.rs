@@ -127,10 +127,21 @@ impl Cluster {
     }
 
     /// Every master. Read afresh when a fault or a redirect marked the map stale, as a
-    /// route is: a listing (`locks`) may be all a client does, and it would otherwise ask
-    /// a master that died, and miss the replica that took over, for ever.
+    /// route is.
     pub fn all(&self) -> Route {
         self.shared.fresh();
+        self.shared.map.read().all.clone()
+    }
+
+    /// Every master, as the cluster has them now: the map is read again first (unless it
+    /// was read less than [`MIN_REFRESH`] ago), for a listing (`locks`). A listing may be
+    /// all a client does, and nothing else would tell it of a change: no redirect reaches a
+    /// client that routes nothing, so it would miss, for ever, a master added and given
+    /// slots since (and the locks there), and keep asking one removed, or one that died
+    /// rather than the replica that took over. One `CLUSTER SHARDS` per listing, against a
+    /// `SCAN` of every master.
+    pub fn all_now(&self) -> Route {
+        let _ = self.shared.refresh(false);
         self.shared.map.read().all.clone()
     }
 

@@ -228,6 +228,16 @@ impl Topology {
         self.any_route().nodes
     }
 
+    /// [`nodes`](Self::nodes), with a Redis Cluster's slot map read again first (see
+    /// [`Cluster::all_now`]): for a listing of every master, which no redirect would
+    /// tell of a master added or removed.
+    pub fn nodes_now(&self) -> Arc<[Arc<Node>]> {
+        match self {
+            Topology::Cluster(t) => t.all_now().nodes,
+            _ => self.nodes(),
+        }
+    }
+
     /// How many of [`nodes`](Self::nodes) must be reachable at start.
     pub fn quorum(&self) -> usize {
         self.any_route().quorum
