@@ -181,12 +181,26 @@ fn no_quorum_tells_the_round() {
 #[test]
 fn validity_counts_from_before_the_requests_with_a_slow_node() {
     let (_servers, proxies, client) = proxied(3);
+    // The acquisition is checked on a client that does not renew: a renewal that the
+    // other's watchdog sends as soon as the lock is handed over (its 200 ms are long
+    // past) would move the validity before the check reads it.
+    let urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let unrenewed = lock_client!(
+        nodes(urls),
+        key_prefix(PREFIX),
+        lease(LEASE),
+        io_timeouts(IO),
+        auto_renew(false)
+    );
+    drop(unrenewed.lock("warm").expect("warm up"));
     drop(client.lock("warm").expect("warm up"));
     proxies[2].set_delay_both(ms(300));
     let before = Instant::now();
-    let guard = client.lock("valid").expect("lock");
+    let acquired = unrenewed.lock("acquired").expect("lock");
     // The requests go out at once (a few ms at most), the slow node answers 600 ms later.
-    assert_validity_bounded("acquired", &guard, before, ms(100));
+    assert_validity_bounded("acquired", &acquired, before, ms(100));
+    assert_eq!(acquired.unlock().expect("unlock"), Unlocked::Released);
+    let guard = client.lock("valid").expect("lock");
     for _ in 0..6 {
         thread::sleep(ms(150));
         assert_validity_bounded("renewed", &guard, Instant::now(), Duration::ZERO);
