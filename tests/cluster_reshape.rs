@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use redbaton::{LockClient, LockGuard, Unlocked};
-use redbaton_testkit::cluster::{Cluster, node_id};
+use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{wait_for, wait_until};
@@ -15,8 +15,6 @@ use redbaton_testkit::{init_log, lock_client, ms, secs};
 const KEYS: Keys = Keys::DEFAULT;
 /// The clients' connect, read and write timeout.
 const IO: Duration = Duration::from_secs(1);
-/// How long the cluster may take to agree on a change.
-const SETTLE: Duration = Duration::from_secs(30);
 
 /// The port of the master serving `name`'s lock.
 fn master_of_name(cluster: &Cluster, name: &str) -> u16 {
@@ -25,42 +23,6 @@ fn master_of_name(cluster: &Cluster, name: &str) -> u16 {
 
 fn slot_of(cluster: &Cluster, name: &str) -> u16 {
     cluster.keyslot(&KEYS.lock_bytes(name.as_bytes()))
-}
-
-/// `CLUSTER NODES` as `server` sees it.
-fn cluster_nodes(server: &RedisServer) -> String {
-    redis::cmd("CLUSTER")
-        .arg("NODES")
-        .query(&mut server.conn())
-        .unwrap_or_default()
-}
-
-/// Scale-out: a new empty master joins the cluster (`CLUSTER MEET`), as
-/// `redis-cli --cluster add-node` does; it serves no slot until one is moved to it.
-/// Returns its port.
-fn add_master(cluster: &mut Cluster) -> u16 {
-    let server = RedisServer::builder()
-        .config("cluster-enabled", "yes")
-        .config("cluster-config-file", "nodes.conf")
-        .config("cluster-node-timeout", "2000")
-        .start();
-    let port = server.port();
-    redis::cmd("CLUSTER")
-        .arg("MEET")
-        .arg("127.0.0.1")
-        .arg(port)
-        .query::<()>(&mut cluster.servers[0].conn())
-        .expect("CLUSTER MEET");
-    cluster.servers.push(server);
-    let ids: Vec<String> = running(cluster).map(node_id).collect();
-    wait_for(SETTLE, "every node knows every other", || {
-        running(cluster).all(|s| {
-            let nodes = cluster_nodes(s);
-            ids.iter().all(|id| nodes.contains(id.as_str())) && !nodes.contains("handshake")
-        })
-    });
-    cluster.wait_ok();
-    port
 }
 
 /// `name` held by one client with `lease`, and awaited by another (patient: only a
@@ -106,7 +68,7 @@ fn renewed_then_released(guard: LockGuard, waiting: std::thread::JoinHandle<Inst
 fn grown() -> (Cluster, u16) {
     init_log();
     let mut cluster = Cluster::start();
-    let new = add_master(&mut cluster);
+    let new = cluster.add_master();
     (cluster, new)
 }
 
@@ -118,64 +80,6 @@ fn grown_for(name: &str) -> (Cluster, u16, u16, u16) {
     let old = cluster.owner(slot);
     cluster.move_slot(slot, new);
     (cluster, new, slot, old)
-}
-
-fn running(cluster: &Cluster) -> impl Iterator<Item = &RedisServer> {
-    cluster.servers.iter().filter(|s| s.is_running())
-}
-
-/// Moves `slot`, the last one of its master, and its keys to the master on port `to`. The
-/// master that gives it away is told first: one that learns from the others that its last
-/// slot is gone turns into a replica of the node that took it (Redis 7 by default, as
-/// Redis 6.2 always does), and a replica refuses `SETSLOT`.
-fn empty_master(cluster: &Cluster, slot: u16, to: u16) {
-    let migration = cluster.open_migration(slot, to);
-    migration.migrate_keys(None);
-    let target = node_id(cluster.server(to));
-    let setslot = |port: u16| {
-        redis::cmd("CLUSTER")
-            .arg("SETSLOT")
-            .arg(slot)
-            .arg("NODE")
-            .arg(&target)
-            .query::<()>(&mut cluster.server(port).conn())
-    };
-    setslot(migration.from).expect("SETSLOT NODE on the master giving its last slot away");
-    for m in cluster.masters() {
-        setslot(m.port()).expect("SETSLOT NODE on a master");
-    }
-    cluster.wait_ok();
-}
-
-/// Scale-in: the master on `port`, emptied of its slots, is forgotten by every other node
-/// (`CLUSTER FORGET`, as `redis-cli --cluster del-node` does); it still runs.
-fn forget_master(cluster: &Cluster, port: u16) {
-    let gone = cluster.server(port);
-    assert!(
-        !cluster.masters().iter().any(|m| m.port() == port),
-        "{port} serves no slot"
-    );
-    let id = node_id(gone);
-    for s in running(cluster).filter(|s| s.port() != port) {
-        redis::cmd("CLUSTER")
-            .arg("FORGET")
-            .arg(&id)
-            .query::<()>(&mut s.conn())
-            .unwrap_or_else(|e| panic!("CLUSTER FORGET on {}: {e}", s.port()));
-    }
-    wait_for(SETTLE, "every other node forgot it", || {
-        running(cluster)
-            .filter(|s| s.port() != port)
-            .all(|s| !cluster_nodes(s).contains(id.as_str()))
-    });
-}
-
-/// Scale-in, whole: `slot`, the last of the master on port `port`, moved to the master on
-/// port `to`, then that master forgotten and stopped.
-fn remove_master(cluster: &Cluster, slot: u16, to: u16, port: u16) {
-    empty_master(cluster, slot, to);
-    forget_master(cluster, port);
-    cluster.server(port).kill();
 }
 
 /// Each of `clients` sees `name` held on the master on `port`: the first lists it there
@@ -309,8 +213,8 @@ fn a_removed_master_keeps_no_connection_and_gets_no_call() {
     drop(guard);
     waiting.join().expect("the waiter");
     assert!(connections_named(cluster.server(new), "redbaton") > 0);
-    empty_master(&cluster, slot, old);
-    forget_master(&cluster, new);
+    cluster.empty_master(slot, old);
+    cluster.forget_master(new);
     let closed = wait_until(secs(15), || {
         drop(client.lock(name).expect("lock on the old master"));
         connections_named(cluster.server(new), "redbaton") == 0
@@ -365,7 +269,7 @@ fn a_waiter_follows_its_slot_off_a_removed_master() {
         waiting,
         ..
     } = contended(&cluster, name, secs(3), new);
-    remove_master(&cluster, slot, old, new);
+    cluster.remove_master(slot, old, new);
     // Longer than the lease.
     std::thread::sleep(secs(4));
     renewed_then_released(guard, waiting, old);
@@ -386,7 +290,7 @@ fn the_slot_map_is_read_from_known_masters_when_every_seed_is_gone() {
     );
     let name = "seedless";
     drop(client.lock(name).expect("lock"));
-    forget_master(&cluster, seed);
+    cluster.forget_master(seed);
     cluster.server(seed).kill();
     let old = master_of_name(&cluster, name);
     let new = cluster.failover(old);
@@ -431,7 +335,7 @@ fn a_listing_follows_a_reshaped_cluster() {
     let guard = holder.lock(name).expect("lock on the new master");
     seen_on([&lister, &inspector], name, new);
     drop(guard);
-    remove_master(&cluster, slot, old, new);
+    cluster.remove_master(slot, old, new);
     let guard = holder.lock(name).expect("lock on the old master");
     seen_on([&lister, &inspector], name, old);
     drop(guard);

@@ -470,6 +470,93 @@ impl Cluster {
         replica.port()
     }
 
+    /// Scale-out: a new empty master joins the cluster (`CLUSTER MEET`), as
+    /// `redis-cli --cluster add-node` does; it serves no slot until one is moved to it
+    /// ([`move_slot`](Self::move_slot)). Returns its port, a new address each time. An
+    /// open cluster only (no TLS, no ACL).
+    pub fn add_master(&mut self) -> u16 {
+        assert!(
+            self.certs.is_none() && self.app_user.is_none(),
+            "add_master: an open cluster only"
+        );
+        let server = RedisServer::builder()
+            .config("cluster-enabled", "yes")
+            .config("cluster-config-file", "nodes.conf")
+            .config("cluster-node-timeout", &NODE_TIMEOUT_MS.to_string())
+            .start();
+        let port = server.port();
+        redis::cmd("CLUSTER")
+            .arg("MEET")
+            .arg("127.0.0.1")
+            .arg(port)
+            .query::<()>(&mut self.servers[0].conn())
+            .expect("CLUSTER MEET");
+        self.servers.push(server);
+        let ids: Vec<String> = self.running().map(node_id).collect();
+        wait_for(SETTLE, "every node knows every other", || {
+            self.running().all(|s| {
+                let nodes = cluster_nodes(s);
+                ids.iter().all(|id| nodes.contains(id.as_str())) && !nodes.contains("handshake")
+            })
+        });
+        self.wait_ok();
+        port
+    }
+
+    /// Moves `slot`, the last one of its master, and its keys to the master on port `to`.
+    /// The master that gives it away is told first: one that learns from the others that
+    /// its last slot is gone turns into a replica of the node that took it (Redis 7 by
+    /// default, as Redis 6.2 always does), and a replica refuses `SETSLOT`.
+    pub fn empty_master(&self, slot: u16, to: u16) {
+        let migration = self.open_migration(slot, to);
+        migration.migrate_keys(None);
+        let target = node_id(self.server(to));
+        let setslot = |port: u16| {
+            redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg("NODE")
+                .arg(&target)
+                .query::<()>(&mut self.server(port).conn())
+        };
+        setslot(migration.from).expect("SETSLOT NODE on the master giving its last slot away");
+        for m in self.masters() {
+            setslot(m.port()).expect("SETSLOT NODE on a master");
+        }
+        self.wait_ok();
+    }
+
+    /// Scale-in: the master on `port`, emptied of its slots, is forgotten by every other
+    /// node (`CLUSTER FORGET`, as `redis-cli --cluster del-node` does); it still runs.
+    pub fn forget_master(&self, port: u16) {
+        assert!(
+            !self.masters().iter().any(|m| m.port() == port),
+            "{port} serves no slot"
+        );
+        let id = node_id(self.server(port));
+        for s in self.running().filter(|s| s.port() != port) {
+            redis::cmd("CLUSTER")
+                .arg("FORGET")
+                .arg(&id)
+                .query::<()>(&mut s.conn())
+                .unwrap_or_else(|e| panic!("CLUSTER FORGET on {}: {e}", s.port()));
+        }
+        wait_for(SETTLE, "every other node forgot it", || {
+            self.running()
+                .filter(|s| s.port() != port)
+                .all(|s| !cluster_nodes(s).contains(id.as_str()))
+        });
+    }
+
+    /// Scale-in, whole: `slot`, the last of the master on port `port`, moved to the master
+    /// on port `to` ([`empty_master`](Self::empty_master)), then that master forgotten
+    /// ([`forget_master`](Self::forget_master)) and stopped.
+    pub fn remove_master(&self, slot: u16, to: u16, port: u16) {
+        self.empty_master(slot, to);
+        self.forget_master(port);
+        self.server(port).kill();
+    }
+
     /// A running replica of the master on port `master`.
     pub fn replica_of(&self, master: u16) -> &RedisServer {
         // A replica of a TLS cluster names its master's TLS port.
@@ -567,6 +654,14 @@ pub fn node_id(s: &RedisServer) -> String {
         .arg("MYID")
         .query(&mut s.conn())
         .expect("CLUSTER MYID")
+}
+
+/// `CLUSTER NODES` as `s` sees it.
+fn cluster_nodes(s: &RedisServer) -> String {
+    redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query(&mut s.conn())
+        .unwrap_or_default()
 }
 
 fn info_cluster(s: &RedisServer) -> String {
