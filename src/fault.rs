@@ -20,6 +20,9 @@ pub enum Point {
     Subscriber,
     /// In a waiting thread, as it reads its node's subscriber connection itself.
     WaiterRead,
+    /// In a waiting thread, after it took the subscribers of its route's nodes and before
+    /// it watches its key with them.
+    Watch,
     /// In the watchdog thread, while it renews the locks that are due.
     Watchdog,
     /// In a release to Redis, after renewals stopped and before the compare-and-delete.

@@ -239,10 +239,13 @@ impl LockClient {
         self.engine.counters.snapshot()
     }
 
-    /// The client's subscriber connections, one per node its waiters have waited on (per
+    /// The client's subscriber connections, one per node its locks are routed to (per
     /// master in a Redis Cluster; none with [`Wakeup::Polling`](crate::Wakeup::Polling)):
-    /// each node's address, reconnects and whether it is connected now.
-    /// [`Stats::reconnects`] is their sum.
+    /// each node's address, reconnects and whether it is connected now. A Cluster master
+    /// that serves nothing any more (removed, or demoted by a failover) loses its
+    /// subscriber once nothing waits there, and is no longer listed; one that serves
+    /// again gets a fresh one. [`Stats::reconnects`] is the sum of their reconnects and
+    /// of those of the subscribers that ended so.
     ///
     /// # Examples
     ///

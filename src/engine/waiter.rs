@@ -217,6 +217,7 @@ impl Waiter {
     ) {
         let poke_tx = self.poke_sender();
         let subs = client.subs_for(route);
+        crate::fault::hit(&client.cfg.key_prefix, crate::fault::Point::Watch);
         let hears = self.hears;
         self.candidacy = None;
         let watches: Vec<Watch> = keys

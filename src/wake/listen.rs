@@ -28,7 +28,8 @@ pub(crate) struct Connector {
     pub pool: Arc<Pool>,
 }
 
-/// The thread's body: connections one after the other, until the client shuts down.
+/// The thread's body: connections one after the other, until the client shuts down, or
+/// until its node serves nothing and nothing is asked of it.
 pub(super) fn run(
     shared: Arc<Shared>,
     kicked: Receiver<()>,
@@ -39,7 +40,16 @@ pub(super) fn run(
     let mut backoff = Duration::from_millis(50);
     while !shared.shutdown.load(Ordering::Relaxed) {
         if !shared.wants_connection() {
-            let _ = kicked.recv_timeout(IDLE);
+            let asked = kicked.recv_timeout(IDLE).is_ok();
+            // A Redis Cluster master that serves nothing now (removed, demoted), and not a
+            // request for a whole idle turn: the thread ends rather than idle for as long
+            // as the client lives, since with masters coming and going at new addresses
+            // their subscribers would pile up. A waiter that routes there again (the
+            // master serves again) gets a fresh one (`Subs::for_route`).
+            if !asked && connector.pool.is_retired() && shared.close() {
+                log::debug!("subscriber {node}: the node serves nothing; ended");
+                break;
+            }
             continue;
         }
         let epoch = connector.pool.epoch();

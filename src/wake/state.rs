@@ -187,6 +187,9 @@ pub(super) struct Shared {
     pub(super) sent: Condvar,
     pub(super) kick: Sender<()>,
     pub(super) shutdown: AtomicBool,
+    /// The thread has ended for good: its node serves nothing, and nothing was asked of
+    /// it (see [`close`](Self::close)). Set under the state lock.
+    pub(super) closed: AtomicBool,
     /// Keyspace notifications are on and their channels may be subscribed.
     pub(super) keyspace: AtomicBool,
     /// The library's own channels may be subscribed (contention marks are heard).
@@ -231,6 +234,22 @@ impl Shared {
         }
         self.sent.notify_all();
         self.lost_connection();
+    }
+
+    /// Ends the subscriber if no key is wanted (no waiter's watch, no holder's interest);
+    /// whether it did. Its thread, which has no connection, ends next; the keys that
+    /// linger are forgotten (nothing is subscribed without a connection). Under the state
+    /// lock, as a registration: a key registered first keeps the subscriber, and one
+    /// registered after is told at once that it moved away, so that its waiter follows it
+    /// to a fresh subscriber (see `Subscriber::register`).
+    pub(super) fn close(&self) -> bool {
+        let mut st = self.state.lock();
+        if st.keys.values().any(|k| k.interest > 0) {
+            return false;
+        }
+        st.keys.clear();
+        self.closed.store(true, Ordering::Release);
+        true
     }
 
     /// Nothing is subscribed, lingering or asked for.

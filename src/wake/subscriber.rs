@@ -86,6 +86,7 @@ impl Subscriber {
             booth: Booth::default(),
             kick,
             shutdown: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             keyspace: AtomicBool::new(keyspace),
             own_channel: AtomicBool::new(true),
             sharded: AtomicBool::new(false),
@@ -129,6 +130,13 @@ impl Subscriber {
     /// The node this subscriber listens to.
     pub fn node(&self) -> &NodeId {
         &self.shared.node
+    }
+
+    /// Whether its thread has ended because its node serves nothing (a Redis Cluster
+    /// master removed or demoted) and nothing waited there: the node's next waiter needs
+    /// a fresh subscriber (see `Shared::close`).
+    pub fn closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
     }
 
     /// Times its connection was re-established, and whether it is up now.
@@ -189,6 +197,13 @@ impl Subscriber {
         if let Some((hears, tx)) = poke {
             ks.listeners.push((id, hears, tx));
         }
+        if self.shared.closed.load(Ordering::Acquire) {
+            // The thread has ended (its node serves nothing) since the caller took this
+            // subscriber: nothing will subscribe the key here. As if its slot had moved
+            // away at once, its waiter follows it, to a fresh subscriber.
+            ks.moved += 1;
+            return (id, moved);
+        }
         let needs_subscribe = !ks.confirmed && !ks.requested;
         if needs_subscribe {
             st.dirty = true;
@@ -216,16 +231,19 @@ impl Subscriber {
             .and_then(|k| k.confirmed_at)
     }
 
-    /// Whether marks are heard at all on this node (an ACL may refuse our channels).
+    /// Whether marks are heard at all on this node (an ACL may refuse our channels; a
+    /// subscriber that ended hears nothing).
     pub fn hears_marks(&self) -> bool {
-        self.shared.own_channel.load(Ordering::Relaxed)
+        !self.closed() && self.shared.own_channel.load(Ordering::Relaxed)
     }
 
     /// Whether this node's subscriptions can work at all (an ACL may refuse every channel
-    /// we need): waiters then do not wait for confirmations that cannot come.
+    /// we need, or the subscriber ended): waiters then do not wait for confirmations that
+    /// cannot come.
     pub fn usable(&self) -> bool {
-        self.shared.keyspace.load(Ordering::Relaxed)
-            || self.shared.own_channel.load(Ordering::Relaxed)
+        !self.closed()
+            && (self.shared.keyspace.load(Ordering::Relaxed)
+                || self.shared.own_channel.load(Ordering::Relaxed))
     }
 
     /// Asks this process's next contender for `keys` to let others go first until `until`
