@@ -34,6 +34,14 @@
 //! every enqueue keeps `L:q` and `L:qx` alive for at least its entry's TTL plus
 //! `QUEUE_MARGIN_MS`: the queue's keys outlive every live entry, and a queue whose waiters
 //! are all gone expires by itself.
+//!
+//! Keys of another type (another program's key of the same name, an operator's edit): an
+//! attempt reads the queue and its expiries before it writes (`ZCARD`, then the prune),
+//! and fails with the server's `WRONGTYPE` having written nothing. After its first write
+//! a script reads and cleans the queue's keys through `SETS_FN`, for which such a key
+//! holds nobody: a release or a leave passes the lock on to nobody then (it frees it and
+//! says `r`), a grant whose nonce cannot be read is a wake-up, and a waiter is queued
+//! without a nonce when the nonces are such a key.
 
 use std::sync::LazyLock;
 
@@ -42,13 +50,16 @@ use redis::Cmd;
 use super::keys::Keys;
 use super::scripts::{
     CLOCK_FN, END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, GONE_AGAIN_FN, HOLD_FENCE_FN, Lua, OWNER_FN,
-    Site, fence_arg,
+    SETS_FN, Site, fence_arg,
 };
 use super::sharded::PUBLISH_FN;
 
 /// Shared Lua: the server clock, pruning of expired entries, and a grant to the head.
 /// KEYS[1] lock, KEYS[2] fence; `q`, `qx`, `qn` and the channel are passed in; the publish
-/// mode is the last argument (`PUBLISH_FN`, which comes first).
+/// mode is the last argument (`PUBLISH_FN`, which comes first). After `SETS_FN`: the
+/// queue's keys are read and cleaned with its helpers, so that a key of another type
+/// there never fails a script after it wrote (a grant whose nonce cannot be read is only a
+/// wake-up; a queue that cannot be read has no head, and a release frees the lock).
 const COMMON: &str = r"
 local PRUNE_CHUNK = 256
 local QUEUE_MARGIN_MS = 1000
@@ -56,20 +67,27 @@ local QUEUE_MARGIN_MS = 1000
 -- Lua unpacks at most a few thousand values) however many waiters crashed; the queue
 -- drains over the calls that follow. True when no expired entry is left, so that the
 -- head is a live waiter; false when some may be (the caller then grants to nobody).
-local function prune(q, qx, qn, now_ms)
-  local dead = redis.call('ZRANGEBYSCORE', qx, '-inf', now_ms, 'LIMIT', 0, PRUNE_CHUNK)
+-- `strict`: an attempt's first read of the queue, before it writes, which a key of another
+-- type fails (see `SETS_FN`).
+local function prune(q, qx, qn, now_ms, strict)
+  local dead
+  if strict then
+    dead = redis.call('ZRANGEBYSCORE', qx, '-inf', now_ms, 'LIMIT', 0, PRUNE_CHUNK)
+  else
+    dead = tolerate({}, 'ZRANGEBYSCORE', qx, '-inf', now_ms, 'LIMIT', 0, PRUNE_CHUNK)
+  end
   if #dead > 0 then
-    redis.call('ZREM', q, unpack(dead))
-    redis.call('ZREM', qx, unpack(dead))
-    redis.call('ZREM', qn, unpack(dead))
+    tolerate(0, 'ZREM', q, unpack(dead))
+    tolerate(0, 'ZREM', qx, unpack(dead))
+    tolerate(0, 'ZREM', qn, unpack(dead))
   end
   return #dead < PRUNE_CHUNK
 end
 -- Takes `token` out of the queue.
 local function dequeue(q, qx, qn, token)
-  local was = redis.call('ZREM', q, token)
-  redis.call('ZREM', qx, token)
-  redis.call('ZREM', qn, token)
+  local was = tolerate(0, 'ZREM', q, token)
+  tolerate(0, 'ZREM', qx, token)
+  tolerate(0, 'ZREM', qn, token)
   return was == 1
 end
 -- The first entry by arrival that has an expiry, after `prune`. An entry without one (its
@@ -79,8 +97,8 @@ end
 -- when more such entries may be left (no head is known to be alive, as for `prune`).
 local function live_head(q, qx, qn)
   for _ = 1, PRUNE_CHUNK do
-    local head = redis.call('ZRANGE', q, 0, 0)[1]
-    if not head or redis.call('ZSCORE', qx, head) then return head end
+    local head = tolerate({}, 'ZRANGE', q, 0, 0)[1]
+    if not head or tolerate(false, 'ZSCORE', qx, head) then return head end
     dequeue(q, qx, qn, head)
   end
   return false
@@ -107,7 +125,7 @@ local function grant(head, q, qx, qn, channel, grant_ms, after_lost)
   -- 0 (no attempt's nonce) is only a wake-up: an entry queued before nonces were kept,
   -- or a grant after a hold that ended without a release, whose grantee must confirm it
   -- to be told of the loss.
-  local nonce = not lost and redis.call('ZSCORE', qn, head)
+  local nonce = not lost and tolerate(false, 'ZSCORE', qn, head)
   nonce = nonce and string.format('%.0f', tonumber(nonce)) or '0'
   dequeue(q, qx, qn, head)
   publish(channel, 'g' .. head .. ':' .. nonce .. ':' .. fence .. ':' .. grant_ms)
@@ -167,11 +185,14 @@ end
 /// or from a non-empty queue.
 pub(crate) static FAIR_ACQUIRE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{}{HOLD_FENCE_FN}{COMMON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{}{HOLD_FENCE_FN}{SETS_FN}{COMMON}{}",
         r"
 -- The common case first: nobody queued and the lock free (three calls, as without the
--- queue but for the EXISTS), before the functions of the other cases are defined.
-if redis.call('EXISTS', KEYS[3]) == 0 then
+-- queue but for the ZCARD), before the functions of the other cases are defined. The
+-- queue and its expiries are read before anything is written (the queue here, its
+-- expiries by the prune below): a key of another type there fails the attempt at once,
+-- having written nothing (see `SETS_FN`).
+if redis.call('ZCARD', KEYS[3]) == 0 then
   local fence, after_lost = take_fenced(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[#ARGV - 1])
   if type(fence) == 'table' then return fence end
   if fence then return won(fence, after_lost) end
@@ -180,7 +201,7 @@ end
         r"
 local now = clock_us()
 local now_ms = math.floor(now / 1000)
-local clean = prune(KEYS[3], KEYS[4], KEYS[5], now_ms)
+local clean = prune(KEYS[3], KEYS[4], KEYS[5], now_ms, true)
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then return {2, 0, 0} end
 if cur == ARGV[1] then
@@ -215,10 +236,12 @@ if ARGV[5] ~= '0' then
     redis.call('ZADD', KEYS[3], arrival, ARGV[1])
   end
   redis.call('ZADD', KEYS[4], now_ms + entry_ms, ARGV[1])
-  redis.call('ZADD', KEYS[5], ARGV[7], ARGV[1])
   keep_for(KEYS[3], entry_ms + QUEUE_MARGIN_MS)
   keep_for(KEYS[4], entry_ms + QUEUE_MARGIN_MS)
-  keep_for(KEYS[5], entry_ms + QUEUE_MARGIN_MS)
+  -- A hint (see `SETS_FN`): never written, nor kept, when it is a key of another type.
+  if tolerate(false, 'ZADD', KEYS[5], ARGV[7], ARGV[1]) then
+    keep_for(KEYS[5], entry_ms + QUEUE_MARGIN_MS)
+  end
   publish(ARGV[3], 'c' .. ARGV[4])
 end
 return {0, redis.call('PTTL', KEYS[1]), 0}
@@ -241,7 +264,7 @@ return {0, redis.call('PTTL', KEYS[1]), 0}
 /// and not released by a try of ours.
 pub(crate) static FAIR_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}{GONE_AGAIN_FN}{}{CLOCK_FN}{FENCE_FN}{COMMON}{PASS_ON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{END_FENCE_FN}{OWNER_FN}{}{GONE_AGAIN_FN}{}{CLOCK_FN}{FENCE_FN}{SETS_FN}{COMMON}{PASS_ON}{}",
         r"
 local status = ownership(KEYS[1], ARGV[1])
 if status == 0 and #ARGV == 7 then
@@ -279,7 +302,7 @@ return pass_on(KEYS[3], KEYS[4], KEYS[6], ARGV[2], ARGV[3], math.floor(clock_us(
 /// again.
 pub(crate) static FAIR_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{END_FENCE_FN}{OWNER_FN}{COMMON}{PASS_ON}{}",
+        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{END_FENCE_FN}{OWNER_FN}{SETS_FN}{COMMON}{PASS_ON}{}",
         r"
 local queued = dequeue(KEYS[3], KEYS[4], KEYS[6], ARGV[1])
 local status = ownership(KEYS[1], ARGV[1])

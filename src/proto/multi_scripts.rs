@@ -49,9 +49,11 @@ use crate::stats::Counters;
 ///   after a lost reply: one lock, one fence). Otherwise nothing is taken, and a key
 ///   holding our token is deleted (a retry whose first try ran, then a lock of ours
 ///   expired and was taken by another: no lock is left held without the others). A fence
-///   counter that cannot be written deletes what the call took before returning the
-///   error; a lock given back here marks its counter as an attempt nobody used (see
-///   `END_FENCE_FN`).
+///   counter that cannot be written (a key of another type) deletes what the call took
+///   before returning the error, and puts back the counters it raised as they were (a
+///   script is not undone when it fails: the counters of locks nobody held stay as if
+///   the call had not run); a lock of ours from before the call, given back here, marks
+///   its counter as an attempt nobody used (see `END_FENCE_FN`).
 /// * **The fair queue.** It is not joined, but it is not passed over either: a free key
 ///   whose queue has a live entry (its expiry ahead) is in the way, as a held one is. Its
 ///   waiter, woken by the same release, takes it (or a release grants it to the head),
@@ -109,6 +111,8 @@ if held then
   return {0, forever and -1 or latest}
 end
 local out = {1}
+-- The counters this call raised, as they were before (false: there was none).
+local before = {}
 for i = 1, n do
   local lock, counter = KEYS[4 * i - 3], KEYS[4 * i - 2]
   local fence
@@ -119,15 +123,22 @@ for i = 1, n do
     if after_lost then fence = -fence end
   else
     local after_lost
-    fence, after_lost = take_fenced(lock, token, lease, counter, ARGV[6])
+    fence, after_lost, before[i] = take_fenced(lock, token, lease, counter, ARGV[6])
     if after_lost then fence = -fence end
     if type(fence) == 'table' then
       for j = 1, i - 1 do
-        if redis.call('GET', KEYS[4 * j - 3]) == token then
-          redis.call('DEL', KEYS[4 * j - 3])
-          end_fence(KEYS[4 * j - 2], '0')
-          publish(ARGV[6 + j], 'r')
+        local counter_j = KEYS[4 * j - 2]
+        redis.call('DEL', KEYS[4 * j - 3])
+        if owners[j] == token then
+          -- Ours before this call (a retry whose first try ran): given back as in `held`.
+          end_fence(counter_j, '0')
+        elseif before[j] then
+          -- Taken by this call: its counter is put back as it was.
+          redis.call('SET', counter_j, before[j], 'KEEPTTL')
+        else
+          redis.call('DEL', counter_j)
         end
+        publish(ARGV[6 + j], 'r')
       end
       return fence
     end

@@ -77,6 +77,13 @@
 //! (`g<u-member>:0`). No writer gets in between: the upgradable hold excludes writers
 //! until it is the write hold. A downgrade turns the write hold `w<token>` into the read
 //! hold `r<token>` in one script, and says `r` when readers wait and no writer does.
+//!
+//! A waiting set or the nonces holding a value of another type (another program's key of
+//! the same name, an operator's edit) never fails a script after it wrote (see
+//! `SETS_FN`): it holds nobody, so a release frees the hold and says `r`, a hold taken
+//! is kept, and a conversion is done. An attempt fails with the server's `WRONGTYPE`
+//! before it writes: a read attempt reads the waiting writers first, and a waiter's mark
+//! is its first write.
 
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
@@ -88,7 +95,7 @@ use crate::proto::attempt::Attempt;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, ReleaseReply, Retry, millis};
 use crate::proto::scripts::{
-    CLOCK_FN, END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, fence_arg,
+    CLOCK_FN, END_FENCE_FN, FENCE_FN, FENCE_FORM_FN, HOLD_FENCE_FN, Lua, SETS_FN, fence_arg,
 };
 use crate::proto::sharded::PUBLISH_FN;
 use crate::stats::Counters;
@@ -167,7 +174,7 @@ end
 -- The live member of `set` (waiting marks scored by expiry) that expires first: the one
 -- renewed least lately, so the one waiting longest; nil if none.
 local function first_waiting(set, now)
-  return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'LIMIT', 0, 1)[1]
+  return tolerate({}, 'ZRANGEBYSCORE', set, now + 1, '+inf', 'LIMIT', 0, 1)[1]
 end
 -- Wakes the member of `set` waiting longest alone (`g<member>:0`) and, when `take`, takes
 -- its mark out, so that the next wake-up goes to the next one; `r` (whoever waits) when
@@ -182,7 +189,7 @@ local function wake_first(set, channel, now, take, nonces)
     return
   end
   if take then
-    if nonces and redis.call('ZSCORE', nonces, w) then
+    if nonces and tolerate(false, 'ZSCORE', nonces, w) then
       redis.call('ZADD', nonces, -tonumber(redis.call('ZSCORE', set, w)), w)
     end
     redis.call('ZREM', set, w)
@@ -194,16 +201,20 @@ local MARK_CHUNK = 64
 -- when it expires; the marks before it (at most MARK_CHUNK: past them, the first one
 -- left) are woken on `channel` with a grant of nonce 0, whose attempt finds what is
 -- wrong, and taken out with their nonces, so that the waiters behind them are not left
--- for their re-checks.
-local function first_grantable(set, nonces, now, channel, grantable)
+-- for their re-checks. `strict`: an attempt's read before it writes, which a set of
+-- another type fails (see `SETS_FN`).
+local function first_grantable(set, nonces, now, channel, grantable, strict)
   local function first()
-    return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if strict then
+      return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    end
+    return tolerate({}, 'ZRANGEBYSCORE', set, now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   end
   local w = first()
   local skipped = 0
   while w[1] and not grantable(string.sub(w[1], 1, 1)) and skipped < MARK_CHUNK do
     redis.call('ZREM', set, w[1])
-    redis.call('ZREM', nonces, w[1])
+    tolerate(0, 'ZREM', nonces, w[1])
     publish(channel, 'g' .. w[1] .. ':0')
     skipped = skipped + 1
     w = first()
@@ -218,13 +229,15 @@ end
 -- stored as `member`'s latest attempt's: the one a grant tells it. The nonces live at
 -- least as long as this mark: their key's TTL, like the set's, is only ever lengthened
 -- (marks of another set, or of another TTL, share it; a key re-made by ZADD has none).
--- Returns whether `member` was not marked before.
+-- Returns whether `member` was not marked before. `set` is read (or cleaned) first with
+-- `redis.call`: a set of another type fails the attempt before `mark` writes; `nonces`
+-- are hints (see `SETS_FN`).
 local function mark(set, member, now, ttl, nonces, nonce, place)
   if nonces then
     local dead = redis.call('ZRANGEBYSCORE', set, '-inf', now, 'LIMIT', 0, MARK_CHUNK)
     if #dead > 0 then
       redis.call('ZREM', set, unpack(dead))
-      redis.call('ZREM', nonces, unpack(dead))
+      tolerate(0, 'ZREM', nonces, unpack(dead))
     end
   else
     redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
@@ -232,8 +245,7 @@ local function mark(set, member, now, ttl, nonces, nonce, place)
   local new = redis.call('ZADD', set, place or now + ttl, member) == 1
   local longer = redis.call('PTTL', set) < ttl
   if longer then redis.call('PEXPIRE', set, 2 * ttl) end
-  if nonce then
-    redis.call('ZADD', nonces, nonce, member)
+  if nonce and tolerate(false, 'ZADD', nonces, nonce, member) then
     if redis.call('PTTL', nonces) < ttl then redis.call('PEXPIRE', nonces, 2 * ttl) end
   end
   return new
@@ -287,7 +299,7 @@ end
 local function take_nonces(set, nonces, members, lost)
   redis.call('ZREM', set, unpack(members))
   local found = redis.pcall('ZMSCORE', nonces, unpack(members))
-  redis.call('ZREM', nonces, unpack(members))
+  tolerate(0, 'ZREM', nonces, unpack(members))
   if lost or found.err then return {} end
   return found
 end
@@ -310,7 +322,7 @@ local function grant_first(now, released)
     -- No writer waits: the readers that marked themselves waiting get read holds, in
     -- one call each for all of them (an upgradable read, or a waiter with no mark, is
     -- told `r`).
-    local marked = redis.call('ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'LIMIT', 0, MARK_CHUNK)
+    local marked = tolerate({}, 'ZRANGEBYSCORE', KEYS[3], now + 1, '+inf', 'LIMIT', 0, MARK_CHUNK)
     local readers, others = {}, #marked == 0
     for _, r in ipairs(marked) do
       if string.sub(r, 1, 1) == 'r' then readers[#readers + 1] = r else others = true end
@@ -407,7 +419,7 @@ local function pass_on(ended, now, released)
     wrote, marked = grant_first(now, released)
     if not wrote then redis.call('DEL', KEYS[1]) end
   elseif not left[2] and string.sub(left[1], 1, 1) == 'u'
-      and tonumber(redis.call('ZSCORE', KEYS[2], left[1]) or 0) > now then
+      and tonumber(tolerate(false, 'ZSCORE', KEYS[2], left[1]) or 0) > now then
     publish(ARGV[2], 'g' .. left[1] .. ':0')
   elseif string.sub(ended, 1, 1) == 'u' and first_waiting(KEYS[3], now) then
     publish(ARGV[2], 'r')
@@ -417,13 +429,13 @@ end
 ";
 
 fn lua(body: &str) -> Lua {
-    Lua::new(&format!("{PUBLISH_FN}{CLOCK_FN}{PRELUDE}{body}"))
+    Lua::new(&format!("{PUBLISH_FN}{CLOCK_FN}{SETS_FN}{PRELUDE}{body}"))
 }
 
 /// [`lua`], for a script that also issues, reads or releases the fence counter.
 fn fenced(body: &str) -> Lua {
     Lua::new(&format!(
-        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{PRELUDE}{body}"
+        "{PUBLISH_FN}{FENCE_FORM_FN}{CLOCK_FN}{FENCE_FN}{HOLD_FENCE_FN}{END_FENCE_FN}{SETS_FN}{PRELUDE}{body}"
     ))
 }
 
@@ -491,7 +503,7 @@ if ARGV[1] ~= 'w' then
   -- as a writer's would: it is woken (its attempt finds the other kind) and goes.
   local w, w_until = first_grantable(KEYS[3], KEYS[5], now, ARGV[8], function(kind)
     return kind ~= 'p'
-  end)
+  end, true)
   -- A write hold is the only hold: when it exists, it is the first.
   local free = (not first or string.sub(first, 1, 1) ~= 'w') and not w
   if free and ARGV[1] == 'u' then
@@ -507,8 +519,8 @@ if ARGV[1] ~= 'w' then
   end
   if free or (first and redis.call('ZSCORE', KEYS[1], ARGV[2])) then
     take()
-    if ARGV[7] == '1' and redis.call('ZREM', KEYS[4], ARGV[2]) == 1 then
-      redis.call('ZREM', KEYS[5], ARGV[2])
+    if ARGV[7] == '1' and tolerate(0, 'ZREM', KEYS[4], ARGV[2]) == 1 then
+      tolerate(0, 'ZREM', KEYS[5], ARGV[2])
     end
     return {1, current_fence(KEYS[2]), 0, 0}
   end
@@ -524,8 +536,8 @@ elseif not first then
   local fence, after_lost = next_fence(KEYS[2], ARGV[5])
   if type(fence) == 'table' then return fence end
   take()
-  if ARGV[7] == '1' and redis.call('ZREM', KEYS[3], ARGV[2]) == 1 then
-    redis.call('ZREM', KEYS[5], ARGV[2])
+  if ARGV[7] == '1' and tolerate(0, 'ZREM', KEYS[3], ARGV[2]) == 1 then
+    tolerate(0, 'ZREM', KEYS[5], ARGV[2])
   end
   return {1, fence, others(), after_lost and 1 or 0}
 elseif waits then
@@ -576,7 +588,7 @@ if #two == 2 then
   if type(fence) == 'table' then return fence end
   redis.call('ZREM', KEYS[1], ARGV[1])
   hold(KEYS[1], ARGV[2], now, lease)
-  redis.call('ZREM', KEYS[3], ARGV[1])
+  tolerate(0, 'ZREM', KEYS[3], ARGV[1])
   return {1, fence, 0, after_lost and 1 or 0}
 end
 if ARGV[4] ~= '0' then mark(KEYS[3], ARGV[1], now, tonumber(ARGV[4]), KEYS[4]) end
@@ -647,8 +659,8 @@ if n < permits or (first and redis.call('ZSCORE', KEYS[1], ARGV[1])) then
   hold(KEYS[1], ARGV[1], now, tonumber(ARGV[2]))
   -- Its mark, and its nonce, which outlives the mark a wake-up took.
   if KEYS[2] then
-    redis.call('ZREM', KEYS[2], ARGV[1])
-    redis.call('ZREM', KEYS[3], ARGV[1])
+    tolerate(0, 'ZREM', KEYS[2], ARGV[1])
+    tolerate(0, 'ZREM', KEYS[3], ARGV[1])
   end
   return {1, 0}
 end
@@ -656,7 +668,7 @@ if KEYS[2] and ARGV[4] ~= '0' then
   -- Woken with no permit to take, its mark taken and its expiry left with its nonce (see
   -- `wake_first`): it is marked again in the place it had, while that mark would live
   -- past its next attempt (due within half a mark's TTL, its re-check interval).
-  local kept = -tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or 0)
+  local kept = -tonumber(tolerate(false, 'ZSCORE', KEYS[3], ARGV[1]) or 0)
   local place = nil
   if kept > now + tonumber(ARGV[4]) / 2 then place = kept end
   mark(KEYS[2], ARGV[1], now, tonumber(ARGV[4]), KEYS[3], ARGV[5], place)
@@ -722,10 +734,10 @@ local tag = string.sub(ARGV[1], 1, 1)
 local permit = tag == 'p'
 local nonces = KEYS[5]
 if permit then nonces = KEYS[3] end
--- The narrower call names the lock key alone (see `pass_on`): the mark and nonce expire.
-local noted = nonces and redis.call('ZREM', nonces, ARGV[1]) == 1
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
+-- The narrower call names the lock key alone (see `pass_on`): the mark and nonce expire.
+local noted = nonces and tolerate(0, 'ZREM', nonces, ARGV[1]) == 1
 local now = now_ms()
 if s and tonumber(s) > now then
   redis.call('ZREM', KEYS[1], ARGV[1])
@@ -751,7 +763,7 @@ if permit then
   -- (taking both) that lapsed unused with the key (which goes with its last hold): with
   -- the key, nothing to pass on, and the next waiter keeps its place; without it, every
   -- permit is free, and the next waiter is woken, as it would be for the lapsed grant.
-  if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then
+  if tolerate(0, 'ZREM', KEYS[2], ARGV[1]) == 0 then
     if noted or (redis.call('EXISTS', KEYS[1]) == 0 and first_waiting(KEYS[2], now)) then
       wake_first(KEYS[2], ARGV[2], now, true, nonces)
     end
@@ -760,7 +772,7 @@ if permit then
 end
 local set = KEYS[3]
 if tag == 'w' then set = KEYS[2] end
-if redis.call('ZREM', set, ARGV[1]) == 1 then publish(ARGV[2], 'r') end
+if tolerate(0, 'ZREM', set, ARGV[1]) == 1 then publish(ARGV[2], 'r') end
 return 0
 ",
     )
@@ -815,7 +827,7 @@ if ARGV[2] == 'w' and first_waiting(KEYS[3], now) then return 0 end
 -- A permit-seeker's mark left from when the name was a semaphore waits for no hold of
 -- this kind (its attempt finds the other kind): only the other marks count. Past a chunk
 -- of such marks, somebody may wait.
-local marks = redis.call('ZRANGEBYSCORE', KEYS[2], now + 1, '+inf', 'LIMIT', 0, MARK_CHUNK)
+local marks = tolerate({}, 'ZRANGEBYSCORE', KEYS[2], now + 1, '+inf', 'LIMIT', 0, MARK_CHUNK)
 for _, m in ipairs(marks) do
   if string.sub(m, 1, 1) ~= 'p' then return 0 end
 end
@@ -829,7 +841,7 @@ return 1
 /// KEYS: waiting writers or readers. ARGV: member, the library's channel, the publish mode.
 static WAITER_UNMARK: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then publish(ARGV[2], 'r') end
+if tolerate(0, 'ZREM', KEYS[1], ARGV[1]) == 1 then publish(ARGV[2], 'r') end
 return 0
 ")
 });

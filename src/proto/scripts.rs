@@ -154,9 +154,10 @@ end
 /// (keeping the TTL) only when the last value was not below the clock or the form guessed
 /// was wrong. `after_lost`: what the new hold is told of the hold before it; `nil` to learn
 /// it from the counter (held: that hold was never released), as an acquisition does.
-/// The counter is written held. Returns the fence and `after_lost`, or the error table of a
-/// failed `SET` (a key of another type, an ACL without `set`): the caller undoes what it
-/// did first. A string that is not a number counts as no counter.
+/// The counter is written held. Returns the fence, `after_lost` and the counter's value
+/// before (`false`: none), for a caller that must put it back (see `multi_scripts`); or
+/// the error table of a failed `SET` (a key of another type, an ACL without `set`): the
+/// caller undoes what it did first. A string that is not a number counts as no counter.
 ///
 /// Why tokens then strictly increase, also when the counter expires, is evicted, deleted,
 /// or lost in a restart or a failover to a replica that missed the last fences: every
@@ -204,16 +205,16 @@ local function next_fence(key, ttl, after_lost)
   if after_lost == nil and was_held then
     lost = true
   elseif fence == now then
-    return fence, lost
+    return fence, lost, old
   end
   redis.call('SET', key, fence_form(fence, true, lost), 'KEEPTTL')
-  return fence, lost
+  return fence, lost, old
 end
 local function take_fenced(lock, token, lease, key, ttl)
   if not redis.call('SET', lock, token, 'NX', 'PX', lease) then return false end
-  local fence, after_lost = next_fence(key, ttl)
+  local fence, after_lost, old = next_fence(key, ttl)
   if type(fence) == 'table' then redis.call('DEL', lock) end
-  return fence, after_lost
+  return fence, after_lost, old
 end
 local function won(fence, after_lost)
   if after_lost then return {1, fence, 1} end
@@ -306,6 +307,38 @@ local function delete_owned(keys, token)
   local status = ownership(keys[1], token)
   if status == 1 then redis.call('DEL', unpack(keys)) end
   return status
+end
+";
+
+/// The Lua helper of the scripts that read and clean the waiters' keys, which hold sorted
+/// sets: the fair queue (`:q`, `:qx`), the waiting marks of a read-write lock or a
+/// semaphore (`:ww`, `:wr`) and the nonces (`:qn`).
+///
+/// A script is not undone when one of its commands fails, so none of these may fail once
+/// the script has written. A key of another type (another program's key of the same name,
+/// an operator's edit, a key left by an older layout) fails them with `WRONGTYPE`;
+/// through `tolerate(empty, ...)`, which runs the command `...`, it gives `empty`
+/// instead: a set with nobody in it (`{}` for a listing, `false` for a score, 0 for a
+/// `ZREM`: none of ours was in it), and nothing is taken out of it. So a release, a leave
+/// or a hold taken goes on as if nobody waited there, and wakes whoever waits (`r`): their
+/// own attempts then meet the key. Any other error (an ACL that refuses the command) fails
+/// the script as `redis.call` would: the command is sent again with it. One function
+/// (each a script defines costs every run of it).
+///
+/// An attempt's read of such a key before its first write still uses `redis.call`, and
+/// fails the attempt with the server's error, having written nothing. The nonces are
+/// hints (a grant without one is only a wake-up, which its waiter's next attempt
+/// confirms): a nonce set of another type is never written, and the waiters are queued or
+/// marked without nonces. A waiter's own queue entry or mark is added with `redis.call`
+/// to a key the attempt read first (the fair queue's, before it wrote anything), or as its
+/// first write (a mark): a queue or a set of marks of another type fails it with
+/// `WRONGTYPE`, having written nothing.
+pub(crate) const SETS_FN: &str = r"
+local function tolerate(empty, ...)
+  local r = redis.pcall(...)
+  if type(r) ~= 'table' or not r.err then return r end
+  if string.find(r.err, 'WRONGTYPE', 1, true) then return empty end
+  return redis.call(...)
 end
 ";
 
