@@ -84,11 +84,9 @@ fn snapshot(srv: &RedisServer) -> BTreeMap<String, (String, Vec<u8>, bool)> {
 
 /// The keys of `name` but its fence counter and `except`.
 fn left_of(srv: &RedisServer, name: &str, except: &str) -> Vec<String> {
-    srv.keys(&key(name, "*"))
-        .into_iter()
-        .map(|k| String::from_utf8_lossy(&k).into_owned())
-        .filter(|k| !k.ends_with(":fence") && *k != key(name, except))
-        .collect()
+    let mut left = srv.keys_but_fences(&key(name, "*"));
+    left.retain(|k| *k != key(name, except));
+    left
 }
 
 /// The server's `WRONGTYPE`, as a Redis error (not a connection error).
@@ -126,6 +124,33 @@ fn give_back<G>(
     Ok(was)
 }
 
+/// Runs `wait` (a waiter of `c` that takes the hold and gives it back, see [`give_back`])
+/// in a thread; once it is asleep in `set`, writes another program's value at
+/// `overwritten` and runs `release` (the hold in the waiter's way), which must say it
+/// released: what the waiter got. The value is left as [`foreign`] wrote it.
+fn release_past(
+    srv: &RedisServer,
+    (set, overwritten): (&str, &str),
+    c: &LockClient,
+    release: impl FnOnce() -> Result<Unlocked, Error>,
+    wait: impl FnOnce() -> Result<bool, Error> + Send,
+) -> Result<bool, Error> {
+    let before = c.stats().failed_attempts;
+    let got = thread::scope(|s| {
+        let waiter = s.spawn(wait);
+        asleep(srv, set, c, before);
+        foreign(srv, overwritten);
+        let released = release();
+        assert!(
+            matches!(released, Ok(Unlocked::Released)),
+            "{overwritten}: {released:?}"
+        );
+        waiter.join().expect("the waiter")
+    });
+    untouched(srv, overwritten);
+    got
+}
+
 /// A fair release while a waiter is queued and one of the queue's keys holds another
 /// program's value gives the lock back (it used to fail, after it wrote or before it
 /// released, and the lock stayed held for its whole lease). Nonces of another type: the
@@ -139,31 +164,23 @@ fn a_fair_release_gives_the_lock_back_past_foreign_queue_keys() {
     for suffix in [":qn", ":qx", ":q"] {
         let name = format!("f{suffix}");
         let held = a.lock(&name).expect("a takes it");
-        let before = b.stats().failed_attempts;
-        thread::scope(|s| {
-            let waiter = s.spawn(|| {
+        let sets = (key(&name, ":q"), key(&name, suffix));
+        let got = release_past(
+            &srv,
+            (&sets.0, &sets.1),
+            &b,
+            || held.unlock(),
+            || {
                 let got = b.try_lock_for(&name, secs(5));
                 give_back(got, |g| g.previous_lost(), |g| g.unlock())
-            });
-            asleep(&srv, &key(&name, ":q"), &b, before);
-            foreign(&srv, &key(&name, suffix));
-            let released = held.unlock();
-            assert!(
-                matches!(released, Ok(Unlocked::Released)),
-                "{suffix}: {released:?}"
-            );
-            let got = waiter.join().expect("the waiter");
-            match suffix {
-                ":q" => assert!(got.as_ref().is_err_and(is_wrongtype), "{suffix}: {got:?}"),
-                _ => assert!(matches!(got, Ok(false)), "{suffix}: {got:?}"),
-            }
-        });
-        untouched(&srv, &key(&name, suffix));
-        assert!(
-            left_of(&srv, &name, suffix).is_empty(),
-            "{suffix}: {:?}",
-            left_of(&srv, &name, suffix)
+            },
         );
+        match suffix {
+            ":q" => assert!(got.as_ref().is_err_and(is_wrongtype), "{suffix}: {got:?}"),
+            _ => assert!(matches!(got, Ok(false)), "{suffix}: {got:?}"),
+        }
+        let left = left_of(&srv, &name, suffix);
+        assert!(left.is_empty(), "{suffix}: {left:?}");
     }
 }
 
@@ -177,22 +194,21 @@ fn a_writer_whose_mark_was_overwritten_is_woken_and_takes_the_lock() {
     let srv = test_server();
     let (a, b) = (client(&srv), client(&srv));
     let read = a.rwlock("rw").read().expect("read");
-    thread::scope(|s| {
-        let writer = s.spawn(|| {
+    let ww = key("rw", ":ww");
+    let got = release_past(
+        &srv,
+        (&ww, &ww),
+        &b,
+        || read.unlock(),
+        || {
             let got = b.rwlock("rw").try_write_for(secs(5));
             give_back(got, |w| w.previous_lost(), |w| w.unlock())
-        });
-        asleep(&srv, &key("rw", ":ww"), &b, 0);
-        foreign(&srv, &key("rw", ":ww"));
-        let released = read.unlock();
-        assert!(matches!(released, Ok(Unlocked::Released)), "{released:?}");
-        let got = writer.join().expect("the writer");
-        assert!(matches!(got, Ok(false)), "{got:?}");
-    });
+        },
+    );
+    assert!(matches!(got, Ok(false)), "{got:?}");
     let w = a.rwlock("rw").try_write().expect("free");
     assert!(!w.previous_lost(), "the write hold before was released");
     w.unlock().expect("unlock");
-    untouched(&srv, &key("rw", ":ww"));
     // The writer's nonce, which it takes out with its mark, which it could not find: it
     // lingers as a stale mark does, until its TTL.
     let left = left_of(&srv, "rw", ":ww");
@@ -211,24 +227,20 @@ fn a_permit_freed_past_a_foreign_waiting_set_is_taken() {
     let srv = test_server();
     let (a, b) = (client(&srv), client(&srv));
     let permit = a.semaphore("s", 1).acquire().expect("permit");
-    thread::scope(|s| {
-        let seeker = s.spawn(|| {
+    let ww = key("s", ":ww");
+    let got = release_past(
+        &srv,
+        (&ww, &ww),
+        &b,
+        || permit.unlock(),
+        || {
             let got = b.semaphore("s", 1).try_acquire_for(secs(5));
             give_back(got, |_| false, |p| p.unlock())
-        });
-        asleep(&srv, &key("s", ":ww"), &b, 0);
-        foreign(&srv, &key("s", ":ww"));
-        let released = permit.unlock();
-        assert!(matches!(released, Ok(Unlocked::Released)), "{released:?}");
-        let got = seeker.join().expect("the permit-seeker");
-        assert!(got.is_ok(), "{got:?}");
-    });
-    untouched(&srv, &key("s", ":ww"));
-    assert!(
-        left_of(&srv, "s", ":ww").is_empty(),
-        "{:?}",
-        left_of(&srv, "s", ":ww")
+        },
     );
+    assert!(got.is_ok(), "{got:?}");
+    let left = left_of(&srv, "s", ":ww");
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// An upgrade and a downgrade with both waiting sets another program's: each converts the
@@ -269,11 +281,8 @@ fn a_plain_lock_is_renewed_and_released_past_foreign_side_keys() {
     g.check().expect("renewed");
     g.extend(secs(2)).expect("extended");
     assert_eq!(g.unlock().expect("unlock"), Unlocked::Released);
-    assert!(
-        left_of(&srv, "p", ":w").is_empty(),
-        "{:?}",
-        left_of(&srv, "p", ":w")
-    );
+    let left = left_of(&srv, "p", ":w");
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// Attempts that meet a key of another type before they write fail at once with the
