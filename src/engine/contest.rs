@@ -695,7 +695,8 @@ impl Contest<'_> {
         } = &vote
             && !behind.is_empty()
         {
-            let raised = engine.raise_fences(self.keys, &self.route, *fence, behind);
+            let deadline = self.wait.deadline();
+            let raised = engine.raise_fences(self.keys, &self.route, *fence, behind, deadline);
             let carried = granted.len() - behind.len() + raised;
             let short = carried < rules.quorum;
             if short || !lease_left(lease, started, engine.cfg.drift(lease)) {

@@ -50,8 +50,9 @@ impl Engine {
         let Some(node) = route.sole() else {
             return;
         };
-        if node.publish_mode() != "s" {
-            // Classic messages reach every node of the cluster.
+        if !node.publish_mode(None).is_ok_and(|mode| mode == "s") {
+            // Classic messages reach every node of the cluster (and a node that cannot
+            // be asked would not take the message either).
             return;
         }
         let published = node.run(Retry::NEVER, |c| {

@@ -295,17 +295,19 @@ impl Engine {
     /// the nodes' counters drift apart. Returns how many of `behind` were raised (a raise
     /// whose reply was lost counts as not raised); the caller hands the hold out only when
     /// those and the granting nodes already at `fence` are a majority. A node that
-    /// restarts empty later weakens that promise: see the crate docs.
+    /// restarts empty later weakens that promise: see the crate docs. Within the caller's
+    /// `deadline`, if any: a raise not done by then counts as not raised.
     pub(crate) fn raise_fences(
         self: &Arc<Self>,
         keys: &Keys,
         route: &Route,
         fence: u64,
         behind: &[NodeId],
+        deadline: Option<Instant>,
     ) -> usize {
         let k = keys.clone();
         let replies = self.topology.fan_out(&route.among(behind), move |node| {
-            node.raise_fence(&k, fence)
+            node.raise_fence(&k, fence, deadline)
         });
         let mut raised = 0;
         for r in replies {

@@ -373,7 +373,7 @@ pub(crate) fn force_release(node: &Node, keys: &Keys, fence: u64) -> Result<Forc
         .arg(keys.lease())
         .arg(fence)
         .arg(keys.channel())
-        .arg(node.publish_mode());
+        .arg(node.publish_mode(None)?);
     let (status, counter): (i64, Option<String>) =
         node.run_script(&FORCE_RELEASE, &call, Retry::NEVER, None)?;
     Ok(match status {

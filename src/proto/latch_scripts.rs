@@ -120,7 +120,7 @@ impl Node {
             .arg(code)
             .arg(seen)
             .arg(new_token())
-            .arg(self.publish_mode());
+            .arg(self.publish_mode(deadline)?);
         let reply: (i64, i64, String, i64) = self.run_script(&LATCH, &call, retry, deadline)?;
         state_of(reply, count)
     }

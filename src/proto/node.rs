@@ -15,7 +15,8 @@ use crate::config::Config;
 use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
-use crate::proto::pool::{MIN_ATTEMPT, Pool, PooledConn};
+pub(crate) use crate::proto::pool::within_deadline;
+use crate::proto::pool::{Pool, PooledConn};
 use crate::proto::scripts::{self, Lua, RAISE_FENCE, Site};
 use crate::stats::Counters;
 
@@ -129,7 +130,8 @@ pub(crate) type Commands<'a> = dyn FnMut(&mut Connection, Option<&Cmd>) -> Redis
 pub(crate) struct Call {
     pub retry: Retry,
     /// No read, and no wait for or opening of a connection, goes past it (but
-    /// [`MIN_ATTEMPT`] at least); nothing is sent again after it.
+    /// [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) at least); nothing is sent again
+    /// after it.
     pub deadline: Option<Instant>,
     /// The caller has a narrower form of the call (fewer keys per command) to send instead
     /// if the server refuses these keys together.
@@ -231,9 +233,10 @@ impl Node {
 
     /// [`run`](Self::run), within the caller's `deadline`: each read, and getting a
     /// connection (see [`Pool::get_until`]), waits at most until the deadline (but
-    /// [`MIN_ATTEMPT`] at least, so an attempt has a chance), and
-    /// nothing is retried once it has passed. The node's call path decides what a command
-    /// its server refused or redirected does next (Redis Cluster: `topology::call`).
+    /// [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) at least, so an attempt has a
+    /// chance), and nothing is retried once it has passed. The node's call path decides
+    /// what a command its server refused or redirected does next (Redis Cluster:
+    /// `topology::call`).
     pub fn run_until<T>(
         &self,
         retry: Retry,
@@ -324,23 +327,7 @@ impl Node {
     ) -> Result<()> {
         let (_, read_timeout, _) = self.pool.timeouts();
         loop {
-            let mut conn = match self.pool.get_until(deadline) {
-                Ok(conn) => conn,
-                // Every connection busy: the client's own load, not the node's fault (it
-                // answers the calls that hold them). Neither silent nor moved: a slot map
-                // read on every exhausted call would add to the load.
-                Err(Error::PoolExhausted) => return Err(Error::PoolExhausted),
-                Err(e) => {
-                    self.silent.store(true, Relaxed);
-                    // A node that refuses connections may have been replaced (a master
-                    // killed in a cluster, or one the sentinels replaced).
-                    if e.is_connection() {
-                        self.pool.note_fault();
-                        self.path.fault();
-                    }
-                    return Err(e);
-                }
-            };
+            let mut conn = self.connection(deadline)?;
             if retry.times == 0 && conn.idle_for() >= CHECK_IDLE_AFTER {
                 // Commands sent once must not be lost to a connection that died while idle
                 // (Redis's `timeout`, a NAT): a `PING` finds out first, at no risk.
@@ -380,6 +367,28 @@ impl Node {
                     self.silent.store(false, Relaxed);
                     return reply.map_err(Error::Redis);
                 }
+            }
+        }
+    }
+
+    /// A pooled connection, within `deadline` (see [`Pool::get_until`]); a node that gives
+    /// none is noted as [`send`](Self::send) says.
+    fn connection(&self, deadline: Option<Instant>) -> Result<PooledConn<'_>> {
+        match self.pool.get_until(deadline) {
+            Ok(conn) => Ok(conn),
+            // Every connection busy: the client's own load, not the node's fault (it
+            // answers the calls that hold them). Neither silent nor moved: a slot map
+            // read on every exhausted call would add to the load.
+            Err(Error::PoolExhausted) => Err(Error::PoolExhausted),
+            Err(e) => {
+                self.silent.store(true, Relaxed);
+                // A node that refuses connections may have been replaced (a master
+                // killed in a cluster, or one the sentinels replaced).
+                if e.is_connection() {
+                    self.pool.note_fault();
+                    self.path.fault();
+                }
+                Err(e)
             }
         }
     }
@@ -474,12 +483,25 @@ impl Node {
         &self.client_id
     }
 
-    /// What a script call needs from this node (see [`Site`]).
-    pub fn site(&self) -> Site<'_> {
+    /// What a script call needs from this node (see [`Site`]), its publish mode learnt
+    /// within `deadline` (see [`publish_mode`](Self::publish_mode)).
+    pub fn site(&self, deadline: Option<Instant>) -> Result<Site<'_>> {
+        Ok(self.site_with(self.publish_mode(deadline)?))
+    }
+
+    /// [`site`](Self::site) when it is known without asking the node (`None` before the
+    /// node's first connection): for a call sent only on an idle pooled connection, which
+    /// a node never reached has none of.
+    pub fn known_site(&self) -> Option<Site<'_>> {
+        let sharded = self.pool.sharded.known()?;
+        Some(self.site_with(mode_arg(sharded)))
+    }
+
+    fn site_with(&self, publish: &'static str) -> Site<'_> {
         Site {
             client_id: &self.client_id,
             fence_ttl_ms: self.fence_ttl_ms,
-            publish: self.publish_mode(),
+            publish,
         }
     }
 
@@ -523,11 +545,12 @@ impl Node {
         &self.counters
     }
 
-    /// Raises the key's fencing counter to at least `fence`.
-    pub fn raise_fence(&self, keys: &Keys, fence: u64) -> Result<()> {
+    /// Raises the key's fencing counter to at least `fence`, within the `deadline` of the
+    /// call that won the hold, if it has one.
+    pub fn raise_fence(&self, keys: &Keys, fence: u64, deadline: Option<Instant>) -> Result<()> {
         let mut call = RAISE_FENCE.call(1);
         call.arg(keys.fence()).arg(fence).arg(self.fence_ttl_ms);
-        self.run_script::<i64>(&RAISE_FENCE, &call, Retry::ON_RESET, None)?;
+        self.run_script::<i64>(&RAISE_FENCE, &call, Retry::ON_RESET, deadline)?;
         Ok(())
     }
 
@@ -631,14 +654,25 @@ impl Node {
 
     /// The last argument of a script that publishes on the library channel: `s` when this
     /// node's channels are sharded (see `sharded`). The pool's connections ask when they
-    /// open; before the first one, a connection is opened now (the command that follows
-    /// then uses it). If none can be (the node is down), classic: the command fails too.
-    pub fn publish_mode(&self) -> &'static str {
-        let sharded = self.pool.sharded.known().unwrap_or_else(|| {
-            drop(self.pool.get());
-            self.pool.sharded.known().unwrap_or(false)
-        });
-        if sharded { "s" } else { "c" }
+    /// open; before the first one (a node down when the client started, a Cluster master
+    /// met later), a connection is opened now, within the caller's `deadline` as the
+    /// call's own would be (the command that follows then uses it). When none can be, the
+    /// error the call would meet: a guess could publish where no waiter listens.
+    pub fn publish_mode(&self, deadline: Option<Instant>) -> Result<&'static str> {
+        let sharded = match self.pool.sharded.known() {
+            Some(sharded) => sharded,
+            None => {
+                // A node skipped is not touched (see `skip`): the call fails at once, as
+                // it would have.
+                if let Some(e) = crate::proto::skip::skipped() {
+                    return Err(Error::Redis(e));
+                }
+                drop(self.connection(deadline)?);
+                // Every connection the pool lends was probed when it opened.
+                self.pool.sharded.known().unwrap_or(false)
+            }
+        };
+        Ok(mode_arg(sharded))
     }
 
     /// Redis Cluster: the server dropped a shard channel of this node without being asked,
@@ -649,31 +683,9 @@ impl Node {
     }
 }
 
-/// Runs `f` on `conn` with its reads bounded by `deadline`: what remains of it, but
-/// [`MIN_ATTEMPT`] at least, when that is shorter than `read_timeout`, the connection's
-/// usual timeout, which is then put back (after a reply, error replies included). A
-/// connection whose timeout cannot be put back fails the call (a network error: the
-/// caller drops it).
-pub(crate) fn within_deadline<T>(
-    conn: &mut Connection,
-    deadline: Option<Instant>,
-    read_timeout: Duration,
-    f: impl FnOnce(&mut Connection) -> RedisResult<T>,
-) -> RedisResult<T> {
-    let short = deadline
-        .map(|d| d.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT))
-        .filter(|t| *t < read_timeout);
-    let Some(t) = short else {
-        return f(conn);
-    };
-    conn.set_read_timeout(Some(t))?;
-    let result = f(conn);
-    if result.as_ref().is_err_and(is_network_error) {
-        return result; // the connection is dropped anyway
-    }
-    // Also after an error reply: the connection goes back to the pool.
-    conn.set_read_timeout(Some(read_timeout))?;
-    result
+/// The script argument that says how a node publishes (see [`Node::publish_mode`]).
+fn mode_arg(sharded: bool) -> &'static str {
+    if sharded { "s" } else { "c" }
 }
 
 /// The tries of one release on a node: whether a try lost its reply (it may have done

@@ -6,6 +6,7 @@
 //! be on the wire, and (c) open connections lazily on the caller's thread, with no
 //! background threads of its own.
 
+use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -133,16 +134,12 @@ impl Pool {
     }
 
     /// A connection, reused or new; waits up to the connect timeout for one to be free.
-    pub fn get(&self) -> Result<PooledConn<'_>> {
-        self.get_until(None)
-    }
-
-    /// [`get`](Self::get) for a call that must be over by `deadline`: waiting for a free
-    /// connection, and opening one (the connect, then the replies to the commands that
-    /// set it up), each take no longer than what remains of it ([`MIN_ATTEMPT`] at
-    /// least), as the call's own reads do. Against a server that accepts connections but
-    /// does not answer, a fresh connection's set-up would otherwise wait a whole read
-    /// timeout past the deadline.
+    /// For a call that must be over by `deadline`: waiting for a free connection, and
+    /// opening one (the connect, then the replies to the commands that set it up), each
+    /// take no longer than what remains of it ([`MIN_ATTEMPT`] at least), as the call's
+    /// own reads do. Against a server that accepts connections but does not answer, a
+    /// fresh connection's set-up would otherwise wait a whole read timeout past the
+    /// deadline.
     pub fn get_until(&self, deadline: Option<Instant>) -> Result<PooledConn<'_>> {
         let waited_until = crate::clock::from_now(bounded(self.connect_timeout, deadline));
         let mut st = self.state.lock();
@@ -254,6 +251,81 @@ impl Pool {
 /// The shortest time a step of a call (a read, a connect) is given, however close the
 /// call's deadline: an attempt needs a chance to succeed.
 pub(crate) const MIN_ATTEMPT: Duration = Duration::from_millis(50);
+
+/// The call whose commands this thread is sending on a connection (see [`within_deadline`]),
+/// when it has a deadline. A call may wait for several replies in turn (a script answered
+/// `NOSCRIPT`, loaded, then sent again), sent by code that knows nothing of the call's
+/// deadline: [`next_read`] bounds each of them by what remains of it then.
+#[derive(Clone, Copy)]
+struct Reading {
+    deadline: Instant,
+    /// The connection's usual read timeout, put back after the call.
+    read_timeout: Duration,
+    /// The connection's read timeout is shorter than the usual one now.
+    shortened: bool,
+}
+
+thread_local! {
+    static READING: Cell<Option<Reading>> = const { Cell::new(None) };
+}
+
+/// Puts back the call under way before [`within_deadline`] began its own, however `f` ends
+/// (a panic too: a later call without a deadline must not inherit this one's).
+struct Restore(Option<Reading>);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        READING.set(self.0);
+    }
+}
+
+/// Runs `f` on `conn` with each of its reads bounded by `deadline`: what remains of it
+/// when the read is sent (see [`next_read`]), but [`MIN_ATTEMPT`] at least, when that is
+/// shorter than `read_timeout`, the connection's usual timeout, which is then put back
+/// (after a reply, error replies included). A connection whose timeout cannot be put back
+/// fails the call (a network error: the caller drops it).
+pub(crate) fn within_deadline<T>(
+    conn: &mut Connection,
+    deadline: Option<Instant>,
+    read_timeout: Duration,
+    f: impl FnOnce(&mut Connection) -> RedisResult<T>,
+) -> RedisResult<T> {
+    let reading = deadline.map(|deadline| Reading {
+        deadline,
+        read_timeout,
+        shortened: false,
+    });
+    let _restore = Restore(READING.replace(reading));
+    if reading.is_none() {
+        return f(conn);
+    }
+    next_read(conn)?;
+    let result = f(conn);
+    let shortened = READING.get().is_some_and(|r| r.shortened);
+    if !shortened || result.as_ref().is_err_and(crate::error::is_network_error) {
+        return result; // nothing to put back, or the connection is dropped anyway
+    }
+    // Also after an error reply: the connection goes back to the pool.
+    conn.set_read_timeout(Some(read_timeout))?;
+    result
+}
+
+/// Bounds the next read on `conn` by what remains of the deadline of the call under way
+/// on this thread ([`MIN_ATTEMPT`] at least), if it has one (see [`within_deadline`]): for
+/// a command sent after another within one call, whose reply would otherwise be given as
+/// long as the first one's.
+pub(crate) fn next_read(conn: &mut Connection) -> RedisResult<()> {
+    let Some(mut reading) = READING.get() else {
+        return Ok(());
+    };
+    let t = bounded(reading.read_timeout, Some(reading.deadline));
+    if t < reading.read_timeout {
+        conn.set_read_timeout(Some(t))?;
+        reading.shortened = true;
+        READING.set(Some(reading));
+    }
+    Ok(())
+}
 
 /// `timeout`, or less when what remains of `deadline` is shorter ([`MIN_ATTEMPT`] at least).
 pub(crate) fn bounded(timeout: Duration, deadline: Option<Instant>) -> Duration {

@@ -426,7 +426,8 @@ impl Protocol {
         if let Some(want) = self.want() {
             return node.acquire_shared(want, shared);
         }
-        let call = self.lock_call(node, req);
+        let site = node.site(deadline)?;
+        let call = self.lock_call(site, req);
         let took = |reply: &(i64, i64, i64)| reply.0 == 1;
         // A retry after a lost reply, whose first send may have left our contention mark:
         // it clears it if it wins (see `multi_scripts` for the same on a multi-lock).
@@ -435,7 +436,7 @@ impl Protocol {
                 clear: true,
                 ..req.marks
             };
-            self.lock_call(node, Request { marks, ..req })
+            self.lock_call(site, Request { marks, ..req })
         };
         let marks_left =
             matches!(self, Protocol::Lock { .. }) && req.marks.leave && !req.marks.clear;
@@ -450,13 +451,15 @@ impl Protocol {
 
     /// The `EVALSHA` of one acquire attempt on `node`, for the subscriber to send the
     /// moment the key may be free (see `early`); `None` when this protocol's attempts are
-    /// not sent early (shared holds).
+    /// not sent early (shared holds), or before the node's first connection (the
+    /// subscriber sends only on an idle one).
     pub fn early_call(self, node: &Node, req: Request<'_>) -> Option<Cmd> {
-        (!self.shared()).then(|| self.lock_call(node, req))
+        let site = node.known_site()?;
+        (!self.shared()).then(|| self.lock_call(site, req))
     }
 
-    /// The `EVALSHA` of one exclusive-lock acquire attempt on `node`.
-    fn lock_call(self, node: &Node, req: Request<'_>) -> Cmd {
+    /// The `EVALSHA` of one exclusive-lock acquire attempt on the node of `site`.
+    fn lock_call(self, site: Site<'_>, req: Request<'_>) -> Cmd {
         let Request {
             keys,
             token,
@@ -464,7 +467,7 @@ impl Protocol {
             marks,
             nonce,
         } = req;
-        let (site, lease_ms) = (node.site(), millis(lease));
+        let lease_ms = millis(lease);
         match self {
             Protocol::FairLock(fair) => {
                 let entry_ms = if marks.leave {
@@ -525,12 +528,13 @@ impl Protocol {
         // is there, else (`ASK`) on the target; its lease record, if any, is left to its
         // TTL (at most the lease), and its fence counter stays held: the next holder is
         // told the hold before it was lost, which errs on the side of caution.
-        let narrow = || release_call(node.site(), keys, token, fence, false);
+        let site = node.site(None)?;
+        let narrow = || release_call(site, keys, token, fence, false);
         // The fair release names the lock, its counter and its queue, and an empty queue
         // has no key: during a migration the narrow release is the fair release of a lock
         // with no one queued; a queue that exists (moved ahead of the lock) gets no grant,
         // and its head takes the lock at its next attempt once the slot has moved.
-        let shared = match self.exclusive_release(node, keys, token, fence) {
+        let shared = match self.exclusive_release(site, keys, token, fence) {
             Some((script, build)) => {
                 let call = build(false);
                 // A holder's release sent again after a lost reply asks the fence counter,
@@ -569,7 +573,7 @@ impl Protocol {
     /// [`release`](Self::release).
     fn exclusive_release<'a>(
         self,
-        node: &'a Node,
+        site: Site<'a>,
         keys: &'a Keys,
         token: &'a str,
         fence: Option<u64>,
@@ -583,7 +587,6 @@ impl Protocol {
             | Protocol::Upgradable { .. }
             | Protocol::Upgrade { .. } => return None,
         };
-        let site = node.site();
         let build = move |again| match self {
             Protocol::FairLock(fair) => {
                 let grant = (millis(fair.grant_lease), fence);
@@ -619,7 +622,7 @@ impl Protocol {
         let mark_ms = if marks.leave { millis(mark_ttl) } else { 0 };
         let site = Site {
             client_id: mark_id,
-            ..node.site()
+            ..node.site(deadline)?
         };
         let call =
             multi_scripts::acquire_call(site, keys, token, millis(lease), mark_ms, marks.clear);
@@ -650,10 +653,11 @@ impl Protocol {
         // may have been ours until then.
         let mut refused = false;
         if keys.len() > 1 {
+            let site = node.site(None)?;
             let releases: Option<Vec<_>> = keys
                 .iter()
                 .zip(fences)
-                .map(|(k, &f)| self.exclusive_release(node, k, token, f).map(|r| (r, f)))
+                .map(|(k, &f)| self.exclusive_release(site, k, token, f).map(|r| (r, f)))
                 .collect();
             if let Some(releases) = releases {
                 let calls: Vec<Cmd> = releases
@@ -697,7 +701,7 @@ impl Protocol {
     ) -> Result<()> {
         let site = Site {
             client_id: mark_id,
-            ..node.site()
+            ..node.site(deadline)?
         };
         let calls: Vec<Cmd> = keys.iter().map(|k| unmark_call(site, k)).collect();
         let how = Call {
@@ -736,12 +740,13 @@ impl Protocol {
             }
             Protocol::FairLock(fair) => {
                 let grant = (millis(fair.grant_lease), None);
-                let call = fair_call(&FAIR_LEAVE, node.site(), keys, token, grant, false);
+                let site = node.site(deadline)?;
+                let call = fair_call(&FAIR_LEAVE, site, keys, token, grant, false);
                 // Redis Cluster, the slot half-way through a migration: refused like the
                 // fair release (see `release`), leaving is the plain compare-and-delete of
                 // our token, which gives back a grant that raced our leaving; our queue
                 // entry expires.
-                let narrow = || release_call(node.site(), keys, token, None, false);
+                let narrow = || release_call(site, keys, token, None, false);
                 let reply = node.release_with(
                     &FAIR_LEAVE,
                     &call,
@@ -783,7 +788,7 @@ impl Protocol {
     /// Removes our own contention mark on `node` (a waiter of a plain lock gave up),
     /// within the wait's `deadline`, if any.
     pub fn unmark(self, node: &Node, keys: &Keys, deadline: Option<Instant>) -> Result<()> {
-        let call = unmark_call(node.site(), keys);
+        let call = unmark_call(node.site(deadline)?, keys);
         node.run_script::<i64>(&UNMARK, &call, Retry::ON_RESET, deadline)?;
         Ok(())
     }

@@ -874,6 +874,7 @@ impl Node {
         let mark_ms = at.mark_ttl.map_or(0, millis);
         match want {
             Want::Read | Want::Write | Want::Upgradable => {
+                let publish = self.publish_mode(at.deadline)?;
                 // Tags are ASCII: one byte each.
                 let tag = [want.tag() as u8];
                 let call = |clear: bool| {
@@ -892,7 +893,7 @@ impl Node {
                         .arg(if clear { "1" } else { "0" })
                         .arg(keys.channel())
                         .arg(self.client_id())
-                        .arg(self.publish_mode());
+                        .arg(publish);
                     call
                 };
                 // A first send that may have run, failed and marked us waiting: a retry
@@ -991,7 +992,10 @@ impl Node {
         fence: Option<u64>,
         retry: Retry,
     ) -> Result<ReleaseReply> {
-        let call = |waiters: bool| self.ending_call(&SHARED_RELEASE, keys, member, fence, waiters);
+        let publish = self.publish_mode(None)?;
+        let call = |waiters: bool| {
+            self.ending_call(&SHARED_RELEASE, keys, member, fence, waiters, publish)
+        };
         // Redis Cluster, the slot half-way through a migration: the server refuses a script
         // whose keys are not all on one side (`TRYAGAIN`), and always serves the lock key
         // alone, whose release then says `r` (every waiter tries) as with no mark.
@@ -1002,7 +1006,7 @@ impl Node {
 
     /// A call of `script`, one that ends a hold or a wait (see `SHARED_RELEASE`), of
     /// `member` of `keys`; `waiters`: it names the waiting sets and their nonces (the
-    /// narrower form, the lock key alone, does not).
+    /// narrower form, the lock key alone, does not); `publish`: the node's publish mode.
     fn ending_call(
         &self,
         script: &Lua,
@@ -1010,6 +1014,7 @@ impl Node {
         member: &str,
         fence: Option<u64>,
         waiters: bool,
+        publish: &str,
     ) -> Cmd {
         let permit = member.starts_with(Want::Permit(0).tag());
         let mut call = script.call(match (permit, waiters) {
@@ -1021,7 +1026,7 @@ impl Node {
         if waiters {
             self.waiter_keys(&mut call, keys, permit);
         }
-        self.ending_args(&mut call, keys, member, fence);
+        self.ending_args(&mut call, keys, member, fence, publish);
         call
     }
 
@@ -1034,7 +1039,9 @@ impl Node {
         member: &str,
         deadline: Option<Instant>,
     ) -> Result<bool> {
-        let call = |waiters: bool| self.ending_call(&WAITER_LEAVE, keys, member, None, waiters);
+        let publish = self.publish_mode(deadline)?;
+        let call =
+            |waiters: bool| self.ending_call(&WAITER_LEAVE, keys, member, None, waiters, publish);
         // Redis Cluster, the slot half-way through a migration: the lock key alone, as a
         // release does (a grant that raced the leaving is passed on; the mark expires).
         let narrow = || call(false);
@@ -1068,13 +1075,20 @@ impl Node {
     }
 
     /// The arguments of the scripts that end a hold (see `SHARED_RELEASE`).
-    fn ending_args(&self, call: &mut Cmd, keys: &Keys, member: &str, fence: Option<u64>) {
+    fn ending_args(
+        &self,
+        call: &mut Cmd,
+        keys: &Keys,
+        member: &str,
+        fence: Option<u64>,
+        publish: &str,
+    ) {
         call.arg(member)
             .arg(keys.channel())
             .arg(fence_arg(fence))
             .arg(self.grant_ms())
             .arg(self.fence_ttl_ms())
-            .arg(self.publish_mode());
+            .arg(publish);
     }
 
     /// Turns the write hold `member` of `keys` into the read hold of the same token (see
@@ -1099,7 +1113,7 @@ impl Node {
             .arg(millis(lease))
             .arg(keys.channel())
             .arg(fence_arg(Some(fence)))
-            .arg(self.publish_mode());
+            .arg(self.publish_mode(None)?);
         // Acknowledged as an acquisition is (see `run_acquire`): the read hold replaces
         // the write hold, and a failover must not bring the write hold back.
         let (replied, unacked) =
@@ -1150,7 +1164,7 @@ impl Node {
         call.arg(set)
             .arg(member)
             .arg(keys.channel())
-            .arg(self.publish_mode());
+            .arg(self.publish_mode(deadline)?);
         self.run_script::<i64>(script, &call, Retry::ON_RESET, deadline)?;
         Ok(())
     }

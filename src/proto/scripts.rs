@@ -10,6 +10,7 @@ use redis::{Cmd, Connection, FromRedisValue, RedisError, RedisResult, Script};
 use crate::error::{Error, Result};
 use crate::proto::attempt::Attempt;
 use crate::proto::keys::Keys;
+use crate::proto::pool::next_read;
 use crate::proto::sharded::PUBLISH_FN;
 
 /// A script, called by hash.
@@ -48,11 +49,7 @@ impl Lua {
         before: Option<&Cmd>,
     ) -> RedisResult<T> {
         match call.query(conn) {
-            Err(e) if is_noscript(&e) => {
-                self.0.load(conn)?;
-                again_before(before, conn)?;
-                call.query(conn)
-            }
+            Err(e) if is_noscript(&e) => reloaded(&[self], conn, before, |c| call.query(c)),
             other => other,
         }
     }
@@ -72,21 +69,36 @@ pub fn run_pipelined<T: FromRedisValue>(
         pipe.add_command(call.clone());
     }
     match pipe.query(conn) {
-        Err(e) if is_noscript(&e) => {
-            for script in scripts {
-                script.0.load(conn)?;
-            }
-            again_before(before, conn)?;
-            pipe.query(conn)
-        }
+        Err(e) if is_noscript(&e) => reloaded(scripts, conn, before, |c| pipe.query(c)),
         other => other,
     }
+}
+
+/// After a `NOSCRIPT`: loads `scripts`, sends `before` again (see [`Lua::run`]), then the
+/// call (`again`). More replies in a row than the one the call expected: each waits only
+/// for what remains of the call's deadline, if it has one (see `pool::next_read`).
+fn reloaded<T>(
+    scripts: &[&Lua],
+    conn: &mut Connection,
+    before: Option<&Cmd>,
+    again: impl FnOnce(&mut Connection) -> RedisResult<T>,
+) -> RedisResult<T> {
+    for script in scripts {
+        next_read(conn)?;
+        script.0.load(conn)?;
+    }
+    again_before(before, conn)?;
+    next_read(conn)?;
+    again(conn)
 }
 
 /// Sends `before` again, when there is one: a reloaded script's call follows it anew.
 fn again_before(before: Option<&Cmd>, conn: &mut Connection) -> RedisResult<()> {
     match before {
-        Some(cmd) => cmd.query(conn),
+        Some(cmd) => {
+            next_read(conn)?;
+            cmd.query(conn)
+        }
         None => Ok(()),
     }
 }
