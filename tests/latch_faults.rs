@@ -1,7 +1,8 @@
 //! Countdown latches under faults, against real `redis-server` processes: a count down
 //! that a demoted master refused (`READONLY`: it did not count) is counted once where
 //! the master is now; a wait cancelled while its read waits on a stalled server says
-//! `Cancelled`; a waiter whose key is deleted or replaced by hand is told at its re-check.
+//! `Cancelled`; a waiter whose key is deleted or replaced by hand is told at its re-check;
+//! a count down the server refuses announces nothing.
 
 use std::thread;
 
@@ -197,4 +198,35 @@ fn cluster_count_downs_during_a_migration_count_once_and_wake_the_waiter() {
     assert!(matches!(out, Some(Ok(()))), "{out:?}");
     migration.finish();
     assert_eq!(latch.count().expect("count"), 0);
+}
+
+/// A count down that would open a latch but whose write the server refuses (here the
+/// user's ACL lost `set`; `OOM` is the same) did not count: the caller is told, and the
+/// latch's waiters are told nothing. No `z` goes out on the latch's channel, which would
+/// wake them all to read a latch still closed.
+#[test]
+fn a_refused_count_down_sends_no_false_open() {
+    init_log();
+    let srv = RedisServer::builder()
+        .acl_user("locker", "lockerpw", "~* &* +@all")
+        .start();
+    let c = lock_client!(node(srv.url_as("locker", "lockerpw").as_str()));
+    let latch = c.latch("refused", 1);
+    latch
+        .wait_for(ms(1))
+        .expect_err("closed: created by its first read");
+    run(&srv, &["ACL", "SETUSER", "locker", "-set"]);
+    srv.reset_stats();
+    latch.count_down().expect_err("SET refused: not counted");
+    let published = srv.command_count("publish") + srv.command_count("spublish");
+    assert_eq!(
+        published, 0,
+        "a refused count down announced the latch open"
+    );
+    run(&srv, &["ACL", "SETUSER", "locker", "+set"]);
+    assert_eq!(latch.count_down().expect("count down"), 0);
+    assert_eq!(
+        srv.command_count("publish") + srv.command_count("spublish"),
+        1
+    );
 }

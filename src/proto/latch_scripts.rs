@@ -7,8 +7,9 @@
 //! a latch first creates it, with the count it was asked with.
 //!
 //! * A count down lowers `left` (never below 0), sets the TTL again, and when `left`
-//!   reaches 0 publishes `z` on the name's library channel (`p{n}:ev`, classic or sharded
-//!   like the lock's, see `sharded`): the latch's waiters wake and read it. At 0 it
+//!   reaches 0 publishes `z` on the name's library channel (`p{n}:ev`, classic or
+//!   sharded like the lock's, see `sharded`), after its write (a count down the server
+//!   refuses opens nothing and wakes nobody): the latch's waiters wake and read it. At 0 it
 //!   changes nothing (not even the TTL): an open latch lives one TTL after the count down
 //!   that opened it, and waiters that come meanwhile return at once.
 //! * A waiter's first read may create the latch and learns its id; its later reads send
@@ -62,11 +63,13 @@ end
 if ARGV[4] == 'd' and left > 0 then
   left = left - 1
   changed = true
-  if left == 0 then publish(ARGV[3], 'z') end
 end
 if changed then
   local value = string.format('%.0f', left) .. ':' .. ARGV[1] .. ':' .. id
   redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+  -- After the write: a count down the server refuses (OOM, an ACL) opens nothing, so it
+  -- must wake nobody.
+  if ARGV[4] == 'd' and left == 0 then publish(ARGV[3], 'z') end
 end
 return {1, left, id, redis.call('PTTL', KEYS[1])}
 "
