@@ -10,7 +10,7 @@ use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{wait_for, wait_until};
-use redbaton_testkit::{init_log, lock_client, ms, secs};
+use redbaton_testkit::{init_log, lock_client, ms, secs, timed_waiter};
 
 const KEYS: Keys = Keys::DEFAULT;
 /// The clients' connect, read and write timeout.
@@ -38,7 +38,7 @@ fn contended(cluster: &Cluster, name: &str, lease: Duration, on: u16) -> Contend
     let holder = lock_client!(cluster(cluster.seed_urls()), io_timeouts(IO), lease(lease));
     let patient = lock_client!(cluster(cluster.seed_urls()), io_timeouts(IO), patient());
     let guard = holder.lock(name).expect("lock");
-    let waiting = waiter(&patient, name);
+    let waiting = timed_waiter!(&patient, name, secs(20));
     wait_for(secs(10), "the waiter's subscriber connected", || {
         connections_named(cluster.server(on), "redbaton:sub") > 0
     });
@@ -120,23 +120,6 @@ fn at(port: u16) -> String {
     format!("127.0.0.1:{port}/0")
 }
 
-/// A waiter on `name` in a thread of its own: the time it got the lock, after which it
-/// let it go.
-fn waiter(client: &LockClient, name: &str) -> std::thread::JoinHandle<Instant> {
-    let (client, name) = (client.clone(), name.to_owned());
-    std::thread::spawn(move || {
-        let guard = client
-            .try_lock_for(&name, secs(20))
-            .expect("the waiter's lock");
-        let got = Instant::now();
-        assert_eq!(
-            guard.unlock().expect("the waiter's unlock"),
-            Unlocked::Released
-        );
-        got
-    })
-}
-
 /// A cluster with a master added: locks on every master, the new one included once it
 /// serves a slot, taken and released with their tokens increasing.
 #[test]
@@ -206,7 +189,7 @@ fn a_removed_master_keeps_no_connection_and_gets_no_call() {
     let (cluster, new, slot, old) = grown_for(name);
     let client = lock_client!(cluster(cluster.seed_urls()), io_timeouts(IO));
     let guard = client.lock(name).expect("lock on the new master");
-    let waiting = waiter(&client, name);
+    let waiting = timed_waiter!(&client, name, secs(20));
     wait_for(secs(10), "the waiter subscribed on the new master", || {
         connections_named(cluster.server(new), "redbaton:sub") > 0
     });

@@ -14,7 +14,7 @@ use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::{wait_for, wait_until};
-use redbaton_testkit::{init_log, lock_client, secs};
+use redbaton_testkit::{init_log, lock_client, secs, timed_waiter};
 
 const KEYS: Keys = Keys::DEFAULT;
 /// The clients' connect, read and write timeout.
@@ -30,6 +30,16 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A test's start: this file's turn (see [`SERIAL`]), a fresh cluster, and the slot of
+/// `name` there.
+fn start(name: &str) -> (std::sync::MutexGuard<'static, ()>, Cluster, u16) {
+    let serial = serial();
+    init_log();
+    let cluster = Cluster::start();
+    let slot = slot_of(&cluster, name);
+    (serial, cluster, slot)
 }
 
 /// The subscriber threads alive in this process now.
@@ -94,23 +104,6 @@ fn relocate(clients: [&LockClient; 2], name: &str) {
     }
 }
 
-/// A waiter of `client` on `name` in a thread of its own (for up to a minute, failovers
-/// included): when it got the lock, after which it let it go.
-fn waiter(client: &LockClient, name: &str) -> std::thread::JoinHandle<Instant> {
-    let (client, name) = (client.clone(), name.to_owned());
-    std::thread::spawn(move || {
-        let guard = client
-            .try_lock_for(&name, secs(60))
-            .expect("the waiter's lock");
-        let got = Instant::now();
-        assert_eq!(
-            guard.unlock().expect("the waiter's unlock"),
-            Unlocked::Released
-        );
-        got
-    })
-}
-
 /// Releases `guard`; the waiter of `patient` that `waiting` runs wakes soon after, by a
 /// message (the holder's lease and the waiter's re-check are far longer), with its
 /// subscriber of the master on port `on` connected.
@@ -150,7 +143,7 @@ fn released_wakes(
 fn woken_on(holder: &LockClient, patient: &LockClient, name: &str, on: u16) {
     let guard = holder.lock(name).expect("the holder's lock");
     let before = patient.stats();
-    let waiting = waiter(patient, name);
+    let waiting = timed_waiter!(patient, name, secs(60));
     // Its first attempt fails, it subscribes (confirmed), and its second one fails: it
     // now sleeps until a message.
     wait_for(secs(10), "the waiter waiting", || {
@@ -166,11 +159,8 @@ fn woken_on(holder: &LockClient, patient: &LockClient, name: &str, on: u16) {
 /// clients are dropped.
 #[test]
 fn masters_that_come_and_go_leave_no_subscriber_behind() {
-    let _serial = serial();
-    init_log();
-    let mut cluster = Cluster::start();
     let name = "churn";
-    let slot = slot_of(&cluster, name);
+    let (_serial, mut cluster, slot) = start(name);
     let home = cluster.owner(slot);
     let baseline = sub_threads();
     let (holder, patient) = clients(&cluster);
@@ -212,11 +202,9 @@ fn masters_that_come_and_go_leave_no_subscriber_behind() {
 /// `shutdown` then stops every subscriber thread.
 #[test]
 fn a_master_that_serves_again_gets_a_fresh_subscriber() {
-    let _serial = serial();
-    init_log();
-    let cluster = Cluster::start();
     let name = "again";
-    let old = cluster.owner(slot_of(&cluster, name));
+    let (_serial, cluster, slot) = start(name);
+    let old = cluster.owner(slot);
     let baseline = sub_threads();
     let (holder, patient) = clients(&cluster);
     woken_on(&holder, &patient, name, old);
@@ -254,11 +242,8 @@ fn a_master_that_serves_again_gets_a_fresh_subscriber() {
 /// subscriber of the same master, and the release wakes it by a message.
 #[test]
 fn a_waiter_that_took_a_subscriber_as_it_ended_follows_on_to_a_fresh_one() {
-    let _serial = serial();
-    init_log();
-    let cluster = Cluster::start();
     let name = "late";
-    let slot = slot_of(&cluster, name);
+    let (_serial, cluster, slot) = start(name);
     let old = cluster.owner(slot);
     // Locked by both clients to have their maps read again: a name of the same master.
     let beside = cluster.name_beside(&KEYS, "beside-", slot);
@@ -267,7 +252,7 @@ fn a_waiter_that_took_a_subscriber_as_it_ended_follows_on_to_a_fresh_one() {
     let before = patient.stats();
     let prefix = KEYS.prefix();
     fault::stall(prefix, Point::Watch);
-    let waiting = waiter(&patient, name);
+    let waiting = timed_waiter!(&patient, name, secs(60));
     wait_for(secs(10), "the waiter about to watch", || {
         fault::stalled(prefix, Point::Watch)
     });

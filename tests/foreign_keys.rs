@@ -184,6 +184,56 @@ fn a_fair_release_gives_the_lock_back_past_foreign_queue_keys() {
     }
 }
 
+/// Which hold waits behind another in [`freed_past_foreign_marks`].
+#[derive(Clone, Copy)]
+enum Marked {
+    /// A writer behind a read hold of a read-write lock.
+    Writer,
+    /// A permit-seeker behind the only permit of a semaphore.
+    PermitSeeker,
+}
+
+/// A hold of `name` (as `kind` says) is released while a waiter of another client sleeps
+/// with its mark in the name's set of waiting marks (`:ww`), which another program
+/// overwrote: the release must say it released, and the waiter, woken, must get the hold
+/// (and be told of no loss). The server and the first client, for what the test checks
+/// next.
+fn freed_past_foreign_marks(name: &str, kind: Marked) -> (RedisServer, LockClient) {
+    let srv = test_server();
+    let (a, b) = (client(&srv), client(&srv));
+    let ww = key(name, ":ww");
+    let got = match kind {
+        Marked::Writer => {
+            let read = a.rwlock(name).read().expect("read");
+            release_past(
+                &srv,
+                (&ww, &ww),
+                &b,
+                || read.unlock(),
+                || {
+                    let got = b.rwlock(name).try_write_for(secs(5));
+                    give_back(got, |w| w.previous_lost(), |w| w.unlock())
+                },
+            )
+        }
+        Marked::PermitSeeker => {
+            let permit = a.semaphore(name, 1).acquire().expect("permit");
+            release_past(
+                &srv,
+                (&ww, &ww),
+                &b,
+                || permit.unlock(),
+                || {
+                    let got = b.semaphore(name, 1).try_acquire_for(secs(5));
+                    give_back(got, |_| false, |p| p.unlock())
+                },
+            )
+        }
+    };
+    assert!(matches!(got, Ok(false)), "{name}: {got:?}");
+    (srv, a)
+}
+
 /// A read-write lock whose set of waiting writers another program overwrote: the release
 /// of the last read hold frees the lock and wakes the writer (it used to fail after taking
 /// the read hold out), whose attempt takes the write hold though it cannot take its mark
@@ -191,21 +241,7 @@ fn a_fair_release_gives_the_lock_back_past_foreign_queue_keys() {
 /// held, which told the next writer of a loss that never was).
 #[test]
 fn a_writer_whose_mark_was_overwritten_is_woken_and_takes_the_lock() {
-    let srv = test_server();
-    let (a, b) = (client(&srv), client(&srv));
-    let read = a.rwlock("rw").read().expect("read");
-    let ww = key("rw", ":ww");
-    let got = release_past(
-        &srv,
-        (&ww, &ww),
-        &b,
-        || read.unlock(),
-        || {
-            let got = b.rwlock("rw").try_write_for(secs(5));
-            give_back(got, |w| w.previous_lost(), |w| w.unlock())
-        },
-    );
-    assert!(matches!(got, Ok(false)), "{got:?}");
+    let (srv, a) = freed_past_foreign_marks("rw", Marked::Writer);
     let w = a.rwlock("rw").try_write().expect("free");
     assert!(!w.previous_lost(), "the write hold before was released");
     w.unlock().expect("unlock");
@@ -224,21 +260,7 @@ fn a_writer_whose_mark_was_overwritten_is_woken_and_takes_the_lock() {
 /// overwritten (woken, it takes it), and the release says it was done.
 #[test]
 fn a_permit_freed_past_a_foreign_waiting_set_is_taken() {
-    let srv = test_server();
-    let (a, b) = (client(&srv), client(&srv));
-    let permit = a.semaphore("s", 1).acquire().expect("permit");
-    let ww = key("s", ":ww");
-    let got = release_past(
-        &srv,
-        (&ww, &ww),
-        &b,
-        || permit.unlock(),
-        || {
-            let got = b.semaphore("s", 1).try_acquire_for(secs(5));
-            give_back(got, |_| false, |p| p.unlock())
-        },
-    );
-    assert!(got.is_ok(), "{got:?}");
+    let (srv, _) = freed_past_foreign_marks("s", Marked::PermitSeeker);
     let left = left_of(&srv, "s", ":ww");
     assert!(left.is_empty(), "{left:?}");
 }

@@ -63,3 +63,31 @@ macro_rules! __lock_settings {
         $crate::__lock_settings!($b.$setting($($arg),*); $($($rest)*)?)
     };
 }
+
+/// A waiter on `name` in a thread of its own: `client.try_lock_for(name, within)`, then
+/// the unlock of the guard it got, which must say `Released`. The handle gives the time
+/// it got the lock. A macro for the same reason as [`lock_client!`](crate::lock_client).
+///
+/// ```ignore
+/// let waiting = timed_waiter!(&client, "name", secs(20));
+/// let got: Instant = waiting.join().expect("the waiter");
+/// ```
+#[macro_export]
+macro_rules! timed_waiter {
+    ($client:expr, $name:expr, $within:expr) => {{
+        let client: ::redbaton::LockClient = ::std::clone::Clone::clone($client);
+        let name: ::std::string::String = ::std::borrow::ToOwned::to_owned($name);
+        let within: ::std::time::Duration = $within;
+        ::std::thread::spawn(move || {
+            let guard = client
+                .try_lock_for(&name, within)
+                .expect("the waiter's lock");
+            let got = ::std::time::Instant::now();
+            assert_eq!(
+                guard.unlock().expect("the waiter's unlock"),
+                ::redbaton::Unlocked::Released
+            );
+            got
+        })
+    }};
+}
