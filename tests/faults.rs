@@ -19,17 +19,32 @@
 //!   returning by its deadline plus a margin, no hung thread or process, no key left at the
 //!   end that the library would not let expire.
 //!
-//! Replaying a chaos run: the seed is printed at the start and in the failure message;
-//! `REDBATON_SEED=<seed> cargo test --test faults chaos` replays its fault schedule
-//! (`CHAOS_SEED` is accepted too; `REDBATON_CHAOS_SECS` changes the length of the faulty
-//! phase, 40 s by default, and must match to replay). Every run writes its history (each
-//! section, fault and unlock, in time order) to `target/tmp/chaos/chaos-seed-<seed>.history`.
+//! A chaos run is of one of two kinds, its topology. `single`: one lock server behind two
+//! proxies, as above. `redlock`: the clients are built with three lock servers
+//! (`Builder::nodes`), each behind its own proxy, and contend for the plain locks only
+//! (read-write locks, semaphores and multi-locks are not available on Redlock); the faults
+//! are aimed at one node, or at two or three at once (a minority or a majority of them):
+//! kills and restarts, SIGSTOP/SIGCONT pauses, proxy delays, drops and resets, `CLIENT
+//! KILL`, besides the holder process killed or paused. A node restarted empty forgets the
+//! locks it held, which Redlock without persistence only survives if the node stays down
+//! for longer than a lease: every restart waits that long (see `chaos`), and then the same
+//! checks hold with no exception for restarts (tokens strictly increase throughout, since
+//! the nodes share one clock). The seed picks the topology (so a plain `cargo test` runs
+//! either kind, each as long); `REDBATON_CHAOS_TOPOLOGY` (`single` or `redlock`) forces it.
+//!
+//! Replaying a chaos run: the seed and topology are printed at the start and in the failure
+//! message; `REDBATON_SEED=<seed> REDBATON_CHAOS_TOPOLOGY=<topology> cargo test --test
+//! faults chaos` replays its fault schedule (`CHAOS_SEED` is accepted too;
+//! `REDBATON_CHAOS_SECS` changes the length of the faulty phase, 40 s by default, and must
+//! match to replay). Every run writes its history (each section, fault and unlock, in time
+//! order) to `target/tmp/chaos/chaos-seed-<seed>.history`.
 //!
 //! [`soak`] (ignored; `cargo test --release --test faults -- --ignored soak --nocapture`)
 //! runs the chaos scenario many times with fresh seeds, each run in its own process with
 //! its own servers, and prints the violations by kind with the seeds and histories of the
 //! failing runs. `REDBATON_SOAK_RUNS` (200), `REDBATON_CHAOS_SECS` (10 in the soak) and
-//! `REDBATON_SOAK_JOBS` (1: runs at once) set its size.
+//! `REDBATON_SOAK_JOBS` (1: runs at once) set its size. Its runs alternate between the two
+//! topologies, unless `REDBATON_CHAOS_TOPOLOGY` picks one for all.
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::Child;
@@ -473,17 +488,77 @@ impl Tally {
 /// check's bounds and the clients agree by construction).
 const CHAOS_RECHECK: Duration = Duration::from_secs(5);
 
-fn chaos_builder(url: &str) -> redbaton::Builder {
-    fast_builder(url)
+/// A chaos client of the lock servers at `urls`: one, or three for Redlock.
+fn chaos_builder(urls: &[&str]) -> redbaton::Builder {
+    fast_builder(urls[0])
+        .nodes(urls[1..].iter().copied())
         .key_prefix(CHAOS_PREFIX)
         .recheck_interval(CHAOS_RECHECK)
+}
+
+/// What the clients of a chaos run are built with (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Topology {
+    /// One lock server, behind two proxies.
+    Single,
+    /// Three lock servers, each behind its own proxy: a majority must grant.
+    Redlock,
+}
+
+impl Topology {
+    const ENV: &str = "REDBATON_CHAOS_TOPOLOGY";
+
+    fn label(self) -> &'static str {
+        match self {
+            Topology::Single => "single",
+            Topology::Redlock => "redlock",
+        }
+    }
+
+    /// `REDBATON_CHAOS_TOPOLOGY`, or the seed's choice; panics on an unknown name (a typo
+    /// must not silently run another scenario).
+    fn of(seed: u64) -> Topology {
+        match std::env::var(Topology::ENV) {
+            Ok(v) => Topology::named(v.trim())
+                .unwrap_or_else(|| panic!("{}={v:?}: not single or redlock", Topology::ENV)),
+            // A stream of its own, so that the fault schedule and the children's seeds do not
+            // depend on it.
+            Err(_) if history::derive(seed, u64::MAX) % 2 == 1 => Topology::Redlock,
+            Err(_) => Topology::Single,
+        }
+    }
+
+    fn named(name: &str) -> Option<Topology> {
+        [Topology::Single, Topology::Redlock]
+            .into_iter()
+            .find(|t| t.label() == name)
+    }
+
+    /// The names its sections hold.
+    fn names(self) -> &'static [&'static str] {
+        match self {
+            Topology::Single => &CHAOS_NAMES,
+            Topology::Redlock => &CHAOS_KEYS,
+        }
+    }
+
+    /// The fault kinds of its schedule: each once first, then these at random.
+    fn faults(self) -> (&'static [Fault], &'static [Fault]) {
+        match self {
+            Topology::Single => (&ALL_FAULTS, &WEIGHTED_FAULTS),
+            Topology::Redlock => (&REDLOCK_FAULTS, &REDLOCK_WEIGHTED_FAULTS),
+        }
+    }
 }
 
 /// Child entry point: `CHAOS_THREADS` threads contend until `CHAOS_END_AT_US`.
 #[test]
 fn chaos_child() {
     child_only!();
-    let lock_url = child::env("CHAOS_LOCK_URL");
+    // One URL, or the nodes' for Redlock, separated by spaces.
+    let lock_urls = child::env("CHAOS_LOCK_URL");
+    let lock_urls: Vec<&str> = lock_urls.split(' ').collect();
+    let redlock = lock_urls.len() > 1;
     let store_url = child::env("CHAOS_STORE_URL");
     let end_at: u64 = child::env("CHAOS_END_AT_US").parse().unwrap();
     // Derived from the run's seed by the parent (see `chaos`): one seed replays all.
@@ -495,7 +570,7 @@ fn chaos_child() {
 
     // The replacement of a killed child may start in the middle of a fault.
     let client = loop {
-        match chaos_builder(&lock_url).build() {
+        match chaos_builder(&lock_urls).build() {
             Ok(c) => break c,
             Err(e) => {
                 assert!(e.is_connection(), "build: {e:?}");
@@ -521,7 +596,13 @@ fn chaos_child() {
             thread::Builder::new()
                 .name(format!("chaos-{t}"))
                 .spawn(move || {
-                    chaos_worker(&client, &store_url, end_at, seed, &holder, &tally, &watch)
+                    let at = WorkerAt {
+                        end_at,
+                        seed,
+                        holder: &holder,
+                        redlock,
+                    };
+                    chaos_worker(&client, &store_url, at, &tally, &watch)
                 })
                 .unwrap()
         })
@@ -587,15 +668,28 @@ fn chaos_child() {
     child::print_result(&fields);
 }
 
+/// A chaos thread: until when it runs, its seed, its name (pid.thread), and whether its
+/// client is a Redlock one (which takes plain locks only).
+struct WorkerAt<'a> {
+    end_at: u64,
+    seed: u64,
+    holder: &'a str,
+    redlock: bool,
+}
+
 fn chaos_worker(
     client: &LockClient,
     store_url: &str,
-    end_at: u64,
-    seed: u64,
-    holder: &str,
+    at: WorkerAt<'_>,
     tally: &Tally,
     watch: &StallWatch,
 ) {
+    let WorkerAt {
+        end_at,
+        seed,
+        holder,
+        redlock,
+    } = at;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut store = Store::connect(store_url);
     let rw = client.rwlock(CHAOS_RW);
@@ -605,6 +699,7 @@ fn chaos_worker(
         // 10% take the upgradable read), a quarter take a permit of the semaphore, the
         // others take a plain lock, or (one in eight of them) both plain locks at once.
         let (hold, names): (Hold, &'static [&'static str]) = match rng.random_range(0..4) {
+            _ if redlock => (Hold::Lock, CHAOS_KEY_SETS[rng.random_range(0..2)]),
             0 => {
                 let hold = match rng.random_range(0..10) {
                     0..3 => Hold::Write,
@@ -1064,6 +1159,9 @@ enum Fault {
     ProxyDelay,
     ProxyBlackhole,
     ProxyReset,
+    /// Lock servers SIGSTOPped for a while, then resumed (Redlock only: a single server
+    /// paused is what a proxy dropping every byte does).
+    PauseServer,
 }
 
 const ALL_FAULTS: [Fault; 8] = [
@@ -1095,6 +1193,22 @@ const WEIGHTED_FAULTS: [Fault; 14] = [
     Fault::ProxyReset,
 ];
 
+/// The faults of a Redlock run: those of a single server (`faults`, `N` of them), then as
+/// many pauses of its nodes as make `M`.
+const fn and_node_pauses<const N: usize, const M: usize>(faults: [Fault; N]) -> [Fault; M] {
+    let mut all = [Fault::PauseServer; M];
+    let mut i = 0;
+    while i < N {
+        all[i] = faults[i];
+        i += 1;
+    }
+    all
+}
+
+const REDLOCK_FAULTS: [Fault; 9] = and_node_pauses(ALL_FAULTS);
+/// The random phase of a Redlock run: a pause of nodes as rare as a restart.
+const REDLOCK_WEIGHTED_FAULTS: [Fault; 15] = and_node_pauses(WEIGHTED_FAULTS);
+
 /// One step of the fault schedule, with every random choice it may need. All are drawn
 /// whatever the fault, so that the schedule depends on the seed alone, not on which
 /// process happened to hold a lock when a step ran.
@@ -1117,23 +1231,31 @@ struct Step {
     blackhole_for: Duration,
     /// The pause after a fault before progress is checked.
     settle: Duration,
+    /// Redlock: the nodes a node or proxy fault is aimed at (a bit each: one node, a
+    /// minority, or two or three, a majority), how long a paused node stays stopped, and
+    /// how much longer than a lease a killed one stays down.
+    nodes: u8,
+    node_pause: Duration,
+    down_extra: Duration,
 }
 
 /// The fault schedule of a seed: every kind once in a seeded order, then seeded random
 /// kinds until the time is up.
 struct Schedule {
     rng: StdRng,
+    topology: Topology,
     first: Vec<Fault>,
     taken: usize,
 }
 
 impl Schedule {
-    fn new(seed: u64) -> Schedule {
+    fn new(seed: u64, topology: Topology) -> Schedule {
         let mut rng = StdRng::seed_from_u64(history::derive(seed, 0));
-        let mut first = ALL_FAULTS.to_vec();
+        let mut first = topology.faults().0.to_vec();
         first.shuffle(&mut rng);
         Schedule {
             rng,
+            topology,
             first,
             taken: 0,
         }
@@ -1141,10 +1263,12 @@ impl Schedule {
 
     fn next_step(&mut self) -> Step {
         let rng = &mut self.rng;
-        let random = WEIGHTED_FAULTS[rng.random_range(0..WEIGHTED_FAULTS.len())];
-        let step = Step {
+        let (_, weighted) = self.topology.faults();
+        let names = self.topology.names();
+        let random = weighted[rng.random_range(0..weighted.len())];
+        let mut step = Step {
             fault: self.first.get(self.taken).copied().unwrap_or(random),
-            key: CHAOS_NAMES[rng.random_range(0..CHAOS_NAMES.len())],
+            key: names[rng.random_range(0..names.len())],
             fallback: rng.random_range(0..CHAOS_PROCS),
             proxy: rng.random_range(0..2),
             pause_extra: ms(rng.random_range(200..800)),
@@ -1152,10 +1276,161 @@ impl Schedule {
             delay_for: ms(rng.random_range(500..2000)),
             blackhole_for: ms(rng.random_range(300..1500)),
             settle: ms(rng.random_range(200..800)),
+            nodes: 1,
+            node_pause: Duration::ZERO,
+            down_extra: Duration::ZERO,
         };
+        // Drawn only for Redlock, so that a single-server seed keeps its schedule.
+        if self.topology == Topology::Redlock {
+            let all = (1u8 << REDLOCK_NODES) - 1;
+            let one = 1u8 << rng.random_range(0..REDLOCK_NODES);
+            // Half the faults hit one node, a third two (all but one), a sixth all three.
+            step.nodes = match rng.random_range(0..6) {
+                0..3 => one,
+                3..5 => all & !one,
+                _ => all,
+            };
+            step.node_pause = ms(rng.random_range(300..2000));
+            step.down_extra = ms(rng.random_range(100..1000));
+        }
         self.taken += 1;
         step
     }
+}
+
+/// How many lock servers a Redlock chaos run has.
+const REDLOCK_NODES: usize = 3;
+
+/// The lock servers of a chaos run and the proxies in front of them.
+struct Rig {
+    nodes: Vec<RedisServer>,
+    /// Single: two proxies in front of the one server (children alternate between them, so
+    /// that a proxy fault partitions some processes and not others); Redlock: proxy `i` in
+    /// front of node `i`, which every child reaches through it.
+    proxies: Vec<Proxy>,
+    topology: Topology,
+}
+
+impl Rig {
+    fn start(topology: Topology) -> Rig {
+        let n = match topology {
+            Topology::Single => 1,
+            Topology::Redlock => REDLOCK_NODES,
+        };
+        // Keyspace notifications on in the config file, as an operator would set them (a
+        // restart keeps them).
+        let nodes: Vec<RedisServer> = (0..n)
+            .map(|_| {
+                RedisServer::builder()
+                    .config("notify-keyspace-events", "Kg$xe")
+                    .start()
+            })
+            .collect();
+        let proxies = match topology {
+            Topology::Single => vec![Proxy::start(nodes[0].addr()), Proxy::start(nodes[0].addr())],
+            Topology::Redlock => nodes.iter().map(|n| Proxy::start(n.addr())).collect(),
+        };
+        Rig {
+            nodes,
+            proxies,
+            topology,
+        }
+    }
+
+    fn describe(&self) -> String {
+        let nodes: Vec<String> = self.nodes.iter().map(RedisServer::url).collect();
+        let proxies: Vec<String> = self.proxies.iter().map(Proxy::url).collect();
+        format!(
+            "lock servers {} behind proxies {}",
+            nodes.join(" "),
+            proxies.join(" ")
+        )
+    }
+
+    /// The lock URLs of the child in `slot` (see `chaos_child`), and which proxies they are.
+    fn urls_for(&self, slot: usize) -> (String, String) {
+        match self.topology {
+            Topology::Single => {
+                let proxy = slot % self.proxies.len();
+                (self.proxies[proxy].url(), format!("proxy {proxy}"))
+            }
+            Topology::Redlock => {
+                let urls: Vec<String> = self.proxies.iter().map(Proxy::url).collect();
+                (urls.join(" "), "every node's proxy".to_owned())
+            }
+        }
+    }
+
+    /// The indices a node or proxy fault of `step` is aimed at.
+    fn aimed(&self, step: &Step, single: usize) -> Vec<usize> {
+        match self.topology {
+            Topology::Single => vec![single],
+            Topology::Redlock => (0..REDLOCK_NODES)
+                .filter(|i| step.nodes & (1 << i) != 0)
+                .collect(),
+        }
+    }
+
+    fn nodes_of(&self, step: &Step) -> Vec<&RedisServer> {
+        self.aimed(step, 0)
+            .into_iter()
+            .map(|i| &self.nodes[i])
+            .collect()
+    }
+
+    fn proxies_of(&self, step: &Step) -> Vec<&Proxy> {
+        self.aimed(step, step.proxy)
+            .into_iter()
+            .map(|i| &self.proxies[i])
+            .collect()
+    }
+
+    /// The nodes a fault is aimed at, in words: of Redlock, which and whether a majority.
+    fn nodes_aimed(&self, step: &Step) -> String {
+        match self.topology {
+            Topology::Single => "the lock server".to_owned(),
+            Topology::Redlock => self.of_redlock("node", step),
+        }
+    }
+
+    fn proxies_aimed(&self, step: &Step) -> String {
+        match self.topology {
+            Topology::Single => format!("proxy {}", step.proxy),
+            Topology::Redlock => self.of_redlock("proxy of node", step),
+        }
+    }
+
+    fn of_redlock(&self, what: &str, step: &Step) -> String {
+        let aimed = self.aimed(step, 0);
+        let share = if aimed.len() * 2 > REDLOCK_NODES {
+            "a majority"
+        } else {
+            "a minority"
+        };
+        format!("{what} {aimed:?} ({share})")
+    }
+}
+
+/// Kills the library's command connections to `srv` by name (`redbaton`, so that no
+/// harness connection is touched); how many.
+fn kill_command_conns(srv: &RedisServer) -> u64 {
+    let mut conn = srv.conn();
+    let ids: Vec<String> = srv
+        .client_list()
+        .into_iter()
+        .filter(|c| c.get("name").map(String::as_str) == Some("redbaton"))
+        .filter_map(|c| c.get("id").cloned())
+        .collect();
+    ids.iter()
+        .map(|id| {
+            redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("ID")
+                .arg(id)
+                .query::<i64>(&mut conn)
+                .unwrap_or(0) as u64
+        })
+        .sum()
 }
 
 /// The seed of the `n`th child process spawned by the run seeded `seed` (stream 0 is the
@@ -1408,6 +1683,15 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// `ChaosSection::epoch`); one whose round spans a restart belongs to no known epoch and
 /// is left out of the permit check.
 ///
+/// Redlock (the `redlock` topology, see the module docs): three lock servers, each behind
+/// its own proxy, and only plain locks. A node fault is aimed at one node, or two or three
+/// at once. A node restarted empty forgets its locks, and the holder keeps its lease on the
+/// other nodes: a majority can then grant the name again only if no lease it held is still
+/// running, which the operating rule for Redlock without persistence provides: a node that
+/// crashed stays down for longer than a lease (here the lease plus a random extra, counted
+/// from the kill). So restarts make no epochs in a Redlock run, and every check holds
+/// across them, token order included (the nodes share this machine's clock).
+///
 /// Replay and history: see the module docs. Every random choice of the parent comes from
 /// the fault schedule ([`Schedule`], stream 0 of the seed) and every child's from its own
 /// stream ([`child_seed`]); what a seed cannot fix is timing (which process holds a lock
@@ -1419,26 +1703,40 @@ fn chaos() {
     child::is_child();
     let seed = history::seed(&["CHAOS_SEED"]);
     let secs = env_u64("REDBATON_CHAOS_SECS", CHAOS_SECS);
-    let replay =
-        format!("REDBATON_SEED={seed} REDBATON_CHAOS_SECS={secs} cargo test --test faults chaos");
+    let topology = Topology::of(seed);
+    let replay = format!(
+        "REDBATON_SEED={seed} REDBATON_CHAOS_SECS={secs} {}={} cargo test --test faults chaos",
+        Topology::ENV,
+        topology.label()
+    );
     let dir = chaos_dir();
     eprintln!(
-        "chaos seed {seed}, {secs} s of faults; replay: {replay}; history: {}",
+        "chaos seed {seed} ({} topology), {secs} s of faults; replay: {replay}; history: {}",
+        topology.label(),
         History::path_in(&dir, "chaos", seed).display()
     );
     let started_us = mono_us();
     let mut hist = History::new("chaos", seed, started_us);
     hist.note(format!("replay: {replay}"));
+    hist.note(match topology {
+        Topology::Single => format!(
+            "single lock server: {CHAOS_PROCS} processes x {CHAOS_THREADS} threads on keys \
+             {CHAOS_KEYS:?}, read-write lock {CHAOS_RW:?} and semaphore {CHAOS_SEM:?} of \
+             {CHAOS_PERMITS} permits"
+        ),
+        Topology::Redlock => format!(
+            "Redlock of {REDLOCK_NODES} lock servers: {CHAOS_PROCS} processes x \
+             {CHAOS_THREADS} threads on keys {CHAOS_KEYS:?}; a node restarts after over a lease"
+        ),
+    });
     hist.note(format!(
-        "{CHAOS_PROCS} processes x {CHAOS_THREADS} threads on keys {CHAOS_KEYS:?}, read-write \
-         lock {CHAOS_RW:?} and semaphore {CHAOS_SEM:?} of {CHAOS_PERMITS} permits, lease \
-         {LEASE:?}, renew every {RENEW:?}, network timeouts {NET:?}, {secs} s of faults then \
-         {CALM:?} calm"
+        "lease {LEASE:?}, renew every {RENEW:?}, network timeouts {NET:?}, {secs} s of faults \
+         then {CALM:?} calm"
     ));
     hist.note("times: ms since the start; sources: parent, child pid, or pid.thread");
     let mut violations: Vec<Violation> = Vec::new();
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        run_chaos(seed, secs, &mut hist, &mut violations)
+        run_chaos(seed, secs, topology, &mut hist, &mut violations)
     }));
     let stalls = ran.unwrap_or_else(|p| {
         violations.push(Violation::new(
@@ -1458,24 +1756,29 @@ fn chaos() {
     );
     assert!(
         violations.is_empty(),
-        "{}",
+        "{} topology: {}",
+        topology.label(),
         history::failure_message("chaos", seed, &replay, &violations, &path)
     );
 }
 
 /// One chaos scenario: events go to `hist`, findings to `violations`; returns when the
 /// harness itself was stalled.
-fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Violation>) -> Stalls {
-    let mut schedule = Schedule::new(seed);
+fn run_chaos(
+    seed: u64,
+    secs: u64,
+    topology: Topology,
+    hist: &mut History,
+    violations: &mut Vec<Violation>,
+) -> Stalls {
+    let mut schedule = Schedule::new(seed, topology);
     let chaos_for = Duration::from_secs(secs);
     // Liveness is judged on the time this process actually ran (see `stalls`).
     let watch = StallWatch::start();
 
-    let lock_srv = RedisServer::builder()
-        .config("notify-keyspace-events", "Kg$xe")
-        .start();
+    let rig = Rig::start(topology);
+    let proxies = &rig.proxies;
     let store_srv = RedisServer::start();
-    let proxies = [Proxy::start(lock_srv.addr()), Proxy::start(lock_srv.addr())];
     let mut store = store_srv.conn();
     RESTARTS.lock().unwrap().clear();
     let started = Instant::now();
@@ -1484,24 +1787,18 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     hist.event(
         mono_us(),
         "parent",
-        format!(
-            "servers up: lock {} behind proxies {} and {}, store {}",
-            lock_srv.url(),
-            proxies[0].url(),
-            proxies[1].url(),
-            store_srv.url()
-        ),
+        format!("servers up: {}, store {}", rig.describe(), store_srv.url()),
     );
 
     let mut spawned = 0usize;
     let mut spawn = |slot: usize, hist: &mut History| -> Child {
         let child_seed = child_seed(seed, spawned);
         spawned += 1;
-        let proxy = slot % proxies.len();
+        let (urls, via) = rig.urls_for(slot);
         let c = child::spawn_self(
             "chaos_child",
             &[
-                ("CHAOS_LOCK_URL", proxies[proxy].url()),
+                ("CHAOS_LOCK_URL", urls),
                 ("CHAOS_STORE_URL", store_srv.url()),
                 ("CHAOS_END_AT_US", end_at_us.to_string()),
                 ("CHAOS_CHILD_SEED", child_seed.to_string()),
@@ -1511,7 +1808,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             mono_us(),
             "parent",
             format!(
-                "spawned child {} in slot {slot} (via proxy {proxy}, seed {child_seed})",
+                "spawned child {} in slot {slot} (via {via}, seed {child_seed})",
                 c.id()
             ),
         );
@@ -1566,17 +1863,31 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                 )
             }
             Fault::ProxyDelay => format!(
-                "{fault:?} proxy {} +{:?} for {:?}",
-                step.proxy, step.delay, step.delay_for
+                "{fault:?} {} +{:?} for {:?}",
+                rig.proxies_aimed(&step),
+                step.delay,
+                step.delay_for
             ),
             Fault::ProxyBlackhole => {
                 format!(
-                    "{fault:?} proxy {} for {:?}",
-                    step.proxy, step.blackhole_for
+                    "{fault:?} {} for {:?}",
+                    rig.proxies_aimed(&step),
+                    step.blackhole_for
                 )
             }
-            Fault::ProxyReset => format!("{fault:?} proxy {}", step.proxy),
-            _ => format!("{fault:?}"),
+            Fault::ProxyReset => format!("{fault:?} {}", rig.proxies_aimed(&step)),
+            Fault::PauseServer => format!(
+                "{fault:?} {} for {:?}",
+                rig.nodes_aimed(&step),
+                step.node_pause
+            ),
+            Fault::RestartServer if topology == Topology::Redlock => format!(
+                "{fault:?} {}: killed, down for {:?} (the lease and {:?})",
+                rig.nodes_aimed(&step),
+                LEASE + step.down_extra,
+                step.down_extra
+            ),
+            _ => format!("{fault:?} {}", rig.nodes_aimed(&step)),
         };
         hist.event(mono_us(), "parent", format!("fault {n}: {what}"));
         match fault {
@@ -1600,33 +1911,46 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                 pauses.push((target_pid, stop_at, mono_us()));
             }
             Fault::KillSubscribers => {
-                let n = lock_srv.kill_pubsub();
-                *detail.entry("subscriber connections killed").or_default() += n as u64;
+                for srv in rig.nodes_of(&step) {
+                    let n = srv.kill_pubsub();
+                    *detail.entry("subscriber connections killed").or_default() += n as u64;
+                }
             }
             Fault::KillCommandConns => {
-                let mut conn = lock_srv.conn();
-                let ids: Vec<String> = lock_srv
-                    .client_list()
-                    .into_iter()
-                    .filter(|c| c.get("name").map(String::as_str) == Some("redbaton"))
-                    .filter_map(|c| c.get("id").cloned())
-                    .collect();
-                for id in ids {
-                    let n: i64 = redis::cmd("CLIENT")
-                        .arg("KILL")
-                        .arg("ID")
-                        .arg(&id)
-                        .query(&mut conn)
-                        .unwrap_or(0);
-                    *detail.entry("command connections killed").or_default() += n as u64;
+                for srv in rig.nodes_of(&step) {
+                    *detail.entry("command connections killed").or_default() +=
+                        kill_command_conns(srv);
+                }
+            }
+            Fault::RestartServer if topology == Topology::Redlock => {
+                // Down for longer than a lease: every lease the nodes granted before the
+                // kill has ended when they come back empty (see `chaos`), so no epoch.
+                let aimed = rig.nodes_of(&step);
+                for srv in &aimed {
+                    srv.kill();
+                }
+                thread::sleep(LEASE + step.down_extra);
+                for srv in &aimed {
+                    srv.restart();
+                }
+                *detail.entry("node restarts").or_default() += aimed.len() as u64;
+            }
+            Fault::PauseServer => {
+                let aimed = rig.nodes_of(&step);
+                for srv in &aimed {
+                    srv.pause();
+                }
+                thread::sleep(step.node_pause);
+                for srv in &aimed {
+                    srv.resume();
                 }
             }
             Fault::RestartServer => {
-                for p in &proxies {
+                for p in proxies {
                     p.stall(true);
                 }
                 let stalled = mono_us();
-                lock_srv.restart();
+                rig.nodes[0].restart();
                 epoch += 1;
                 // Every fence of the old server was issued before the restart, and every
                 // fence of the new one will be after the proxies let clients in again.
@@ -1636,7 +1960,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                     stalled,
                     resumed: mono_us(),
                 });
-                for p in &proxies {
+                for p in proxies {
                     p.stall(false);
                 }
                 hist.event(
@@ -1646,19 +1970,29 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
                 );
             }
             Fault::ProxyDelay => {
-                let p = &proxies[step.proxy];
-                p.set_delay(step.delay);
+                let aimed = rig.proxies_of(&step);
+                for p in &aimed {
+                    p.set_delay(step.delay);
+                }
                 thread::sleep(step.delay_for);
-                p.set_delay(Duration::ZERO);
+                for p in &aimed {
+                    p.set_delay(Duration::ZERO);
+                }
             }
             Fault::ProxyBlackhole => {
-                let p = &proxies[step.proxy];
-                p.blackhole(true);
+                let aimed = rig.proxies_of(&step);
+                for p in &aimed {
+                    p.blackhole(true);
+                }
                 thread::sleep(step.blackhole_for);
-                p.blackhole(false);
+                for p in &aimed {
+                    p.blackhole(false);
+                }
             }
             Fault::ProxyReset => {
-                proxies[step.proxy].kill_all();
+                for p in rig.proxies_of(&step) {
+                    p.kill_all();
+                }
             }
         }
         hist.event(mono_us(), "parent", format!("fault {n}: over"));
@@ -1699,7 +2033,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             e.1 += 1;
         }
     }
-    for p in &proxies {
+    for p in proxies {
         p.heal();
     }
     hist.event(mono_us(), "parent", "faults over; proxies healed");
@@ -1744,10 +2078,16 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     // No key the library would not let expire, once every child has exited (a killed
     // child's lock key and marks are there until their TTLs run out: that is allowed).
     let policy = KeyPolicy::new(LEASE, CHAOS_RECHECK);
-    for bad in leftover::misplaced(&mut lock_srv.conn(), CHAOS_KEYSPACE, &CHAOS_NAMES, &policy) {
-        let held = leftover::contents(&mut lock_srv.conn(), &bad.key);
-        hist.event(mono_us(), "parent", format!("key left: {bad}; {held}"));
-        violations.push(Violation::new(Kind::KeysLeft, bad.to_string()));
+    for (i, srv) in rig.nodes.iter().enumerate() {
+        for bad in leftover::misplaced(&mut srv.conn(), CHAOS_KEYSPACE, &CHAOS_NAMES, &policy) {
+            let held = leftover::contents(&mut srv.conn(), &bad.key);
+            hist.event(
+                mono_us(),
+                "parent",
+                format!("key left on node {i}: {bad}; {held}"),
+            );
+            violations.push(Violation::new(Kind::KeysLeft, format!("node {i}: {bad}")));
+        }
     }
 
     // --- invariants ---
@@ -1940,7 +2280,9 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
             started.elapsed()
         ),
         format!(
-            "processes: {CHAOS_PROCS} x {CHAOS_THREADS} threads, {spawned} spawned in all; lock server epochs: {}",
+            "topology {}: {}; processes: {CHAOS_PROCS} x {CHAOS_THREADS} threads, {spawned} spawned in all; lock server epochs: {}",
+            topology.label(),
+            rig.describe(),
             epoch + 1
         ),
     ];
@@ -2026,8 +2368,12 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
         violations.push(Violation::new(Kind::NoProgress, "no valid section at all"));
     }
     // The read-write lock and the semaphore are contended by every process: each kind
-    // must get through.
-    for hold in [Hold::Read, Hold::Write, Hold::Permit] {
+    // must get through (where there are any: not on Redlock).
+    let kinds: &[Hold] = match topology {
+        Topology::Single => &[Hold::Read, Hold::Write, Hold::Permit],
+        Topology::Redlock => &[],
+    };
+    for &hold in kinds {
         if !sections.iter().any(|s| s.hold == hold && s.valid) {
             violations.push(Violation::new(
                 Kind::NoProgress,
@@ -2044,7 +2390,7 @@ fn run_chaos(seed: u64, secs: u64, hist: &mut History, violations: &mut Vec<Viol
     // A full-length run injects every kind (the schedule starts with one of each); a
     // shorter one (the soak's) may end first.
     if secs >= CHAOS_SECS {
-        for fault in ALL_FAULTS {
+        for &fault in topology.faults().0 {
             if !injected.contains_key(&fault) {
                 violations.push(Violation::new(
                     Kind::Other,
@@ -2214,7 +2560,7 @@ fn soak() {
         chaos_dir().display()
     );
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let verdicts: Mutex<Vec<(usize, Verdict, Duration)>> = Mutex::new(Vec::new());
+    let verdicts: Mutex<Vec<(usize, Verdict, Topology)>> = Mutex::new(Vec::new());
     let soak_started = Instant::now();
     thread::scope(|s| {
         for _ in 0..jobs {
@@ -2225,8 +2571,14 @@ fn soak() {
                         break;
                     }
                     let seed = history::derive(soak_seed, i as u64);
+                    // Both kinds in turn, unless the environment picks one.
+                    let topology = match std::env::var_os(Topology::ENV) {
+                        Some(_) => Topology::of(seed),
+                        None if i % 2 == 1 => Topology::Redlock,
+                        None => Topology::Single,
+                    };
                     let t0 = Instant::now();
-                    let verdict = soak_run(seed, secs);
+                    let verdict = soak_run(seed, secs, topology);
                     let took = t0.elapsed();
                     let what = if verdict.is_clean() {
                         "clean".to_owned()
@@ -2239,11 +2591,12 @@ fn soak() {
                         format!("{} -> {}", kinds.join(", "), verdict.history)
                     };
                     eprintln!(
-                        "run {}/{runs} seed {seed} ({took:.0?}, harness stalled {} ms): {what}",
+                        "run {}/{runs} seed {seed} {} ({took:.0?}, harness stalled {} ms): {what}",
                         i + 1,
+                        topology.label(),
                         verdict.stalled_ms
                     );
-                    verdicts.lock().unwrap().push((i, verdict, took));
+                    verdicts.lock().unwrap().push((i, verdict, topology));
                 }
             });
         }
@@ -2255,6 +2608,9 @@ fn soak() {
         .map(|v| &v.1)
         .filter(|v| !v.is_clean())
         .collect();
+    // A failing seed is shown with its topology, which its replay needs.
+    let kind_of: HashMap<u64, &str> = verdicts.iter().map(|v| (v.1.seed, v.2.label())).collect();
+    let named = |seed: u64| format!("{seed} ({})", kind_of[&seed]);
     eprintln!(
         "\n--- soak: {} runs of {secs} s in {:.0?}, {} with violations (soak seed {soak_seed}) ---",
         verdicts.len(),
@@ -2268,7 +2624,7 @@ fn soak() {
             .filter(|v| v.counts.get(&kind).is_some_and(|n| *n > 0))
             .collect();
         let total: usize = with.iter().map(|v| v.counts[&kind]).sum();
-        let seeds: Vec<String> = with.iter().map(|v| v.seed.to_string()).collect();
+        let seeds: Vec<String> = with.iter().map(|v| named(v.seed)).collect();
         eprintln!(
             "{:<34} {:>5} {:>6}  {}",
             kind.to_string(),
@@ -2278,7 +2634,7 @@ fn soak() {
         );
     }
     for v in &failing {
-        eprintln!("\nseed {}: history {}", v.seed, v.history);
+        eprintln!("\nseed {}: history {}", named(v.seed), v.history);
         for (k, t) in &v.first {
             eprintln!("  first {}: {t}", k.label());
         }
@@ -2310,12 +2666,13 @@ fn soak() {
 
 /// One chaos run of the soak, in a child process: its verdict (an `Other` violation when
 /// the run printed none: it crashed or hung).
-fn soak_run(seed: u64, secs: u64) -> Verdict {
+fn soak_run(seed: u64, secs: u64, topology: Topology) -> Verdict {
     let c = child::spawn_self(
         "chaos",
         &[
             ("REDBATON_SEED", seed.to_string()),
             ("REDBATON_CHAOS_SECS", secs.to_string()),
+            (Topology::ENV, topology.label().to_owned()),
         ],
     );
     // A run lasts its faulty phase plus set-up, calm, children's exit and checks.
