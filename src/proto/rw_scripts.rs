@@ -167,9 +167,25 @@ end
 -- Holds `member` until `now + lease`, and keeps the key that long, no longer than its
 -- longest hold: a key that outlived its holds would stand in the way of a plain lock of
 -- the name (which cannot read holds in a sorted set, and takes the key for another kind).
+-- Its TTL is read after the write: a read refused (an ACL without PTTL) must not fail
+-- the script there, leaving a key just made without a TTL, never to expire; the key then
+-- lives as long as its latest hold.
 local function hold(key, member, now, lease)
   redis.call('ZADD', key, now + lease, member)
-  if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, lease) end
+  local ttl = redis.pcall('PTTL', key)
+  if type(ttl) ~= 'number' then
+    local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    redis.call('PEXPIRE', key, tonumber(last[2]) - now)
+  elseif ttl < lease then
+    redis.call('PEXPIRE', key, lease)
+  end
+end
+-- Lengthens the TTL of `set` (waiting marks or their nonces) to twice `ttl` when shorter;
+-- read after the set's write: a read refused (an ACL without PTTL) sets it, rather than
+-- leaving a set just made without a TTL.
+local function keep_marks(set, ttl)
+  local left = redis.pcall('PTTL', set)
+  if type(left) ~= 'number' or left < ttl then redis.call('PEXPIRE', set, 2 * ttl) end
 end
 -- The live member of `set` (waiting marks scored by expiry) that expires first: the one
 -- renewed least lately, so the one waiting longest; nil if none.
@@ -243,11 +259,8 @@ local function mark(set, member, now, ttl, nonces, nonce, place)
     redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
   end
   local new = redis.call('ZADD', set, place or now + ttl, member) == 1
-  local longer = redis.call('PTTL', set) < ttl
-  if longer then redis.call('PEXPIRE', set, 2 * ttl) end
-  if nonce and tolerate(false, 'ZADD', nonces, nonce, member) then
-    if redis.call('PTTL', nonces) < ttl then redis.call('PEXPIRE', nonces, 2 * ttl) end
-  end
+  keep_marks(set, ttl)
+  if nonce and tolerate(false, 'ZADD', nonces, nonce, member) then keep_marks(nonces, ttl) end
   return new
 end
 ";
@@ -730,6 +743,12 @@ return 0
 static WAITER_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     ending(
         r"
+-- Whether the semaphore has a permit free: no key (every permit), or fewer live holds than
+-- its stored count (the expired ones dropped first).
+local function permit_free(now)
+  local k, stored = load(KEYS[1], now)
+  return k == 'none' or (k == 'sem' and redis.call('ZCARD', KEYS[1]) - 1 < stored)
+end
 local tag = string.sub(ARGV[1], 1, 1)
 local permit = tag == 'p'
 local nonces = KEYS[5]
@@ -760,11 +779,12 @@ if permit then
   -- wake-up goes on to the next one, so that a freed permit is never left for the
   -- re-checks. No nonce: this waiter never marked, or this is the leave sent again after
   -- its first run (whose reply was lost) took both, or a release granted it a permit
-  -- (taking both) that lapsed unused with the key (which goes with its last hold): with
-  -- the key, nothing to pass on, and the next waiter keeps its place; without it, every
-  -- permit is free, and the next waiter is woken, as it would be for the lapsed grant.
+  -- (taking both) that lapsed unused, dropped since by another script, or gone with the
+  -- key (which goes with its last hold), which another holder may have made again. When
+  -- a permit is free, nobody was told of it: the next waiter is woken, as it would be
+  -- for the lapsed grant; else nothing is owed, and the next waiter keeps its place.
   if tolerate(0, 'ZREM', KEYS[2], ARGV[1]) == 0 then
-    if noted or (redis.call('EXISTS', KEYS[1]) == 0 and first_waiting(KEYS[2], now)) then
+    if noted or (permit_free(now) and first_waiting(KEYS[2], now)) then
       wake_first(KEYS[2], ARGV[2], now, true, nonces)
     end
   end

@@ -421,12 +421,14 @@ impl Redis {
         match m.want {
             // A mark a release took to wake it (its nonce, or place, still here): the
             // wake-up goes on. No nonce: it never marked, or this leave ran before, or a
-            // permit granted to it lapsed with the key (which goes with its last hold):
-            // every permit is free, and the next waiter is woken.
+            // permit granted to it lapsed (gone with the key, or dropped by another
+            // attempt): when a permit is free, nobody was told, and the next waiter is
+            // woken.
             Want::Permit
                 if !was_marked
                     && (noted
-                        || (self.holds.is_empty() && first(&self.writers, now).is_some())) =>
+                        || (live(&self.holds, now).count() < usize::from(cfg.permits)
+                            && first(&self.writers, now).is_some())) =>
             {
                 self.wake_first(now, out)
             }
