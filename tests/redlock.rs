@@ -518,20 +518,13 @@ fn majority_killed_gives_no_quorum_quickly() {
 // ---------------------------------------------------------------------------------------
 
 /// Node 4 sits behind a proxy that delays every reply by 5 s. With 300 ms timeouts a
-/// lock()+unlock never waits for the 5 s delay, and the lock is granted by the other 4.
-///
-/// Measured: about 1 s for the first round and 1.3 s for later ones, i.e. 3-4 per-node
-/// timeouts, not one. A round waits for every node, and the slow node costs: the acquire
-/// (a read timeout on a pooled connection, or a connect when the pool is empty: two
-/// timeouts, because redis-rs reads each reply of its 2-command connection-setup pipeline
-/// with the full timeout), then `Node::acquire`'s best-effort release on a fresh connection,
-/// whose connect times out the same way (two more), even when the acquire itself never
-/// left (its connect failed). See the report for the proposed fix.
+/// lock()+unlock never waits for the 5 s delay, and the lock is granted by the other 4:
+/// the first round waits out one read timeout on the slow node, after which its calls
+/// count as stalled and are skipped, so later rounds take a few milliseconds.
 ///
 /// The delayed node did run the first round's acquire script (the delay is on replies
-/// only, and that round had a pooled connection), so it keeps a stray key with that
-/// round's token until its lease runs out: `unlock` releases only on the nodes that
-/// granted. Later rounds never get past the connect, so they leave nothing there.
+/// only), so it may keep a stray key with that round's token until its lease runs out:
+/// the unlock's release there is skipped once the node counts as stalled.
 #[test]
 fn slow_node_does_not_hold_up_acquisition() {
     let servers = server::start_many(5);
@@ -554,17 +547,19 @@ fn slow_node_does_not_hold_up_acquisition() {
             .filter(|s| holder(s, "k").as_deref() == Some(token.as_str()))
             .count();
         assert_eq!(held_on, 4, "round {i}: the 4 fast nodes grant");
-        assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
-        took.push((locked, started.elapsed()));
-        let (stray, ttl) = (holder(&servers[4], "k"), pttl(&servers[4], "k"));
-        eprintln!("round {i}: slow node after unlock holds {stray:?} (pttl {ttl} ms)");
         if i == 0 {
             assert_eq!(
-                stray.as_deref(),
+                holder(&servers[4], "k").as_deref(),
                 Some(token.as_str()),
                 "the script ran there"
             );
         }
+        assert_eq!(guard.unlock().expect("unlock"), Unlocked::Released);
+        took.push((locked, started.elapsed()));
+        // The release reaches the slow node only if it was sent before the node counted
+        // as stalled (the unlock then waits out its read timeout).
+        let (stray, ttl) = (holder(&servers[4], "k"), pttl(&servers[4], "k"));
+        eprintln!("round {i}: slow node after unlock holds {stray:?} (pttl {ttl} ms)");
         if stray.is_some() {
             assert!(ttl > 0 && ttl <= lease.as_millis() as i64, "pttl {ttl}");
         }
