@@ -72,9 +72,11 @@ pub(crate) struct KeyBytes {
 ///   so a name can be a lock and a latch at once;
 /// - `:qn`: the fair queue's nonces: the waiting contenders scored by their latest
 ///   attempt's nonce, which a grant tells them (see `fair_scripts`); for a read-write
-///   lock, its waiting writers' (see `rw_scripts`).
-const SUFFIXES: [&[u8]; 10] = [
-    b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr", b":latch", b":qn",
+///   lock, its waiting writers' (see `rw_scripts`);
+/// - `:wa`: the waiting writers' and permit-seekers' arrivals, the order they are granted
+///   in (see `rw_scripts`).
+const SUFFIXES: [&[u8]; 11] = [
+    b":fence", b":w", b":ev", b":q", b":qx", b":lease", b":ww", b":wr", b":latch", b":qn", b":wa",
 ];
 
 impl PartialEq for Keys {
@@ -196,6 +198,12 @@ impl Keys {
     /// a lock (the lock key has one kind at a time, see [`permit_waiters`](Self::permit_waiters)).
     pub fn writer_nonces(&self) -> &[u8] {
         self.queue_nonce()
+    }
+
+    /// When each of [`writers`](Self::writers) (a read-write lock's waiting writers, or a
+    /// semaphore's permit-seekers) began to wait: the order a release grants them in.
+    pub fn arrivals(&self) -> &[u8] {
+        self.suffixed(10)
     }
 
     /// The name for log lines.
@@ -456,6 +464,7 @@ mod tests {
                 assert_eq!(name_of_key(p, k.queue()), Some((name, &b":q"[..])));
                 assert_eq!(name_of_key(p, k.queue_nonce()), Some((name, &b":qn"[..])));
                 assert_eq!(name_of_key(p, k.writers()), Some((name, &b":ww"[..])));
+                assert_eq!(name_of_key(p, k.arrivals()), Some((name, &b":wa"[..])));
             }
         }
         assert_eq!(name_of_key(b"p:", b"p:{a}:other"), None);

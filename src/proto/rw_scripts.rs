@@ -33,6 +33,19 @@
 //! that will wait marks its member, each attempt renews the mark, a permit won takes it
 //! out.
 //!
+//! `p{n}:wa` orders the waiting writers and permit-seekers by arrival: a wait's first mark
+//! adds its member, scored by the server's time, and its renewals keep that score
+//! (`ZADD NX`), so a waiter that re-checks, however often, keeps its place, and a waiter
+//! whose re-check interval (so its mark's TTL) is longer is not passed by the ones with a
+//! shorter one, as it would be in the order of expiry. A release grants (or wakes) the
+//! member with a live mark that came first; arrivals whose mark expired or went are
+//! dropped on the way. A member leaves `…:wa` whenever its mark leaves `…:ww` for good
+//! (a hold won or granted, a leave, an expired mark dropped); a wake-up that takes a
+//! permit-seeker's mark keeps its arrival. Marks of an older version of the library,
+//! which records no arrival, are granted in the order of expiry when no arrival has a live
+//! mark. `…:wa` is kept as long as the marks, and tolerated as they are when it holds a
+//! value of another type (the order of expiry then).
+//!
 //! On the library's channel a release says `r` (a waiter may get in), `g<member>:0`, a
 //! wake-up for one waiter alone (nothing is reserved: its next attempt takes what is free
 //! as any would, and marks itself again if it fails: a permit-seeker in the place its
@@ -41,7 +54,7 @@
 //!
 //! When the last hold of a read-write lock ends (a release, or a waiter leaving with a
 //! grant it never used) and writers wait, the write hold is *granted* to the writer waiting
-//! longest, in the same script: its member is held for the grant lease, the counter issues
+//! longest (the first to arrive), in the same script: its member is held for the grant lease, the counter issues
 //! its fence, its mark goes, and the message carries the nonce of its latest attempt
 //! (stored with its mark in `p{n}:qn`, the fair queue's set of nonces, which a name of this
 //! kind has free). When no writer waits, every reader marked waiting is granted a read hold
@@ -134,6 +147,7 @@ impl Want {
 /// count low: each call below is one Redis command, and scripts run on the server's one
 /// thread.
 const PRELUDE: &str = r"
+local MARK_CHUNK = 64
 -- The server's clock in milliseconds: the holds' expiries are scored in it. The same
 -- reading as a fence issued by the same script (see CLOCK_FN).
 local function now_ms()
@@ -188,18 +202,49 @@ local function keep_marks(set, ttl)
   if type(left) ~= 'number' or left < ttl then redis.call('PEXPIRE', set, 2 * ttl) end
 end
 -- The live member of `set` (waiting marks scored by expiry) that expires first: the one
--- renewed least lately, so the one waiting longest; nil if none.
+-- renewed least lately; nil if none. Whether anyone waits; the order of waiters marked
+-- by an older version of the library, which records no arrival (see `first_arrived`).
 local function first_waiting(set, now)
   return tolerate({}, 'ZRANGEBYSCORE', set, now + 1, '+inf', 'LIMIT', 0, 1)[1]
+end
+-- The member of `set` with a live mark that came first by `arrivals` (each waiter's first
+-- mark of its wait, by server time, kept by its re-marks), and its mark's expiry: the one
+-- waiting longest, whatever its re-check interval; nil when no arrival has a live mark
+-- (none waits, or only waiters of an older version, marked in `set` alone: the caller
+-- falls back to `first_waiting`'s order). Arrivals whose mark expired or went (a crashed
+-- waiter's, or one granted by an older version) are dropped on the way, at most
+-- MARK_CHUNK a call; one whose mark a wake-up took keeps its place while the mark it had
+-- would have lived (its nonce, negated, see `wake_first`): its next attempt marks it again.
+local function first_arrived(set, arrivals, nonces, now)
+  local at = 0
+  for _ = 1, MARK_CHUNK do
+    local a = tolerate({}, 'ZRANGE', arrivals, at, at)[1]
+    if not a then return nil end
+    local s = tolerate(false, 'ZSCORE', set, a)
+    if s and tonumber(s) > now then return a, tonumber(s) end
+    local woken = not s and nonces and tonumber(tolerate(false, 'ZSCORE', nonces, a) or 0)
+    if woken and -woken > now then
+      at = at + 1
+    else
+      redis.call('ZREM', arrivals, a)
+    end
+  end
+  return nil
+end
+-- The live member of `set` waiting longest: by `arrivals` when given and live, else the
+-- one whose mark expires first.
+local function longest_waiting(set, now, arrivals, nonces)
+  return arrivals and first_arrived(set, arrivals, nonces, now) or first_waiting(set, now)
 end
 -- Wakes the member of `set` waiting longest alone (`g<member>:0`) and, when `take`, takes
 -- its mark out, so that the next wake-up goes to the next one; `r` (whoever waits) when
 -- no mark is live, or there is no `set`. With `nonces`, a mark taken leaves its expiry
--- in place of its nonce (negated: nonces are positive), unused until its next attempt:
--- should that fail, the waiter is marked again in the place it had, not behind the
--- waiters that came after it (see `SEM_ACQUIRE`).
-local function wake_first(set, channel, now, take, nonces)
-  local w = set and first_waiting(set, now)
+-- in place of its nonce (negated: nonces are positive), unused until its next attempt,
+-- and its arrival stays: the waiter keeps its place (see `first_arrived`), and a leave
+-- learns it was woken (see `WAITER_LEAVE`); should its next attempt fail, it is marked
+-- again (waiters of an older version: with the expiry it had, see `SEM_ACQUIRE`).
+local function wake_first(set, channel, now, take, nonces, arrivals)
+  local w = set and longest_waiting(set, now, arrivals, nonces)
   if not w then
     publish(channel, 'r')
     return
@@ -212,15 +257,18 @@ local function wake_first(set, channel, now, take, nonces)
   end
   publish(channel, 'g' .. w .. ':0')
 end
-local MARK_CHUNK = 64
 -- The first live mark of `set` whose kind (its first letter) `grantable` accepts, and
 -- when it expires; the marks before it (at most MARK_CHUNK: past them, the first one
 -- left) are woken on `channel` with a grant of nonce 0, whose attempt finds what is
 -- wrong, and taken out with their nonces, so that the waiters behind them are not left
 -- for their re-checks. `strict`: an attempt's read before it writes, which a set of
--- another type fails (see `SETS_FN`).
-local function first_grantable(set, nonces, now, channel, grantable, strict)
+-- another type fails (see `SETS_FN`). With `arrivals`, by arrival (see `first_arrived`),
+-- and the marks passed over leave it too.
+local function first_grantable(set, nonces, now, channel, grantable, strict, arrivals)
   local function first()
+    local a, until_ = nil, nil
+    if arrivals then a, until_ = first_arrived(set, arrivals, nonces, now) end
+    if a then return {a, until_} end
     if strict then
       return redis.call('ZRANGEBYSCORE', set, now + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     end
@@ -231,6 +279,7 @@ local function first_grantable(set, nonces, now, channel, grantable, strict)
   while w[1] and not grantable(string.sub(w[1], 1, 1)) and skipped < MARK_CHUNK do
     redis.call('ZREM', set, w[1])
     tolerate(0, 'ZREM', nonces, w[1])
+    if arrivals then tolerate(0, 'ZREM', arrivals, w[1]) end
     publish(channel, 'g' .. w[1] .. ':0')
     skipped = skipped + 1
     w = first()
@@ -245,21 +294,29 @@ end
 -- stored as `member`'s latest attempt's: the one a grant tells it. The nonces live at
 -- least as long as this mark: their key's TTL, like the set's, is only ever lengthened
 -- (marks of another set, or of another TTL, share it; a key re-made by ZADD has none).
+-- With `arrivals` (waiting writers and permit-seekers), `member`'s arrival is recorded
+-- there at its wait's first mark, and kept by the marks after it (`NX`): the order a
+-- release grants in (see `first_arrived`); the expired marks leave it too, and it lives as
+-- long as the marks.
 -- Returns whether `member` was not marked before. `set` is read (or cleaned) first with
 -- `redis.call`: a set of another type fails the attempt before `mark` writes; `nonces`
--- are hints (see `SETS_FN`).
-local function mark(set, member, now, ttl, nonces, nonce, place)
+-- and `arrivals` are hints (see `SETS_FN`).
+local function mark(set, member, now, ttl, nonces, nonce, place, arrivals)
   if nonces then
     local dead = redis.call('ZRANGEBYSCORE', set, '-inf', now, 'LIMIT', 0, MARK_CHUNK)
     if #dead > 0 then
       redis.call('ZREM', set, unpack(dead))
       tolerate(0, 'ZREM', nonces, unpack(dead))
+      if arrivals then tolerate(0, 'ZREM', arrivals, unpack(dead)) end
     end
   else
     redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
   end
   local new = redis.call('ZADD', set, place or now + ttl, member) == 1
   keep_marks(set, ttl)
+  if arrivals and tolerate(false, 'ZADD', arrivals, 'NX', now, member) then
+    keep_marks(arrivals, ttl)
+  end
   if nonce and tolerate(false, 'ZADD', nonces, nonce, member) then keep_marks(nonces, ttl) end
   return new
 end
@@ -306,11 +363,13 @@ local function grant_holds(members, now, ms)
   redis.call('PEXPIRE', KEYS[1], ms)
 end
 -- The nonces of `members`' latest attempts (nil when lost or unknown), taken out of
--- `nonces` with their marks of `set`. Read after the grant's holds were written: a read
--- refused (an ACL without ZMSCORE) leaves them unknown: the grants go out as wake-ups,
--- whose attempts find the holds theirs, rather than the release failing half-way.
-local function take_nonces(set, nonces, members, lost)
+-- `nonces` with their marks of `set` (and their arrivals, when `arrivals`). Read after the
+-- grant's holds were written: a read refused (an ACL without ZMSCORE) leaves them
+-- unknown: the grants go out as wake-ups, whose attempts find the holds theirs, rather
+-- than the release failing half-way.
+local function take_nonces(set, nonces, members, lost, arrivals)
   redis.call('ZREM', set, unpack(members))
+  if arrivals then tolerate(0, 'ZREM', arrivals, unpack(members)) end
   local found = redis.pcall('ZMSCORE', nonces, unpack(members))
   tolerate(0, 'ZREM', nonces, unpack(members))
   if lost or found.err then return {} end
@@ -330,7 +389,7 @@ local function grant_first(now, released)
   -- when the name was a semaphore (its attempt finds the other kind).
   local w = first_grantable(KEYS[2], KEYS[5], now, ARGV[2], function(kind)
     return kind ~= 'u' and kind ~= 'p'
-  end)
+  end, false, KEYS[6])
   if not w then
     -- No writer waits: the readers that marked themselves waiting get read holds, in
     -- one call each for all of them (an upgradable read, or a waiter with no mark, is
@@ -352,7 +411,8 @@ local function grant_first(now, released)
     return #readers > 0, false
   end
   if string.sub(w, 1, 1) ~= 'w' then
-    wake_first(KEYS[2], ARGV[2], now, false)
+    -- A member of no kind a script writes (an operator's edit): woken, as it came first.
+    publish(ARGV[2], 'g' .. w .. ':0')
     return false, false
   end
   -- After a write hold released, the writer granted is told nothing was lost (the counter
@@ -367,7 +427,7 @@ local function grant_first(now, released)
     return false, false
   end
   grant_holds({w}, now, grant_ms)
-  tell_grant(w, take_nonces(KEYS[2], KEYS[5], {w}, lost)[1], fence, grant_ms)
+  tell_grant(w, take_nonces(KEYS[2], KEYS[5], {w}, lost, KEYS[6])[1], fence, grant_ms)
   return true, true
 end
 -- Keeps the key, whose holds `left` are live, as long as its longest live hold, no longer
@@ -379,21 +439,22 @@ local function fit(left, now)
   redis.call('PEXPIRE', KEYS[1], tonumber(last[2]) - now)
 end
 -- A permit freed: granted to the permit-seeker waiting longest (KEYS[2] its mark, KEYS[3]
--- the nonces), held for the grant lease, when the semaphore has a permit free (its count
--- is the kind member's); else, or without the sets (the narrow call), the wake-up of old.
+-- the nonces, KEYS[4] the arrivals), held for the grant lease, when the semaphore has a
+-- permit free (its count is the kind member's); else, or without the sets (the narrow
+-- call), the wake-up of old.
 local function grant_permit(now)
   -- A mark of another kind's waiter (a writer left waiting when the name became a
   -- semaphore) is never granted a permit: it would take the permit for its own hold, with
   -- the count for a fence. It is woken and passed over.
   local w = KEYS[3] and first_grantable(KEYS[2], KEYS[3], now, ARGV[2], function(kind)
     return kind == 'p'
-  end)
+  end, false, KEYS[4])
   local sem = w and string.sub(w, 1, 1) == 'p' and redis.call('ZSCORE', KEYS[1], '#sem')
   -- Counted after the ended hold was taken out: a count refused (an ACL without ZCOUNT)
   -- wakes the waiter, whose attempt takes the free permit, rather than failing half-way.
   local live = sem and redis.pcall('ZCOUNT', KEYS[1], now + 1, '+inf')
   if not sem or type(live) ~= 'number' or live >= -tonumber(sem) then
-    wake_first(KEYS[2], ARGV[2], now, true, KEYS[3])
+    wake_first(KEYS[2], ARGV[2], now, true, KEYS[3], KEYS[4])
     return false
   end
   local grant_ms = tonumber(ARGV[4])
@@ -403,7 +464,7 @@ local function grant_permit(now)
   fit({w}, now)
   -- The count where a write grant's fence would be: a waiter that asked for another
   -- count takes the grant for a wake-up, and its attempt is told of the mismatch.
-  tell_grant(w, take_nonces(KEYS[2], KEYS[3], {w}, false)[1], -tonumber(sem), grant_ms)
+  tell_grant(w, take_nonces(KEYS[2], KEYS[3], {w}, false, KEYS[4])[1], -tonumber(sem), grant_ms)
   return true
 end
 local function pass_on(ended, now, released)
@@ -412,7 +473,7 @@ local function pass_on(ended, now, released)
   local left = redis.call('ZRANGEBYSCORE', KEYS[1], now + 1, '+inf', 'LIMIT', 0, 2)
   fit(left, now)
   if permit then
-    -- The waiter waiting longest: its mark is the oldest renewed, and goes (the next
+    -- The waiter waiting longest: the first to arrive, whose mark goes (the next
     -- release grants to, or wakes, the next one).
     if not grant_permit(now) and not left[1] then redis.call('DEL', KEYS[1]) end
     return
@@ -460,7 +521,8 @@ fn ending(body: &str) -> Lua {
 /// Read, write or upgradable read hold, idempotently (a retry with the same member
 /// refreshes its lease).
 ///
-/// KEYS: lock, fence, waiting writers, waiting readers, writer nonces. ARGV: `r`, `w` or
+/// KEYS: lock, fence, waiting writers, waiting readers, writer nonces, waiting writers'
+/// arrivals. ARGV: `r`, `w` or
 /// `u`, member, lease ms, waiting mark TTL ms (0: the caller will not wait), the fence
 /// counter's TTL ms, the attempt's nonce (a waiting writer's is stored with its mark, and
 /// told by a grant, see [`PASS_ON`]), `1` if an earlier attempt of the same wait may have
@@ -551,12 +613,13 @@ elseif not first then
   take()
   if ARGV[7] == '1' and tolerate(0, 'ZREM', KEYS[3], ARGV[2]) == 1 then
     tolerate(0, 'ZREM', KEYS[5], ARGV[2])
+    tolerate(0, 'ZREM', KEYS[6], ARGV[2])
   end
   return {1, fence, others(), after_lost and 1 or 0}
 elseif waits then
   -- A writer that begins to wait is heard by the processes that hold read holds: they
   -- give them back at once (a process that missed it learns at its next budget check).
-  if mark(KEYS[3], ARGV[2], now, tonumber(ARGV[4]), KEYS[5], ARGV[6]) then
+  if mark(KEYS[3], ARGV[2], now, tonumber(ARGV[4]), KEYS[5], ARGV[6], nil, KEYS[6]) then
     publish(ARGV[8], 'c' .. ARGV[9])
   end
 end
@@ -569,7 +632,8 @@ return {0, until_ - now}
 /// Turns the upgradable hold into the write hold once it is the only hold, idempotently
 /// (a retry whose earlier attempt upgraded finds the write hold and refreshes its lease).
 ///
-/// KEYS: lock, fence, waiting writers, writer nonces (the marks that expired drop theirs).
+/// KEYS: lock, fence, waiting writers, writer nonces (the marks that expired drop theirs),
+/// waiting writers' arrivals.
 /// ARGV: the upgradable member, the write member (the same token), lease ms, waiting mark TTL ms (0: the caller will not wait), the fence
 /// counter's TTL ms. Returns `{1, fence, 0, after lost}` (the write hold is ours, with a
 /// fence of its own, as any write hold's, and whether the write hold before it ended
@@ -602,9 +666,10 @@ if #two == 2 then
   redis.call('ZREM', KEYS[1], ARGV[1])
   hold(KEYS[1], ARGV[2], now, lease)
   tolerate(0, 'ZREM', KEYS[3], ARGV[1])
+  tolerate(0, 'ZREM', KEYS[5], ARGV[1])
   return {1, fence, 0, after_lost and 1 or 0}
 end
-if ARGV[4] ~= '0' then mark(KEYS[3], ARGV[1], now, tonumber(ARGV[4]), KEYS[4]) end
+if ARGV[4] ~= '0' then mark(KEYS[3], ARGV[1], now, tonumber(ARGV[4]), KEYS[4], nil, nil, KEYS[5]) end
 local other = two[2]
 if two[1] == ARGV[1] then other = two[4] end
 return {0, tonumber(other) - now}
@@ -645,8 +710,8 @@ return 1
 
 /// One permit, idempotently.
 ///
-/// KEYS: lock, and the waiting permit-seekers and their nonces when the caller waits or
-/// waited (see `Keys::permit_waiters`; a call without them names one key, which a Redis
+/// KEYS: lock, and the waiting permit-seekers, their nonces and their arrivals when the
+/// caller waits or waited (see `Keys::permit_waiters`; a call without them names one key, which a Redis
 /// Cluster slot half-way through a migration still serves). ARGV: member, lease ms,
 /// permits, waiting mark TTL ms (0: the caller will not wait), the attempt's nonce (stored
 /// with its mark, and told by a grant of a permit, see [`PASS_ON`]). Returns `{1, 0}`, `{0, ms until the earliest
@@ -670,21 +735,24 @@ if first then n = redis.call('ZCARD', KEYS[1]) - 1 end
 if n < permits or (first and redis.call('ZSCORE', KEYS[1], ARGV[1])) then
   if not first then redis.call('ZADD', KEYS[1], -permits, '#sem') end
   hold(KEYS[1], ARGV[1], now, tonumber(ARGV[2]))
-  -- Its mark, and its nonce, which outlives the mark a wake-up took.
+  -- Its mark, and its nonce and arrival, which outlive the mark a wake-up took.
   if KEYS[2] then
     tolerate(0, 'ZREM', KEYS[2], ARGV[1])
     tolerate(0, 'ZREM', KEYS[3], ARGV[1])
+    tolerate(0, 'ZREM', KEYS[4], ARGV[1])
   end
   return {1, 0}
 end
 if KEYS[2] and ARGV[4] ~= '0' then
   -- Woken with no permit to take, its mark taken and its expiry left with its nonce (see
-  -- `wake_first`): it is marked again in the place it had, while that mark would live
-  -- past its next attempt (due within half a mark's TTL, its re-check interval).
+  -- `wake_first`): it is marked again with the expiry it had, while that mark would live
+  -- past its next attempt (due within half a mark's TTL, its re-check interval), so that
+  -- a release of an older version of the library, which orders marks by expiry, finds it
+  -- in its place; its arrival, which orders them here, was kept.
   local kept = -tonumber(tolerate(false, 'ZSCORE', KEYS[3], ARGV[1]) or 0)
   local place = nil
   if kept > now + tonumber(ARGV[4]) / 2 then place = kept end
-  mark(KEYS[2], ARGV[1], now, tonumber(ARGV[4]), KEYS[3], ARGV[5], place)
+  mark(KEYS[2], ARGV[1], now, tonumber(ARGV[4]), KEYS[3], ARGV[5], place, KEYS[4])
 end
 return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 ")
@@ -692,9 +760,10 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 
 /// Ends a hold.
 ///
-/// KEYS: lock; for a permit, the waiting permit-seekers and their nonces (left out by the
-/// narrower form of the call, see `Node::release_shared`); for a read-write lock its waiting writers and
-/// readers, its fence counter and its writer nonces. ARGV: member, the library's channel,
+/// KEYS: lock; for a permit, the waiting permit-seekers, their nonces and their arrivals
+/// (left out by the narrower form of the call, see `Node::release_shared`); for a
+/// read-write lock its waiting writers and readers, its fence counter, its writer nonces
+/// and the writers' arrivals. ARGV: member, the library's channel,
 /// the holder's fence (a write hold's, see `end_fence` of `END_FENCE_FN`; `0` for other
 /// holds, or a write attempt nobody used), the grant lease ms, the fence counter's TTL
 /// ms, the publish mode. Returns 1 released, 0 the hold had expired or was gone, −1 the
@@ -737,8 +806,8 @@ return 0
 /// before it was taken is passed on too: nobody else was told it is free.
 ///
 /// KEYS and ARGV: those of [`SHARED_RELEASE`] (the fence is unused): for a read-write lock
-/// lock, writers, readers, fence counter, nonces; for a semaphore lock, permit-seekers,
-/// nonces.
+/// lock, writers, readers, fence counter, nonces, arrivals; for a semaphore lock,
+/// permit-seekers, nonces, arrivals.
 /// Returns 2 a grant to it was passed on, 0 otherwise, −1 the key is another kind of lock.
 static WAITER_LEAVE: LazyLock<Lua> = LazyLock::new(|| {
     ending(
@@ -751,12 +820,14 @@ local function permit_free(now)
 end
 local tag = string.sub(ARGV[1], 1, 1)
 local permit = tag == 'p'
-local nonces = KEYS[5]
-if permit then nonces = KEYS[3] end
+local nonces, arrivals = KEYS[5], KEYS[6]
+if permit then nonces, arrivals = KEYS[3], KEYS[4] end
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
--- The narrower call names the lock key alone (see `pass_on`): the mark and nonce expire.
+-- The narrower call names the lock key alone (see `pass_on`): the mark, nonce and arrival
+-- expire.
 local noted = nonces and tolerate(0, 'ZREM', nonces, ARGV[1]) == 1
+if arrivals then tolerate(0, 'ZREM', arrivals, ARGV[1]) end
 local now = now_ms()
 if s and tonumber(s) > now then
   redis.call('ZREM', KEYS[1], ARGV[1])
@@ -785,7 +856,7 @@ if permit then
   -- for the lapsed grant; else nothing is owed, and the next waiter keeps its place.
   if tolerate(0, 'ZREM', KEYS[2], ARGV[1]) == 0 then
     if noted or (permit_free(now) and first_waiting(KEYS[2], now)) then
-      wake_first(KEYS[2], ARGV[2], now, true, nonces)
+      wake_first(KEYS[2], ARGV[2], now, true, nonces, arrivals)
     end
   end
   return 0
@@ -856,11 +927,14 @@ return 1
 ")
 });
 
-/// A waiter gives up: removes its mark, and (a writer's) wakes the readers it held back.
+/// A waiter gives up: removes its mark (and a writer's arrival), and (a writer's) wakes
+/// the readers it held back.
 ///
-/// KEYS: waiting writers or readers. ARGV: member, the library's channel, the publish mode.
+/// KEYS: waiting writers and their arrivals, or waiting readers. ARGV: member, the
+/// library's channel, the publish mode.
 static WAITER_UNMARK: LazyLock<Lua> = LazyLock::new(|| {
     lua(r"
+if KEYS[2] then tolerate(0, 'ZREM', KEYS[2], ARGV[1]) end
 if tolerate(0, 'ZREM', KEYS[1], ARGV[1]) == 1 then publish(ARGV[2], 'r') end
 return 0
 ")
@@ -898,12 +972,13 @@ impl Node {
                 // Tags are ASCII: one byte each.
                 let tag = [want.tag() as u8];
                 let call = |clear: bool| {
-                    let mut call = RW_ACQUIRE.call(5);
+                    let mut call = RW_ACQUIRE.call(6);
                     call.arg(keys.lock())
                         .arg(keys.fence())
                         .arg(keys.writers())
                         .arg(keys.readers())
                         .arg(keys.writer_nonces())
+                        .arg(keys.arrivals())
                         .arg(&tag[..])
                         .arg(member)
                         .arg(lease_ms)
@@ -928,10 +1003,12 @@ impl Node {
                 // The waiting set only when the attempt may mark or unmark: a `try_acquire`
                 // names one key. A permit won always takes its own mark out.
                 let marks = at.mark_ttl.is_some() || at.clear;
-                let mut call = SEM_ACQUIRE.call(if marks { 3 } else { 1 });
+                let mut call = SEM_ACQUIRE.call(if marks { 4 } else { 1 });
                 call.arg(keys.lock());
                 if marks {
-                    call.arg(keys.permit_waiters()).arg(keys.writer_nonces());
+                    call.arg(keys.permit_waiters())
+                        .arg(keys.writer_nonces())
+                        .arg(keys.arrivals());
                 }
                 call.arg(member)
                     .arg(lease_ms)
@@ -948,11 +1025,12 @@ impl Node {
     /// [`Error::Lost`] when the upgradable hold is gone.
     pub fn upgrade_shared(&self, at: SharedAttempt<'_>) -> Result<Attempt> {
         let (keys, member) = (at.keys, at.member);
-        let mut call = RW_UPGRADE.call(4);
+        let mut call = RW_UPGRADE.call(5);
         call.arg(keys.lock())
             .arg(keys.fence())
             .arg(keys.writers())
             .arg(keys.writer_nonces())
+            .arg(keys.arrivals())
             .arg(member)
             .arg(Want::Write.member_like(member))
             .arg(millis(at.lease))
@@ -1039,8 +1117,8 @@ impl Node {
         let permit = member.starts_with(Want::Permit(0).tag());
         let mut call = script.call(match (permit, waiters) {
             (_, false) => 1,
-            (true, true) => 3,
-            (false, true) => 5,
+            (true, true) => 4,
+            (false, true) => 6,
         });
         call.arg(keys.lock());
         if waiters {
@@ -1081,16 +1159,19 @@ impl Node {
     }
 
     /// The keys after the lock key of the scripts that end a hold (see `SHARED_RELEASE`):
-    /// a semaphore's waiting permit-seekers and their nonces; a read-write lock's writers,
-    /// readers, fence counter and nonces.
+    /// a semaphore's waiting permit-seekers, their nonces and arrivals; a read-write lock's
+    /// writers, readers, fence counter, nonces and writers' arrivals.
     fn waiter_keys(&self, call: &mut Cmd, keys: &Keys, permit: bool) {
         if permit {
-            call.arg(keys.permit_waiters()).arg(keys.writer_nonces());
+            call.arg(keys.permit_waiters())
+                .arg(keys.writer_nonces())
+                .arg(keys.arrivals());
         } else {
             call.arg(keys.writers())
                 .arg(keys.readers())
                 .arg(keys.fence())
-                .arg(keys.writer_nonces());
+                .arg(keys.writer_nonces())
+                .arg(keys.arrivals());
         }
     }
 
@@ -1175,14 +1256,14 @@ impl Node {
         write: bool,
         deadline: Option<Instant>,
     ) -> Result<()> {
-        let (script, set) = if write {
-            (&*WAITER_UNMARK, keys.writers())
+        let script = &*WAITER_UNMARK;
+        let mut call = script.call(if write { 2 } else { 1 });
+        if write {
+            call.arg(keys.writers()).arg(keys.arrivals());
         } else {
-            (&*WAITER_UNMARK, keys.readers())
-        };
-        let mut call = script.call(1);
-        call.arg(set)
-            .arg(member)
+            call.arg(keys.readers());
+        }
+        call.arg(member)
             .arg(keys.channel())
             .arg(self.publish_mode(deadline)?);
         self.run_script::<i64>(script, &call, Retry::ON_RESET, deadline)?;

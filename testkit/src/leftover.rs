@@ -12,6 +12,7 @@
 //! | `L:w` | a failed non-fair acquire that waits (the contention mark) | the mark TTL |
 //! | `L:q`, `L:qx`, `L:qn` | the fair queue | see [`KeyPolicy::queue`] |
 //! | `L:ww`, `L:wr` | waiting writers and readers of a read-write lock | twice the mark TTL |
+//! | `L:wa` | the arrivals of the waiting writers or permit-seekers | twice the mark TTL |
 //!
 //! The mark TTL is twice the client's re-check interval (a waiter renews its mark at each
 //! attempt, and attempts at least that often); so is a fair queue entry's.
@@ -47,6 +48,8 @@ pub enum KeyKind {
     WaitingWriters,
     /// `L:wr`: readers waiting for a read-write lock.
     WaitingReaders,
+    /// `L:wa`: when each waiting writer or permit-seeker came.
+    WaitingArrivals,
 }
 
 impl KeyKind {
@@ -62,11 +65,12 @@ impl KeyKind {
             KeyKind::QueueNonce => ":qn",
             KeyKind::WaitingWriters => ":ww",
             KeyKind::WaitingReaders => ":wr",
+            KeyKind::WaitingArrivals => ":wa",
         }
     }
 
     /// Every kind the library writes.
-    pub const ALL: [KeyKind; 9] = [
+    pub const ALL: [KeyKind; 10] = [
         KeyKind::Lock,
         KeyKind::Fence,
         KeyKind::LeaseRecord,
@@ -76,6 +80,7 @@ impl KeyKind {
         KeyKind::QueueNonce,
         KeyKind::WaitingWriters,
         KeyKind::WaitingReaders,
+        KeyKind::WaitingArrivals,
     ];
 }
 
@@ -133,7 +138,9 @@ impl KeyPolicy {
             KeyKind::Fence => self.fence,
             KeyKind::Mark => Allowed::Within(self.mark_ttl),
             KeyKind::Queue | KeyKind::QueueExpiry | KeyKind::QueueNonce => self.queue,
-            KeyKind::WaitingWriters | KeyKind::WaitingReaders => Allowed::Within(self.mark_ttl * 2),
+            KeyKind::WaitingWriters | KeyKind::WaitingReaders | KeyKind::WaitingArrivals => {
+                Allowed::Within(self.mark_ttl * 2)
+            }
         }
     }
 }

@@ -119,6 +119,10 @@ pub struct Redis {
     /// `…:qn`: the nonce of each marked waiter's latest attempt, or the place a woken
     /// permit-seeker's mark had.
     pub nonces: Vec<(Member, Noted)>,
+    /// `…:wa`: the members of `…:ww` in the order they came (their wait's first mark,
+    /// `ZADD NX`, kept by their re-marks): the order a release grants in. Only the order
+    /// is kept: the library's scores are server times, and two arrivals never tie here.
+    pub arrivals: Vec<Member>,
     /// The fence counter: the last fence issued (to a write hold).
     pub fence: u8,
 }
@@ -152,6 +156,44 @@ fn first(set: &[Entry], now: u8) -> Option<Entry> {
 }
 
 impl Redis {
+    /// The expiry of the mark a wake-up took from `m`, kept with its nonce.
+    fn place(&self, m: Member) -> Option<u8> {
+        self.nonces.iter().find_map(|&(x, n)| match n {
+            Noted::Place(exp) if x == m => Some(exp),
+            _ => None,
+        })
+    }
+
+    /// `first_arrived`: the live mark of `…:ww` that came first by `…:wa`; the arrivals
+    /// whose mark expired or went are dropped on the way, but for a woken permit-seeker's
+    /// while the mark it had would live (it keeps its place until its next attempt).
+    fn first_arrived(&mut self, now: u8) -> Option<Entry> {
+        let mut at = 0;
+        while let Some(&a) = self.arrivals.get(at) {
+            match score(&self.writers, a) {
+                Some(exp) if exp > now => return Some(Entry { member: a, exp }),
+                None if self.place(a).is_some_and(|exp| exp > now) => at += 1,
+                _ => {
+                    self.arrivals.remove(at);
+                }
+            }
+        }
+        None
+    }
+
+    /// The waiting writer or permit-seeker waiting longest: by arrival, else (marks with
+    /// no arrival, an older library's) the one whose mark expires first.
+    fn longest_waiting(&mut self, now: u8) -> Option<Entry> {
+        self.first_arrived(now)
+            .or_else(|| first(&self.writers, now))
+    }
+
+    /// `m`'s mark of `…:ww` and its arrival go.
+    fn unmark_writer(&mut self, m: Member) -> bool {
+        self.arrivals.retain(|&x| x != m);
+        zrem(&mut self.writers, m)
+    }
+
     /// Time reached `now`: what expired reads score 0.
     pub fn expire(&mut self, now: u8) {
         for set in [&mut self.holds, &mut self.writers, &mut self.readers] {
@@ -167,6 +209,17 @@ impl Redis {
                 *exp = 0;
             }
         }
+        // An arrival whose mark expired, with no place a wake-up keeps for it, is read as
+        // none (`first_arrived` and `mark` drop it): dropped now, so that states that
+        // differ in it alone are one.
+        let arrivals = std::mem::take(&mut self.arrivals);
+        self.arrivals = arrivals
+            .into_iter()
+            .filter(|&a| {
+                score(&self.writers, a).is_some_and(|exp| exp > 0)
+                    || self.place(a).is_some_and(|exp| exp > 0)
+            })
+            .collect();
         // A semaphore's key goes with its last live hold (its TTL is its longest hold's):
         // the expired holds go with it.
         if self
@@ -203,7 +256,7 @@ impl Redis {
             Op::Upgrade { m, waits } => self.upgrade(cfg, now, m, waits),
             Op::Downgrade { m } => Answer::Done(self.downgrade(cfg, now, m, &mut out)),
             Op::Unmark { m } => {
-                let marked = zrem(&mut self.writers, m);
+                let marked = self.unmark_writer(m);
                 if marked {
                     out.push(Publish::Free);
                 }
@@ -268,7 +321,7 @@ impl Redis {
                 self.fence += 1;
                 zrem(&mut self.holds, m);
                 zadd(&mut self.holds, w, now + cfg.lease);
-                zrem(&mut self.writers, m);
+                self.unmark_writer(m);
                 Answer::Won { fence: self.fence }
             }
         }
@@ -299,9 +352,11 @@ impl Redis {
         self.mark_at(now, set, m, now + cfg.mark_ttl(), nonce);
     }
 
-    /// `mark` with `place`: marks `m` waiting until `exp`.
-    fn mark_at(&mut self, now: u8, set: Set, m: Member, exp: u8, nonce: Option<u8>) {
-        let set = match set {
+    /// `mark` with `place`: marks `m` waiting until `exp`; a waiting writer or
+    /// permit-seeker's arrival is recorded at its first mark (the marks that expired
+    /// leave the arrivals too).
+    fn mark_at(&mut self, now: u8, which: Set, m: Member, exp: u8, nonce: Option<u8>) {
+        let set = match which {
             Set::Writers => &mut self.writers,
             Set::Readers => &mut self.readers,
         };
@@ -313,6 +368,12 @@ impl Redis {
         set.retain(|e| e.exp > now);
         zadd(set, m, exp);
         self.nonces.retain(|(x, _)| !dead.contains(x) && *x != m);
+        if which == Set::Writers {
+            self.arrivals.retain(|x| !dead.contains(x));
+            if !self.arrivals.contains(&m) {
+                self.arrivals.push(m);
+            }
+        }
         if let Some(nonce) = nonce {
             self.nonces.push((m, Noted::Nonce(nonce)));
             self.nonces.sort_unstable();
@@ -323,6 +384,7 @@ impl Redis {
     fn unmark(&mut self, m: Member, clear: bool) {
         if clear && zrem(self.marks(m.want), m) {
             self.take_nonce(m);
+            self.arrivals.retain(|&x| x != m);
         }
     }
 
@@ -380,20 +442,17 @@ impl Redis {
                 let n = live(&self.holds, now).count();
                 if n < usize::from(cfg.permits) || mine {
                     zadd(&mut self.holds, m, now + cfg.lease);
-                    // Its mark, and its nonce or place, which outlives the mark a wake-up
-                    // took.
-                    zrem(&mut self.writers, m);
+                    // Its mark, and its nonce or place and arrival, which outlive the
+                    // mark a wake-up took.
+                    self.unmark_writer(m);
                     self.take_nonce(m);
                     return Answer::Won { fence: 0 };
                 }
-                // Woken with no permit to take (its mark taken, its place kept): marked
-                // again in the place it had while that outlives its next attempt (half a
-                // mark's TTL, its re-check), else at the back.
-                let kept = self.nonces.iter().find_map(|&(x, n)| match n {
-                    Noted::Place(exp) if x == m => Some(exp),
-                    _ => None,
-                });
-                let exp = kept
+                // Woken with no permit to take (its mark taken, its place and arrival
+                // kept): marked again with the expiry it had while that outlives its next
+                // attempt (half a mark's TTL, its re-check), else a mark's TTL ahead.
+                let exp = self
+                    .place(m)
                     .filter(|&exp| exp > now + cfg.mark_ttl() / 2)
                     .unwrap_or(now + cfg.mark_ttl());
                 self.mark_at(now, Set::Writers, m, exp, Some(nonce));
@@ -406,6 +465,7 @@ impl Redis {
     fn leave(&mut self, cfg: &SharedConfig, now: u8, m: Member, out: &mut Vec<Publish>) -> bool {
         let noted = self.nonces.iter().any(|(x, _)| *x == m);
         self.take_nonce(m);
+        self.arrivals.retain(|&x| x != m);
         if score(&self.holds, m).is_some_and(|exp| exp > now) {
             zrem(&mut self.holds, m);
             self.pass_on(cfg, now, m.want, out);
@@ -476,12 +536,14 @@ impl Redis {
     fn grant_first(&mut self, cfg: &SharedConfig, now: u8, out: &mut Vec<Publish>) -> bool {
         // An upgrade waiting whose upgradable hold is gone (no hold is live here): woken,
         // its mark taken out, and the grant goes on to the next waiting.
-        while let Some(w) = first(&self.writers, now).filter(|w| w.member.want == Want::Upgradable)
+        while let Some(w) = self
+            .longest_waiting(now)
+            .filter(|w| w.member.want == Want::Upgradable)
         {
-            zrem(&mut self.writers, w.member);
+            self.unmark_writer(w.member);
             out.push(Publish::Wake(w.member));
         }
-        if let Some(w) = first(&self.writers, now) {
+        if let Some(w) = self.longest_waiting(now) {
             self.fence += 1;
             self.grant(cfg, now, w.member, self.fence, out);
             return true;
@@ -508,6 +570,7 @@ impl Redis {
     fn grant(&mut self, cfg: &SharedConfig, now: u8, m: Member, fence: u8, out: &mut Vec<Publish>) {
         zadd(&mut self.holds, m, now + cfg.grant_lease);
         zrem(self.marks(m.want), m);
+        self.arrivals.retain(|&x| x != m);
         let nonce = self.take_nonce(m);
         out.push(Publish::Grant {
             to: m,
@@ -525,7 +588,7 @@ impl Redis {
         left: usize,
         out: &mut Vec<Publish>,
     ) -> bool {
-        match first(&self.writers, now) {
+        match self.longest_waiting(now) {
             Some(w) if left < usize::from(cfg.permits) => {
                 // The key's TTL is fitted to its longest live hold (`fit`), the grant's
                 // when none lives longer: should the grantee never take it, the key goes
@@ -541,9 +604,10 @@ impl Redis {
     }
 
     /// `wake_first` (taking the mark, with the nonces): `g<member>:0` to the one waiting
-    /// longest, whose mark's expiry takes its nonce's place; or `r`.
+    /// longest, whose mark's expiry takes its nonce's place, and whose arrival stays; or
+    /// `r`.
     fn wake_first(&mut self, now: u8, out: &mut Vec<Publish>) {
-        match first(&self.writers, now) {
+        match self.longest_waiting(now) {
             Some(w) => {
                 zrem(&mut self.writers, w.member);
                 for (x, noted) in &mut self.nonces {
