@@ -3,9 +3,11 @@
 //! master that stops serving (removed, or demoted by a failover) takes its subscriber
 //! with it once nothing waits there, a master that serves again at the same address gets
 //! a fresh one for its next waiter, and `subscribers()` lists the live ones only. A waiter
-//! that took its master's subscriber just as it ended follows on to a fresh one.
+//! that took its master's subscriber just as it ended follows on to a fresh one. A local
+//! queue that outlives its key's master keeps the key subscribed where it is served now.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redbaton::fault::{self, Point};
@@ -13,8 +15,8 @@ use redbaton::{LockClient, Unlocked};
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::server::RedisServer;
-use redbaton_testkit::wait::{wait_for, wait_until};
-use redbaton_testkit::{init_log, lock_client, secs, timed_waiter};
+use redbaton_testkit::wait::{join_all, wait_for, wait_until};
+use redbaton_testkit::{init_log, lock_client, ms, secs, timed_waiter};
 
 const KEYS: Keys = Keys::DEFAULT;
 /// The clients' connect, read and write timeout.
@@ -271,4 +273,80 @@ fn a_waiter_that_took_a_subscriber_as_it_ended_follows_on_to_a_fresh_one() {
         || patient.stats().failed_attempts >= before.failed_attempts + 3,
     );
     released_wakes(guard, waiting, &patient, &before, old);
+}
+
+/// A hot key's local queue outlives its master: threads of one client take the key in
+/// turns without a pause, so its entry never goes idle and its queue keeps the key
+/// subscribed (for the holder to hear other processes fail to get it), while the master
+/// is retired (its slot moved away, the node forgotten and stopped). The queue's
+/// subscription follows the key. The queue hears the new master: another client takes the
+/// key there, and its release wakes the queue's contender by a message, long before its
+/// re-check. The retired master's subscriber ends while the turns go on, instead of trying
+/// to reach the stopped node for as long as the queue lives.
+#[test]
+fn a_hot_keys_queue_follows_its_key_off_a_retired_master() {
+    let name = "hot";
+    let (_serial, mut cluster, slot) = start(name);
+    let home = cluster.owner(slot);
+    let new = cluster.add_master();
+    cluster.move_slot(slot, new);
+    let (holder, patient) = clients(&cluster);
+    let stop = Arc::new(AtomicBool::new(false));
+    let turns: Vec<_> = (0..3)
+        .map(|_| {
+            let (patient, stop) = (patient.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let guard = patient.lock(name).expect("a turn");
+                    std::thread::sleep(ms(1));
+                    drop(guard);
+                }
+            })
+        })
+        .collect();
+    wait_for(secs(10), "the turns handed on", || {
+        patient.stats().local_handoffs > 20
+    });
+    cluster.remove_master(slot, home, new);
+    let before = patient.stats();
+    let guard = holder
+        .try_lock_for(name, secs(20))
+        .expect("the holder's lock, between the turns");
+    let held = patient.stats();
+    // A failed attempt, and the key subscribed on its master: the contender sleeps soon.
+    wait_for(secs(10), "the turns waiting for the holder", || {
+        patient.stats().failed_attempts > before.failed_attempts
+            && patient
+                .subscribers()
+                .iter()
+                .any(|s| s.node == at(home) && s.connected)
+    });
+    std::thread::sleep(ms(200));
+    let released = Instant::now();
+    assert_eq!(
+        guard.unlock().expect("the holder's unlock"),
+        Unlocked::Released
+    );
+    wait_for(secs(20), "the turns taking the key again", || {
+        patient.stats().remote_acquisitions > held.remote_acquisitions
+    });
+    let after = released.elapsed();
+    let stats = patient.stats();
+    assert!(
+        after < secs(5) && stats.wakeups_event > held.wakeups_event,
+        "the queue's contender took the key {after:?} after the release on {home}: {stats:?}"
+    );
+    let handoffs = stats.local_handoffs;
+    let ended = wait_until(ENDS, || !subscribed(&patient).contains(&at(new)));
+    assert!(
+        ended,
+        "the retired {new} keeps its subscriber while the queue lives: {:?}",
+        patient.subscribers()
+    );
+    assert!(
+        patient.stats().local_handoffs > handoffs,
+        "the turns went on meanwhile"
+    );
+    stop.store(true, Ordering::Relaxed);
+    join_all(turns, "the turns");
 }

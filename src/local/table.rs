@@ -110,8 +110,9 @@ struct Entry {
     /// confirmed by then heard every other process that failed to get it since.
     round_at: Instant,
     /// Keeps the key subscribed while local threads queue behind a holder, so that the
-    /// holder hears when a remote process fails to get the lock.
-    interests: Vec<Box<dyn Send>>,
+    /// holder hears when a remote process fails to get the lock: per node of the key's
+    /// route, as last seen (see `Entry::follow`).
+    interests: Vec<(NodeId, Box<dyn Send>)>,
     /// Per node: the subscription (by its confirmation time) after whose confirmation the
     /// mark key was read; marks before it are then known too.
     checked: Vec<(NodeId, Instant)>,
@@ -165,6 +166,33 @@ impl Entry {
             unknown |= !known;
         }
         if unknown { Others::Unknown } else { Others::No }
+    }
+
+    /// Keeps the key subscribed on the nodes of `subs`, the key's route now: the first
+    /// time, and again when the route changed (a Redis Cluster slot that moved to another
+    /// master). A queue can live for as long as the key stays hot, and its subscription
+    /// must follow the key: on the master left behind it would hear nothing of the key,
+    /// and keep that master's subscriber trying to reach a node that may be gone. Whether
+    /// it subscribed anew (marks left before the new subscription are then unknown).
+    fn follow<P: Probe>(&mut self, keys: &Keys, subs: &[P]) -> bool {
+        let same = self.interests.len() == subs.len()
+            && self
+                .interests
+                .iter()
+                .zip(subs)
+                .all(|((n, _), s)| n == s.node());
+        if same || subs.is_empty() {
+            return false;
+        }
+        // The new subscriptions are asked for before the old ones are let go.
+        let new = subs
+            .iter()
+            .map(|s| (s.node().clone(), s.interest(keys)))
+            .collect();
+        drop(std::mem::replace(&mut self.interests, new));
+        self.checked
+            .retain(|(n, _)| subs.iter().any(|s| s.node() == n));
+        true
     }
 
     /// Folds the hold that just ended into the average (weight 1/8), and returns it.
@@ -236,11 +264,7 @@ impl Table {
         if !wait {
             return Err(Error::WouldBlock);
         }
-        let check_marks = entry.interests.is_empty() && !subs.is_empty();
-        if check_marks {
-            entry.interests = subs.iter().map(|s| s.interest(keys)).collect();
-            entry.checked.clear();
-        }
+        let check_marks = entry.follow(keys, subs);
         let slot = Arc::new(Slot::new(me));
         entry.queue.push_back(slot.clone());
         if entry.queue.len() == 1 && entry.holder.is_some() {
@@ -381,6 +405,11 @@ impl Table {
                 forced: None,
                 contended: false,
             };
+        }
+        if !entry.interests.is_empty() {
+            // The queue outlives holds: its subscription follows the key (a hot key's
+            // queue may never empty).
+            entry.follow(keys, subs);
         }
         entry.holder = None;
         let hold = entry.note_hold();
@@ -677,6 +706,49 @@ mod tests {
             Some(slot.thread),
             "the waiter holds it now"
         );
+    }
+
+    /// The nodes where the entry of `keys` keeps the key subscribed.
+    fn interest_nodes(table: &Table, keys: &Keys) -> Vec<NodeId> {
+        let map = table.map.lock();
+        map[keys.lock()]
+            .interests
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    #[test]
+    fn a_queues_subscription_follows_its_key_to_another_node() {
+        let (table, keys, old, lock, _slot) = held_and_queued();
+        assert_eq!(interest_nodes(&table, &keys), vec![old[0].node.clone()]);
+        let new = vec![Fake {
+            node: NodeId::new("127.0.0.1:2/0"),
+            ..probes(false).remove(0)
+        }];
+        // The key's route names another node now (a Redis Cluster slot that moved): the
+        // release that hands the lock on moves the queue's subscription there.
+        assert!(matches!(
+            table.release(&lock, false, &config(10), &new),
+            Step::HandedOff
+        ));
+        assert_eq!(interest_nodes(&table, &keys), vec![new[0].node.clone()]);
+        // A waiter that queues where the route names yet another node moves it again, and
+        // looks for the marks left there before.
+        let other = vec![Fake {
+            node: NodeId::new("127.0.0.1:3/0"),
+            ..probes(false).remove(0)
+        }];
+        let check_marks = std::thread::scope(|s| {
+            s.spawn(|| match table.enter(&keys, true, true, &other) {
+                Ok(Role::Queued { check_marks, .. }) => check_marks,
+                _ => panic!("expected to queue"),
+            })
+            .join()
+            .unwrap()
+        });
+        assert!(check_marks, "marks on the new node unchecked");
+        assert_eq!(interest_nodes(&table, &keys), vec![other[0].node.clone()]);
     }
 
     #[test]

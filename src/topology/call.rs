@@ -60,6 +60,7 @@ use redis::{Cmd, RedisError};
 
 use crate::error::{Error, Result, is_network_error};
 use crate::proto::node::{Call, CallPath, Commands, Node, Sent};
+use crate::proto::pool::next_read;
 use crate::stats::Counters;
 
 /// `ASKING`, sent ahead of a command that follows an `ASK` (built once: a call that is
@@ -139,6 +140,9 @@ impl CallPath for Path {
                 let sent = on.send(call.retry, call.deadline, &mut tries, &mut |c| {
                     if let Some(cmd) = before {
                         cmd.query::<()>(c)?;
+                        // Two replies in one call: the command's waits only for what
+                        // remains of the call's deadline after `ASKING`'s.
+                        next_read(c)?;
                     }
                     commands(c, before)
                 });

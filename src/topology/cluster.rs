@@ -77,8 +77,13 @@ struct Map {
     routes: Vec<Route>,
     /// Every master.
     all: Route,
-    /// Every node made so far, by `host:port`: a master that comes back keeps its node
-    /// (and the locks recorded on it).
+    /// The nodes of the masters that serve slots (and of those a redirect named since the
+    /// last read of the map), by `host:port`. A master that serves nothing any more is
+    /// dropped at the next read: with masters coming and going at new addresses (pods
+    /// restarted, failovers) a client keeps the nodes of the masters that serve, not of
+    /// every master it ever met. Calls under way on its node finish there (a route holds
+    /// its nodes), and locks follow their slot (`Route::holders`), so no lock needs it; a
+    /// master that serves again gets a fresh node.
     known: HashMap<String, Arc<Node>>,
 }
 
@@ -90,21 +95,7 @@ impl Cluster {
         counters: &Arc<Counters>,
         client_id: &Arc<str>,
     ) -> Result<Self> {
-        let shared = Arc::new_cyclic(|me| Shared {
-            seeds: seeds.to_vec(),
-            cfg: cfg.clone(),
-            counters: counters.clone(),
-            client_id: client_id.clone(),
-            map: RwLock::new(Map {
-                owner: vec![NONE; SLOTS],
-                routes: Vec::new(),
-                all: Route::every(Arc::from(Vec::new()), 1, Protocols::of(cfg)),
-                known: HashMap::new(),
-            }),
-            stale: AtomicBool::new(false),
-            refreshed: Mutex::new(None),
-            me: me.clone(),
-        });
+        let shared = Shared::new(seeds, cfg, counters, client_id);
         shared.refresh(true)?;
         Ok(Cluster { shared })
     }
@@ -157,6 +148,30 @@ impl Cluster {
 }
 
 impl Shared {
+    /// A map of nothing yet, whose seeds are `seeds`.
+    fn new(
+        seeds: &[String],
+        cfg: &Config,
+        counters: &Arc<Counters>,
+        client_id: &Arc<str>,
+    ) -> Arc<Self> {
+        Arc::new_cyclic(|me| Shared {
+            seeds: seeds.to_vec(),
+            cfg: cfg.clone(),
+            counters: counters.clone(),
+            client_id: client_id.clone(),
+            map: RwLock::new(Map {
+                owner: vec![NONE; SLOTS],
+                routes: Vec::new(),
+                all: Route::every(Arc::from(Vec::new()), 1, Protocols::of(cfg)),
+                known: HashMap::new(),
+            }),
+            stale: AtomicBool::new(false),
+            refreshed: Mutex::new(None),
+            me: me.clone(),
+        })
+    }
+
     /// Reads the map again if something marked it stale (see [`refresh`](Self::refresh)).
     fn fresh(&self) {
         if self.stale.load(Ordering::Relaxed) {
@@ -262,10 +277,15 @@ impl Shared {
         slots::read(&mut conn, tls, &asked).map_err(Error::Redis)
     }
 
-    /// The host `node` is reached at (a node's address is its key in `known`).
+    /// The host `node` is reached at (a node's address is its key in `known`, and its id
+    /// that address and its database: a node no longer known is still asked by the calls
+    /// that were under way on it).
     fn host_of(&self, node: &Node) -> Option<String> {
         let map = self.map.read();
-        let (at, _) = map.known.iter().find(|(_, n)| n.id == node.id)?;
+        let at = match map.known.iter().find(|(_, n)| n.id == node.id) {
+            Some((at, _)) => at.clone(),
+            None => node.id.to_string().rsplit_once('/')?.0.to_owned(),
+        };
         at.rsplit_once(':').map(|(host, _)| host.to_owned())
     }
 
@@ -290,16 +310,18 @@ impl Shared {
             .iter()
             .map(|n| Route::following(n.clone(), protocol))
             .collect();
-        // The nodes that serve no slot now (a master demoted by a failover, one removed
-        // from the cluster) keep their node, for when they serve again, but not their
-        // connections: no route leads there any more, and a server closes no idle
-        // connection by default (`timeout 0`), so they would stay open while the client
-        // lives (see `Pool::set_serving`).
+        // The masters that serve no slot now (one demoted by a failover, one removed from
+        // the cluster) lose their node (see `known`; a call still under way holds it) and
+        // its idle connections: no route leads there any more, and a server closes no
+        // idle connection by default (`timeout 0`). Their subscribers end once nothing
+        // waits there (see `Pool::set_serving`).
+        let serving = |n: &Arc<Node>| nodes.iter().any(|m| Arc::ptr_eq(m, n));
         let known: Vec<Arc<Node>> = map.known.values().cloned().collect();
+        map.known.retain(|_, n| serving(n));
         map.all = Route::every(Arc::from(nodes.clone()), 1, protocol);
         drop(map);
         for n in &known {
-            n.pool.set_serving(nodes.iter().any(|m| Arc::ptr_eq(m, n)));
+            n.pool.set_serving(serving(n));
         }
         Ok(())
     }
@@ -370,5 +392,57 @@ impl SlotMap for Shared {
 
     fn stale(&self) {
         self.stale.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::node::NodeId;
+
+    fn shard(port: u16) -> Shard {
+        Shard {
+            host: "127.0.0.1".to_owned(),
+            port,
+            ranges: vec![(0, SLOTS as u16 - 1)],
+        }
+    }
+
+    /// A master that serves nothing at a read of the map loses its node. A route read
+    /// before still holds it: a call there fails with a typed error, and a redirect it
+    /// meets (naming no host) is followed. Serving again, the master gets a fresh node.
+    /// (No server is needed: nothing listens on the ports named, and nothing is asked.)
+    #[test]
+    fn a_retired_masters_node_is_dropped() {
+        let cfg = Config {
+            cluster: vec!["redis://127.0.0.1:1".to_owned()],
+            ..Config::default()
+        };
+        let shared = Shared::new(
+            &cfg.cluster,
+            &cfg,
+            &Arc::new(Counters::default()),
+            &Arc::from("test"),
+        );
+        let cluster = Cluster {
+            shared: shared.clone(),
+        };
+        let keys = Keys::new("t:", b"k").expect("keys");
+        shared.install(&[shard(1)]).expect("a map");
+        let before = cluster.route(&keys);
+        let old = before.nodes()[0].clone();
+        shared.install(&[shard(2)]).expect("a map");
+        let known: Vec<String> = shared.map.read().known.keys().cloned().collect();
+        assert_eq!(known, vec!["127.0.0.1:2".to_owned()]);
+        assert!(old.pool.is_retired());
+        let ping = old.run(Retry::NEVER, |c| redis::cmd("PING").query::<()>(c));
+        assert!(matches!(ping, Err(Error::Redis(_))), "{ping:?}");
+        let next = shared.follow(&old, 0, ":2", true).expect("followed");
+        assert_eq!(next.id, NodeId::new("127.0.0.1:2/0"));
+        shared.install(&[shard(1)]).expect("a map");
+        let again = cluster.route(&keys).nodes()[0].clone();
+        assert_eq!(again.id, old.id);
+        assert!(!Arc::ptr_eq(&again, &old), "the retired node given again");
+        assert!(!again.pool.is_retired());
     }
 }
