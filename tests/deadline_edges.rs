@@ -13,6 +13,8 @@
 //!   call that won the round.
 //! * A connection whose reads a deadline shortened goes back to the pool with its usual
 //!   read timeout.
+//! * A deadline nearer than the least a call is given (50 ms) gives the call that much
+//!   from its start, once: the steps of the call share it, not each has it.
 //!
 //! Times are generous liveness bounds, never speed claims: each bound lies far from both
 //! the deadline and what a step that ignored the deadline would wait (read timeouts of a
@@ -242,5 +244,49 @@ fn a_deadline_ends_with_its_call() {
         got.is_ok() && proxy.connections_accepted() == opened,
         "replies 700 ms late, read timeout {IO:?}: {got:?} after {took:?}, {} connection(s) opened",
         proxy.connections_accepted() - opened
+    );
+}
+
+// --- the least a call is given -----------------------------------------------------------
+
+/// What a call whose deadline is nearer than that is given from its start, so that it has
+/// a chance to succeed (the library's `MIN_ATTEMPT`).
+const LEAST_ATTEMPT: Duration = Duration::from_millis(50);
+/// Waiters look again now and then rather than listen: nothing but the pool connects.
+const POLLING: redbaton::Wakeup = redbaton::Wakeup::Polling(Duration::from_millis(100));
+
+/// A deadline nearer than [`LEAST_ATTEMPT`] gives the call that much from its start, once,
+/// not each of its steps. A latch's wait of 20 ms reads the count with a script, one
+/// call. Here the pooled connection died, the server lost its scripts, and every reply
+/// comes 40 ms late: the call opens a connection (which selects the URL's database), names
+/// it, probes its channels again, is answered `NOSCRIPT`, loads the script and sends it
+/// again, six replies in a row, each later than the deadline but sooner than
+/// [`LEAST_ATTEMPT`]. Given that much each, they would all be waited for, about five
+/// times as long as the call may take.
+#[test]
+fn a_short_deadline_stretches_the_call_not_each_step() {
+    let (srv, proxy) = proxied();
+    // Database 1: one more reply to wait for while connecting. No subscriber, whose
+    // connection the proxy would kill too.
+    let url = format!("redis://{}/1", proxy.addr());
+    let c = lock_client!(
+        node(url),
+        key_prefix(PREFIX),
+        io_timeouts(IO),
+        wakeup(POLLING)
+    );
+    drop(c.try_lock("least:warm").expect("warm up"));
+    flush_scripts(&srv);
+    proxy.kill_all();
+    let latch = c.latch("least", 1);
+    let (deadline, late) = (ms(20), ms(40));
+    proxy.set_delay(late);
+    let (got, took) = timed(|| latch.wait_for(deadline));
+    proxy.heal();
+    eprintln!("a latch's wait_for({deadline:?}), replies {late:?} late: {took:?}: {got:?}");
+    let bound = LEAST_ATTEMPT + ms(150);
+    assert!(
+        took < bound,
+        "a wait of {deadline:?}, replies {late:?} late, took {took:?} (at most {bound:?})"
     );
 }

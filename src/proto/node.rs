@@ -16,7 +16,7 @@ use crate::error::{Error, Result, is_network_error};
 use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
 pub(crate) use crate::proto::pool::within_deadline;
-use crate::proto::pool::{Pool, PooledConn};
+use crate::proto::pool::{Pool, PooledConn, call_deadline};
 use crate::proto::scripts::{self, Lua, RAISE_FENCE, Site};
 use crate::stats::Counters;
 
@@ -109,7 +109,8 @@ impl std::fmt::Display for NodeId {
 /// ([`Node::send`]), the call path decides.
 pub(crate) trait CallPath: Send + Sync {
     /// Runs `commands` for `node` as `call` says: on `node` through [`Node::send`], then
-    /// wherever the servers' replies send them. [`Sent::Narrow`] (only with
+    /// wherever the servers' replies send them, every step of the call within
+    /// `call.deadline` as [`Call::deadline`] says. [`Sent::Narrow`] (only with
     /// `call.narrower`): the server refused the call's keys together, and the caller is to
     /// send its narrower form instead.
     fn call(&self, node: &Node, call: Call, commands: &mut Commands<'_>) -> Result<Sent>;
@@ -129,9 +130,10 @@ pub(crate) type Commands<'a> = dyn FnMut(&mut Connection, Option<&Cmd>) -> Redis
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Call {
     pub retry: Retry,
-    /// No read, and no wait for or opening of a connection, goes past it (but
-    /// [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) at least); nothing is sent again
-    /// after it.
+    /// No read, and no wait for or opening of a connection, goes past it, or past
+    /// [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) after the call began when that is
+    /// later: the call as a whole is given that much, not each of its steps (see
+    /// [`call_deadline`]). Nothing is sent again after it.
     pub deadline: Option<Instant>,
     /// The caller has a narrower form of the call (fewer keys per command) to send instead
     /// if the server refuses these keys together.
@@ -232,11 +234,11 @@ impl Node {
     }
 
     /// [`run`](Self::run), within the caller's `deadline`: each read, and getting a
-    /// connection (see [`Pool::get_until`]), waits at most until the deadline (but
-    /// [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) at least, so an attempt has a
-    /// chance), and nothing is retried once it has passed. The node's call path decides
-    /// what a command its server refused or redirected does next (Redis Cluster:
-    /// `topology::call`).
+    /// connection (see [`Pool::get_until`]), waits at most until the deadline (or until
+    /// [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) after the call began, when that is
+    /// later: the call as a whole has a chance, see [`Call::deadline`]), and nothing is
+    /// retried once it has passed. The node's call path decides what a command its server
+    /// refused or redirected does next (Redis Cluster: `topology::call`).
     pub fn run_until<T>(
         &self,
         retry: Retry,
@@ -315,24 +317,26 @@ impl Node {
     /// call path. A network failure discards the connection (its reply may still arrive)
     /// and every idle one (a server restart kills them all), tells the call path, then
     /// sends the commands again on a fresh connection as `retry` allows (`tries`: the
-    /// retries this call made so far), never once `deadline` has passed. Commands that are
-    /// never sent again go on a connection checked first when it lay idle long (see
-    /// [`CHECK_IDLE_AFTER`]). Any other failure is returned for the call path to judge.
+    /// retries this call made so far), never once `deadline` (the caller's) has passed.
+    /// Getting a connection and every read are bounded by `until`, the deadline of the
+    /// whole call, reckoned where it began (see [`call_deadline`]). Commands that are never sent again go on a connection
+    /// checked first when it lay idle long (see [`CHECK_IDLE_AFTER`]). Any other failure
+    /// is returned for the call path to judge.
     pub(crate) fn send(
         &self,
         retry: Retry,
-        deadline: Option<Instant>,
+        (deadline, until): (Option<Instant>, Option<Instant>),
         tries: &mut u32,
         commands: &mut dyn FnMut(&mut Connection) -> RedisResult<()>,
     ) -> Result<()> {
         let (_, read_timeout, _) = self.pool.timeouts();
         loop {
-            let mut conn = self.connection(deadline)?;
+            let mut conn = self.connection(until)?;
             if retry.times == 0 && conn.idle_for() >= CHECK_IDLE_AFTER {
                 // Commands sent once must not be lost to a connection that died while idle
                 // (Redis's `timeout`, a NAT): a `PING` finds out first, at no risk.
                 Counters::inc(&self.counters.commands);
-                let ping = within_deadline(&mut conn, deadline, read_timeout, |c| {
+                let ping = within_deadline(&mut conn, until, read_timeout, |c| {
                     redis::cmd("PING").query::<()>(c)
                 });
                 if let Err(e) = ping
@@ -349,7 +353,7 @@ impl Node {
                 }
             }
             Counters::inc(&self.counters.commands);
-            let reply = within_deadline(&mut conn, deadline, read_timeout, &mut *commands);
+            let reply = within_deadline(&mut conn, until, read_timeout, &mut *commands);
             match reply {
                 Err(e) if is_network_error(&e) => {
                     self.close(conn);
@@ -667,7 +671,8 @@ impl Node {
                 if let Some(e) = crate::proto::skip::skipped() {
                     return Err(Error::Redis(e));
                 }
-                drop(self.connection(deadline)?);
+                // A call of its own: opening a connection takes several replies.
+                drop(self.connection(call_deadline(deadline))?);
                 // Every connection the pool lends was probed when it opened.
                 self.pool.sharded.known().unwrap_or(false)
             }

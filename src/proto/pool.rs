@@ -134,12 +134,12 @@ impl Pool {
     }
 
     /// A connection, reused or new; waits up to the connect timeout for one to be free.
-    /// For a call that must be over by `deadline`: waiting for a free connection, and
-    /// opening one (the connect, then the replies to the commands that set it up), each
-    /// take no longer than what remains of it ([`MIN_ATTEMPT`] at least), as the call's
-    /// own reads do. Against a server that accepts connections but does not answer, a
-    /// fresh connection's set-up would otherwise wait a whole read timeout past the
-    /// deadline.
+    /// For a call that must be over by `deadline` (the call's own, [`MIN_ATTEMPT`] after
+    /// its start at the earliest: see [`call_deadline`]): waiting for a free connection,
+    /// and opening one (the connect, then the replies to the commands that set it up),
+    /// each take no longer than what remains of it, as the call's own reads do. Against a
+    /// server that accepts connections but does not answer, a fresh connection's set-up
+    /// would otherwise wait a whole read timeout past the deadline.
     pub fn get_until(&self, deadline: Option<Instant>) -> Result<PooledConn<'_>> {
         let waited_until = crate::clock::from_now(bounded(self.connect_timeout, deadline));
         let mut st = self.state.lock();
@@ -248,9 +248,24 @@ impl Pool {
     }
 }
 
-/// The shortest time a step of a call (a read, a connect) is given, however close the
-/// call's deadline: an attempt needs a chance to succeed.
+/// The shortest time a call with a deadline is given, however close its deadline: an
+/// attempt needs a chance to succeed. Given once, from the call's start (see
+/// [`call_deadline`]), and shared by its steps (waiting for a connection, opening one,
+/// each read): given to each step, a call of many steps against a server that answers
+/// each of them just in time would overrun its deadline by as many of it.
 pub(crate) const MIN_ATTEMPT: Duration = Duration::from_millis(50);
+
+/// What a step is given when nothing remains of its call's deadline: it fails at once,
+/// as a timeout. Not zero: a zero read or write timeout is refused (by `std`'s
+/// `set_read_timeout`), not taken as "no time".
+const NO_TIME_LEFT: Duration = Duration::from_millis(1);
+
+/// The deadline a call that starts now is over by, when the caller gives it `deadline`:
+/// that one, but [`MIN_ATTEMPT`] from now at the earliest. Reckoned once, where the call
+/// begins; its steps are bounded by what remains of it ([`bounded`]).
+pub(crate) fn call_deadline(deadline: Option<Instant>) -> Option<Instant> {
+    deadline.map(|d| d.max(Instant::now() + MIN_ATTEMPT))
+}
 
 /// The call whose commands this thread is sending on a connection (see [`within_deadline`]),
 /// when it has a deadline. A call may wait for several replies in turn (a script answered
@@ -279,11 +294,12 @@ impl Drop for Restore {
     }
 }
 
-/// Runs `f` on `conn` with each of its reads bounded by `deadline`: what remains of it
-/// when the read is sent (see [`next_read`]), but [`MIN_ATTEMPT`] at least, when that is
-/// shorter than `read_timeout`, the connection's usual timeout, which is then put back
-/// (after a reply, error replies included). A connection whose timeout cannot be put back
-/// fails the call (a network error: the caller drops it).
+/// Runs `f` on `conn` with each of its reads bounded by `deadline` (the call's, from
+/// [`call_deadline`]): what remains of it when the read is sent (see [`next_read`]), when
+/// that is shorter than `read_timeout`, the connection's usual timeout, which is then put
+/// back (after a reply, error replies included). A read sent once nothing remains fails
+/// at once. A connection whose timeout cannot be put back fails the call (a network
+/// error: the caller drops it).
 pub(crate) fn within_deadline<T>(
     conn: &mut Connection,
     deadline: Option<Instant>,
@@ -311,9 +327,9 @@ pub(crate) fn within_deadline<T>(
 }
 
 /// Bounds the next read on `conn` by what remains of the deadline of the call under way
-/// on this thread ([`MIN_ATTEMPT`] at least), if it has one (see [`within_deadline`]): for
-/// a command sent after another within one call, whose reply would otherwise be given as
-/// long as the first one's.
+/// on this thread, if it has one (see [`within_deadline`]): for a command sent after
+/// another within one call, whose reply would otherwise be given as long as the first
+/// one's.
 pub(crate) fn next_read(conn: &mut Connection) -> RedisResult<()> {
     let Some(mut reading) = READING.get() else {
         return Ok(());
@@ -327,10 +343,15 @@ pub(crate) fn next_read(conn: &mut Connection) -> RedisResult<()> {
     Ok(())
 }
 
-/// `timeout`, or less when what remains of `deadline` is shorter ([`MIN_ATTEMPT`] at least).
+/// `timeout`, or less when what remains of `deadline` (a call's, from [`call_deadline`],
+/// which gave the call its [`MIN_ATTEMPT`]) is shorter: [`NO_TIME_LEFT`] when nothing
+/// remains.
 pub(crate) fn bounded(timeout: Duration, deadline: Option<Instant>) -> Duration {
     match deadline {
-        Some(d) => timeout.min(d.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT)),
+        Some(d) => timeout.min(
+            d.saturating_duration_since(Instant::now())
+                .max(NO_TIME_LEFT),
+        ),
         None => timeout,
     }
 }
@@ -348,9 +369,10 @@ pub(crate) fn open_connection(
     open_connection_until(client, timeouts, name, None)
 }
 
-/// [`open_connection`] within `deadline`: the connect (with the handshake the URL asks
-/// for), then the naming, each bounded by what remains of it when that step starts.
-fn open_connection_until(
+/// [`open_connection`] within `deadline` (a call's, from [`call_deadline`]): the connect
+/// (with the handshake the URL asks for), then the naming, each bounded by what remains
+/// of it when that step starts.
+pub(crate) fn open_connection_until(
     client: &redis::Client,
     (connect_timeout, read_timeout, write_timeout): (Duration, Duration, Duration),
     name: &str,

@@ -60,7 +60,7 @@ use redis::{Cmd, RedisError};
 
 use crate::error::{Error, Result, is_network_error};
 use crate::proto::node::{Call, CallPath, Commands, Node, Sent};
-use crate::proto::pool::next_read;
+use crate::proto::pool::{call_deadline, next_read};
 use crate::stats::Counters;
 
 /// `ASKING`, sent ahead of a command that follows an `ASK` (built once: a call that is
@@ -123,6 +123,9 @@ impl Path {
 
 impl CallPath for Path {
     fn call(&self, node: &Node, call: Call, commands: &mut Commands<'_>) -> Result<Sent> {
+        // Reckoned once, where the call begins: every step of it, on whatever node it is
+        // sent to, and every command sent again, shares the least a call is given.
+        let until = call_deadline(call.deadline);
         let asking = &*ASKING;
         // The node the command is sent to now (`None`: `node`), and what goes ahead of it
         // there (`ASKING` after an `ASK`).
@@ -137,7 +140,8 @@ impl CallPath for Path {
                 .unwrap_or_else(|| Instant::now() + CLUSTER_SETTLE);
             let mut settle_pause = FIRST_SETTLE_PAUSE;
             loop {
-                let sent = on.send(call.retry, call.deadline, &mut tries, &mut |c| {
+                let deadlines = (call.deadline, until);
+                let sent = on.send(call.retry, deadlines, &mut tries, &mut |c| {
                     if let Some(cmd) = before {
                         cmd.query::<()>(c)?;
                         // Two replies in one call: the command's waits only for what

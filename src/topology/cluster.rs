@@ -43,7 +43,7 @@ use crate::error::{Error, Result};
 use crate::proto::connect::{is_tls_url, open_client, open_client_at};
 use crate::proto::keys::{Keys, keyslot};
 use crate::proto::node::{Node, Parts, Retry};
-use crate::proto::pool::bounded;
+use crate::proto::pool::{call_deadline, open_connection_until, within_deadline};
 use crate::proto::protocol::Protocols;
 use crate::stats::Counters;
 
@@ -184,7 +184,8 @@ impl Shared {
     /// the seeds.
     ///
     /// A read on a caller's path (not `force`) takes one read timeout in all, each node
-    /// asked [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) at least: it runs on the
+    /// asked for [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) at least (the ask of
+    /// each is a call of its own, all of its steps within that): it runs on the
     /// thread of whoever routed (a caller with a deadline, the watchdog), and the nodes
     /// are asked one after another, so that a stalled cluster (every master and seed
     /// accepting connections and answering nothing) would otherwise keep that thread one
@@ -249,8 +250,10 @@ impl Shared {
         self.install(&shards)
     }
 
-    /// The map as seed `i` at `url` has it, asked within `until` (but [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) at
-    /// least for the connect and for the reads).
+    /// The map as seed `i` at `url` has it, asked within `until`, or within
+    /// [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) of the start when that is later:
+    /// the connect, its naming and the read share that much, each bounded by what remains
+    /// of it when it starts.
     fn read_seed(
         &self,
         i: usize,
@@ -259,14 +262,11 @@ impl Shared {
         until: Option<Instant>,
     ) -> Result<Vec<Shard>> {
         let client = open_client(&format!("cluster seed {i}"), url, &self.cfg.tls)?;
-        let mut conn = crate::proto::pool::open_connection(
-            &client,
-            bounded(self.cfg.connect_timeout, until),
-            bounded(self.cfg.read_timeout, until),
-            self.cfg.write_timeout,
-            "redbaton",
-        )
-        .map_err(Error::Redis)?;
+        let until = call_deadline(until);
+        let cfg = &self.cfg;
+        let timeouts = (cfg.connect_timeout, cfg.read_timeout, cfg.write_timeout);
+        let mut conn =
+            open_connection_until(&client, timeouts, "redbaton", until).map_err(Error::Redis)?;
         let asked = match client.get_connection_info().addr() {
             redis::ConnectionAddr::Tcp(host, _) | redis::ConnectionAddr::TcpTls { host, .. } => {
                 host.clone()
@@ -274,7 +274,10 @@ impl Shared {
             _ => String::new(),
         };
         Counters::inc(&self.counters.commands);
-        slots::read(&mut conn, tls, &asked).map_err(Error::Redis)
+        within_deadline(&mut conn, until, cfg.read_timeout, |c| {
+            slots::read(c, tls, &asked)
+        })
+        .map_err(Error::Redis)
     }
 
     /// The host `node` is reached at (a node's address is its key in `known`, and its id

@@ -27,7 +27,7 @@ use redis::{Cmd, RedisResult, Value};
 use crate::clock::Stamp;
 use crate::error::is_network_error;
 use crate::proto::node::within_deadline;
-use crate::proto::pool::Pool;
+use crate::proto::pool::{Pool, call_deadline};
 use crate::wake::events::Snapshot;
 
 /// A request ready to go when the key is freed.
@@ -57,7 +57,9 @@ impl Armed {
         // the reply is read), a suspend of the machine meanwhile would put the send later
         // than it was, and a validity counted from it would be too long.
         let sent = Stamp::now();
-        let reply = within_deadline(&mut conn, self.deadline, read_timeout, |c| {
+        // A call of its own, given the least a call is given however near the deadline.
+        let until = call_deadline(self.deadline);
+        let reply = within_deadline(&mut conn, until, read_timeout, |c| {
             c.send_packed_command(&self.packed)?;
             c.recv_response()
         });
