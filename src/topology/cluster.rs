@@ -209,7 +209,7 @@ impl Shared {
         let mut first_error = None;
         let mut found = None;
         for node in &masters {
-            let asked = self.host_of(node).unwrap_or_default();
+            let asked = Self::host_of(node).unwrap_or_default();
             match node.run_until(Retry::NEVER, until, |c| slots::read(c, tls, &asked)) {
                 Ok(shards) if !shards.is_empty() => {
                     found = Some(shards);
@@ -280,15 +280,12 @@ impl Shared {
         .map_err(Error::Redis)
     }
 
-    /// The host `node` is reached at (a node's address is its key in `known`, and its id
-    /// that address and its database: a node no longer known is still asked by the calls
-    /// that were under way on it).
-    fn host_of(&self, node: &Node) -> Option<String> {
-        let map = self.map.read();
-        let at = match map.known.iter().find(|(_, n)| n.id == node.id) {
-            Some((at, _)) => at.clone(),
-            None => node.id.to_string().rsplit_once('/')?.0.to_owned(),
-        };
+    /// The host `node` is reached at, read from its id (`host:port/db`, the address it was
+    /// made for): also for a node no longer known, which the calls that were under way on
+    /// it still ask.
+    fn host_of(node: &Node) -> Option<String> {
+        let id = node.id.to_string();
+        let (at, _db) = id.rsplit_once('/')?;
         at.rsplit_once(':').map(|(host, _)| host.to_owned())
     }
 
@@ -363,7 +360,7 @@ impl SlotMap for Shared {
         let host = if host.is_empty() {
             // The server announces no endpoint: the target is on the host the command was
             // sent to.
-            from_host = self.host_of(from)?;
+            from_host = Self::host_of(from)?;
             from_host.as_str()
         } else {
             host
