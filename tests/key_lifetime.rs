@@ -382,10 +382,13 @@ fn lost_replies_leave_bounded_keys() {
         holder.rwlock("lost-rw").try_write().expect("free"),
         holder.semaphore("lost-sem", 1).try_acquire().expect("free"),
     );
+    // Each wait ends at its first lost reply; its deadline leaves room for the
+    // subscription that comes before its first waiting attempt (which writes the mark)
+    // on a loaded machine.
     proxy.losing_replies_matching(b"EVALSHA", || {
-        let _ = fair.try_lock_for("lost-fair", ms(300));
-        let _ = c.rwlock("lost-rw").try_read_for(ms(300));
-        let _ = c.semaphore("lost-sem", 1).try_acquire_for(ms(300));
+        let _ = fair.try_lock_for("lost-fair", secs(3));
+        let _ = c.rwlock("lost-rw").try_read_for(secs(3));
+        let _ = c.semaphore("lost-sem", 1).try_acquire_for(secs(3));
     });
     assert_written(&srv, &["lost-fair}:q", "lost-rw}:wr", "lost-sem}:ww"]);
     assert_bounded(&srv, &names, "after lost replies");
