@@ -15,6 +15,8 @@
 //!   read timeout.
 //! * A deadline nearer than the least a call is given (50 ms) gives the call that much
 //!   from its start, once: the steps of the call share it, not each has it.
+//! * A wait whose attempt got no answer returns with it: its leave is the cleanup
+//!   thread's, not one more call on the caller's thread.
 //!
 //! Times are generous liveness bounds, never speed claims: each bound lies far from both
 //! the deadline and what a step that ignored the deadline would wait (read timeouts of a
@@ -27,6 +29,7 @@ use redbaton::LockClient;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer};
+use redbaton_testkit::wait::wait_until;
 use redbaton_testkit::{exists, init_log, lock_client, ms, secs, test_server};
 
 const PREFIX: &str = "de:";
@@ -289,4 +292,67 @@ fn a_short_deadline_stretches_the_call_not_each_step() {
         took < bound,
         "a wait of {deadline:?}, replies {late:?} late, took {took:?} (at most {bound:?})"
     );
+}
+
+// --- the end of a wait the server did not answer -------------------------------------------
+
+/// How long `c.try_lock_for(name, deadline)` took on a node that stopped answering (its
+/// proxy holds the requests, to deliver them late once healed), and what it returned.
+fn try_lock_for_unanswered(
+    c: &LockClient,
+    hung: &Proxy,
+    name: &str,
+    deadline: Duration,
+) -> (redbaton::Result<redbaton::LockGuard>, Duration) {
+    hung.stall(true);
+    let (got, took) = timed(|| c.try_lock_for(name, deadline));
+    hung.heal();
+    eprintln!("try_lock_for({name:?}, {deadline:?}), no answer: {took:?}: {got:?}");
+    (got, took)
+}
+
+/// A wait whose attempt got no answer ends there: what it may have left in Redis (its
+/// queue entry or contention mark, or a lock the unanswered attempt took) is given back
+/// by the client's cleanup thread, not by one more call of the caller's that the same
+/// silent server would hold up for the least a call is given. Given back all the same:
+/// once the node answers again (and the held requests land, late), nothing of the wait
+/// is left.
+#[test]
+fn a_wait_the_server_did_not_answer_ends_with_its_attempt() {
+    init_log();
+    let (srv, hung) = proxied();
+    for (kind, c) in [
+        ("fair", client(&hung.url())),
+        (
+            "unfair",
+            lock_client!(
+                node(hung.url()),
+                key_prefix(PREFIX),
+                io_timeouts(IO),
+                fair(false)
+            ),
+        ),
+    ] {
+        let name = format!("unanswered:{kind}");
+        drop(c.try_lock(&name).expect("warm up"));
+        let deadline = ms(20);
+        let (got, took) = try_lock_for_unanswered(&c, &hung, &name, deadline);
+        assert!(
+            got.as_ref()
+                .is_err_and(|e| e.is_timeout() || e.is_connection())
+        );
+        let bound = LEAST_ATTEMPT + ms(30);
+        assert!(
+            took < bound,
+            "{kind}: a wait of {deadline:?} on a node that answered nothing took {took:?} \
+             (at most {bound:?})"
+        );
+        let pattern = format!("{PREFIX}*");
+        let gone = wait_until(secs(5), || srv.keys_but_fences(&pattern).is_empty());
+        assert!(
+            gone,
+            "{kind}: left in Redis: {:?}",
+            srv.keys_but_fences(&pattern)
+        );
+    }
 }

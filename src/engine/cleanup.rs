@@ -77,6 +77,8 @@ enum Undo {
     /// The wait of the token: its mark or queue entry, and a grant that raced its leaving
     /// or a hold a lost attempt took (see `Protocol::leave`).
     Leave,
+    /// The contention mark of a wait that kept no token (see `Protocol::unmark`).
+    Unmark,
 }
 
 /// The client's cleanup thread and its queue; the thread starts at the first job. It holds
@@ -154,6 +156,12 @@ impl Cleanup {
     /// does a release; what cannot be queued expires (the mark or entry, and any grant).
     pub fn leave_later(&self, keys: &Keys, protocol: Protocol, token: String, nodes: Vec<NodeId>) {
         self.later(keys, protocol, token, Undo::Leave, nodes, 0);
+    }
+
+    /// Queues the removal of a contention mark on `nodes` (a wait that kept no token), as
+    /// [`Self::leave_later`] does a leave; what cannot be queued expires with its TTL.
+    pub fn unmark_later(&self, keys: &Keys, protocol: Protocol, nodes: Vec<NodeId>) {
+        self.later(keys, protocol, String::new(), Undo::Unmark, nodes, 0);
     }
 
     /// Queues a look, after a pause, at the leaving of the waiter `token` that was made on
@@ -336,7 +344,7 @@ impl Job {
     fn lives(protocol: Protocol, undo: &Undo, lease: Duration) -> Duration {
         match undo {
             Undo::Release(_) => lease,
-            Undo::Leave => lease.max(protocol.waiter_ttl()),
+            Undo::Leave | Undo::Unmark => lease.max(protocol.waiter_ttl()),
         }
     }
 
@@ -403,6 +411,9 @@ impl Job {
                 }
                 errors
             }
+            Undo::Unmark => (route.holders(&self.nodes).iter())
+                .filter_map(|node| protocol.unmark(node, keys, None).err())
+                .collect(),
         }
     }
 }

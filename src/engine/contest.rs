@@ -486,7 +486,11 @@ impl Contest<'_> {
                     // it is not queued) the undo releases it.
                     let reused = self.marked;
                     self.undo(tried, undo, reused);
-                    self.leave();
+                    if error.is_connection() {
+                        self.leave_later();
+                    } else {
+                        self.leave();
+                    }
                     return Err(WaitEnd::failed(&ride, wait, error));
                 }
                 Err(e) => {
@@ -876,6 +880,29 @@ impl Contest<'_> {
         }
         if !unsettled.is_empty() {
             (engine.cleanup).look_again(keys, protocol, token.to_owned(), unsettled);
+        }
+    }
+
+    /// The wait ends on a server that did not answer (or could not be reached): what
+    /// [`leave`](Self::leave) gives back is left to the cleanup thread, which tries again
+    /// until it is moot, rather than sent by the caller to the same server, which would
+    /// hold the caller up once more for the least a call is given, past its deadline.
+    fn leave_later(&self) {
+        if !self.marked {
+            return;
+        }
+        let (engine, keys, protocol) = (self.engine, self.keys, self.protocol);
+        if protocol.queues_waiters() {
+            Counters::inc(&engine.counters.queue_departures);
+        }
+        // The job leaves on every node, the unsettled ones too, and looks again after.
+        self.unsettled.take();
+        let nodes = self.route.nodes().iter().map(|n| n.id.clone()).collect();
+        match self.token.borrow().as_deref() {
+            Some(token) => engine
+                .cleanup
+                .leave_later(keys, protocol, token.to_owned(), nodes),
+            None => engine.cleanup.unmark_later(keys, protocol, nodes),
         }
     }
 
