@@ -296,47 +296,60 @@ fn a_short_deadline_stretches_the_call_not_each_step() {
 
 // --- the end of a wait the server did not answer -------------------------------------------
 
-/// How long `c.try_lock_for(name, deadline)` took on a node that stopped answering (its
-/// proxy holds the requests, to deliver them late once healed), and what it returned.
-fn try_lock_for_unanswered(
-    c: &LockClient,
-    hung: &Proxy,
-    name: &str,
-    deadline: Duration,
-) -> (redbaton::Result<redbaton::LockGuard>, Duration) {
-    hung.stall(true);
-    let (got, took) = timed(|| c.try_lock_for(name, deadline));
-    hung.heal();
-    eprintln!("try_lock_for({name:?}, {deadline:?}), no answer: {took:?}: {got:?}");
-    (got, took)
-}
+/// The re-check interval of the clients below: a multi-lock's contention marks, left to
+/// expire when the server did not answer, live twice that.
+const RECHECK: Duration = Duration::from_millis(400);
 
 /// A wait whose attempt got no answer ends there: what it may have left in Redis (its
-/// queue entry or contention mark, or a lock the unanswered attempt took) is given back
-/// by the client's cleanup thread, not by one more call of the caller's that the same
-/// silent server would hold up for the least a call is given. Given back all the same:
-/// once the node answers again (and the held requests land, late), nothing of the wait
-/// is left.
+/// queue entry or contention mark, or a hold the unanswered attempt took) is given back by
+/// the client's cleanup thread (a multi-lock's marks expire), not by one more call of the
+/// caller's that the same silent server would hold up for the least a call is given.
+/// Given back all the same: once the node answers again (and the requests it held land,
+/// late), nothing of the wait is left. Each kind of wait, with a deadline of 20 ms.
 #[test]
 fn a_wait_the_server_did_not_answer_ends_with_its_attempt() {
     init_log();
     let (srv, hung) = proxied();
-    for (kind, c) in [
-        ("fair", client(&hung.url())),
-        (
-            "unfair",
-            lock_client!(
-                node(hung.url()),
-                key_prefix(PREFIX),
-                io_timeouts(IO),
-                fair(false)
-            ),
-        ),
-    ] {
-        let name = format!("unanswered:{kind}");
-        drop(c.try_lock(&name).expect("warm up"));
-        let deadline = ms(20);
-        let (got, took) = try_lock_for_unanswered(&c, &hung, &name, deadline);
+    let with = |fair: bool| {
+        lock_client!(
+            node(hung.url()),
+            key_prefix(PREFIX),
+            io_timeouts(IO),
+            recheck_interval(RECHECK),
+            fair(fair)
+        )
+    };
+    let (fair, unfair) = (with(true), with(false));
+    drop(fair.try_lock("unanswered:warm").expect("warm up"));
+    drop(unfair.try_lock("unanswered:warm").expect("warm up"));
+    let d = ms(20);
+    let waits: [(&str, &dyn Fn() -> redbaton::Result<()>); 6] = [
+        ("fair lock", &|| {
+            fair.try_lock_for("unanswered:f", d).map(drop)
+        }),
+        ("lock", &|| unfair.try_lock_for("unanswered:u", d).map(drop)),
+        ("write", &|| {
+            fair.rwlock("unanswered:w").try_write_for(d).map(drop)
+        }),
+        ("read", &|| {
+            fair.rwlock("unanswered:r").try_read_for(d).map(drop)
+        }),
+        ("permit", &|| {
+            fair.semaphore("unanswered:p", 2)
+                .try_acquire_for(d)
+                .map(drop)
+        }),
+        ("multi-lock", &|| {
+            let names = ["unanswered:m1", "unanswered:m2"];
+            fair.try_multi_lock_for(names, d).map(drop)
+        }),
+    ];
+    let pattern = format!("{PREFIX}*");
+    for (kind, wait) in waits {
+        hung.stall(true);
+        let (got, took) = timed(wait);
+        hung.heal();
+        eprintln!("{kind}: a wait of {d:?}, no answer: {took:?}: {got:?}");
         assert!(
             got.as_ref()
                 .is_err_and(|e| e.is_timeout() || e.is_connection())
@@ -344,10 +357,9 @@ fn a_wait_the_server_did_not_answer_ends_with_its_attempt() {
         let bound = LEAST_ATTEMPT + ms(30);
         assert!(
             took < bound,
-            "{kind}: a wait of {deadline:?} on a node that answered nothing took {took:?} \
+            "{kind}: a wait of {d:?} on a node that answered nothing took {took:?} \
              (at most {bound:?})"
         );
-        let pattern = format!("{PREFIX}*");
         let gone = wait_until(secs(5), || srv.keys_but_fences(&pattern).is_empty());
         assert!(
             gone,

@@ -482,7 +482,11 @@ impl GroupContest<'_> {
                     if ran {
                         self.release_later(token);
                     }
-                    self.leave();
+                    if e.is_connection() {
+                        self.abandon_marks();
+                    } else {
+                        self.leave();
+                    }
                     return Err(WaitEnd::failed(&ride, wait, e));
                 }
             };
@@ -605,6 +609,17 @@ impl GroupContest<'_> {
     fn leave(&mut self) {
         let last = self.waiting.leave();
         self.remove_marks(last);
+        self.waiting.removed();
+    }
+
+    /// The wait ends on a server that did not answer (or could not be reached): our
+    /// contention marks are left to expire with their TTL rather than removed by one more
+    /// call to the same server, which would hold the caller up past its deadline once
+    /// more. Not in the background either: a removal landing late could take the marks of
+    /// another multi-lock of the client that joined them meanwhile. A mark left behind
+    /// only tells a holder that someone may wait.
+    fn abandon_marks(&mut self) {
+        self.waiting.leave();
         self.waiting.removed();
     }
 
