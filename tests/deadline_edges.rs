@@ -15,8 +15,9 @@
 //!   read timeout.
 //! * A deadline nearer than the least a call is given (50 ms) gives the call that much
 //!   from its start, once: the steps of the call share it, not each has it.
-//! * A wait whose attempt got no answer returns with it: its leave is the cleanup
-//!   thread's, not one more call on the caller's thread.
+//! * A wait whose attempt got no answer returns with it, each kind of wait and a Redlock
+//!   round short of a majority: its leave is the cleanup thread's, not one more call on
+//!   the caller's thread.
 //!
 //! Times are generous liveness bounds, never speed claims: each bound lies far from both
 //! the deadline and what a step that ignored the deadline would wait (read timeouts of a
@@ -366,5 +367,36 @@ fn a_wait_the_server_did_not_answer_ends_with_its_attempt() {
             "{kind}: left in Redis: {:?}",
             srv.keys_but_fences(&pattern)
         );
+    }
+}
+
+/// The same on Redlock: a round that two of three nodes did not answer falls short of a
+/// majority and ends with its attempt; the give-back of the hold the third granted, and
+/// the leave on all three, are the cleanup thread's. Nothing is left once they answer.
+#[test]
+fn a_redlock_wait_short_of_a_majority_ends_with_its_attempt() {
+    init_log();
+    let servers = server::start_many(3);
+    let proxies: Vec<Proxy> = servers.iter().map(|s| Proxy::start(s.addr())).collect();
+    let urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let c = lock_client!(nodes(urls), key_prefix(PREFIX), io_timeouts(IO));
+    drop(c.try_lock("unanswered:warm").expect("warm up"));
+    let d = ms(20);
+    for p in &proxies[..2] {
+        p.stall(true);
+    }
+    let (got, took) = timed(|| c.try_lock_for("unanswered:redlock", d).map(drop));
+    proxies.iter().for_each(Proxy::heal);
+    eprintln!("Redlock, two of three nodes silent: a wait of {d:?}: {took:?}: {got:?}");
+    assert!(got.as_ref().is_err_and(|e| e.is_timeout()), "{got:?}");
+    let bound = LEAST_ATTEMPT + ms(30);
+    assert!(
+        took < bound,
+        "a wait of {d:?} with two of three nodes silent took {took:?} (at most {bound:?})"
+    );
+    let pattern = format!("{PREFIX}*");
+    for srv in &servers {
+        let gone = wait_until(secs(5), || srv.keys_but_fences(&pattern).is_empty());
+        assert!(gone, "left in Redis: {:?}", srv.keys_but_fences(&pattern));
     }
 }

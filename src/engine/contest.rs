@@ -484,9 +484,14 @@ impl Contest<'_> {
                     // Fair queue: the leave below frees a lock that the lost attempt may
                     // have taken with our token; without one (the caller did not wait, so
                     // it is not queued) the undo releases it.
+                    // A node that did not answer the attempt (or could not be reached)
+                    // is not asked again on the caller's time: the leave is left to the
+                    // cleanup thread, as is the give-back of what the attempt may have
+                    // taken there.
+                    let unanswered = error.is_connection() || !undo.unknown.is_empty();
                     let reused = self.marked;
                     self.undo(tried, undo, reused);
-                    if error.is_connection() {
+                    if unanswered {
                         self.leave_later();
                     } else {
                         self.leave();
