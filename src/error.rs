@@ -404,6 +404,83 @@ impl Error {
         }
     }
 
+    /// The server was reached and refused the command for a reason of its own, which the
+    /// lock's state has nothing to do with: an ACL without a command the lock needs
+    /// (`NOPERM`), memory full under `maxmemory` with `noeviction` (`OOM`), a replica
+    /// (`READONLY`), failed snapshots that stop writes (`MISCONF`), too few replicas for
+    /// `min-replicas-to-write` (`NOREPLICAS`), a replica cut off from its master
+    /// (`MASTERDOWN`), a long script or function running (`BUSY`), or data loading at
+    /// start-up (`LOADING`). [`refusal_code`](Self::refusal_code) says which.
+    ///
+    /// The refused command did not run, and what the call was to do is not done (a lock
+    /// not taken, a release not made: the lease ends the hold). `BUSY` and `LOADING` pass
+    /// by themselves, usually within seconds; the others last until the server's settings
+    /// or its role change. Not a connection error
+    /// ([`is_connection`](Self::is_connection) is false): the server answered. Credentials
+    /// refused are [`is_auth`](Self::is_auth), not this.
+    ///
+    /// Behind Sentinel or in Redis Cluster a `READONLY` is a master demoted by a failover:
+    /// a call that may wait follows the new master instead, and ends with
+    /// [`Error::Timeout`] if the failover outlasts its deadline.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let url = redbaton_testkit::redis_url();
+    /// # let admin = redis::Client::open(url.as_str())?;
+    /// # let _: () = redis::cmd("ACL")
+    /// #     .arg(&["SETUSER", "reporter", "on", ">pw", "~*", "&*", "+@all", "-evalsha"])
+    /// #     .query(&mut admin.get_connection()?)?;
+    /// // The ACL user "reporter" may not run scripts (`-evalsha`).
+    /// let url = url.replace("redis://", "redis://reporter:pw@");
+    /// let client = redbaton::LockClient::builder().node(url).build()?;
+    /// let e = client.try_lock("report").unwrap_err();
+    /// assert!(e.is_refused());
+    /// assert_eq!(e.refusal_code(), Some("NOPERM"));
+    /// assert!(!e.is_connection() && !e.is_auth());
+    /// # Ok(()) }
+    /// ```
+    pub fn is_refused(&self) -> bool {
+        self.refusal_code().is_some()
+    }
+
+    /// Which refusal of [`is_refused`](Self::is_refused) it was: the server's error code,
+    /// `"NOPERM"`, `"OOM"`, `"READONLY"`, `"MISCONF"`, `"NOREPLICAS"`, `"MASTERDOWN"`,
+    /// `"BUSY"` or `"LOADING"`; `None` for every other error. The code is the same on every
+    /// server, as Redis 7 names it, also where the server words a refusal met inside a
+    /// script otherwise (Redis 6.2 passes it on under `ERR`, and Redis 7 and Valkey say an
+    /// ACL's refusal there under `ERR`); the server's own message is in
+    /// [`redis_error`](Self::redis_error).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # fn main() -> Result<(), redbaton::Error> {
+    /// # let url = redbaton_testkit::redis_url();
+    /// let client = redbaton::LockClient::builder().node(url.as_str()).build()?;
+    /// // Memory full, and nothing may be evicted to make room.
+    /// let mut admin = redis::Client::open(url.as_str())?.get_connection()?;
+    /// for (name, value) in [("maxmemory-policy", "noeviction"), ("maxmemory", "1")] {
+    ///     let _: () = redis::cmd("CONFIG").arg("SET").arg(name).arg(value).query(&mut admin)?;
+    /// }
+    /// let e = client.try_lock("report").unwrap_err();
+    /// match e.refusal_code() {
+    ///     Some("OOM") => eprintln!("redis is out of memory: {e}"),
+    ///     Some(code) => eprintln!("redis refused ({code}): {e}"),
+    ///     None => eprintln!("{e}"),
+    /// }
+    /// assert_eq!(e.refusal_code(), Some("OOM"));
+    /// assert_eq!(redbaton::Error::Timeout.refusal_code(), None);
+    /// # Ok(()) }
+    /// ```
+    pub fn refusal_code(&self) -> Option<&str> {
+        match self {
+            Error::Redis(e) => refusal_code(e),
+            _ => None,
+        }
+    }
+
     /// The TLS handshake failed: the server's certificate is not trusted (wrong CA,
     /// wrong host name, expired), or the server wants a client certificate
     /// ([`Builder::tls_client_identity`](crate::Builder::tls_client_identity)) and got none
@@ -483,6 +560,47 @@ pub(crate) fn is_network_error(e: &redis::RedisError) -> bool {
 pub(crate) fn is_auth_error(e: &redis::RedisError) -> bool {
     e.kind() == redis::ErrorKind::AuthenticationFailed
         || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))
+}
+
+/// The codes of [`Error::is_refused`].
+const REFUSALS: [&str; 8] = [
+    "NOPERM",
+    "OOM",
+    "READONLY",
+    "MISCONF",
+    "NOREPLICAS",
+    "MASTERDOWN",
+    "BUSY",
+    "LOADING",
+];
+
+/// Which refusal `e` is (see [`Error::refusal_code`]). A refusal met inside a script comes
+/// in three wordings besides its own code: an ACL's, under `ERR` on Redis 7 (`The user
+/// executing the script can't run this command …`) and Valkey (`ACL failure in script:
+/// …`); Redis 6.2's, where the refused command's reply is text after the script's line
+/// (`ERR Error running script … @user_script: 12: -OOM command not allowed …`); and that
+/// text as a script passes on an error it caught (`pcall`), its line first and read as
+/// the code (`@user_script: 12: -OOM …`).
+pub(crate) fn refusal_code(e: &redis::RedisError) -> Option<&'static str> {
+    let code = e.code()?;
+    if let Some(known) = REFUSALS.iter().find(|r| **r == code) {
+        return Some(known);
+    }
+    let in_script = code == "ERR" || code.starts_with("@user_script");
+    let detail = e.detail().filter(|_| in_script)?;
+    if detail.contains("can't run this command or subcommand")
+        || detail.starts_with("ACL failure in script")
+    {
+        return Some("NOPERM");
+    }
+    if !detail.contains("@user_script") && code == "ERR" {
+        return None;
+    }
+    REFUSALS.iter().copied().find(|r| {
+        detail
+            .match_indices(r)
+            .any(|(at, _)| detail[..at].ends_with('-') && detail[at + r.len()..].starts_with(' '))
+    })
 }
 
 /// Why a held lock was lost.

@@ -101,7 +101,9 @@ pub use api::cancel::Cancel;
 pub use api::client::LockClient;
 pub use api::detached::{DetachedGuard, DetachedWriteGuard};
 pub use api::guard::LockGuard;
-pub use api::inspect::{ForceRelease, Hold, HoldKind, Holder, LockInfo, LockKind, QueueEntry};
+pub use api::inspect::{
+    ForceRelease, Hold, HoldKind, Holder, LockInfo, LockKind, Locks, QueueEntry,
+};
 pub use api::latch::{Latch, MAX_LATCH_COUNT};
 pub use api::multi::{MAX_MULTI_NAMES, MultiGuard};
 pub use api::rwlock::{ReadGuard, RwLock, UpgradableReadGuard, UpgradeError, WriteGuard};

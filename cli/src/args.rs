@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, Subcommand};
 
-use crate::name::{self, NAME_HELP, Name};
+use crate::name::{self, NAME_HELP, Name, PATTERN_HELP, Pattern};
 
 const EXIT_CODES: &str = "Exit codes: 0 ok (status of a free name included), 1 not found or \
 refused (release), 2 usage, 3 runtime (Redis unreachable, refused credentials, a server \
@@ -40,9 +40,8 @@ pub enum Command {
     /// or a node that cannot be read is reported on stderr, the others listed, and the
     /// command ends with exit 3.
     List {
-        /// A Redis glob over names (`*`, `?`, `[a-z]`, `\` escapes); default every name.
-        #[arg(default_value = "*")]
-        pattern: String,
+        #[arg(help = PATTERN_HELP, default_value = "*", value_parser = name::parse_pattern)]
+        pattern: Pattern,
     },
     /// `status NAME`, refreshed every `--interval` until Ctrl-C (or stdout is closed);
     /// rides out a Redis restart or a lost connection.

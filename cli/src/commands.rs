@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::describe::human;
 use crate::failure::{Failure, error_text, warn};
 use crate::json::json_line;
-use crate::name::Name;
+use crate::name::{Name, Pattern};
 use crate::table::{list_header, list_line, table};
 
 /// `status NAME`.
@@ -156,14 +156,14 @@ fn stdout_closed_within(pause: Duration) -> bool {
 pub fn list(
     out: &mut impl Write,
     client: &LockClient,
-    (prefix, pattern): (&str, &str),
+    (prefix, pattern): (&str, &Pattern),
     json: bool,
 ) -> Result<(), Failure> {
     if !json {
         out.write_all(list_header().as_bytes())?;
     }
     let (mut listed, mut failed) = (0_usize, 0_usize);
-    for info in client.locks(pattern) {
+    for info in client.locks(&pattern.glob) {
         match info {
             Ok(info) if json => writeln!(out, "{}", json_line(&info))?,
             Ok(info) => out.write_all(list_line(&info).as_bytes())?,

@@ -6,6 +6,11 @@
 //! * `\xNN` for the other ASCII control characters and for each byte that is not UTF-8;
 //! * `\u{NNNN}` for the other control characters;
 //! * every other character as it is.
+//!
+//! A `list` PATTERN is a Redis glob over names in that form too: the escapes that stand
+//! for a byte or a character (`\n`, `\r`, `\t`, `\xNN`, `\u{NNNN}`) match it literally,
+//! and the glob's own (`\*`, `\?`, `\[`, `\\`, ...) stay as they are. `\\` means a
+//! backslash both ways, so a name as `list` shows it, given back as a pattern, finds it.
 
 use std::fmt::Write as _;
 
@@ -13,6 +18,83 @@ use std::fmt::Write as _;
 pub const NAME_HELP: &str = "The lock's name, as `list` shows it: `\\\\` for a backslash, \
 `\\n`, `\\r`, `\\t`, `\\xNN` for a byte (names that are not UTF-8), `\\u{NNNN}` for a \
 character";
+
+/// What PATTERN arguments accept, for the help.
+pub const PATTERN_HELP: &str = "A Redis glob over names (`*`, `?`, `[a-z]`, `\\` escapes \
+the next character), with the escapes of NAME for what `list` shows escaped: `\\n`, \
+`\\r`, `\\t`, `\\xNN` for a byte (names that are not UTF-8), `\\u{NNNN}` for a \
+character, each matching itself";
+
+/// A `list` PATTERN given on the command line: the glob's bytes, and the argument as given
+/// (to say what matched nothing).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pattern {
+    pub glob: Vec<u8>,
+    pub shown: String,
+}
+
+impl std::fmt::Display for Pattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.shown)
+    }
+}
+
+/// A PATTERN argument: the escaped form back to a glob's bytes (clap's value parser). A
+/// byte or a character given by an escape is escaped for the glob when the glob would
+/// read it as a wildcard (`\x2a` is a `*` in the name, not any run of bytes); a backslash
+/// before anything else is the glob's own escape, kept with what follows. A bad `\x` or
+/// `\u` escape is refused as it is in a NAME.
+pub fn parse_pattern(arg: &str) -> Result<Pattern, String> {
+    let glob = walk(arg, |glob, escape| {
+        if !escape.starts_with(['n', 'r', 't', 'x', 'u']) {
+            // The glob's escape (`\\` included), or a backslash at the end, which the glob
+            // takes as itself: as given.
+            let used = escape.chars().next().map_or(0, char::len_utf8);
+            glob.push(b'\\');
+            glob.extend_from_slice(&escape.as_bytes()[..used]);
+            return Ok(used);
+        }
+        let (literal, used) = unescape(escape).ok_or_else(|| bad_escape(escape))?;
+        for b in literal.bytes() {
+            if matches!(b, b'*' | b'?' | b'[' | b']' | b'\\') {
+                glob.push(b'\\');
+            }
+            glob.push(b);
+        }
+        Ok(used)
+    })?;
+    Ok(Pattern {
+        glob,
+        shown: arg.to_owned(),
+    })
+}
+
+/// `arg`'s bytes, each escape (what follows a backslash) given to `escaped`, which adds
+/// what it stands for and says how much of it was the escape.
+fn walk(
+    arg: &str,
+    mut escaped: impl FnMut(&mut Vec<u8>, &str) -> Result<usize, String>,
+) -> Result<Vec<u8>, String> {
+    let mut bytes = Vec::with_capacity(arg.len());
+    let mut rest = arg;
+    while let Some(at) = rest.find('\\') {
+        bytes.extend_from_slice(&rest.as_bytes()[..at]);
+        let escape = &rest[at + 1..];
+        let used = escaped(&mut bytes, escape)?;
+        rest = &escape[used..];
+    }
+    bytes.extend_from_slice(rest.as_bytes());
+    Ok(bytes)
+}
+
+/// The message of an escape that `escape` (what follows a backslash) does not start.
+fn bad_escape(escape: &str) -> String {
+    format!(
+        "bad escape at `\\{}`: write `\\\\` for a backslash, or `\\n`, `\\r`, `\\t`, \
+         `\\xNN`, `\\u{{NNNN}}`",
+        escape.chars().take(8).collect::<String>()
+    )
+}
 
 /// A lock name given on the command line: its bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,31 +140,27 @@ pub fn escape(name: &[u8]) -> String {
 
 /// A NAME argument: the escaped form back to the name's bytes (clap's value parser).
 pub fn parse(arg: &str) -> Result<Name, String> {
-    let mut bytes = Vec::with_capacity(arg.len());
-    let mut rest = arg;
-    while let Some(at) = rest.find('\\') {
-        bytes.extend_from_slice(&rest.as_bytes()[..at]);
-        let escape = &rest[at + 1..];
-        let (byte_or_char, used) = unescape(escape).ok_or_else(|| {
-            format!(
-                "bad escape at `\\{}`: write `\\\\` for a backslash, or `\\n`, `\\r`, `\\t`, \
-                 `\\xNN`, `\\u{{NNNN}}`",
-                escape.chars().take(8).collect::<String>()
-            )
-        })?;
-        match byte_or_char {
-            Unescaped::Byte(b) => bytes.push(b),
-            Unescaped::Char(c) => bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
-        }
-        rest = &escape[used..];
-    }
-    bytes.extend_from_slice(rest.as_bytes());
+    let bytes = walk(arg, |bytes, escape| {
+        let (byte_or_char, used) = unescape(escape).ok_or_else(|| bad_escape(escape))?;
+        bytes.extend_from_slice(&byte_or_char.bytes());
+        Ok(used)
+    })?;
     Ok(Name(bytes))
 }
 
 enum Unescaped {
     Byte(u8),
     Char(char),
+}
+
+impl Unescaped {
+    /// The bytes it stands for.
+    fn bytes(&self) -> Vec<u8> {
+        match *self {
+            Unescaped::Byte(b) => vec![b],
+            Unescaped::Char(c) => c.encode_utf8(&mut [0; 4]).as_bytes().to_vec(),
+        }
+    }
 }
 
 /// The escape that `s` starts with (what follows a backslash), and its length.
@@ -117,7 +195,7 @@ fn unescape(s: &str) -> Option<(Unescaped, usize)> {
 
 #[cfg(test)]
 mod tests {
-    use super::{escape, parse};
+    use super::{escape, parse, parse_pattern};
 
     #[test]
     fn every_name_comes_back_from_its_escaped_form() {
@@ -156,5 +234,28 @@ mod tests {
             assert!(parse(arg).is_err(), "{arg}");
         }
         assert_eq!(parse(r"\u{e9}\x41").unwrap().0, "\u{e9}A".as_bytes());
+    }
+
+    #[test]
+    fn a_pattern_keeps_the_globs_escapes_and_makes_escaped_bytes_literal() {
+        let cases: [(&str, &[u8]); 9] = [
+            ("jobs:*", b"jobs:*"),
+            (r"\xff*", b"\xff*"),
+            (r"a\x2ab", br"a\*b"),
+            (r"a\x5cb", br"a\\b"),
+            (r"a\*b", br"a\*b"),
+            (r"a\\xffb", br"a\\xffb"),
+            (r"a\tb?", b"a\tb?"),
+            (r"caf\u{e9}", "caf\u{e9}".as_bytes()),
+            (r"end\", br"end\"),
+        ];
+        for (arg, glob) in cases {
+            let pattern = parse_pattern(arg).unwrap();
+            assert_eq!(pattern.glob, glob, "{arg}");
+            assert_eq!(pattern.to_string(), arg);
+        }
+        for arg in [r"\x", r"\xzz", r"\u{}", r"\u1234"] {
+            assert!(parse_pattern(arg).is_err(), "{arg}");
+        }
     }
 }

@@ -358,6 +358,11 @@ impl LockClient {
     /// [`inspect`](Self::inspect) says of each, their names matching `pattern` (a Redis
     /// glob over names: `*`, `?`, `[a-z]`, `\` to escape; empty means every name).
     ///
+    /// Names are bytes, and so is the pattern: a `&str`, or bytes for names that are not
+    /// UTF-8 (a byte that is not UTF-8 matches itself). The glob applies to the name
+    /// alone, whichever form its keys take: the key prefix, and the braces or hash tag
+    /// around the name in the key, are not matched by it.
+    ///
     /// Found with `SCAN` (`MATCH`, a bounded `COUNT`) on every node the client talks to
     /// (Redis Cluster: each master), never `KEYS`: one page per step of the iterator, so
     /// the server is never blocked by a long listing. As with `SCAN`, a name held or freed
@@ -381,9 +386,18 @@ impl LockClient {
     ///     .collect::<Result<_, _>>()?;
     /// names.sort();
     /// assert_eq!(names, [b"orders:1".to_vec(), b"orders:2".to_vec()]);
+    ///
+    /// // A name that is not UTF-8, found by a pattern of bytes.
+    /// let _raw = client.lock(b"raw:\xff\x01")?;
+    /// let raw: Vec<Vec<u8>> = client
+    ///     .locks(b"raw:\xff*")
+    ///     .map(|info| info.map(|i| i.name))
+    ///     .collect::<Result<_, _>>()?;
+    /// assert_eq!(raw, [b"raw:\xff\x01".to_vec()]);
     /// # Ok(()) }
     /// ```
-    pub fn locks(&self, pattern: &str) -> impl Iterator<Item = Result<LockInfo>> + use<> {
+    pub fn locks(&self, pattern: impl AsRef<[u8]>) -> Locks {
+        let pattern = pattern.as_ref();
         let engine = self.engine().clone();
         let nodes = engine.topology.nodes_now().to_vec();
         let scan = Scan::new(&engine.cfg.key_prefix, pattern);
@@ -391,7 +405,7 @@ impl LockClient {
             engine,
             nodes,
             node: 0,
-            pattern: pattern.to_owned(),
+            pattern: pattern.to_vec(),
             scan,
             pending: VecDeque::new(),
             seen: HashSet::new(),
@@ -663,20 +677,46 @@ fn foreign(redis_type: &str) -> LockKind {
     }
 }
 
-/// The listing of [`LockClient::locks`]: one `SCAN` page at a time, node after node, each
-/// name found inspected as it is reached.
-struct Locks {
+/// The listing of [`LockClient::locks`], an iterator of [`LockInfo`]: one `SCAN` page at a
+/// time, node after node, each name found inspected as it is reached. It borrows neither
+/// the client nor the pattern.
+///
+/// # Examples
+///
+/// ```
+/// # fn main() -> Result<(), redbaton::Error> {
+/// # let client = redbaton::LockClient::builder().node(redbaton_testkit::redis_url()).build()?;
+/// let _job = client.lock("jobs:7")?;
+/// let listing: redbaton::Locks = client.locks(String::from("jobs:*"));
+/// for info in listing {
+///     let info = info?;
+///     println!("{}: held {}", String::from_utf8_lossy(&info.name), info.is_held());
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Locks {
     engine: Arc<Engine>,
     nodes: Vec<Arc<Node>>,
     /// The node being scanned (an index into `nodes`).
     node: usize,
-    pattern: String,
+    pattern: Vec<u8>,
     scan: Scan,
     /// Names found and not yet inspected.
     pending: VecDeque<Vec<u8>>,
     /// Names already found: `SCAN` may return a key twice, a name has several keys, and a
     /// Redlock name is on several masters.
     seen: HashSet<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Locks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Locks")
+            .field("pattern", &self.pattern.escape_ascii().to_string())
+            .field("node", &self.node)
+            .field("nodes", &self.nodes.len())
+            .field("pending", &self.pending.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Locks {

@@ -404,8 +404,8 @@ pub(crate) struct Scan {
 const PAGE: usize = 200;
 
 impl Scan {
-    pub fn new(prefix: &str, pattern: &str) -> Self {
-        let pattern = if pattern.is_empty() { "*" } else { pattern };
+    pub fn new(prefix: &str, pattern: &[u8]) -> Self {
+        let pattern = if pattern.is_empty() { b"*" } else { pattern };
         let escaped_prefix = glob_escape(prefix.as_bytes());
         let mut matches = Vec::with_capacity(2);
         // Escaped form: `{16 hex digits}prefix name`, then any suffix.
@@ -413,20 +413,20 @@ impl Scan {
         escaped.extend_from_slice(&[b'?'; 16]);
         escaped.push(b'}');
         escaped.extend_from_slice(&escaped_prefix);
-        escaped.extend_from_slice(pattern.as_bytes());
+        escaped.extend_from_slice(pattern);
         escaped.push(b'*');
         matches.push(escaped);
         if !prefix.contains('{') {
             // Plain form: `prefix{name}`, then any suffix.
             let mut plain = escaped_prefix;
             plain.push(b'{');
-            plain.extend_from_slice(pattern.as_bytes());
+            plain.extend_from_slice(pattern);
             plain.extend_from_slice(b"}*");
             matches.push(plain);
         }
         Scan {
             prefix: prefix.to_owned(),
-            pattern: pattern.as_bytes().to_vec(),
+            pattern: pattern.to_vec(),
             matches,
             cursor: 0,
         }
@@ -586,10 +586,12 @@ mod tests {
 
     #[test]
     fn scan_patterns_cover_both_key_forms() {
-        let s = Scan::new("p:", "a*");
+        let s = Scan::new("p:", b"a*");
         assert_eq!(s.matches[1], b"p:{a*}*");
         assert_eq!(s.matches[0], b"{????????????????}p:a**");
-        let s = Scan::new("{x}*", "");
+        let s = Scan::new("p:", b"\xff*");
+        assert_eq!(s.matches[1], b"p:{\xff*}*");
+        let s = Scan::new("{x}*", b"");
         assert_eq!(s.matches, vec![b"{????????????????}{x}\\***".to_vec()]);
     }
 }

@@ -289,18 +289,14 @@ impl<'a> Failure<'a> {
             },
             Server(Kind::TryAgain) => Failure::Migrating,
             Server(Kind::ClusterDown) => Failure::ClusterDown,
-            _ if e.code() == Some("READONLY") || is_script_readonly(e) => Failure::ReadOnly,
+            // Also as Redis before 7 says it of a script's write (`ERR Error running
+            // script … -READONLY …`, or that text passed on by a script that caught it):
+            // a script on a demoted master fails so at its first write, having written
+            // nothing.
+            _ if crate::error::refusal_code(e) == Some("READONLY") => Failure::ReadOnly,
             _ => Failure::Other,
         }
     }
-}
-
-/// Whether `e` is a script's write refused by a replica as Redis before 7 says it: an
-/// `ERR Error running script … -READONLY You can't write against a read only replica.`,
-/// where Redis 7 keeps the `READONLY` code. A script on a demoted master fails so at its
-/// first write, having written nothing.
-fn is_script_readonly(e: &RedisError) -> bool {
-    e.code() == Some("ERR") && e.detail().is_some_and(|d| d.contains("-READONLY "))
 }
 
 /// Whether `e` is a demoted master's refusal of a write (`READONLY`, wrapped in a script
