@@ -51,7 +51,9 @@ pub enum Error {
     /// renewal) in time, until the caller's deadline. The acquisition was undone.
     #[error("{acked} of {wanted} replicas acknowledged the lock in time")]
     ReplicaAck {
-        /// Replicas that acknowledged the last attempt.
+        /// Replicas that acknowledged the last attempt. When the caller's deadline cut
+        /// that attempt's `WAIT` short, its answer is unknown: then as many as
+        /// acknowledged the node's last answered `WAIT` (fewer than `wanted`).
         acked: usize,
         /// Replicas asked for.
         wanted: usize,

@@ -1,5 +1,6 @@
 //! The Redis protocol: key layout, scripts, connections and one node's operations.
 
+pub(crate) mod ack;
 pub(crate) mod attempt;
 pub(crate) mod connect;
 pub(crate) mod fair_scripts;

@@ -5,18 +5,19 @@
 //! gives it (see [`CallPath`]).
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::time::{Duration, Instant};
 
 use redis::{Cmd, Connection, FromRedisValue, RedisError, RedisResult, Value};
 
 use crate::config::Config;
 use crate::error::{Error, Result, is_network_error};
+use crate::proto::ack::{WAIT_CUT, is_wait_cut, wait_cut, wait_timeout};
 use crate::proto::connect::open_client;
 use crate::proto::keys::Keys;
 pub(crate) use crate::proto::pool::within_deadline;
-use crate::proto::pool::{Pool, PooledConn, call_deadline};
+use crate::proto::pool::{Pool, PooledConn, bounded, call_deadline};
 use crate::proto::scripts::{self, Lua, RAISE_FENCE, Site};
 use crate::stats::Counters;
 
@@ -170,6 +171,9 @@ pub(crate) struct Node {
     /// The last command got no reply (a network error or a timeout): asked last when
     /// any node will do (the cluster's slot map).
     silent: AtomicBool,
+    /// How many replicas acknowledged the last `WAIT` the node answered: what a `WAIT` the
+    /// call's deadline cut short says (see [`Node::unseen_acks`]).
+    last_acked: AtomicUsize,
 }
 
 /// What every node of a client shares, given when a node is made: the client's counters,
@@ -219,6 +223,7 @@ impl Node {
             ack: cfg.replica_ack,
             path,
             silent: AtomicBool::new(false),
+            last_acked: AtomicUsize::new(0),
         }
     }
 
@@ -355,6 +360,14 @@ impl Node {
             Counters::inc(&self.counters.commands);
             let reply = within_deadline(&mut conn, until, read_timeout, &mut *commands);
             match reply {
+                // The node answered; its replicas did not acknowledge by the deadline, and
+                // the `WAIT`'s reply is still due on the connection: the connection goes,
+                // the node is neither silent nor suspected of having moved.
+                Err(e) if is_wait_cut(&e) => {
+                    conn.discard();
+                    self.silent.store(false, Relaxed);
+                    return Err(Error::Redis(e));
+                }
                 Err(e) if is_network_error(&e) => {
                     self.close(conn);
                     self.unanswered();
@@ -415,10 +428,11 @@ impl Node {
 
     /// Runs an acquire `call` of `script`, retried as `retry` says within `deadline`.
     /// When `took` says its reply took the lock and `replica_ack` asks, `WAIT`s on the
-    /// same connection (`WAIT` counts that connection's writes); the reply, and how many
-    /// replicas acknowledged when fewer than asked. `again`, when given, makes the call
-    /// sent after the first (which may have run): one that takes out what a first send
-    /// may have left (its mark, when it failed and will wait).
+    /// same connection (`WAIT` counts that connection's writes), within what remains of
+    /// the call's deadline (see [`wait_replicas_until`](Self::wait_replicas_until)); the
+    /// reply, and how many replicas acknowledged when fewer than asked. `again`, when
+    /// given, makes the call sent after the first (which may have run): one that takes out
+    /// what a first send may have left (its mark, when it failed and will wait).
     pub fn run_acquire<T: FromRedisValue>(
         &self,
         script: &Lua,
@@ -427,9 +441,15 @@ impl Node {
         deadline: Option<Instant>,
         took: impl Fn(&T) -> bool,
     ) -> Result<(T, Option<usize>)> {
+        // The deadline the call path gives the call as a whole, reckoned as it does, where
+        // the call begins (a moment before it: no later).
+        let until = call_deadline(deadline);
         let mut retried: Option<Cmd> = None;
         let mut sent = false;
-        let (reply, acked) = self.run_whole(retry, deadline, |c, before| {
+        // The reply of an acquisition whose `WAIT` the deadline cut short: the hold is
+        // ours, with fewer acknowledgements than asked.
+        let mut cut: Option<T> = None;
+        let outcome = self.run_whole(retry, deadline, |c, before| {
             let call = match again {
                 Some(again) if sent => &*retried.get_or_insert_with(again),
                 _ => call,
@@ -437,11 +457,30 @@ impl Node {
             sent = true;
             let reply: T = script.run(call, c, before)?;
             let acked = match self.ack {
-                Some(_) if took(&reply) => Some(self.wait_replicas(c)?),
+                Some(_) if took(&reply) => match self.wait_replicas_until(c, until) {
+                    // Failed, so that the connection, which still owes the `WAIT`'s
+                    // reply, is dropped (see `send`); the hold is ours all the same.
+                    Err(e) if is_wait_cut(&e) => {
+                        cut = Some(reply);
+                        return Err(e);
+                    }
+                    acked => Some(acked?),
+                },
                 _ => None,
             };
             Ok((reply, acked))
-        })?;
+        });
+        let (reply, acked) = match (outcome, cut) {
+            (Ok(outcome), _) => outcome,
+            // A cut ends the call (see `send`): the send that took the hold was the last,
+            // and the caller gives it back as it does any hold too few replicas
+            // acknowledged.
+            (Err(_), Some(reply)) => {
+                log::debug!("node {}: {WAIT_CUT}", self.id);
+                (reply, Some(self.unseen_acks()))
+            }
+            (Err(e), None) => return Err(e),
+        };
         let unacked = match (acked, self.ack) {
             (Some(acked), Some((wanted, _))) if acked < wanted => Some(acked),
             _ => None,
@@ -449,26 +488,63 @@ impl Node {
         Ok((reply, unacked))
     }
 
-    /// `WAIT` for the replicas `replica_ack` asks for; how many acknowledged.
+    /// `WAIT` for the replicas `replica_ack` asks for, in a call without a deadline (a
+    /// renewal); how many acknowledged.
     pub(crate) fn wait_replicas(&self, c: &mut Connection) -> RedisResult<usize> {
+        self.wait_replicas_until(c, None)
+    }
+
+    /// `WAIT` for the replicas `replica_ack` asks for, in a call that must be over by
+    /// `until` (from [`call_deadline`]); how many acknowledged. The `WAIT`'s own timeout
+    /// and its read are cut to what remains of `until`, leaving the server time to answer
+    /// before it (see [`wait_timeout`]); with nothing left, no `WAIT` is sent, and fewer
+    /// than asked acknowledged (see [`unseen_acks`](Self::unseen_acks)). A read the
+    /// deadline cut short fails with [`wait_cut`] (the connection still owes the reply).
+    fn wait_replicas_until(
+        &self,
+        c: &mut Connection,
+        until: Option<Instant>,
+    ) -> RedisResult<usize> {
         let Some((wanted, timeout)) = self.ack else {
             return Ok(0);
         };
+        let left = until.map(|u| u.saturating_duration_since(Instant::now()));
+        if left.is_some_and(|left| left.is_zero()) {
+            return Ok(self.unseen_acks());
+        }
+        let timeout = wait_timeout(timeout, left);
         Counters::inc(&self.counters.commands);
         // WAIT answers after its own timeout at the latest: give its reply that long even
-        // when the caller's deadline shortened the connection's read timeout.
+        // when the caller's deadline shortened the connection's read timeout, but no
+        // longer than what remains of that deadline.
         let (_, read_timeout, _) = self.pool.timeouts();
-        c.set_read_timeout(Some(read_timeout.max(timeout + Duration::from_millis(500))))?;
-        let acked: RedisResult<i64> = redis::cmd("WAIT")
-            .arg(wanted)
-            .arg(timeout.as_millis().max(1) as u64)
-            .query(c);
+        let patient = read_timeout.max(timeout + Duration::from_millis(500));
+        c.set_read_timeout(Some(bounded(patient, until)))?;
+        let acked: RedisResult<i64> = redis::cmd("WAIT").arg(wanted).arg(millis(timeout)).query(c);
+        if let Err(e) = &acked
+            && e.is_timeout()
+            && past(until)
+        {
+            return Err(wait_cut());
+        }
         // Put back after an error reply too (an ACL refusing `WAIT`): the connection goes
         // back to the pool, whose next borrower expects the pool's read timeout.
         if !acked.as_ref().is_err_and(is_network_error) {
             c.set_read_timeout(Some(read_timeout))?;
         }
-        Ok(usize::try_from(acked?).unwrap_or(0))
+        let acked = usize::try_from(acked?).unwrap_or(0);
+        self.last_acked.store(acked, Relaxed);
+        Ok(acked)
+    }
+
+    /// How many replicas acknowledged a `WAIT` that got no answer by the call's deadline
+    /// (cut short, or never sent): it saw none, but the replicas that acknowledged the
+    /// node's last answered `WAIT` most likely did again, so their count (fewer than
+    /// asked: the hold counts as not acknowledged) tells how many are missing where none
+    /// would say that all are.
+    fn unseen_acks(&self) -> usize {
+        let wanted = self.ack.map_or(0, |(wanted, _)| wanted);
+        self.last_acked.load(Relaxed).min(wanted.saturating_sub(1))
     }
 
     /// How long an idle fencing counter lives, in ms.

@@ -10,6 +10,8 @@
 
 use redis::{Connection, RedisResult, Value};
 
+use crate::proto::pool::next_read;
+
 /// Hash slots in a Redis Cluster.
 pub(crate) const SLOTS: usize = 16384;
 
@@ -37,6 +39,9 @@ pub(crate) fn read(conn: &mut Connection, tls: bool, asked: &str) -> RedisResult
                 )
             ) =>
         {
+            // A second reply within one call: it waits only for what remains of the call's
+            // deadline, not for as long as the refused `CLUSTER SHARDS` was given.
+            next_read(conn)?;
             let v = redis::cmd("CLUSTER").arg("SLOTS").query::<Value>(conn)?;
             Ok(from_slots(&v, asked))
         }
