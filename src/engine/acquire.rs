@@ -46,7 +46,8 @@ impl Engine {
         } else if wait.cancelled() {
             Err(Error::Cancelled)
         } else {
-            take()
+            // A slot map read on the way ends by the caller's deadline (Redis Cluster).
+            crate::topology::with_caller_deadline(wait.deadline(), take)
         };
         let since = self.counters.settled(kind, asked, took.as_ref().map(path));
         (took, since)

@@ -78,7 +78,10 @@ impl Engine {
         if wait.cancelled() {
             return Err(Error::Cancelled);
         }
-        let waited = self.latch_wait_reading(name, count, wait);
+        // A slot map read on the way ends by the caller's deadline (Redis Cluster).
+        let waited = crate::topology::with_caller_deadline(wait.deadline(), || {
+            self.latch_wait_reading(name, count, wait)
+        });
         if matches!(waited, Err(Error::Timeout)) {
             Counters::inc(&self.counters.timeouts);
         }

@@ -28,6 +28,7 @@
 //! [`slots`]: super::slots
 //! [`call`]: super::call
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -42,7 +43,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::proto::connect::{is_tls_url, open_client, open_client_at};
 use crate::proto::keys::{Keys, keyslot};
-use crate::proto::node::{Node, Parts, Retry};
+use crate::proto::node::{Node, Parts, Retry, past};
 use crate::proto::pool::{call_deadline, open_connection_until, within_deadline};
 use crate::proto::protocol::Protocols;
 use crate::stats::Counters;
@@ -52,6 +53,30 @@ use crate::stats::Counters;
 const MIN_REFRESH: Duration = Duration::from_millis(100);
 /// No master serves the slot (yet).
 const NONE: u16 = u16::MAX;
+
+thread_local! {
+    /// The deadline of the caller's call under way on this thread, when it has one (see
+    /// [`with_caller_deadline`]).
+    static CALLER: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+/// Runs `f`, a caller's call that must be over by `deadline`, so that a slot map read
+/// again on its way (a route looked up while the map is stale, see `Shared::refresh`)
+/// ends by that deadline, or [`MIN_ATTEMPT`](crate::proto::pool::MIN_ATTEMPT) after the
+/// read began when that is later, rather than one read timeout. A thread-local, as the
+/// read of the call's replies is (`proto::pool`): a route is looked up by code that knows
+/// nothing of the call, and the map is read on the thread of whoever routes first.
+pub(crate) fn with_caller_deadline<T>(deadline: Option<Instant>, f: impl FnOnce() -> T) -> T {
+    /// Puts back the call before, however `f` ends.
+    struct Restore(Option<Instant>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CALLER.set(self.0);
+        }
+    }
+    let _restore = Restore(CALLER.replace(deadline));
+    f()
+}
 
 pub(crate) struct Cluster {
     shared: Arc<Shared>,
@@ -189,8 +214,10 @@ impl Shared {
     /// thread of whoever routed (a caller with a deadline, the watchdog), and the nodes
     /// are asked one after another, so that a stalled cluster (every master and seed
     /// accepting connections and answering nothing) would otherwise keep that thread one
-    /// read timeout per node. A node that did not answer is asked last next time (see
-    /// `Node::answering`).
+    /// read timeout per node. A caller with a nearer deadline (see
+    /// [`with_caller_deadline`]) gives it that much (`MIN_ATTEMPT` at least), and asks no
+    /// more nodes once it has passed: the map stays stale, and the next route reads it
+    /// again. A node that did not answer is asked last next time (see `Node::answering`).
     fn refresh(&self, force: bool) -> Result<()> {
         let Some(mut last) = self.refreshed.try_lock() else {
             return Ok(());
@@ -205,10 +232,19 @@ impl Shared {
         // routes while the map is read.
         let mut masters: Vec<Arc<Node>> = self.map.read().all.nodes().to_vec();
         masters.sort_by_key(|n| !n.answering());
-        let until = (!force).then(|| Instant::now() + self.cfg.read_timeout);
+        let caller = call_deadline(CALLER.get()).filter(|_| !force);
+        let until = (!force).then(|| {
+            let by_timeout = Instant::now() + self.cfg.read_timeout;
+            caller.map_or(by_timeout, |d| d.min(by_timeout))
+        });
+        // A caller whose deadline has passed asks no more nodes (see above).
+        let out_of_time = || past(caller);
         let mut first_error = None;
         let mut found = None;
         for node in &masters {
+            if out_of_time() {
+                break;
+            }
             let asked = Self::host_of(node).unwrap_or_default();
             match node.run_until(Retry::NEVER, until, |c| slots::read(c, tls, &asked)) {
                 Ok(shards) if !shards.is_empty() => {
@@ -223,6 +259,10 @@ impl Shared {
         }
         if found.is_none() {
             for (i, url) in self.seeds.iter().enumerate() {
+                if out_of_time() {
+                    first_error.get_or_insert(Error::Timeout);
+                    break;
+                }
                 match self.read_seed(i, url, tls, until) {
                     Ok(shards) if !shards.is_empty() => {
                         found = Some(shards);

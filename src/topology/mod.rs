@@ -34,6 +34,7 @@ use crate::stats::Counters;
 pub(crate) use call::is_read_only;
 use call::{Path, is_failover_symptom};
 use cluster::Cluster;
+pub(crate) use cluster::with_caller_deadline;
 use redlock::Redlock;
 use sentinel::Sentinel;
 use single::Single;
