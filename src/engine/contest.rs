@@ -487,8 +487,11 @@ impl Contest<'_> {
                     // A node that did not answer the attempt (or could not be reached)
                     // is not asked again on the caller's time: the leave is left to the
                     // cleanup thread, as is the give-back of what the attempt may have
-                    // taken there.
-                    let unanswered = error.is_connection() || !undo.unknown.is_empty();
+                    // taken there. A node that answered with an error (a key of another
+                    // type, say) is left at once, as before.
+                    let unanswered = error.is_connection()
+                        || (self.route.nodes().iter())
+                            .any(|n| undo.unknown.contains(&n.id) && !n.answering());
                     let reused = self.marked;
                     self.undo(tried, undo, reused);
                     if unanswered {
