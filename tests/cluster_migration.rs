@@ -16,7 +16,7 @@ use redbaton::{Error, LockClient, LockKind, Unlocked};
 use redbaton_testkit::cluster::Cluster;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::lock_builder;
-use redbaton_testkit::{init_log, ms, secs};
+use redbaton_testkit::{init_log, ms, secs, timed};
 
 const KEYS: Keys = Keys::DEFAULT;
 /// Slack over a call's own bound before it counts as a stall (the machine may be busy).
@@ -78,13 +78,6 @@ fn slot_and_masters(cluster: &Cluster, name: &str) -> (u16, u16, u16) {
     let slot = cluster.keyslot(&KEYS.lock_bytes(name.as_bytes()));
     let from = cluster.owner(slot);
     (slot, from, cluster.other_master(from))
-}
-
-/// Runs `f`, returning its result and how long it took.
-fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
-    let t = Instant::now();
-    let r = f();
-    (r, t.elapsed())
 }
 
 /// What a call on a migrating slot may answer instead of the lock: a typed error that

@@ -24,14 +24,14 @@
 //! few seconds). Every server is a real `redis-server`; late replies come from the test
 //! support's proxy.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redbaton::LockClient;
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer};
 use redbaton_testkit::wait::wait_until;
-use redbaton_testkit::{exists, init_log, lock_client, ms, secs, test_server};
+use redbaton_testkit::{exists, init_log, lock_client, ms, secs, test_server, timed};
 
 const PREFIX: &str = "de:";
 const KEYS: Keys = Keys::new(PREFIX);
@@ -57,13 +57,6 @@ fn flush_scripts(srv: &RedisServer) {
         .arg("FLUSH")
         .query::<()>(&mut srv.conn())
         .expect("SCRIPT FLUSH");
-}
-
-/// Runs `call`, returning what it returned and how long it took.
-fn timed<T>(call: impl FnOnce() -> T) -> (T, Duration) {
-    let started = Instant::now();
-    let got = call();
-    (got, started.elapsed())
 }
 
 /// How long `c.try_lock_for(name, deadline)` took while `slow` delayed every reply by

@@ -19,7 +19,7 @@
 //! 2 s, a second slow reply). Every server is a real `redis-server`; slow replies come
 //! from the test support's proxy.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redbaton::{Error, LockClient};
 use redbaton_testkit::cluster::{Cluster, announces_ports_at_runtime, slot_port};
@@ -27,7 +27,7 @@ use redbaton_testkit::keys::Keys;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{init_log, lock_client, ms, secs};
+use redbaton_testkit::{init_log, lock_client, ms, secs, timed};
 
 /// How long the replicas' `WAIT` may take: far longer than any deadline below.
 const ACK_TIMEOUT: Duration = Duration::from_secs(2);
@@ -52,13 +52,6 @@ fn with_replica() -> (RedisServer, RedisServer, LockClient) {
         io_timeouts(IO)
     );
     (master, replica, client)
-}
-
-/// Runs `call`, returning what it returned and how long it took.
-fn timed<T>(call: impl FnOnce() -> T) -> (T, Duration) {
-    let started = Instant::now();
-    let got = call();
-    (got, started.elapsed())
 }
 
 /// `what`, which returned `got` after `took`, took less than `bound`.

@@ -855,13 +855,10 @@ impl Contest<'_> {
     /// The wait ends without the hold: leave the fair queue (passing on a grant that
     /// raced us), or take our contention mark with us.
     fn leave(&self) {
-        if !self.marked {
+        if !self.departs() {
             return;
         }
         let (engine, keys, protocol) = (self.engine, self.keys, self.protocol);
-        if protocol.queues_waiters() {
-            Counters::inc(&engine.counters.queue_departures);
-        }
         let token = self.token.borrow();
         let Some(token) = token.as_deref() else {
             engine.unmark(keys, &self.route, protocol, self.wait.deadline());
@@ -891,18 +888,24 @@ impl Contest<'_> {
         }
     }
 
+    /// Whether the wait left something to give back (a mark or a queue entry); a departure
+    /// from the fair queue is counted.
+    fn departs(&self) -> bool {
+        if self.marked && self.protocol.queues_waiters() {
+            Counters::inc(&self.engine.counters.queue_departures);
+        }
+        self.marked
+    }
+
     /// The wait ends on a server that did not answer (or could not be reached): what
     /// [`leave`](Self::leave) gives back is left to the cleanup thread, which tries again
     /// until it is moot, rather than sent by the caller to the same server, which would
     /// hold the caller up once more for the least a call is given, past its deadline.
     fn leave_later(&self) {
-        if !self.marked {
+        if !self.departs() {
             return;
         }
         let (engine, keys, protocol) = (self.engine, self.keys, self.protocol);
-        if protocol.queues_waiters() {
-            Counters::inc(&engine.counters.queue_departures);
-        }
         // The job leaves on every node, the unsettled ones too, and looks again after.
         self.unsettled.take();
         let nodes = self.route.nodes().iter().map(|n| n.id.clone()).collect();

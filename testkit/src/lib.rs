@@ -129,6 +129,13 @@ pub fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }
 
+/// Runs `f`, returning what it returned and how long it took.
+pub fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let started = std::time::Instant::now();
+    let got = f();
+    (got, started.elapsed())
+}
+
 /// The library's `log` output in tests, as `RUST_LOG` says (see [`logs`]): shown with a
 /// failing test's output. Every test may call it: the first call in a process installs
 /// the logger.
