@@ -550,9 +550,11 @@ fn a_connection_lent_when_its_master_is_demoted_is_not_kept() {
 
 /// An exhausted pool is the client's load, not the node's fault: on Redis Cluster it must
 /// not send the client to read the slot map again (a `CLUSTER SLOTS` on a caller's path,
-/// every 100 ms while the load lasts). One connection per master, locks that wait for a
-/// replica's acknowledgement while that replica is paused (each holds the connection for
-/// the `WAIT`, 300 ms, on a master that answers at once), and callers allowed 100 ms.
+/// every 100 ms while the load lasts). One connection per master and locks that wait for a
+/// replica's acknowledgement while that replica is paused: one caller allowed 2 s holds the
+/// connection for each whole `WAIT` (300 ms, on a master that answers at once), while
+/// callers allowed 100 ms find it busy. (A `WAIT` ends by its caller's deadline, so callers
+/// allowed 100 ms alone would mostly hand the connection on in time.)
 #[test]
 fn an_exhausted_pool_on_a_cluster_reads_no_slot_map() {
     let cluster = Cluster::start();
@@ -572,15 +574,26 @@ fn an_exhausted_pool_on_a_cluster_reads_no_slot_map() {
     let replica = cluster.replica_of(cluster.owner(slot));
     replica.pause();
     let exhausted = std::sync::atomic::AtomicUsize::new(0);
+    let holding = std::sync::atomic::AtomicBool::new(true);
+    let count = |got: Result<redbaton::LockGuard, Error>| {
+        if matches!(got, Err(Error::PoolExhausted)) {
+            exhausted.fetch_add(1, Ordering::Relaxed);
+        }
+    };
     thread::scope(|s| {
-        for t in 0..4 {
-            let (c, exhausted) = (&c, &exhausted);
+        s.spawn(|| {
+            for i in 0..3 {
+                count(c.try_lock_for(format!("{{busy}}long:{i}"), secs(2)));
+            }
+            holding.store(false, Ordering::Relaxed);
+        });
+        for t in 0..3 {
+            let (c, count, holding) = (&c, &count, &holding);
             s.spawn(move || {
-                for i in 0..5 {
-                    let got = c.try_lock_for(format!("{{busy}}{t}:{i}"), ms(100));
-                    if matches!(got, Err(Error::PoolExhausted)) {
-                        exhausted.fetch_add(1, Ordering::Relaxed);
-                    }
+                let mut i = 0;
+                while holding.load(Ordering::Relaxed) {
+                    count(c.try_lock_for(format!("{{busy}}{t}:{i}"), ms(100)));
+                    i += 1;
                 }
             });
         }
