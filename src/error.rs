@@ -582,14 +582,25 @@ const REFUSALS: [&str; 8] = [
 /// …`); Redis 6.2's, where the refused command's reply is text after the script's line
 /// (`ERR Error running script … @user_script: 12: -OOM command not allowed …`); and that
 /// text as a script passes on an error it caught (`pcall`), its line first and read as
-/// the code (`@user_script: 12: -OOM …`).
+/// the code (`@user_script: 12: -OOM …`). A pipeline's error (a multi-lock's release)
+/// keeps each failure's code and words apart, and gives the error itself a code only
+/// when redis-rs knows it, and no words: its first failure is read instead.
 pub(crate) fn refusal_code(e: &redis::RedisError) -> Option<&'static str> {
-    let code = e.code()?;
+    match e.clone().into_server_errors() {
+        Some(failures) => {
+            (failures.first()).and_then(|(_, first)| refusal_in(first.code(), first.details()))
+        }
+        None => refusal_in(e.code()?, e.detail()),
+    }
+}
+
+/// Which refusal a server error of `code` and words `detail` is (see [`refusal_code`]).
+fn refusal_in(code: &str, detail: Option<&str>) -> Option<&'static str> {
     if let Some(known) = REFUSALS.iter().find(|r| **r == code) {
         return Some(known);
     }
     let in_script = code == "ERR" || code.starts_with("@user_script");
-    let detail = e.detail().filter(|_| in_script)?;
+    let detail = detail.filter(|_| in_script)?;
     if detail.contains("can't run this command or subcommand")
         || detail.starts_with("ACL failure in script")
     {

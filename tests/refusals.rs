@@ -203,3 +203,20 @@ fn a_write_hold_on_a_replica_is_sent_again_as_a_lock_is() {
     assert!(lock > 1, "a lock's attempt sent once");
     assert_eq!(write, lock, "the write hold's attempts");
 }
+
+/// A multi-lock's release goes out pipelined (one script call per lock, one round trip),
+/// where redis-rs keeps each failure's code and words apart from the error's own: a
+/// refusal met there is told as a lock's is. Here the ACL takes `DEL` away while the
+/// multi-lock is held, and each release script meets the refusal inside.
+#[test]
+fn a_multi_lock_release_refused_is_a_refusal() {
+    let srv = acl_server("");
+    let c = locker(&srv);
+    let held = c.multi_lock(["m1", "m2"]).expect("multi-lock");
+    redis::cmd("ACL")
+        .arg(&["SETUSER", "locker", "-del"])
+        .query::<()>(&mut srv.conn())
+        .expect("ACL SETUSER");
+    let e = held.unlock().expect_err("refused");
+    assert_refused(&e, "NOPERM");
+}
