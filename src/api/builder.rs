@@ -630,7 +630,9 @@ impl Builder {
     /// replicas acknowledged is undone and retried until the caller's deadline, which then
     /// ends with [`Error::ReplicaAck`](crate::Error::ReplicaAck) saying how many did; a
     /// renewal that fewer acknowledged counts as failed (retried while the lease lasts).
-    /// Every kind of hold is an acquisition: a lock, a read, a write, an upgradable read, a
+    /// The `WAIT` lasts no longer than what remains of a call's deadline; a call without
+    /// one (`try_lock`, which does not wait for the lock but does for its replicas, or
+    /// `lock`) waits up to `timeout`. Every kind of hold is an acquisition: a lock, a read, a write, an upgradable read, a
     /// permit, a multi-lock, and an upgrade, whose conversion cannot be undone: an upgrade
     /// fewer replicas acknowledged gives the hold back, and the guard its error hands back
     /// is lost.
