@@ -40,7 +40,10 @@ pub enum Error {
     /// [`Error::Timeout`] instead.
     #[error("no quorum: {granted} of {nodes} nodes granted the lock, {needed} needed")]
     NoQuorum {
-        /// Nodes that granted the lock in the last round.
+        /// Nodes that granted the lock in the last round with its fencing token: a node
+        /// that granted it but could not raise its fence counter to the token (the
+        /// highest the granting nodes gave) does not count, since a later majority must
+        /// meet a node that carries the token.
         granted: usize,
         /// Nodes needed for a majority.
         needed: usize,
@@ -588,7 +591,8 @@ const REFUSALS: [&str; 8] = [
 pub(crate) fn refusal_code(e: &redis::RedisError) -> Option<&'static str> {
     match e.clone().into_server_errors() {
         Some(failures) => {
-            (failures.first()).and_then(|(_, first)| refusal_in(first.code(), first.details()))
+            let (_, first) = failures.first()?;
+            refusal_in(first.code(), first.details())
         }
         None => refusal_in(e.code()?, e.detail()),
     }

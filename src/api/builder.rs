@@ -632,10 +632,10 @@ impl Builder {
     /// renewal that fewer acknowledged counts as failed (retried while the lease lasts).
     /// The `WAIT` lasts no longer than what remains of a call's deadline; a call without
     /// one (`try_lock`, which does not wait for the lock but does for its replicas, or
-    /// `lock`) waits up to `timeout`. Every kind of hold is an acquisition: a lock, a read, a write, an upgradable read, a
-    /// permit, a multi-lock, and an upgrade, whose conversion cannot be undone: an upgrade
-    /// fewer replicas acknowledged gives the hold back, and the guard its error hands back
-    /// is lost.
+    /// `lock`) waits up to `timeout`. Every kind of hold is an acquisition: a lock, a
+    /// read, a write, an upgradable read, a permit, a multi-lock, and an upgrade, whose
+    /// conversion cannot be undone: an upgrade fewer replicas acknowledged gives the hold
+    /// back, and the guard its error hands back is lost.
     ///
     /// What it buys: a lock acquired with acknowledgement survives a failover to a replica
     /// that acknowledged it (Sentinel or Cluster promote the most up-to-date replica). What
