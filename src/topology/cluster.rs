@@ -344,6 +344,16 @@ impl Shared {
                 }
             }
         }
+        // A node that has not yet heard all of a failover names no master for that
+        // shard's slots (its old master a replica by then, the new one not yet a master to
+        // it): they stay with the master the map had for them (or a redirect named), a
+        // call there is redirected if need be, and the map is read again soon. Left
+        // without a master, they would be routed anywhere and left out of listings until
+        // the node asked had heard.
+        let previous: Vec<&Arc<Node>> = map.routes.iter().map(|r| &r.nodes()[0]).collect();
+        if keep_unnamed(&mut owner, &mut nodes, &map.owner, &previous) {
+            self.stale.store(true, Ordering::Relaxed);
+        }
         map.owner = owner;
         let protocol = Protocols::of(&self.cfg);
         map.routes = nodes
@@ -435,17 +445,101 @@ impl SlotMap for Shared {
     }
 }
 
+/// Gives each slot that `owner` leaves without a master the master `previous_owner` had
+/// for it (an index into `previous`), adding its node to `nodes` (which `owner` indexes)
+/// when it is not there yet. Whether any slot was kept so.
+fn keep_unnamed(
+    owner: &mut [u16],
+    nodes: &mut Vec<Arc<Node>>,
+    previous_owner: &[u16],
+    previous: &[&Arc<Node>],
+) -> bool {
+    // Where each previous master went in `nodes`, once looked up.
+    let mut placed: Vec<Option<u16>> = vec![None; previous.len()];
+    let mut kept = false;
+    for (slot, o) in owner.iter_mut().enumerate() {
+        let was = previous_owner.get(slot).copied().unwrap_or(NONE);
+        if *o != NONE || was == NONE {
+            continue;
+        }
+        let Some(node) = previous.get(usize::from(was)) else {
+            continue;
+        };
+        let i = *placed[usize::from(was)].get_or_insert_with(|| {
+            match nodes.iter().position(|n| Arc::ptr_eq(n, node)) {
+                Some(i) => i as u16,
+                None => {
+                    nodes.push(Arc::clone(node));
+                    (nodes.len() - 1) as u16
+                }
+            }
+        });
+        *o = i;
+        kept = true;
+    }
+    kept
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::proto::node::NodeId;
 
     fn shard(port: u16) -> Shard {
+        served(port, 0, SLOTS as u16 - 1)
+    }
+
+    fn served(port: u16, first: u16, last: u16) -> Shard {
         Shard {
             host: "127.0.0.1".to_owned(),
             port,
-            ranges: vec![(0, SLOTS as u16 - 1)],
+            ranges: vec![(first, last)],
         }
+    }
+
+    /// The id of the node serving `slot` in `shared`'s map.
+    fn owner_of(shared: &Shared, slot: usize) -> Option<String> {
+        let map = shared.map.read();
+        let i = usize::from(*map.owner.get(slot)?);
+        Some(map.routes.get(i)?.nodes()[0].id.to_string())
+    }
+
+    /// A node that has not yet heard all of a failover names no master for that shard's
+    /// slots (its old master a replica by then, the new one not yet a master to it). The
+    /// slots stay with the master the map had for them, which stays among the masters a
+    /// listing asks, and the map is read again soon; a full map later replaces it.
+    #[test]
+    fn slots_a_map_names_no_master_for_stay_where_they_were() {
+        let cfg = Config {
+            cluster: vec!["redis://127.0.0.1:1".to_owned()],
+            ..Config::default()
+        };
+        let counters = Arc::new(Counters::default());
+        let shared = Shared::new(&cfg.cluster, &cfg, &counters, &Arc::from("test"));
+        let thirds = [
+            served(1, 0, 5460),
+            served(2, 5461, 10922),
+            served(3, 10923, 16383),
+        ];
+        shared.install(&thirds).expect("a map");
+        assert!(!shared.stale.load(Ordering::Relaxed));
+        shared.install(&thirds[1..]).expect("a map");
+        assert_eq!(owner_of(&shared, 0).as_deref(), Some("127.0.0.1:1/0"));
+        assert_eq!(owner_of(&shared, 5460).as_deref(), Some("127.0.0.1:1/0"));
+        assert_eq!(owner_of(&shared, 5461).as_deref(), Some("127.0.0.1:2/0"));
+        let all: Vec<String> = (shared.map.read().all.nodes().iter())
+            .map(|n| n.id.to_string())
+            .collect();
+        assert!(all.contains(&"127.0.0.1:1/0".to_owned()), "{all:?}");
+        assert!(shared.stale.load(Ordering::Relaxed), "read again soon");
+        let moved = [
+            served(4, 0, 5460),
+            served(2, 5461, 10922),
+            served(3, 10923, 16383),
+        ];
+        shared.install(&moved).expect("a map");
+        assert_eq!(owner_of(&shared, 0).as_deref(), Some("127.0.0.1:4/0"));
+        assert_eq!(shared.map.read().all.nodes().len(), 3);
     }
 
     /// A master that serves nothing at a read of the map loses its node. A route read
