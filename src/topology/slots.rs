@@ -23,6 +23,15 @@ pub(crate) struct Shard {
     pub ranges: Vec<(u16, u16)>,
 }
 
+/// How many slots `shards` name a master for: [`SLOTS`] in a map with every slot served.
+pub(crate) fn slots_named(shards: &[Shard]) -> usize {
+    (shards.iter().flat_map(|s| &s.ranges))
+        .map(|&(start, end)| {
+            usize::from(end.min(SLOTS as u16 - 1)).saturating_sub(usize::from(start)) + 1
+        })
+        .sum()
+}
+
 /// The masters of the cluster that `conn` belongs to. `tls`: the client connects with
 /// TLS, so a master's TLS port is the one to use when the server tells it apart. `asked`:
 /// the host `conn` is connected to, where a master is when the server knows no address of
@@ -190,6 +199,24 @@ fn from_slots(v: &Value, asked: &str) -> Vec<Shard> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A map with every slot served names [`SLOTS`]; one without a shard, fewer.
+    #[test]
+    fn slots_named_counts_every_range() {
+        let shard = |port, ranges: &[(u16, u16)]| Shard {
+            host: "h".to_owned(),
+            port,
+            ranges: ranges.to_vec(),
+        };
+        let whole = [
+            shard(1, &[(0, 5460)]),
+            shard(2, &[(5461, 10922)]),
+            shard(3, &[(10923, 16000), (16001, 16383)]),
+        ];
+        assert_eq!(slots_named(&whole), SLOTS);
+        assert_eq!(slots_named(&whole[1..]), SLOTS - 5461);
+        assert_eq!(slots_named(&[]), 0);
+    }
 
     fn s(x: &str) -> Value {
         Value::BulkString(x.as_bytes().to_vec())
