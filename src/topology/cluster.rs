@@ -244,33 +244,29 @@ impl Shared {
         // A map that names no master for some slots (a node that has not yet heard all of
         // a failover: see `install`): kept while the next masters are asked for a whole
         // one, which a master the failover concerned already has.
-        let mut partial: Option<Vec<Shard>> = None;
+        let mut partial: Option<(usize, Vec<Shard>)> = None;
         for node in &masters {
             if out_of_time() {
                 break;
             }
             let asked = Self::host_of(node).unwrap_or_default();
             match node.run_until(Retry::NEVER, until, |c| slots::read(c, tls, &asked)) {
-                Ok(shards) if slots::slots_named(&shards) >= SLOTS => {
-                    found = Some(shards);
-                    break;
-                }
-                Ok(shards) if !shards.is_empty() => {
+                Ok(shards) => {
                     let named = slots::slots_named(&shards);
-                    if partial
-                        .as_ref()
-                        .is_none_or(|p| slots::slots_named(p) < named)
-                    {
-                        partial = Some(shards);
+                    if named >= SLOTS {
+                        found = Some(shards);
+                        break;
+                    }
+                    if named > partial.as_ref().map_or(0, |(n, _)| *n) {
+                        partial = Some((named, shards));
                     }
                 }
-                Ok(_) => {}
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
             }
         }
-        found = found.or(partial);
+        found = found.or(partial.map(|(_, shards)| shards));
         if found.is_none() {
             for (i, url) in self.seeds.iter().enumerate() {
                 if out_of_time() {

@@ -27,7 +27,7 @@ pub(crate) struct Shard {
 pub(crate) fn slots_named(shards: &[Shard]) -> usize {
     (shards.iter().flat_map(|s| &s.ranges))
         .map(|&(start, end)| {
-            usize::from(end.min(SLOTS as u16 - 1)).saturating_sub(usize::from(start)) + 1
+            (usize::from(end.min(SLOTS as u16 - 1)) + 1).saturating_sub(usize::from(start))
         })
         .sum()
 }
