@@ -63,6 +63,54 @@ fn smoke() {
     }
 }
 
+// --- a fair release sent again ----------------------------------------------------------------
+
+/// A fair lock's release whose first try never reached Redis (its connection closed on
+/// the way) is sent again in the form that reads the fence counter when it finds the key
+/// gone, and, finding the lock still ours and a waiter queued, grants it to that waiter as
+/// the first try would have: the fence counter keeps its TTL (it tells the next holder
+/// whether the hold before ended without a release, and a retried release whether a try
+/// of ours released it), and the grantee's fence is the counter's.
+#[test]
+fn a_fair_release_sent_again_that_grants_keeps_the_fence_counter() {
+    let (srv, proxy, c) = behind_proxy(true);
+    let other = builder(&srv.url(), true).build().expect("client");
+    let name = "regrant";
+    // The fair scripts loaded, so that the request lost is the release itself.
+    c.lock(name)
+        .expect("warm-up")
+        .unlock()
+        .expect("warm-up unlock");
+    let held = c.lock(name).expect("lock");
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let g = other.try_lock_for(name, secs(20)).expect("granted");
+            (g.fencing_token(), g.unlock().expect("unlock"))
+        });
+        let queue = format!("{}:q", KEYS.lock(name));
+        wait_for(secs(20), "the waiter queues", || {
+            redis::Commands::zcard::<_, u64>(&mut srv.conn(), &queue).unwrap_or(0) > 0
+        });
+        let lease = format!("{}:lease", KEYS.lock(name));
+        proxy.refuse_next_request_matching(lease.as_bytes());
+        assert_eq!(held.unlock().expect("unlock"), Unlocked::Released);
+        assert_eq!(proxy.requests_refused(), 1, "the first try was not lost");
+        let fence_ttl: i64 =
+            redis::Commands::pttl(&mut srv.conn(), KEYS.fence(name)).expect("PTTL");
+        assert!(
+            fence_ttl > 60_000,
+            "the fence counter's TTL after the grant: {fence_ttl} ms"
+        );
+        let (fence, released) = waiter.join().expect("waiter");
+        assert_eq!(released, Unlocked::Released);
+        let counter = Counter::read(&mut srv.conn(), KEYS.fence(name).as_bytes());
+        assert!(
+            counter.is_some_and(|c| !c.held && c.fence == fence_of(fence)),
+            "the counter after the grantee's release: {counter:?}, its fence {fence}"
+        );
+    });
+}
+
 // --- a multi-lock's release sent again ------------------------------------------------------
 
 /// The server restarts without data while a multi-lock is held: the release's first try

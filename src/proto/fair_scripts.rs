@@ -255,9 +255,10 @@ return {0, redis.call('PTTL', KEYS[1]), 0}
 /// KEYS: lock, fence, queue, queue expiries, lease record (deleted with the lock; a grant
 /// leaves it to the next holder's first lease change, or its TTL), queue nonces. ARGV:
 /// token, channel, grant lease ms, the holder's fence (`0`: an attempt nobody used is
-/// given back, see `end_fence` of `END_FENCE_FN`), fence counter TTL ms, then `1` when
-/// the release is sent again after a try whose reply was lost (see `fair_call`), then the
-/// publish mode.
+/// given back, see `end_fence` of `END_FENCE_FN`), then `1` when the release is sent again
+/// after a try whose reply was lost (see `fair_call`), then the fence counter TTL ms and
+/// the publish mode (the TTL comes just before the publish mode in both forms: a grant
+/// reads it there, see `COMMON`).
 /// Returns 2 granted to the next waiter, 1 released, 0 the key was gone, -1 another token
 /// (or another kind) holds it; a release sent again that finds the key gone reads the
 /// fence counter as the plain release does (see `scripts::RELEASE`, "A retry"): 3, gone
@@ -270,7 +271,7 @@ local status = ownership(KEYS[1], ARGV[1])
 if status == 0 and #ARGV == 7 then
 ",
         r"
-  return gone_again(KEYS[2], ARGV[4], ARGV[5])
+  return gone_again(KEYS[2], ARGV[4], ARGV[6])
 end
 if status ~= 1 then return status end
 -- Nobody queued: released, before the functions of a grant are defined.
@@ -367,11 +368,10 @@ pub(crate) fn fair_call(
         .arg(token)
         .arg(keys.channel())
         .arg(grant_ms)
-        .arg(fence_arg(fence))
-        .arg(site.fence_ttl_ms);
+        .arg(fence_arg(fence));
     if again {
         call.arg(1);
     }
-    call.arg(site.publish);
+    call.arg(site.fence_ttl_ms).arg(site.publish);
     call
 }

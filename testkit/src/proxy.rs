@@ -53,6 +53,9 @@ enum DropArm {
     /// Every client→server chunk containing these bytes never reaches Redis: the
     /// connection is closed instead, until disarmed.
     RefuseMatching(Vec<u8>),
+    /// The next client→server chunk containing these bytes never reaches Redis: its
+    /// connection is closed instead, once.
+    RefuseNextMatching(Vec<u8>),
 }
 
 struct Shared {
@@ -205,6 +208,13 @@ impl Proxy {
         f()
     }
 
+    /// Arms a one-shot fault: the next request containing `needle` is lost on its way (it
+    /// never runs in Redis; its connection is closed instead); the ones after it pass.
+    pub fn refuse_next_request_matching(&self, needle: &[u8]) {
+        assert!(!needle.is_empty(), "empty needle");
+        *self.shared.drop_arm.lock() = DropArm::RefuseNextMatching(needle.to_vec());
+    }
+
     /// How many requests `refusing_requests_matching` has kept from Redis so far.
     pub fn requests_refused(&self) -> u64 {
         self.shared.requests_refused.load(Ordering::SeqCst)
@@ -305,10 +315,16 @@ impl Shared {
 
     /// Whether this client→server chunk is to be kept from Redis.
     fn refuses(&self, chunk: &[u8]) -> bool {
-        let refused = match &*self.drop_arm.lock() {
+        let mut arm = self.drop_arm.lock();
+        let refused = match &*arm {
             DropArm::RefuseMatching(needle) => contains(chunk, needle),
+            DropArm::RefuseNextMatching(needle) if contains(chunk, needle) => {
+                *arm = DropArm::Off;
+                true
+            }
             _ => false,
         };
+        drop(arm);
         if refused {
             self.requests_refused.fetch_add(1, Ordering::SeqCst);
         }
@@ -319,7 +335,9 @@ impl Shared {
     fn take_drop_arm(&self, chunk: &[u8]) -> bool {
         let mut arm = self.drop_arm.lock();
         let (hit, once) = match &*arm {
-            DropArm::Off | DropArm::RefuseMatching(_) => (false, false),
+            DropArm::Off | DropArm::RefuseMatching(_) | DropArm::RefuseNextMatching(_) => {
+                (false, false)
+            }
             DropArm::Any => (true, true),
             DropArm::Matching(needle) => (contains(chunk, needle), true),
             DropArm::EveryMatching(needle) => (contains(chunk, needle), false),
