@@ -658,3 +658,57 @@ fn a_write_grant_after_a_released_write_hold_tells_of_no_loss() {
     let s = c.stats();
     assert_eq!(s.grants_trusted, 1, "taken from the grant: {s:?}");
 }
+
+/// A write hold taken by an attempt nobody used (its reply lost and its retry refused, so
+/// the library gives it back in the background) after a write hold that ended without a
+/// release: the writer granted the lock by that give-back is told of the loss, as the
+/// unused attempt was (the hold given back changed nothing).
+#[test]
+fn a_write_grant_on_the_give_back_of_an_unused_attempt_tells_of_the_loss_before_it() {
+    let (srv, holder) = test_server_and(client);
+    let gone = holder.rwlock("k").write().expect("write");
+    let () = redis::cmd("DEL")
+        .arg("redbaton:{k}")
+        .query(&mut srv.conn())
+        .expect("the write hold ends without a release");
+    let proxy = Proxy::start(srv.addr());
+    let port = proxy.port();
+    let late = Arc::new(lock_client!(
+        node(proxy.url()),
+        lease(secs(30)),
+        pool_size(1),
+        io_timeouts(secs(5))
+    ));
+    // Scripts loaded and a pooled connection idle, so that the attempt below is sent at once.
+    drop(late.rwlock("warm").write().expect("warm-up"));
+    // Replies held back: the attempt takes the write hold, its reply waits in the proxy.
+    proxy.set_delay(secs(60));
+    let taker = {
+        let late = Arc::clone(&late);
+        thread::spawn(move || late.rwlock("k").try_write().map(drop))
+    };
+    wait_for(secs(10), "the attempt runs in redis", || {
+        srv.zcard("redbaton:{k}") > 0
+    });
+    let c = client(&srv.url());
+    let rw = c.rwlock("k");
+    let writer = thread::spawn(move || {
+        let w = rw.try_write_for(secs(30)).expect("granted");
+        w.previous_lost()
+    });
+    asleep(&srv, WRITERS, 1, &c);
+    // The listener goes first, then the connections: the reply is lost, and the retry's
+    // connection is refused; once the address answers again the hold is given back.
+    drop(proxy);
+    let e = taker
+        .join()
+        .expect("taker")
+        .expect_err("the reply was lost");
+    let _back = Proxy::start_at(port, srv.addr());
+    let lost = join_within(vec![writer], secs(30), "the writer").remove(0);
+    assert!(
+        lost,
+        "granted on the give-back of {e:?}: told nothing was lost before"
+    );
+    drop(gone);
+}

@@ -337,7 +337,8 @@ end
 /// upgradable hold says `r` to the readers it held back. `released`: the fence of a write
 /// hold that ended by its release, whose counter is not marked released yet: when the write
 /// hold is granted on, issuing the grant's fence marks the counter in the same `SET`
-/// (`next_fence`, told that nothing was lost), else `end_fence` marks it released.
+/// (`next_fence`, told that nothing was lost), else `end_fence` marks it released. `0`:
+/// an attempt nobody used, given back: a writer granted is told what that attempt was.
 ///
 /// `grant_first(now, released)`: the write hold of a read-write lock that has no live hold
 /// goes to the writer waiting longest, as the fair queue's grant does (see
@@ -416,9 +417,16 @@ local function grant_first(now, released)
     return false, false
   end
   -- After a write hold released, the writer granted is told nothing was lost (the counter
-  -- still says held: the release left its mark to this `next_fence`).
+  -- still says held: the release left its mark to this `next_fence`). After an attempt
+  -- nobody used given back ('0'), what that attempt was told, as the fair queue's grant
+  -- does (`grant_lost`): the hold given back changed nothing.
   local after_lost = nil
-  if released then after_lost = false end
+  if released == '0' then
+    local _, held, was_lost = fence_read(redis.pcall('GET', KEYS[4]))
+    after_lost = held and was_lost
+  elseif released then
+    after_lost = false
+  end
   local fence, lost = next_fence(KEYS[4], ARGV[5], after_lost)
   if type(fence) == 'table' then
     -- The counter cannot be written (a key of another type): a wake-up, whose attempt
