@@ -30,6 +30,9 @@ pub enum Point {
     /// In the cleanup thread, as it runs a job: a release or a leave that nobody waits
     /// for (an attempt whose reply was lost, say).
     Cleanup,
+    /// In a thread queued behind a local holder, as the lock handed to it arrives and
+    /// before it is returned.
+    Handoff,
 }
 
 #[cfg(feature = "fault-injection")]

@@ -14,6 +14,7 @@
 
 use std::time::{Duration, Instant};
 
+use redbaton::fault::{self, Point};
 use redbaton::{Builder, LockClient, LockGuard, Unlocked};
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::server::RedisServer;
@@ -149,6 +150,43 @@ fn a_lock_deleted_just_before_the_handoff_is_reported_to_the_new_holder() {
         assert!(told.is_ok(), "the new holder was not told: {told:?}");
         assert!(checked.is_err(), "check() after the loss: {checked:?}");
         drop(taken);
+    });
+}
+
+/// A lock whose lease runs out between its handoff and the moment the thread it was handed
+/// to takes it (a thread that wakes late, a giver slowed down on its way) is no lock to
+/// return as held: that thread contends again, within its deadline, and returns a lock it
+/// holds, as an attempt in Redis that came back too late is not returned either.
+#[test]
+fn a_baton_whose_lease_ran_out_on_its_way_is_not_returned_as_held() {
+    init_log();
+    let srv = test_server();
+    let lease = secs(4);
+    let c = builder(&srv)
+        .lease(lease)
+        .read_timeout(secs(2))
+        .auto_renew(false)
+        .build()
+        .expect("client");
+    let name = "late-baton";
+    let held = c.lock(name).expect("lock");
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let g = c.try_lock_for(name, LIVENESS).expect("a lock");
+            let live = g.check().is_ok() && g.valid_until() > Instant::now();
+            (live, g.unlock())
+        });
+        wait_for(LIVENESS, "the waiter queues", || subscribed(&srv, name));
+        fault::stall(PREFIX, Point::Handoff);
+        assert_eq!(held.unlock().expect("unlock"), Unlocked::HandedOff);
+        wait_for(LIVENESS, "the baton reaches the waiter", || {
+            fault::stalled(PREFIX, Point::Handoff)
+        });
+        std::thread::sleep(lease + ms(500));
+        fault::disarm(PREFIX, Point::Handoff);
+        let (live, unlocked) = waiter.join().expect("waiter");
+        assert!(live, "a lock returned whose lease had run out");
+        assert_eq!(unlocked.expect("unlock"), Unlocked::Released);
     });
 }
 

@@ -69,42 +69,54 @@ impl Engine {
     fn take(self: &Arc<Self>, name: &[u8], wait: Wait<'_>) -> Result<(Arc<RemoteLock>, u32)> {
         let keys = Keys::new(&self.cfg.key_prefix, name)?;
         let waits = matches!(wait, Wait::Until(..));
-        // The route is read once here and given to the contest (a queued thread reads it
-        // again when its turn comes: the layout may have changed meanwhile).
-        let route = self.topology.route(&keys);
-        let subs = self.subs_for(&route);
-        let role = self
-            .table
-            .enter(&keys, waits, self.cfg.local_handoff, &subs)?;
-        drop(subs);
-        match role {
-            Role::Contend => Ok((self.contend_for_table(&keys, route, wait, false)?, 0)),
-            Role::Queued { slot, check_marks } => {
-                let deadline = wait.deadline();
-                // A panic while queued must not strand the key (see `cleanup`).
-                let undo = OnUnwind::new(|| self.abandon_queued(&keys, &slot));
-                if check_marks {
-                    self.check_marks(&keys, wait);
+        loop {
+            // The route is read once here and given to the contest (a queued thread reads
+            // it again when its turn comes: the layout may have changed meanwhile).
+            let route = self.topology.route(&keys);
+            let subs = self.subs_for(&route);
+            let role = self
+                .table
+                .enter(&keys, waits, self.cfg.local_handoff, &subs)?;
+            drop(subs);
+            let (slot, check_marks) = match role {
+                Role::Contend => {
+                    return Ok((self.contend_for_table(&keys, route, wait, false)?, 0));
                 }
-                let granted = self
-                    .table
-                    .wait_queued(&keys, &slot, deadline, wait.cancel());
-                undo.disarm();
-                match granted {
-                    Ok(Grant::Baton { remote, seq }) => {
+                Role::Queued { slot, check_marks } => (slot, check_marks),
+            };
+            // A panic while queued must not strand the key (see `cleanup`).
+            let undo = OnUnwind::new(|| self.abandon_queued(&keys, &slot));
+            if check_marks {
+                self.check_marks(&keys, wait);
+            }
+            let granted = self
+                .table
+                .wait_queued(&keys, &slot, wait.deadline(), wait.cancel());
+            undo.disarm();
+            match granted {
+                Ok(Grant::Baton { remote, seq }) => {
+                    crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Handoff);
+                    if remote.lost(&self.counters).is_none() {
                         Counters::inc(&self.counters.local_handoffs);
-                        Ok((remote, seq))
+                        return Ok((remote, seq));
                     }
-                    Ok(Grant::Contend { yield_first }) => {
-                        let route = self.topology.route(&keys);
-                        Ok((self.contend_for_table(&keys, route, wait, yield_first)?, 0))
+                    // Handed a lock whose lease ran out on its way (a giver slowed down
+                    // after it looked, this thread woken late): no lock to return, as an
+                    // attempt in Redis whose reply came too late is not. It goes back as
+                    // a lost one (released in Redis, where it may still be ours; never
+                    // handed on), and this thread queues or contends again.
+                    let gave_back = self.release(&remote);
+                    log::debug!("a lock handed on expired on its way, given back: {gave_back:?}");
+                }
+                Ok(Grant::Contend { yield_first }) => {
+                    let route = self.topology.route(&keys);
+                    return Ok((self.contend_for_table(&keys, route, wait, yield_first)?, 0));
+                }
+                Err(e) => {
+                    if e.is_timeout() {
+                        Counters::inc(&self.counters.timeouts);
                     }
-                    Err(e) => {
-                        if e.is_timeout() {
-                            Counters::inc(&self.counters.timeouts);
-                        }
-                        Err(e)
-                    }
+                    return Err(e);
                 }
             }
         }

@@ -32,9 +32,12 @@ pub(crate) enum Giver {
 impl Engine {
     /// A holder is done: hand the lock on locally, or release it in Redis.
     pub fn release(self: &Arc<Self>, lock: &Arc<RemoteLock>) -> Result<Unlocked> {
-        let lost = lock.lost(&self.counters).is_some();
         let route = self.topology.route(&lock.keys);
         let subs = self.subs_for(&route);
+        // Looked at last, just before the table hands the lock on: a route may read the
+        // slot map first (Redis Cluster), which can take a read timeout, and a lease that
+        // ran out meanwhile must not be handed on as live.
+        let lost = lock.lost(&self.counters).is_some();
         match self.table.release(lock, lost, &self.cfg, &subs) {
             Step::HandedOff => Ok(Unlocked::HandedOff),
             Step::Remote { forced, contended } => {
