@@ -110,6 +110,9 @@ struct Map {
     /// its nodes), and locks follow their slot (`Route::holders`), so no lock needs it; a
     /// master that serves again gets a fresh node.
     known: HashMap<String, Arc<Node>>,
+    /// Since when the reads of the map have named no master for some slots (see
+    /// `install`); `None` while they name one for every slot.
+    unnamed_since: Option<Instant>,
 }
 
 impl Cluster {
@@ -168,7 +171,7 @@ impl Cluster {
     /// defaults (`cluster-node-timeout` 15 s plus an election of about a second, against
     /// a 30 s lease).
     pub fn failover_window(&self) -> Duration {
-        self.shared.cfg.lease
+        self.shared.failover_window()
     }
 }
 
@@ -190,11 +193,17 @@ impl Shared {
                 routes: Vec::new(),
                 all: Route::every(Arc::from(Vec::new()), 1, Protocols::of(cfg)),
                 known: HashMap::new(),
+                unnamed_since: None,
             }),
             stale: AtomicBool::new(false),
             refreshed: Mutex::new(None),
             me: me.clone(),
         })
+    }
+
+    /// See [`Cluster::failover_window`].
+    fn failover_window(&self) -> Duration {
+        self.cfg.lease
     }
 
     /// Reads the map again if something marked it stale (see [`refresh`](Self::refresh)).
@@ -359,10 +368,20 @@ impl Shared {
         // it): they stay with the master the map had for them (or a redirect named), a
         // call there is redirected if need be, and the map is read again soon. Left
         // without a master, they would be routed anywhere and left out of listings until
-        // the node asked had heard.
-        let previous: Vec<&Arc<Node>> = map.routes.iter().map(|r| &r.nodes()[0]).collect();
-        if keep_unnamed(&mut owner, &mut nodes, &map.owner, &previous) {
-            self.stale.store(true, Ordering::Relaxed);
+        // the node asked had heard. For one failover window: slots that stay without a
+        // master longer have none (an operator's `CLUSTER DELSLOTS`, a dead master with no
+        // replica on a cluster that allows partial coverage), and keeping them would keep
+        // a master that serves them no more, and read the map again at every route, for
+        // ever.
+        if owner.contains(&NONE) {
+            let since = *map.unnamed_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < self.failover_window() {
+                let previous: Vec<&Arc<Node>> = map.routes.iter().map(|r| &r.nodes()[0]).collect();
+                keep_unnamed(&mut owner, &mut nodes, &map.owner, &previous);
+                self.stale.store(true, Ordering::Relaxed);
+            }
+        } else {
+            map.unnamed_since = None;
         }
         map.owner = owner;
         let protocol = Protocols::of(&self.cfg);
@@ -375,15 +394,43 @@ impl Shared {
         // its idle connections: no route leads there any more, and a server closes no
         // idle connection by default (`timeout 0`). Their subscribers end once nothing
         // waits there (see `Pool::set_serving`).
+        // Under the map's lock, as a followed redirect's change is (see `route_moved`).
         let serving = |n: &Arc<Node>| nodes.iter().any(|m| Arc::ptr_eq(m, n));
-        let known: Vec<Arc<Node>> = map.known.values().cloned().collect();
-        map.known.retain(|_, n| serving(n));
-        map.all = Route::every(Arc::from(nodes.clone()), 1, protocol);
-        drop(map);
-        for n in &known {
+        for n in map.known.values() {
             n.pool.set_serving(serving(n));
         }
+        map.known.retain(|_, n| serving(n));
+        map.all = Route::every(Arc::from(nodes.clone()), 1, protocol);
         Ok(())
+    }
+
+    /// Routes `slot` to `node` (at `addr`, `host:port`) at once, after a `MOVED`, and has
+    /// the whole map read again soon (one moved slot usually means more: a reshard, a
+    /// failover). The node routed to: `node`, or the one known at `addr` by then. A read
+    /// of the map between the look-up of `node` and this may have dropped it (from a reply
+    /// read before the move): it is known again, so that every routed node is known, and a
+    /// later read that finds it serving nothing retires it (its connections and its
+    /// subscriber end), and its serving flag changes under the map's lock, as a read's do.
+    fn route_moved(&self, addr: &str, node: Arc<Node>, slot: u16) -> Arc<Node> {
+        let mut map = self.map.write();
+        let node = map.known.entry(addr.to_owned()).or_insert(node).clone();
+        let i = match map.routes.iter().position(|r| r.nodes()[0].id == node.id) {
+            Some(i) => i,
+            None => {
+                let protocol = map.all.protocols();
+                map.routes.push(Route::following(node.clone(), protocol));
+                let mut all = map.all.nodes().to_vec();
+                all.push(node.clone());
+                map.all = Route::every(Arc::from(all), 1, protocol);
+                map.routes.len() - 1
+            }
+        };
+        if let Some(o) = map.owner.get_mut(usize::from(slot)) {
+            *o = i as u16;
+        }
+        node.pool.set_serving(true);
+        self.stale.store(true, Ordering::Relaxed);
+        node
     }
 
     /// The node at `host:port`, made on first use.
@@ -426,28 +473,11 @@ impl SlotMap for Shared {
             host
         };
         let node = self.node(host, port).ok()?;
-        if moved {
-            // Route the slot there at once; read the whole map again soon (one moved slot
-            // usually means more: a reshard, a failover).
-            let mut map = self.map.write();
-            let i = match map.routes.iter().position(|r| r.nodes()[0].id == node.id) {
-                Some(i) => i,
-                None => {
-                    let protocol = map.all.protocols();
-                    map.routes.push(Route::following(node.clone(), protocol));
-                    let mut all = map.all.nodes().to_vec();
-                    all.push(node.clone());
-                    map.all = Route::every(Arc::from(all), 1, protocol);
-                    map.routes.len() - 1
-                }
-            };
-            if let Some(o) = map.owner.get_mut(usize::from(slot)) {
-                *o = i as u16;
-            }
-            node.pool.set_serving(true);
-            self.stale.store(true, Ordering::Relaxed);
-        }
-        Some(node)
+        Some(if moved {
+            self.route_moved(&format!("{host}:{port}"), node, slot)
+        } else {
+            node
+        })
     }
 
     fn stale(&self) {
@@ -457,16 +487,15 @@ impl SlotMap for Shared {
 
 /// Gives each slot that `owner` leaves without a master the master `previous_owner` had
 /// for it (an index into `previous`), adding its node to `nodes` (which `owner` indexes)
-/// when it is not there yet. Whether any slot was kept so.
+/// when it is not there yet.
 fn keep_unnamed(
     owner: &mut [u16],
     nodes: &mut Vec<Arc<Node>>,
     previous_owner: &[u16],
     previous: &[&Arc<Node>],
-) -> bool {
+) {
     // Where each previous master went in `nodes`, once looked up.
     let mut placed: Vec<Option<u16>> = vec![None; previous.len()];
-    let mut kept = false;
     for (slot, o) in owner.iter_mut().enumerate() {
         let was = previous_owner.get(slot).copied().unwrap_or(NONE);
         if *o != NONE || was == NONE {
@@ -485,9 +514,7 @@ fn keep_unnamed(
             }
         });
         *o = i;
-        kept = true;
     }
-    kept
 }
 
 #[cfg(test)]
@@ -507,6 +534,29 @@ mod tests {
         }
     }
 
+    /// Three masters at ports 1, 2 and 3, each serving a third of the slots.
+    fn thirds() -> [Shard; 3] {
+        [
+            served(1, 0, 5460),
+            served(2, 5461, 10922),
+            served(3, 10923, 16383),
+        ]
+    }
+
+    /// A map of nothing yet, of a cluster seeded at port 1, with `lease` (the failover
+    /// window) when given. No server is needed: nothing listens on the ports named, and
+    /// nothing is asked.
+    fn shared_map(lease: Option<Duration>) -> Arc<Shared> {
+        let defaults = Config::default();
+        let cfg = Config {
+            cluster: vec!["redis://127.0.0.1:1".to_owned()],
+            lease: lease.unwrap_or(defaults.lease),
+            ..defaults
+        };
+        let counters = Arc::new(Counters::default());
+        Shared::new(&cfg.cluster, &cfg, &counters, &Arc::from("test"))
+    }
+
     /// The id of the node serving `slot` in `shared`'s map.
     fn owner_of(shared: &Shared, slot: usize) -> Option<String> {
         let map = shared.map.read();
@@ -520,17 +570,8 @@ mod tests {
     /// listing asks, and the map is read again soon; a full map later replaces it.
     #[test]
     fn slots_a_map_names_no_master_for_stay_where_they_were() {
-        let cfg = Config {
-            cluster: vec!["redis://127.0.0.1:1".to_owned()],
-            ..Config::default()
-        };
-        let counters = Arc::new(Counters::default());
-        let shared = Shared::new(&cfg.cluster, &cfg, &counters, &Arc::from("test"));
-        let thirds = [
-            served(1, 0, 5460),
-            served(2, 5461, 10922),
-            served(3, 10923, 16383),
-        ];
+        let shared = shared_map(None);
+        let thirds = thirds();
         shared.install(&thirds).expect("a map");
         assert!(!shared.stale.load(Ordering::Relaxed));
         shared.install(&thirds[1..]).expect("a map");
@@ -552,22 +593,83 @@ mod tests {
         assert_eq!(shared.map.read().all.nodes().len(), 3);
     }
 
+    /// Slots that stay without a master (an operator's `CLUSTER DELSLOTS`, a dead master
+    /// forgotten with no replica to take over, on a cluster that allows partial coverage)
+    /// are kept on their last master for one failover window only: after it, that master
+    /// serves nothing in the map (it loses its node, and listings no longer ask it), and
+    /// the map is no longer read again at every route.
+    #[test]
+    fn slots_left_without_a_master_past_a_failover_window_are_let_go() {
+        let shared = shared_map(Some(Duration::from_millis(200)));
+        let thirds = thirds();
+        shared.install(&thirds).expect("a map");
+        let old = shared.map.read().routes[0].nodes()[0].clone();
+        shared.install(&thirds[1..]).expect("a map");
+        assert_eq!(owner_of(&shared, 0).as_deref(), Some("127.0.0.1:1/0"));
+        assert!(shared.stale.load(Ordering::Relaxed), "read again soon");
+        std::thread::sleep(Duration::from_millis(300));
+        shared.stale.store(false, Ordering::Relaxed);
+        shared.install(&thirds[1..]).expect("a map");
+        assert_eq!(owner_of(&shared, 0), None, "no master serves slot 0");
+        assert_eq!(owner_of(&shared, 5461).as_deref(), Some("127.0.0.1:2/0"));
+        assert_eq!(shared.map.read().all.nodes().len(), 2);
+        assert!(old.pool.is_retired());
+        assert!(
+            !shared.stale.load(Ordering::Relaxed),
+            "not read at every route"
+        );
+        // Served again, the slots are routed there, and a later gap is kept once more.
+        shared.install(&thirds).expect("a map");
+        assert_eq!(owner_of(&shared, 0).as_deref(), Some("127.0.0.1:1/0"));
+        shared.install(&thirds[1..]).expect("a map");
+        assert_eq!(owner_of(&shared, 0).as_deref(), Some("127.0.0.1:1/0"));
+        assert!(shared.stale.load(Ordering::Relaxed));
+    }
+
+    /// A first map that names no master for some slots (a seed that has not yet heard
+    /// all of a failover) has nothing to keep them on, and is read again soon.
+    #[test]
+    fn a_first_map_naming_no_master_for_some_slots_is_read_again() {
+        let shared = shared_map(None);
+        shared
+            .install(&[served(2, 5461, 10922), served(3, 10923, 16383)])
+            .expect("a map");
+        assert_eq!(owner_of(&shared, 0), None);
+        assert!(shared.stale.load(Ordering::Relaxed), "read again soon");
+    }
+
+    /// A redirect is followed in two steps (the node looked up or made, then the slot
+    /// routed there), and a read of the map may come between them and drop the node: the
+    /// routed node is known again, and serving, so that the next read that finds it
+    /// serving nothing retires it (its connections and subscriber end).
+    #[test]
+    fn a_redirect_followed_across_a_read_of_the_map_leaves_its_node_known() {
+        let shared = shared_map(None);
+        shared.install(&[shard(1)]).expect("a map");
+        let looked_up = shared.node("127.0.0.1", 2).expect("a node");
+        // A map read before the move: it names the old master, and drops the new one.
+        shared.install(&[shard(1)]).expect("a map");
+        let routed = shared.route_moved("127.0.0.1:2", looked_up, 0);
+        assert_eq!(owner_of(&shared, 0).as_deref(), Some("127.0.0.1:2/0"));
+        assert!(!routed.pool.is_retired(), "routed to a retired node");
+        let known = shared.map.read().known.get("127.0.0.1:2").cloned();
+        assert!(
+            known.is_some_and(|n| Arc::ptr_eq(&n, &routed)),
+            "routed node not known"
+        );
+        shared.install(&[shard(1)]).expect("a map");
+        assert!(
+            routed.pool.is_retired(),
+            "a node serving nothing left serving"
+        );
+    }
+
     /// A master that serves nothing at a read of the map loses its node. A route read
     /// before still holds it: a call there fails with a typed error, and a redirect it
     /// meets (naming no host) is followed. Serving again, the master gets a fresh node.
-    /// (No server is needed: nothing listens on the ports named, and nothing is asked.)
     #[test]
     fn a_retired_masters_node_is_dropped() {
-        let cfg = Config {
-            cluster: vec!["redis://127.0.0.1:1".to_owned()],
-            ..Config::default()
-        };
-        let shared = Shared::new(
-            &cfg.cluster,
-            &cfg,
-            &Arc::new(Counters::default()),
-            &Arc::from("test"),
-        );
+        let shared = shared_map(None);
         let cluster = Cluster {
             shared: shared.clone(),
         };

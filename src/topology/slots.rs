@@ -24,12 +24,17 @@ pub(crate) struct Shard {
 }
 
 /// How many slots `shards` name a master for: [`SLOTS`] in a map with every slot served.
+/// A slot named twice (a malformed reply, or one read half-way through a change) counts
+/// once, so that such a reply is never taken for a whole map.
 pub(crate) fn slots_named(shards: &[Shard]) -> usize {
-    (shards.iter().flat_map(|s| &s.ranges))
-        .map(|&(start, end)| {
-            (usize::from(end.min(SLOTS as u16 - 1)) + 1).saturating_sub(usize::from(start))
-        })
-        .sum()
+    let mut named = vec![false; SLOTS];
+    for &(start, end) in shards.iter().flat_map(|s| &s.ranges) {
+        let end = usize::from(end).min(SLOTS - 1);
+        if let Some(range) = named.get_mut(usize::from(start)..=end) {
+            range.fill(true);
+        }
+    }
+    named.iter().filter(|&&n| n).count()
 }
 
 /// The masters of the cluster that `conn` belongs to. `tls`: the client connects with
@@ -216,6 +221,25 @@ mod tests {
         assert_eq!(slots_named(&whole), SLOTS);
         assert_eq!(slots_named(&whole[1..]), SLOTS - 5461);
         assert_eq!(slots_named(&[]), 0);
+    }
+
+    /// A reply naming two masters for the same slots (malformed, or read half-way through
+    /// a change) counts those slots once: it is no whole map, and the next master is asked.
+    #[test]
+    fn slots_named_counts_a_slot_named_twice_once() {
+        let shard = |port, ranges: &[(u16, u16)]| Shard {
+            host: "h".to_owned(),
+            port,
+            ranges: ranges.to_vec(),
+        };
+        let twice = [shard(1, &[(0, 8191)]), shard(2, &[(0, 8191)])];
+        assert_eq!(slots_named(&twice), 8192);
+        let overlapping = [
+            shard(1, &[(0, 10000)]),
+            shard(2, &[(5000, 16383), (9000, 9999)]),
+        ];
+        assert_eq!(slots_named(&overlapping), SLOTS);
+        assert_eq!(slots_named(&[shard(1, &[(20000, 30000), (5, 4)])]), 0);
     }
 
     fn s(x: &str) -> Value {
