@@ -299,6 +299,33 @@ fn held_locks_are_renewed_while_their_slot_migrates() {
     migration.finish();
 }
 
+/// While its slot migrates, a lock's lease changes name its key alone, unordered with the
+/// hold's other changes (the server refuses the key and its lease record together). A
+/// change that lands after a longer one (a renewal delayed on the way and landing late;
+/// here an explicit extend sent after) must not cut the longer lease short: the holder
+/// believes the longer lease from the moment it was applied, and another client could
+/// otherwise take the lock inside it. Such a change only lengthens the lease.
+#[test]
+fn a_shorter_lease_change_never_cuts_a_longer_one_short_while_the_slot_migrates() {
+    // No renewal before the migration opens: the lease record does not exist yet, and
+    // the source refuses the lock and its record together.
+    let (cluster, client) = &started(secs(30));
+    let name = "mig-ext";
+    let (slot, from, to) = slot_and_masters(cluster, name);
+    let g = client.lock(name).expect("lock");
+    let migration = cluster.open_migration(slot, to);
+    g.extend(secs(60)).expect("the longer change");
+    g.extend(LEASE).expect("a shorter change after it");
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(KEYS.lock_bytes(name.as_bytes()))
+        .query(&mut cluster.server(from).conn())
+        .expect("PTTL on the source");
+    assert!(pttl > 30_000, "the 60 s lease cut to {pttl} ms");
+    assert!(g.check().is_ok());
+    assert_eq!(g.unlock().expect("unlock"), Unlocked::Released);
+    migration.finish();
+}
+
 /// A fair waiter queued before the migration starts is granted the lock by a release on
 /// the source, cannot confirm it while the slot is half-way, and gives up at its
 /// deadline: it leaves the queue without waiting the migration out, so `try_lock_for`

@@ -64,8 +64,11 @@ return out
 /// Compare-and-`PEXPIRE` of locks named alone, without their lease records: how a lock is
 /// renewed while its Redis Cluster slot migrates and the server refuses a lock and its
 /// record on different sides (`TRYAGAIN`); one key per call is always served. Such a
-/// renewal is not ordered with the hold's other lease changes (see [`EXTEND`]): during a
-/// migration a renewal delayed on the way could set a lease shorter than a newer extend's.
+/// renewal is not ordered with the hold's other lease changes (see [`EXTEND`]), so it only
+/// lengthens the lease: a renewal delayed on the way that lands after a newer, longer
+/// extend leaves that extend's lease, which its holder believes, as it was. An explicit
+/// extend to a shorter lease does not shorten it while the slot migrates (its holder
+/// believes the shorter one: it holds the lock for no longer than it thinks).
 ///
 /// KEYS: lock keys. ARGV: lease in ms, then one token per key. Returns one status per key:
 /// 1 extended, 0 gone, -1 another owner (each lock `extend_owned` without a record, see

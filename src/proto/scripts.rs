@@ -361,8 +361,10 @@ end
 /// (the string sent), the change is ordered by the rule of lease changes (see [`EXTEND`]):
 /// refused (2, nothing changed) when the record holds a higher number of this token's;
 /// else applied and the record set to `<change>:<token>` with the same lease. Without,
-/// unordered (see [`EXTEND_UNORDERED`]). Returns 1 extended, else `ownership` of `lock`
-/// (0 gone, -1 another owner) or 2. A lock that is gone is never recreated.
+/// unordered (see [`EXTEND_UNORDERED`]): it only lengthens the lease, so that a change
+/// landing after a longer one never cuts it short. Returns 1 extended (the lease lasts
+/// `lease` ms at least), else `ownership` of `lock` (0 gone, -1 another owner) or 2. A
+/// lock that is gone is never recreated.
 pub(crate) const EXTEND_OWNED_FN: &str = r"
 local function extend_owned(lock, token, lease, record, change)
   local status = ownership(lock, token)
@@ -376,8 +378,12 @@ local function extend_owned(lock, token, lease, record, change)
     end
     if tonumber(change) < applied then return 2 end
   end
-  redis.call('PEXPIRE', lock, lease)
-  if record then redis.call('SET', record, change .. ':' .. token, 'PX', lease) end
+  if record then
+    redis.call('PEXPIRE', lock, lease)
+    redis.call('SET', record, change .. ':' .. token, 'PX', lease)
+  elseif redis.call('PTTL', lock) < tonumber(lease) then
+    redis.call('PEXPIRE', lock, lease)
+  end
   return 1
 end
 ";
