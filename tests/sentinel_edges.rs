@@ -384,6 +384,34 @@ impl Disagreeing {
     }
 }
 
+impl Disagreeing {
+    /// A client built on `a`, listening to `good`, which has followed `good`'s failover to
+    /// `b` (the old master still saying it is one).
+    fn followed(&self) -> redbaton::LockClient {
+        let x = self.client();
+        assert!(
+            lands_on(&x, "before", &self.a),
+            "built on the master both name"
+        );
+        self.listen_to_good(1);
+        self.fail_over();
+        assert!(
+            self.a.info("replication").contains("role:master"),
+            "the old master still says it is one"
+        );
+        let followed = redbaton_testkit::wait::wait_until(secs(10), || x.stats().failovers >= 1);
+        assert!(
+            followed,
+            "10 s after the switch was announced, the client is still on the old master"
+        );
+        assert!(
+            lands_on(&x, "after", &self.b),
+            "the client's lock on the new master"
+        );
+        x
+    }
+}
+
 /// Whether the lock `name` taken by `c` is on `server`.
 fn lands_on(c: &redbaton::LockClient, name: &str, server: &RedisServer) -> bool {
     let g = c.lock(name).expect("lock");
@@ -405,26 +433,7 @@ fn lands_on(c: &redbaton::LockClient, name: &str, server: &RedisServer) -> bool 
 #[test]
 fn the_later_configuration_wins_over_a_stale_sentinel() {
     let d = disagreeing();
-    let x = d.client();
-    assert!(
-        lands_on(&x, "before", &d.a),
-        "built on the master both name"
-    );
-    d.listen_to_good(1);
-    d.fail_over();
-    assert!(
-        d.a.info("replication").contains("role:master"),
-        "the old master still says it is one"
-    );
-    let followed = redbaton_testkit::wait::wait_until(secs(10), || x.stats().failovers >= 1);
-    assert!(
-        followed,
-        "10 s after the switch was announced, the client is still on the old master"
-    );
-    assert!(
-        lands_on(&x, "after", &d.b),
-        "the client's lock on the new master"
-    );
+    let x = d.followed();
     let y = d.client();
     assert!(
         lands_on(&y, "built-after", &d.b),
@@ -440,6 +449,51 @@ fn the_later_configuration_wins_over_a_stale_sentinel() {
         lands_on(&x, "later", &d.b),
         "the client went back to the old master ({} failovers)",
         x.stats().failovers
+    );
+}
+
+/// After a failover the new master stops answering this client (a pause here; a
+/// partition between it and the client alike): the older configuration's answer, the old
+/// master that still says it is one, is not taken instead, neither by a client built then
+/// nor by one that looks again. A lock taken there would overlap those that the clients
+/// which reach the new master take.
+#[test]
+fn an_older_answer_is_not_taken_while_the_latest_master_does_not_answer() {
+    let d = disagreeing();
+    let x = d.followed();
+    let failovers = x.stats().failovers;
+    d.b.pause();
+    let built = redbaton_testkit::lock_builder!(
+        sentinel(NAME, d.urls()),
+        sentinel_master_auth(None, PASSWORD),
+        io_timeouts(ms(500)),
+        fair(false)
+    )
+    .build();
+    let on_old = built.as_ref().ok().map(|y| {
+        let g = y.try_lock_for("built-then", ms(500));
+        let key = redbaton_testkit::keys::Keys::DEFAULT.lock("built-then");
+        (g.is_ok(), redbaton_testkit::exists(&mut d.a.conn(), key))
+    });
+    // The first client looks again, asking the stale sentinel first.
+    d.good.kill_pubsub();
+    wait_for(secs(10), "the watcher listens again", || {
+        listened_to(&d.stale) || listened_to(&d.good)
+    });
+    std::thread::sleep(secs(2));
+    let later = x.try_lock_for("later", ms(500));
+    let key = redbaton_testkit::keys::Keys::DEFAULT.lock("later");
+    let later_on_old = redbaton_testkit::exists(&mut d.a.conn(), key);
+    let moved = x.stats().failovers - failovers;
+    d.b.resume();
+    assert!(
+        on_old.is_none_or(|(_, there)| !there),
+        "a client built while the new master was paused took a lock on the old one: {on_old:?}"
+    );
+    assert!(
+        !later_on_old && moved == 0,
+        "the client went back to the old master ({moved} failovers; locked: {})",
+        later.is_ok()
     );
 }
 

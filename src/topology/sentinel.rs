@@ -8,14 +8,15 @@
 //! network error or a refused connection, a `READONLY` reply) and every [`RECHECK`] in
 //! case a message was missed; calls meanwhile ride through (see `ride`) until it has.
 //! Re-resolving asks every sentinel at once for the master's address and the
-//! configuration epoch of its answer, then checks with `ROLE`, the latest epoch's answer
-//! first, that the server named is the master, on connections with the client's
-//! timeouts; so does the first resolution, when the client is built. A sentinel that
-//! missed a failover names the old master under an older epoch, so its place in the list
-//! never takes the client there; a sentinel or master that accepts connections and
-//! answers nothing (a stopped process) costs a timeout, and a server named that is not
-//! the master (a replica, a server that does not answer) is passed over for the next one
-//! named, the current master's address included. When the address changes, the node's
+//! configuration epoch of its answer, then checks with `ROLE` that a server named under
+//! the latest epoch is the master, on connections with the client's timeouts; so does the
+//! first resolution, when the client is built. A sentinel that missed a failover names
+//! the old master under an older epoch, so neither its place in the list nor a new master
+//! that does not answer ever takes the client there; a sentinel or master that accepts
+//! connections and answers nothing (a stopped process) costs a timeout, and a server named
+//! under the latest epoch that is not the master (a replica, a server that does not
+//! answer) is passed over for the next one so named, the current master's address
+//! included. When the address changes, the node's
 //! pool is pointed at the new master: idle connections close, the subscriber reconnects
 //! there and re-subscribes (its waiters then retry once), and the watchdog's next renewal
 //! goes there — where a lock that the promoted replica did not have is found gone, and
@@ -352,16 +353,17 @@ impl Watcher {
     }
 
     /// The master, as the sentinels name it: every sentinel is asked, and the servers
-    /// named are tried in the order of the answers' configuration epochs, the latest
-    /// first (among answers of one epoch, in the order of the list), until `ROLE`
-    /// confirms one is the master. That is the sentinels' own rule: a sentinel that missed
-    /// a failover (cut off from the others, or restarted with an old configuration) names
-    /// the old master under the epoch before it, and the old master may still say it is
-    /// one (not yet demoted, or restarted as a master): the list's order must not send
-    /// the client there, nor back there after it followed the failover. A server whose
-    /// answer is not the master (a replica, a server that does not answer) is passed
+    /// named under the latest configuration epoch of their answers are tried (in the order
+    /// of the list) until `ROLE` confirms one is the master. That is the sentinels' own
+    /// rule: a sentinel that missed a failover (cut off from the others, or restarted with
+    /// an old configuration) names the old master under the epoch before it, and the old
+    /// master may still say it is one (not yet demoted, or restarted as a master): neither
+    /// the list's order nor a latest master that does not answer may send the client
+    /// there, nor back there after it followed the failover. A server of the latest epoch
+    /// whose answer is not the master (a replica, a server that does not answer) is passed
     /// over for the next one named, the current address included; each address is tried
-    /// once. `None` for the current address (and when the client stops); when none gives
+    /// once. Answers without an epoch (a sentinel whose ACL refuses `SENTINEL MASTER`)
+    /// count as the oldest. `None` for the current address (and when the client stops); when none gives
     /// a master: the first server named and why it was not taken, else whether any
     /// sentinel answered.
     fn find_master(&self) -> std::result::Result<Option<(redis::Client, String)>, Missing> {
@@ -396,6 +398,13 @@ impl Watcher {
         }
         // Stable: the list's order within one epoch.
         named.sort_by_key(|n| std::cmp::Reverse(n.epoch));
+        // The latest configuration's answers only: an older one names a master that the
+        // sentinels have replaced since, which may still say it is one (cut off from them,
+        // never demoted), and a lock there would overlap those taken on the master that
+        // replaced it by the clients that reach it. When none of the latest answers, the
+        // client stays where it is, and looks again.
+        let latest = named.first().map(|n| n.epoch);
+        named.retain(|n| Some(n.epoch) == latest);
         let mut tried: Vec<String> = Vec::new();
         for Named { host, port, epoch } in named {
             let address = format!("{host}:{port}");
