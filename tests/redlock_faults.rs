@@ -41,6 +41,29 @@ fn proxied(n: usize) -> (Vec<RedisServer>, Vec<Proxy>, Vec<String>) {
     (servers, proxies, urls)
 }
 
+/// Sets the fence counter of `name` on `srv` far ahead of the server's clock (a node whose
+/// clock ran ahead, or that issued fences the others never saw): a hold it grants takes
+/// its fence and must raise the other granting nodes to it. The value set.
+fn counter_ahead(srv: &RedisServer, name: &str) -> u64 {
+    let ahead: u64 = redis::cmd("TIME")
+        .query::<(u64, u64)>(&mut srv.conn())
+        .map(|(s, us)| s * 1_000_000 + us + 100_000_000_000_000)
+        .expect("TIME");
+    let _: () = redis::cmd("SET")
+        .arg(KEYS.fence(name))
+        .arg(ahead)
+        .query(&mut srv.conn())
+        .expect("SET the counter ahead");
+    ahead
+}
+
+/// The bytes that tell the raise of `name`'s fence counter from other requests: it is the
+/// one script of a single key called on the counter.
+fn raise_request(name: &str) -> String {
+    let fence_key = KEYS.fence(name);
+    format!("$1\r\n1\r\n${}\r\n{fence_key}", fence_key.len())
+}
+
 #[test]
 fn smoke() {
     let (servers, urls) = nodes(3);
@@ -235,6 +258,50 @@ fn renewals_skipped_on_a_hung_node_are_not_counted_as_sent() {
     drop(held);
 }
 
+/// A round that a majority granted, but whose fence too few of the granting nodes carry
+/// once the raises are done (the raise lost on its way), is nobody's hold and is undone on
+/// every node that may hold its token: also on the node whose reply to the attempt was
+/// lost, where the attempt ran and left the token with a whole lease. Left there, the
+/// name would need both other nodes for a lease, and one more fault would refuse it.
+#[test]
+fn a_round_undone_after_its_raise_failed_is_given_back_where_a_reply_was_lost() {
+    let (servers, proxies, urls) = proxied(3);
+    let name = "stray";
+    let client = lock_client!(
+        nodes(urls),
+        key_prefix(PREFIX),
+        lease(secs(30)),
+        auto_renew(false)
+    );
+    // The scripts loaded everywhere, so that the request whose reply is lost is the
+    // attempt itself.
+    drop(client.lock("warm").expect("warm-up"));
+    counter_ahead(&servers[0], name);
+    let raise = raise_request(name);
+    // The third node runs every attempt sent to it, and answers none.
+    let taken = proxies[2].losing_replies_matching(KEYS.lock(name).as_bytes(), || {
+        proxies[1].refusing_requests_matching(raise.as_bytes(), || client.try_lock(name))
+    });
+    assert!(
+        proxies[2].replies_dropped() > 0,
+        "no attempt reached the third node"
+    );
+    assert!(
+        proxies[1].requests_refused() > 0,
+        "no raise was sent to the node behind"
+    );
+    let e = taken
+        .map(drop)
+        .expect_err("a fence that no majority carries");
+    eprintln!("the round whose raise was lost: {e}");
+    let given_back =
+        redbaton_testkit::wait::wait_until(secs(10), || token_on(&servers[2], name).is_none());
+    assert!(
+        given_back,
+        "the token left where the reply was lost, for a lease ({e})"
+    );
+}
+
 /// One node's fence counter is far ahead of the others' (its clock ran ahead, or it issued
 /// fences the others never saw), so a hold granted by all three takes that node's fence and
 /// must raise the two behind to it: a later majority of those two alone then issues a
@@ -245,24 +312,14 @@ fn renewals_skipped_on_a_hung_node_are_not_counted_as_sent() {
 fn a_hold_whose_fence_no_majority_carries_is_not_handed_out() {
     let (servers, proxies, urls) = proxied(3);
     let name = "raised";
-    let ahead: u64 = redis::cmd("TIME")
-        .query::<(u64, u64)>(&mut servers[0].conn())
-        .map(|(s, us)| s * 1_000_000 + us + 100_000_000_000_000)
-        .expect("TIME");
-    let _: () = redis::cmd("SET")
-        .arg(KEYS.fence(name))
-        .arg(ahead)
-        .query(&mut servers[0].conn())
-        .expect("SET the counter ahead");
+    let ahead = counter_ahead(&servers[0], name);
     let client = lock_client!(
         nodes(urls.clone()),
         key_prefix(PREFIX),
         lease(secs(1)),
         auto_renew(false)
     );
-    // The raise is the one script of a single key called on the fence counter.
-    let fence_key = KEYS.fence(name);
-    let raise = format!("$1\r\n1\r\n${}\r\n{fence_key}", fence_key.len());
+    let raise = raise_request(name);
     let first = proxies[1].refusing_requests_matching(raise.as_bytes(), || {
         proxies[2]
             .refusing_requests_matching(raise.as_bytes(), || client.try_lock_for(name, secs(2)))

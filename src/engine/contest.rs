@@ -712,13 +712,16 @@ impl Contest<'_> {
             let carried = granted.len() - behind.len() + raised;
             let short = carried < rules.quorum;
             if short || !lease_left(lease, started, engine.cfg.drift(lease)) {
-                let Vote::Won { granted, .. } = vote else {
+                let Vote::Won { granted, stray, .. } = vote else {
                     unreachable!("matched above")
                 };
-                let undo = Undo {
+                // Every node that may hold our token: the granting ones, and those whose
+                // reply was lost or that granted without enough replicas.
+                let mut undo = Undo {
                     granted,
                     unknown: Vec::new(),
                 };
+                undo.absorb(stray);
                 vote = match short {
                     true => Vote::Failed {
                         error: Error::NoQuorum {

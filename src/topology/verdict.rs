@@ -23,6 +23,11 @@ pub(crate) enum Vote {
         behind: Vec<NodeId>,
         others_wait: bool,
         previous_lost: bool,
+        /// The other nodes that may hold our token (a lost reply, a grant without enough
+        /// replicas): to be undone with `granted` when the win is given up after all (its
+        /// fence raised on too few nodes, or its lease spent by the raises). A win handed
+        /// out needs none: its release goes to every node.
+        stray: Undo,
     },
     /// Held elsewhere: wait until the first of an event and `hint` (the holder's
     /// remaining lease, or a jitter after a split vote), after releasing our token on
@@ -91,6 +96,21 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
         .count();
     let total = replies.len();
     let won = granted >= rules.quorum;
+    // Where our token may be: undone on every node that may hold it, including the ones
+    // whose reply was lost, when the round is not ours.
+    let undo = Undo {
+        // Where the script took the lock: granted in time, or without enough replicas.
+        granted: replies
+            .iter()
+            .filter(|(_, r)| matches!(r, Ok(Attempt::Acquired { .. } | Attempt::Unacked { .. })))
+            .map(|(n, _)| n.clone())
+            .collect(),
+        unknown: replies
+            .iter()
+            .filter(|(_, r)| r.as_ref().is_err_and(may_have_run))
+            .map(|(n, _)| n.clone())
+            .collect(),
+    };
     if won && rules.valid {
         let fence = replies
             .iter()
@@ -116,29 +136,18 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
                 .map(|(n, _)| n.clone())
                 .collect()
         };
+        let granted = among(&|_| true);
+        let mut stray = undo;
+        stray.granted.retain(|n| !granted.contains(n));
         return Vote::Won {
             others_wait,
             previous_lost,
             fence,
-            granted: among(&|_| true),
             behind: among(&|f| f < fence),
+            granted,
+            stray,
         };
     }
-    // Not ours: undo on every node that may hold our token, including the ones whose
-    // reply was lost.
-    let undo = Undo {
-        // Where the script took the lock: granted in time, or without enough replicas.
-        granted: replies
-            .iter()
-            .filter(|(_, r)| matches!(r, Ok(Attempt::Acquired { .. } | Attempt::Unacked { .. })))
-            .map(|(n, _)| n.clone())
-            .collect(),
-        unknown: replies
-            .iter()
-            .filter(|(_, r)| r.as_ref().is_err_and(may_have_run))
-            .map(|(n, _)| n.clone())
-            .collect(),
-    };
     if won {
         return Vote::Late { undo };
     }
@@ -373,6 +382,27 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    /// A win keeps the nodes that may hold our token without granting (a lost reply, a
+    /// grant without enough replicas), for the undo of a win given up after its raises.
+    #[test]
+    fn a_win_keeps_where_else_the_token_may_be() {
+        let replies = vec![
+            (id(1), acquired(10)),
+            (id(2), acquired(7)),
+            (id(3), Err(io_error())),
+            (id(4), Ok(Attempt::Unacked { acked: 0 })),
+            (id(5), held(100)),
+        ];
+        match vote(replies, rules(2, false)) {
+            Vote::Won { granted, stray, .. } => {
+                assert_eq!(granted, vec![id(1), id(2)]);
+                assert_eq!(stray.granted, vec![id(4)]);
+                assert_eq!(stray.unknown, vec![id(3)]);
+            }
+            v => panic!("{v:?}"),
+        }
     }
 
     #[test]
