@@ -110,14 +110,30 @@ impl KeySub {
     /// old, and a grant heard in between is the new watch's.
     pub(super) fn forget(&mut self, id: u64) {
         self.listeners.retain(|(l, _, _)| *l != id);
+        self.stop_awaiting(id);
+        if self.early.as_ref().is_some_and(|(l, _)| *l == id) {
+            self.early = None;
+        }
+    }
+
+    /// Listener `id` awaits grants to `token` now, in place of any token it awaited before
+    /// (retired: see `stop_awaiting`).
+    pub(super) fn await_token(&mut self, id: u64, token: &[u8]) {
+        if self.awaiting.iter().any(|(l, t)| *l == id && t == token) {
+            return;
+        }
+        self.stop_awaiting(id);
+        self.awaiting.push((id, token.to_vec()));
+    }
+
+    /// Listener `id` awaits no token: the grants heard for the one it awaited go with it,
+    /// unless another listener awaits the same token (see `forget`).
+    fn stop_awaiting(&mut self, id: u64) {
         if let Some(i) = self.awaiting.iter().position(|(l, _)| *l == id) {
             let (_, token) = self.awaiting.swap_remove(i);
             if !self.awaiting.iter().any(|(_, t)| *t == token) {
                 self.grants.retain(|(t, _)| *t != token);
             }
-        }
-        if self.early.as_ref().is_some_and(|(l, _)| *l == id) {
-            self.early = None;
         }
     }
 
@@ -457,6 +473,26 @@ mod tests {
         assert!(ks.hear_grant(b"t", grant()), "the new watch hears grants");
         ks.forget(2);
         assert!(ks.grants.is_empty(), "no listener left to take the grants");
+    }
+
+    /// A waiter whose token was retired (a hold it confirmed and had to give back) awaits
+    /// a new one: the grants heard for the old token go, as they would with its watch, or
+    /// they would stay as long as the key is watched.
+    #[test]
+    fn the_grants_of_a_token_replaced_go_with_it() {
+        let mut ks = KeySub::new();
+        ks.await_token(1, b"t1");
+        assert!(ks.hear_grant(b"t1", grant()));
+        ks.await_token(1, b"t1");
+        assert_eq!(
+            ks.grants.len(),
+            1,
+            "a grant to the token still awaited dropped"
+        );
+        ks.await_token(1, b"t2");
+        assert!(ks.grants.is_empty(), "the old token's grant kept");
+        assert!(ks.hear_grant(b"t2", grant()));
+        assert_eq!(ks.grants.len(), 1);
     }
 
     #[test]

@@ -362,8 +362,7 @@ impl Watch {
         else {
             return;
         };
-        ks.awaiting.retain(|(l, _)| *l != id);
-        ks.awaiting.push((id, token.as_bytes().to_vec()));
+        ks.await_token(id, token.as_bytes());
     }
 
     /// Whether a grant to this waiter's token was heard.
