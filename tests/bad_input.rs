@@ -450,6 +450,34 @@ fn redlock_needs_an_odd_number_of_nodes() {
     }
 }
 
+/// Redlock's nodes must be distinct servers: one server named twice (in the same words or
+/// not, or under two databases) would grant a majority alone, and a restart of it without
+/// its data would let a second holder in beside the first.
+#[test]
+fn redlock_refuses_a_server_named_twice() {
+    for urls in [
+        [
+            "redis://127.0.0.1:1/",
+            "redis://127.0.0.1:1/",
+            "redis://127.0.0.1:2/",
+        ],
+        [
+            "redis://127.0.0.1:1/0",
+            "redis://127.0.0.1:1",
+            "redis://127.0.0.1:2/",
+        ],
+        [
+            "redis://127.0.0.1:1/0",
+            "redis://127.0.0.1:2/",
+            "redis://127.0.0.1:1/3",
+        ],
+    ] {
+        let started = Instant::now();
+        assert_invalid_config(lock_builder!(nodes(urls)).build(), "twice");
+        assert!(started.elapsed() < Duration::from_secs(1));
+    }
+}
+
 // --- waits -------------------------------------------------------------------------------
 
 #[test]

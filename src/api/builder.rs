@@ -128,7 +128,8 @@ impl Builder {
         self
     }
 
-    /// Adds several independent Redis masters for Redlock (an odd number, at least 3).
+    /// Adds several independent Redis masters for Redlock (an odd number, at least 3, each
+    /// a server of its own: `build()` refuses one named twice, also under two databases).
     ///
     /// # Examples
     ///
@@ -809,9 +810,20 @@ impl Builder {
                 "{n} nodes: Redlock needs an odd number of nodes, at least 3"
             ));
         }
+        let mut servers: Vec<String> = Vec::with_capacity(n);
         for (i, url) in cfg.nodes.iter().enumerate() {
             // The URL may hold a password: errors name the node, not the URL.
-            open_client(&format!("node {i}"), url, &cfg.tls)?;
+            let client = open_client(&format!("node {i}"), url, &cfg.tls)?;
+            // Redlock's nodes are distinct servers: one named twice (under two databases,
+            // say) would grant a majority alone, and its restart without data would let a
+            // second holder in.
+            let server = client.get_connection_info().addr().to_string();
+            if let Some(j) = servers.iter().position(|s| *s == server) {
+                return bad(format!(
+                    "nodes {j} and {i} name one server twice: Redlock needs distinct servers"
+                ));
+            }
+            servers.push(server);
         }
         if cfg.key_prefix.len() > MAX_PREFIX_LEN {
             return bad(format!("key prefix longer than {MAX_PREFIX_LEN} bytes"));
