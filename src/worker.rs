@@ -36,6 +36,16 @@ impl Thread {
         Thread(parking_lot::Mutex::new(Some(handle)))
     }
 
+    /// No thread yet (see [`put`](Self::put)).
+    pub fn none() -> Self {
+        Thread(parking_lot::Mutex::new(None))
+    }
+
+    /// Keeps `handle` to be joined.
+    pub fn put(&self, handle: JoinHandle<()>) {
+        *self.0.lock() = Some(handle);
+    }
+
     /// Waits for the thread (told to stop by the caller) until `deadline`; `false` if it
     /// still runs then.
     pub fn join_until(&self, deadline: Instant) -> bool {

@@ -653,6 +653,46 @@ fn shutdown_stops_the_cleanup_thread() {
     drops_in_time(&base, || drop(c), || proxy.heal());
 }
 
+/// A `shutdown` that timed out while the cleanup thread was busy leaves it to the next
+/// one: a later `shutdown` waits for that thread (and says when it still runs), and says
+/// every thread stopped only once it has. Forgetting it would let a caller go on (fork,
+/// say) with the thread still making its calls.
+#[test]
+fn a_shutdown_after_one_that_timed_out_still_waits_for_the_cleanup_thread() {
+    let (_s, base, srv) = begin();
+    let (proxy, c) = stalled(&srv, ms(500));
+    let prefix = "rv:";
+    redbaton::fault::stall(prefix, redbaton::fault::Point::Cleanup);
+    assert!(c.try_lock("cl").is_err());
+    assert!(
+        wait_until(secs(10), || redbaton::fault::stalled(
+            prefix,
+            redbaton::fault::Point::Cleanup
+        )),
+        "the cleanup job never ran"
+    );
+    let first = c.clone().shutdown(ms(50));
+    assert!(first.is_err(), "the cleanup thread is stalled: {first:?}");
+    let second = c.clone().shutdown(ms(300));
+    let still = redbaton::fault::stalled(prefix, redbaton::fault::Point::Cleanup);
+    redbaton::fault::disarm(prefix, redbaton::fault::Point::Cleanup);
+    assert!(
+        second.is_err() || !still,
+        "shutdown said every thread stopped while the cleanup thread ran: {second:?}"
+    );
+    c.clone()
+        .shutdown(secs(10))
+        .expect("every thread stopped in time");
+    assert!(
+        !lib_threads()
+            .iter()
+            .any(|t| t.starts_with("redbaton-clean")),
+        "the cleanup thread outlived shutdown: {:?}",
+        lib_threads()
+    );
+    drops_in_time(&base, || drop(c), || proxy.heal());
+}
+
 /// `locks(pattern)` lists each held name once, exactly as given (names with braces, glob
 /// characters, NUL, invalid UTF-8), matches `pattern` against names, and lists nothing
 /// for latches or fence counters.

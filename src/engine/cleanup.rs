@@ -95,6 +95,9 @@ pub(crate) struct Cleanup {
     prefix: String,
     /// [`Cleanup::shutdown`] was called: no thread starts again, new jobs are dropped.
     stopped: AtomicBool,
+    /// The thread a shutdown stopped, until it is joined: a shutdown that timed out leaves
+    /// it to the next one, and to the drop.
+    stopping: crate::worker::Thread,
 }
 
 struct Worker {
@@ -116,13 +119,14 @@ impl Cleanup {
             worker: Mutex::new(None),
             prefix,
             stopped: AtomicBool::new(false),
+            stopping: crate::worker::Thread::none(),
         }
     }
 
     /// Stops the thread: the jobs still queued are made, the ones being tried again are
     /// given up (their keys expire with their TTL; counted as dropped), and no new job is
     /// taken. Waits for it until `deadline`; `false` if it still runs then (it ends once
-    /// its current Redis call returns).
+    /// its current Redis call returns; the next shutdown, or the drop, waits for it).
     pub fn shutdown(&self, deadline: Instant) -> bool {
         // Set under the worker's lock, where `later` reads it: no thread starts after this.
         let taken = {
@@ -130,12 +134,13 @@ impl Cleanup {
             self.stopped.store(true, Ordering::Relaxed);
             worker.take()
         };
-        let Some(mut worker) = taken else {
-            return true;
-        };
-        let thread = worker.thread.take();
-        drop(worker); // closes the queue
-        thread.is_none_or(|t| crate::worker::join_until(t, deadline).is_ok())
+        if let Some(mut worker) = taken {
+            if let Some(thread) = worker.thread.take() {
+                self.stopping.put(thread);
+            }
+            drop(worker); // closes the queue
+        }
+        self.stopping.join_until(deadline)
     }
 
     /// Queues a compare-and-delete of `token` on `nodes` (`fence`: the holder's, see
@@ -420,18 +425,18 @@ impl Job {
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let Some(mut worker) = self.worker.get_mut().take() else {
-            return;
-        };
-        let thread = worker.thread.take();
-        // Closes the queue. The thread ends at once: the topology, dropped before this
-        // (it is declared first in `Engine`), is gone, and the jobs left go with it
-        // (their keys expire with their TTL): a client's drop never waits out a
-        // partition.
-        drop(worker);
-        if let Some(t) = thread {
-            crate::worker::join(t);
+        if let Some(mut worker) = self.worker.get_mut().take() {
+            if let Some(thread) = worker.thread.take() {
+                self.stopping.put(thread);
+            }
+            // Closes the queue.
+            drop(worker);
         }
+        // The thread ends at once (also one a shutdown stopped and could not wait for):
+        // the topology, dropped before this (it is declared first in `Engine`), is gone,
+        // and the jobs left go with it (their keys expire with their TTL): a client's drop
+        // never waits out a partition, only the call under way.
+        self.stopping.join_now();
     }
 }
 
