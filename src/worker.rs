@@ -1,24 +1,9 @@
 //! Stopping the library's background threads: a `Drop` only signals and joins a thread
-//! that is not the current one; [`join_until`] lets a user wait for them with a bound.
+//! that is not the current one; [`Thread::join_until`] lets a user wait for them with a
+//! bound.
 
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// Joins `handle` if it ends by `deadline`; gives it back otherwise. Never joins the
-/// current thread (a worker may drop the last handle of what owns it).
-pub(crate) fn join_until(handle: JoinHandle<()>, deadline: Instant) -> Result<(), JoinHandle<()>> {
-    if handle.thread().id() == std::thread::current().id() {
-        return Ok(());
-    }
-    while !handle.is_finished() {
-        if Instant::now() >= deadline {
-            return Err(handle);
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let _ = handle.join();
-    Ok(())
-}
 
 /// Joins `handle` unless it is the current thread.
 pub(crate) fn join(handle: JoinHandle<()>) {
@@ -47,15 +32,29 @@ impl Thread {
     }
 
     /// Waits for the thread (told to stop by the caller) until `deadline`; `false` if it
-    /// still runs then.
+    /// still runs then. The handle is looked at, not held, between the looks: callers at
+    /// once (two clones shutting down) each keep their own deadline, and the one that sees
+    /// the thread end joins it.
     pub fn join_until(&self, deadline: Instant) -> bool {
-        let mut thread = self.0.lock();
-        match thread.take().map(|t| join_until(t, deadline)) {
-            Some(Err(t)) => {
-                *thread = Some(t);
-                false
+        loop {
+            {
+                let mut thread = self.0.lock();
+                match thread.as_ref() {
+                    None => return true,
+                    Some(t) if t.thread().id() == std::thread::current().id() => return true,
+                    Some(t) if t.is_finished() => {
+                        if let Some(t) = thread.take() {
+                            let _ = t.join();
+                        }
+                        return true;
+                    }
+                    Some(_) => {}
+                }
             }
-            _ => true,
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 

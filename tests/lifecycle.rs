@@ -693,6 +693,44 @@ fn a_shutdown_after_one_that_timed_out_still_waits_for_the_cleanup_thread() {
     drops_in_time(&base, || drop(c), || proxy.heal());
 }
 
+/// Two `shutdown`s at once, while a thread of the client is busy (the watchdog, caught
+/// in a renewal): each keeps its own timeout; the one allowed less does not wait for the
+/// other's.
+#[test]
+fn a_shutdown_keeps_its_timeout_beside_a_longer_one() {
+    let (_s, base, srv) = begin();
+    let prefix = "rv:";
+    let c = rv_client!(srv; io_timeouts(secs(1)), lease(secs(3)));
+    let held = c.lock("renewed").expect("lock");
+    redbaton::fault::stall(prefix, redbaton::fault::Point::Watchdog);
+    assert!(
+        wait_until(secs(10), || redbaton::fault::stalled(
+            prefix,
+            redbaton::fault::Point::Watchdog
+        )),
+        "no renewal came"
+    );
+    let long = {
+        let c = c.clone();
+        thread::spawn(move || c.shutdown(secs(60)))
+    };
+    thread::sleep(ms(50));
+    let short = {
+        let c = c.clone();
+        thread::spawn(move || c.shutdown(ms(100)))
+    };
+    let kept = wait_until(secs(10), || short.is_finished());
+    redbaton::fault::disarm(prefix, redbaton::fault::Point::Watchdog);
+    assert!(kept, "a 100 ms shutdown waited for a 60 s one");
+    let short = short.join().expect("short shutdown");
+    assert!(short.is_err(), "the watchdog was stalled: {short:?}");
+    long.join()
+        .expect("long shutdown")
+        .expect("every thread stopped");
+    drop(held);
+    drops_in_time(&base, || drop(c), || ());
+}
+
 /// `locks(pattern)` lists each held name once, exactly as given (names with braces, glob
 /// characters, NUL, invalid UTF-8), matches `pattern` against names, and lists nothing
 /// for latches or fence counters.
