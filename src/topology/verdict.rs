@@ -96,13 +96,18 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
         .count();
     let total = replies.len();
     let won = granted >= rules.quorum;
-    // Where our token may be: undone on every node that may hold it, including the ones
-    // whose reply was lost, when the round is not ours.
-    let undo = Undo {
+    // Where our token may be, to be undone when the round is not ours: every node that
+    // may hold it, including the ones whose reply was lost (`granting`: also those that
+    // granted in time; a win keeps the others apart).
+    let undo = |granting: bool| Undo {
         // Where the script took the lock: granted in time, or without enough replicas.
         granted: replies
             .iter()
-            .filter(|(_, r)| matches!(r, Ok(Attempt::Acquired { .. } | Attempt::Unacked { .. })))
+            .filter(|(_, r)| match r {
+                Ok(Attempt::Acquired { .. }) => granting,
+                Ok(Attempt::Unacked { .. }) => true,
+                _ => false,
+            })
             .map(|(n, _)| n.clone())
             .collect(),
         unknown: replies
@@ -136,18 +141,16 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
                 .map(|(n, _)| n.clone())
                 .collect()
         };
-        let granted = among(&|_| true);
-        let mut stray = undo;
-        stray.granted.retain(|n| !granted.contains(n));
         return Vote::Won {
             others_wait,
             previous_lost,
             fence,
+            granted: among(&|_| true),
             behind: among(&|f| f < fence),
-            granted,
-            stray,
+            stray: undo(false),
         };
     }
+    let undo = undo(true);
     if won {
         return Vote::Late { undo };
     }
