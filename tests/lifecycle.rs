@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use redbaton::fault::{self, Point};
 use redbaton::{Error, LockClient, MAX_LATCH_COUNT, MAX_MULTI_NAMES, MAX_NAME_LEN};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
@@ -653,6 +654,30 @@ fn shutdown_stops_the_cleanup_thread() {
     drops_in_time(&base, || drop(c), || proxy.heal());
 }
 
+/// A library thread of the `rv:` clients caught at a fault point (see `redbaton::fault`)
+/// until this is dropped.
+struct Stall(Point);
+
+impl Stall {
+    /// Arms the stall, runs `go`, and waits until a thread is caught there.
+    fn until(&self, go: impl FnOnce(), what: &str) {
+        fault::stall("rv:", self.0);
+        go();
+        assert!(wait_until(secs(10), || self.caught()), "{what}");
+    }
+
+    /// Whether a thread is caught there still.
+    fn caught(&self) -> bool {
+        fault::stalled("rv:", self.0)
+    }
+}
+
+impl Drop for Stall {
+    fn drop(&mut self) {
+        fault::disarm("rv:", self.0);
+    }
+}
+
 /// A `shutdown` that timed out while the cleanup thread was busy leaves it to the next
 /// one: a later `shutdown` waits for that thread (and says when it still runs), and says
 /// every thread stopped only once it has. Forgetting it would let a caller go on (fork,
@@ -661,21 +686,16 @@ fn shutdown_stops_the_cleanup_thread() {
 fn a_shutdown_after_one_that_timed_out_still_waits_for_the_cleanup_thread() {
     let (_s, base, srv) = begin();
     let (proxy, c) = stalled(&srv, ms(500));
-    let prefix = "rv:";
-    redbaton::fault::stall(prefix, redbaton::fault::Point::Cleanup);
-    assert!(c.try_lock("cl").is_err());
-    assert!(
-        wait_until(secs(10), || redbaton::fault::stalled(
-            prefix,
-            redbaton::fault::Point::Cleanup
-        )),
-        "the cleanup job never ran"
+    let stall = Stall(Point::Cleanup);
+    stall.until(
+        || assert!(c.try_lock("cl").is_err()),
+        "the cleanup job never ran",
     );
     let first = c.clone().shutdown(ms(50));
     assert!(first.is_err(), "the cleanup thread is stalled: {first:?}");
     let second = c.clone().shutdown(ms(300));
-    let still = redbaton::fault::stalled(prefix, redbaton::fault::Point::Cleanup);
-    redbaton::fault::disarm(prefix, redbaton::fault::Point::Cleanup);
+    let still = stall.caught();
+    drop(stall);
     assert!(
         second.is_err() || !still,
         "shutdown said every thread stopped while the cleanup thread ran: {second:?}"
@@ -699,17 +719,10 @@ fn a_shutdown_after_one_that_timed_out_still_waits_for_the_cleanup_thread() {
 #[test]
 fn a_shutdown_keeps_its_timeout_beside_a_longer_one() {
     let (_s, base, srv) = begin();
-    let prefix = "rv:";
     let c = rv_client!(srv; io_timeouts(secs(1)), lease(secs(3)));
     let held = c.lock("renewed").expect("lock");
-    redbaton::fault::stall(prefix, redbaton::fault::Point::Watchdog);
-    assert!(
-        wait_until(secs(10), || redbaton::fault::stalled(
-            prefix,
-            redbaton::fault::Point::Watchdog
-        )),
-        "no renewal came"
-    );
+    let stall = Stall(Point::Watchdog);
+    stall.until(|| (), "no renewal came");
     let long = {
         let c = c.clone();
         thread::spawn(move || c.shutdown(secs(60)))
@@ -720,7 +733,7 @@ fn a_shutdown_keeps_its_timeout_beside_a_longer_one() {
         thread::spawn(move || c.shutdown(ms(100)))
     };
     let kept = wait_until(secs(10), || short.is_finished());
-    redbaton::fault::disarm(prefix, redbaton::fault::Point::Watchdog);
+    drop(stall);
     assert!(kept, "a 100 ms shutdown waited for a 60 s one");
     let short = short.join().expect("short shutdown");
     assert!(short.is_err(), "the watchdog was stalled: {short:?}");
