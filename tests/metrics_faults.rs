@@ -5,21 +5,27 @@
 //! call that times out counts once in `timeouts`, whatever it waited for and wherever
 //! (in Redis, behind a local holder, riding a dead master behind Sentinel), and an
 //! upgrade that returns its read hold lost at the deadline counts as that, not as a
-//! timeout; replies lost on the way back count no acquisition twice and no loss.
+//! timeout; replies lost on the way back count no acquisition twice and no loss; a
+//! recorder that panics as a loss is counted strands no unlock and keeps no holder
+//! from being told.
 //!
 //! The tests share the process-wide recorder: they run one at a time (see [`recorded`]).
 
 #![cfg(feature = "metrics")]
 
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock, mpsc};
 use std::thread;
 
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use metrics_util::MetricKind;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use redbaton::fault::{self, Point};
 use redbaton::{LockClient, LostReason, Stats, Unlocked};
-use redbaton_testkit::keys::Keys;
+use redbaton_testkit::keys::{DEFAULT_PREFIX, Keys};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
+use redbaton_testkit::wait::wait_for;
 use redbaton_testkit::{lock_client, ms, secs, test_server};
 
 const KINDS: [&str; 4] = ["lock", "read", "write", "permit"];
@@ -32,11 +38,41 @@ fn recorded() -> (&'static Snapshotter, MutexGuard<'static, ()>) {
     let snapshots = SNAPSHOTS.get_or_init(|| {
         let rec = DebuggingRecorder::new();
         let snapshots = rec.snapshotter();
-        rec.install().expect("one recorder per test binary");
+        metrics::set_global_recorder(Failing(rec)).expect("one recorder per test binary");
         snapshots
     });
     drop(snapshots.snapshot());
     (snapshots, turn)
+}
+
+/// Set, the recorder panics the next time a loss is counted (then it is cleared).
+static FAIL_ON_LOSS: AtomicBool = AtomicBool::new(false);
+
+/// The recording backend, made to fail as an exporter's bug would (see [`FAIL_ON_LOSS`]).
+struct Failing(DebuggingRecorder);
+
+impl Recorder for Failing {
+    fn describe_counter(&self, key: KeyName, unit: Option<Unit>, text: SharedString) {
+        self.0.describe_counter(key, unit, text)
+    }
+    fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, text: SharedString) {
+        self.0.describe_gauge(key, unit, text)
+    }
+    fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, text: SharedString) {
+        self.0.describe_histogram(key, unit, text)
+    }
+    fn register_counter(&self, key: &Key, meta: &Metadata<'_>) -> Counter {
+        if key.name() == "redbaton_lost_total" && FAIL_ON_LOSS.swap(false, Ordering::SeqCst) {
+            panic!("the recorder fails as a loss is counted");
+        }
+        self.0.register_counter(key, meta)
+    }
+    fn register_gauge(&self, key: &Key, meta: &Metadata<'_>) -> Gauge {
+        self.0.register_gauge(key, meta)
+    }
+    fn register_histogram(&self, key: &Key, meta: &Metadata<'_>) -> Histogram {
+        self.0.register_histogram(key, meta)
+    }
 }
 
 /// Every counter and gauge recorded since the last snapshot, as `(name, label values, n)`
@@ -397,4 +433,52 @@ fn a_wait_riding_a_dead_master_counts_one_timeout() {
     let retries = after.failover_retries - before.failover_retries;
     assert!(retries > 1, "retried until the deadline: {after:?}");
     assert_eq!(sum(&seen, "redbaton_failovers_total", ""), 0.0, "{seen:?}");
+}
+
+/// A recorder that panics as a loss is counted (an exporter's bug), while the holder's
+/// extend waits for the renewal in flight that finds the hold gone: the extend returns
+/// all the same (it would wait for ever for a renewal never said to be over), the holder
+/// is told, and its unlock returns.
+#[test]
+fn a_recorder_panicking_as_a_loss_is_counted_strands_no_extend() {
+    let (_snapshots, _turn) = recorded();
+    let srv = test_server();
+    let client = lock_client!(node(srv.url()), lease(ms(900)));
+    // The holder's thread (a guard stays on it): locks, then extends when told to.
+    let (go, told) = mpsc::channel::<()>();
+    let (tx, rx) = mpsc::channel();
+    let holder = client.clone();
+    thread::spawn(move || {
+        let guard = holder.lock("failing").expect("lock");
+        let _ = tx.send(Err(guard.lost().clone()));
+        if told.recv().is_ok() {
+            let extended = guard.extend(secs(5)).map_err(|e| e.is_lost());
+            let _ = tx.send(Ok((extended, guard.unlock())));
+        }
+    });
+    let Ok(Err(lost)) = rx.recv_timeout(secs(10)) else {
+        panic!("no lock")
+    };
+    // The next renewal is caught before it is sent, marked as in flight.
+    fault::stall(DEFAULT_PREFIX, Point::Watchdog);
+    wait_for(secs(10), "a renewal starts", || {
+        fault::stalled(DEFAULT_PREFIX, Point::Watchdog)
+    });
+    delete(&srv, "failing");
+    FAIL_ON_LOSS.store(true, Ordering::SeqCst);
+    go.send(()).expect("the holder waits");
+    // The extend waits for the renewal in flight.
+    thread::sleep(ms(300));
+    fault::disarm(DEFAULT_PREFIX, Point::Watchdog);
+    let ended = rx.recv_timeout(secs(10));
+    assert!(
+        !FAIL_ON_LOSS.load(Ordering::SeqCst),
+        "the recorder never failed"
+    );
+    let Ok(Ok((extended, unlocked))) = ended else {
+        panic!("the extend never returned: {ended:?}")
+    };
+    assert_eq!(extended, Err(true), "the extend finds the hold lost");
+    assert_eq!(unlocked.expect("unlock"), Unlocked::Expired);
+    assert_eq!(lost.recv_timeout(secs(5)), Ok(LostReason::Deleted));
 }

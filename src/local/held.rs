@@ -240,14 +240,16 @@ impl RemoteLock {
         // A hold known lost is surely held no longer: its validity ends now, whatever
         // was left of its lease (another holder may be in already).
         st.valid_until = st.valid_until.min(Stamp::now());
-        counters.lost(reason);
-        log::warn!("lock lost: {reason}");
+        // The holders first: the logger and the metrics recorder below are the user's code,
+        // and a panic there must not keep them from being told.
         if let Some(tx) = st.listener.take() {
             let _ = tx.try_send(reason);
         }
         for (_, tx) in st.sharers.drain(..) {
             let _ = tx.try_send(reason);
         }
+        counters.lost(reason);
+        log::warn!("lock lost: {reason}");
     }
 
     /// Adds the lost channel of one of the holders that share the lock at once.
@@ -325,9 +327,11 @@ impl RemoteLock {
     pub fn end_renew(&self, outcome: Changed, counters: &Counters) {
         let mut st = self.state.lock();
         st.renewing = false;
-        Self::apply(&mut st, outcome, counters);
-        drop(st);
+        // Before the outcome is applied: telling a loss runs the user's logger and metrics
+        // recorder, and a panic there must not leave an unlock or an extend waiting for
+        // ever (the waiters wake when the mutex is let go, also by the unwinding).
         self.renew_done.notify_all();
+        Self::apply(&mut st, outcome, counters);
     }
 
     /// What a lease change's outcome does to the lock's state (see `renewal::EXTEND` for
@@ -393,9 +397,9 @@ impl RemoteLock {
         let mut st = self.state.lock();
         st.renewing = false;
         st.lease = lease;
-        Self::apply(&mut st, outcome, counters);
-        drop(st);
+        // Before the outcome is applied, as in `end_renew`.
         self.renew_done.notify_all();
+        Self::apply(&mut st, outcome, counters);
     }
 }
 
