@@ -3,7 +3,7 @@
 //! thread first. The connection goes from the thread to the waiters and back without a
 //! lost event: other waiters of the process are woken by what a reading waiter reads, the
 //! thread reads again once no waiter does, and a read that fails or panics, or a waiter
-//! that leaves, hands it on.
+//! that leaves, hands it on, and so does a waiter held up in an attempt.
 //!
 //! Waiters here must be woken by events: the re-check ceiling is a minute, and every wait
 //! is bounded well below it. Another process is played by a second client.
@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use redbaton::fault::{self, Point};
 use redbaton::{Cancel, LockClient, LockGuard, Stats};
+use redbaton_testkit::keys::Keys;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
 use redbaton_testkit::{init_log, lock_client, secs};
@@ -260,4 +261,53 @@ fn a_subscriber_panic_while_a_waiter_reads_is_survived() {
     thread::sleep(SETTLED);
     g.unlock().unwrap();
     got(&w, "k");
+}
+
+/// The waiter whose turn it is to read is held up in an attempt (a slow server, a `WAIT`
+/// for replicas, a migrating slot) with the connection parked in the seat: the thread
+/// takes the turn back and reads on, so a release that another waiter of the process
+/// waits for still wakes it, without waiting for the held-up attempt to end.
+#[test]
+fn a_reader_held_up_in_an_attempt_gives_up_its_turn() {
+    const P: &str = "wr-held-up:";
+    let (srv, holder, other) = start(P);
+    // The first waiter stands first: its turn to read.
+    let (first_held, first) = held_and_awaited(&holder, &other);
+    // Held for a minute: only an event wakes its waiter within the bounds here.
+    let patient = lock_client!(node(srv.url()), key_prefix(P), patient());
+    let second_held = patient.lock("b").unwrap();
+    let second = waiter(&other, "b");
+    failed(&other, 4);
+    fault::stall(P, Point::Contend);
+    // `k` freed and taken at once by another owner: the first waiter reads the event,
+    // tries, finds it held, and stops before its next wait, its turn kept.
+    let key = Keys::new(P).lock("k");
+    let () = redis::pipe()
+        .atomic()
+        .cmd("DEL")
+        .arg(&key)
+        .ignore()
+        .cmd("SET")
+        .arg(&key)
+        .arg("another owner")
+        .arg("PX")
+        .arg(60_000)
+        .ignore()
+        .query(&mut srv.conn())
+        .unwrap();
+    wait_for(
+        secs(10),
+        "the first waiter held up after its attempt",
+        || fault::stalled(P, Point::Contend),
+    );
+    second_held.unlock().unwrap();
+    // Within half its wait: at its end, a last attempt would find the lock free anyway.
+    let woken = second.recv_timeout(WOKEN / 2);
+    fault::disarm(P, Point::Contend);
+    woken
+        .expect("the second waiter was woken while the first was held up")
+        .expect("the second waiter's lock");
+    drop(first_held);
+    let () = redis::cmd("DEL").arg(&key).query(&mut srv.conn()).unwrap();
+    got(&first, "k");
 }

@@ -16,7 +16,10 @@
 //! or back to the thread (notified). A read that fails hands the error to the thread, which
 //! reconnects as after its own failed read (every waiter retries once). The thread takes
 //! the connection back when the node moves or the client shuts down (`recall`): the
-//! reading waiter gives it back at its next turn.
+//! reading waiter gives it back at its next turn. It also takes the turn from a waiter
+//! that has not read for a while (held up in an attempt: a slow server, a `WAIT` for
+//! replicas, a migrating slot), whose turn would otherwise keep every other waiter's
+//! events unread in the socket; that waiter is then woken by the thread, as the others.
 //!
 //! Nothing is lost in a change of reader: what the server sends meanwhile waits in the
 //! socket. A change costs one wake-up, off the path of the event that ends a wait, except
@@ -40,6 +43,10 @@ const PARKED_CHECK: Duration = Duration::from_millis(50);
 /// How long a thread restarted after a panic waits for a waiter to give its connection
 /// back: a waiter's read lasts a few milliseconds.
 const RECLAIM_WAIT: Duration = Duration::from_secs(1);
+/// How long the waiter whose turn it is may leave the connection parked without reading
+/// before the thread takes the turn back: a waiter between two reads makes one attempt,
+/// a round trip.
+const IDLE_TURN: Duration = Duration::from_millis(100);
 
 /// The subscriber connection, and what its reads carry from one to the next.
 pub(super) struct Reader {
@@ -78,6 +85,8 @@ struct Seat {
     /// The connection, parked between two reads; `None` while the thread or a waiter has
     /// it in hand.
     reader: Option<Reader>,
+    /// When it was parked last.
+    parked_at: Option<Instant>,
     /// The waiter whose turn it is to read, and its poke.
     leader: Option<(u64, Sender<()>)>,
     /// Waiters that offered to read while they sleep, oldest first, and their pokes.
@@ -103,6 +112,8 @@ impl Seat {
         if let Some((ticket, poke)) = self.candidates.pop_front() {
             let _ = poke.try_send(());
             self.leader = Some((ticket, poke));
+            // Its idle time counts from its turn.
+            self.parked_at = Some(Instant::now());
         }
     }
 
@@ -113,6 +124,12 @@ impl Seat {
         if let Some((_, poke)) = &self.leader {
             let _ = poke.try_send(());
         }
+    }
+
+    /// Parks the connection (between two reads).
+    fn put(&mut self, reader: Reader) {
+        self.reader = Some(reader);
+        self.parked_at = Some(Instant::now());
     }
 
     fn is_leader(&self, ticket: u64) -> bool {
@@ -190,7 +207,7 @@ impl Booth {
         check: &dyn Fn(),
     ) -> Parked {
         let mut seat = self.seat.lock();
-        seat.reader = Some(reader);
+        seat.put(reader);
         seat.parked = true;
         seat.recall = false;
         seat.hand_on();
@@ -199,6 +216,12 @@ impl Booth {
                 seat.parked = false;
                 seat.reader = None;
                 return Parked::Failed(e);
+            }
+            if seat.reader.is_some() && seat.parked_at.is_some_and(|t| t.elapsed() >= IDLE_TURN) {
+                // The waiter whose turn it is reads no more (held up in an attempt): the
+                // thread reads on, and wakes it with the others. It gets no turn again in
+                // this wait.
+                seat.leader = None;
             }
             if seat.leader.is_none()
                 && let Some(reader) = seat.reader.take()
@@ -255,7 +278,7 @@ impl Booth {
         let mut seat = self.seat.lock();
         match read {
             Ok(()) if reader.epoch == seat.epoch => {
-                seat.reader = Some(reader);
+                seat.put(reader);
                 if seat.recall {
                     drop(seat);
                     self.back.notify_all();
