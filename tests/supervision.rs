@@ -44,25 +44,6 @@ fn release_elsewhere(srv: &RedisServer, prefix: &str, name: &str) {
         .unwrap();
 }
 
-/// The other process releases and takes the lock again at once (one transaction): the
-/// contender wakes, retries, and finds it held again.
-fn bounce_elsewhere(srv: &RedisServer, prefix: &str, name: &str) {
-    let key = format!("{prefix}{{{name}}}");
-    let _: () = redis::pipe()
-        .atomic()
-        .cmd("DEL")
-        .arg(&key)
-        .ignore()
-        .cmd("SET")
-        .arg(&key)
-        .arg("foreign")
-        .arg("PX")
-        .arg(120_000)
-        .ignore()
-        .query(&mut srv.conn())
-        .unwrap();
-}
-
 /// A thread of `c` waiting (up to 20 s) for `name`, which another process holds; returns
 /// once it sleeps in its wait.
 fn waiter_behind_foreign(
@@ -173,7 +154,7 @@ fn queued_waiters_survive_their_contender_panicking() {
         .collect();
     thread::sleep(ms(300));
     fault::arm(P, Point::Contend, 1);
-    bounce_elsewhere(&srv, P, "k"); // the contender wakes, fails, and panics
+    srv.bounce(&format!("{P}{{k}}")); // the contender wakes, fails, and panics
     assert!(contender.join().is_err(), "the injected fault fired");
     fault::disarm(P, Point::Contend);
     release_elsewhere(&srv, P, "k");

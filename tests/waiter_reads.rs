@@ -282,19 +282,7 @@ fn a_reader_held_up_in_an_attempt_gives_up_its_turn() {
     // `k` freed and taken at once by another owner: the first waiter reads the event,
     // tries, finds it held, and stops before its next wait, its turn kept.
     let key = Keys::new(P).lock("k");
-    let () = redis::pipe()
-        .atomic()
-        .cmd("DEL")
-        .arg(&key)
-        .ignore()
-        .cmd("SET")
-        .arg(&key)
-        .arg("another owner")
-        .arg("PX")
-        .arg(60_000)
-        .ignore()
-        .query(&mut srv.conn())
-        .unwrap();
+    srv.bounce(&key);
     wait_for(
         secs(10),
         "the first waiter held up after its attempt",

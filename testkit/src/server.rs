@@ -474,6 +474,24 @@ impl RedisServer {
             .unwrap_or_else(|e| panic!("CONFIG SET {name} {value} on port {}: {e}", self.port));
     }
 
+    /// Another process releases the lock key `key` and takes it again at once (one
+    /// transaction, held for two minutes): a waiter wakes, retries, and finds it held.
+    pub fn bounce(&self, key: &str) {
+        let () = redis::pipe()
+            .atomic()
+            .cmd("DEL")
+            .arg(key)
+            .ignore()
+            .cmd("SET")
+            .arg(key)
+            .arg("another owner")
+            .arg("PX")
+            .arg(120_000)
+            .ignore()
+            .query(&mut self.conn())
+            .unwrap_or_else(|e| panic!("bounce {key} on port {}: {e}", self.port));
+    }
+
     /// What idle waiters cost: the commands the server runs in 3 s, counted once they
     /// have had a second to settle into waiting. Prints the figure for `who`.
     pub fn idle_cost(&self, who: &str) -> u64 {
