@@ -1,8 +1,8 @@
 //! The baton (the local handoff of a held lock) and the local turns of a read-write lock
 //! under faults, against a real redis-server: a server that stalls while a thread queues
 //! behind a local holder or checks a turn's budget, a lock deleted under its holder just
-//! before it is handed on, `shutdown` with threads queued, a waiter that gives up as the
-//! baton reaches it.
+//! before it is handed on or on its way, `shutdown` with threads queued, a waiter that
+//! gives up or panics as the baton reaches it.
 //!
 //! What the file shows: a thread waiting for a local turn keeps its deadline whatever the
 //! server does (a handoff sends nothing to Redis, so nothing on its path may wait for
@@ -12,6 +12,7 @@
 //!
 //! Times are generous liveness bounds, never speed claims.
 
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use redbaton::fault::{self, Point};
@@ -26,6 +27,13 @@ const KEYS: Keys = Keys::new(PREFIX);
 /// Liveness bound of the waits of the test itself (never a speed claim).
 const LIVENESS: Duration = Duration::from_secs(20);
 
+/// The tests that stop or fail a handoff at [`Point::Handoff`] run one at a time: the
+/// point is armed for the file's prefix, which they share.
+fn handoff_faults() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Clients of `srv` under this file's prefix, with long leases (nothing expires unless a
 /// test makes it) and a long read timeout (a call to a stalled server waits that long).
 fn builder(srv: &RedisServer) -> Builder {
@@ -39,6 +47,35 @@ fn builder(srv: &RedisServer) -> Builder {
 
 fn client(srv: &RedisServer) -> LockClient {
     builder(srv).build().expect("client")
+}
+
+/// For a test that stops a handoff on its way: its turn (see [`handoff_faults`]), a server
+/// of its own, and a client of it whose holds are not renewed (they expire after `lease`)
+/// and whose calls to a stalled server give up after `read_timeout`.
+fn unrenewed(
+    lease: Duration,
+    read_timeout: Duration,
+) -> (MutexGuard<'static, ()>, RedisServer, LockClient) {
+    let one = handoff_faults();
+    init_log();
+    let srv = test_server();
+    let c = builder(&srv)
+        .lease(lease)
+        .read_timeout(read_timeout)
+        .auto_renew(false)
+        .build()
+        .expect("client");
+    (one, srv, c)
+}
+
+/// Hands `held` on to the thread queued for `name`, and stops the baton as it reaches it.
+fn hand_on_stopped(srv: &RedisServer, name: &str, held: LockGuard) {
+    wait_for(LIVENESS, "the waiter queues", || subscribed(srv, name));
+    fault::stall(PREFIX, Point::Handoff);
+    assert_eq!(held.unlock().expect("unlock"), Unlocked::HandedOff);
+    wait_for(LIVENESS, "the baton reaches the waiter", || {
+        fault::stalled(PREFIX, Point::Handoff)
+    });
 }
 
 /// A server of its own, a client of it, and `name` held by that client.
@@ -159,15 +196,8 @@ fn a_lock_deleted_just_before_the_handoff_is_reported_to_the_new_holder() {
 /// holds, as an attempt in Redis that came back too late is not returned either.
 #[test]
 fn a_baton_whose_lease_ran_out_on_its_way_is_not_returned_as_held() {
-    init_log();
-    let srv = test_server();
     let lease = secs(4);
-    let c = builder(&srv)
-        .lease(lease)
-        .read_timeout(secs(2))
-        .auto_renew(false)
-        .build()
-        .expect("client");
+    let (_one, srv, c) = unrenewed(lease, secs(2));
     let name = "late-baton";
     let held = c.lock(name).expect("lock");
     std::thread::scope(|s| {
@@ -176,12 +206,7 @@ fn a_baton_whose_lease_ran_out_on_its_way_is_not_returned_as_held() {
             let live = g.check().is_ok() && g.valid_until() > Instant::now();
             (live, g.unlock())
         });
-        wait_for(LIVENESS, "the waiter queues", || subscribed(&srv, name));
-        fault::stall(PREFIX, Point::Handoff);
-        assert_eq!(held.unlock().expect("unlock"), Unlocked::HandedOff);
-        wait_for(LIVENESS, "the baton reaches the waiter", || {
-            fault::stalled(PREFIX, Point::Handoff)
-        });
+        hand_on_stopped(&srv, name, held);
         std::thread::sleep(lease + ms(500));
         fault::disarm(PREFIX, Point::Handoff);
         let (live, unlocked) = waiter.join().expect("waiter");
@@ -306,4 +331,51 @@ fn a_budget_check_on_a_stalled_server_keeps_the_callers_deadline() {
     // The read timeout is 30 s: a turn that sat on a read ends long after this.
     assert!(took < secs(10), "a 300 ms wait returned after {took:?}");
     drop(reading);
+}
+
+/// A panic in the thread a lock is handed to, before it returns the lock (its logger
+/// failing as it is told the lock was lost on its way, say): the lock is let go, so the
+/// name stays usable, in this process and in others.
+#[test]
+fn a_panic_as_the_baton_arrives_never_strands_the_lock() {
+    let _one = handoff_faults();
+    let name = "baton-panic";
+    let (srv, c, held) = holding(name);
+    let other = client(&srv);
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| c.try_lock_for(name, LIVENESS).map(drop));
+        wait_for(LIVENESS, "the waiter queues", || subscribed(&srv, name));
+        fault::arm(PREFIX, Point::Handoff, 1);
+        assert_eq!(held.unlock().expect("unlock"), Unlocked::HandedOff);
+        assert!(waiter.join().is_err(), "the waiter panics");
+    });
+    fault::disarm(PREFIX, Point::Handoff);
+    let again = c.try_lock_for(name, secs(5)).expect("this process again");
+    assert!(again.unlock().expect("unlock").was_held());
+    let elsewhere = other.try_lock_for(name, secs(5)).expect("another process");
+    assert!(elsewhere.unlock().expect("unlock").was_held());
+}
+
+/// A lock handed on whose lease ran out on its way, while the server stalls: the thread it
+/// was handed to gives it back without waiting for the server past its own deadline (the
+/// release is left to the cleanup thread), and returns by then.
+#[test]
+fn a_baton_expired_on_its_way_while_the_server_stalls_keeps_the_deadline() {
+    let (name, lease) = ("late-stalled", secs(12));
+    // A call to the stalled server waits out the read timeout.
+    let (_one, srv, c) = unrenewed(lease, secs(10));
+    let held = c.lock(name).expect("lock");
+    let asked = Instant::now();
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| (c.try_lock_for(name, secs(14)).map(drop), asked.elapsed()));
+        hand_on_stopped(&srv, name, held);
+        srv.pause();
+        std::thread::sleep(lease + ms(500));
+        fault::disarm(PREFIX, Point::Handoff);
+        let (took, waited) = waiter.join().expect("waiter");
+        srv.resume();
+        assert!(took.as_ref().is_err_and(|e| e.is_timeout()), "{took:?}");
+        // Past its deadline by the read timeout, had it waited for the server.
+        assert!(waited < secs(18), "waited {waited:?} for a 14 s deadline");
+    });
 }

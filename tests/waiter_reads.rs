@@ -124,6 +124,43 @@ fn a_reading_waiter_wakes_the_others() {
     assert!(s.waiter_reads >= 1, "{s:?}");
 }
 
+/// The waiter whose turn it is to read is held up in an attempt (a slow server, a `WAIT`
+/// for replicas, a migrating slot) with the connection parked in the seat: the thread
+/// takes the turn back and reads on, so a release that another waiter of the process
+/// waits for still wakes it, without waiting for the held-up attempt to end.
+#[test]
+fn a_reader_held_up_in_an_attempt_gives_up_its_turn() {
+    const P: &str = "wr-held-up:";
+    let (srv, holder, other) = start(P);
+    // The first waiter stands first: its turn to read.
+    let (first_held, first) = held_and_awaited(&holder, &other);
+    // Held for a minute: only an event wakes its waiter within the bounds here.
+    let patient = lock_client!(node(srv.url()), key_prefix(P), patient());
+    let second_held = patient.lock("b").unwrap();
+    let second = waiter(&other, "b");
+    failed(&other, 4);
+    fault::stall(P, Point::Contend);
+    // `k` freed and taken at once by another owner: the first waiter reads the event,
+    // tries, finds it held, and stops before its next wait, its turn kept.
+    let key = Keys::new(P).lock("k");
+    srv.bounce(&key);
+    wait_for(
+        secs(10),
+        "the first waiter held up after its attempt",
+        || fault::stalled(P, Point::Contend),
+    );
+    second_held.unlock().unwrap();
+    // Within half its wait: at its end, a last attempt would find the lock free anyway.
+    let woken = second.recv_timeout(WOKEN / 2);
+    fault::disarm(P, Point::Contend);
+    woken
+        .expect("the second waiter was woken while the first was held up")
+        .expect("the second waiter's lock");
+    drop(first_held);
+    let () = redis::cmd("DEL").arg(&key).query(&mut srv.conn()).unwrap();
+    got(&first, "k");
+}
+
 /// After a waiter read the connection and its wait ended, the thread reads it again: a
 /// waiter that does not read it itself (a multi-lock's, which watches two names) is woken
 /// by the release it hears.
@@ -261,41 +298,4 @@ fn a_subscriber_panic_while_a_waiter_reads_is_survived() {
     thread::sleep(SETTLED);
     g.unlock().unwrap();
     got(&w, "k");
-}
-
-/// The waiter whose turn it is to read is held up in an attempt (a slow server, a `WAIT`
-/// for replicas, a migrating slot) with the connection parked in the seat: the thread
-/// takes the turn back and reads on, so a release that another waiter of the process
-/// waits for still wakes it, without waiting for the held-up attempt to end.
-#[test]
-fn a_reader_held_up_in_an_attempt_gives_up_its_turn() {
-    const P: &str = "wr-held-up:";
-    let (srv, holder, other) = start(P);
-    // The first waiter stands first: its turn to read.
-    let (first_held, first) = held_and_awaited(&holder, &other);
-    // Held for a minute: only an event wakes its waiter within the bounds here.
-    let patient = lock_client!(node(srv.url()), key_prefix(P), patient());
-    let second_held = patient.lock("b").unwrap();
-    let second = waiter(&other, "b");
-    failed(&other, 4);
-    fault::stall(P, Point::Contend);
-    // `k` freed and taken at once by another owner: the first waiter reads the event,
-    // tries, finds it held, and stops before its next wait, its turn kept.
-    let key = Keys::new(P).lock("k");
-    srv.bounce(&key);
-    wait_for(
-        secs(10),
-        "the first waiter held up after its attempt",
-        || fault::stalled(P, Point::Contend),
-    );
-    second_held.unlock().unwrap();
-    // Within half its wait: at its end, a last attempt would find the lock free anyway.
-    let woken = second.recv_timeout(WOKEN / 2);
-    fault::disarm(P, Point::Contend);
-    woken
-        .expect("the second waiter was woken while the first was held up")
-        .expect("the second waiter's lock");
-    drop(first_held);
-    let () = redis::cmd("DEL").arg(&key).query(&mut srv.conn()).unwrap();
-    got(&first, "k");
 }

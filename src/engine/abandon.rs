@@ -43,14 +43,18 @@ impl Engine {
         match self.table.abandon(keys, slot) {
             None => {}
             Some(Grant::Contend { .. }) => self.table.contend_failed(keys),
-            Some(Grant::Baton { remote, .. }) => {
-                if let Err(e) = self.release(&remote) {
-                    log::warn!(
-                        "lock {:?}: release after a panic failed (it expires with its lease): {e}",
-                        keys.display()
-                    );
-                }
-            }
+            Some(Grant::Baton { remote, .. }) => self.abandon_baton(keys, &remote),
+        }
+    }
+
+    /// A thread handed `remote` is unwinding before it returns it: let go (handed on, or
+    /// released in Redis), so that the key stays usable.
+    pub(crate) fn abandon_baton(self: &Arc<Self>, keys: &Keys, remote: &Arc<RemoteLock>) {
+        if let Err(e) = self.release(remote) {
+            log::warn!(
+                "lock {:?}: release after a panic failed (it expires with its lease): {e}",
+                keys.display()
+            );
         }
     }
 }

@@ -95,8 +95,13 @@ impl Engine {
             undo.disarm();
             match granted {
                 Ok(Grant::Baton { remote, seq }) => {
+                    // This thread holds it now: a panic before it is returned (the user's
+                    // logger, as a loss is told) must let it go, or nobody would.
+                    let undo = OnUnwind::new(|| self.abandon_baton(&keys, &remote));
                     crate::fault::hit(&self.cfg.key_prefix, crate::fault::Point::Handoff);
-                    if remote.lost(&self.counters).is_none() {
+                    let lost = remote.lost(&self.counters).is_some();
+                    undo.disarm();
+                    if !lost {
                         Counters::inc(&self.counters.local_handoffs);
                         return Ok((remote, seq));
                     }
@@ -105,8 +110,7 @@ impl Engine {
                     // attempt in Redis whose reply came too late is not. It goes back as
                     // a lost one (released in Redis, where it may still be ours; never
                     // handed on), and this thread queues or contends again.
-                    let gave_back = self.release(&remote);
-                    log::debug!("a lock handed on expired on its way, given back: {gave_back:?}");
+                    self.give_back_lost(&remote, wait);
                 }
                 Ok(Grant::Contend { yield_first }) => {
                     let route = self.topology.route(&keys);

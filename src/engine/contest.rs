@@ -57,6 +57,12 @@ impl<'a> Wait<'a> {
         }
     }
 
+    /// Whether the wait must end by a deadline, or may not wait at all: then nothing on
+    /// its way may wait for a server past it.
+    pub fn bounded(self) -> bool {
+        matches!(self, Wait::No | Wait::Until(Some(_), _))
+    }
+
     /// Whether the caller cancelled the wait.
     pub fn cancelled(self) -> bool {
         self.cancel().is_some_and(|c| c.is_cancelled())

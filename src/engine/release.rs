@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use crate::clock::{Stamp, from_now};
 use crate::engine::cleanup::release_at;
 use crate::engine::clock::YIELD;
+use crate::engine::contest::Wait;
 use crate::engine::state::Engine;
 use crate::error::{Error, LostReason, Result, Unlocked};
 use crate::local::held::{Changed, RemoteLock};
@@ -44,6 +45,26 @@ impl Engine {
                 self.release_in_redis(lock, route, Giver::Table { forced }, contended)
             }
         }
+    }
+
+    /// A lock handed to a thread queued for it whose lease ran out on its way: released
+    /// in Redis, where it may still be ours, never handed on. Within a bounded `wait` the
+    /// compare-and-delete is left to the cleanup thread: the thread then contends again,
+    /// and a stalled server must not keep it past its deadline.
+    pub(crate) fn give_back_lost(self: &Arc<Self>, lock: &Arc<RemoteLock>, wait: Wait<'_>) {
+        if !wait.bounded() {
+            let gave_back = self.release(lock);
+            log::debug!("a lock handed on expired on its way, given back: {gave_back:?}");
+            return;
+        }
+        let subs = self.subs_for(&self.topology.route(&lock.keys));
+        if let Step::Remote { .. } = self.table.release(lock, true, &self.cfg, &subs) {
+            self.abandon_release(lock, false);
+            if let Some(w) = &self.watchdog {
+                w.unregister(lock);
+            }
+        }
+        log::debug!("a lock handed on expired on its way, left to the cleanup thread");
     }
 
     /// A detached guard is done: release its lock in Redis. The local table no longer

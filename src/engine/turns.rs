@@ -98,7 +98,7 @@ impl Engine {
         }
         let mut back = st.turns.get_mut(&keys).and_then(|t| t.give_back_if_idle());
         // The last thread that waited for the hold gives it back as its own wait allows.
-        if let Some(remote) = back.take_if(|_| bounded(wait)) {
+        if let Some(remote) = back.take_if(|_| wait.bounded()) {
             let undo = |t: &mut Turn| t.released();
             self.unlocked_for(&mut st, &keys, undo, || self.give_back_for(&remote, wait));
             if let Some(turn) = st.turns.get_mut(&keys) {
@@ -326,7 +326,7 @@ impl Engine {
     /// job, since a server that stopped answering would keep it in the release past its
     /// deadline.
     fn give_back_for(self: &Arc<Self>, remote: &Arc<RemoteLock>, wait: Wait<'_>) {
-        if !bounded(wait) {
+        if !wait.bounded() {
             return self.give_back(remote);
         }
         self.release_in_background(remote);
@@ -594,11 +594,6 @@ impl Engine {
             w.unregister(remote);
         }
     }
-}
-
-/// Whether a wait must end by a deadline, or may not wait at all.
-fn bounded(wait: Wait<'_>) -> bool {
-    matches!(wait, Wait::No | Wait::Until(Some(_), _))
 }
 
 /// A thread that wanted a turn (to write if `write`) no longer waits for one.
