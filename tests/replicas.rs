@@ -5,9 +5,10 @@ use std::time::{Duration, Instant};
 use redbaton::LockClient;
 use redbaton_testkit::lock_client;
 use redbaton_testkit::monitor::{Monitor, script_calls};
+use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::test_server;
-use redbaton_testkit::{init_log, ms};
+use redbaton_testkit::{init_log, ms, secs};
 
 fn with_replica() -> (RedisServer, RedisServer) {
     let master = RedisServer::start();
@@ -242,4 +243,26 @@ fn a_token_given_back_is_never_used_again() {
         attempts >= 6 && given_back.len() >= 3,
         "{attempts} attempts, {given_back:?}"
     );
+}
+
+/// A hold taken without enough replicas whose give-back is lost on its way: it is left to
+/// the cleanup thread, which gives it back soon, not left in Redis for its whole lease.
+#[test]
+fn an_unacknowledged_hold_whose_give_back_is_lost_is_given_back_later() {
+    init_log();
+    let server = test_server();
+    let proxy = Proxy::start(server.addr());
+    let client = lock_client!(
+        node(proxy.url()),
+        replica_ack(1, ms(100)),
+        read_timeout(secs(1))
+    );
+    // The lease key is in the releases (and the leave), not in the acquisition.
+    let took = proxy.refusing_requests_matching(b"{k}:lease", || client.try_lock_for("k", secs(2)));
+    assert!(took.is_err_and(|e| e.is_replica_ack()));
+    let other = lock_client!(node(server.url()));
+    let again = other
+        .try_lock_for("k", secs(5))
+        .expect("the name free again");
+    assert!(again.unlock().expect("unlock").was_held());
 }

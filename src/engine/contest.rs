@@ -811,7 +811,7 @@ impl Contest<'_> {
         let deadline = self.wait.deadline();
         if !undo.granted.is_empty() && deadline.is_none_or(|d| Instant::now() < d) {
             let (route, protocol) = (&self.route, self.protocol);
-            release_on(
+            let replies = release_on(
                 &engine.topology,
                 self.keys,
                 route,
@@ -820,7 +820,12 @@ impl Contest<'_> {
                 None,
                 &undo.granted,
             );
-            undo.granted.clear();
+            // A give-back that failed anywhere (its request or its reply lost) goes to the
+            // cleanup thread with the others, or the hold would stay for its whole lease
+            // (a second one finds the token gone).
+            if replies.iter().all(Result::is_ok) {
+                undo.granted.clear();
+            }
         }
         undo.unknown.append(&mut undo.granted);
         if !undo.unknown.is_empty() {
