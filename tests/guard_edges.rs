@@ -322,7 +322,8 @@ fn threads_end_in_every_order() {
 /// takes the key again while its stale guard still lives. Dropping (or detaching) the stale
 /// guard must leave the new hold as it is: its guard releases it (no panic), and this
 /// thread asking again for the lock it holds is refused rather than left to wait for
-/// itself.
+/// itself. Let go after the new hold, the stale guard releases (or detaches) without a
+/// panic, and says it held nothing.
 #[test]
 fn a_stale_guard_leaves_the_new_hold_of_its_thread_alone() {
     let _s = serial();
@@ -334,7 +335,7 @@ fn a_stale_guard_leaves_the_new_hold_of_its_thread_alone() {
         lease(secs(2)),
         renew_interval(ms(100))
     );
-    for detach in [false, true] {
+    for (detach, stale_first) in [(false, true), (true, true), (false, false), (true, false)] {
         let stale = c.lock("unseat").expect("lock");
         let _: () = redis::cmd("DEL")
             .arg("ge:{unseat}")
@@ -348,6 +349,17 @@ fn a_stale_guard_leaves_the_new_hold_of_its_thread_alone() {
                 .expect("unlock");
         });
         let held = c.lock("unseat").expect("the first thread again");
+        if !stale_first {
+            assert!(held.unlock().expect("unlock").was_held());
+            let let_go = catch_unwind(AssertUnwindSafe(|| match detach {
+                true => stale.detach().unlock(),
+                false => stale.unlock(),
+            }));
+            let let_go = let_go.expect("the stale guard is let go without a panic");
+            assert!(!let_go.expect("unlock").was_held(), "detach {detach}");
+            assert!(free(&srv, "unseat"));
+            continue;
+        }
         if detach {
             drop(stale.detach());
         } else {

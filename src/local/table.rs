@@ -390,9 +390,14 @@ impl Table {
         let me = std::thread::current().id();
         let mut map = self.map.lock();
         let active = map.len();
-        let entry = map
-            .get_mut(keys.lock())
-            .expect("a holder's entry lives until it releases");
+        let Some(entry) = map.get_mut(keys.lock()) else {
+            // A stale guard (see below) let go after this thread won the key again and
+            // released that hold too: the entry went with it. Only its token is released.
+            return Step::Remote {
+                forced: None,
+                contended: false,
+            };
+        };
         if entry.holder != Some(me) || entry.hold != Some(remote.id) {
             // Another thread of this process won the key in Redis since (this thread's
             // hold is gone there), or this thread did with a new hold: it holds the entry
@@ -472,9 +477,10 @@ impl Table {
         let keys = &remote.keys;
         let me = std::thread::current().id();
         let mut map = self.map.lock();
-        let entry = map
-            .get_mut(keys.lock())
-            .expect("a holder's entry lives until it releases");
+        let Some(entry) = map.get_mut(keys.lock()) else {
+            // A stale guard, whose entry went with a later hold (see `release`).
+            return;
+        };
         if entry.holder != Some(me) || entry.hold != Some(remote.id) {
             // Unseated by another thread's win in Redis, or by this thread's own (see
             // `acquired`): the entry is that hold's now, and the detached guard releases
