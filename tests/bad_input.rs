@@ -478,6 +478,19 @@ fn redlock_refuses_a_server_named_twice() {
     }
 }
 
+/// One server named under two addresses (an IP and a host name for it) is found out when
+/// the client connects: both answer with one server's run id.
+#[test]
+fn redlock_refuses_a_server_reached_under_two_addresses() {
+    let (one, other) = (test_server(), test_server());
+    let urls = [
+        format!("redis://127.0.0.1:{}/", one.port()),
+        format!("redis://localhost:{}/", one.port()),
+        other.url(),
+    ];
+    assert_invalid_config(lock_builder!(nodes(urls)).build(), "twice");
+}
+
 // --- waits -------------------------------------------------------------------------------
 
 #[test]

@@ -129,7 +129,8 @@ impl Builder {
     }
 
     /// Adds several independent Redis masters for Redlock (an odd number, at least 3, each
-    /// a server of its own: `build()` refuses one named twice, also under two databases).
+    /// a server of its own: `build()` refuses one named twice, also under two databases,
+    /// or under two addresses when both answer at build time with one server's run id).
     ///
     /// # Examples
     ///

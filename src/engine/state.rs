@@ -10,7 +10,7 @@ use crate::engine::eviction;
 use crate::engine::multi_marks::MultiMarks;
 use crate::engine::subs::{Subs, Template};
 use crate::engine::watchdog::Watchdog;
-use crate::error::{Result, thread_error};
+use crate::error::{Error, Result, thread_error};
 use crate::local::shares::ReadShares;
 use crate::local::table::Table;
 use crate::proto::node::{Node, Retry};
@@ -63,6 +63,10 @@ impl Engine {
         let reachable = modes.iter().filter(|m| m.is_some()).count();
         if reachable < topology.quorum() {
             return Err(first_error.expect("an unreachable node left its error"));
+        }
+        if matches!(*topology, Topology::Redlock(_)) {
+            let answered = nodes.iter().zip(&modes).filter(|(_, m)| m.is_some());
+            distinct_servers(answered.map(|(n, _)| n))?;
         }
         let subs = Subs::new(
             notifications.then(|| Template {
@@ -131,6 +135,32 @@ impl Engine {
         all &= self.topology.shutdown(deadline);
         all
     }
+}
+
+/// Redlock's nodes must be distinct servers: one reached under two addresses (an IP and a
+/// host name, say) would grant a majority alone, and its restart without data would let a
+/// second holder in. Both addresses answer with the server's run id. A node that refuses
+/// `INFO` is not compared.
+fn distinct_servers<'a>(nodes: impl Iterator<Item = &'a Arc<Node>>) -> Result<()> {
+    let mut seen: Vec<(&Node, String)> = Vec::new();
+    for node in nodes {
+        let info = node.run(Retry::NEVER, |conn| {
+            redis::cmd("INFO").arg("server").query::<String>(conn)
+        });
+        let run_id = info.ok().and_then(|info| {
+            let line = info.lines().find_map(|l| l.strip_prefix("run_id:"));
+            line.map(|id| id.trim().to_owned())
+        });
+        let Some(run_id) = run_id else { continue };
+        if let Some((first, _)) = seen.iter().find(|(_, id)| *id == run_id) {
+            return Err(Error::InvalidConfig(format!(
+                "nodes {} and {} name one server twice (one run id): Redlock needs distinct servers",
+                first.id, node.id
+            )));
+        }
+        seen.push((node, run_id));
+    }
+    Ok(())
 }
 
 /// Connects to a node once at start: proves it reachable and, when waiters are to be woken
