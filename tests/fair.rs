@@ -174,6 +174,17 @@ fn a_killed_queued_process_delays_the_next_by_at_most_the_grant_lease() {
     assert!(keys_left(&srv).is_empty(), "{:?}", keys_left(&srv));
 }
 
+/// Without keyspace notifications (a managed server), a grant to a queued process killed
+/// before its turn runs out unheard: the others, who heard it was another's, look again
+/// when its lease ends, and go on within it as above.
+#[test]
+fn without_notifications_a_dead_grantee_delays_the_next_by_at_most_the_grant_lease() {
+    let srv = RedisServer::without_notifications();
+    let holder = client(&srv.url());
+    let mut dead = the_second_goes_on(&srv, &holder, |dead| child::kill_child(dead, libc::SIGKILL));
+    dead.wait().expect("the killed process reaped");
+}
+
 /// A queued process stopped past the bound: the others go on; it resumes and finishes.
 #[test]
 fn a_stopped_queued_process_delays_the_next_by_at_most_the_grant_lease() {

@@ -712,13 +712,6 @@ fn install_warn_counter() {
     });
 }
 
-fn no_notifications_server() -> RedisServer {
-    RedisServer::builder()
-        .config("notify-keyspace-events", "")
-        .config("rename-command", "CONFIG \"\"")
-        .start()
-}
-
 /// Child: one client against a server without keyspace notifications; checks the lock
 /// works, then waits on `NAME` (held by the parent) and reports when it got it, its
 /// counters, and how many warnings the library logged.
@@ -756,7 +749,7 @@ fn child_fallback_waiter() {
 #[test]
 fn without_keyspace_events_release_still_wakes_waiters() {
     let _light = HEAVY.read();
-    let srv = no_notifications_server();
+    let srv = RedisServer::without_notifications();
     let name = "fallback";
     // The holder runs here (its warning goes nowhere: no logger in this process).
     let holder = client(&srv.url()).lease(secs(30)).build().expect("build");

@@ -487,8 +487,14 @@ impl Waiter {
             if self.cancelled() {
                 return Woken::Cancelled;
             }
+            // Also when a grant to another waiter, heard since the attempt, runs out (if
+            // nobody took it, nothing else says so: see `Snapshot::lapse`).
+            let mut nap_until = until;
             for (w, b) in self.watches.iter().zip(before) {
                 let s = w.snapshot();
+                if let Some((heard, lease)) = s.lapse.filter(|_| s.lapse != b.lapse) {
+                    nap_until = nap_until.min(heard + client.cfg.past_expiry(lease));
+                }
                 if s.moved != b.moved {
                     return Woken::Moved;
                 }
@@ -514,12 +520,12 @@ impl Waiter {
                     return Woken::Event;
                 }
             }
-            let nap = self.nap(until, client);
+            let nap = self.nap(nap_until, client);
             read = nap == Nap::Heard;
             if nap == Nap::Over {
                 return if past(deadline) {
                     Woken::Deadline
-                } else if past(lease_end) {
+                } else if past(lease_end) || nap_until < until {
                     Woken::Lease
                 } else {
                     Woken::Recheck

@@ -14,7 +14,7 @@
 //! (see `fair_scripts`).
 //! The waiters of a countdown latch hear only the library's `z`: its count reached zero.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::proto::keys::{lock_of_channel, lock_of_keyspace_channel};
 
@@ -34,6 +34,10 @@ pub(crate) struct Snapshot {
     pub opened: u64,
     /// Times the key's slot moved away from the node (Redis Cluster, sharded channels).
     pub moved: u64,
+    /// Without keyspace notifications: when the last grant to another process's waiter was
+    /// heard, and its lease. Nothing is heard when such a grant runs out untaken (its
+    /// grantee died): its lease says when to look again.
+    pub lapse: Option<(Instant, Duration)>,
 }
 
 pub(crate) use crate::proto::protocol::Hears;

@@ -73,6 +73,9 @@ pub(super) struct KeySub {
     /// heard for those tokens (the contender judges them: see `engine::contest`).
     pub(super) awaiting: Vec<(u64, Vec<u8>)>,
     pub(super) grants: Vec<(Vec<u8>, Grant)>,
+    /// Without keyspace notifications: the last grant heard for another process's waiter
+    /// (see `Snapshot::lapse`).
+    pub(super) lapse: Option<(Instant, Duration)>,
     /// One contender's next attempt, to send when the key is freed (`early`).
     pub(super) early: Option<(u64, Early)>,
 }
@@ -100,6 +103,7 @@ impl KeySub {
             listeners: Vec::new(),
             awaiting: Vec::new(),
             grants: Vec::new(),
+            lapse: None,
             early: None,
         }
     }
@@ -171,6 +175,7 @@ impl KeySub {
             taken: self.taken,
             opened: self.opened,
             moved: self.moved,
+            lapse: self.lapse,
         };
         match self.early.take() {
             Some((id, Early::Armed(armed))) => {
@@ -419,7 +424,14 @@ impl Shared {
                     return;
                 };
                 if !ks.hear_grant(token, grant) {
-                    return; // another process's turn
+                    // Another process's turn. Without keyspace notifications, nothing is
+                    // heard if that grant runs out untaken (its grantee died): its waiters
+                    // look again when its lease ends.
+                    if !self.keyspace.load(Ordering::Relaxed) {
+                        ks.lapse = Some((Instant::now(), grant.lease));
+                        ks.poke();
+                    }
+                    return;
                 }
             }
             Event::Ignored => return,

@@ -411,6 +411,7 @@ impl Watch {
             taken: ks.map_or(0, |k| k.taken),
             opened: ks.map_or(0, |k| k.opened),
             moved: ks.map_or(self.moved, |k| k.moved),
+            lapse: ks.and_then(|k| k.lapse),
         }
     }
 

@@ -268,6 +268,15 @@ impl RedisServer {
         Self::builder().start()
     }
 
+    /// Starts a server as managed services often run one: keyspace notifications off, and
+    /// `CONFIG` renamed away, so that a client can neither read nor turn them on.
+    pub fn without_notifications() -> RedisServer {
+        Self::builder()
+            .config("notify-keyspace-events", "")
+            .config("rename-command", "CONFIG \"\"")
+            .start()
+    }
+
     /// Starts a server with the default config on a free port, or says why it could not.
     pub fn try_start() -> Result<RedisServer, String> {
         Self::builder().try_start()
