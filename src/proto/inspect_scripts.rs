@@ -438,7 +438,8 @@ impl Scan {
     }
 
     /// The next page's names (those of active keys, matching the pattern; a name may
-    /// repeat, as `SCAN` may return a key twice).
+    /// repeat, as `SCAN` may return a key twice). A page that fails leaves the cursor
+    /// where it was, so that the next call asks the same page again.
     pub fn page(&mut self, node: &Node) -> Result<Vec<Vec<u8>>> {
         let Some(matching) = self.matches.last() else {
             return Ok(Vec::new());
