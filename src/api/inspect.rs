@@ -356,7 +356,8 @@ impl LockClient {
 
     /// The names under this client's key prefix that are held or waited for, with what
     /// [`inspect`](Self::inspect) says of each, their names matching `pattern` (a Redis
-    /// glob over names: `*`, `?`, `[a-z]`, `\` to escape; empty means every name).
+    /// glob over names: `*`, `?`, `[a-z]`, `\` to escape, a `\` at the end being a
+    /// backslash and a class left open running to the end; empty means every name).
     ///
     /// Names are bytes, and so is the pattern: a `&str`, or bytes for names that are not
     /// UTF-8 (a byte that is not UTF-8 matches itself). The glob applies to the name
