@@ -337,3 +337,29 @@ fn listing_under_a_braced_prefix() {
     listed.sort();
     assert_eq!(listed, vec![b"jobs:1".to_vec(), b"jobs:2".to_vec()]);
 }
+
+/// The names `c.locks(pattern)` lists, sorted.
+fn listed(c: &LockClient, pattern: &[u8]) -> Vec<Vec<u8>> {
+    let mut names: Vec<Vec<u8>> = c.locks(pattern).map(|i| i.expect("item").name).collect();
+    names.sort();
+    names
+}
+
+/// Patterns whose end the glob reads on its own: an unpaired backslash at the end (a
+/// literal backslash), an unclosed class (it runs to the end of the pattern), a `-` before
+/// a class's `]` (a literal `-`). Each lists the names the glob matches, in both key forms:
+/// what the `SCAN` pattern adds after the user's does not change what it means.
+#[test]
+fn patterns_with_open_ends_list_what_the_glob_matches() {
+    let srv = test_server();
+    for prefix in ["redbaton:", "{app}:"] {
+        let c = lock_client!(node(srv.url()), key_prefix(prefix));
+        let names: [&[u8]; 4] = [b"end\\", b"b", b"-", b"x"];
+        let _held: Vec<_> = names.iter().map(|n| c.lock(n).expect("lock")).collect();
+        assert_eq!(listed(&c, b"end\\"), [b"end\\"], "{prefix}");
+        assert_eq!(listed(&c, b"[ab"), [b"b"], "{prefix}");
+        assert_eq!(listed(&c, b"[b\\"), [b"b"], "{prefix}");
+        assert_eq!(listed(&c, b"[a-]"), [b"-"], "{prefix}");
+        assert_eq!(listed(&c, b"[^-b"), [b"x"], "{prefix}");
+    }
+}

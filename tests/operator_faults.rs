@@ -1,7 +1,8 @@
 //! The operators' view under faults, against real redis-servers: a listing while the
-//! keyspace grows under it, a live hold behind a thousand expired ones not yet dropped, and a fence-checked release that meets a key
-//! this library did not write, on one node and on Redlock masters that disagree (one
-//! answer lost).
+//! keyspace grows under it, a listing whose `SCAN` pages fail (once half-way, or always),
+//! a live hold behind a thousand expired ones not yet dropped, and a fence-checked release
+//! that meets a key this library did not write, on one node and on Redlock masters that
+//! disagree (one answer lost).
 
 use redbaton::{ForceRelease, LockClient, LockKind};
 use redbaton_testkit::keys::Keys;
@@ -49,6 +50,71 @@ fn a_listing_while_the_keyspace_grows_finds_every_held_name_once() {
     let mut want = held.clone();
     want.sort();
     assert_eq!(listed, want);
+}
+
+/// `locks` through a proxy, 1,000 names held: after 10 items, `SCAN` requests are refused
+/// until a step fails (one error item), then let through. The failed page is asked again
+/// from the cursor it failed at, so every name is still listed, each once, and the failure
+/// is the one error item: the rest of the node is not dropped.
+#[test]
+fn a_failed_scan_page_is_asked_again() {
+    let (srv, proxy, c) = behind_a_proxy();
+    let mut want: Vec<Vec<u8>> = (0..1000)
+        .map(|i| format!("many:{i}").into_bytes())
+        .collect();
+    let mut hold = redis::pipe();
+    for name in &want {
+        hold.cmd("SET")
+            .arg(KEYS.lock_bytes(name))
+            .arg("another holder's token")
+            .arg("PX")
+            .arg(60_000)
+            .ignore();
+    }
+    hold.exec(&mut srv.conn()).expect("hold");
+    let mut listing = c.locks("many:*");
+    let mut listed: Vec<Vec<u8>> = listing
+        .by_ref()
+        .take(10)
+        .map(|i| i.expect("item").name)
+        .collect();
+    let mut errors = 0;
+    while errors == 0 {
+        match proxy.refusing_requests_matching(b"SCAN", || listing.next()) {
+            Some(Ok(info)) => listed.push(info.name),
+            Some(Err(_)) => errors += 1,
+            None => panic!("the listing ended before a page was refused"),
+        }
+    }
+    for item in listing {
+        match item {
+            Ok(info) => listed.push(info.name),
+            Err(e) => panic!("a second error after the proxy healed: {e}"),
+        }
+    }
+    listed.sort();
+    want.sort();
+    assert_eq!(listed.len(), want.len(), "names listed, of 1,000 held");
+    assert_eq!(listed, want);
+}
+
+/// `locks` through a proxy that refuses every `SCAN`: each step's failure is an error
+/// item, and after three in a row the node is given up, so the listing ends.
+#[test]
+fn a_node_whose_pages_keep_failing_is_given_up() {
+    let (_srv, proxy, c) = behind_a_proxy();
+    let _held = c.lock("held").expect("lock");
+    let items: Vec<_> = proxy.refusing_requests_matching(b"SCAN", || c.locks("*").collect());
+    assert_eq!(items.len(), 3, "{items:?}");
+    assert!(items.iter().all(Result::is_err), "{items:?}");
+}
+
+/// A server, a proxy in front of it and a client through the proxy.
+fn behind_a_proxy() -> (RedisServer, Proxy, LockClient) {
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.addr());
+    let c = client(&proxy.url());
+    (srv, proxy, c)
 }
 
 /// A semaphore whose holders crashed by the thousand: 1,000 expired permits that no script

@@ -130,6 +130,21 @@ pub struct Connection {
         value_names = ["MASTER", "URLS"]
     )]
     pub sentinel: Vec<String>,
+    /// The Sentinel-managed master's ACL user (default: the default user); needs --sentinel
+    /// and a master password.
+    #[arg(long, global = true, value_name = "USER", requires_all = ["sentinel", "master_password"])]
+    pub master_user: Option<String>,
+    /// The Sentinel-managed master's password (and its replicas'): credentials in the
+    /// sentinels' URLs are the sentinels' own. Safer in the environment, which `ps` does
+    /// not show. Used with --sentinel only, so the variable may stay set.
+    #[arg(
+        long,
+        global = true,
+        value_name = "PASSWORD",
+        env = "REDBATON_MASTER_PASSWORD",
+        hide_env_values = true
+    )]
+    pub master_password: Option<String>,
     /// Key prefix of the locks.
     #[arg(long, global = true, default_value = "redbaton:")]
     pub prefix: String,

@@ -50,8 +50,13 @@ pub fn connect(c: &Connection) -> Result<LockClient, Failure> {
     } else if let [master, _] = c.sentinel.as_slice() {
         // Sentinels reached over TLS serve a deployment whose master speaks TLS too.
         let master_tls = !urls.is_empty() && urls.iter().all(|u| is_tls(u));
-        b.sentinel(master.clone(), urls)
-            .sentinel_master_tls(master_tls)
+        let b = b
+            .sentinel(master.clone(), urls)
+            .sentinel_master_tls(master_tls);
+        match &c.master_password {
+            Some(password) => b.sentinel_master_auth(c.master_user.as_deref(), password),
+            None => b,
+        }
     } else {
         b.node(c.url.clone())
     };

@@ -16,8 +16,10 @@
 //! `--timeout SECS` (1 to 3600, default 3); TLS with `rediss://` URLs, `--tls-ca`,
 //! `--tls-cert` and `--tls-key` (a usage error with plain `redis://` URLs, which would
 //! ignore them). Credentials go in the URL (`redis://user:password@host/`) or in
-//! `$REDIS_URL`; they are never printed. The command only reads, except `release`; it
-//! never changes the server's configuration.
+//! `$REDIS_URL`; a Sentinel-managed master's, which its sentinels' URLs do not give, in
+//! `--master-user` and `--master-password` (or `$REDBATON_MASTER_PASSWORD`, out of `ps`'s
+//! sight). They are never printed. The command only reads, except `release`; it never
+//! changes the server's configuration.
 //!
 //! Names are bytes. They are shown (tables and JSON) in one escaped form, and NAME arguments
 //! take that form back: `\\` for a backslash, `\n`, `\r`, `\t`, `\xNN` for other ASCII

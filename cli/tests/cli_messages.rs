@@ -1,11 +1,14 @@
 //! The `redbaton` binary as a new operator meets it, run as a subprocess against a real
-//! `redis-server`: TLS options and the URLs they go with (Sentinel's included), an empty
-//! `$REDIS_URL`, what a timeout says, and releasing a lock that shows no fence.
+//! `redis-server`: TLS options and the URLs they go with (Sentinel's included), a Sentinel
+//! master behind a password, an empty `$REDIS_URL`, what a timeout says, and releasing a
+//! lock that shows no fence.
 
 mod support;
 
 use redbaton::LockClient;
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::sentinel::watching;
+use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::tls::{Certs, TlsServer};
 use redbaton_testkit::{exists, test_server};
 
@@ -98,6 +101,48 @@ fn sentinels_over_tls_name_a_master_over_tls() {
         "{}",
         stdout(&o)
     );
+}
+
+/// A Sentinel-managed master that wants a password (the default user's, or an ACL user's):
+/// the sentinels' URLs carry only their own credentials, and the master's come from
+/// `--master-password` (or `$REDBATON_MASTER_PASSWORD`) and `--master-user`. With them
+/// `status` reads the master; without them the master refuses the command (exit 3); a
+/// user without a password is a usage error.
+#[test]
+fn a_sentinel_master_with_a_password() {
+    let master = RedisServer::builder()
+        .password("master-pw")
+        .acl_user("ops", "ops-pw", "~* &* +@all")
+        .start();
+    let sentinel = watching("m", master.port(), &["auth-pass m master-pw"]);
+    let status = |args: &[&str], env_password: Option<&str>| {
+        let sentinels = ["--sentinel", "m", &sentinel.url()];
+        let mut c = command(&[&sentinels[..], args, &["status", "x"]].concat());
+        if let Some(password) = env_password {
+            c.env("REDBATON_MASTER_PASSWORD", password);
+        }
+        let o = c.output().expect("run redbaton");
+        no_panic(&o);
+        o
+    };
+    for (args, env_password) in [
+        (&["--master-password", "master-pw"][..], None),
+        (&[], Some("master-pw")),
+        (
+            &["--master-user", "ops", "--master-password", "ops-pw"],
+            None,
+        ),
+        (&["--master-user", "ops"], Some("ops-pw")),
+    ] {
+        let o = status(args, env_password);
+        assert_eq!(code(&o), 0, "{args:?}: {}", stderr(&o));
+        assert!(stdout(&o).contains("free"), "{args:?}: {}", stdout(&o));
+        assert!(!stderr(&o).contains("pw"), "{}", stderr(&o));
+    }
+    let o = status(&[], None);
+    assert_eq!(code(&o), 3, "no password for the master: {}", stderr(&o));
+    let o = status(&["--master-user", "ops"], None);
+    assert_eq!(code(&o), 2, "a user without a password: {}", stderr(&o));
 }
 
 /// TLS options given with a plain `redis://` URL would be ignored, and the command would

@@ -1,6 +1,7 @@
 //! `list PATTERN` with the escaped form NAME arguments take: a name that is not UTF-8 is
 //! found by a pattern, an escaped byte matches itself (also one that the glob would read
-//! as a wildcard), and the glob's own escapes (`\*`, `\\`) mean what they meant.
+//! as a wildcard), the glob's own escapes (`\*`, `\\`) mean what they meant, and a
+//! pattern's open end (a lone backslash, an unclosed class) means what the glob reads.
 
 mod support;
 
@@ -83,4 +84,15 @@ fn a_bad_escape_in_a_pattern_is_a_usage_error() {
     }
     let help = stdout(&run(&["list", "--help"]));
     assert!(help.contains(r"\xNN"), "{help}");
+}
+
+/// A pattern that ends in a lone backslash (the glob reads it as a backslash) or in an
+/// unclosed class lists the names the glob matches.
+#[test]
+fn a_pattern_with_an_open_end_lists_what_it_matches() {
+    let srv = test_server();
+    let _held = hold(&srv, &[b"end\\", b"b"]);
+    let url = srv.url();
+    assert_eq!(listed(&url, r"end\"), [r"end\\"]);
+    assert_eq!(listed(&url, "[ab"), ["b"]);
 }

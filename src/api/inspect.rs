@@ -356,7 +356,8 @@ impl LockClient {
 
     /// The names under this client's key prefix that are held or waited for, with what
     /// [`inspect`](Self::inspect) says of each, their names matching `pattern` (a Redis
-    /// glob over names: `*`, `?`, `[a-z]`, `\` to escape; empty means every name).
+    /// glob over names: `*`, `?`, `[a-z]`, `\` to escape, a `\` at the end being a
+    /// backslash and a class left open running to the end; empty means every name).
     ///
     /// Names are bytes, and so is the pattern: a `&str`, or bytes for names that are not
     /// UTF-8 (a byte that is not UTF-8 matches itself). The glob applies to the name
@@ -371,7 +372,11 @@ impl LockClient {
     /// # Errors
     ///
     /// An item is an error when a page or an inspection failed; the listing goes on with
-    /// the next node (after a page error) or name.
+    /// the next name (after an inspection error), or asks the failed page again at the
+    /// next step, from where it failed, so that one lost page drops none of the node's
+    /// other names. A node whose pages fail 3 times in a row is given up (the third error
+    /// is its last item, and the rest of its names are not listed): the listing goes on
+    /// with the next node, and always ends.
     ///
     /// # Examples
     ///
@@ -409,6 +414,7 @@ impl LockClient {
             scan,
             pending: VecDeque::new(),
             seen: HashSet::new(),
+            failures: 0,
         }
     }
 
@@ -706,7 +712,15 @@ pub struct Locks {
     /// Names already found: `SCAN` may return a key twice, a name has several keys, and a
     /// Redlock name is on several masters.
     seen: HashSet<Vec<u8>>,
+    /// The current node's pages that failed in a row (see [`PAGE_FAILURES`]).
+    failures: u32,
 }
+
+/// How many failures in a row of one node's pages end that node's listing. A failed page
+/// keeps its cursor and is asked again at the next step (a dropped connection or a
+/// timeout loses none of the node's names), but a node that is down would otherwise
+/// yield an error at every step, and the listing would never end.
+const PAGE_FAILURES: u32 = 3;
 
 impl std::fmt::Debug for Locks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -722,6 +736,7 @@ impl std::fmt::Debug for Locks {
 impl Locks {
     fn next_node(&mut self) {
         self.node += 1;
+        self.failures = 0;
         self.scan = Scan::new(&self.engine.cfg.key_prefix, &self.pattern);
     }
 }
@@ -749,14 +764,19 @@ impl Iterator for Locks {
             }
             match self.scan.page(&node) {
                 Ok(names) => {
+                    self.failures = 0;
                     for name in names {
                         if self.seen.insert(name.clone()) {
                             self.pending.push_back(name);
                         }
                     }
                 }
+                // The scan kept its cursor: the next step asks the same page again.
                 Err(e) => {
-                    self.next_node();
+                    self.failures += 1;
+                    if self.failures >= PAGE_FAILURES {
+                        self.next_node();
+                    }
                     return Some(Err(e));
                 }
             }

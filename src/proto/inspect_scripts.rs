@@ -407,20 +407,21 @@ impl Scan {
     pub fn new(prefix: &str, pattern: &[u8]) -> Self {
         let pattern = if pattern.is_empty() { b"*" } else { pattern };
         let escaped_prefix = glob_escape(prefix.as_bytes());
+        let matching = match_pattern(pattern);
         let mut matches = Vec::with_capacity(2);
         // Escaped form: `{16 hex digits}prefix name`, then any suffix.
         let mut escaped = b"{".to_vec();
         escaped.extend_from_slice(&[b'?'; 16]);
         escaped.push(b'}');
         escaped.extend_from_slice(&escaped_prefix);
-        escaped.extend_from_slice(pattern);
+        escaped.extend_from_slice(&matching);
         escaped.push(b'*');
         matches.push(escaped);
         if !prefix.contains('{') {
             // Plain form: `prefix{name}`, then any suffix.
             let mut plain = escaped_prefix;
             plain.push(b'{');
-            plain.extend_from_slice(pattern);
+            plain.extend_from_slice(&matching);
             plain.extend_from_slice(b"}*");
             matches.push(plain);
         }
@@ -438,7 +439,8 @@ impl Scan {
     }
 
     /// The next page's names (those of active keys, matching the pattern; a name may
-    /// repeat, as `SCAN` may return a key twice).
+    /// repeat, as `SCAN` may return a key twice). A page that fails leaves the cursor
+    /// where it was, so that the next call asks the same page again.
     pub fn page(&mut self, node: &Node) -> Result<Vec<Vec<u8>>> {
         let Some(matching) = self.matches.last() else {
             return Ok(Vec::new());
@@ -518,29 +520,89 @@ pub(crate) fn glob_match(pattern: &[u8], text: &[u8]) -> bool {
 /// Matches `c` against the class starting at `pattern[open]` (`[`); the index after the
 /// class when it matches. An unclosed class runs to the end of the pattern, as in Redis.
 fn class(pattern: &[u8], open: usize, c: u8) -> Option<usize> {
+    let mut hit = false;
+    let (negate, end) = class_members(pattern, open, |member| {
+        hit |= match member {
+            Member::Byte(b) => b == c,
+            Member::Range(a, b) => (a.min(b)..=a.max(b)).contains(&c),
+        }
+    });
+    (hit != negate).then_some(end)
+}
+
+/// One member of a glob class.
+#[derive(Clone, Copy)]
+enum Member {
+    /// A byte, given as itself or escaped (`\]`).
+    Byte(u8),
+    /// `a-b`, the ends as written (either may be the lower).
+    Range(u8, u8),
+}
+
+/// Reads the class starting at `pattern[open]` (`[`) and gives each of its members to
+/// `member`; returns whether it is negated (`[^`) and the index after it. An unclosed
+/// class runs to the end of the pattern; a `-` before the closing `]` is a byte, not a
+/// range. One reading, shared by [`glob_match`] and [`match_pattern`], so the two agree.
+fn class_members(pattern: &[u8], open: usize, mut member: impl FnMut(Member)) -> (bool, usize) {
     let mut i = open + 1;
     let negate = pattern.get(i) == Some(&b'^');
     if negate {
         i += 1;
     }
-    let mut hit = false;
     while i < pattern.len() && pattern[i] != b']' {
         if pattern[i] == b'\\' && i + 1 < pattern.len() {
-            hit |= pattern[i + 1] == c;
+            member(Member::Byte(pattern[i + 1]));
             i += 2;
         } else if i + 2 < pattern.len() && pattern[i + 1] == b'-' && pattern[i + 2] != b']' {
-            let (lo, hi) = (
-                pattern[i].min(pattern[i + 2]),
-                pattern[i].max(pattern[i + 2]),
-            );
-            hit |= (lo..=hi).contains(&c);
+            member(Member::Range(pattern[i], pattern[i + 2]));
             i += 3;
         } else {
-            hit |= pattern[i] == c;
+            member(Member::Byte(pattern[i]));
             i += 1;
         }
     }
-    (hit != negate).then_some((i + 1).min(pattern.len()))
+    (negate, (i + 1).min(pattern.len()))
+}
+
+/// `pattern` written for a `SCAN MATCH` that goes on after it (`}*` or `*`), so that
+/// Redis reads it as [`glob_match`] does. Alone the two agree on its end, but pasted
+/// before more pattern a final unpaired `\` (a backslash, to both) would escape what
+/// follows, and an unclosed class would run on over it. So a final `\` is doubled and
+/// each class is written closed, its single bytes escaped: Redis also reads `[a-]` as a
+/// range up to `]`, where `glob_match` reads the bytes `a` and `-`. A range's ends are
+/// written as given: the first is never `\` or `]`, nor `^` right after `[`, and Redis
+/// orders the ends as `glob_match` does.
+fn match_pattern(pattern: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(pattern.len() + 4);
+    let mut p = 0;
+    while p < pattern.len() {
+        match pattern[p] {
+            b'\\' => {
+                out.push(b'\\');
+                out.push(pattern.get(p + 1).copied().unwrap_or(b'\\'));
+                p += 2;
+            }
+            b'[' => {
+                let mut members = Vec::new();
+                let (negate, end) = class_members(pattern, p, |member| match member {
+                    Member::Byte(b) => members.extend_from_slice(&[b'\\', b]),
+                    Member::Range(a, b) => members.extend_from_slice(&[a, b'-', b]),
+                });
+                out.push(b'[');
+                if negate {
+                    out.push(b'^');
+                }
+                out.extend_from_slice(&members);
+                out.push(b']');
+                p = end;
+            }
+            c => {
+                out.push(c);
+                p += 1;
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -549,7 +611,7 @@ mod tests {
 
     #[test]
     fn globs_match_as_redis_does() {
-        let cases: [(&str, &str, bool); 14] = [
+        let cases: [(&str, &str, bool); 18] = [
             ("*", "anything", true),
             ("*", "", true),
             ("a*", "abc", true),
@@ -564,6 +626,10 @@ mod tests {
             ("\\*", "a", false),
             ("a*b*c", "aXbYbZc", true),
             ("orders:*", "orders:42", true),
+            ("end\\", "end\\", true),
+            ("[ab", "b", true),
+            ("[a-]", "-", true),
+            ("[a-]", "b", false),
         ];
         for (p, t, want) in cases {
             assert_eq!(glob_match(p.as_bytes(), t.as_bytes()), want, "{p} ~ {t}");
@@ -593,5 +659,24 @@ mod tests {
         assert_eq!(s.matches[1], b"p:{\xff*}*");
         let s = Scan::new("{x}*", b"");
         assert_eq!(s.matches, vec![b"{????????????????}{x}\\***".to_vec()]);
+    }
+
+    /// What follows the user's glob in a `MATCH` pattern is read as the glob's own end
+    /// would be: a final `\\` doubled, classes closed, their single bytes escaped.
+    #[test]
+    fn scan_patterns_end_where_the_glob_ends() {
+        for (glob, plain) in [
+            (&b"end\\"[..], &b"p:{end\\\\}*"[..]),
+            (b"a\\*\\\\", b"p:{a\\*\\\\}*"),
+            (b"[ab", b"p:{[\\a\\b]}*"),
+            (b"[^a-]x[z-a\\", b"p:{[^\\a\\-]x[z-a\\\\]}*"),
+            (b"[\\]]", b"p:{[\\]]}*"),
+        ] {
+            let s = Scan::new("p:", glob);
+            assert_eq!(
+                s.matches[1].escape_ascii().to_string(),
+                plain.escape_ascii().to_string()
+            );
+        }
     }
 }

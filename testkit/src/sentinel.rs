@@ -167,6 +167,19 @@ impl SentinelGroup {
 
 /// Polls `ok` every 50 ms: each check here asks the sentinels or the servers on new
 /// connections.
+/// A sentinel of its own that names the server at `master_port` the master `name`
+/// (quorum 1), with more `sentinel` directives (`auth-pass NAME PASSWORD`, ...).
+pub fn watching(name: &str, master_port: u16, directives: &[&str]) -> RedisServer {
+    let monitor = format!("monitor {name} 127.0.0.1 {master_port} 1");
+    // The master is named first: a directive about it before its `monitor` line is refused.
+    let watching = RedisServer::builder()
+        .sentinel()
+        .config("sentinel", &monitor);
+    (directives.iter())
+        .fold(watching, |b, line| b.config("sentinel", line))
+        .start()
+}
+
 fn wait_for(limit: Duration, what: &str, ok: impl FnMut() -> bool) {
     crate::wait::wait_for_every(Duration::from_millis(50), limit, what, ok);
 }

@@ -12,11 +12,12 @@ use serde_json::Value;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_redbaton");
 
-/// The command with `args`, `$REDIS_URL` unset.
+/// The command with `args`, `$REDIS_URL` and `$REDBATON_MASTER_PASSWORD` unset.
 pub fn command(args: &[&str]) -> Command {
     let mut c = Command::new(BIN);
     c.args(args)
         .env_remove("REDIS_URL")
+        .env_remove("REDBATON_MASTER_PASSWORD")
         .env("RUST_BACKTRACE", "1");
     c
 }
