@@ -185,7 +185,7 @@ pub fn list(
         }
         (_, 0) => Ok(()),
         (_, n) => Err(Failure::Runtime(format!(
-            "list: {n} name(s) or page(s) could not be read; the others are listed"
+            "list: {n} name(s) or page(s) could not be read; the list above may miss names"
         ))),
     }
 }

@@ -37,7 +37,7 @@
 //! * 2: usage (bad arguments, an invalid name, an empty or unparsable URL, unreadable TLS
 //!   files, TLS options without a `rediss://` URL, `watch --count 0`);
 //! * 3: runtime (Redis unreachable, refused credentials, a server error; `list`: a name or
-//!   a node it could not read, reported on stderr after the others are listed; stdout not
+//!   a page it could not read, reported on stderr after what was listed; stdout not
 //!   writable).
 //!
 //! A closed stdout (`redbaton watch NAME | head`) ends the command at its next write, with
