@@ -102,3 +102,44 @@ fn an_attempt_that_lands_after_its_caller_gave_up_is_given_back() {
         assert!(got.is_ok(), "fair {fair}: {:?}", got.err());
     }
 }
+
+/// An attempt whose reply does not come in time is sent again, with the same token, on a
+/// fresh connection, which overtakes it and finds the lock held. The first send, delayed on
+/// its way, lands after the holder let go and takes the free lock with a token nobody
+/// holds: the retry's answer said nothing of it, and it is given back as above.
+#[test]
+fn an_attempt_overtaken_by_its_retry_and_landing_late_is_given_back() {
+    for fair in [false, true] {
+        let srv = test_server();
+        let proxy = Proxy::start(srv.addr());
+        let late = lock_client!(node(proxy.url()), fair(fair), io_timeouts(secs(1)));
+        drop(late.lock("warm-up").expect("warm-up"));
+        let key = "redbaton:{k}";
+        let () = redis::cmd("SET")
+            .arg(key)
+            .arg("another owner")
+            .arg("PX")
+            .arg(60_000)
+            .query(&mut srv.conn())
+            .expect("SET");
+        proxy.set_delay_both(secs(4));
+        thread::scope(|s| {
+            let waiter = s.spawn(|| late.try_lock_for("k", secs(2)).map(drop));
+            // The retry, after the read timeout, goes through at once.
+            thread::sleep(ms(500));
+            proxy.set_delay_both(ms(0));
+            let e = waiter.join().expect("waiter").expect_err("held");
+            assert!(e.is_timeout(), "fair {fair}: {e:?}");
+        });
+        let () = redis::cmd("DEL")
+            .arg(key)
+            .query(&mut srv.conn())
+            .expect("DEL");
+        wait_for(secs(5), "the first send landed", || {
+            srv.keys_but_fences("redbaton:{k}*")
+                .contains(&key.to_owned())
+        });
+        let got = client(&srv.url()).try_lock_for("k", secs(6));
+        assert!(got.is_ok(), "fair {fair}: {:?}", got.err());
+    }
+}

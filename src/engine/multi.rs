@@ -465,8 +465,13 @@ impl GroupContest<'_> {
                     end.unacked = Some(acked);
                     Some(Duration::ZERO)
                 }
-                Ok(Taken::Held { pttl }) => {
+                Ok(Taken::Held { pttl, resent }) => {
                     self.marked |= marks.leave;
+                    if resent {
+                        // The first send may still land and take them all with this
+                        // token, which the next attempt does not use.
+                        self.release_later(token);
+                    }
                     pttl
                 }
                 Err(e) => {

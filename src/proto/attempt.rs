@@ -16,8 +16,24 @@ pub(crate) enum Attempt {
         previous_lost: bool,
     },
     /// Someone else holds it; `pttl` is what remains of their lease (`None`: no TTL).
-    Held { pttl: Option<Duration> },
+    /// `resent`: this was a retry, after the first send's reply was lost; that send may
+    /// still land (delayed on its way, overtaken by the retry) and take the lock later
+    /// with our token, so the node is one where our token may be.
+    Held {
+        pttl: Option<Duration>,
+        resent: bool,
+    },
     /// The script took the lock, but fewer replicas than asked acknowledged it in time
     /// (`replica_ack`): the caller must release it.
     Unacked { acked: usize },
+}
+
+impl Attempt {
+    /// This reply, to a call that was sent again after a lost reply when `resent`.
+    pub fn sent_again(self, resent: bool) -> Self {
+        match self {
+            Attempt::Held { pttl, .. } => Attempt::Held { pttl, resent },
+            other => other,
+        }
+    }
 }

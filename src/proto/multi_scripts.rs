@@ -161,8 +161,12 @@ pub(crate) enum Taken {
     All(Vec<(u64, bool)>),
     /// At least one of them is held by another or is a queued waiter's (nothing was
     /// taken); `pttl`: when they may all be free, the latest end of the leases and queue
-    /// entries in the way (`None`: one of them has no TTL).
-    Held { pttl: Option<Duration> },
+    /// entries in the way (`None`: one of them has no TTL). `resent`: as
+    /// `Attempt::Held`'s, the token may still take them all.
+    Held {
+        pttl: Option<Duration>,
+        resent: bool,
+    },
     /// The script took them all, but fewer replicas than asked acknowledged it in time
     /// (`replica_ack`): the caller must give them back.
     Unacked { acked: usize },
@@ -215,6 +219,7 @@ fn taken_of(reply: Vec<i64>, locks: usize) -> Result<Taken> {
             fences.iter().map(|&f| fence(f)).collect::<Result<_>>()?,
         )),
         [0, pttl] => Ok(Taken::Held {
+            resent: false,
             pttl: u64::try_from(*pttl).ok().map(Duration::from_millis),
         }),
         [2, _] => Err(Error::WrongKind),
@@ -238,12 +243,13 @@ impl Node {
         deadline: Option<std::time::Instant>,
     ) -> Result<Taken> {
         let took = |reply: &Vec<i64>| reply.first() == Some(&1);
-        let (reply, unacked) = self.run_acquire(&MULTI_ACQUIRE, calls, retry, deadline, took)?;
+        let (reply, unacked, resent) =
+            self.run_acquire(&MULTI_ACQUIRE, calls, retry, deadline, took)?;
         match (taken_of(reply, locks)?, unacked) {
             (Taken::All(_), Some(acked)) => Ok(Taken::Unacked { acked }),
-            (held @ Taken::Held { .. }, _) => {
+            (Taken::Held { pttl, .. }, _) => {
                 Counters::inc(&self.counters().failed_attempts);
-                Ok(held)
+                Ok(Taken::Held { pttl, resent })
             }
             (taken, _) => Ok(taken),
         }
@@ -269,12 +275,16 @@ mod tests {
         assert_eq!(
             taken_of(vec![0, 250], 2).expect("held"),
             Taken::Held {
-                pttl: Some(Duration::from_millis(250))
+                pttl: Some(Duration::from_millis(250)),
+                resent: false,
             }
         );
         assert_eq!(
             taken_of(vec![0, -1], 3).expect("held"),
-            Taken::Held { pttl: None }
+            Taken::Held {
+                pttl: None,
+                resent: false
+            }
         );
         assert!(matches!(taken_of(vec![2, 0], 1), Err(Error::WrongKind)));
         for bad in [vec![1, 7], vec![1, 0, 4], vec![], vec![5, 5]] {

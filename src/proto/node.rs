@@ -432,7 +432,8 @@ impl Node {
     /// the call's deadline (see [`wait_replicas_until`](Self::wait_replicas_until)); the
     /// reply, and how many replicas acknowledged when fewer than asked. `again`, when
     /// given, makes the call sent after the first (which may have run): one that takes out
-    /// what a first send may have left (its mark, when it failed and will wait).
+    /// what a first send may have left (its mark, when it failed and will wait). Last,
+    /// whether the reply is a retry's: the first send may still land, later.
     pub fn run_acquire<T: FromRedisValue>(
         &self,
         script: &Lua,
@@ -440,12 +441,12 @@ impl Node {
         retry: Retry,
         deadline: Option<Instant>,
         took: impl Fn(&T) -> bool,
-    ) -> Result<(T, Option<usize>)> {
+    ) -> Result<(T, Option<usize>, bool)> {
         // The deadline the call path gives the call as a whole, reckoned as it does, where
         // the call begins (a moment before it: no later).
         let until = call_deadline(deadline);
         let mut retried: Option<Cmd> = None;
-        let mut sent = false;
+        let (mut sent, mut resent) = (false, false);
         // The reply of an acquisition whose `WAIT` the deadline cut short: the hold is
         // ours, with fewer acknowledgements than asked.
         let mut cut: Option<T> = None;
@@ -454,6 +455,7 @@ impl Node {
                 Some(again) if sent => &*retried.get_or_insert_with(again),
                 _ => call,
             };
+            resent |= sent;
             sent = true;
             let reply: T = script.run(call, c, before)?;
             let acked = match self.ack {
@@ -485,7 +487,7 @@ impl Node {
             (Some(acked), Some((wanted, _))) if acked < wanted => Some(acked),
             _ => None,
         };
-        Ok((reply, unacked))
+        Ok((reply, unacked, resent))
     }
 
     /// `WAIT` for the replicas `replica_ack` asks for, in a call without a deadline (a
@@ -589,7 +591,8 @@ impl Node {
     /// from its raw reply. When the reply was lost, the server lacked the script, or the
     /// call path would have sent the call on (see [`CallPath::resend`]), the call is made
     /// again the usual way with the same arguments: an acquire script recognises its own
-    /// token.
+    /// token. With it, whether it was made again after the reply was lost: the early send
+    /// may still land, later.
     pub fn finish_early<T: FromRedisValue>(
         &self,
         reply: RedisResult<Value>,
@@ -597,14 +600,14 @@ impl Node {
         call: &Cmd,
         retry: Retry,
         deadline: Option<Instant>,
-    ) -> Result<T> {
+    ) -> Result<(T, bool)> {
         Counters::inc(&self.counters.commands);
         Counters::inc(&self.counters.early_attempts);
         let parsed = reply
             .and_then(Value::extract_error)
             .and_then(|v| Ok(redis::from_redis_value::<T>(v)?));
         match parsed {
-            Ok(v) => Ok(v),
+            Ok(v) => Ok((v, false)),
             Err(e) if is_network_error(&e) || scripts::is_noscript(&e) || self.path.resend(&e) => {
                 let lost = is_network_error(&e).then(|| e.clone());
                 if lost.is_some() {
@@ -613,7 +616,9 @@ impl Node {
                 log::debug!("node {}: early attempt failed: {e}; retrying", self.id);
                 // The early attempt whose reply was lost may have run, whatever the retry
                 // meets (see `call`).
+                let resent = lost.is_some();
                 self.run_script(script, call, retry, deadline)
+                    .map(|v| (v, resent))
                     .map_err(|e| unknown_outcome(e, lost))
             }
             Err(e) => Err(Error::Redis(e)),

@@ -441,9 +441,9 @@ impl Protocol {
         let marks_left =
             matches!(self, Protocol::Lock { .. }) && req.marks.leave && !req.marks.clear;
         let again = marks_left.then_some(&again as &dyn Fn() -> Cmd);
-        let (reply, unacked) =
+        let (reply, unacked, resent) =
             node.run_acquire(self.acquire_script(), (&call, again), retry, deadline, took)?;
-        match (attempt_of(node, reply)?, unacked) {
+        match (attempt_of(node, reply)?.sent_again(resent), unacked) {
             (Attempt::Acquired { .. }, Some(acked)) => Ok(Attempt::Unacked { acked }),
             (attempt, _) => Ok(attempt),
         }
@@ -499,8 +499,9 @@ impl Protocol {
         retry: Retry,
         deadline: Option<Instant>,
     ) -> Result<Attempt> {
-        let reply = node.finish_early(reply, self.acquire_script(), call, retry, deadline)?;
-        attempt_of(node, reply)
+        let (reply, resent) =
+            node.finish_early(reply, self.acquire_script(), call, retry, deadline)?;
+        Ok(attempt_of(node, reply)?.sent_again(resent))
     }
 
     /// Gives back `token`'s hold on `node`: compare-and-delete, (fair queue) a grant to

@@ -1059,7 +1059,8 @@ impl Node {
         // Two numbers, and a third (`others`) when a read-write hold is granted. A hold
         // taken waits for the replicas `replica_ack` asks for, as a lock does.
         let took = |reply: &Vec<i64>| reply.first() == Some(&1);
-        let (reply, unacked) = self.run_acquire(script, call, at.retry, at.deadline, took)?;
+        let (reply, unacked, resent) =
+            self.run_acquire(script, call, at.retry, at.deadline, took)?;
         if let Some(acked) = unacked {
             return Ok(Attempt::Unacked { acked });
         }
@@ -1074,6 +1075,7 @@ impl Node {
                 Counters::inc(&self.counters().failed_attempts);
                 Ok(Attempt::Held {
                     pttl: u64::try_from(ms).ok().map(Duration::from_millis),
+                    resent,
                 })
             }
             [2, _] => Err(Error::WrongKind),
@@ -1225,7 +1227,7 @@ impl Node {
             .arg(self.publish_mode(None)?);
         // Acknowledged as an acquisition is (see `run_acquire`): the read hold replaces
         // the write hold, and a failover must not bring the write hold back.
-        let (replied, unacked) =
+        let (replied, unacked, _) =
             self.run_acquire::<i64>(&RW_DOWNGRADE, (&call, None), retry, None, |r| *r == 1)?;
         match replied {
             1 => Ok((true, unacked)),

@@ -596,6 +596,7 @@ pub(crate) fn acquire_reply(reply: (i64, i64, i64)) -> Result<Attempt> {
         }),
         (0, pttl, _) => Ok(Attempt::Held {
             pttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+            resent: false,
         }),
         (2, ..) => Err(Error::WrongKind),
         other => Err(Error::Protocol(format!("acquire replied {other:?}"))),

@@ -110,9 +110,14 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
             })
             .map(|(n, _)| n.clone())
             .collect(),
+        // A reply lost, or a retry's after a lost one (the first send may land later).
         unknown: replies
             .iter()
-            .filter(|(_, r)| r.as_ref().is_err_and(may_have_run))
+            .filter(|(_, r)| match r {
+                Ok(Attempt::Held { resent, .. }) => *resent,
+                Ok(_) => false,
+                Err(e) => may_have_run(e),
+            })
             .map(|(n, _)| n.clone())
             .collect(),
     };
@@ -179,7 +184,7 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
     let held: Vec<Option<Duration>> = replies
         .iter()
         .filter_map(|(_, r)| match r {
-            Ok(Attempt::Held { pttl }) => Some(*pttl),
+            Ok(Attempt::Held { pttl, .. }) => Some(*pttl),
             _ => None,
         })
         .collect();
@@ -328,6 +333,7 @@ mod tests {
     fn held(ms: u64) -> Result<Attempt> {
         Ok(Attempt::Held {
             pttl: Some(Duration::from_millis(ms)),
+            resent: false,
         })
     }
 
