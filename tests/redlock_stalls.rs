@@ -266,3 +266,30 @@ fn a_waiter_keeps_its_deadline_and_is_woken_with_a_hung_node() {
     );
     assert!(got.is_ok());
 }
+
+/// A split round: one slow node (every reply 900 ms late) grants, the two others hold a
+/// stranger's key. The give-back on the slow node is made within the caller's deadline
+/// (what it cannot finish by then is left to the cleanup thread), so the call returns by
+/// its deadline, not a slow reply later; and the slow node's key is given back soon.
+#[test]
+fn a_split_round_gives_back_within_the_deadline() {
+    init_log();
+    let servers = server::start_many(3);
+    let slow = Proxy::start(servers[0].addr());
+    let urls = vec![slow.url(), servers[1].url(), servers[2].url()];
+    let client = lock_client!(nodes(urls), key_prefix(PREFIX), read_timeout(secs(5)));
+    warm_up(&client);
+    for srv in &servers[1..] {
+        set_stranger(srv, "split", 30_000);
+    }
+    slow.set_delay(ms(900));
+    let (got, took) = timed_try(&client, "split", secs(1));
+    slow.heal();
+    assert!(got.is_err_and(|e| e.is_timeout()));
+    // The deadline, the least a call is given past it, and scheduling.
+    assert!(took < ms(1_600), "a wait of 1 s took {took:?}");
+    let mut conn = servers[0].conn();
+    redbaton_testkit::wait::wait_for(secs(10), "the slow node's key given back", || {
+        !redbaton_testkit::exists(&mut conn, KEYS.lock("split"))
+    });
+}

@@ -386,7 +386,15 @@ impl Job {
             }
         };
         let release = |fence| {
-            let replies = release_on(topology, keys, &route, protocol, token, fence, &self.nodes);
+            let replies = release_on(
+                topology,
+                keys,
+                &route,
+                protocol,
+                token,
+                (fence, None),
+                &self.nodes,
+            );
             let mut errors = Vec::new();
             for reply in replies {
                 match reply {
@@ -442,15 +450,16 @@ impl Drop for Cleanup {
 
 /// Compare-and-delete of `token` where the nodes `ids` left it: those of them on
 /// `route`, or the route's node now when the lock follows its route (Redis Cluster: a
-/// failover or a reshard since moved it), in parallel; the replies. `fence`: the holder's
-/// (see `Protocol::release`).
+/// failover or a reshard since moved it), in parallel; the replies. `fence`: the holder's,
+/// and `deadline` (see `Protocol::release`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn release_on(
     topology: &Topology,
     keys: &Keys,
     route: &Route,
     protocol: Protocol,
     token: &str,
-    fence: Option<u64>,
+    (fence, deadline): (Option<u64>, Option<Instant>),
     ids: &[NodeId],
 ) -> Vec<Result<ReleaseReply>> {
     if ids.is_empty() {
@@ -464,12 +473,12 @@ pub(crate) fn release_on(
         protocol,
         token,
         fence,
-        false,
+        (false, deadline),
     )
 }
 
-/// Compare-and-delete of `token`'s hold of `protocol` on `nodes`, in parallel; `fence`
-/// and `resent`: see `Protocol::release`.
+/// Compare-and-delete of `token`'s hold of `protocol` on `nodes`, in parallel; `fence`,
+/// `resent` and `deadline`: see `Protocol::release`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn release_at(
     topology: &Topology,
@@ -479,13 +488,13 @@ pub(crate) fn release_at(
     protocol: Protocol,
     token: &str,
     fence: Option<u64>,
-    resent: bool,
+    (resent, deadline): (bool, Option<Instant>),
 ) -> Vec<Result<ReleaseReply>> {
     if let [node] = nodes {
-        return vec![protocol.release(node, keys, token, fence, retry, resent)];
+        return vec![protocol.release(node, keys, token, fence, retry, resent, deadline)];
     }
     let (k, t) = (keys.clone(), token.to_owned());
     topology.fan_out(nodes, move |node| {
-        protocol.release(node, &k, &t, fence, retry, resent)
+        protocol.release(node, &k, &t, fence, retry, resent, deadline)
     })
 }

@@ -817,7 +817,7 @@ impl Contest<'_> {
                 route,
                 protocol,
                 &token,
-                None,
+                (None, deadline),
                 &undo.granted,
             );
             // A give-back that failed anywhere (its request or its reply lost) goes to the
@@ -955,7 +955,7 @@ impl Contest<'_> {
                 &self.route,
                 self.protocol,
                 &token,
-                None,
+                (None, None),
                 &nodes,
             );
             return Err(Error::Protocol(format!(

@@ -175,7 +175,7 @@ impl Engine {
                 lock.protocol,
                 token,
                 Some(lock.fence),
-                resent,
+                (resent, None),
             )
         })
     }

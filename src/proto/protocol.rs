@@ -513,7 +513,9 @@ impl Protocol {
     /// and taken since). `resent`: an earlier call of this release (before a failover
     /// ridden through) may have run: every try is sent, and its reply read, as a retry
     /// after a lost reply (a lock's release then reads the fence counter when it finds the
-    /// key gone).
+    /// key gone). `deadline`: a give-back on a caller's time keeps the caller's deadline
+    /// (a release has none, its retries bound it).
+    #[allow(clippy::too_many_arguments)]
     pub fn release(
         self,
         node: &Node,
@@ -522,6 +524,7 @@ impl Protocol {
         fence: Option<u64>,
         retry: Retry,
         resent: bool,
+        deadline: Option<Instant>,
     ) -> Result<ReleaseReply> {
         // Redis Cluster, the lock's slot half-way through a migration: the server refuses
         // a script whose keys are not all on one side (`TRYAGAIN`). The narrow release names
@@ -550,7 +553,7 @@ impl Protocol {
                     (&call, again),
                     retry,
                     Some((&RELEASE, &narrow)),
-                    None,
+                    deadline,
                     resent,
                 );
             }
@@ -558,9 +561,9 @@ impl Protocol {
             // upgradable hold is not the attempt's to give back).
             None if matches!(self, Protocol::Upgrade { .. }) => {
                 let (_, member) = self.won(token.to_owned());
-                node.release_shared(keys, &member, fence, retry)
+                node.release_shared(keys, &member, fence, retry, deadline)
             }
-            None => node.release_shared(keys, token, fence, retry),
+            None => node.release_shared(keys, token, fence, retry, deadline),
         };
         // A shared hold's release has no retry form: after an earlier call that may have
         // run, what it finds gone or another's says only what a retry saw.
@@ -685,7 +688,7 @@ impl Protocol {
         keys.iter()
             .zip(fences)
             .map(|(k, &f)| {
-                let reply = self.release(node, k, token, f, retry, resent)?;
+                let reply = self.release(node, k, token, f, retry, resent, None)?;
                 Ok(if refused { reply.as_retried() } else { reply })
             })
             .collect()

@@ -1099,6 +1099,7 @@ impl Node {
         member: &str,
         fence: Option<u64>,
         retry: Retry,
+        deadline: Option<Instant>,
     ) -> Result<ReleaseReply> {
         let publish = self.publish_mode(None)?;
         let call = |waiters: bool| {
@@ -1109,7 +1110,7 @@ impl Node {
         // alone, whose release then says `r` (every waiter tries) as with no mark.
         let narrow = || call(false);
         let narrow: (&Lua, &dyn Fn() -> Cmd) = (&SHARED_RELEASE, &narrow);
-        self.release_with(&SHARED_RELEASE, &call(true), retry, Some(narrow), None)
+        self.release_with(&SHARED_RELEASE, &call(true), retry, Some(narrow), deadline)
     }
 
     /// A call of `script`, one that ends a hold or a wait (see `SHARED_RELEASE`), of
