@@ -86,22 +86,35 @@ fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
 }
 
 /// A contender that panics between its attempts leaves the key usable by its client: the
-/// next call contends in Redis instead of queueing behind a contender that is gone.
+/// next call contends in Redis instead of queueing behind a contender that is gone. Its
+/// queue entry (fair lock) or contention mark (plain lock) goes with it: holders would
+/// otherwise see the name contended for the mark's lifetime.
 #[test]
 fn panicking_contender_does_not_strand_the_key() {
     init_log();
     const P: &str = "sv-contend:";
     let srv = RedisServer::start();
-    let c = client(&srv, P);
-    hold_elsewhere(&srv, P, "k");
-    panic_while_contending(P, &c, |c| {
-        drop(c.try_lock_for("k", Duration::from_secs(20)))
-    });
-    release_elsewhere(&srv, P, "k");
-    let guard = c
-        .try_lock("k")
-        .expect("the key is free and nobody local contends for it");
-    guard.unlock().unwrap();
+    for fair in [true, false] {
+        let c = lock_builder!(node(srv.url()), key_prefix(P), fair(fair))
+            .recheck_interval(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        hold_elsewhere(&srv, P, "k");
+        panic_while_contending(P, &c, |c| {
+            drop(c.try_lock_for("k", Duration::from_secs(20)))
+        });
+        let only_the_holders = || srv.keys_but_fences(&format!("{P}{{k}}*")).len() == 1;
+        assert!(
+            wait_until(Duration::from_secs(5), only_the_holders),
+            "fair {fair}: {:?}",
+            srv.keys_but_fences(&format!("{P}{{k}}*"))
+        );
+        release_elsewhere(&srv, P, "k");
+        let guard = c
+            .try_lock("k")
+            .expect("the key is free and nobody local contends for it");
+        guard.unlock().unwrap();
+    }
 }
 
 /// The same for a read-write lock: a thread that contends in Redis for the write hold on

@@ -1042,10 +1042,15 @@ impl Drop for Paused<'_> {
 }
 
 /// A panic unwinds through the contest: out of the queue, the mark removed (the route
-/// read again: the panic may have come from anywhere).
+/// read again: the panic may have come from anywhere). Without a token (a plain lock),
+/// the mark's removal is left to the cleanup thread.
 fn leave_after_panic(engine: &Engine, keys: &Keys, protocol: Protocol, token: Option<&str>) {
-    let Some(token) = token else { return };
     let route = engine.topology.route(keys);
+    let Some(token) = token else {
+        let nodes = route.nodes().iter().map(|n| n.id.clone()).collect();
+        engine.cleanup.unmark_later(keys, protocol, nodes);
+        return;
+    };
     for node in route.nodes() {
         if let Err(e) = protocol.leave(node, keys, token, true, None) {
             log::debug!("leaving after a panic failed (the entry expires): {e}");
