@@ -161,6 +161,49 @@ fn a_reader_held_up_in_an_attempt_gives_up_its_turn() {
     got(&first, "k");
 }
 
+/// A waiter reading the connection hears that another waiter's name was freed, and sends
+/// that waiter's early attempt, to a server that then stalls (its writes paused): the
+/// reader still returns by its own deadline, not when the stalled attempt is answered.
+#[test]
+fn a_reader_sending_anothers_early_attempt_keeps_its_own_deadline() {
+    const P: &str = "wr-fires:";
+    let srv = RedisServer::start();
+    // A call to the stalled server waits out the read timeout.
+    let other = lock_client!(
+        node(srv.url()),
+        key_prefix(P),
+        patient(),
+        io_timeouts(secs(8))
+    );
+    for name in ["one", "two"] {
+        srv.bounce(&Keys::new(P).lock(name));
+    }
+    let reader = other.clone();
+    let asked = Instant::now();
+    let first = thread::spawn(move || {
+        (
+            reader.try_lock_for("one", secs(2)).map(drop),
+            asked.elapsed(),
+        )
+    });
+    failed(&other, 2);
+    let second = other.clone();
+    thread::spawn(move || second.lock("two").map(drop));
+    failed(&other, 4);
+    let () = redis::pipe()
+        .cmd("DEL")
+        .arg(Keys::new(P).lock("two"))
+        .cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(4_000)
+        .arg("WRITE")
+        .query(&mut srv.conn())
+        .unwrap();
+    let (got, took) = first.join().expect("the reader");
+    assert!(got.is_err_and(|e| e.is_timeout()));
+    assert!(took < secs(3), "a wait of 2 s took {took:?}");
+}
+
 /// After a waiter read the connection and its wait ended, the thread reads it again: a
 /// waiter that does not read it itself (a multi-lock's, which watches two names) is woken
 /// by the release it hears.

@@ -10,7 +10,7 @@ use redis::{RedisError, RedisResult};
 use crate::stats::Counters;
 use crate::wake::seat::Reader;
 use crate::wake::state::Shared;
-use crate::wake::turn::{POLL, step};
+use crate::wake::turn::{POLL, Reading, step};
 
 /// The shortest read a waiter makes, so that a wait about to end does not spin on reads
 /// that time out at once (the socket's timeout has millisecond steps on Linux anyway).
@@ -47,7 +47,7 @@ impl Candidacy {
         };
         crate::fault::hit(&shared.prefix, crate::fault::Point::WaiterRead);
         let read = match in_hand.reader.as_mut() {
-            Some(reader) => step(shared, reader, counters, wait, None),
+            Some(reader) => step(shared, reader, counters, wait, Reading::Waiter(until)),
             None => Ok(false),
         };
         let heard = *read.as_ref().unwrap_or(&false);

@@ -49,8 +49,10 @@ impl Armed {
     }
 
     /// Sends the request on an idle connection and reads the reply; `None` when no
-    /// connection was idle (the contender then makes the attempt itself).
-    pub fn fire(self, at: Snapshot) -> Option<Shot> {
+    /// connection was idle (the contender then makes the attempt itself). `bound`: the
+    /// reader that sends it is a waiter, whose own wait ends then: the reply is waited for
+    /// no longer (cut, it is a lost reply, which the contender's retry settles).
+    pub fn fire(self, at: Snapshot, bound: Option<Instant>) -> Option<Shot> {
         let mut conn = self.pool.try_idle()?;
         let (_, read_timeout, _) = self.pool.timeouts();
         // On the lease clock at the send itself: converted from an `Instant` later (when
@@ -58,7 +60,11 @@ impl Armed {
         // than it was, and a validity counted from it would be too long.
         let sent = Stamp::now();
         // A call of its own, given the least a call is given however near the deadline.
-        let until = call_deadline(self.deadline);
+        let deadline = match (self.deadline, bound) {
+            (Some(d), Some(b)) => Some(d.min(b)),
+            (d, b) => d.or(b),
+        };
+        let until = call_deadline(deadline);
         let reply = within_deadline(&mut conn, until, read_timeout, |c| {
             c.send_packed_command(&self.packed)?;
             c.recv_response()

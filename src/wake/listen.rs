@@ -19,7 +19,7 @@ use crate::wake::notify::{self, Mode};
 use crate::wake::seat::{Parked, Reader};
 use crate::wake::state::Shared;
 use crate::wake::stream::{Incoming, Stream};
-use crate::wake::turn::{IDLE, POLL, step};
+use crate::wake::turn::{IDLE, POLL, Reading, step};
 
 /// How the thread opens its connection: to wherever the node's pool points now (it moves
 /// on a Sentinel failover), with the pool's timeouts.
@@ -223,6 +223,6 @@ fn serve(
             }
             continue;
         }
-        step(shared, &mut reader, counters, POLL, Some(kicked))?;
+        step(shared, &mut reader, counters, POLL, Reading::Thread(kicked))?;
     }
 }

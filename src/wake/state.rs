@@ -303,10 +303,11 @@ impl Shared {
     /// Acts on what the server said on a connection of subscriptions' `generation`.
     /// Messages are events whichever connection brought them; what concerns the
     /// subscriptions themselves counts only from a connection of the current generation
-    /// (see `turn::sync_subscriptions`).
-    pub(super) fn incoming(&self, incoming: Incoming<'_>, generation: u64) {
+    /// (see `turn::sync_subscriptions`). `bound`: a waiter reads, and its wait ends then
+    /// (see `seat::Reader::bound`).
+    pub(super) fn incoming(&self, incoming: Incoming<'_>, generation: u64, bound: Option<Instant>) {
         match incoming {
-            Incoming::Message { channel, payload } => self.dispatch(channel, payload),
+            Incoming::Message { channel, payload } => self.dispatch(channel, payload, bound),
             Incoming::Subscribed { channel } => self.confirmed(channel, generation),
             // Redis Cluster: the shard channel's slot is served elsewhere already.
             Incoming::Refused { channel, error } if error.redirect_node().is_some() => {
@@ -380,7 +381,7 @@ impl Shared {
         ks.poke();
     }
 
-    fn dispatch(&self, channel: &[u8], payload: &[u8]) {
+    fn dispatch(&self, channel: &[u8], payload: &[u8], bound: Option<Instant>) {
         let Some((lock, kind)) = classify(channel, payload, self.client_id.as_bytes()) else {
             return;
         };
@@ -448,7 +449,7 @@ impl Shared {
         // Outside the state lock: a contender woken by something else may look meanwhile.
         // The attempt goes out before the poke: on a small machine the wake-up would
         // otherwise delay the write (measured: the other order is slower).
-        let shot = armed.fire(at);
+        let shot = armed.fire(at, bound);
         let mut st = self.state.lock();
         if let Some(ks) = st.keys.get_mut(lock) {
             if let Some((id, Early::Sending)) = ks.early {

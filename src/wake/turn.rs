@@ -34,24 +34,37 @@ pub(super) const IDLE: Duration = Duration::from_millis(500);
 /// connection is noticed even when no event is due.
 const HEALTH_CHECK: Duration = Duration::from_secs(15);
 
+/// Who reads the connection, for one turn.
+pub(super) enum Reading<'a> {
+    /// The thread; with nothing subscribed, it sleeps on this channel instead.
+    Thread(&'a Receiver<()>),
+    /// A waiter, whose own wait ends at this instant: what it does for others meanwhile
+    /// (an early attempt it sends for them) is over by then.
+    Waiter(Instant),
+}
+
 /// One turn of reading the connection, by the thread or a waiter: the (un)subscribes
 /// asked for, then what the server sends within `poll`, each acted on; a `PING` after a
-/// long silence. With nothing subscribed, the thread sleeps on `kicked` instead (a
-/// waiter, which reads only while its own key is subscribed, returns). Whether anything
-/// came.
+/// long silence. With nothing subscribed, the thread sleeps on its kick channel instead
+/// (a waiter, which reads only while its own key is subscribed, returns). Whether
+/// anything came.
 pub(super) fn step(
     shared: &Shared,
     reader: &mut Reader,
     counters: &Counters,
     poll: Duration,
-    kicked: Option<&Receiver<()>>,
+    who: Reading<'_>,
 ) -> RedisResult<bool> {
     let stream = &mut reader.stream;
     let generation = reader.generation;
+    let (kicked, bound) = match who {
+        Reading::Thread(kicked) => (Some(kicked), None),
+        Reading::Waiter(until) => (None, Some(until)),
+    };
     let mut heard = false;
     let mut on = |i: Incoming<'_>| {
         heard = true;
-        shared.incoming(i, generation);
+        shared.incoming(i, generation, bound);
     };
     if sync_subscriptions(shared, stream, generation, counters, &mut on)? {
         stream.poll(poll, &mut on)?;
@@ -66,7 +79,7 @@ pub(super) fn step(
     if reader.last_traffic.elapsed() >= HEALTH_CHECK {
         Counters::inc(&counters.commands);
         stream.ping()?;
-        stream.settle(&mut |i| shared.incoming(i, generation))?;
+        stream.settle(&mut |i| shared.incoming(i, generation, bound))?;
         reader.last_traffic = Instant::now();
     }
     Ok(false)
