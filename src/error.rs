@@ -165,7 +165,7 @@ pub enum Error {
     /// ```
     #[error("cannot start the {what} thread")]
     Thread {
-        /// Which thread: `subscriber`, `watchdog`, `fanout` or `cleanup`.
+        /// Which thread: `subscriber`, `watchdog`, `fanout` or `sentinel`.
         what: &'static str,
         /// Why it could not start.
         #[source]

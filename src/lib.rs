@@ -36,8 +36,10 @@
 //!
 //! The lock of name `n` is the key `{prefix}{n}` (the name between braces) holding a random
 //! token; its fencing counter is `{prefix}{n}:fence`. Acquire is one Lua script (`SET NX PX`
-//! then `INCR` of the counter, or the holder's remaining `PTTL`), release is
-//! compare-and-delete, renewal is compare-and-`PEXPIRE`. Each script is sent with EVALSHA.
+//! and the next fence, the larger of the last one plus one and the server clock in µs, or
+//! the holder's remaining `PTTL`), release is compare-and-delete, renewal is
+//! compare-and-`PEXPIRE`. Each script is sent with EVALSHA. (A name with `}`, or a prefix
+//! with `{`, takes an escaped form of the key; see the guide.)
 //!
 //! # Redlock and fencing
 //!

@@ -516,7 +516,9 @@ impl Builder {
     }
 
     /// Fairness budget: consecutive local handoffs allowed while another process waits
-    /// (1 to 4,095: a token's low 12 bits number them). A process alone on a key is not limited.
+    /// (1 to 4,095: a token's low 12 bits number them). A process alone on a key is not
+    /// limited by the setting, but after 4,095 handoffs in a row the lock goes back through
+    /// Redis all the same (the token has no more numbers).
     ///
     /// # Examples
     ///

@@ -88,12 +88,18 @@ impl LockClient {
         self.acquire(name.as_ref(), Wait::Until(None, None))
     }
 
-    /// Takes the lock if it is free right now; [`Error::WouldBlock`] otherwise.
+    /// Takes the lock if it is free right now; [`Error::WouldBlock`] otherwise. It never
+    /// waits for a holder: only for its round trip, the replicas' acknowledgement when
+    /// [`replica_ack`](crate::Builder::replica_ack) asks for one, and on Redis Cluster a
+    /// slot migration for about 2 s.
     ///
     /// # Errors
     ///
     /// [`Error::WouldBlock`] when another holder (a thread of this process, or another
-    /// process) has it; otherwise as [`lock`](Self::lock).
+    /// process) has it; [`Error::ReplicaAck`] when too few replicas acknowledged it (it
+    /// was given back); [`Error::Timeout`] when its reply came after the lease it would
+    /// grant had ended (given back too); [`Error::SlotMigrating`] when its slot was still
+    /// migrating; otherwise as [`lock`](Self::lock).
     ///
     /// # Examples
     ///
