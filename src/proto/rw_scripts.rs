@@ -1059,8 +1059,10 @@ impl Node {
         // Two numbers, and a third (`others`) when a read-write hold is granted. A hold
         // taken waits for the replicas `replica_ack` asks for, as a lock does.
         let took = |reply: &Vec<i64>| reply.first() == Some(&1);
-        let (reply, unacked, resent) =
-            self.run_acquire(script, call, at.retry, at.deadline, took)?;
+        // Whether the reply is a retry's is not told (see `Attempt::Held`): a shared hold's
+        // waiter keeps its member, with its waiting mark, until it leaves, and retiring it
+        // would leave that mark behind, ahead of the waiter's new one.
+        let (reply, unacked, _) = self.run_acquire(script, call, at.retry, at.deadline, took)?;
         if let Some(acked) = unacked {
             return Ok(Attempt::Unacked { acked });
         }
@@ -1075,7 +1077,7 @@ impl Node {
                 Counters::inc(&self.counters().failed_attempts);
                 Ok(Attempt::Held {
                     pttl: u64::try_from(ms).ok().map(Duration::from_millis),
-                    resent,
+                    resent: false,
                 })
             }
             [2, _] => Err(Error::WrongKind),
