@@ -326,3 +326,37 @@ fn a_detached_write_guard_outlives_its_client() {
     assert_eq!(outcome.expect("unlock after shutdown"), Unlocked::Released);
     assert_only_fences(&srv);
 }
+
+/// An upgrade that times out while its leave is lost on its way (the leave is left to the
+/// cleanup thread), then the same guard's next upgrade, which wins the write hold: the
+/// cleanup thread's looks again at the first upgrade never give that write hold back
+/// under its holder (the write member is the guard's, the same for both upgrades).
+#[test]
+fn a_second_upgrade_is_never_given_back_by_the_firsts_cleanup() {
+    let name = "up";
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let a = lock_client!(node(proxy.url()), key_prefix(PREFIX), patient());
+    let b = patient(&srv.url());
+    let u = a.rwlock(name).upgradable_read().expect("upgradable read");
+    let r = b.rwlock(name).read().expect("a reader");
+    // The upgrade's leave alone names the waiting writers' key first of two keys.
+    let leave = format!(
+        "2\r\n${}\r\n{}",
+        writer_marks(name).len(),
+        writer_marks(name)
+    );
+    let e = proxy.refusing_requests_matching(leave.as_bytes(), || {
+        u.try_upgrade_for(secs(1)).expect_err("a reader holds")
+    });
+    assert!(e.error().is_timeout(), "{e:?}");
+    let u = e.into_guard();
+    r.unlock().expect("the reader leaves");
+    let w = u.try_upgrade_for(secs(5)).expect("the upgrade");
+    // The cleanup thread's looks again come at doubling pauses from 100 ms.
+    thread::sleep(secs(3));
+    w.check().expect("the write hold");
+    let other = b.rwlock(name).try_read();
+    assert!(other.is_err(), "a reader got in beside the write hold");
+    w.unlock().expect("unlock");
+}

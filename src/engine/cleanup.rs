@@ -419,7 +419,7 @@ impl Job {
                         Err(e) => errors.push(e),
                     }
                 }
-                if !protocol.leave_gives_back() {
+                if protocol.left_later_gives_back() {
                     errors.extend(release(None));
                 }
                 errors

@@ -287,6 +287,17 @@ impl Protocol {
         self.release_may_grant()
     }
 
+    /// Whether a leave left to the cleanup thread also gives back, besides what
+    /// [`leave`](Self::leave) does, what a lost attempt of its token may have taken (and
+    /// looks again at it for a while): where the leave does not, except an upgrade's. An
+    /// upgrade's token is its guard's, and the guard's next upgrade wins the same write
+    /// hold, which a look again would give back under its holder; what a lost upgrade
+    /// attempt took is given back by its wait, which marks the guard lost (see
+    /// `Contest::undo`).
+    pub fn left_later_gives_back(self) -> bool {
+        !self.leave_gives_back() && !matches!(self, Protocol::Upgrade { .. })
+    }
+
     /// How long a waiter's mark or queue entry lives after its last attempt, unless the
     /// waiter's next attempt renews it: what a leave takes out is gone by itself then.
     pub fn waiter_ttl(self) -> Duration {
