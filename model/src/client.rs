@@ -29,7 +29,8 @@
 //!   leaves the key to expire.
 //! - `Proc::renew`: the watchdog (`engine::watchdog::renew_due`): `EXTEND` with the
 //!   current lease once a third of it has passed, while the lock is valid; validity
-//!   becomes `max(old, sent_at + lease − drift)`.
+//!   becomes `sent_at + lease − drift` (not the later of the old and the new: the lease
+//!   applied is the lease, as `RemoteLock::apply` has it).
 //! - `Proc::extend`: `LockGuard::extend` (`engine::release::Engine::extend`): waits for
 //!   a renewal in flight (`RemoteLock::begin_extend`), then `EXTEND` with the new lease;
 //!   validity becomes `sent_at + lease − drift`.
