@@ -103,43 +103,68 @@ fn an_attempt_that_lands_after_its_caller_gave_up_is_given_back() {
     }
 }
 
-/// An attempt whose reply does not come in time is sent again, with the same token, on a
-/// fresh connection, which overtakes it and finds the lock held. The first send, delayed on
-/// its way, lands after the holder let go and takes the free lock with a token nobody
-/// holds: the retry's answer said nothing of it, and it is given back as above.
-#[test]
-fn an_attempt_overtaken_by_its_retry_and_landing_late_is_given_back() {
-    for fair in [false, true] {
-        let srv = test_server();
-        let proxy = Proxy::start(srv.addr());
-        let late = lock_client!(node(proxy.url()), fair(fair), io_timeouts(secs(1)));
-        drop(late.lock("warm-up").expect("warm-up"));
-        let key = "redbaton:{k}";
-        let () = redis::cmd("SET")
+/// A client through a proxy whose first attempt on `k` is delayed 4 s on its way, while
+/// its retry with the same token (after the 1 s read timeout, on a fresh connection)
+/// overtakes it. `held`: another owner holds `k` then, so the retry finds it held and the
+/// caller gives up, and the owner lets go; else the retry wins, and its holder releases.
+/// Either way the first send lands after that, and takes the free lock with a token
+/// nobody holds: it must be given back soon, as above.
+fn overtaken(fair: bool, held: bool) {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let late = lock_client!(node(proxy.url()), fair(fair), io_timeouts(secs(1)));
+    drop(late.lock("warm-up").expect("warm-up"));
+    let key = "redbaton:{k}";
+    let owner = || {
+        redis::cmd("SET")
             .arg(key)
-            .arg("another owner")
+            .arg("owner")
             .arg("PX")
             .arg(60_000)
-            .query(&mut srv.conn())
-            .expect("SET");
-        proxy.set_delay_both(secs(4));
-        thread::scope(|s| {
-            let waiter = s.spawn(|| late.try_lock_for("k", secs(2)).map(drop));
-            // The retry, after the read timeout, goes through at once.
-            thread::sleep(ms(500));
-            proxy.set_delay_both(ms(0));
-            let e = waiter.join().expect("waiter").expect_err("held");
-            assert!(e.is_timeout(), "fair {fair}: {e:?}");
-        });
+            .clone()
+    };
+    if held {
+        let () = owner().query(&mut srv.conn()).expect("SET");
+    }
+    proxy.set_delay_both(secs(4));
+    thread::scope(|s| {
+        // The client lives on (its cleanup thread with it).
+        let (late, wait) = (&late, if held { secs(2) } else { secs(3) });
+        let call = s.spawn(move || late.try_lock_for("k", wait).and_then(|g| g.unlock()));
+        // The retry goes through at once.
+        thread::sleep(ms(500));
+        proxy.set_delay_both(ms(0));
+        match call.join().expect("the caller") {
+            Err(e) => assert!(held && e.is_timeout(), "fair {fair}, held {held}: {e:?}"),
+            Ok(unlocked) => assert!(!held && unlocked.was_held(), "fair {fair}"),
+        }
+    });
+    if held {
         let () = redis::cmd("DEL")
             .arg(key)
             .query(&mut srv.conn())
             .expect("DEL");
-        wait_for(secs(5), "the first send landed", || {
-            srv.keys_but_fences("redbaton:{k}*")
-                .contains(&key.to_owned())
-        });
-        let got = client(&srv.url()).try_lock_for("k", secs(6));
-        assert!(got.is_ok(), "fair {fair}: {:?}", got.err());
+    }
+    wait_for(secs(5), "the first send landed", || {
+        srv.keys_but_fences("redbaton:{k}*")
+            .contains(&key.to_owned())
+    });
+    let got = client(&srv.url()).try_lock_for("k", secs(6));
+    assert!(got.is_ok(), "fair {fair}, held {held}: {:?}", got.err());
+}
+
+/// The retry finds the lock held: its answer says nothing of the first send.
+#[test]
+fn an_attempt_overtaken_by_its_retry_and_landing_late_is_given_back() {
+    for fair in [false, true] {
+        overtaken(fair, true);
+    }
+}
+
+/// The retry wins: the release is looked at again.
+#[test]
+fn an_attempt_overtaken_by_its_winning_retry_and_landing_after_the_release_is_given_back() {
+    for fair in [false, true] {
+        overtaken(fair, false);
     }
 }

@@ -747,10 +747,12 @@ impl Contest<'_> {
                 granted,
                 others_wait,
                 previous_lost,
+                resent,
                 ..
             } => {
                 let remote =
                     self.acquired(token, (fence, previous_lost), granted, started, None)?;
+                remote.set_resent(resent);
                 Ok(Round::Acquired(Won {
                     remote,
                     others_wait,

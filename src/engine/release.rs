@@ -125,6 +125,18 @@ impl Engine {
         }
         let outcome = tally_release(replies, lost.is_none(), route.quorum());
         self.found_lost(lock, lost.is_some(), route.sole().is_none(), &outcome);
+        if lock.resent() {
+            // The first send of the attempt that won it may still land, and take the lock
+            // again with this token: given back and looked at again by the cleanup.
+            let every = route.nodes().iter().map(|n| n.id.clone()).collect();
+            (self.cleanup).release_later(
+                &lock.keys,
+                lock.protocol,
+                lock.token.clone(),
+                None,
+                every,
+            );
+        }
         outcome
     }
 

@@ -1,7 +1,7 @@
 //! A lock held in Redis by this process: its token, fence, validity and lost state. Shared
 //! by the guard(s) that hold it in turn (the baton) and the watchdog.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
@@ -39,6 +39,10 @@ pub(crate) struct RemoteLock {
     hold_limit: Stamp,
     /// Renewed by the watchdog (else only watched until it expires).
     renews: bool,
+    /// Won by a retry after a lost reply: the first send may land after the release and
+    /// take the lock again with this token, so the release is looked at again (see
+    /// `cleanup`).
+    resent: AtomicBool,
     /// How it is held in Redis, which says how it is released and renewed.
     pub protocol: Protocol,
     state: Mutex<State>,
@@ -107,6 +111,16 @@ pub(crate) struct Acquisition {
 }
 
 impl RemoteLock {
+    /// Won by a retry after a lost reply (see the field).
+    pub fn set_resent(&self, resent: bool) {
+        self.resent.store(resent, Ordering::Relaxed);
+    }
+
+    /// Whether it was won by a retry after a lost reply (see the field).
+    pub fn resent(&self) -> bool {
+        self.resent.load(Ordering::Relaxed)
+    }
+
     /// This hold, made of `from` (a write hold turned into a read hold), keeps `from`'s
     /// cap: the cap counts from the acquisition in Redis, which a conversion does not
     /// renew.
@@ -133,6 +147,7 @@ impl RemoteLock {
             acquired_at: started.to_instant(),
             hold_limit: started + max_hold.unwrap_or(Duration::MAX),
             renews: renew_every.is_some(),
+            resent: AtomicBool::new(false),
             protocol: won.protocol,
             state: Mutex::new(State {
                 lease,

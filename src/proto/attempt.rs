@@ -9,11 +9,13 @@ pub(crate) enum Attempt {
     /// The hold is ours: `fence` is the node's fencing counter for it, `others_wait` says
     /// (a write hold) that another process may wait for it, and `previous_lost` that the
     /// node's counter said the hold before this one ended without a release (see
-    /// `scripts::FENCE_FN`).
+    /// `scripts::FENCE_FN`). `resent`: as `Held`'s; the first send, landing after the hold
+    /// was released, would take the lock again with our token.
     Acquired {
         fence: u64,
         others_wait: bool,
         previous_lost: bool,
+        resent: bool,
     },
     /// Someone else holds it; `pttl` is what remains of their lease (`None`: no TTL).
     /// `resent`: this was a retry, after the first send's reply was lost; that send may
@@ -33,7 +35,26 @@ impl Attempt {
     pub fn sent_again(self, resent: bool) -> Self {
         match self {
             Attempt::Held { pttl, .. } => Attempt::Held { pttl, resent },
+            Attempt::Acquired {
+                fence,
+                others_wait,
+                previous_lost,
+                ..
+            } => Attempt::Acquired {
+                fence,
+                others_wait,
+                previous_lost,
+                resent,
+            },
             other => other,
         }
+    }
+
+    /// Whether this reply is a retry's after a lost reply (see `Held`).
+    pub fn resent(self) -> bool {
+        matches!(
+            self,
+            Attempt::Held { resent: true, .. } | Attempt::Acquired { resent: true, .. }
+        )
     }
 }

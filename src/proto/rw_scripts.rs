@@ -1072,6 +1072,7 @@ impl Node {
                     .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
                 others_wait: reply.get(2) == Some(&1),
                 previous_lost: reply.get(3) == Some(&1),
+                resent: false,
             }),
             [0, ms] => {
                 Counters::inc(&self.counters().failed_attempts);

@@ -593,6 +593,7 @@ pub(crate) fn acquire_reply(reply: (i64, i64, i64)) -> Result<Attempt> {
                 .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
             others_wait: false,
             previous_lost: after_lost == 1,
+            resent: false,
         }),
         (0, pttl, _) => Ok(Attempt::Held {
             pttl: u64::try_from(pttl).ok().map(Duration::from_millis),

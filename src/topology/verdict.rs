@@ -23,6 +23,9 @@ pub(crate) enum Vote {
         behind: Vec<NodeId>,
         others_wait: bool,
         previous_lost: bool,
+        /// A granting node's reply was a retry's after a lost one: the first send may land
+        /// after the hold's release and take the lock again (see `Attempt::Held`).
+        resent: bool,
         /// The other nodes that may hold our token (a lost reply, a grant without enough
         /// replicas): to be undone with `granted` when the win is given up after all (its
         /// fence raised on too few nodes, or its lease spent by the raises). A win handed
@@ -114,8 +117,7 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
         unknown: replies
             .iter()
             .filter(|(_, r)| match r {
-                Ok(Attempt::Held { resent, .. }) => *resent,
-                Ok(_) => false,
+                Ok(attempt) => attempt.resent(),
                 Err(e) => may_have_run(e),
             })
             .map(|(n, _)| n.clone())
@@ -146,9 +148,13 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
                 .map(|(n, _)| n.clone())
                 .collect()
         };
+        let resent = replies
+            .iter()
+            .any(|(_, r)| r.as_ref().is_ok_and(|a| a.resent()));
         return Vote::Won {
             others_wait,
             previous_lost,
+            resent,
             fence,
             granted: among(&|_| true),
             behind: among(&|f| f < fence),
@@ -327,6 +333,7 @@ mod tests {
             fence,
             others_wait: false,
             previous_lost: false,
+            resent: false,
         })
     }
 
@@ -374,6 +381,7 @@ mod tests {
             fence: 8,
             others_wait: false,
             previous_lost: true,
+            resent: false,
         });
         let replies = vec![(id(1), acquired(7)), (id(2), lost), (id(3), acquired(9))];
         assert!(matches!(
