@@ -9,6 +9,7 @@
 //! Times are liveness bounds, never speed claims.
 
 use std::thread;
+use std::time::Instant;
 
 use redbaton::LockClient;
 use redbaton_testkit::proxy::Proxy;
@@ -103,61 +104,84 @@ fn an_attempt_that_lands_after_its_caller_gave_up_is_given_back() {
     }
 }
 
+/// What the owner of `k` does while a retry overtakes the first send (see [`overtaken`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Owner {
+    /// Nobody holds `k`: the retry wins, and its holder releases.
+    None,
+    /// It holds `k` until the caller gives up, then lets go.
+    Outwaits,
+    /// It holds `k` when the retry comes (which finds it held) and lets go while the
+    /// caller waits, which then wins and releases.
+    LetsGo,
+}
+
 /// A client through a proxy whose first attempt on `k` is delayed 4 s on its way, while
 /// its retry with the same token (after the 1 s read timeout, on a fresh connection)
-/// overtakes it. `held`: another owner holds `k` then, so the retry finds it held and the
-/// caller gives up, and the owner lets go; else the retry wins, and its holder releases.
-/// Either way the first send lands after that, and takes the free lock with a token
+/// overtakes it; `owner` says what the other owner of `k` does meanwhile. Either way the
+/// first send lands after the caller is done, and takes the free lock with a token
 /// nobody holds: it must be given back soon, as above.
-fn overtaken(fair: bool, held: bool) {
+fn overtaken(fair: bool, owner: Owner) {
     let srv = test_server();
     let proxy = Proxy::start(srv.addr());
     let late = lock_client!(node(proxy.url()), fair(fair), io_timeouts(secs(1)));
     drop(late.lock("warm-up").expect("warm-up"));
     let key = "redbaton:{k}";
-    let owner = || {
-        redis::cmd("SET")
+    let del = || redis::cmd("DEL").arg(key).query::<()>(&mut srv.conn());
+    if owner != Owner::None {
+        let held = redis::cmd("SET")
             .arg(key)
             .arg("owner")
             .arg("PX")
             .arg(60_000)
-            .clone()
-    };
-    if held {
-        let () = owner().query(&mut srv.conn()).expect("SET");
+            .clone();
+        let () = held.query(&mut srv.conn()).expect("SET");
     }
     proxy.set_delay_both(secs(4));
+    let started = Instant::now();
     thread::scope(|s| {
         // The client lives on (its cleanup thread with it).
-        let (late, wait) = (&late, if held { secs(2) } else { secs(3) });
+        let (late, wait) = (
+            &late,
+            if owner == Owner::Outwaits {
+                secs(2)
+            } else {
+                secs(3)
+            },
+        );
         let call = s.spawn(move || late.try_lock_for("k", wait).and_then(|g| g.unlock()));
         // The retry goes through at once.
         thread::sleep(ms(500));
         proxy.set_delay_both(ms(0));
+        if owner == Owner::LetsGo {
+            thread::sleep(ms(1500).saturating_sub(started.elapsed()));
+            del().expect("DEL");
+        }
         match call.join().expect("the caller") {
-            Err(e) => assert!(held && e.is_timeout(), "fair {fair}, held {held}: {e:?}"),
-            Ok(unlocked) => assert!(!held && unlocked.was_held(), "fair {fair}"),
+            Err(e) => assert!(
+                owner == Owner::Outwaits && e.is_timeout(),
+                "{owner:?}: {e:?}"
+            ),
+            Ok(unlocked) => assert!(owner != Owner::Outwaits && unlocked.was_held()),
         }
     });
-    if held {
-        let () = redis::cmd("DEL")
-            .arg(key)
-            .query(&mut srv.conn())
-            .expect("DEL");
+    if owner == Owner::Outwaits {
+        del().expect("DEL");
     }
     wait_for(secs(5), "the first send landed", || {
         srv.keys_but_fences("redbaton:{k}*")
             .contains(&key.to_owned())
     });
     let got = client(&srv.url()).try_lock_for("k", secs(6));
-    assert!(got.is_ok(), "fair {fair}, held {held}: {:?}", got.err());
+    assert!(got.is_ok(), "fair {fair}, {owner:?}: {:?}", got.err());
 }
 
 /// The retry finds the lock held: its answer says nothing of the first send.
 #[test]
 fn an_attempt_overtaken_by_its_retry_and_landing_late_is_given_back() {
     for fair in [false, true] {
-        overtaken(fair, true);
+        overtaken(fair, Owner::Outwaits);
+        overtaken(fair, Owner::LetsGo);
     }
 }
 
@@ -165,6 +189,6 @@ fn an_attempt_overtaken_by_its_retry_and_landing_late_is_given_back() {
 #[test]
 fn an_attempt_overtaken_by_its_winning_retry_and_landing_after_the_release_is_given_back() {
     for fair in [false, true] {
-        overtaken(fair, false);
+        overtaken(fair, Owner::None);
     }
 }

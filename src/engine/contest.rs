@@ -408,7 +408,7 @@ impl Contest<'_> {
                         return Err(Error::Cancelled);
                     }
                     if let Some(won) = self.trust(&grants)? {
-                        return Ok(won);
+                        return Ok(self.settled_by(won));
                     }
                     // The first attempt goes where the caller's route, read just now, says.
                     if !std::mem::take(&mut self.fresh) {
@@ -441,7 +441,7 @@ impl Contest<'_> {
                 earlier = Undo::default();
             }
             let hint = match outcome {
-                Ok(Round::Acquired(won)) => return Ok(won),
+                Ok(Round::Acquired(won)) => return Ok(self.settled_by(won)),
                 Ok(Round::Held(hint)) => {
                     self.marked |= marks.leave;
                     hint
@@ -603,6 +603,16 @@ impl Contest<'_> {
         // Up to now, not to the reply: longer, which only makes a grant less often taken.
         self.round_trip.set(sent.elapsed());
         self.judge(pending.token, sent, replies)
+    }
+
+    /// The hold won, which was to settle the unknown outcome of earlier attempts with its
+    /// token (see `unsettled`): one of them, still on its way, may land after the hold's
+    /// release and take the lock again, so the release is looked at again.
+    fn settled_by(&self, won: Won) -> Won {
+        if !self.unsettled.borrow().is_empty() {
+            won.remote.set_resent(true);
+        }
+        won
     }
 
     /// The next attempt's nonce.
