@@ -21,7 +21,10 @@
 //! (a release of a hold nobody used, or a leave) is looked at again while what a late
 //! attempt could leave lives, at pauses that double from [`LOOK_AGAIN`]: a late landing is
 //! given back within about as long as the attempt was late. The token was retired when it
-//! was given back (invariant 3), so a look finds only what a late attempt left.
+//! was given back (invariant 3), so a look finds only what a late attempt left. So is the
+//! token of an attempt sent again after a lost reply, whose retry overtook the first send:
+//! a retry that finds the lock held says nothing of the first send, and a hold the retry
+//! won is looked at again after its release (the first send would take it again then).
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
