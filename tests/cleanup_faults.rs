@@ -192,3 +192,32 @@ fn an_attempt_overtaken_by_its_winning_retry_and_landing_after_the_release_is_gi
         overtaken(fair, Owner::None);
     }
 }
+
+/// A semaphore's permit-seeker, as above: its retry finds no permit free, it gives up, the
+/// holder lets go, and the first send lands and takes the permit with a member nobody
+/// holds. The seeker's leave looks again, and gives it back.
+#[test]
+fn a_permit_attempt_overtaken_by_its_retry_and_landing_late_is_given_back() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let late = lock_client!(node(proxy.url()), io_timeouts(secs(1)));
+    let (owner, other) = (client(&srv.url()), client(&srv.url()));
+    drop(late.semaphore("warm-up", 1).acquire().expect("warm-up"));
+    let held = owner.semaphore("s", 1).acquire().expect("the permit");
+    proxy.set_delay_both(secs(4));
+    thread::scope(|s| {
+        let late = &late;
+        let call = s.spawn(move || late.semaphore("s", 1).try_acquire_for(secs(2)).map(drop));
+        thread::sleep(ms(500));
+        proxy.set_delay_both(ms(0));
+        let e = call
+            .join()
+            .expect("the seeker")
+            .expect_err("no permit free");
+        assert!(e.is_timeout(), "{e:?}");
+    });
+    assert!(held.unlock().expect("unlock").was_held());
+    thread::sleep(secs(3)); // the first send lands
+    let got = other.semaphore("s", 1).try_acquire_for(secs(6));
+    assert!(got.is_ok(), "{:?}", got.err());
+}

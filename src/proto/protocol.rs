@@ -346,7 +346,9 @@ impl Protocol {
     /// call (its next attempt finds the token in the key if the lock is ours, and its
     /// leave passes such a lock on), rather than released in the background now.
     pub fn next_call_settles_unknown(self) -> bool {
-        matches!(self, Protocol::FairLock(_))
+        // Those whose leave gives back a hold of the token: the fair lock's, and a shared
+        // hold's waiter, whose member (with its waiting mark) stays its own until it leaves.
+        self.leave_gives_back()
     }
 
     /// How a hold's lease is renewed.

@@ -1059,10 +1059,8 @@ impl Node {
         // Two numbers, and a third (`others`) when a read-write hold is granted. A hold
         // taken waits for the replicas `replica_ack` asks for, as a lock does.
         let took = |reply: &Vec<i64>| reply.first() == Some(&1);
-        // Whether the reply is a retry's is not told (see `Attempt::Held`): a shared hold's
-        // waiter keeps its member, with its waiting mark, until it leaves, and retiring it
-        // would leave that mark behind, ahead of the waiter's new one.
-        let (reply, unacked, _) = self.run_acquire(script, call, at.retry, at.deadline, took)?;
+        let (reply, unacked, resent) =
+            self.run_acquire(script, call, at.retry, at.deadline, took)?;
         if let Some(acked) = unacked {
             return Ok(Attempt::Unacked { acked });
         }
@@ -1072,13 +1070,13 @@ impl Node {
                     .map_err(|_| Error::Protocol(format!("negative fence {fence}")))?,
                 others_wait: reply.get(2) == Some(&1),
                 previous_lost: reply.get(3) == Some(&1),
-                resent: false,
+                resent,
             }),
             [0, ms] => {
                 Counters::inc(&self.counters().failed_attempts);
                 Ok(Attempt::Held {
                     pttl: u64::try_from(ms).ok().map(Duration::from_millis),
-                    resent: false,
+                    resent,
                 })
             }
             [2, _] => Err(Error::WrongKind),
