@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use redbaton::{HoldKind, LockClient, Unlocked};
+use redbaton::{HoldKind, LockClient, ReadGuard, Unlocked, UpgradableReadGuard, Wakeup};
 use redbaton_testkit::child;
 use redbaton_testkit::child_only;
 use redbaton_testkit::proxy::Proxy;
@@ -327,36 +327,76 @@ fn a_detached_write_guard_outlives_its_client() {
     assert_only_fences(&srv);
 }
 
-/// An upgrade that times out while its leave is lost on its way (the leave is left to the
-/// cleanup thread), then the same guard's next upgrade, which wins the write hold: the
-/// cleanup thread's looks again at the first upgrade never give that write hold back
-/// under its holder (the write member is the guard's, the same for both upgrades).
-#[test]
-fn a_second_upgrade_is_never_given_back_by_the_firsts_cleanup() {
-    let name = "up";
-    let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let a = lock_client!(node(proxy.url()), key_prefix(PREFIX), patient());
+/// An upgradable read of `name` by a client through a proxy (`a`, waking as `wakeup`
+/// says) and a read by another (`b`), then an upgrade of `a`'s that times out while its
+/// leave is lost on its way: the guard, kept, and the reader.
+fn first_upgrade_leave_lost(
+    srv: &RedisServer,
+    proxy: &Proxy,
+    wakeup: Wakeup,
+    name: &str,
+) -> (LockClient, LockClient, UpgradableReadGuard, ReadGuard) {
+    let a = lock_client!(
+        node(proxy.url()),
+        key_prefix(PREFIX),
+        patient(),
+        wakeup(wakeup)
+    );
     let b = patient(&srv.url());
     let u = a.rwlock(name).upgradable_read().expect("upgradable read");
     let r = b.rwlock(name).read().expect("a reader");
     // The upgrade's leave alone names the waiting writers' key first of two keys.
-    let leave = format!(
-        "2\r\n${}\r\n{}",
-        writer_marks(name).len(),
-        writer_marks(name)
-    );
+    let marks = writer_marks(name);
+    let leave = format!("2\r\n${}\r\n{marks}", marks.len());
     let e = proxy.refusing_requests_matching(leave.as_bytes(), || {
         u.try_upgrade_for(secs(1)).expect_err("a reader holds")
     });
     assert!(e.error().is_timeout(), "{e:?}");
-    let u = e.into_guard();
+    (a, b, e.into_guard(), r)
+}
+
+/// The same guard's next upgrade, after one whose leave was lost, wins the write hold:
+/// nothing the first left behind gives that write hold back under its holder (the write
+/// member is the guard's, the same for both upgrades).
+#[test]
+fn a_second_upgrade_is_never_given_back_by_the_firsts_cleanup() {
+    let (srv, name) = (test_server(), "up");
+    let proxy = Proxy::start(srv.addr());
+    let (_a, b, u, r) = first_upgrade_leave_lost(&srv, &proxy, Wakeup::Notifications, name);
     r.unlock().expect("the reader leaves");
     let w = u.try_upgrade_for(secs(5)).expect("the upgrade");
-    // The cleanup thread's looks again come at doubling pauses from 100 ms.
+    // A cleanup thread's looks again would come at doubling pauses from 100 ms.
     thread::sleep(secs(3));
     w.check().expect("the write hold");
     let other = b.rwlock(name).try_read();
     assert!(other.is_err(), "a reader got in beside the write hold");
     w.unlock().expect("unlock");
+}
+
+/// The same guard's next upgrade, after one whose leave was lost, waits behind a reader:
+/// nothing the first left behind takes its waiting mark out (the mark is the guard's
+/// member, the same for both), so no new reader gets in while it waits. (The upgrader
+/// polls, so that it does not mark itself again at each release it hears.)
+#[test]
+fn a_second_upgrade_keeps_its_mark_whatever_the_first_left() {
+    let (srv, name) = (test_server(), "mark");
+    let proxy = Proxy::start(srv.addr());
+    let polling = Wakeup::Polling(secs(20));
+    let (_a, b, u, _r) = first_upgrade_leave_lost(&srv, &proxy, polling, name);
+    thread::scope(|s| {
+        let late = s.spawn(|| {
+            thread::sleep(secs(3));
+            (
+                b.rwlock(name).try_read().map(drop),
+                srv.zcard(&writer_marks(name)),
+            )
+        });
+        let e = u.try_upgrade_for(secs(5)).expect_err("the reader stays");
+        assert!(e.error().is_timeout(), "{e:?}");
+        let (read, marks) = late.join().expect("the late reader");
+        assert!(
+            read.is_err(),
+            "a new reader got in while the upgrade waited ({marks} marks)"
+        );
+    });
 }

@@ -895,6 +895,9 @@ impl Contest<'_> {
             match protocol.leave(node, keys, token, true, self.wait.deadline()) {
                 Ok(true) => Counters::inc(&engine.counters.grants_passed),
                 Ok(false) => {}
+                Err(e) if protocol.token_outlives_wait() => {
+                    log::debug!("leaving failed: {e}; the mark is left to its TTL");
+                }
                 Err(e) => {
                     // Our mark or entry, and a grant to us (or a hold a lost attempt
                     // took), may be left: the cleanup job leaves again.
@@ -928,7 +931,7 @@ impl Contest<'_> {
     /// until it is moot, rather than sent by the caller to the same server, which would
     /// hold the caller up once more for the least a call is given, past its deadline.
     fn leave_later(&self) {
-        if !self.departs() {
+        if !self.departs() || self.protocol.token_outlives_wait() {
             return;
         }
         let (engine, keys, protocol) = (self.engine, self.keys, self.protocol);

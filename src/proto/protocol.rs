@@ -289,13 +289,21 @@ impl Protocol {
 
     /// Whether a leave left to the cleanup thread also gives back, besides what
     /// [`leave`](Self::leave) does, what a lost attempt of its token may have taken (and
-    /// looks again at it for a while): where the leave does not, except an upgrade's. An
-    /// upgrade's token is its guard's, and the guard's next upgrade wins the same write
-    /// hold, which a look again would give back under its holder; what a lost upgrade
-    /// attempt took is given back by its wait, which marks the guard lost (see
-    /// `Contest::undo`).
+    /// looks again at it for a while): where the leave does not, for a token that does not
+    /// outlive its wait.
     pub fn left_later_gives_back(self) -> bool {
-        !self.leave_gives_back() && !matches!(self, Protocol::Upgrade { .. })
+        !self.leave_gives_back() && !self.token_outlives_wait()
+    }
+
+    /// Whether the waiter's token outlives its wait: an upgrade's is its guard's, which the
+    /// guard's next upgrade uses again (its waiting mark, the write hold it wins). No
+    /// leave of it is left to the cleanup thread: run (or looked at again) once that next
+    /// upgrade has begun, it would take that upgrade's mark out, or give its write hold
+    /// back under its holder. What a failed leave leaves, the mark, goes with its TTL or
+    /// the guard; what a lost upgrade attempt took is given back by its wait, which marks
+    /// the guard lost (see `Contest::undo`).
+    pub fn token_outlives_wait(self) -> bool {
+        matches!(self, Protocol::Upgrade { .. })
     }
 
     /// How long a waiter's mark or queue entry lives after its last attempt, unless the
@@ -434,7 +442,11 @@ impl Protocol {
             nonce: req.nonce,
         };
         if let Protocol::Upgrade { .. } = self {
-            return node.upgrade_shared(shared);
+            // Whether a retry answered is not told: the guard's member outlives the wait
+            // (see `token_outlives_wait`), so nothing may be left to the cleanup thread
+            // for it; a first send landing after the wait needs the upgradable read it
+            // converts, which the guard's release or next upgrade settles.
+            return node.upgrade_shared(shared).map(|a| a.sent_again(false));
         }
         if let Some(want) = self.want() {
             return node.acquire_shared(want, shared);
