@@ -221,3 +221,26 @@ fn a_permit_attempt_overtaken_by_its_retry_and_landing_late_is_given_back() {
     let got = other.semaphore("s", 1).try_acquire_for(secs(6));
     assert!(got.is_ok(), "{:?}", got.err());
 }
+
+/// A read-write lock's write hold won by a retry that overtook its first send, then
+/// released: the first send lands and takes the write hold again with the released
+/// member; the release is looked at again, and gives it back.
+#[test]
+fn a_write_hold_won_by_a_retry_and_released_is_looked_at_again() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let late = lock_client!(node(proxy.url()), io_timeouts(secs(1)));
+    drop(late.rwlock("warm-up").write().expect("warm-up"));
+    proxy.set_delay_both(secs(4));
+    thread::scope(|s| {
+        let late = &late;
+        let call = s.spawn(move || late.rwlock("rw").try_write_for(secs(3))?.unlock());
+        thread::sleep(ms(500));
+        proxy.set_delay_both(ms(0));
+        let unlocked = call.join().expect("the writer").expect("the retry wins");
+        assert!(unlocked.was_held());
+    });
+    thread::sleep(secs(4)); // the first send lands
+    let got = client(&srv.url()).rwlock("rw").try_read_for(secs(6));
+    assert!(got.is_ok(), "{:?}", got.err());
+}

@@ -125,9 +125,17 @@ impl Engine {
         }
         let outcome = tally_release(replies, lost.is_none(), route.quorum());
         self.found_lost(lock, lost.is_some(), route.sole().is_none(), &outcome);
+        self.look_again_if_resent(lock, &route);
+        outcome
+    }
+
+    /// After the release of `lock`, won by a retry after a lost reply (see
+    /// `RemoteLock::resent`): the first send of that attempt may still land, and take the
+    /// hold again with its token, which nobody uses any more. The cleanup thread gives it
+    /// back and looks again. (A hold made by turning one won so does not carry it: the
+    /// member it was won with is not the one released.)
+    pub(crate) fn look_again_if_resent(&self, lock: &RemoteLock, route: &Route) {
         if lock.resent() {
-            // The first send of the attempt that won it may still land, and take the lock
-            // again with this token: given back and looked at again by the cleanup.
             let every = route.nodes().iter().map(|n| n.id.clone()).collect();
             (self.cleanup).release_later(
                 &lock.keys,
@@ -137,7 +145,6 @@ impl Engine {
                 every,
             );
         }
-        outcome
     }
 
     /// Counts a hold that its release found gone or another's (`outcome`) when it was not

@@ -111,6 +111,7 @@ impl Engine {
         let (route, replies) = self.release_everywhere(remote, route);
         let outcome = tally_release(replies, lost.is_none(), route.quorum());
         self.found_lost(remote, lost.is_some(), route.sole().is_none(), &outcome);
+        self.look_again_if_resent(remote, &route);
         outcome
     }
 
