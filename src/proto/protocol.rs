@@ -890,9 +890,11 @@ mod tests {
         ] {
             let shared = one.get(kind).expect("shared");
             assert!(shared.shared() && shared.keeps_token_across_attempts());
-            // A release grants read-write holds and permits.
+            // A release grants read-write holds and permits; a waiter keeps its member
+            // (and its mark) until it leaves, and its leave gives back what it holds.
             assert!(shared.release_may_grant());
-            assert!(!shared.next_call_settles_unknown());
+            assert!(shared.next_call_settles_unknown());
+            assert!(!shared.token_outlives_wait());
             assert!(shared.awaits_grant());
             assert_eq!(shared.hears(), Hears::Releases);
             assert!(!shared.renewal().ordered);
@@ -917,6 +919,9 @@ mod tests {
             "the last other reader's release wakes it"
         );
         assert_eq!(upgrade.hears(), Hears::Releases);
+        // Its member is its guard's: nothing of it is left to the cleanup thread.
+        assert!(upgrade.token_outlives_wait() && !upgrade.left_later_gives_back());
+        assert!(!upgradable.token_outlives_wait() && upgradable.left_later_gives_back());
         let (won, member) = upgrade.won("uabc".to_owned());
         assert_eq!(won, one.get(Kind::Write).unwrap());
         assert_eq!(member, "wabc");
