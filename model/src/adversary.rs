@@ -20,8 +20,21 @@
 //!   its longest delay; at most `Config::pauses` pauses begin, at most `Config::faults`
 //!   faults happen, and no tick goes past `Config::horizon`. A script publishes any
 //!   number of messages (a grant to each reader); they are delivered or lost together.
+//! - **Stall** a request the process allows (`Process::may_stall`: the first send of a
+//!   lock's acquisition attempt), one at a time, at most `Config::stalls` in all (the
+//!   budget's `stalls_left`), each a fault: it is held back and **lands** at any later
+//!   tick past its longest ordinary delay, up to `Bounds::stall` ticks after it was
+//!   sent, or never. Its sender gave up on it long
+//!   since: it is the first send of an attempt that a retry on a fresh connection
+//!   overtook.
+//! - **Fire** a job of a client's cleanup thread (`net::Job`): its give-back runs at any
+//!   step while the job lives, as often as it likes; the library makes it, then looks
+//!   again at pauses that double. Time does not advance while a job would change Redis:
+//!   a late landing it gives back is given back within the tick it landed. (The
+//!   library's pauses give it back within about as long as the landing was late: a
+//!   finer clock than the model's.)
 
-use crate::net::{Message, Request, put, take};
+use crate::net::{Job, Message, Request, put, take};
 use crate::world::{Ledger, Process, Sim, Store};
 
 /// One move of the adversary.
@@ -40,6 +53,18 @@ pub enum Move<P: Process> {
     /// The same, and a copy of it stays in flight: a duplicated message.
     Repeat(Message<P::Publish>),
     DropMessage(Message<P::Publish>),
+    /// A request is held back on its way (a fault).
+    Stall(Request<P::Op>),
+    /// The stalled request lands: Redis runs its script.
+    Land {
+        request: Request<P::Op>,
+        lose_messages: bool,
+    },
+    /// A job of a cleanup thread runs its give-back.
+    Fire {
+        job: Job<P::Op>,
+        lose_messages: bool,
+    },
     /// Time advances; `pause`: the process paused during the new tick; `choices`: what
     /// each process's threads do at its start.
     Tick {
@@ -54,6 +79,10 @@ pub trait Bounds {
     fn max_delay(&self) -> u8;
     /// The last tick.
     fn horizon(&self) -> u8;
+    /// The latest a stalled request lands, in ticks after it was sent.
+    fn stall(&self) -> u8 {
+        0
+    }
 }
 
 /// Lists the adversary's moves in `s`.
@@ -92,6 +121,34 @@ where
         }
         if faults > 0 {
             out.push(Move::DropRequest(request));
+            if s.budget.stalls_left > 0 && s.net.stalled.is_none() && p.may_stall(&request) {
+                out.push(Move::Stall(request));
+            }
+        }
+    }
+    let listeners = s.procs.iter().any(P::listens);
+    if let Some(request) = s.net.stalled
+        && request.sent + cfg.max_delay() < s.now
+    {
+        let (_, published) = s.redis.clone().run(cfg, s.now, request.op);
+        for lose_messages in [false, true] {
+            if !lose_messages || (listeners && !published.is_empty() && faults > 0) {
+                out.push(Move::Land {
+                    request,
+                    lose_messages,
+                });
+            }
+        }
+    }
+    for &job in dedup(&s.net.jobs) {
+        // A give-back that finds nothing to give back changes nothing: not listed.
+        let Some(published) = fires(cfg, s, &job) else {
+            continue;
+        };
+        for lose_messages in [false, true] {
+            if !lose_messages || (listeners && !published.is_empty() && faults > 0) {
+                out.push(Move::Fire { job, lose_messages });
+            }
         }
     }
     for &m in dedup(&s.net.messages) {
@@ -148,9 +205,21 @@ fn dedup<T: PartialEq>(items: &[T]) -> impl Iterator<Item = &T> {
         .map(|(_, x)| x)
 }
 
-/// Whether time may advance: not past the horizon, and nothing in flight at its longest
-/// delay (a paused process's messages wait for it).
-fn may_tick<R, P: Process<Cfg: Bounds>, H>(cfg: &P::Cfg, s: &Sim<R, P, H>) -> bool {
+/// What firing `job` publishes, if it changes Redis.
+fn fires<R: Store<P>, P: Process, H>(
+    cfg: &P::Cfg,
+    s: &Sim<R, P, H>,
+    job: &Job<P::Op>,
+) -> Option<Vec<P::Publish>> {
+    let mut redis = s.redis.clone();
+    let (_, published) = redis.run(cfg, s.now, job.op);
+    (redis != s.redis).then_some(published)
+}
+
+/// Whether time may advance: not past the horizon, nothing in flight at its longest
+/// delay (a paused process's messages wait for it), and no job with something to give
+/// back.
+fn may_tick<R: Store<P>, P: Process<Cfg: Bounds>, H>(cfg: &P::Cfg, s: &Sim<R, P, H>) -> bool {
     let overdue = |at: u8| at + cfg.max_delay() <= s.now;
     s.now < cfg.horizon()
         && !s.net.requests.iter().any(|r| overdue(r.sent))
@@ -159,6 +228,7 @@ fn may_tick<R, P: Process<Cfg: Bounds>, H>(cfg: &P::Cfg, s: &Sim<R, P, H>) -> bo
             .messages
             .iter()
             .any(|m| !s.procs[usize::from(m.to)].pid().paused && overdue(m.at))
+        && !s.net.jobs.iter().any(|j| fires(cfg, s, j).is_some())
 }
 
 /// The first part of a tick: time advances, keys expire, pauses change, and running
@@ -167,10 +237,16 @@ fn begin_tick<R, P, H>(cfg: &P::Cfg, s: &mut Sim<R, P, H>, pause: Option<u8>)
 where
     R: Store<P>,
     P: Process,
+    P::Cfg: Bounds,
     H: Ledger<R, P>,
 {
     s.now += 1;
     s.redis.expire(s.now);
+    let now = s.now;
+    s.net.jobs.retain(|j| now < j.until);
+    if s.net.stalled.is_some_and(|r| r.sent + cfg.stall() < now) {
+        s.net.stalled = None;
+    }
     for p in &mut s.procs {
         let paused = pause == Some(p.pid().id);
         if paused != p.pid().paused {
@@ -195,6 +271,7 @@ pub fn apply<R, P, H>(cfg: &P::Cfg, s: &mut Sim<R, P, H>, mv: Move<P>)
 where
     R: Store<P>,
     P: Process,
+    P::Cfg: Bounds,
     H: Ledger<R, P>,
 {
     let now = s.now;
@@ -236,11 +313,37 @@ where
             take(&mut s.net.requests, &r);
             s.lose();
         }
+        Move::Stall(r) => {
+            take(&mut s.net.requests, &r);
+            s.net.stalled = Some(r);
+            s.budget.stalls_left -= 1;
+            s.lose();
+        }
+        Move::Land {
+            request,
+            lose_messages,
+        } => {
+            s.net.stalled = None;
+            let (answer, published) = s.redis.run(cfg, now, request.op);
+            deliver(cfg, s, published, lose_messages);
+            H::landed(s, request, answer);
+            let p = &mut s.procs[usize::from(request.from)];
+            if p.awaits(&request) && !p.pid().paused {
+                let mut fx = P::Effects::default();
+                p.on_reply(cfg, now, request, answer, &mut fx);
+                H::effects(s, fx);
+            }
+        }
+        Move::Fire { job, lose_messages } => {
+            let (_, published) = s.redis.run(cfg, now, job.op);
+            deliver(cfg, s, published, lose_messages);
+        }
         Move::DropMessage(m) => {
             take(&mut s.net.messages, &m);
             s.lose();
         }
         Move::Tick { pause, choices } => {
+            H::ticking(cfg, s);
             begin_tick(cfg, s, pause);
             for (i, choice) in choices.into_iter().enumerate() {
                 if !s.procs[i].pid().paused {
@@ -251,6 +354,22 @@ where
             }
             H::ticked(cfg, s);
         }
+    }
+}
+
+/// What a script published: heard, or lost (one fault).
+fn deliver<R, P, H>(cfg: &P::Cfg, s: &mut Sim<R, P, H>, published: Vec<P::Publish>, lost: bool)
+where
+    R: Store<P>,
+    P: Process,
+    H: Ledger<R, P>,
+{
+    if lost {
+        s.lose();
+        return;
+    }
+    for what in published {
+        publish(cfg, s, what);
     }
 }
 

@@ -22,9 +22,14 @@
 //!   still counted from its first send; a won reply with no validity left is given back
 //!   before the next attempt (`Rules::late_give_back`), which uses a new token
 //!   (`Proc::retire_token`, `Rules::retire_given_back_token`). Once the resends are spent, it
-//!   makes `lock` fail (one node does not ride through errors): the thread is told, the process leaves the queue
-//!   (`FAIR_LEAVE`) or, plain, releases the token it tried (`engine::cleanup`), and the
-//!   next local waiter contends. A lease change's leaves the validity at
+//!   makes `lock` fail (one node does not ride through errors): the thread is told, the
+//!   cleanup thread leaves the queue (`FAIR_LEAVE`) or, plain, releases the token it
+//!   tried, and looks again (a job, `engine::cleanup`), and the next local waiter
+//!   contends. A retry answered `held` is an unknown outcome: its first send may still
+//!   land. The fair queue keeps the token (`Contest::unsettled`), the plain lock has the
+//!   cleanup give it back and look again; a hold won by a retry, or with the token
+//!   unsettled, has its release looked at again (`Rules::look_again_after_release`).
+//!   A lease change's leaves the validity at
 //!   `min(old, sent_at + new lease − drift)` (`Rules::min_on_unknown`). A release's
 //!   leaves the key to expire.
 //! - `Proc::renew`: the watchdog (`engine::watchdog::renew_due`): `EXTEND` with the
@@ -37,7 +42,7 @@
 //! - `Proc::unlock`: `LockGuard::unlock` (`engine::release`, `Table::release`): a
 //!   valid lock may go to the next local waiter (token `fence << k | seq`, `seq` + 1),
 //!   else `FAIR_RELEASE`/`RELEASE`, with the hold's fence, after any renewal in flight.
-//!   The cleanup after a plain attempt's timeout gives its token back without one.
+//!   The cleanup's give-backs of a token nobody uses carry none.
 //!
 //! Steps are taken at the start of a tick (`Proc::begin_tick`, then `Proc::act` with
 //! what the threads chose) or at once in reaction to a reply or a message (`on_reply`,
@@ -45,7 +50,7 @@
 //! (1, 2, …), in the order sent; see `redis::Key::seq`.
 
 use crate::config::{Config, Grants, Mode};
-use crate::net::Request;
+use crate::net::{Job, Request};
 use crate::redis::{Answer, Op, Publish, Token};
 use crate::world::{Pid, Process};
 
@@ -90,6 +95,10 @@ pub struct Hold {
     /// What the acquisition said of the hold before (`LockGuard::previous_lost`); a
     /// local handoff passes the hold on as no news, and keeps it for the vacuity check.
     pub previous_lost: bool,
+    /// Won by a retry after a lost reply, or (fair) while an earlier attempt of its token
+    /// was unsettled (`RemoteLock::resent`): that attempt's first send may still land
+    /// after the release, so the release is looked at again.
+    pub resent: bool,
 }
 
 /// The process's remote side: one thing at a time.
@@ -100,7 +109,9 @@ pub enum Remote {
     /// `nonce` and `sent` are the latest attempt's (`sent`: its first send, from which
     /// its validity counts), `resent` how many times it was sent again after its reply
     /// did not come; `grant` the nonce and fence of a grant heard for `token` and not yet
-    /// judged (one carrying the latest nonce, if any was heard).
+    /// judged (one carrying the latest nonce, if any was heard); `unsettled`: a retry with
+    /// `token` was answered `held` (fair: the token is kept, `Contest::unsettled`), so its
+    /// first send may still land.
     Contend {
         token: Token,
         wake: u8,
@@ -109,10 +120,16 @@ pub enum Remote {
         sent: u8,
         resent: u8,
         grant: Option<(u8, u8)>,
+        unsettled: bool,
     },
     Hold(Hold),
-    /// The remote release was sent; local waiters contend once it is answered.
-    Releasing,
+    /// The remote release of `token` was sent; local waiters contend once it is answered.
+    /// `again`: the cleanup then gives the token back, and looks at it again (a hold won
+    /// by a retry).
+    Releasing {
+        token: Token,
+        again: bool,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -153,6 +170,8 @@ pub struct Effects {
     /// lost before it (a grant with a nonce follows a release): an answer the system
     /// checks against the truth.
     pub trusted: Option<Token>,
+    /// Jobs queued for the cleanup thread.
+    pub jobs: Vec<Job>,
 }
 
 impl Proc {
@@ -205,6 +224,15 @@ impl Proc {
         self.hold().is_some_and(|h| now < h.valid_until) && !extending
     }
 
+    /// Whether this process holds `token`, waits with it, or is releasing it.
+    pub fn uses(&self, token: Token) -> bool {
+        match self.remote {
+            Remote::Free => false,
+            Remote::Contend { token: t, .. } | Remote::Releasing { token: t, .. } => t == token,
+            Remote::Hold(h) => h.token == token,
+        }
+    }
+
     /// The hold, while a thread holds a guard.
     pub fn hold(&self) -> Option<&Hold> {
         match &self.remote {
@@ -219,6 +247,21 @@ impl Proc {
             proc: self.pid.id,
             n: self.tokens,
         }
+    }
+
+    /// Queues `op`, a give-back of a token nobody uses any more, for the cleanup thread
+    /// (`Cleanup::release_later`, `leave_later`): made, and looked at again, while what it
+    /// gives back could live (`Job::lives`): a hold a lease, a queue entry its TTL.
+    fn clean_up(&self, cfg: &Config, now: u8, op: Op, fx: &mut Effects) {
+        let lives = match op {
+            Op::Leave { .. } => cfg.lease.max(cfg.entry_ttl()),
+            _ => cfg.lease,
+        };
+        fx.jobs.push(Job {
+            until: now + lives,
+            from: self.pid.id,
+            op,
+        });
     }
 
     fn send(&mut self, now: u8, op: Op, awaited: bool, fx: &mut Effects) {
@@ -258,6 +301,7 @@ impl Proc {
             sent: now,
             resent: 0,
             grant: None,
+            unsettled: false,
         };
         self.send(now, Op::Acquire { token, nonce: 1 }, true, fx);
     }
@@ -269,6 +313,17 @@ impl Proc {
         if self.has_waiter() {
             self.contend(now, fx);
         }
+    }
+
+    /// The release was answered or given up: the cleanup gives `again` back and looks
+    /// again (`Engine::release` of a hold won by a retry), and the next local waiter
+    /// contends.
+    fn released(&mut self, cfg: &Config, now: u8, again: Option<Token>, fx: &mut Effects) {
+        if let Some(token) = again {
+            let op = Op::Release { token, fence: None };
+            self.clean_up(cfg, now, op, fx);
+        }
+        self.next_contender(now, fx);
     }
 
     /// Whether the contender attempts now.
@@ -324,9 +379,16 @@ impl Proc {
             return;
         }
         let fresh = self.new_token();
-        if let Remote::Contend { token, grant, .. } = &mut self.remote {
+        if let Remote::Contend {
+            token,
+            grant,
+            unsettled,
+            ..
+        } = &mut self.remote
+        {
             *token = fresh;
             *grant = None;
+            *unsettled = false;
         }
     }
 
@@ -342,6 +404,7 @@ impl Proc {
             nonce,
             sent,
             grant,
+            unsettled,
             ..
         } = &mut self.remote
         else {
@@ -359,18 +422,19 @@ impl Proc {
         if !ours || valid_until <= now {
             return false; // only a wake-up: the attempt confirms
         }
-        let token = *token;
+        let (token, resent) = (*token, *unsettled);
         let renew_at = now + cfg.first_renewal(valid_until - now);
-        self.begin_granted(cfg, token, fence, valid_until, renew_at, fx);
+        self.begin_granted(cfg, (token, resent), fence, valid_until, renew_at, fx);
         true
     }
 
-    /// The waiting thread holds the lock, granted by a message with `fence`; the first
-    /// renewal is due at `renew_at`.
+    /// The waiting thread holds the lock, granted by a message with `fence` to `token`
+    /// (`resent`: while an earlier attempt of it was unsettled); the first renewal is due
+    /// at `renew_at`.
     fn begin_granted(
         &mut self,
         cfg: &Config,
-        token: Token,
+        (token, resent): (Token, bool),
         fence: u8,
         valid_until: u8,
         renew_at: u8,
@@ -390,6 +454,7 @@ impl Proc {
             granted: true,
             trusted: true,
             previous_lost: false,
+            resent,
         });
         fx.began = Some((fence, 0));
         fx.trusted = Some(token);
@@ -448,7 +513,10 @@ impl Proc {
                     token: h.token,
                     fence: Some(h.fence),
                 };
-                self.remote = Remote::Releasing;
+                self.remote = Remote::Releasing {
+                    token: h.token,
+                    again: h.resent && cfg.rules.look_again_after_release,
+                };
                 self.send(now, op, true, fx);
             }
         }
@@ -497,11 +565,13 @@ impl Proc {
                     Mode::Fair => Op::Leave { token },
                     Mode::Plain => Op::Release { token, fence: None },
                 };
-                self.send(now, cleanup, false, fx);
+                self.clean_up(cfg, now, cleanup, fx);
                 self.next_contender(now, fx);
             }
             (Op::Extend { .. }, Remote::Hold(h)) => unknown_change(h, cfg, now, &request),
-            (Op::Release { .. }, Remote::Releasing) => self.next_contender(now, fx),
+            (Op::Release { .. }, &mut Remote::Releasing { token, again }) => {
+                self.released(cfg, now, again.then_some(token), fx)
+            }
             // The give-back of a late win went unanswered: the next attempt goes now
             // (`react`, after the tick's choices), while the give-back may still run.
             _ => {}
@@ -549,6 +619,12 @@ impl Process for Proc {
 
     fn listens(&self) -> bool {
         self.contending().is_some()
+    }
+
+    /// The first send of the attempt in flight, which its retry may overtake.
+    fn may_stall(&self, request: &Request) -> bool {
+        matches!(self.remote, Remote::Contend { token, nonce, sent, .. }
+            if request.op == (Op::Acquire { token, nonce }) && request.sent == sent)
     }
 
     /// Whether `request` is the one this process awaits.
@@ -622,6 +698,7 @@ impl Process for Proc {
             heard,
             grant,
             nonce: latest,
+            unsettled,
             ..
         } = &mut self.remote
         else {
@@ -633,7 +710,7 @@ impl Process for Proc {
             } if cfg.rules.grants == Grants::FromHearing && to == *token => {
                 // The unsafe variant: the message is taken for the lock, valid for the grant
                 // lease from now.
-                let token = *token;
+                let token = (*token, *unsettled);
                 // An attempt in flight is forgotten.
                 self.pending = None;
                 let valid_until = (now + cfg.grant_lease).saturating_sub(cfg.drift);
@@ -680,11 +757,20 @@ impl Process for Proc {
                     previous_lost,
                 },
                 Remote::Contend {
-                    wake, heard, sent, ..
+                    wake,
+                    heard,
+                    sent,
+                    resent,
+                    unsettled,
+                    ..
                 },
             ) => {
                 // From the attempt's first send (`judge`: `started + lease − drift`).
                 let valid_until = (*sent + cfg.lease).saturating_sub(cfg.drift);
+                // Won by a retry, or while a retry of the token was answered `held`: a
+                // first send may still land (`RemoteLock::resent`, `Contest::settled_by`).
+                let was_unsettled = *unsettled;
+                let resent = *resent > 0 || was_unsettled;
                 if valid_until <= now {
                     // No validity left (`Round::Late`): a guard is never born dead. The
                     // hold is given back as an attempt nobody used (`Contest::undo`,
@@ -695,11 +781,26 @@ impl Process for Proc {
                     if cfg.rules.late_give_back {
                         let op = Op::Release { token, fence: None };
                         self.send(now, op, true, fx);
+                        // A late win won so is looked at again after its give-back; what
+                        // the old token's next call was to settle is left to the cleanup
+                        // (`Contest::settle_token`). Both are for a token retired.
+                        let retired = cfg.rules.retire_given_back_token;
+                        if resent && retired && cfg.rules.look_again_after_release {
+                            self.clean_up(cfg, now, op, fx);
+                        }
+                        if was_unsettled && retired && cfg.mode == Mode::Fair {
+                            self.clean_up(cfg, now, Op::Leave { token }, fx);
+                        }
                         // The give-back may run late: the token it carries is spent.
                         if cfg.rules.retire_given_back_token {
                             self.retire_token(cfg);
                         }
                     } else {
+                        // Kept for the next attempt with the token to confirm: a first
+                        // send of this one may still land.
+                        if let Remote::Contend { unsettled, .. } = &mut self.remote {
+                            *unsettled |= resent;
+                        }
                         self.react(cfg, now, fx);
                     }
                     return;
@@ -718,10 +819,37 @@ impl Process for Proc {
                     granted: !fresh,
                     trusted: false,
                     previous_lost,
+                    resent,
                 });
                 fx.began = Some((fence, 0));
             }
-            (Op::Acquire { .. }, Answer::Held { pttl }, Remote::Contend { wake, heard, .. }) => {
+            (
+                Op::Acquire { token, .. },
+                Answer::Held { pttl },
+                Remote::Contend {
+                    wake,
+                    heard,
+                    resent,
+                    unsettled,
+                    ..
+                },
+            ) => {
+                // A retry answered `held`: an unknown outcome, its first send may still
+                // land. The fair queue keeps the token, and its next call (an attempt, or
+                // the leave) settles it; the plain lock retires it (its next attempt has a
+                // new token anyway), and the cleanup gives it back and looks again.
+                if *resent > 0 {
+                    match cfg.mode {
+                        Mode::Fair => *unsettled = true,
+                        Mode::Plain => {
+                            fx.jobs.push(Job {
+                                until: now + cfg.lease,
+                                from: self.pid.id,
+                                op: Op::Release { token, fence: None },
+                            });
+                        }
+                    }
+                }
                 *wake = if *heard {
                     now
                 } else {
@@ -744,7 +872,9 @@ impl Process for Proc {
                 // awaited: the holder has one change in flight at a time.)
                 _ => unknown_change(h, cfg, now, &request),
             },
-            (Op::Release { .. }, _, Remote::Releasing) => self.next_contender(now, fx),
+            (Op::Release { .. }, _, &mut Remote::Releasing { token, again }) => {
+                self.released(cfg, now, again.then_some(token), fx)
+            }
             // The give-back of a late win answered: the next attempt goes now.
             (Op::Release { .. }, _, Remote::Contend { .. }) => self.react(cfg, now, fx),
             _ => {}

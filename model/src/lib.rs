@@ -4,8 +4,9 @@
 //! The Lua scripts are atomic steps on a Redis state with TTLs ([`redis`]); client
 //! processes of several threads are state machines that contend, queue, hear grants and
 //! confirm them, renew, extend, hand the lock on locally and release ([`client`]); an
-//! adversary runs requests in any order, late or not at all, loses replies and
-//! messages, pauses processes and advances time ([`adversary`]). Breadth-first search
+//! adversary runs requests in any order, late or not at all, holds one back to land
+//! ticks later, fires the cleanup's jobs, loses replies and messages, pauses processes
+//! and advances time ([`adversary`]). Breadth-first search
 //! visits every state within the bounds of a [`Config`] and checks the properties of
 //! [`props`] in each.
 //!

@@ -6,7 +6,8 @@
 //! order, or drops them. Requests of one process do not overtake each other on one
 //! connection in reality, but the library uses several connections (a pool, a reconnect
 //! after a timeout), so any order is possible. A reply is delivered when its script runs,
-//! or lost (see `adversary`).
+//! or lost (see `adversary`). One request may be held back (stalled) and land at a later
+//! tick, after its sender moved on; and the cleanup's jobs wait here to be fired.
 
 use crate::redis::{Answer, Op, Publish};
 
@@ -38,11 +39,28 @@ pub struct Message<P = Publish> {
     pub what: P,
 }
 
+/// A background job of a client's cleanup thread: a give-back (`op`, a compare-and-delete
+/// of a token, or a leave) that the thread makes and then looks at again, until `until`,
+/// when what it gives back would have expired anyway. The adversary fires it at any step
+/// while it lives, as often as it likes (see `adversary`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Job<O = Op> {
+    /// Alive while `now < until`.
+    pub until: u8,
+    pub from: u8,
+    pub op: O,
+}
+
 /// Everything in flight.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Net<O = Op, P = Publish> {
     pub requests: Vec<Request<O>>,
     pub messages: Vec<Message<P>>,
+    /// A request held back on its way: it may land at any tick after its longest
+    /// ordinary delay, up to `adversary::Bounds::stall` ticks after it was sent, or never.
+    pub stalled: Option<Request<O>>,
+    /// The cleanup's jobs still alive, sorted.
+    pub jobs: Vec<Job<O>>,
 }
 
 impl<O, P> Default for Net<O, P> {
@@ -50,6 +68,8 @@ impl<O, P> Default for Net<O, P> {
         Net {
             requests: Vec::new(),
             messages: Vec::new(),
+            stalled: None,
+            jobs: Vec::new(),
         }
     }
 }

@@ -12,6 +12,12 @@
 //!   they go on; the bound says that once they stop, the protocol itself never leaves a
 //!   waiter behind a free lock.
 //!
+//! - **no hold for nobody** (`ORPHAN`): an acquisition that landed late (stalled on its
+//!   way, see `adversary`) and took the key does not hold it, at a tick's end, with a token that no
+//!   process holds or waits with: the cleanup's look again gives it back within the tick
+//!   it landed. Left there, it would keep the name nobody's for a lease, every waiter
+//!   behind it.
+//!
 //! - **the news of a lost hold**: every `previous_lost` answer (an acquisition's, from
 //!   the fence counter's forms, or a trusted grant's: nothing was lost) is the ghost
 //!   truth `redis::Truth` kept from the events themselves: true exactly when the last
@@ -26,12 +32,14 @@
 
 use stateright::Property;
 
+use crate::redis::Token;
 use crate::system::{LockModel, State};
 
 /// The names of the `always` properties that the broken variants' checks look for.
 pub const EXCLUSION: &str = "mutual exclusion";
 pub const LOST_NEWS: &str = "previous_lost tells a lost hold, and only one";
 pub const STARVATION: &str = "no waiter starves behind a free lock";
+pub const ORPHAN: &str = "no late acquisition holds the lock for nobody";
 
 /// What the properties remember of the past.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -42,6 +50,10 @@ pub struct History {
     pub token_regressed: bool,
     /// Ticks in a row with a starving waiter, since the last fault.
     pub starving: u8,
+    /// The token of the stalled request that landed and took the key, if one did.
+    pub landed: Option<Token>,
+    /// At the end of a tick, the key was held by that token, and nobody used it.
+    pub orphaned: bool,
 }
 
 impl History {
@@ -87,6 +99,14 @@ pub fn starving(s: &State) -> bool {
         })
 }
 
+/// Whether the key is held by the token of the request that landed late, and no process
+/// holds it, waits with it or is releasing it: nobody will release it or confirm it.
+pub fn orphaned(s: &State) -> bool {
+    s.redis.lock.is_some_and(|key| {
+        s.history.landed == Some(key.token) && s.procs.iter().all(|p| !p.uses(key.token))
+    })
+}
+
 pub fn properties(model: &LockModel) -> Vec<Property<LockModel>> {
     let mut props = vec![
         Property::always(EXCLUSION, |_, s: &State| believers(s) <= 1),
@@ -97,6 +117,11 @@ pub fn properties(model: &LockModel) -> Vec<Property<LockModel>> {
         Property::always(STARVATION, |m: &LockModel, s: &State| {
             s.history.starving <= m.cfg.starve_bound
         }),
+        Property::always(ORPHAN, |_, s: &State| !s.history.orphaned),
+        Property::sometimes(
+            "a late acquisition takes the lock for nobody",
+            |_, s: &State| orphaned(s),
+        ),
         Property::sometimes("a lock is held", |_, s: &State| believers(s) == 1),
         Property::sometimes("a local handoff", |_, s: &State| {
             s.procs

@@ -281,7 +281,12 @@ impl Redis {
     /// nobody used marks it released unless it leaves a loss as news.
     fn end(&mut self, rules: &Rules, fence: Option<u8>) {
         if !self.loss_left(rules, fence) {
-            self.fence.fence = fence.unwrap_or(self.fence.fence);
+            // The library writes the holder's fence back. It can be below the counter:
+            // the token was granted again meanwhile (its first send, landing late, queued
+            // it while it held). The next fence is still above every fence before, as
+            // `next_fence` is at least the server's clock; the model's counter has no
+            // clock, and keeps the larger, which orders the next fence the same way.
+            self.fence.fence = fence.map_or(self.fence.fence, |f| f.max(self.fence.fence));
             self.fence.held = false;
         }
         self.ended(fence);

@@ -7,9 +7,9 @@ use stateright::{Model, Property};
 use crate::adversary::{self, Bounds};
 use crate::client::{Effects, Proc};
 use crate::config::Config;
-use crate::net::{Net, put};
+use crate::net::{Net, Request, put};
 use crate::props::{self, History};
-use crate::redis::{Answer, Op, Publish, Redis};
+use crate::redis::{Answer, Op, Publish, Redis, Token};
 use crate::world::{Budget, Ledger, Sim, Store};
 
 /// The whole system: the current tick, Redis, the clients, what is in flight, and the
@@ -39,6 +39,9 @@ impl Bounds for Config {
     fn horizon(&self) -> u8 {
         self.horizon
     }
+    fn stall(&self) -> u8 {
+        self.stall
+    }
 }
 
 impl Store<Proc> for Redis {
@@ -61,6 +64,11 @@ impl Ledger<Redis, Proc> for History {
         for r in fx.sent {
             put(&mut s.net.requests, r);
         }
+        for job in fx.jobs {
+            if !s.net.jobs.contains(&job) {
+                put(&mut s.net.jobs, job);
+            }
+        }
         if let Some(token) = fx.began {
             s.history.began(token);
         }
@@ -76,14 +84,44 @@ impl Ledger<Redis, Proc> for History {
         let starving = props::starving(s);
         s.history.tick(starving);
     }
+
+    fn ticking(_cfg: &Config, s: &mut State) {
+        s.history.orphaned |= props::orphaned(s);
+    }
+
+    /// Only a landing that takes the key is judged: one that queues its token (the key
+    /// held) can have it granted later, to nobody, which the library leaves to the grant
+    /// lease (see the crate README).
+    fn landed(s: &mut State, request: Request, answer: Answer) {
+        if let Answer::Won { fresh: true, .. } = answer {
+            s.history.landed = Some(request.op.token());
+        }
+    }
 }
 
 /// Forgets what can no longer change anything, so that equal situations are equal
-/// states: the order of a process's threads (they are interchangeable) and messages to
-/// processes that no longer listen.
+/// states: the order of a process's threads (they are interchangeable), messages to
+/// processes that no longer listen, and cleanup jobs with nothing left to give back.
 fn tidy(s: &mut State) {
     s.procs.iter_mut().for_each(Proc::sort_threads);
     s.forget_unheard();
+    forget_idle_jobs(s);
+}
+
+/// A job's token is one nobody uses any more: it is in Redis again only if a call with it
+/// still on its way lands. A job whose token is neither in Redis (the key, a queue
+/// entry) nor in a call on its way never finds anything again: forgotten.
+fn forget_idle_jobs(s: &mut State) {
+    let (redis, net) = (&s.redis, &s.net);
+    let live = |token: Token| {
+        redis.lock.is_some_and(|k| k.token == token)
+            || redis.queue.iter().any(|e| e.token == token)
+            || net.requests.iter().any(|r| r.op.token() == token)
+            || net.stalled.is_some_and(|r| r.op.token() == token)
+    };
+    let keep: Vec<bool> = net.jobs.iter().map(|j| live(j.op.token())).collect();
+    let mut keep = keep.into_iter();
+    s.net.jobs.retain(|_| keep.next().unwrap_or(true));
 }
 
 impl Model for LockModel {
@@ -100,6 +138,7 @@ impl Model for LockModel {
             budget: Budget {
                 pauses_left: cfg.pauses,
                 faults_left: cfg.faults,
+                stalls_left: cfg.stalls,
             },
             history: History::default(),
         };

@@ -32,6 +32,11 @@ pub trait Process: Clone + Debug + Eq + Hash {
     fn awaits(&self, request: &Request<Self::Op>) -> bool;
     /// Whether it is subscribed: it hears what is published.
     fn listens(&self) -> bool;
+    /// Whether the adversary may stall `request` on its way (see `adversary`): none by
+    /// default.
+    fn may_stall(&self, _request: &Request<Self::Op>) -> bool {
+        false
+    }
     fn choices(&self, cfg: &Self::Cfg, now: u8) -> Vec<Self::Choice>;
     /// The start of a tick for a running process: timeouts.
     fn begin_tick(&mut self, cfg: &Self::Cfg, now: u8, fx: &mut Self::Effects);
@@ -69,8 +74,10 @@ pub struct Budget {
     /// Pauses it may still begin.
     pub pauses_left: u8,
     /// Faults it may still cause: an item in flight lost or duplicated, a request run
-    /// after its sender gave up.
+    /// after its sender gave up, a request stalled.
     pub faults_left: u8,
+    /// Requests it may still stall (each a fault too).
+    pub stalls_left: u8,
 }
 
 /// The history the properties remember.
@@ -79,8 +86,13 @@ pub trait Ledger<R, P: Process>: Clone + Debug + Eq + Hash + Sized {
     fn fault(&mut self) {}
     /// Records what a process's step did outside it.
     fn effects(s: &mut Sim<R, P, Self>, fx: P::Effects);
+    /// Time is about to advance: the last moment of a tick.
+    fn ticking(_cfg: &P::Cfg, _s: &mut Sim<R, P, Self>) {}
     /// A tick ended.
     fn ticked(_cfg: &P::Cfg, _s: &mut Sim<R, P, Self>) {}
+    /// A stalled request landed (its script ran, after its sender moved on), answered
+    /// `answer`.
+    fn landed(_s: &mut Sim<R, P, Self>, _request: Request<P::Op>, _answer: P::Answer) {}
 }
 
 /// A whole system at one moment.

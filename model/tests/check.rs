@@ -2,7 +2,7 @@
 //! property, and each protocol rule left out makes the checker find the violation it
 //! prevents.
 
-use redbaton_model::props::{EXCLUSION, LOST_NEWS, STARVATION};
+use redbaton_model::props::{EXCLUSION, LOST_NEWS, ORPHAN, STARVATION};
 use redbaton_model::{Config, Grants, Rules, check};
 
 /// Checker threads: the CI machines have 2 cores.
@@ -111,6 +111,15 @@ fn reusing_a_given_back_token_breaks_exclusion() {
         }),
         EXCLUSION,
     );
+    println!("counterexample path length: {steps}");
+}
+
+/// A lock won by a retry after a lost reply must have its release looked at again: the
+/// first send, stalled on its way, lands after the release and takes the free lock with
+/// a token nobody holds, and nobody gives it back (the library before the look again).
+#[test]
+fn no_look_again_after_a_release_leaves_the_lock_to_nobody() {
+    let steps = violation(Config::ci().without_look_again(), ORPHAN);
     println!("counterexample path length: {steps}");
 }
 

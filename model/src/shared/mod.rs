@@ -114,6 +114,7 @@ impl Model for SharedModel {
             budget: Budget {
                 pauses_left: cfg.pauses,
                 faults_left: cfg.faults,
+                stalls_left: 0,
             },
             history: History::default(),
         };
