@@ -50,8 +50,8 @@ impl Armed {
 
     /// Sends the request on an idle connection and reads the reply; `None` when no
     /// connection was idle (the contender then makes the attempt itself). `bound`: the
-    /// reader that sends it is a waiter, whose own wait ends then: the reply is waited for
-    /// no longer (cut, it is a lost reply, which the contender's retry settles).
+    /// reader that sends it is a waiter, whose nap ends then: the reply is waited for no
+    /// longer (cut, it is a lost reply, which the contender's retry settles).
     pub fn fire(self, at: Snapshot, bound: Option<Instant>) -> Option<Shot> {
         let mut conn = self.pool.try_idle()?;
         let (_, read_timeout, _) = self.pool.timeouts();

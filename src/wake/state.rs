@@ -303,8 +303,8 @@ impl Shared {
     /// Acts on what the server said on a connection of subscriptions' `generation`.
     /// Messages are events whichever connection brought them; what concerns the
     /// subscriptions themselves counts only from a connection of the current generation
-    /// (see `turn::sync_subscriptions`). `bound`: a waiter reads, and its wait ends then
-    /// (see `seat::Reader::bound`).
+    /// (see `turn::sync_subscriptions`). `bound`: a waiter reads, and its nap ends then
+    /// (see `turn::Reading::Waiter`).
     pub(super) fn incoming(&self, incoming: Incoming<'_>, generation: u64, bound: Option<Instant>) {
         match incoming {
             Incoming::Message { channel, payload } => self.dispatch(channel, payload, bound),

@@ -38,8 +38,9 @@ const HEALTH_CHECK: Duration = Duration::from_secs(15);
 pub(super) enum Reading<'a> {
     /// The thread; with nothing subscribed, it sleeps on this channel instead.
     Thread(&'a Receiver<()>),
-    /// A waiter, whose own wait ends at this instant: what it does for others meanwhile
-    /// (an early attempt it sends for them) is over by then.
+    /// A waiter, whose current nap ends at this instant (its wait's deadline at the
+    /// latest): what it does for others meanwhile (an early attempt it sends for them) is
+    /// over by then.
     Waiter(Instant),
 }
 
