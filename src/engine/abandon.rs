@@ -27,7 +27,7 @@ impl Engine {
     pub(crate) fn release_in_background(&self, lock: &RemoteLock) {
         lock.begin_release(&self.counters);
         let route = self.topology.route(&lock.keys);
-        let every = route.nodes().iter().map(|n| n.id.clone()).collect();
+        let every = route.node_ids();
         self.cleanup.release_later(
             &lock.keys,
             lock.protocol,

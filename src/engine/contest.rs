@@ -937,7 +937,7 @@ impl Contest<'_> {
         let (engine, keys, protocol) = (self.engine, self.keys, self.protocol);
         // The job leaves on every node, the unsettled ones too, and looks again after.
         self.unsettled.take();
-        let nodes = self.route.nodes().iter().map(|n| n.id.clone()).collect();
+        let nodes = self.route.node_ids();
         match self.token.borrow().as_deref() {
             Some(token) => engine
                 .cleanup
@@ -1062,7 +1062,7 @@ impl Drop for Paused<'_> {
 fn leave_after_panic(engine: &Engine, keys: &Keys, protocol: Protocol, token: Option<&str>) {
     let route = engine.topology.route(keys);
     let Some(token) = token else {
-        let nodes = route.nodes().iter().map(|n| n.id.clone()).collect();
+        let nodes = route.node_ids();
         engine.cleanup.unmark_later(keys, protocol, nodes);
         return;
     };

@@ -142,7 +142,7 @@ impl Engine {
         });
         if let Err(e) = released {
             log::debug!("giving back a multi-lock's names failed: {e}; left to the cleanup job");
-            let nodes: Vec<_> = route.nodes().iter().map(|n| n.id.clone()).collect();
+            let nodes: Vec<_> = route.node_ids();
             for lock in locks {
                 let token = lock.token.clone();
                 (self.cleanup).release_later(&lock.keys, lock.protocol, token, None, nodes.clone());
@@ -553,7 +553,7 @@ impl GroupContest<'_> {
             self.give_back(token);
             return Err(e);
         }
-        let nodes: Vec<_> = self.route.nodes().iter().map(|n| n.id.clone()).collect();
+        let nodes: Vec<_> = self.route.node_ids();
         let locks = self
             .keys
             .iter()
@@ -596,7 +596,7 @@ impl GroupContest<'_> {
     /// Leaves the release of `token`'s locks, which an attempt whose outcome is unknown
     /// may have taken, to the cleanup job.
     fn release_later(&self, token: String) {
-        let nodes: Vec<_> = self.route.nodes().iter().map(|n| n.id.clone()).collect();
+        let nodes: Vec<_> = self.route.node_ids();
         for keys in self.keys {
             (self.engine.cleanup).release_later(
                 keys,

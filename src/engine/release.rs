@@ -136,7 +136,7 @@ impl Engine {
     /// member it was won with is not the one released.)
     pub(crate) fn look_again_if_resent(&self, lock: &RemoteLock, route: &Route) {
         if lock.resent() {
-            let every = route.nodes().iter().map(|n| n.id.clone()).collect();
+            let every = route.node_ids();
             (self.cleanup).release_later(
                 &lock.keys,
                 lock.protocol,

@@ -32,22 +32,11 @@ pub(crate) enum Attempt {
 
 impl Attempt {
     /// This reply, to a call that was sent again after a lost reply when `resent`.
-    pub fn sent_again(self, resent: bool) -> Self {
-        match self {
-            Attempt::Held { pttl, .. } => Attempt::Held { pttl, resent },
-            Attempt::Acquired {
-                fence,
-                others_wait,
-                previous_lost,
-                ..
-            } => Attempt::Acquired {
-                fence,
-                others_wait,
-                previous_lost,
-                resent,
-            },
-            other => other,
+    pub fn sent_again(mut self, resent: bool) -> Self {
+        if let Attempt::Held { resent: r, .. } | Attempt::Acquired { resent: r, .. } = &mut self {
+            *r = resent;
         }
+        self
     }
 
     /// Whether this reply is a retry's after a lost reply (see `Held`).

@@ -130,6 +130,11 @@ impl Route {
         &self.nodes
     }
 
+    /// The ids of every node of the route: where a job left to the cleanup thread goes.
+    pub fn node_ids(&self) -> Vec<NodeId> {
+        self.nodes.iter().map(|n| n.id.clone()).collect()
+    }
+
     /// How many nodes must agree.
     pub fn quorum(&self) -> usize {
         self.quorum

@@ -60,11 +60,7 @@ impl Armed {
         // than it was, and a validity counted from it would be too long.
         let sent = Stamp::now();
         // A call of its own, given the least a call is given however near the deadline.
-        let deadline = match (self.deadline, bound) {
-            (Some(d), Some(b)) => Some(d.min(b)),
-            (d, b) => d.or(b),
-        };
-        let until = call_deadline(deadline);
+        let until = call_deadline(self.deadline.into_iter().chain(bound).min());
         let reply = within_deadline(&mut conn, until, read_timeout, |c| {
             c.send_packed_command(&self.packed)?;
             c.recv_response()
