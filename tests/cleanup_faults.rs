@@ -244,3 +244,37 @@ fn a_write_hold_won_by_a_retry_and_released_is_looked_at_again() {
     let got = client(&srv.url()).rwlock("rw").try_read_for(secs(6));
     assert!(got.is_ok(), "{:?}", got.err());
 }
+
+/// A fair lock won by a retry that overtook its first send, and released; another client
+/// then holds the lock when the first send lands, which queues the released token (its
+/// entry would live two re-check intervals, two minutes here) ahead of every later
+/// waiter: the next release would grant the lock to nobody. The release's look again
+/// takes the entry out as well as a hold.
+#[test]
+fn a_first_send_landing_queued_after_the_release_is_taken_out_of_the_queue() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let late = lock_client!(
+        node(proxy.url()),
+        io_timeouts(secs(1)),
+        recheck_interval(secs(60))
+    );
+    drop(late.lock("warm-up").expect("warm-up"));
+    proxy.set_delay_both(secs(4));
+    let other = client(&srv.url());
+    let held = thread::scope(|s| {
+        let call = s.spawn(|| late.try_lock_for("k", secs(3))?.unlock());
+        thread::sleep(ms(500));
+        proxy.set_delay_both(ms(0));
+        let unlocked = call.join().expect("the caller").expect("the retry wins");
+        assert!(unlocked.was_held());
+        other.lock("k").expect("the lock, released")
+    });
+    wait_for(secs(8), "the first send landed, queued", || {
+        srv.zcard(&queue("k")) == 1
+    });
+    wait_for(secs(8), "the look again takes the entry out", || {
+        srv.zcard(&queue("k")) == 0
+    });
+    assert!(held.unlock().expect("unlock").was_held());
+}

@@ -320,8 +320,12 @@ impl Proc {
     /// contends.
     fn released(&mut self, cfg: &Config, now: u8, again: Option<Token>, fx: &mut Effects) {
         if let Some(token) = again {
-            let op = Op::Release { token, fence: None };
-            self.clean_up(cfg, now, op, fx);
+            self.clean_up(
+                cfg,
+                now,
+                give_back(cfg, token, cfg.rules.look_again_leaves),
+                fx,
+            );
         }
         self.next_contender(now, fx);
     }
@@ -561,11 +565,7 @@ impl Proc {
                     self.threads[t].role = Role::Idle;
                     self.again(cfg, t);
                 }
-                let cleanup = match cfg.mode {
-                    Mode::Fair => Op::Leave { token },
-                    Mode::Plain => Op::Release { token, fence: None },
-                };
-                self.clean_up(cfg, now, cleanup, fx);
+                self.clean_up(cfg, now, give_back(cfg, token, true), fx);
                 self.next_contender(now, fx);
             }
             (Op::Extend { .. }, Remote::Hold(h)) => unknown_change(h, cfg, now, &request),
@@ -785,11 +785,14 @@ impl Process for Proc {
                         // the old token's next call was to settle is left to the cleanup
                         // (`Contest::settle_token`). Both are for a token retired.
                         let retired = cfg.rules.retire_given_back_token;
-                        if resent && retired && cfg.rules.look_again_after_release {
-                            self.clean_up(cfg, now, op, fx);
-                        }
-                        if was_unsettled && retired && cfg.mode == Mode::Fair {
-                            self.clean_up(cfg, now, Op::Leave { token }, fx);
+                        let look = resent && cfg.rules.look_again_after_release;
+                        if retired && (look || (was_unsettled && cfg.mode == Mode::Fair)) {
+                            self.clean_up(
+                                cfg,
+                                now,
+                                give_back(cfg, token, cfg.rules.look_again_leaves),
+                                fx,
+                            );
                         }
                         // The give-back may run late: the token it carries is spent.
                         if cfg.rules.retire_given_back_token {
@@ -879,5 +882,17 @@ impl Process for Proc {
             (Op::Release { .. }, _, Remote::Contend { .. }) => self.react(cfg, now, fx),
             _ => {}
         }
+    }
+}
+
+/// The cleanup's give-back of a token nobody uses any more, and its looks again
+/// (`Cleanup::give_back_later`, `leave_later`): fair, a leave, which takes a queue entry out as well as
+/// a hold (an attempt of the token that lands while the key is held queues it), unless
+/// `leaves` says otherwise (`Rules::look_again_leaves`); plain, a release of a hold
+/// nobody used.
+fn give_back(cfg: &Config, token: Token, leaves: bool) -> Op {
+    match cfg.mode {
+        Mode::Fair if leaves => Op::Leave { token },
+        _ => Op::Release { token, fence: None },
     }
 }

@@ -13,10 +13,12 @@
 //!   waiter behind a free lock.
 //!
 //! - **no hold for nobody** (`ORPHAN`): an acquisition that landed late (stalled on its
-//!   way, see `adversary`) and took the key does not hold it, at a tick's end, with a token that no
-//!   process holds or waits with: the cleanup's look again gives it back within the tick
-//!   it landed. Left there, it would keep the name nobody's for a lease, every waiter
-//!   behind it.
+//!   way, see `adversary`) does not hold the key, at a tick's end, with a token that no
+//!   process holds or waits with, whether it took the key as it landed or queued its
+//!   token then (the key held) and was granted the lock later: the cleanup's look again
+//!   gives the key back, or takes the entry out, within the tick it landed. Left there,
+//!   it would keep the name nobody's for a lease (or a grant lease), every waiter behind
+//!   it.
 //!
 //! - **the news of a lost hold**: every `previous_lost` answer (an acquisition's, from
 //!   the fence counter's forms, or a trusted grant's: nothing was lost) is the ghost
@@ -50,7 +52,7 @@ pub struct History {
     pub token_regressed: bool,
     /// Ticks in a row with a starving waiter, since the last fault.
     pub starving: u8,
-    /// The token of the stalled request that landed and took the key, if one did.
+    /// The token of the stalled request that landed, if one did.
     pub landed: Option<Token>,
     /// At the end of a tick, the key was held by that token, and nobody used it.
     pub orphaned: bool,

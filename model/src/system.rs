@@ -89,13 +89,10 @@ impl Ledger<Redis, Proc> for History {
         s.history.orphaned |= props::orphaned(s);
     }
 
-    /// Only a landing that takes the key is judged: one that queues its token (the key
-    /// held) can have it granted later, to nobody, which the library leaves to the grant
-    /// lease (see the crate README).
-    fn landed(s: &mut State, request: Request, answer: Answer) {
-        if let Answer::Won { fresh: true, .. } = answer {
-            s.history.landed = Some(request.op.token());
-        }
+    /// Every landing is judged: one that takes the key, and one that queues its token
+    /// (the key held), which a release could grant the lock to later, to nobody.
+    fn landed(s: &mut State, request: Request, _answer: Answer) {
+        s.history.landed = Some(request.op.token());
     }
 }
 

@@ -123,6 +123,18 @@ fn no_look_again_after_a_release_leaves_the_lock_to_nobody() {
     println!("counterexample path length: {steps}");
 }
 
+/// A look again that releases the hold of the token but leaves its queue entry: a first
+/// send that lands while the key is held queues, and a later release grants it the lock.
+#[test]
+fn a_look_again_that_only_releases_leaves_a_queued_first_send_to_nobody() {
+    let cfg = Config {
+        horizon: 6,
+        ..Config::ci()
+    };
+    let steps = violation(cfg.looking_again_with_a_release(), ORPHAN);
+    println!("counterexample path length: {steps}");
+}
+
 /// Every grant confirmed by an attempt (the library before grants were trusted, and
 /// where `Contest::may_trust` says no) holds too; a tick less, to keep the run short.
 #[test]

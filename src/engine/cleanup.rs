@@ -160,6 +160,26 @@ impl Cleanup {
         self.later(keys, protocol, token, Undo::Release(fence), nodes, 0);
     }
 
+    /// Queues the give-back of an attempt of `token` nobody uses (a hold it took, and what
+    /// it left waiting), as [`Self::release_later`] does a release. Where a waiter's leave
+    /// gives back a hold too (see `Protocol::leave_gives_back`), it is a leave: an attempt
+    /// of the token that lands late, while another holds the name, queues the token (or
+    /// marks the name waited for) instead of taking it, and the look again takes that
+    /// out as well. The token must not be used again.
+    pub fn give_back_later(
+        &self,
+        keys: &Keys,
+        protocol: Protocol,
+        token: String,
+        nodes: Vec<NodeId>,
+    ) {
+        let undo = match protocol.leave_gives_back() {
+            true => Undo::Leave,
+            false => Undo::Release(None),
+        };
+        self.later(keys, protocol, token, undo, nodes, 0);
+    }
+
     /// Queues the leaving of the waiter `token` on `nodes`, as [`Self::release_later`]
     /// does a release; what cannot be queued expires (the mark or entry, and any grant).
     pub fn leave_later(&self, keys: &Keys, protocol: Protocol, token: String, nodes: Vec<NodeId>) {

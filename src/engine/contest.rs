@@ -841,10 +841,9 @@ impl Contest<'_> {
         }
         undo.unknown.append(&mut undo.granted);
         if !undo.unknown.is_empty() {
-            // Not waited for: one bounded worker per client (see `cleanup`).
-            engine
-                .cleanup
-                .release_later(self.keys, self.protocol, token, None, undo.unknown);
+            // Not waited for: one bounded worker per client (see `cleanup`). The token is
+            // not used again: settled by the next call above, or retired.
+            (engine.cleanup).give_back_later(self.keys, self.protocol, token, undo.unknown);
         }
     }
 

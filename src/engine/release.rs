@@ -132,19 +132,17 @@ impl Engine {
     /// After the release of `lock`, won by a retry after a lost reply (see
     /// `RemoteLock::resent`): the first send of that attempt may still land, and take the
     /// hold again with its token, which nobody uses any more. The cleanup thread gives it
-    /// back and looks again. (A hold made by turning one won so does not carry it: the
-    /// member it was won with is not the one released.)
+    /// back and looks again, or takes the token out of the queue (or the waiting mark) where
+    /// it landed while another held the name: the next release would grant the lock to
+    /// that entry, to nobody, and a writer's mark would hold new readers back for its TTL.
+    /// (A hold made by turning one won so does not carry it: the member it was won with is
+    /// not the one released.)
     pub(crate) fn look_again_if_resent(&self, lock: &RemoteLock, route: &Route) {
-        if lock.resent() {
-            let every = route.node_ids();
-            (self.cleanup).release_later(
-                &lock.keys,
-                lock.protocol,
-                lock.token.clone(),
-                None,
-                every,
-            );
+        if !lock.resent() {
+            return;
         }
+        let every = route.node_ids();
+        (self.cleanup).give_back_later(&lock.keys, lock.protocol, lock.token.clone(), every);
     }
 
     /// Counts a hold that its release found gone or another's (`outcome`) when it was not
