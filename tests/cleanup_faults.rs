@@ -114,6 +114,9 @@ enum Owner {
     /// It holds `k` when the retry comes (which finds it held) and lets go while the
     /// caller waits, which then wins and releases.
     LetsGo,
+    /// It holds `k` when the retry comes, which refuses a caller that does not wait
+    /// (`try_lock`), and lets go after that.
+    Refuses,
 }
 
 /// A client through a proxy whose first attempt on `k` is delayed 4 s on its way, while
@@ -149,7 +152,10 @@ fn overtaken(fair: bool, owner: Owner) {
                 secs(3)
             },
         );
-        let call = s.spawn(move || late.try_lock_for("k", wait).and_then(|g| g.unlock()));
+        let call = s.spawn(move || match owner {
+            Owner::Refuses => late.try_lock("k").and_then(|g| g.unlock()),
+            _ => late.try_lock_for("k", wait).and_then(|g| g.unlock()),
+        });
         // The retry goes through at once.
         thread::sleep(ms(500));
         proxy.set_delay_both(ms(0));
@@ -159,13 +165,16 @@ fn overtaken(fair: bool, owner: Owner) {
         }
         match call.join().expect("the caller") {
             Err(e) => assert!(
-                owner == Owner::Outwaits && e.is_timeout(),
+                (owner == Owner::Outwaits && e.is_timeout())
+                    || (owner == Owner::Refuses && e.is_would_block()),
                 "{owner:?}: {e:?}"
             ),
-            Ok(unlocked) => assert!(owner != Owner::Outwaits && unlocked.was_held()),
+            Ok(unlocked) => {
+                assert!(matches!(owner, Owner::None | Owner::LetsGo) && unlocked.was_held())
+            }
         }
     });
-    if owner == Owner::Outwaits {
+    if matches!(owner, Owner::Outwaits | Owner::Refuses) {
         del().expect("DEL");
     }
     wait_for(secs(5), "the first send landed", || {
@@ -176,12 +185,14 @@ fn overtaken(fair: bool, owner: Owner) {
     assert!(got.is_ok(), "fair {fair}, {owner:?}: {:?}", got.err());
 }
 
-/// The retry finds the lock held: its answer says nothing of the first send.
+/// The retry finds the lock held: its answer says nothing of the first send, also when
+/// the caller does not wait.
 #[test]
 fn an_attempt_overtaken_by_its_retry_and_landing_late_is_given_back() {
     for fair in [false, true] {
         overtaken(fair, Owner::Outwaits);
         overtaken(fair, Owner::LetsGo);
+        overtaken(fair, Owner::Refuses);
     }
 }
 

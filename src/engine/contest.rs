@@ -513,7 +513,10 @@ impl Contest<'_> {
                 }
             };
             let deadline = match end.next(wait) {
-                Next::Stop(e) => return Err(e),
+                Next::Stop(e) => {
+                    self.leave();
+                    return Err(e);
+                }
                 Next::Over(e) => {
                     // A grant heard at the deadline: taken, or one more attempt confirms (and
                     // takes) it.
@@ -806,7 +809,8 @@ impl Contest<'_> {
             // Fair queue: the next attempt finds the token in the key if it is ours, and
             // the leave passes such a lock on: only a lock taken without enough replicas
             // is given back now. A caller that neither attempts again nor leaves (a
-            // `try_lock`) releases it like any other.
+            // `try_lock` refused) has it given back by the cleanup thread as it ends (see
+            // `give_back_unsettled`).
             let mut unsettled = self.unsettled.borrow_mut();
             for node in undo.unknown.drain(..) {
                 if !unsettled.contains(&node) {
@@ -878,10 +882,12 @@ impl Contest<'_> {
     }
 
     /// The wait ends without the hold: leave the fair queue (passing on a grant that
-    /// raced us), or take our contention mark with us.
+    /// raced us), or take our contention mark with us. A wait that left nothing (a
+    /// `try_lock` refused, say) may still have an attempt unsettled: its first send may
+    /// land yet, and is given back by the cleanup thread.
     fn leave(&self) {
         if !self.departs() {
-            return;
+            return self.give_back_unsettled();
         }
         let (engine, keys, protocol) = (self.engine, self.keys, self.protocol);
         let token = self.token.borrow();
@@ -916,6 +922,17 @@ impl Contest<'_> {
         }
     }
 
+    /// The wait ends having left nothing to give back, but an attempt of its kept token
+    /// may still land where it went unsettled: the cleanup thread gives back what it
+    /// takes, and looks again. (An upgrade's never are: see `Protocol::token_outlives_wait`.)
+    fn give_back_unsettled(&self) {
+        let unsettled = self.unsettled.take();
+        let token = self.token.borrow().clone();
+        if let Some(token) = token.filter(|_| !unsettled.is_empty()) {
+            (self.engine.cleanup).give_back_later(self.keys, self.protocol, token, unsettled);
+        }
+    }
+
     /// Whether the wait left something to give back (a mark or a queue entry); a departure
     /// from the fair queue is counted.
     fn departs(&self) -> bool {
@@ -930,7 +947,10 @@ impl Contest<'_> {
     /// until it is moot, rather than sent by the caller to the same server, which would
     /// hold the caller up once more for the least a call is given, past its deadline.
     fn leave_later(&self) {
-        if !self.departs() || self.protocol.token_outlives_wait() {
+        if !self.departs() {
+            return self.give_back_unsettled();
+        }
+        if self.protocol.token_outlives_wait() {
             return;
         }
         let (engine, keys, protocol) = (self.engine, self.keys, self.protocol);
