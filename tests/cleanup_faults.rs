@@ -289,3 +289,34 @@ fn a_first_send_landing_queued_after_the_release_is_taken_out_of_the_queue() {
     });
     assert!(held.unlock().expect("unlock").was_held());
 }
+
+/// A server with no replica to acknowledge a hold (`replica_ack`): every win is given
+/// back. A retry that overtook its first send wins and is given back; the first send
+/// lands after that, on the free lock, with a token nobody holds. It is given back too.
+#[test]
+fn a_win_by_a_retry_without_its_replicas_is_looked_at_again_after_its_give_back() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let late = lock_client!(
+        node(proxy.url()),
+        io_timeouts(secs(1)),
+        fair(false),
+        replica_ack(1, ms(100))
+    );
+    let e = late.try_lock("warm-up").expect_err("no replica");
+    assert!(matches!(e, redbaton::Error::ReplicaAck { .. }), "{e:?}");
+    proxy.set_delay_both(secs(4));
+    thread::scope(|s| {
+        let call = s.spawn(|| late.try_lock("k").map(drop));
+        thread::sleep(ms(500));
+        proxy.set_delay_both(ms(0));
+        let e = call.join().expect("the caller").expect_err("no replica");
+        assert!(matches!(e, redbaton::Error::ReplicaAck { .. }), "{e:?}");
+    });
+    wait_for(secs(6), "the first send landed", || {
+        srv.keys_but_fences("redbaton:{k}*")
+            .contains(&"redbaton:{k}".to_owned())
+    });
+    let got = client(&srv.url()).try_lock_for("k", secs(6));
+    assert!(got.is_ok(), "{:?}", got.err());
+}

@@ -708,7 +708,7 @@ impl Contest<'_> {
         let unacked = replies
             .iter()
             .filter_map(|(_, r)| match r {
-                Ok(Attempt::Unacked { acked }) => Some(*acked),
+                Ok(Attempt::Unacked { acked, .. }) => Some(*acked),
                 _ => None,
             })
             .min();

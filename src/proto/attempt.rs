@@ -26,24 +26,26 @@ pub(crate) enum Attempt {
         resent: bool,
     },
     /// The script took the lock, but fewer replicas than asked acknowledged it in time
-    /// (`replica_ack`): the caller must release it.
-    Unacked { acked: usize },
+    /// (`replica_ack`): the caller must release it. `resent`: as `Held`'s; the first
+    /// send, landing after the give-back, would take the lock again with our token.
+    Unacked { acked: usize, resent: bool },
 }
 
 impl Attempt {
     /// This reply, to a call that was sent again after a lost reply when `resent`.
     pub fn sent_again(mut self, resent: bool) -> Self {
-        if let Attempt::Held { resent: r, .. } | Attempt::Acquired { resent: r, .. } = &mut self {
-            *r = resent;
-        }
+        let (Attempt::Held { resent: r, .. }
+        | Attempt::Acquired { resent: r, .. }
+        | Attempt::Unacked { resent: r, .. }) = &mut self;
+        *r = resent;
         self
     }
 
     /// Whether this reply is a retry's after a lost reply (see `Held`).
     pub fn resent(self) -> bool {
-        matches!(
-            self,
-            Attempt::Held { resent: true, .. } | Attempt::Acquired { resent: true, .. }
-        )
+        let (Attempt::Held { resent, .. }
+        | Attempt::Acquired { resent, .. }
+        | Attempt::Unacked { resent, .. }) = self;
+        resent
     }
 }

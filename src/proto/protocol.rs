@@ -469,7 +469,9 @@ impl Protocol {
         let (reply, unacked, resent) =
             node.run_acquire(self.acquire_script(), (&call, again), retry, deadline, took)?;
         match (attempt_of(node, reply)?.sent_again(resent), unacked) {
-            (Attempt::Acquired { .. }, Some(acked)) => Ok(Attempt::Unacked { acked }),
+            (Attempt::Acquired { resent, .. }, Some(acked)) => {
+                Ok(Attempt::Unacked { acked, resent })
+            }
             (attempt, _) => Ok(attempt),
         }
     }

@@ -1062,7 +1062,7 @@ impl Node {
         let (reply, unacked, resent) =
             self.run_acquire(script, call, at.retry, at.deadline, took)?;
         if let Some(acked) = unacked {
-            return Ok(Attempt::Unacked { acked });
+            return Ok(Attempt::Unacked { acked, resent });
         }
         match *reply.as_slice() {
             [1, fence, ..] => Ok(Attempt::Acquired {

@@ -409,7 +409,13 @@ mod tests {
             (id(1), acquired(10)),
             (id(2), acquired(7)),
             (id(3), Err(io_error())),
-            (id(4), Ok(Attempt::Unacked { acked: 0 })),
+            (
+                id(4),
+                Ok(Attempt::Unacked {
+                    acked: 0,
+                    resent: false,
+                }),
+            ),
             (id(5), held(100)),
         ];
         match vote(replies, rules(2, false)) {
