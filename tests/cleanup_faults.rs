@@ -320,3 +320,28 @@ fn a_win_by_a_retry_without_its_replicas_is_looked_at_again_after_its_give_back(
     let got = client(&srv.url()).try_lock_for("k", secs(6));
     assert!(got.is_ok(), "{:?}", got.err());
 }
+
+/// A multi-lock won by a retry that overtook its first send, and released: the first
+/// send lands after the release and takes both names with the released token. The
+/// release is looked at again, and gives them back.
+#[test]
+fn a_multi_lock_won_by_a_retry_and_released_is_looked_at_again() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let late = lock_client!(node(proxy.url()), io_timeouts(secs(1)));
+    drop(late.multi_lock(["w1", "w2"]).expect("warm-up"));
+    proxy.set_delay_both(secs(4));
+    thread::scope(|s| {
+        let call = s.spawn(|| late.try_multi_lock_for(["a", "b"], secs(3))?.unlock());
+        thread::sleep(ms(500));
+        proxy.set_delay_both(ms(0));
+        let unlocked = call.join().expect("the caller").expect("the retry wins");
+        assert!(unlocked.was_held());
+    });
+    wait_for(secs(6), "the first send landed", || {
+        srv.keys_but_fences("redbaton:{a}*")
+            .contains(&"redbaton:{a}".to_owned())
+    });
+    let got = client(&srv.url()).try_multi_lock_for(["a", "b"], secs(6));
+    assert!(got.is_ok(), "{:?}", got.err());
+}

@@ -140,12 +140,26 @@ impl Engine {
             let token = first.token.as_str();
             (first.protocol).release_all(node, &keys, token, &unused, route.retry(), false)
         });
-        if let Err(e) = released {
-            log::debug!("giving back a multi-lock's names failed: {e}; left to the cleanup job");
-            let nodes: Vec<_> = route.node_ids();
-            for lock in locks {
-                let token = lock.token.clone();
-                (self.cleanup).release_later(&lock.keys, lock.protocol, token, None, nodes.clone());
+        match released {
+            // A group won by a retry: its first send may land after this.
+            Ok(_) => locks
+                .iter()
+                .for_each(|lock| self.look_again_if_resent(lock, &route)),
+            Err(e) => {
+                log::debug!(
+                    "giving back a multi-lock's names failed: {e}; left to the cleanup job"
+                );
+                let nodes: Vec<_> = route.node_ids();
+                for lock in locks {
+                    let token = lock.token.clone();
+                    (self.cleanup).release_later(
+                        &lock.keys,
+                        lock.protocol,
+                        token,
+                        None,
+                        nodes.clone(),
+                    );
+                }
             }
         }
     }
@@ -310,7 +324,7 @@ impl Engine {
         let (protocol, token) = (first.protocol, first.token.as_str());
         let route = self.topology.route(&first.keys);
         // One reply per lock; one error for the group, which a failover rides through.
-        let (_, replies) = self.release_riding(first, route, |route, resent| {
+        let (route, replies) = self.release_riding(first, route, |route, resent| {
             match on_sole(route, |node| {
                 protocol.release_all(node, &keys, token, &fences, route.retry(), resent)
             }) {
@@ -318,6 +332,9 @@ impl Engine {
                 Err(e) => vec![Err(e)],
             }
         });
+        locks
+            .iter()
+            .for_each(|lock| self.look_again_if_resent(lock, &route));
         if replies.len() != locks.len() {
             return match replies.into_iter().find_map(|r| r.err()) {
                 Some(e) => Err(e),
@@ -450,18 +467,20 @@ impl GroupContest<'_> {
                 ride.settled();
             }
             let hint = match outcome {
-                Ok(Taken::All(fences)) if lease_left(lease, started, engine.cfg.drift(lease)) => {
-                    return self.acquired(token, fences, started);
+                Ok(Taken::All { fences, resent })
+                    if lease_left(lease, started, engine.cfg.drift(lease)) =>
+                {
+                    return self.acquired(token, (fences, resent), started);
                 }
-                Ok(Taken::All(_)) => {
+                Ok(Taken::All { resent, .. }) => {
                     // No time left by the reply: a hold without time left is nobody's.
                     Counters::inc(&engine.counters.failed_attempts);
-                    self.give_back(token);
+                    self.give_back(token, resent);
                     end.late = true;
                     Some(Duration::ZERO)
                 }
-                Ok(Taken::Unacked { acked }) => {
-                    self.give_back(token);
+                Ok(Taken::Unacked { acked, resent }) => {
+                    self.give_back(token, resent);
                     end.unacked = Some(acked);
                     Some(Duration::ZERO)
                 }
@@ -544,13 +563,13 @@ impl GroupContest<'_> {
     fn acquired(
         &self,
         token: String,
-        fences: Vec<(u64, bool)>,
+        (fences, resent): (Vec<(u64, bool)>, bool),
         started: Stamp,
     ) -> Result<Vec<Arc<RemoteLock>>> {
         let engine = self.engine;
         if let Some((fence, _)) = fences.iter().find(|&&(f, _)| f > MAX_FENCE) {
             let e = Error::Protocol(format!("fence counter {fence} exceeds {MAX_FENCE}"));
-            self.give_back(token);
+            self.give_back(token, resent);
             return Err(e);
         }
         let nodes: Vec<_> = self.route.node_ids();
@@ -569,14 +588,17 @@ impl GroupContest<'_> {
                     nodes: nodes.clone(),
                     started,
                 };
-                engine.new_hold(acquisition)
+                let lock = engine.new_hold(acquisition);
+                lock.set_resent(resent);
+                lock
             });
         Ok(locks.collect())
     }
 
     /// Gives back what an attempt with `token` took: now while the caller's deadline
-    /// allows, else (or when that fails) in the background.
-    fn give_back(&self, token: String) {
+    /// allows, else (or when that fails) in the background. `resent`: it was won by a
+    /// retry, whose first send may land after this: the cleanup job looks again.
+    fn give_back(&self, token: String, resent: bool) {
         if !past(self.wait.deadline()) {
             let route = &self.route;
             let released = on_sole(route, |node| {
@@ -586,7 +608,8 @@ impl GroupContest<'_> {
                     .release_all(node, self.keys, &token, &unused, route.retry(), false)
             });
             match released {
-                Ok(_) => return,
+                Ok(_) if !resent => return,
+                Ok(_) => {}
                 Err(e) => log::debug!("giving back a multi-lock's group failed: {e}"),
             }
         }

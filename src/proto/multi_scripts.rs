@@ -157,8 +157,12 @@ return out
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Taken {
     /// Every lock of the group is ours: their fences, in the group's order, each with
-    /// whether the hold before it ended without a release (see `FENCE_FN`).
-    All(Vec<(u64, bool)>),
+    /// whether the hold before it ended without a release (see `FENCE_FN`). `resent`: as
+    /// `Attempt::Acquired`'s, the first send may take them all again after their release.
+    All {
+        fences: Vec<(u64, bool)>,
+        resent: bool,
+    },
     /// At least one of them is held by another or is a queued waiter's (nothing was
     /// taken); `pttl`: when they may all be free, the latest end of the leases and queue
     /// entries in the way (`None`: one of them has no TTL). `resent`: as
@@ -168,8 +172,8 @@ pub(crate) enum Taken {
         resent: bool,
     },
     /// The script took them all, but fewer replicas than asked acknowledged it in time
-    /// (`replica_ack`): the caller must give them back.
-    Unacked { acked: usize },
+    /// (`replica_ack`): the caller must give them back. `resent`: as `All`'s.
+    Unacked { acked: usize, resent: bool },
 }
 
 /// The call of [`MULTI_ACQUIRE`] (see it for the arguments) for the locks `keys`; `site`
@@ -215,9 +219,10 @@ fn taken_of(reply: Vec<i64>, locks: usize) -> Result<Taken> {
         }
     };
     match reply.as_slice() {
-        [1, fences @ ..] if fences.len() == locks => Ok(Taken::All(
-            fences.iter().map(|&f| fence(f)).collect::<Result<_>>()?,
-        )),
+        [1, fences @ ..] if fences.len() == locks => Ok(Taken::All {
+            fences: fences.iter().map(|&f| fence(f)).collect::<Result<_>>()?,
+            resent: false,
+        }),
         [0, pttl] => Ok(Taken::Held {
             resent: false,
             pttl: u64::try_from(*pttl).ok().map(Duration::from_millis),
@@ -246,7 +251,8 @@ impl Node {
         let (reply, unacked, resent) =
             self.run_acquire(&MULTI_ACQUIRE, calls, retry, deadline, took)?;
         match (taken_of(reply, locks)?, unacked) {
-            (Taken::All(_), Some(acked)) => Ok(Taken::Unacked { acked }),
+            (Taken::All { .. }, Some(acked)) => Ok(Taken::Unacked { acked, resent }),
+            (Taken::All { fences, .. }, None) => Ok(Taken::All { fences, resent }),
             (Taken::Held { pttl, .. }, _) => {
                 Counters::inc(&self.counters().failed_attempts);
                 Ok(Taken::Held { pttl, resent })
@@ -266,11 +272,17 @@ mod tests {
     fn replies_are_read() {
         assert_eq!(
             taken_of(vec![1, 7, 9], 2).expect("all"),
-            Taken::All(vec![(7, false), (9, false)])
+            Taken::All {
+                fences: vec![(7, false), (9, false)],
+                resent: false
+            }
         );
         assert_eq!(
             taken_of(vec![1, -7, 9], 2).expect("all"),
-            Taken::All(vec![(7, true), (9, false)])
+            Taken::All {
+                fences: vec![(7, true), (9, false)],
+                resent: false
+            }
         );
         assert_eq!(
             taken_of(vec![0, 250], 2).expect("held"),
