@@ -3,7 +3,9 @@
 //! entry to the cleanup job, which keeps trying while the entry lives (two re-check
 //! intervals), not only for one lease: given up after a lease shorter than that, the
 //! departed waiter's entry would stay in the queue, ahead of live waiters, once the
-//! partition heals; and an attempt that lands after its caller gave up is given back.
+//! partition heals; and an attempt that lands after its caller gave up is given back, as
+//! is the first send of one sent again after a lost reply, which its retry overtook, for
+//! every kind of hold and however the call ended.
 //! (`lifecycle.rs` shows that `shutdown` stops the job's thread.)
 //!
 //! Times are liveness bounds, never speed claims.
@@ -11,10 +13,11 @@
 use std::thread;
 use std::time::Instant;
 
-use redbaton::LockClient;
+use redbaton::{Builder, Error, LockClient};
 use redbaton_testkit::proxy::Proxy;
+use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{lock_client, ms, secs, test_server, test_server_and};
+use redbaton_testkit::{lock_builder, lock_client, ms, secs, test_server, test_server_and};
 
 /// The fair queue of the lock `name` under the default prefix.
 fn queue(name: &str) -> String {
@@ -23,6 +26,43 @@ fn queue(name: &str) -> String {
 
 fn client(url: &str) -> LockClient {
     lock_client!(node(url))
+}
+
+/// Runs `call`, a call of a client through `proxy` (with a read timeout of 1 s), with its
+/// first send held back 4 s on its way, while its retry with the same token (after the
+/// read timeout, on a fresh connection) goes through at once: the retry overtakes it.
+fn overtaking<T>(proxy: &Proxy, call: impl FnOnce() -> T) -> T {
+    proxy.set_delay_both(secs(4));
+    thread::scope(|s| {
+        s.spawn(|| {
+            thread::sleep(ms(500));
+            proxy.set_delay_both(ms(0));
+        });
+        call()
+    })
+}
+
+/// A server, a proxy in front of it, and a client through the proxy whose calls give up
+/// after 1 s (see [`overtaking`]).
+fn behind_proxy() -> (RedisServer, Proxy, LockClient) {
+    behind_proxy_with(|b| b)
+}
+
+/// As [`behind_proxy`], the client's settings changed by `more`.
+fn behind_proxy_with(more: impl FnOnce(Builder) -> Builder) -> (RedisServer, Proxy, LockClient) {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let late = more(lock_builder!(node(proxy.url()), io_timeouts(secs(1))));
+    (srv, proxy, late.build().expect("a client"))
+}
+
+/// Waits until the key of `name` (a lock, or a read-write lock or semaphore) exists: a
+/// first send held back by [`overtaking`] landed.
+fn landed(srv: &RedisServer, name: &str) {
+    let key = format!("redbaton:{{{name}}}");
+    wait_for(secs(6), "the first send landed", || {
+        srv.keys_but_fences(&format!("{key}*")).contains(&key)
+    });
 }
 
 /// A fair lock is taken and given back, leaving no queue.
@@ -119,11 +159,10 @@ enum Owner {
     Refuses,
 }
 
-/// A client through a proxy whose first attempt on `k` is delayed 4 s on its way, while
-/// its retry with the same token (after the 1 s read timeout, on a fresh connection)
-/// overtakes it; `owner` says what the other owner of `k` does meanwhile. Either way the
-/// first send lands after the caller is done, and takes the free lock with a token
-/// nobody holds: it must be given back soon, as above.
+/// A client whose attempt on `k` is overtaken by its retry (see [`overtaking`]); `owner`
+/// says what the other owner of `k` does meanwhile. Either way the first send lands
+/// after the caller is done, and takes the free lock with a token nobody holds: it must
+/// be given back soon, as above.
 fn overtaken(fair: bool, owner: Owner) {
     let srv = test_server();
     let proxy = Proxy::start(srv.addr());
@@ -140,47 +179,36 @@ fn overtaken(fair: bool, owner: Owner) {
             .clone();
         let () = held.query(&mut srv.conn()).expect("SET");
     }
-    proxy.set_delay_both(secs(4));
     let started = Instant::now();
-    thread::scope(|s| {
-        // The client lives on (its cleanup thread with it).
-        let (late, wait) = (
-            &late,
-            if owner == Owner::Outwaits {
-                secs(2)
-            } else {
-                secs(3)
-            },
-        );
-        let call = s.spawn(move || match owner {
-            Owner::Refuses => late.try_lock("k").and_then(|g| g.unlock()),
-            _ => late.try_lock_for("k", wait).and_then(|g| g.unlock()),
-        });
-        // The retry goes through at once.
-        thread::sleep(ms(500));
-        proxy.set_delay_both(ms(0));
-        if owner == Owner::LetsGo {
-            thread::sleep(ms(1500).saturating_sub(started.elapsed()));
-            del().expect("DEL");
-        }
-        match call.join().expect("the caller") {
-            Err(e) => assert!(
-                (owner == Owner::Outwaits && e.is_timeout())
-                    || (owner == Owner::Refuses && e.is_would_block()),
-                "{owner:?}: {e:?}"
-            ),
-            Ok(unlocked) => {
-                assert!(matches!(owner, Owner::None | Owner::LetsGo) && unlocked.was_held())
+    let outcome = overtaking(&proxy, || {
+        thread::scope(|s| {
+            if owner == Owner::LetsGo {
+                s.spawn(|| {
+                    thread::sleep(ms(1500).saturating_sub(started.elapsed()));
+                    del().expect("DEL");
+                });
             }
-        }
+            match owner {
+                Owner::Refuses => late.try_lock("k").and_then(|g| g.unlock()),
+                Owner::Outwaits => late.try_lock_for("k", secs(2)).and_then(|g| g.unlock()),
+                _ => late.try_lock_for("k", secs(3)).and_then(|g| g.unlock()),
+            }
+        })
     });
+    match outcome {
+        Err(e) => assert!(
+            (owner == Owner::Outwaits && e.is_timeout())
+                || (owner == Owner::Refuses && e.is_would_block()),
+            "{owner:?}: {e:?}"
+        ),
+        Ok(unlocked) => {
+            assert!(matches!(owner, Owner::None | Owner::LetsGo) && unlocked.was_held())
+        }
+    }
     if matches!(owner, Owner::Outwaits | Owner::Refuses) {
         del().expect("DEL");
     }
-    wait_for(secs(5), "the first send landed", || {
-        srv.keys_but_fences("redbaton:{k}*")
-            .contains(&key.to_owned())
-    });
+    landed(&srv, "k");
     let got = client(&srv.url()).try_lock_for("k", secs(6));
     assert!(got.is_ok(), "fair {fair}, {owner:?}: {:?}", got.err());
 }
@@ -209,51 +237,38 @@ fn an_attempt_overtaken_by_its_winning_retry_and_landing_after_the_release_is_gi
 /// holds. The seeker's leave looks again, and gives it back.
 #[test]
 fn a_permit_attempt_overtaken_by_its_retry_and_landing_late_is_given_back() {
-    let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let late = lock_client!(node(proxy.url()), io_timeouts(secs(1)));
+    let (srv, proxy, late) = behind_proxy();
     let (owner, other) = (client(&srv.url()), client(&srv.url()));
     drop(late.semaphore("warm-up", 1).acquire().expect("warm-up"));
     let held = owner.semaphore("s", 1).acquire().expect("the permit");
-    proxy.set_delay_both(secs(4));
-    thread::scope(|s| {
-        let late = &late;
-        let call = s.spawn(move || late.semaphore("s", 1).try_acquire_for(secs(2)).map(drop));
-        thread::sleep(ms(500));
-        proxy.set_delay_both(ms(0));
-        let e = call
-            .join()
-            .expect("the seeker")
-            .expect_err("no permit free");
-        assert!(e.is_timeout(), "{e:?}");
-    });
+    let got = overtaking(&proxy, || late.semaphore("s", 1).try_acquire_for(secs(2)));
+    let e = got.map(drop).expect_err("no permit free");
+    assert!(e.is_timeout(), "{e:?}");
     assert!(held.unlock().expect("unlock").was_held());
     thread::sleep(secs(3)); // the first send lands
     let got = other.semaphore("s", 1).try_acquire_for(secs(6));
     assert!(got.is_ok(), "{:?}", got.err());
 }
 
-/// A read-write lock's write hold won by a retry that overtook its first send, then
-/// released: the first send lands and takes the write hold again with the released
-/// member; the release is looked at again, and gives it back.
+/// A hold won by a retry that overtook its first send, then released: the first send
+/// lands and takes the hold again with the released token; the release is looked at
+/// again, and gives it back. A read-write lock's write hold, and a multi-lock's names.
 #[test]
-fn a_write_hold_won_by_a_retry_and_released_is_looked_at_again() {
-    let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let late = lock_client!(node(proxy.url()), io_timeouts(secs(1)));
-    drop(late.rwlock("warm-up").write().expect("warm-up"));
-    proxy.set_delay_both(secs(4));
-    thread::scope(|s| {
-        let late = &late;
-        let call = s.spawn(move || late.rwlock("rw").try_write_for(secs(3))?.unlock());
-        thread::sleep(ms(500));
-        proxy.set_delay_both(ms(0));
-        let unlocked = call.join().expect("the writer").expect("the retry wins");
-        assert!(unlocked.was_held());
-    });
-    thread::sleep(secs(4)); // the first send lands
-    let got = client(&srv.url()).rwlock("rw").try_read_for(secs(6));
-    assert!(got.is_ok(), "{:?}", got.err());
+fn a_hold_won_by_a_retry_and_released_is_looked_at_again() {
+    for multi in [false, true] {
+        let (srv, proxy, late) = behind_proxy();
+        let other = client(&srv.url());
+        let take = |c: &LockClient, names: [&str; 2], wait| match multi {
+            true => c.try_multi_lock_for(names, wait)?.unlock(),
+            false => c.rwlock(names[0]).try_write_for(wait)?.unlock(),
+        };
+        take(&late, ["w1", "w2"], secs(3)).expect("warm-up");
+        let unlocked = overtaking(&proxy, || take(&late, ["a", "b"], secs(3)));
+        assert!(unlocked.expect("the retry wins").was_held());
+        landed(&srv, "a");
+        let got = take(&other, ["a", "b"], secs(6));
+        assert!(got.is_ok(), "multi {multi}: {:?}", got.err());
+    }
 }
 
 /// A fair lock won by a retry that overtook its first send, and released; another client
@@ -263,24 +278,15 @@ fn a_write_hold_won_by_a_retry_and_released_is_looked_at_again() {
 /// takes the entry out as well as a hold.
 #[test]
 fn a_first_send_landing_queued_after_the_release_is_taken_out_of_the_queue() {
-    let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let late = lock_client!(
-        node(proxy.url()),
-        io_timeouts(secs(1)),
-        recheck_interval(secs(60))
-    );
+    let (srv, proxy, late) = behind_proxy_with(|b| b.recheck_interval(secs(60)));
     drop(late.lock("warm-up").expect("warm-up"));
-    proxy.set_delay_both(secs(4));
     let other = client(&srv.url());
-    let held = thread::scope(|s| {
-        let call = s.spawn(|| late.try_lock_for("k", secs(3))?.unlock());
-        thread::sleep(ms(500));
-        proxy.set_delay_both(ms(0));
-        let unlocked = call.join().expect("the caller").expect("the retry wins");
+    let held = overtaking(&proxy, || {
+        let unlocked = late.try_lock_for("k", secs(3))?.unlock()?;
         assert!(unlocked.was_held());
-        other.lock("k").expect("the lock, released")
+        other.lock("k")
     });
+    let held = held.expect("the retry wins, and the lock is free again");
     wait_for(secs(8), "the first send landed, queued", || {
         srv.zcard(&queue("k")) == 1
     });
@@ -295,53 +301,70 @@ fn a_first_send_landing_queued_after_the_release_is_taken_out_of_the_queue() {
 /// lands after that, on the free lock, with a token nobody holds. It is given back too.
 #[test]
 fn a_win_by_a_retry_without_its_replicas_is_looked_at_again_after_its_give_back() {
-    let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let late = lock_client!(
-        node(proxy.url()),
-        io_timeouts(secs(1)),
-        fair(false),
-        replica_ack(1, ms(100))
-    );
-    let e = late.try_lock("warm-up").expect_err("no replica");
-    assert!(matches!(e, redbaton::Error::ReplicaAck { .. }), "{e:?}");
-    proxy.set_delay_both(secs(4));
-    thread::scope(|s| {
-        let call = s.spawn(|| late.try_lock("k").map(drop));
-        thread::sleep(ms(500));
-        proxy.set_delay_both(ms(0));
-        let e = call.join().expect("the caller").expect_err("no replica");
-        assert!(matches!(e, redbaton::Error::ReplicaAck { .. }), "{e:?}");
-    });
-    wait_for(secs(6), "the first send landed", || {
-        srv.keys_but_fences("redbaton:{k}*")
-            .contains(&"redbaton:{k}".to_owned())
-    });
+    let (srv, proxy, late) = behind_proxy_with(|b| b.fair(false).replica_ack(1, ms(100)));
+    let warm_up = late.try_lock("warm-up").map(drop);
+    let overtaken = overtaking(&proxy, || late.try_lock("k").map(drop));
+    for got in [warm_up, overtaken] {
+        let e = got.expect_err("no replica");
+        assert!(matches!(e, Error::ReplicaAck { .. }), "{e:?}");
+    }
+    landed(&srv, "k");
     let got = client(&srv.url()).try_lock_for("k", secs(6));
     assert!(got.is_ok(), "{:?}", got.err());
 }
 
-/// A multi-lock won by a retry that overtook its first send, and released: the first
-/// send lands after the release and takes both names with the released token. The
-/// release is looked at again, and gives them back.
+/// An upgradable read won by a retry that overtook its first send; the read-write lock is
+/// then deleted under it, so its upgrade fails and the guard, lost, gives its hold back
+/// in the background. The first send lands after that and takes the upgradable read with
+/// the member given back: that give-back is looked at again too.
 #[test]
-fn a_multi_lock_won_by_a_retry_and_released_is_looked_at_again() {
-    let srv = test_server();
-    let proxy = Proxy::start(srv.addr());
-    let late = lock_client!(node(proxy.url()), io_timeouts(secs(1)));
-    drop(late.multi_lock(["w1", "w2"]).expect("warm-up"));
-    proxy.set_delay_both(secs(4));
-    thread::scope(|s| {
-        let call = s.spawn(|| late.try_multi_lock_for(["a", "b"], secs(3))?.unlock());
-        thread::sleep(ms(500));
-        proxy.set_delay_both(ms(0));
-        let unlocked = call.join().expect("the caller").expect("the retry wins");
-        assert!(unlocked.was_held());
+fn a_hold_won_by_a_retry_and_given_back_in_the_background_is_looked_at_again() {
+    let (srv, proxy, late) = behind_proxy();
+    drop(late.rwlock("warm-up").upgradable_read().expect("warm-up"));
+    let guard = overtaking(&proxy, || {
+        late.rwlock("rw").try_upgradable_read_for(secs(3))
     });
+    let guard = guard.expect("the retry wins");
+    let () = redis::cmd("DEL")
+        .arg("redbaton:{rw}")
+        .query(&mut srv.conn())
+        .expect("DEL");
+    let e = guard.upgrade().expect_err("the upgradable read is gone");
+    assert!(e.is_lost(), "{e:?}");
+    landed(&srv, "rw");
+    let got = client(&srv.url()).rwlock("rw").try_write_for(secs(6));
+    assert!(got.is_ok(), "{:?}", got.err());
+}
+
+/// An upgrade whose first send is overtaken by its retry, which finds another reader and
+/// waits until the upgrade times out; the guard keeps its upgradable read. The reader lets
+/// go and the first send lands: it turns the guard's upgradable read into the write hold
+/// of the same member. That hold is the guard's, and goes with the guard's release.
+#[test]
+fn an_upgrade_landing_after_it_timed_out_goes_with_the_guard() {
+    let (srv, proxy, late) = behind_proxy();
+    let other = client(&srv.url());
+    let warm = late.rwlock("warm-up").upgradable_read().expect("warm-up");
+    let reading = other.rwlock("warm-up").read().expect("warm-up read");
+    let warm = warm.try_upgrade_for(ms(200)).expect_err("warm-up");
+    drop(reading);
+    drop(warm.into_guard().upgrade().expect("warm-up upgrade"));
+    let guard = late.rwlock("rw").upgradable_read().expect("upgradable");
+    let reading = other.rwlock("rw").read().expect("another reader");
+    let e = overtaking(&proxy, || guard.try_upgrade_for(secs(2))).expect_err("a reader holds");
+    assert!(e.error().is_timeout(), "{e:?}");
+    let guard = e.into_guard();
+    drop(reading);
     wait_for(secs(6), "the first send landed", || {
-        srv.keys_but_fences("redbaton:{a}*")
-            .contains(&"redbaton:{a}".to_owned())
+        let holds: Vec<String> = redis::cmd("ZRANGE")
+            .arg("redbaton:{rw}")
+            .arg(0)
+            .arg(-1)
+            .query(&mut srv.conn())
+            .expect("ZRANGE");
+        holds.iter().any(|m| m.starts_with('w'))
     });
-    let got = client(&srv.url()).try_multi_lock_for(["a", "b"], secs(6));
+    drop(guard.unlock());
+    let got = other.rwlock("rw").try_write_for(secs(6));
     assert!(got.is_ok(), "{:?}", got.err());
 }

@@ -445,7 +445,8 @@ impl Protocol {
             // Whether a retry answered is not told: the guard's member outlives the wait
             // (see `token_outlives_wait`), so nothing may be left to the cleanup thread
             // for it; a first send landing after the wait needs the upgradable read it
-            // converts, which the guard's release or next upgrade settles.
+            // converts, and the write hold it turns it into goes with the guard's release
+            // (see `SHARED_RELEASE`), or is the guard's next upgrade's.
             return node.upgrade_shared(shared).map(|a| a.sent_again(false));
         }
         if let Some(want) = self.want() {

@@ -775,7 +775,8 @@ return {0, tonumber(redis.call('ZSCORE', KEYS[1], first)) - now}
 /// the holder's fence (a write hold's, see `end_fence` of `END_FENCE_FN`; `0` for other
 /// holds, or a write attempt nobody used), the grant lease ms, the fence counter's TTL
 /// ms, the publish mode. Returns 1 released, 0 the hold had expired or was gone, −1 the
-/// key is another kind of lock. A write hold released before it expired marks the counter
+/// key is another kind of lock. An upgradable hold that is gone because a late upgrade of
+/// it turned it into the write hold of its token gives that write hold back instead. A write hold released before it expired marks the counter
 /// released, or, when the write hold is granted on, the grant's fence is issued as after a
 /// release (one `SET` of the counter, see [`PASS_ON`]).
 ///
@@ -792,8 +793,19 @@ static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
         r"
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
-if not s then return 0 end
 local now = now_ms()
+if not s and string.sub(ARGV[1], 1, 1) == 'u' then
+  -- An upgrade of this hold whose first send landed after its wait ended turned it into
+  -- the write hold of the same token, which nobody uses: it goes with the upgradable
+  -- hold, as a write attempt nobody used.
+  local turned = 'w' .. string.sub(ARGV[1], 2)
+  if redis.call('ZSCORE', KEYS[1], turned) then
+    redis.call('ZREM', KEYS[1], turned)
+    if KEYS[4] then end_fence(KEYS[4], '0') end
+    pass_on(turned, now, nil)
+  end
+end
+if not s then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 local live = tonumber(s) > now
 -- A write hold released in time: its counter is marked released by what comes next.
