@@ -10,9 +10,11 @@
 //!
 //! Times are liveness bounds, never speed claims.
 
+use std::panic::{self, AssertUnwindSafe};
 use std::thread;
 use std::time::Instant;
 
+use redbaton::fault::{self, Point};
 use redbaton::{Builder, Error, LockClient};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
@@ -366,5 +368,28 @@ fn an_upgrade_landing_after_it_timed_out_goes_with_the_guard() {
     });
     drop(guard.unlock());
     let got = other.rwlock("rw").try_write_for(secs(6));
+    assert!(got.is_ok(), "{:?}", got.err());
+}
+
+/// A lock won by a retry that overtook its first send, whose release panics (injected
+/// there): the release is left to the cleanup thread, and the first send, landing after
+/// it, takes the lock again with the released token. That release is looked at again too.
+#[test]
+fn a_release_left_to_the_cleanup_thread_after_a_panic_is_looked_at_again() {
+    const PREFIX: &str = "cleanup-faults-panic:";
+    let (srv, proxy, late) = behind_proxy_with(|b| b.key_prefix(PREFIX));
+    drop(late.lock("warm-up").expect("warm-up"));
+    let guard = overtaking(&proxy, || late.try_lock_for("k", secs(3)));
+    let guard = guard.expect("the retry wins");
+    fault::arm(PREFIX, Point::Release, 1);
+    let unlocked = panic::catch_unwind(AssertUnwindSafe(|| guard.unlock()));
+    fault::disarm(PREFIX, Point::Release);
+    assert!(unlocked.is_err(), "the release panics");
+    let key = format!("{PREFIX}{{k}}");
+    let held = || srv.keys_but_fences(&format!("{key}*")).contains(&key);
+    wait_for(secs(6), "the release made", || !held());
+    wait_for(secs(6), "the first send landed", held);
+    let other = lock_client!(node(srv.url()), key_prefix(PREFIX));
+    let got = other.try_lock_for("k", secs(6));
     assert!(got.is_ok(), "{:?}", got.err());
 }

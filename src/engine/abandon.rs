@@ -27,14 +27,7 @@ impl Engine {
     pub(crate) fn release_in_background(&self, lock: &RemoteLock) {
         lock.begin_release(&self.counters);
         let route = self.topology.route(&lock.keys);
-        let every = route.node_ids();
-        self.cleanup.release_later(
-            &lock.keys,
-            lock.protocol,
-            lock.token.clone(),
-            Some(lock.fence),
-            every,
-        );
+        self.cleanup.release_hold_later(lock, route.node_ids());
     }
 
     /// A queued waiter is unwinding: leave the queue, and pass on whatever reached it

@@ -24,7 +24,8 @@
 //! was given back (invariant 3), so a look finds only what a late attempt left. So is the
 //! token of an attempt sent again after a lost reply, whose retry overtook the first send:
 //! a retry that finds the lock held says nothing of the first send, and a hold the retry
-//! won is looked at again after its release (the first send would take it again then).
+//! won is looked at again after its release (the first send would take it again then),
+//! also a release left to this thread (see `Job::resent`).
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -37,6 +38,7 @@ use crossbeam_channel::{RecvTimeoutError, Sender, TryRecvError, TrySendError};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::local::held::RemoteLock;
 use crate::proto::keys::Keys;
 use crate::proto::node::{Node, NodeId, ReleaseReply, Retry};
 use crate::proto::protocol::Protocol;
@@ -70,6 +72,10 @@ struct Job {
     /// How many times it ran and reached Redis: a job that did is looked at again, not
     /// retried, and is not counted as dropped when the client shuts down.
     looks: u32,
+    /// The release of a hold won by a retry (see `RemoteLock::resent`): once made, its
+    /// token is given back as an attempt's, and looked at again, since the first send of
+    /// the attempt may land after it.
+    resent: bool,
 }
 
 /// What a job gives back.
@@ -82,6 +88,19 @@ enum Undo {
     Leave,
     /// The contention mark of a wait that kept no token (see `Protocol::unmark`).
     Unmark,
+}
+
+impl Undo {
+    /// The give-back of an attempt of a token nobody uses: a leave where a waiter's leave
+    /// gives back a hold too (see `Protocol::leave_gives_back`), since an attempt of the
+    /// token that lands late while another holds the name queues the token (or marks the
+    /// name waited for) instead of taking it; else the release of a hold nobody used.
+    fn give_back(protocol: Protocol) -> Undo {
+        match protocol.leave_gives_back() {
+            true => Undo::Leave,
+            false => Undo::Release(None),
+        }
+    }
 }
 
 /// The client's cleanup thread and its queue; the thread starts at the first job. It holds
@@ -157,15 +176,27 @@ impl Cleanup {
         fence: Option<u64>,
         nodes: Vec<NodeId>,
     ) {
-        self.later(keys, protocol, token, Undo::Release(fence), nodes, 0);
+        self.later(
+            keys,
+            protocol,
+            token,
+            Undo::Release(fence),
+            nodes,
+            (0, false),
+        );
+    }
+
+    /// Queues the release of `lock`, a hold of ours, on `nodes`, as [`Self::release_later`]
+    /// does; a hold won by a retry is looked at again after (see `Job::resent`).
+    pub fn release_hold_later(&self, lock: &RemoteLock, nodes: Vec<NodeId>) {
+        let (keys, protocol, token) = (&lock.keys, lock.protocol, lock.token.clone());
+        let undo = Undo::Release(Some(lock.fence));
+        self.later(keys, protocol, token, undo, nodes, (0, lock.resent()));
     }
 
     /// Queues the give-back of an attempt of `token` nobody uses (a hold it took, and what
-    /// it left waiting), as [`Self::release_later`] does a release. Where a waiter's leave
-    /// gives back a hold too (see `Protocol::leave_gives_back`), it is a leave: an attempt
-    /// of the token that lands late, while another holds the name, queues the token (or
-    /// marks the name waited for) instead of taking it, and the look again takes that
-    /// out as well. The token must not be used again.
+    /// it left waiting: see `Undo::give_back`), as [`Self::release_later`] does a release.
+    /// The token must not be used again.
     pub fn give_back_later(
         &self,
         keys: &Keys,
@@ -173,30 +204,40 @@ impl Cleanup {
         token: String,
         nodes: Vec<NodeId>,
     ) {
-        let undo = match protocol.leave_gives_back() {
-            true => Undo::Leave,
-            false => Undo::Release(None),
-        };
-        self.later(keys, protocol, token, undo, nodes, 0);
+        self.later(
+            keys,
+            protocol,
+            token,
+            Undo::give_back(protocol),
+            nodes,
+            (0, false),
+        );
     }
 
     /// Queues the leaving of the waiter `token` on `nodes`, as [`Self::release_later`]
     /// does a release; what cannot be queued expires (the mark or entry, and any grant).
     pub fn leave_later(&self, keys: &Keys, protocol: Protocol, token: String, nodes: Vec<NodeId>) {
-        self.later(keys, protocol, token, Undo::Leave, nodes, 0);
+        self.later(keys, protocol, token, Undo::Leave, nodes, (0, false));
     }
 
     /// Queues the removal of a contention mark on `nodes` (a wait that kept no token), as
     /// [`Self::leave_later`] does a leave; what cannot be queued expires with its TTL.
     pub fn unmark_later(&self, keys: &Keys, protocol: Protocol, nodes: Vec<NodeId>) {
-        self.later(keys, protocol, String::new(), Undo::Unmark, nodes, 0);
+        self.later(
+            keys,
+            protocol,
+            String::new(),
+            Undo::Unmark,
+            nodes,
+            (0, false),
+        );
     }
 
     /// Queues a look, after a pause, at the leaving of the waiter `token` that was made on
     /// `nodes` while an attempt of it was still unanswered there: the attempt may land
     /// after the leaving (see the module docs).
     pub fn look_again(&self, keys: &Keys, protocol: Protocol, token: String, nodes: Vec<NodeId>) {
-        self.later(keys, protocol, token, Undo::Leave, nodes, 1);
+        self.later(keys, protocol, token, Undo::Leave, nodes, (1, false));
     }
 
     fn later(
@@ -206,7 +247,7 @@ impl Cleanup {
         token: String,
         undo: Undo,
         nodes: Vec<NodeId>,
-        looks: u32,
+        (looks, resent): (u32, bool),
     ) {
         let lives = Job::lives(protocol, &undo, self.lease);
         let now = Instant::now();
@@ -219,6 +260,7 @@ impl Cleanup {
             moot_at: now + lives,
             due: now + Job::pause(looks),
             looks,
+            resent,
         };
         let mut worker = self.worker.lock();
         if self.stopped.load(Ordering::Relaxed) {
@@ -387,8 +429,11 @@ impl Job {
     /// The same job, to run again after the next pause, when it gives back an attempt (a
     /// hold nobody used, or a wait) and what a late attempt could leave lives past then.
     fn look_again(mut self) -> Option<Job> {
-        if matches!(self.undo, Undo::Release(Some(_))) {
-            return None;
+        if let Undo::Release(Some(_)) = self.undo {
+            if !self.resent {
+                return None;
+            }
+            self.undo = Undo::give_back(self.protocol);
         }
         self.looks += 1;
         self.due = Instant::now() + Job::pause(self.looks);
