@@ -393,3 +393,32 @@ fn a_release_left_to_the_cleanup_thread_after_a_panic_is_looked_at_again() {
     let got = other.try_lock_for("k", secs(6));
     assert!(got.is_ok(), "{:?}", got.err());
 }
+
+/// A hold won by a retry that overtook its first send, then turned into another (a write
+/// hold downgraded, an upgradable read upgraded) and released: the first send lands after
+/// that, and takes the hold it was for with the member the turn retired. The release of
+/// the turned hold looks again at that member too.
+#[test]
+fn a_hold_won_by_a_retry_and_turned_is_looked_at_again_after_its_release() {
+    for upgrade in [false, true] {
+        let (srv, proxy, late) = behind_proxy();
+        let turned = |name: &str| match upgrade {
+            true => late
+                .rwlock(name)
+                .try_upgradable_read_for(secs(3))?
+                .upgrade()?
+                .unlock(),
+            false => late
+                .rwlock(name)
+                .try_write_for(secs(3))?
+                .downgrade()?
+                .unlock(),
+        };
+        turned("warm-up").expect("warm-up");
+        let unlocked = overtaking(&proxy, || turned("rw"));
+        assert!(unlocked.expect("the retry wins").was_held());
+        landed(&srv, "rw");
+        let got = client(&srv.url()).rwlock("rw").try_write_for(secs(6));
+        assert!(got.is_ok(), "upgrade {upgrade}: {:?}", got.err());
+    }
+}

@@ -1019,6 +1019,9 @@ impl Contest<'_> {
             }
             None => engine.new_hold(acquisition),
         };
+        if let Some(from) = self.from {
+            lock.set_turned_from(from);
+        }
         Counters::inc(&engine.counters.remote_acquisitions);
         Ok(lock)
     }

@@ -135,14 +135,25 @@ impl Engine {
     /// back and looks again, or takes the token out of the queue (or the waiting mark) where
     /// it landed while another held the name: the next release would grant the lock to
     /// that entry, to nobody, and a writer's mark would hold new readers back for its TTL.
-    /// (A hold made by turning one won so does not carry it: the member it was won with is
-    /// not the one released.)
+    /// A hold made by turning one won so does not carry the flag (the member it was won
+    /// with is not the one released): its release looks again at that member (see
+    /// [`Self::look_again_at_turned`]).
     pub(crate) fn look_again_if_resent(&self, lock: &RemoteLock, route: &Route) {
-        if !lock.resent() {
-            return;
-        }
         let every = route.node_ids();
-        (self.cleanup).give_back_later(&lock.keys, lock.protocol, lock.token.clone(), every);
+        if lock.resent() {
+            let token = lock.token.clone();
+            (self.cleanup).give_back_later(&lock.keys, lock.protocol, token, every.clone());
+        }
+        self.look_again_at_turned(lock, every);
+    }
+
+    /// After the release of `lock`: the holds it was turned from that an attempt may still
+    /// take (see `RemoteLock::turned_from`) are given back by the cleanup thread, which
+    /// looks again. Their members were retired by the turn, and nothing uses them now.
+    pub(crate) fn look_again_at_turned(&self, lock: &RemoteLock, nodes: Vec<NodeId>) {
+        for (protocol, token) in lock.turned_from() {
+            (self.cleanup).give_back_later(&lock.keys, protocol, token, nodes.clone());
+        }
     }
 
     /// Counts a hold that its release found gone or another's (`outcome`) when it was not

@@ -539,6 +539,7 @@ impl Engine {
             started,
         };
         let remote = Arc::new(self.remote_lock(acquisition).capped_as(from));
+        remote.set_turned_from(from);
         if unacked.is_some() {
             // Too few replicas have the read hold: a failover could bring the write hold
             // back, lasting as long as it was acknowledged. The read hold is trusted no

@@ -43,6 +43,12 @@ pub(crate) struct RemoteLock {
     /// take the lock again with this token, so the release is looked at again (see
     /// `cleanup`).
     resent: AtomicBool,
+    /// The holds of ours this one was turned from (an upgradable read into the write hold,
+    /// a write hold into the read hold) that were won so, or turned from such, each with
+    /// how it was held: the first send of their attempt may land after this hold's
+    /// release and take them again with their member, which the turn retired. Looked at
+    /// again with this hold's release.
+    turned_from: Mutex<Vec<(Protocol, String)>>,
     /// How it is held in Redis, which says how it is released and renewed.
     pub protocol: Protocol,
     state: Mutex<State>,
@@ -121,6 +127,20 @@ impl RemoteLock {
         self.resent.load(Ordering::Relaxed)
     }
 
+    /// This hold was turned from `from` (see the field).
+    pub fn set_turned_from(&self, from: &RemoteLock) {
+        let mut earlier = from.turned_from();
+        if from.resent() {
+            earlier.push((from.protocol, from.token.clone()));
+        }
+        *self.turned_from.lock() = earlier;
+    }
+
+    /// The holds this one was turned from that an attempt may still take (see the field).
+    pub fn turned_from(&self) -> Vec<(Protocol, String)> {
+        self.turned_from.lock().clone()
+    }
+
     /// This hold, made of `from` (a write hold turned into a read hold), keeps `from`'s
     /// cap: the cap counts from the acquisition in Redis, which a conversion does not
     /// renew.
@@ -148,6 +168,7 @@ impl RemoteLock {
             hold_limit: started + max_hold.unwrap_or(Duration::MAX),
             renews: renew_every.is_some(),
             resent: AtomicBool::new(false),
+            turned_from: Mutex::new(Vec::new()),
             protocol: won.protocol,
             state: Mutex::new(State {
                 lease,
