@@ -7,7 +7,7 @@
 //! upgrade that returns its read hold lost at the deadline counts as that, not as a
 //! timeout; replies lost on the way back count no acquisition twice and no loss; a
 //! recorder that panics as a loss is counted strands no unlock and keeps no holder
-//! from being told.
+//! from being told, at a shutdown too.
 //!
 //! The tests share the process-wide recorder: they run one at a time (see [`recorded`]).
 
@@ -481,4 +481,29 @@ fn a_recorder_panicking_as_a_loss_is_counted_strands_no_extend() {
     assert_eq!(extended, Err(true), "the extend finds the hold lost");
     assert_eq!(unlocked.expect("unlock"), Unlocked::Expired);
     assert_eq!(lost.recv_timeout(secs(5)), Ok(LostReason::Deleted));
+}
+
+/// A recorder that panics as the first hold is counted lost at `shutdown`: every other
+/// hold is still told it is lost (nothing renews it any more), and the shutdown ends.
+#[test]
+fn a_recorder_panicking_at_shutdown_keeps_no_holder_from_being_told() {
+    let (_snapshots, _turn) = recorded();
+    let srv = test_server();
+    let client = lock_client!(node(srv.url()));
+    let guards: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|name| client.lock(name).expect("lock"))
+        .collect();
+    FAIL_ON_LOSS.store(true, Ordering::SeqCst);
+    client.shutdown(secs(5)).expect("shutdown");
+    assert!(
+        !FAIL_ON_LOSS.load(Ordering::SeqCst),
+        "the recorder never failed"
+    );
+    for guard in &guards {
+        assert_eq!(
+            guard.lost().recv_timeout(secs(5)),
+            Ok(LostReason::WatchdogFailed)
+        );
+    }
 }

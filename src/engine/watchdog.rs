@@ -161,7 +161,11 @@ impl Watchdog {
         let orphans: Vec<Arc<RemoteLock>> =
             self.held.lock().locks.drain().map(|(_, l)| l).collect();
         for lock in orphans {
-            lock.mark_lost(LostReason::WatchdogFailed, &self.counters);
+            // The logger and the metrics recorder that count the loss are the user's
+            // code: a panic there (which the panic hook reports) must not keep the other
+            // holders from being told, nor come out of a drop.
+            let tell = || lock.mark_lost(LostReason::WatchdogFailed, &self.counters);
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(tell));
         }
     }
 
