@@ -29,8 +29,8 @@ pub enum Wakeup {
     /// Retry at a fixed interval, like most Redis locks do. Useful to measure the difference.
     /// With the fair queue (the default) a polling waiter hears no grant: it takes a lock
     /// granted to it at its next poll, so an interval longer than the grant lease (one
-    /// second, or the lease if shorter) loses it its turn; poll faster, or turn the queue
-    /// off ([`Builder::fair`](crate::Builder::fair)).
+    /// second, or the lease if shorter) loses it its turn (`build()` warns of one); poll
+    /// faster, or turn the queue off ([`Builder::fair`](crate::Builder::fair)).
     Polling(Duration),
 }
 

@@ -266,6 +266,28 @@ fn the_volatile_eviction_warning_names_the_fence_counter() {
     );
 }
 
+/// Waiters that poll no faster than the fair queue's grant lease (one second) lose their
+/// turn whenever a lock is granted to them: `build()` warns (it does not refuse: a slow
+/// poller is how a waiter that hears nothing is shown); faster polling, or no queue, is
+/// not warned of.
+#[test]
+fn polling_slower_than_a_grant_lasts_is_warned_with_the_fair_queue() {
+    init_log();
+    logs::capture();
+    let srv = test_server();
+    let polling = |every, fair| {
+        let c = lock_client!(node(srv.url()), wakeup(Wakeup::Polling(every)), fair(fair));
+        drop(c);
+        logs::lines(log::Level::Warn, &format!("every {every:?}"))
+    };
+    assert_eq!(polling(ms(1234), true).len(), 1, "one warning");
+    assert!(polling(ms(1235), false).is_empty(), "no queue: no warning");
+    assert!(
+        polling(ms(999), true).is_empty(),
+        "polling faster: no warning"
+    );
+}
+
 /// The eviction warnings logged for a server with a 100 MB memory limit and the eviction
 /// `policy`, while a client `make` builds for its URL is alive.
 fn eviction_warnings(policy: &str, make: impl FnOnce(&str) -> LockClient) -> Vec<String> {

@@ -908,6 +908,19 @@ impl Builder {
                 cfg.read_timeout, cfg.lease
             ));
         }
+        if let Wakeup::Polling(every) = cfg.wakeup
+            && cfg.fair
+            && every >= cfg.grant_lease()
+        {
+            // Not refused: a waiter that polls slowly is how one that hears nothing is
+            // shown. A polling waiter hears no grant, and takes one at its next poll.
+            log::warn!(
+                "waiters poll every {every:?} with the fair queue: a lock granted to one \
+                 lapses after {:?}, before its next poll, and it loses its turn; poll \
+                 faster or turn the queue off",
+                cfg.grant_lease()
+            );
+        }
         Ok(cfg)
     }
 }
