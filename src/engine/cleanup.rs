@@ -25,7 +25,9 @@
 //! token of an attempt sent again after a lost reply, whose retry overtook the first send:
 //! a retry that finds the lock held says nothing of the first send, and a hold the retry
 //! won is looked at again after its release (the first send would take it again then),
-//! also a release left to this thread (see `Job::resent`).
+//! also a release left to this thread (see `Job::resent`). A look that is due runs before
+//! a job is tried again for the network: a node that cannot be reached is tried again
+//! until its job is moot, and must not hold up the looks at the others.
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -322,11 +324,22 @@ impl Cleanup {
                     counters.cleanup_dropped.count(live as u64);
                 };
                 loop {
-                    let job = match rx.try_recv() {
-                        Ok(job) => job,
+                    // A look that is due goes before a retry: a job that keeps failing for
+                    // the network (a node that cannot be reached) is retried until it is
+                    // moot, a lease, and the looks at the other nodes must not wait so long.
+                    let now = Instant::now();
+                    let due = (looks.iter().enumerate())
+                        .filter(|(_, job)| job.due <= now)
+                        .min_by_key(|(_, job)| job.due)
+                        .map(|(i, _)| i);
+                    let job = match (rx.try_recv(), due) {
+                        (Ok(job), _) => job,
                         // The client shut down: the queue is made, the retries given up.
-                        Err(TryRecvError::Disconnected) => return give_up(&mut again.drain(..)),
-                        Err(TryRecvError::Empty) => match again.pop_front() {
+                        (Err(TryRecvError::Disconnected), _) => {
+                            return give_up(&mut again.drain(..));
+                        }
+                        (Err(TryRecvError::Empty), Some(i)) => looks.swap_remove(i),
+                        (Err(TryRecvError::Empty), None) => match again.pop_front() {
                             Some(job) => {
                                 std::thread::sleep(AGAIN_AFTER);
                                 job

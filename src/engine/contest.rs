@@ -356,8 +356,10 @@ impl Contest<'_> {
         let mut ride = Ride::new(&engine.topology, &engine.counters);
         let mut carried: Option<(String, Undo)> = None;
         // What the attempts before a retry with their token may have left: the retry's own
-        // failure (a refused connection, say) says nothing of them.
+        // failure (a refused connection, say) says nothing of them, and nor does its win or
+        // its finding the lock held (they may land after it). With that token.
         let mut earlier = Undo::default();
+        let mut ridden: Option<String> = None;
         let mut end = WaitEnd::new(&engine.cfg);
         // Grants heard and not yet judged: at the deadline, or while the subscriber's
         // early attempt was in flight.
@@ -426,6 +428,7 @@ impl Contest<'_> {
                     };
                     let retried = carried.take().map(|(tried, undo)| {
                         earlier = undo;
+                        ridden = Some(tried.clone());
                         tried
                     });
                     let token = self.token.borrow().clone().or(retried);
@@ -437,8 +440,24 @@ impl Contest<'_> {
             self.settle_token(&mut heard);
             if !matches!(outcome, Ok(Round::Failed { .. })) {
                 ride.settled();
-                carried = None;
+                // A round ridden through that did not fail: what the failed rounds before it
+                // may have left is settled as this round's own would be. A win with their
+                // token counts as a retry's (its release is looked at again); otherwise it
+                // is given back. (Not an upgrade's: see `Protocol::token_outlives_wait`.)
+                let left = (carried.take())
+                    .or_else(|| ridden.take().map(|t| (t, std::mem::take(&mut earlier))))
+                    .filter(|(_, left)| !left.is_empty());
+                if let Some((tried, left)) = left.filter(|_| !self.protocol.token_outlives_wait()) {
+                    match &outcome {
+                        Ok(Round::Acquired(won)) if won.remote.token == tried => {
+                            won.remote.set_resent(true)
+                        }
+                        Ok(Round::Acquired(_) | Round::Late) => self.undo(tried, left, false),
+                        _ => self.undo(tried, left, true),
+                    }
+                }
                 earlier = Undo::default();
+                ridden = None;
             }
             let hint = match outcome {
                 Ok(Round::Acquired(won)) => return Ok(self.settled_by(won)),
@@ -844,6 +863,8 @@ impl Contest<'_> {
             }
         }
         undo.unknown.append(&mut undo.granted);
+        undo.unknown.sort();
+        undo.unknown.dedup();
         if !undo.unknown.is_empty() {
             // Not waited for: one bounded worker per client (see `cleanup`). The token is
             // not used again: settled by the next call above, or retired.

@@ -466,6 +466,9 @@ impl GroupContest<'_> {
             if outcome.is_ok() {
                 ride.settled();
             }
+            // An attempt with this token before, in a ride, may have run: it may land after
+            // this one, as a first send after its retry.
+            let outcome = outcome.map(|taken| taken.sent_again_if(ran_before));
             let hint = match outcome {
                 Ok(Taken::All { fences, resent })
                     if lease_left(lease, started, engine.cfg.drift(lease)) =>

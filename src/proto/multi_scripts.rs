@@ -176,6 +176,18 @@ pub(crate) enum Taken {
     Unacked { acked: usize, resent: bool },
 }
 
+impl Taken {
+    /// This answer, to an attempt that followed another with the same token that may have
+    /// run (`earlier`): that one may still land after it, as a first send after its retry.
+    pub(crate) fn sent_again_if(mut self, earlier: bool) -> Self {
+        let (Taken::All { resent, .. }
+        | Taken::Held { resent, .. }
+        | Taken::Unacked { resent, .. }) = &mut self;
+        *resent |= earlier;
+        self
+    }
+}
+
 /// The call of [`MULTI_ACQUIRE`] (see it for the arguments) for the locks `keys`; `site`
 /// carries the multi-lock's mark id in place of the client's id. A failed attempt marks
 /// contention for `mark_ms` (0: the caller will not wait); `clear`: the caller marked

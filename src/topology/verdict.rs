@@ -23,13 +23,14 @@ pub(crate) enum Vote {
         behind: Vec<NodeId>,
         others_wait: bool,
         previous_lost: bool,
-        /// A granting node's reply was a retry's after a lost one: the first send may land
-        /// after the hold's release and take the lock again (see `Attempt::Held`).
+        /// A node's attempt may still land after the hold's release and take the lock again
+        /// (see `Attempt::Held`): a granting node's reply was a retry's after a lost one,
+        /// or another node's reply was lost (Redlock). The release is looked at again.
         resent: bool,
         /// The other nodes that may hold our token (a lost reply, a grant without enough
         /// replicas): to be undone with `granted` when the win is given up after all (its
         /// fence raised on too few nodes, or its lease spent by the raises). A win handed
-        /// out needs none: its release goes to every node.
+        /// out needs none: its release goes to every node, and is looked at again.
         stray: Undo,
     },
     /// Held elsewhere: wait until the first of an event and `hint` (the holder's
@@ -49,8 +50,10 @@ pub(crate) enum Vote {
 pub(crate) struct Undo {
     /// Nodes that granted: worth a release the caller waits for, while its deadline allows.
     pub granted: Vec<NodeId>,
-    /// Nodes whose reply was lost: the attempt may have run. Released without waiting:
-    /// a node that just failed may fail again, and the caller's deadline is not spent on it.
+    /// Nodes whose reply was lost, or answered a retry after a lost one: the attempt may
+    /// have run, or may land later. Given back without waiting (a node that just failed
+    /// may fail again, and the caller's deadline is not spent on it), and looked at again;
+    /// a node may be among `granted` too (a retry granted there).
     pub unknown: Vec<NodeId>,
 }
 
@@ -69,7 +72,6 @@ impl Undo {
             mine.sort();
             mine.dedup();
         }
-        self.unknown.retain(|n| !self.granted.contains(n));
     }
 }
 
@@ -148,17 +150,17 @@ pub(crate) fn vote(replies: Vec<(NodeId, Result<Attempt>)>, rules: Rules) -> Vot
                 .map(|(n, _)| n.clone())
                 .collect()
         };
-        let resent = replies
-            .iter()
-            .any(|(_, r)| r.as_ref().is_ok_and(|a| a.resent()));
+        // A node whose attempt may still land (its reply lost, or a retry's) may take the
+        // lock again after the release, with our token: the release is looked at again.
+        let stray = undo(false);
         return Vote::Won {
             others_wait,
             previous_lost,
-            resent,
+            resent: !stray.unknown.is_empty(),
             fence,
             granted: among(&|_| true),
             behind: among(&|f| f < fence),
-            stray: undo(false),
+            stray,
         };
     }
     let undo = undo(true);
@@ -426,6 +428,34 @@ mod tests {
             }
             v => panic!("{v:?}"),
         }
+    }
+
+    /// A node that granted a retry after a lost reply is given back now (it granted) and
+    /// looked at again later (the first send may land after that), also once the round's
+    /// undo took in an earlier one's.
+    #[test]
+    fn a_node_granting_a_retry_stays_among_those_looked_at_again() {
+        let resent = Ok(Attempt::Acquired {
+            fence: 7,
+            others_wait: false,
+            previous_lost: false,
+            resent: true,
+        });
+        let replies = vec![
+            (id(1), resent),
+            (id(2), Err(io_error())),
+            (id(3), Err(io_error())),
+        ];
+        let Vote::Failed { mut undo, .. } = vote(replies, rules(2, false)) else {
+            panic!("two nodes of three failed")
+        };
+        let earlier = Undo {
+            granted: vec![],
+            unknown: vec![id(2)],
+        };
+        undo.absorb(earlier);
+        assert_eq!(undo.granted, vec![id(1)]);
+        assert_eq!(undo.unknown, vec![id(1), id(2), id(3)]);
     }
 
     #[test]
