@@ -435,9 +435,6 @@ impl Contest<'_> {
                     (before, marks, self.round(marks, token))
                 }
             };
-            // Before anything else is sent for us: the early attempt armed before the sleep
-            // below carries the token too.
-            self.settle_token(&mut heard);
             if !matches!(outcome, Ok(Round::Failed { .. })) {
                 ride.settled();
                 // A round ridden through that did not fail: what the failed rounds before it
@@ -459,6 +456,9 @@ impl Contest<'_> {
                 earlier = Undo::default();
                 ridden = None;
             }
+            // Before anything else is sent for us: the early attempt armed before the sleep
+            // below carries the token too.
+            self.settle_token(&mut heard);
             let hint = match outcome {
                 Ok(Round::Acquired(won)) => return Ok(self.settled_by(won)),
                 Ok(Round::Held(hint)) => {
