@@ -300,8 +300,7 @@ fn no_give_back_of_an_unsettled_member_leaves_a_hold_for_nobody() {
 /// and the reader's hold, and marks `u0` waiting again; the release (`SHARED_RELEASE` of
 /// `u0`) leaves that mark. At the end of tick 4 a waiting-writer mark of nobody holds
 /// every new reader back, until it expires (two re-check intervals) or the reader's
-/// release wakes it. Without a deadline, an upgrade whose retry goes unanswered ends the
-/// same way (24 steps). With the mark taken out by the release of the upgradable read
+/// release wakes it. With the mark taken out by the release of the upgradable read
 /// (`SharedRules::release_takes_upgrade_mark`, not in the library) every property holds:
 /// see the next check.
 #[test]

@@ -162,7 +162,7 @@ pub struct SharedConfig {
 impl SharedConfig {
     /// The read-write configuration `cargo test` checks: a reader, a writer and a second
     /// reader, so that a write grant follows read holds and read grants follow a write
-    /// hold, with every kind of fault (about 1.9 million states).
+    /// hold, with every kind of fault (about 1.4 million states).
     pub fn rw() -> SharedConfig {
         SharedConfig {
             wants: vec![Want::Read, Want::Write, Want::Read],
@@ -372,7 +372,7 @@ impl SharedConfig {
     }
 
     /// The longer checks: two readers and two writers, four permit-seekers for two
-    /// permits (16 and 37 million states), and the upgrade, downgrade and local-turn
+    /// permits (15 and 37 million states), and the upgrade, downgrade and local-turn
     /// configurations two ticks longer.
     pub fn deep() -> [SharedConfig; 6] {
         let rw = SharedConfig {
