@@ -20,8 +20,8 @@
 //!   its longest delay; at most `Config::pauses` pauses begin, at most `Config::faults`
 //!   faults happen, and no tick goes past `Config::horizon`. A script publishes any
 //!   number of messages (a grant to each reader); they are delivered or lost together.
-//! - **Stall** a request the process allows (`Process::may_stall`: the first send of a
-//!   lock's acquisition attempt), one at a time, at most `Config::stalls` in all (the
+//! - **Stall** a request the process allows (`Process::may_stall`: the first send of an
+//!   acquisition attempt, of the lock or of a shared hold, or of an upgrade), one at a time, at most `Config::stalls` in all (the
 //!   budget's `stalls_left`), each a fault: it is held back and **lands** at any later
 //!   tick past its longest ordinary delay, up to `Bounds::stall` ticks after it was
 //!   sent, or never. Its sender gave up on it long
@@ -121,7 +121,7 @@ where
         }
         if faults > 0 {
             out.push(Move::DropRequest(request));
-            if s.budget.stalls_left > 0 && s.net.stalled.is_none() && p.may_stall(&request) {
+            if s.budget.stalls_left > 0 && s.net.stalled.is_none() && p.may_stall(cfg, &request) {
                 out.push(Move::Stall(request));
             }
         }
@@ -312,6 +312,7 @@ where
         Move::DropRequest(r) => {
             take(&mut s.net.requests, &r);
             s.lose();
+            H::dropped(s, r);
         }
         Move::Stall(r) => {
             take(&mut s.net.requests, &r);

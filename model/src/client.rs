@@ -622,7 +622,7 @@ impl Process for Proc {
     }
 
     /// The first send of the attempt in flight, which its retry may overtake.
-    fn may_stall(&self, request: &Request) -> bool {
+    fn may_stall(&self, _cfg: &Config, request: &Request) -> bool {
         matches!(self.remote, Remote::Contend { token, nonce, sent, .. }
             if request.op == (Op::Acquire { token, nonce }) && request.sent == sent)
     }

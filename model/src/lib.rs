@@ -46,7 +46,7 @@ use stateright::{Checker, HasDiscoveries, Model};
 
 pub use config::{Config, Grants, Mode, Rules};
 pub use shared::SharedModel;
-pub use shared::config::{SharedConfig, Want};
+pub use shared::config::{SharedConfig, SharedRules, Want};
 pub use system::{LockModel, Move, State};
 
 /// The outcome of a check.

@@ -34,7 +34,7 @@ pub trait Process: Clone + Debug + Eq + Hash {
     fn listens(&self) -> bool;
     /// Whether the adversary may stall `request` on its way (see `adversary`): none by
     /// default.
-    fn may_stall(&self, _request: &Request<Self::Op>) -> bool {
+    fn may_stall(&self, _cfg: &Self::Cfg, _request: &Request<Self::Op>) -> bool {
         false
     }
     fn choices(&self, cfg: &Self::Cfg, now: u8) -> Vec<Self::Choice>;
@@ -93,6 +93,8 @@ pub trait Ledger<R, P: Process>: Clone + Debug + Eq + Hash + Sized {
     /// A stalled request landed (its script ran, after its sender moved on), answered
     /// `answer`.
     fn landed(_s: &mut Sim<R, P, Self>, _request: Request<P::Op>, _answer: P::Answer) {}
+    /// The adversary dropped `request` on its way (a fault): its script never runs.
+    fn dropped(_s: &mut Sim<R, P, Self>, _request: Request<P::Op>) {}
 }
 
 /// A whole system at one moment.

@@ -5,7 +5,9 @@
 //! - `Proc::attempt`: one round, `RW_ACQUIRE` or `SEM_ACQUIRE` with the wait's member and
 //!   the next nonce. A won attempt's validity counts from when it was sent; a failed one
 //!   sleeps until the obstacle's end or the re-check, or goes again at once if a message
-//!   came meanwhile.
+//!   came meanwhile. With a deadline (`SharedConfig::deadline`) the sleep ends there, an
+//!   attempt sent from then on does not mark its member waiting, and one that fails then
+//!   ends the wait (`Proc::leave`: `WAITER_LEAVE` when it may have marked).
 //! - `Proc::hear`: `r`, and a wake-up or a grant to its own member. Before its next
 //!   attempt the waiter takes a grant carrying its latest attempt's nonce as the hold,
 //!   valid until that attempt's `sent + grant lease − drift`, with the first renewal due
@@ -17,15 +19,29 @@
 //!   (`Vote::Late`) is given back (`Contest::undo`: `SHARED_RELEASE` of the member,
 //!   awaited) before the next attempt, which uses a new member (`Contest::retire_token`;
 //!   `SharedConfig::reuse_given_back_member` is the broken variant). Once the resends are
-//!   spent the wait fails: `WAITER_LEAVE` passes on a hold the lost attempt may have
-//!   taken, or a grant that raced it.
+//!   spent the wait fails: its `WAITER_LEAVE`, which passes on a hold the lost attempt may
+//!   have taken or a grant that raced it, is left to the cleanup thread
+//!   (`Contest::leave_later`).
+//! - A retry's first send may land after it (`SharedConfig::stalls`). A retry answered
+//!   `held` is an unknown outcome: the member is kept, unsettled (`Contest::unsettled`),
+//!   and its next call settles it; an upgradable read's is given back by the cleanup and
+//!   the wait goes on with a new member. The cleanup thread (`net::Job`, `Proc::clean_up`)
+//!   gives back, and looks again at, a member nobody uses any more: after the release of
+//!   a hold won by a retry or while its member was unsettled (`RemoteLock::resent`), and
+//!   of a hold turned from one won so (`RemoteLock::turned_from`); after the give-back of
+//!   a late win won so; and a member left unsettled when its next call will not come
+//!   (the wait ends, or a late win retires it). `SharedConfig::rules` names each.
 //! - The watchdog renews (`SHARED_EXTEND`) once a third of the lease passed; a renewal's
 //!   reply gives `max(old, sent + lease − drift)`, its loss leaves the validity as it was
 //!   (a renewal sent later never shortens it), a hold gone ends it.
 //! - `Choice::Release`: `SHARED_RELEASE`, after any renewal in flight.
 //! - `Choice::Upgrade` (an upgradable read's): `RW_UPGRADE`, once or (`upgrade`) until it
-//!   wins, asleep between attempts as a waiter is; unanswered, the upgradable read is
-//!   lost and the write hold it may have made is given back. `Choice::Downgrade` (a
+//!   wins, asleep between attempts as a waiter is; sent again once unanswered (as an
+//!   attempt is), then the upgradable read is lost and the write hold it may have made is
+//!   given back; a retry's answer is not told (`Protocol::acquire`), so nothing of an
+//!   upgrade is left to the cleanup thread. Its first send, landing after a refused retry
+//!   ended the upgrade, turns the upgradable read the guard keeps into the write hold,
+//!   which goes with the guard's `SHARED_RELEASE` of the upgradable read. `Choice::Downgrade` (a
 //!   write hold's): `RW_DOWNGRADE`; the thread claims nothing until it returns, and the
 //!   read hold counts from its send; unanswered, the write hold is lost too.
 //! - Local turns (`SharedConfig::turns`, `engine::turns`): a reading or writing process's
@@ -33,7 +49,7 @@
 //!   while the hold is not known lost and its validity lasts.
 
 use crate::config::Grants;
-use crate::net::Request;
+use crate::net::{Job, Request};
 use crate::shared::config::{SharedConfig, Want};
 use crate::shared::redis::{Answer, Member, Op, Publish};
 use crate::world::{Pid, Process};
@@ -60,6 +76,14 @@ pub struct Hold {
     pub downgrading: bool,
     /// Taken over by a local turn (for the vacuity checks).
     pub turned: bool,
+    /// Won by a retry after a lost reply, or while a retry of its member was answered
+    /// `held` (`RemoteLock::resent`, `Contest::settled_by`): the first send may still land
+    /// after the release, which the cleanup looks at again.
+    pub resent: bool,
+    /// The member of the hold won so that this one was turned from (an upgradable read
+    /// upgraded, a write hold downgraded: `RemoteLock::turned_from`), which the turn
+    /// retired: its release looks at that member again.
+    pub turned_from: Option<Member>,
 }
 
 /// Where the process is.
@@ -82,11 +106,14 @@ pub struct Proc {
     pub pid: Pid,
     pub want: Want,
     pub phase: Phase,
-    /// The latest attempt's nonce and when it was first sent.
+    /// The latest attempt's nonce and when it was first sent (an upgrade's, once held).
     pub nonce: u8,
     pub sent: u8,
-    /// How many times the latest attempt was sent again.
+    /// How many times the latest attempt (or upgrade attempt) was sent again.
     pub resent: u8,
+    /// A retry of the wait's member was answered `held` (or failed): its first send may
+    /// still land. The member is kept, and its next call settles it (`Contest::unsettled`).
+    pub unsettled: bool,
     /// The wait's member now: a new one after a late win was given back.
     pub token: u8,
     /// An attempt of this wait may have marked it waiting.
@@ -112,6 +139,8 @@ pub enum Choice {
 #[derive(Default, Debug)]
 pub struct Effects {
     pub sent: Vec<SharedRequest>,
+    /// Jobs queued for the cleanup thread.
+    pub jobs: Vec<Job<Op>>,
     /// A hold of this kind began, with this fence.
     pub began: Option<(Want, u8)>,
 }
@@ -130,6 +159,7 @@ impl Proc {
             nonce: 0,
             sent: 0,
             resent: 0,
+            unsettled: false,
             token: 0,
             marked: false,
             turns: match want {
@@ -171,6 +201,27 @@ impl Proc {
         }
     }
 
+    /// Whether the process holds `m`, waits with it or will give it back: the member it
+    /// waits with; the member of its hold, and the members that go with it (the write
+    /// hold a late upgrade made of an upgradable read, `SHARED_RELEASE`; the read hold a
+    /// downgrade under way may have made; the member a turn retired, which the release
+    /// looks at again).
+    pub fn uses(&self, m: Member) -> bool {
+        if m.proc != self.pid.id || m.token != self.token {
+            return false;
+        }
+        match &self.phase {
+            Phase::Wait { .. } => m.want == self.want,
+            Phase::Hold(h) => {
+                m.want == h.kind
+                    || (h.kind == Want::Upgradable && m.want == Want::Write)
+                    || (h.downgrading && m.want == Want::Read)
+                    || h.turned_from == Some(m)
+            }
+            Phase::Done => false,
+        }
+    }
+
     /// Whether the process believes it holds now (a paused one's belief counts).
     pub fn believes(&self, now: u8) -> bool {
         self.hold()
@@ -189,6 +240,104 @@ impl Proc {
         self.turns -= 1;
         h.turned = true;
         true
+    }
+
+    /// Queues the cleanup's give-back of `m`, a member nobody uses any more
+    /// (`Cleanup::give_back_later`, `leave_later`): made, and looked at again, while what
+    /// it gives back could live (a hold a lease, a mark its TTL).
+    fn clean_up(&self, cfg: &SharedConfig, now: u8, op: Op, fx: &mut Effects) {
+        let lives = match op {
+            Op::Leave { .. } => cfg.lease.max(cfg.mark_ttl()),
+            _ => cfg.lease,
+        };
+        fx.jobs.push(Job {
+            until: now + lives,
+            from: self.pid.id,
+            op,
+        });
+    }
+
+    /// The hold goes back in Redis (`SHARED_RELEASE`), and the process is done; the
+    /// cleanup looks again at its member when it was won by a retry, and at the member it
+    /// was turned from (`Engine::look_again_if_resent`).
+    fn release(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) {
+        let Phase::Hold(h) = self.phase else {
+            return;
+        };
+        self.send(now, Op::Release { m: self.held() }, false, fx);
+        self.look_again(cfg, now, &h, fx);
+        self.phase = Phase::Done;
+    }
+
+    /// After the release of `h`: the cleanup gives back its member when it was won by a
+    /// retry (`Engine::look_again_if_resent`), and the member it was turned from
+    /// (`look_again_at_turned`), and looks again.
+    fn look_again(&self, cfg: &SharedConfig, now: u8, h: &Hold, fx: &mut Effects) {
+        if h.resent && cfg.rules.look_again_after_release {
+            self.clean_up(cfg, now, give_back(self.held()), fx);
+        }
+        if let Some(from) = h.turned_from.filter(|_| cfg.rules.look_again_at_turned) {
+            self.clean_up(cfg, now, give_back(from), fx);
+        }
+    }
+
+    /// The wait is over (its deadline passed, `Next::Over`, or the call does not wait,
+    /// `Next::Stop`): the leave takes its mark out (`WAITER_LEAVE`, passing on a grant that
+    /// raced it), when an attempt may have marked it; a member left unsettled, whose next
+    /// call will not come, is handed to the cleanup thread, which looks again
+    /// (`Contest::leave`, `give_back_unsettled`).
+    fn leave(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) {
+        let m = self.member();
+        if self.marked {
+            self.send(now, Op::Leave { m }, false, fx);
+        }
+        if self.unsettled && cfg.rules.unsettled_handed_on {
+            self.clean_up(cfg, now, Op::Leave { m }, fx);
+        }
+        self.phase = Phase::Done;
+    }
+
+    /// After a late win was given back: the next attempt goes, or the wait ends at its
+    /// deadline.
+    fn after_give_back(&mut self, cfg: &SharedConfig, now: u8, fx: &mut Effects) {
+        if cfg.waits_at(now) {
+            self.react(cfg, now, fx);
+        } else {
+            self.leave(cfg, now, fx);
+        }
+    }
+
+    /// An upgrade that may have run, given up (its reply never came) or given back (won
+    /// with no validity left): the write hold it made is given back (the contest's undo,
+    /// `SHARED_RELEASE` of the write member), and the upgradable read it converted may be
+    /// gone, so the guard is lost (`LostReason::Converted`). A waiting upgrade takes its
+    /// mark with it (`WAITER_UNMARK`).
+    fn undo_upgrade(
+        &mut self,
+        cfg: &SharedConfig,
+        now: u8,
+        m: Member,
+        waits: bool,
+        fx: &mut Effects,
+    ) {
+        let Phase::Hold(h) = &mut self.phase else {
+            return;
+        };
+        if !cfg.upgrade_keeps_guard {
+            h.valid_until = h.valid_until.min(now);
+        }
+        h.upgrade = None;
+        self.send(
+            now,
+            Op::Release {
+                m: m.turned(Want::Write),
+            },
+            false,
+            fx,
+        );
+        if waits {
+            self.send(now, Op::Unmark { m }, false, fx);
+        }
     }
 
     fn send(&mut self, now: u8, op: Op, awaited: bool, fx: &mut Effects) {
@@ -217,8 +366,10 @@ impl Proc {
                     h.upgrade = Some((wake, false));
                     let op = Op::Upgrade {
                         m: self.held(),
-                        waits: cfg.upgrade_waits,
+                        waits: cfg.upgrade_waits && cfg.waits_at(now),
                     };
+                    self.sent = now;
+                    self.resent = 0;
                     self.send(now, op, true, fx);
                 }
             }
@@ -242,6 +393,7 @@ impl Proc {
             m: self.member(),
             nonce: self.nonce,
             clear: self.marked,
+            marks: cfg.waits_at(now),
         };
         self.send(now, op, true, fx);
     }
@@ -270,6 +422,9 @@ impl Proc {
         true
     }
 
+    /// The wait's member is held. Won by a retry, or while an earlier attempt of the
+    /// member was unsettled, the hold is looked at again after its release
+    /// (`Contest::settled_by`).
     fn begin(&mut self, fence: u8, valid_until: u8, renew_at: u8, trusted: bool, fx: &mut Effects) {
         self.phase = Phase::Hold(Hold {
             kind: self.want,
@@ -280,7 +435,10 @@ impl Proc {
             valid_until,
             renew_at,
             trusted,
+            resent: self.resent > 0 || self.unsettled,
+            turned_from: None,
         });
+        self.unsettled = false;
         fx.began = Some((self.want, fence));
     }
 }
@@ -304,6 +462,23 @@ impl Process for Proc {
 
     fn listens(&self) -> bool {
         self.waits() || self.hold().is_some_and(|h| h.upgrade.is_some())
+    }
+
+    /// The first send of the attempt in flight, which its retry may overtake; and of the
+    /// upgrade attempt in flight, with `SharedConfig::stall_upgrades`.
+    fn may_stall(&self, cfg: &SharedConfig, request: &SharedRequest) -> bool {
+        if request.sent != self.sent {
+            return false;
+        }
+        match (&self.phase, request.op) {
+            (Phase::Wait { .. }, Op::Acquire { m, nonce, .. }) => {
+                m == self.member() && nonce == self.nonce
+            }
+            (Phase::Hold(h), Op::Upgrade { m, .. }) => {
+                cfg.stall_upgrades && h.upgrade.is_some() && m == self.held()
+            }
+            _ => false,
+        }
     }
 
     fn awaits(&self, request: &SharedRequest) -> bool {
@@ -348,7 +523,10 @@ impl Process for Proc {
                 self.send(now, request.op, true, fx);
             }
             (Phase::Wait { .. }, Op::Acquire { .. }) => {
-                self.send(now, Op::Leave { m: self.member() }, false, fx);
+                // The wait fails on a server that did not answer: its leave (`WAITER_LEAVE`)
+                // is left to the cleanup thread, which looks again (`Contest::leave_later`),
+                // since the unanswered attempt, or an unsettled one, may land after it.
+                self.clean_up(cfg, now, Op::Leave { m: self.member() }, fx);
                 self.phase = Phase::Done;
             }
             (Phase::Hold(h), Op::Extend { .. }) => {
@@ -363,32 +541,29 @@ impl Process for Proc {
                 if !cfg.downgrade_keeps_turns {
                     h.valid_until = h.valid_until.min(now);
                 }
-                let r = Member {
-                    want: Want::Read,
-                    ..m
-                };
-                self.send(now, Op::Release { m: r }, false, fx);
+                self.send(
+                    now,
+                    Op::Release {
+                        m: m.turned(Want::Read),
+                    },
+                    false,
+                    fx,
+                );
                 if !self.pass_turn(now) {
-                    self.send(now, Op::Release { m }, false, fx);
-                    self.phase = Phase::Done;
+                    self.release(cfg, now, fx);
                 }
             }
-            (Phase::Hold(h), Op::Upgrade { m, waits }) => {
-                // The upgrade may have run: the write hold it made is given back (the
-                // contest's undo), and the upgradable read it converted may be gone. A
-                // waiting upgrade takes its mark with it (`WAITER_UNMARK`).
-                if !cfg.upgrade_keeps_guard {
-                    h.valid_until = h.valid_until.min(now);
-                }
-                h.upgrade = None;
-                let w = Member {
-                    want: Want::Write,
-                    ..m
-                };
-                self.send(now, Op::Release { m: w }, false, fx);
-                if waits {
-                    self.send(now, Op::Unmark { m }, false, fx);
-                }
+            // The node sends the upgrade again too (`Retry::LOST_REPLY`), with the same
+            // member; the write hold it wins counts from the first send.
+            (Phase::Hold(_), Op::Upgrade { .. }) if self.resent < cfg.acquire_retries => {
+                self.resent += 1;
+                self.send(now, request.op, true, fx);
+            }
+            (Phase::Hold(_), Op::Upgrade { m, waits }) => self.undo_upgrade(cfg, now, m, waits, fx),
+            // A late win's give-back unanswered: the next attempt goes at the threads'
+            // turn, or the wait ends at its deadline.
+            (Phase::Wait { .. }, Op::Release { .. }) if !cfg.waits_at(now) => {
+                self.leave(cfg, now, fx)
             }
             _ => {}
         }
@@ -398,14 +573,15 @@ impl Process for Proc {
         match choice {
             Choice::Release => {
                 if !self.pass_turn(now) {
-                    self.send(now, Op::Release { m: self.held() }, false, fx);
-                    self.phase = Phase::Done;
+                    self.release(cfg, now, fx);
                 }
             }
             Choice::Upgrade => {
                 if let Phase::Hold(h) = &mut self.phase {
                     h.upgrade = Some((now, false));
                 }
+                // The upgrade's own wait: no attempt of it has marked yet.
+                self.marked = false;
             }
             Choice::Downgrade => {
                 if let Phase::Hold(h) = &mut self.phase {
@@ -500,7 +676,15 @@ impl Process for Proc {
                     *heard = false;
                     if !cfg.reuse_given_back_member {
                         *grant = None;
+                        // Won by a retry, the give-back is looked at again; what the
+                        // member's next call was to settle is left to the cleanup
+                        // (`Contest::settle_token`). Both are for a member retired.
+                        let look = self.resent > 0 && cfg.rules.look_again_after_release;
+                        if look || (self.unsettled && cfg.rules.unsettled_handed_on) {
+                            self.clean_up(cfg, now, give_back(m), fx);
+                        }
                         self.token += 1;
+                        self.unsettled = false;
                     }
                     self.send(now, Op::Release { m }, true, fx);
                     return;
@@ -508,11 +692,38 @@ impl Process for Proc {
                 self.begin(fence, valid_until, renew_at, false, fx);
             }
             // A late win's give-back answered: the next attempt goes.
-            (Op::Release { .. }, _, Phase::Wait { .. }) => self.react(cfg, now, fx),
-            (Op::Acquire { .. }, Answer::Failed { hint }, Phase::Wait { wake, heard, .. }) => {
-                self.marked = true;
-                *wake = cfg.wake(now, hint, *heard);
-                self.react(cfg, now, fx);
+            (Op::Release { .. }, _, Phase::Wait { .. }) => self.after_give_back(cfg, now, fx),
+            (
+                Op::Acquire { m, marks, .. },
+                Answer::Failed { hint },
+                Phase::Wait { wake, heard, grant },
+            ) => {
+                self.marked |= marks;
+                // The sleep ends at the deadline at the latest (then one more attempt).
+                *wake = cfg
+                    .wake(now, hint, *heard)
+                    .min(cfg.deadline.unwrap_or(u8::MAX).max(now));
+                let granted = grant.is_some();
+                // A retry answered `held`: an unknown outcome, its first send may still
+                // land. The member is kept, and its next call settles it
+                // (`Contest::unsettled`), but an upgradable read's, whose leave gives back
+                // no hold: that one is given back by the cleanup, and the wait goes on
+                // with a new member (`Contest::undo`, `retire_token`).
+                if self.resent > 0 {
+                    if m.want == Want::Upgradable {
+                        self.clean_up(cfg, now, give_back(m), fx);
+                        self.token += 1;
+                    } else {
+                        self.unsettled = true;
+                    }
+                }
+                // Past the deadline the wait ends, unless a grant was heard: taken, or
+                // one more attempt confirms it.
+                if cfg.waits_at(now) || granted {
+                    self.react(cfg, now, fx);
+                } else {
+                    self.leave(cfg, now, fx);
+                }
             }
             (Op::Extend { .. }, Answer::Done(true), Phase::Hold(h)) => {
                 let (valid_until, renew_at) = cfg.lease_from(request.sent);
@@ -522,8 +733,16 @@ impl Process for Proc {
                 self.react(cfg, now, fx);
             }
             (Op::Extend { .. }, _, Phase::Hold(h)) => h.valid_until = h.valid_until.min(now),
-            (Op::Upgrade { .. }, Answer::Won { fence }, Phase::Hold(h)) => {
-                let (valid_until, renew_at) = cfg.lease_from(request.sent);
+            (Op::Upgrade { m, waits }, Answer::Won { fence }, Phase::Hold(h)) => {
+                // From the upgrade's first send (`judge`); with no validity left, the
+                // conversion is given back and the guard is lost (`Round::Late`).
+                let (valid_until, renew_at) = cfg.lease_from(self.sent);
+                if valid_until <= now {
+                    return self.undo_upgrade(cfg, now, m, waits, fx);
+                }
+                // The write hold is not looked at again after its release (an upgrade's
+                // retry is not told, `Protocol::acquire`), but the upgradable read it was
+                // turned from is, when that was won by a retry (`set_turned_from`).
                 *h = Hold {
                     kind: Want::Write,
                     fence,
@@ -533,10 +752,12 @@ impl Process for Proc {
                     upgrade: None,
                     downgrading: false,
                     turned: false,
+                    resent: false,
+                    turned_from: turned_from(h, m),
                 };
                 fx.began = Some((Want::Write, fence));
             }
-            (Op::Downgrade { .. }, Answer::Done(true), Phase::Hold(h)) => {
+            (Op::Downgrade { m }, Answer::Done(true), Phase::Hold(h)) => {
                 // The read hold counts from the downgrade's send.
                 let (valid_until, renew_at) = cfg.lease_from(request.sent);
                 *h = Hold {
@@ -544,24 +765,63 @@ impl Process for Proc {
                     valid_until,
                     renew_at,
                     downgrading: false,
+                    resent: false,
+                    turned_from: turned_from(h, m),
                     ..*h
                 };
             }
-            (Op::Downgrade { .. }, _, Phase::Hold(_)) => self.phase = Phase::Done,
-            (Op::Upgrade { .. }, Answer::Gone, Phase::Hold(h)) => {
+            // The write hold was gone: lost, and its guard dropped with no hold to release
+            // (the release finds none), whose cleanup still looks again.
+            (Op::Downgrade { .. }, _, Phase::Hold(h)) => {
+                let h = *h;
+                self.look_again(cfg, now, &h, fx);
+                self.phase = Phase::Done;
+            }
+            // The upgradable read is gone (`Error::Lost`): the upgrade ends, and a waiting
+            // one takes the mark an earlier attempt made with it (`Contest::leave`,
+            // `WAITER_UNMARK`).
+            (Op::Upgrade { m, waits }, Answer::Gone, Phase::Hold(h)) => {
                 h.valid_until = h.valid_until.min(now);
                 h.upgrade = None;
+                if waits {
+                    self.send(now, Op::Unmark { m }, false, fx);
+                }
             }
-            (Op::Upgrade { .. }, Answer::Failed { hint }, Phase::Hold(h)) => {
+            (Op::Upgrade { m, waits }, Answer::Failed { hint }, Phase::Hold(h)) => {
                 // `try_upgrade` gives up; `upgrade` sleeps until the other holds' end, the
-                // re-check, or a message.
+                // re-check, a message or its deadline; past the deadline it ends, and takes
+                // the mark its attempts made with it (`Contest::leave`, `WAITER_UNMARK`).
+                // The guard keeps its upgradable read.
+                self.marked |= waits;
+                let deadline = cfg.deadline.unwrap_or(u8::MAX).max(now);
                 h.upgrade = h
                     .upgrade
-                    .filter(|_| cfg.upgrade_waits)
-                    .map(|(_, heard)| (cfg.wake(now, hint, heard), false));
+                    .filter(|_| cfg.upgrade_waits && cfg.waits_at(now))
+                    .map(|(_, heard)| (cfg.wake(now, hint, heard).min(deadline), false));
+                if h.upgrade.is_none() && cfg.upgrade_waits && self.marked {
+                    self.send(now, Op::Unmark { m }, false, fx);
+                }
                 self.react(cfg, now, fx);
             }
             _ => {}
         }
+    }
+}
+
+/// The member a turn of `h` (from `m`) retires, for its release to look at again: `m` when
+/// `h` was won by a retry, else what `h` was turned from, if anything
+/// (`RemoteLock::set_turned_from`).
+fn turned_from(h: &Hold, m: Member) -> Option<Member> {
+    if h.resent { Some(m) } else { h.turned_from }
+}
+
+/// The cleanup's give-back of `m`, a member nobody uses any more (`Undo::give_back`):
+/// `WAITER_LEAVE`, which takes out a hold of it (a grant to it too) or its waiting mark;
+/// an upgradable read's leave takes out no hold, so it is `SHARED_RELEASE` of it, which
+/// also gives back a write hold a late upgrade made of it.
+fn give_back(m: Member) -> Op {
+    match m.want {
+        Want::Upgradable => Op::Release { m },
+        _ => Op::Leave { m },
     }
 }

@@ -18,6 +18,56 @@ pub enum Want {
     Upgradable,
 }
 
+/// The cleanup's rules for a member whose first send may land after its retry (see
+/// `SharedConfig::stalls`), each of which a variant may leave out to show that the
+/// checker finds what it prevents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SharedRules {
+    /// The release of a hold won by a retry after a lost reply, or won while a retry of its
+    /// member was answered `held` (`RemoteLock::resent`, `Contest::settled_by`), is
+    /// followed by the cleanup's give-back of its member, looked at again while it lives
+    /// (`Engine::look_again_if_resent`); so is the give-back of a late win won so.
+    /// Without it the first send, landing after the release, takes the hold (or marks
+    /// its member waiting, and is granted later) for nobody.
+    pub look_again_after_release: bool,
+    /// `SHARED_RELEASE` of an upgradable read `u<tok>` that is gone gives back the write
+    /// hold `w<tok>` a late upgrade of it made. Without it an upgrade whose first send
+    /// landed after the upgrade gave up (the guard keeping its upgradable read) leaves a
+    /// write hold nobody uses once the guard lets go.
+    pub release_gives_back_turned: bool,
+    /// The release of a hold turned from one won by a retry (an upgradable read upgraded,
+    /// a write hold downgraded) is followed by the cleanup's give-back of the member the
+    /// turn retired (`RemoteLock::turned_from`, `Engine::look_again_at_turned`). Without
+    /// it the first send of the original attempt, landing after that release, takes the
+    /// retired member's hold for nobody.
+    pub look_again_at_turned: bool,
+    /// A member left unsettled (a retry of it answered `held`) whose next call will not
+    /// come is handed to the cleanup, which gives it back and looks again: the wait ends
+    /// (its leave is made, `Contest::leave`), the call does not wait and left nothing
+    /// (`give_back_unsettled`), or a late win retires the member (`settle_token`).
+    /// Without it the first send, landing after the wait ended, holds (or marks its
+    /// member waiting) for nobody.
+    pub unsettled_handed_on: bool,
+    /// Not in the library (a proposal): `SHARED_RELEASE` of an upgradable read also takes
+    /// out the waiting-writer mark of its member (and says `r` to the readers it held
+    /// back). Without it, an upgrade's first send that lands after the upgrade's wait
+    /// ended (its mark taken out) while another hold remains marks the upgradable read
+    /// waiting again, and the guard's release leaves that mark, holding new readers back
+    /// for nobody until it expires or the last other hold ends.
+    pub release_takes_upgrade_mark: bool,
+}
+
+impl SharedRules {
+    /// The rules as the library implements them.
+    pub const FIXED: SharedRules = SharedRules {
+        look_again_after_release: true,
+        release_gives_back_turned: true,
+        look_again_at_turned: true,
+        unsettled_handed_on: true,
+        release_takes_upgrade_mark: false,
+    };
+}
+
 /// What to check.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SharedConfig {
@@ -61,13 +111,31 @@ pub struct SharedConfig {
     /// then deletes the hold such an attempt won, under its holder. The library's rule:
     /// a new member, as a new waiter's (a new mark, at the back).
     pub reuse_given_back_member: bool,
+    /// The deadline of every wait, a tick (`try_read_for` and the like; all waits begin at
+    /// 0): an attempt sent before it marks its member waiting when it fails, one sent
+    /// from then on does not, and once an attempt fails at or after it (or a late win
+    /// is given back), the wait ends (`Next::Over`; at 0, a call that does not wait,
+    /// `Next::Stop`). `None`: a wait ends only with the hold, or when an attempt's
+    /// resends go unanswered.
+    pub deadline: Option<u8>,
     /// The last tick.
     pub horizon: u8,
     /// Pauses the adversary may begin.
     pub pauses: u8,
     /// Faults the adversary may cause: a request, reply or message lost or duplicated,
-    /// a request run after its sender gave up.
+    /// a request run after its sender gave up, a request stalled.
     pub faults: u8,
+    /// How many first sends of an acquisition attempt the adversary may stall (each a
+    /// fault): held back on the way, one lands at any tick past `max_delay`, up to `stall`
+    /// ticks after it was sent, after its retry on a fresh connection overtook it (it
+    /// needs `acquire_retries`). 0 but in the `stalls…` configurations.
+    pub stalls: u8,
+    /// The latest a stalled request lands, in ticks after it was sent.
+    pub stall: u8,
+    /// The first send of an upgrade attempt (`RW_UPGRADE`) may be stalled too.
+    pub stall_upgrades: bool,
+    /// The cleanup's rules for what a stalled send may leave.
+    pub rules: SharedRules,
     /// Liveness of a semaphore: the most ticks in a row a permit may be left free while
     /// a permit-seeker waits and nobody is paused, counted from the last fault.
     pub starve_bound: u8,
@@ -94,7 +162,7 @@ pub struct SharedConfig {
 impl SharedConfig {
     /// The read-write configuration `cargo test` checks: a reader, a writer and a second
     /// reader, so that a write grant follows read holds and read grants follow a write
-    /// hold, with every kind of fault (about 1.9 million states).
+    /// hold, with every kind of fault (about 1.4 million states).
     pub fn rw() -> SharedConfig {
         SharedConfig {
             wants: vec![Want::Read, Want::Write, Want::Read],
@@ -109,9 +177,14 @@ impl SharedConfig {
             renew_retry: 1,
             acquire_retries: 0,
             reuse_given_back_member: false,
+            deadline: None,
             horizon: 6,
             pauses: 1,
             faults: 2,
+            stalls: 0,
+            stall: 2,
+            stall_upgrades: false,
+            rules: SharedRules::FIXED,
             starve_bound: 2,
             grants: Grants::Trusted,
             renewal_revives: false,
@@ -190,6 +263,94 @@ impl SharedConfig {
         }
     }
 
+    /// `resends()` with the first send of an attempt stalled (one in all, a fault): it
+    /// lands up to two ticks after it was sent, after its retry won and the hold was
+    /// released, or after the retry was answered `held`.
+    pub fn stalls() -> SharedConfig {
+        SharedConfig {
+            stalls: 1,
+            ..SharedConfig::resends()
+        }
+    }
+
+    /// The same for two permit-seekers and one permit.
+    pub fn stalls_of_permits() -> SharedConfig {
+        SharedConfig {
+            stalls: 1,
+            ..SharedConfig::resends_of_permits()
+        }
+    }
+
+    /// `rw()` (a reader, a writer and a second reader) with one resend of an unanswered
+    /// attempt and a stalled first send, a tick less (about 3.8 million states): a late
+    /// send marks a writer waiting, is granted a hold, or takes one, beside other holds.
+    pub fn stalled_rw() -> SharedConfig {
+        SharedConfig {
+            acquire_retries: 1,
+            stalls: 1,
+            horizon: 5,
+            ..SharedConfig::rw()
+        }
+    }
+
+    /// A writer that may downgrade and a reader, with resends and a stalled first send:
+    /// the first send of the write attempt lands after the hold its retry won was turned
+    /// into a read hold.
+    pub fn stalled_downgrades() -> SharedConfig {
+        SharedConfig {
+            wants: vec![Want::Write, Want::Read],
+            downgrades: true,
+            horizon: 6,
+            ..SharedConfig::stalls()
+        }
+    }
+
+    /// An upgradable reader that may upgrade (`try_upgrade`) and a reader, with resends;
+    /// the first send of an attempt or of an upgrade stalled, up to three ticks: an
+    /// upgradable read's first send lands after the write hold its retry's hold was
+    /// upgraded to was released (a tick after the upgrade, itself a tick after the win),
+    /// and an upgrade's first send after its retry, refused, ended the upgrade.
+    pub fn stalled_upgrades() -> SharedConfig {
+        SharedConfig {
+            wants: vec![Want::Upgradable, Want::Read],
+            stall: 3,
+            stall_upgrades: true,
+            horizon: 6,
+            ..SharedConfig::stalls()
+        }
+    }
+
+    /// `stalls()` with waits that end at tick 2: the retry of a stalled first send,
+    /// answered `held`, leaves its member unsettled when the wait ends, and the first
+    /// send lands after the leave.
+    pub fn stalled_deadlines() -> SharedConfig {
+        SharedConfig {
+            deadline: Some(2),
+            ..SharedConfig::stalls()
+        }
+    }
+
+    /// `stalls_of_permits()` with calls that do not wait (`try_acquire`): a retry answered
+    /// `held` ends the call, which left no mark, and hands its member to the cleanup.
+    pub fn stalled_tries_of_permits() -> SharedConfig {
+        SharedConfig {
+            deadline: Some(0),
+            ..SharedConfig::stalls_of_permits()
+        }
+    }
+
+    /// `stalled_upgrades()` with upgrades that wait, until tick 3 (`try_upgrade_for`): an
+    /// upgrade's first send may land after its wait ended (its mark taken out) while
+    /// another reader holds, and mark the upgradable read waiting again.
+    pub fn stalled_waiting_upgrades() -> SharedConfig {
+        SharedConfig {
+            upgrade_waits: true,
+            deadline: Some(3),
+            horizon: 5,
+            ..SharedConfig::stalled_upgrades()
+        }
+    }
+
     /// The semaphore configuration `cargo test` checks: three permit-seekers, two
     /// permits.
     pub fn semaphore() -> SharedConfig {
@@ -211,7 +372,7 @@ impl SharedConfig {
     }
 
     /// The longer checks: two readers and two writers, four permit-seekers for two
-    /// permits (16 and 37 million states), and the upgrade, downgrade and local-turn
+    /// permits (15 and 37 million states), and the upgrade, downgrade and local-turn
     /// configurations two ticks longer.
     pub fn deep() -> [SharedConfig; 6] {
         let rw = SharedConfig {
@@ -232,6 +393,81 @@ impl SharedConfig {
             longer(SharedConfig::upgrade_waiting()),
             longer(SharedConfig::downgrade()),
             longer(SharedConfig::turns()),
+        ]
+    }
+
+    /// No look again after the release of a hold won by a retry (nor after the give-back
+    /// of a late win won so): a late first send holds for nobody.
+    pub fn without_look_again(self) -> SharedConfig {
+        self.with_rules(SharedRules {
+            look_again_after_release: false,
+            ..SharedRules::FIXED
+        })
+    }
+
+    /// `SHARED_RELEASE` of an upgradable read leaves the write hold a late upgrade turned
+    /// it into.
+    pub fn without_turned_give_back(self) -> SharedConfig {
+        self.with_rules(SharedRules {
+            release_gives_back_turned: false,
+            ..SharedRules::FIXED
+        })
+    }
+
+    /// No look again at the member a turn retired, after the release of the turned hold.
+    pub fn without_look_again_at_turned(self) -> SharedConfig {
+        self.with_rules(SharedRules {
+            look_again_at_turned: false,
+            ..SharedRules::FIXED
+        })
+    }
+
+    /// No give-back of a member left unsettled when its next call will not come.
+    pub fn without_unsettled_handed_on(self) -> SharedConfig {
+        self.with_rules(SharedRules {
+            unsettled_handed_on: false,
+            ..SharedRules::FIXED
+        })
+    }
+
+    /// With the proposed `SharedRules::release_takes_upgrade_mark`.
+    pub fn with_upgrade_mark_released(self) -> SharedConfig {
+        self.with_rules(SharedRules {
+            release_takes_upgrade_mark: true,
+            ..SharedRules::FIXED
+        })
+    }
+
+    /// The same bounds with other rules.
+    pub fn with_rules(self, rules: SharedRules) -> SharedConfig {
+        SharedConfig { rules, ..self }
+    }
+
+    /// The longer checks of stalled first sends (4 to 15 million states each): `stalled_rw()`
+    /// a tick longer; three permit-seekers for one permit; the downgrade and local-turn
+    /// configurations (`downgrade()`, `turns()`), and an upgradable reader beside a writer
+    /// and a reader (`upgrade()`, attempts and upgrades stalled up to three ticks), at
+    /// horizon 5.
+    pub fn deep_stalls() -> [SharedConfig; 5] {
+        let stalled = |cfg: SharedConfig| SharedConfig {
+            acquire_retries: 1,
+            stalls: 1,
+            horizon: 5,
+            ..cfg
+        };
+        [
+            SharedConfig {
+                horizon: 6,
+                ..SharedConfig::stalled_rw()
+            },
+            stalled(SharedConfig::semaphore_of_one()),
+            stalled(SharedConfig::downgrade()),
+            stalled(SharedConfig::turns()),
+            SharedConfig {
+                stall: 3,
+                stall_upgrades: true,
+                ..stalled(SharedConfig::upgrade())
+            },
         ]
     }
 
@@ -262,6 +498,12 @@ impl SharedConfig {
         } else {
             now + hint.min(self.recheck)
         }
+    }
+
+    /// Whether a wait goes on at `now` (its deadline has not come): an attempt sent then
+    /// marks its member waiting if it fails (`Wait::waits_now`).
+    pub fn waits_at(&self, now: u8) -> bool {
+        self.deadline.is_none_or(|d| now < d)
     }
 
     /// How often the watchdog renews: a third of the lease, at least one tick.

@@ -3,6 +3,9 @@
 //! atomic steps (`RW_ACQUIRE`, `SEM_ACQUIRE`, `RW_UPGRADE`, `RW_DOWNGRADE`,
 //! `SHARED_RELEASE` with `PASS_ON`, `WAITER_LEAVE`, `WAITER_UNMARK`, `SHARED_EXTEND`).
 //!
+//! `SHARED_RELEASE` of an upgradable read that a late upgrade turned into the write hold
+//! of its token gives that write hold back (`SharedRules::release_gives_back_turned`).
+//!
 //! Scores are ticks. A hold or a mark whose score has passed stays in its set until a
 //! script takes it out, as in Redis; its score then reads 0 (`expire`), so that states
 //! differing only in how long ago something expired are one state.
@@ -34,6 +37,14 @@ pub struct Member {
     pub token: u8,
 }
 
+impl Member {
+    /// The member of the same token for a hold of kind `want`: what an upgrade or a
+    /// downgrade turns this one into (`Want::member_like`).
+    pub fn turned(self, want: Want) -> Member {
+        Member { want, ..self }
+    }
+}
+
 /// Which waiting marks: `…:ww` (writers, permit-seekers, waiting upgrades) or `…:wr`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Set {
@@ -53,10 +64,17 @@ pub struct Entry {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
     /// `RW_ACQUIRE` or `SEM_ACQUIRE`: the attempt numbered `nonce` of a wait, which marks
-    /// itself waiting if it fails; `clear`: an earlier attempt of the wait may have marked
-    /// it (a hold won takes the mark and its nonce out).
-    Acquire { m: Member, nonce: u8, clear: bool },
-    /// `SHARED_RELEASE`.
+    /// itself waiting if it fails and `marks` (the caller would wait: `Marks::leave`);
+    /// `clear`: an earlier attempt of the wait may have marked it (a hold won takes the
+    /// mark and its nonce out).
+    Acquire {
+        m: Member,
+        nonce: u8,
+        clear: bool,
+        marks: bool,
+    },
+    /// `SHARED_RELEASE` (an upgradable read's also gives back the write hold a late
+    /// upgrade turned it into).
     Release { m: Member },
     /// `WAITER_LEAVE`: the wait ends without the hold.
     Leave { m: Member },
@@ -70,6 +88,31 @@ pub enum Op {
     /// `WAITER_UNMARK` of a waiting upgrade: its mark among the writers goes, and `r`
     /// tells the readers it held back.
     Unmark { m: Member },
+}
+
+impl Op {
+    /// The member the call names.
+    pub fn member(self) -> Member {
+        match self {
+            Op::Acquire { m, .. }
+            | Op::Release { m }
+            | Op::Leave { m }
+            | Op::Extend { m }
+            | Op::Upgrade { m, .. }
+            | Op::Downgrade { m }
+            | Op::Unmark { m } => m,
+        }
+    }
+
+    /// The members a call can leave in Redis (a hold or a mark): an attempt's, an
+    /// upgrade's upgradable read and the write hold it turns it into.
+    pub fn leaves(self) -> [Option<Member>; 2] {
+        match self {
+            Op::Acquire { m, .. } => [Some(m), None],
+            Op::Upgrade { m, .. } => [Some(m), Some(m.turned(Want::Write))],
+            _ => [None, None],
+        }
+    }
 }
 
 /// A script's reply.
@@ -235,15 +278,22 @@ impl Redis {
     pub fn run(&mut self, cfg: &SharedConfig, now: u8, op: Op) -> (Answer, Vec<Publish>) {
         let mut out = Vec::new();
         let answer = match op {
-            Op::Acquire { m, nonce, clear } => self.acquire(cfg, now, m, nonce, clear),
-            Op::Release { m } => match score(&self.holds, m) {
-                None => Answer::Done(false),
-                Some(exp) => {
-                    zrem(&mut self.holds, m);
-                    self.pass_on(cfg, now, m.want, &mut out);
-                    Answer::Done(exp > now)
+            Op::Acquire {
+                m,
+                nonce,
+                clear,
+                marks,
+            } => self.acquire(cfg, now, m, (nonce, clear, marks)),
+            Op::Release { m } => {
+                // The proposal: the waiting upgrade's mark goes with its upgradable read.
+                if m.want == Want::Upgradable
+                    && cfg.rules.release_takes_upgrade_mark
+                    && self.unmark_writer(m)
+                {
+                    out.push(Publish::Free);
                 }
-            },
+                self.release(cfg, now, m, &mut out)
+            }
             Op::Leave { m } => Answer::Done(self.leave(cfg, now, m, &mut out)),
             Op::Extend { m } => {
                 let live =
@@ -266,6 +316,35 @@ impl Redis {
         (answer, out)
     }
 
+    /// `SHARED_RELEASE` of `m`: whether it was live. An upgradable read gone because a
+    /// late upgrade of it turned it into the write hold of its token: that write hold,
+    /// which nobody uses, goes with it (`SharedRules::release_gives_back_turned`).
+    fn release(
+        &mut self,
+        cfg: &SharedConfig,
+        now: u8,
+        m: Member,
+        out: &mut Vec<Publish>,
+    ) -> Answer {
+        match score(&self.holds, m) {
+            None => {
+                let w = m.turned(Want::Write);
+                if m.want == Want::Upgradable
+                    && cfg.rules.release_gives_back_turned
+                    && zrem(&mut self.holds, w)
+                {
+                    self.pass_on(cfg, now, Want::Write, out);
+                }
+                Answer::Done(false)
+            }
+            Some(exp) => {
+                zrem(&mut self.holds, m);
+                self.pass_on(cfg, now, m.want, out);
+                Answer::Done(exp > now)
+            }
+        }
+    }
+
     /// `RW_DOWNGRADE`: whether the write hold `m` is (now) the read hold of its token; `r`
     /// when readers wait and no writer does.
     fn downgrade(
@@ -275,10 +354,7 @@ impl Redis {
         m: Member,
         out: &mut Vec<Publish>,
     ) -> bool {
-        let r = Member {
-            want: Want::Read,
-            ..m
-        };
+        let r = m.turned(Want::Read);
         if score(&self.holds, m).is_none_or(|exp| exp <= now) {
             // A retry whose downgrade ran finds the read hold.
             return score(&self.holds, r).is_some_and(|exp| exp > now);
@@ -295,10 +371,7 @@ impl Redis {
     /// it is the only hold (a retry whose upgrade ran finds the write hold).
     fn upgrade(&mut self, cfg: &SharedConfig, now: u8, m: Member, waits: bool) -> Answer {
         self.holds.retain(|e| e.exp > now);
-        let w = Member {
-            want: Want::Write,
-            ..m
-        };
+        let w = m.turned(Want::Write);
         let head = first(&self.holds, now);
         if head.is_some_and(|h| h.member == w) {
             zadd(&mut self.holds, w, now + cfg.lease);
@@ -393,8 +466,7 @@ impl Redis {
         cfg: &SharedConfig,
         now: u8,
         m: Member,
-        nonce: u8,
-        clear: bool,
+        (nonce, clear, marks): (u8, bool, bool),
     ) -> Answer {
         // `load`: the expired holds go (all of them, once the first has expired).
         self.holds.retain(|e| e.exp > now);
@@ -415,7 +487,9 @@ impl Redis {
                     self.unmark(m, clear);
                     return Answer::Won { fence: self.fence };
                 }
-                self.mark(cfg, now, Set::Writers, m, Some(nonce));
+                if marks {
+                    self.mark(cfg, now, Set::Writers, m, Some(nonce));
+                }
                 hint(head.map(|f| f.exp))
             }
             Want::Read | Want::Upgradable => {
@@ -433,7 +507,9 @@ impl Redis {
                     return Answer::Won { fence: self.fence };
                 }
                 let nonce = Some(nonce).filter(|_| m.want == Want::Read);
-                self.mark(cfg, now, Set::Readers, m, nonce);
+                if marks {
+                    self.mark(cfg, now, Set::Readers, m, nonce);
+                }
                 let head = other_u.or(head);
                 let until = [head.map(|f| f.exp), writer.map(|w| w.exp)];
                 hint(until.into_iter().flatten().min())
@@ -455,7 +531,9 @@ impl Redis {
                     .place(m)
                     .filter(|&exp| exp > now + cfg.mark_ttl() / 2)
                     .unwrap_or(now + cfg.mark_ttl());
-                self.mark_at(now, Set::Writers, m, exp, Some(nonce));
+                if marks {
+                    self.mark_at(now, Set::Writers, m, exp, Some(nonce));
+                }
                 hint(head.map(|f| f.exp))
             }
         }
