@@ -15,7 +15,7 @@ use std::thread;
 use std::time::Instant;
 
 use redbaton::fault::{self, Point};
-use redbaton::{Builder, Error, LockClient};
+use redbaton::{Builder, Error, LockClient, ReadGuard, UpgradableReadGuard};
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::RedisServer;
 use redbaton_testkit::wait::wait_for;
@@ -338,6 +338,26 @@ fn a_hold_won_by_a_retry_and_given_back_in_the_background_is_looked_at_again() {
     assert!(got.is_ok(), "{:?}", got.err());
 }
 
+/// Through `proxy`, `late` takes the upgradable read of `rw` while `other` reads it, and
+/// its upgrade's first send is overtaken by its retry, which finds the reader and waits
+/// until the upgrade times out (its waiting mark taken out): the guard, and the reader's.
+fn upgrade_timed_out(
+    proxy: &Proxy,
+    late: &LockClient,
+    other: &LockClient,
+) -> (UpgradableReadGuard, ReadGuard) {
+    let warm = late.rwlock("warm-up").upgradable_read().expect("warm-up");
+    let reading = other.rwlock("warm-up").read().expect("warm-up read");
+    let warm = warm.try_upgrade_for(ms(200)).expect_err("warm-up");
+    drop(reading);
+    drop(warm.into_guard().upgrade().expect("warm-up upgrade"));
+    let guard = late.rwlock("rw").upgradable_read().expect("upgradable");
+    let reading = other.rwlock("rw").read().expect("another reader");
+    let e = overtaking(proxy, || guard.try_upgrade_for(secs(2))).expect_err("a reader holds");
+    assert!(e.error().is_timeout(), "{e:?}");
+    (e.into_guard(), reading)
+}
+
 /// An upgrade whose first send is overtaken by its retry, which finds another reader and
 /// waits until the upgrade times out; the guard keeps its upgradable read. The reader lets
 /// go and the first send lands: it turns the guard's upgradable read into the write hold
@@ -346,16 +366,7 @@ fn a_hold_won_by_a_retry_and_given_back_in_the_background_is_looked_at_again() {
 fn an_upgrade_landing_after_it_timed_out_goes_with_the_guard() {
     let (srv, proxy, late) = behind_proxy();
     let other = client(&srv.url());
-    let warm = late.rwlock("warm-up").upgradable_read().expect("warm-up");
-    let reading = other.rwlock("warm-up").read().expect("warm-up read");
-    let warm = warm.try_upgrade_for(ms(200)).expect_err("warm-up");
-    drop(reading);
-    drop(warm.into_guard().upgrade().expect("warm-up upgrade"));
-    let guard = late.rwlock("rw").upgradable_read().expect("upgradable");
-    let reading = other.rwlock("rw").read().expect("another reader");
-    let e = overtaking(&proxy, || guard.try_upgrade_for(secs(2))).expect_err("a reader holds");
-    assert!(e.error().is_timeout(), "{e:?}");
-    let guard = e.into_guard();
+    let (guard, reading) = upgrade_timed_out(&proxy, &late, &other);
     drop(reading);
     wait_for(secs(6), "the first send landed", || {
         let holds: Vec<String> = redis::cmd("ZRANGE")
@@ -421,4 +432,21 @@ fn a_hold_won_by_a_retry_and_turned_is_looked_at_again_after_its_release() {
         let got = client(&srv.url()).rwlock("rw").try_write_for(secs(6));
         assert!(got.is_ok(), "upgrade {upgrade}: {:?}", got.err());
     }
+}
+
+/// An upgrade whose first send is overtaken by its retry, which finds another reader and
+/// waits until the upgrade times out (its waiting mark taken out); the first send lands
+/// while that reader still holds, and marks the guard's upgrade as waiting again. The
+/// guard then lets go: its waiting mark goes with its upgradable read, or it would hold
+/// every new reader back, for nobody, for two re-check intervals (two minutes here).
+#[test]
+fn an_upgrade_marking_after_it_timed_out_leaves_no_mark_behind_the_guard() {
+    let (srv, proxy, late) = behind_proxy_with(|b| b.recheck_interval(secs(60)));
+    let other = client(&srv.url());
+    let (guard, reading) = upgrade_timed_out(&proxy, &late, &other);
+    thread::sleep(secs(3)); // the first send lands, and marks the upgrade waiting
+    assert!(guard.unlock().expect("unlock").was_held());
+    let got = client(&srv.url()).rwlock("rw").try_read_for(secs(3));
+    assert!(got.is_ok(), "{:?}", got.err());
+    drop(reading);
 }

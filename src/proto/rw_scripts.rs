@@ -794,6 +794,16 @@ static SHARED_RELEASE: LazyLock<Lua> = LazyLock::new(|| {
 local s = redis.pcall('ZSCORE', KEYS[1], ARGV[1])
 if type(s) == 'table' and s.err then return -1 end
 local now = now_ms()
+local unmarked = false
+if string.sub(ARGV[1], 1, 1) == 'u' and KEYS[2] then
+  -- An upgrade of this hold whose first send landed after its wait ended (its mark taken
+  -- out) may have marked it waiting again: the mark goes with the hold, or it would hold
+  -- new readers back for nobody. The readers it held back hear of it (`pass_on`, or here
+  -- when there is no hold to end).
+  unmarked = tolerate(0, 'ZREM', KEYS[2], ARGV[1]) == 1
+  if KEYS[5] then tolerate(0, 'ZREM', KEYS[5], ARGV[1]) end
+  if KEYS[6] then tolerate(0, 'ZREM', KEYS[6], ARGV[1]) end
+end
 if not s and string.sub(ARGV[1], 1, 1) == 'u' then
   -- An upgrade of this hold whose first send landed after its wait ended turned it into
   -- the write hold of the same token, which nobody uses: it goes with the upgradable
@@ -803,9 +813,13 @@ if not s and string.sub(ARGV[1], 1, 1) == 'u' then
     redis.call('ZREM', KEYS[1], turned)
     if KEYS[4] then end_fence(KEYS[4], '0') end
     pass_on(turned, now, nil)
+    unmarked = false
   end
 end
-if not s then return 0 end
+if not s then
+  if unmarked then publish(ARGV[2], 'r') end
+  return 0
+end
 redis.call('ZREM', KEYS[1], ARGV[1])
 local live = tonumber(s) > now
 -- A write hold released in time: its counter is marked released by what comes next.

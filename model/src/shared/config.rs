@@ -48,12 +48,12 @@ pub struct SharedRules {
     /// Without it the first send, landing after the wait ended, holds (or marks its
     /// member waiting) for nobody.
     pub unsettled_handed_on: bool,
-    /// Not in the library (a proposal): `SHARED_RELEASE` of an upgradable read also takes
-    /// out the waiting-writer mark of its member (and says `r` to the readers it held
-    /// back). Without it, an upgrade's first send that lands after the upgrade's wait
-    /// ended (its mark taken out) while another hold remains marks the upgradable read
-    /// waiting again, and the guard's release leaves that mark, holding new readers back
-    /// for nobody until it expires or the last other hold ends.
+    /// `SHARED_RELEASE` of an upgradable read also takes out the waiting-writer mark of
+    /// its member (and the readers it held back hear of it). Without it (the library
+    /// before, which this model found), an upgrade's first send that lands after the
+    /// upgrade's wait ended (its mark taken out) while another hold remains marks the
+    /// upgradable read waiting again, and the guard's release leaves that mark, holding
+    /// new readers back for nobody until it expires or the last other hold ends.
     pub release_takes_upgrade_mark: bool,
 }
 
@@ -64,7 +64,7 @@ impl SharedRules {
         release_gives_back_turned: true,
         look_again_at_turned: true,
         unsettled_handed_on: true,
-        release_takes_upgrade_mark: false,
+        release_takes_upgrade_mark: true,
     };
 }
 
@@ -430,10 +430,10 @@ impl SharedConfig {
         })
     }
 
-    /// With the proposed `SharedRules::release_takes_upgrade_mark`.
-    pub fn with_upgrade_mark_released(self) -> SharedConfig {
+    /// Without `SharedRules::release_takes_upgrade_mark` (the library before).
+    pub fn without_upgrade_mark_released(self) -> SharedConfig {
         self.with_rules(SharedRules {
-            release_takes_upgrade_mark: true,
+            release_takes_upgrade_mark: false,
             ..SharedRules::FIXED
         })
     }

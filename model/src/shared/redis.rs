@@ -285,7 +285,7 @@ impl Redis {
                 marks,
             } => self.acquire(cfg, now, m, (nonce, clear, marks)),
             Op::Release { m } => {
-                // The proposal: the waiting upgrade's mark goes with its upgradable read.
+                // The waiting upgrade's mark goes with its upgradable read.
                 if m.want == Want::Upgradable
                     && cfg.rules.release_takes_upgrade_mark
                     && self.unmark_writer(m)
