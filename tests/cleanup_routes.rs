@@ -9,12 +9,12 @@
 
 use std::thread;
 
-use redbaton::LockClient;
+use redbaton::{Builder, Error, LockClient};
 use redbaton_testkit::keys::Keys;
 use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::server::{self, RedisServer};
 use redbaton_testkit::wait::wait_for;
-use redbaton_testkit::{init_log, lock_client, ms, secs, sentinel};
+use redbaton_testkit::{init_log, lock_builder, lock_client, ms, secs, sentinel};
 
 const PREFIX: &str = "cleanup-routes:";
 const KEYS: Keys = Keys::new(PREFIX);
@@ -105,6 +105,27 @@ fn a_node_that_cannot_be_reached_keeps_no_look_again_from_running() {
     drop(held_a);
 }
 
+/// A master, a proxy in front of it, a sentinel watching it through the proxy (and slow to
+/// call it down), and a client of `name` through the sentinel whose calls give up after
+/// 1 s, its settings changed by `more`.
+fn behind_sentinel(
+    name: &str,
+    more: impl FnOnce(Builder) -> Builder,
+) -> (RedisServer, Proxy, RedisServer, LockClient) {
+    init_log();
+    let master = RedisServer::start();
+    let proxy = Proxy::start(master.addr());
+    let patient = format!("down-after-milliseconds {name} 60000");
+    let watching = sentinel::watching(name, proxy.port(), &[&patient]);
+    let b = lock_builder!(
+        sentinel(name, vec![watching.url()]),
+        key_prefix(PREFIX),
+        io_timeouts(secs(1))
+    );
+    let c = more(b).build().expect("a client");
+    (master, proxy, watching, c)
+}
+
 /// Behind Sentinel, the master reached through a proxy: an attempt's sends (the node's own
 /// retries after lost replies) are all held back 8 s and time out; the contest rides
 /// through with the same token, and its next round wins (`owner`: after finding the lock
@@ -112,18 +133,8 @@ fn a_node_that_cannot_be_reached_keeps_no_look_again_from_running() {
 /// the free lock: the release is looked at again, as a win by a retry's is. A lock, or
 /// (`multi`) a multi-lock of the one name.
 fn ridden(fair: bool, owner: bool, multi: bool) {
-    init_log();
     let name = format!("cleanup-ride-{fair}-{owner}-{multi}");
-    let master = RedisServer::start();
-    let proxy = Proxy::start(master.addr());
-    let patient = format!("down-after-milliseconds {name} 60000");
-    let watching = sentinel::watching(&name, proxy.port(), &[&patient]);
-    let c = lock_client!(
-        sentinel(&name, vec![watching.url()]),
-        key_prefix(PREFIX),
-        io_timeouts(secs(1)),
-        fair(fair)
-    );
+    let (master, proxy, _watching, c) = behind_sentinel(&name, |b| b.fair(fair));
     drop(c.lock("warm-up").expect("warm-up"));
     let key = KEYS.lock("k");
     let set = |value: Option<&str>| {
@@ -166,4 +177,33 @@ fn a_win_after_a_ride_with_the_same_token_is_looked_at_again() {
     ridden(false, true, false);
     ridden(true, true, false);
     ridden(false, false, true);
+}
+
+/// As [`ridden`], fair, asking a replica acknowledgement the master (which has none) never
+/// gives: the round after the ride takes the lock with the ridden token, unacknowledged,
+/// and gives it back (its token retired). The sends of the rounds before it, held back,
+/// land after that, with the ridden token: they are given back all the same.
+#[test]
+fn a_ride_ended_by_an_unacknowledged_round_is_looked_at_again() {
+    let (master, proxy, _watching, c) =
+        behind_sentinel("cleanup-ride-unacked", |b| b.replica_ack(1, ms(100)));
+    let warm_up = c.try_lock("warm-up").map(drop).expect_err("no replica");
+    assert!(matches!(warm_up, Error::ReplicaAck { .. }), "{warm_up:?}");
+    proxy.set_delay_both(secs(8));
+    thread::scope(|s| {
+        s.spawn(|| {
+            thread::sleep(ms(1500));
+            proxy.set_delay_both(ms(0));
+        });
+        let e = c
+            .try_lock_for("k", secs(7))
+            .map(drop)
+            .expect_err("no replica");
+        assert!(matches!(e, Error::ReplicaAck { .. }), "{e:?}");
+    });
+    // Every send held back (the latest about 9.5 s from the start) has landed by now.
+    thread::sleep(secs(4));
+    let direct = lock_client!(node(master.url()), key_prefix(PREFIX));
+    let got = direct.try_lock_for("k", secs(6));
+    assert!(got.is_ok(), "{:?}", got.err());
 }
