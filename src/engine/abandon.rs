@@ -28,7 +28,7 @@ impl Engine {
         lock.begin_release(&self.counters);
         let route = self.topology.route(&lock.keys);
         self.cleanup.release_hold_later(lock, route.node_ids());
-        self.look_again_at_turned(lock, route.node_ids());
+        self.look_again_at_turned(lock, &route);
     }
 
     /// A queued waiter is unwinding: leave the queue, and pass on whatever reached it

@@ -139,20 +139,19 @@ impl Engine {
     /// with is not the one released): its release looks again at that member (see
     /// [`Self::look_again_at_turned`]).
     pub(crate) fn look_again_if_resent(&self, lock: &RemoteLock, route: &Route) {
-        let every = route.node_ids();
         if lock.resent() {
             let token = lock.token.clone();
-            (self.cleanup).give_back_later(&lock.keys, lock.protocol, token, every.clone());
+            (self.cleanup).give_back_later(&lock.keys, lock.protocol, token, route.node_ids());
         }
-        self.look_again_at_turned(lock, every);
+        self.look_again_at_turned(lock, route);
     }
 
     /// After the release of `lock`: the holds it was turned from that an attempt may still
     /// take (see `RemoteLock::turned_from`) are given back by the cleanup thread, which
     /// looks again. Their members were retired by the turn, and nothing uses them now.
-    pub(crate) fn look_again_at_turned(&self, lock: &RemoteLock, nodes: Vec<NodeId>) {
+    pub(crate) fn look_again_at_turned(&self, lock: &RemoteLock, route: &Route) {
         for (protocol, token) in lock.turned_from() {
-            (self.cleanup).give_back_later(&lock.keys, protocol, token, nodes.clone());
+            (self.cleanup).give_back_later(&lock.keys, protocol, token, route.node_ids());
         }
     }
 
