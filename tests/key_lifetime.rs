@@ -113,6 +113,40 @@ fn assert_written(srv: &RedisServer, keys: &[&str]) {
     }
 }
 
+/// Runs `scenario` and asserts that it wrote the keys `name}suffix` (each given so), as
+/// the server's keyspace events tell: by the time it returns, the cleanup thread may have
+/// taken them out again (a departed waiter's mark, say), as it should.
+fn assert_writes(srv: &RedisServer, keys: &[&str], scenario: impl FnOnce()) {
+    let mut admin = srv.conn();
+    let flags: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("notify-keyspace-events")
+        .query(&mut admin)
+        .expect("CONFIG GET");
+    let every = format!("{}KA", flags.get(1).map_or("", String::as_str));
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("notify-keyspace-events")
+        .arg(every)
+        .query::<()>(&mut admin)
+        .expect("CONFIG SET");
+    let mut conn = srv.conn();
+    let mut events = conn.as_pubsub();
+    for key in keys {
+        let channel = format!("__keyspace@*__:{PREFIX}{{{key}");
+        events.psubscribe(channel).expect("PSUBSCRIBE");
+    }
+    events
+        .set_read_timeout(Some(secs(5)))
+        .expect("read timeout");
+    scenario();
+    let mut seen = std::collections::HashSet::new();
+    while seen.len() < keys.len() {
+        let event = events.get_message().expect("a keyspace event of each key");
+        seen.insert(event.get_channel_name().to_owned());
+    }
+}
+
 #[test]
 fn smoke() {
     let srv = test_server();
@@ -385,12 +419,17 @@ fn lost_replies_leave_bounded_keys() {
     // Each wait ends at its first lost reply; its deadline leaves room for the
     // subscription that comes before its first waiting attempt (which writes the mark)
     // on a loaded machine.
-    proxy.losing_replies_matching(b"EVALSHA", || {
-        let _ = fair.try_lock_for("lost-fair", secs(3));
-        let _ = c.rwlock("lost-rw").try_read_for(secs(3));
-        let _ = c.semaphore("lost-sem", 1).try_acquire_for(secs(3));
-    });
-    assert_written(&srv, &["lost-fair}:q", "lost-rw}:wr", "lost-sem}:ww"]);
+    assert_writes(
+        &srv,
+        &["lost-fair}:q", "lost-rw}:wr", "lost-sem}:ww"],
+        || {
+            proxy.losing_replies_matching(b"EVALSHA", || {
+                let _ = fair.try_lock_for("lost-fair", secs(3));
+                let _ = c.rwlock("lost-rw").try_read_for(secs(3));
+                let _ = c.semaphore("lost-sem", 1).try_acquire_for(secs(3));
+            });
+        },
+    );
     assert_bounded(&srv, &names, "after lost replies");
     drop(held);
     assert_drains(&srv, &names);
