@@ -93,9 +93,13 @@ fn smoke() {
 /// "write hold" that is a permit, with the semaphore's count for a fence.
 #[test]
 fn a_semaphore_release_grants_no_permit_to_a_writer_left_waiting() {
-    let srv = test_server();
+    let (srv, proxy) = server_and_proxy();
     let url = srv.url();
-    let (frozen, writer, sem_user) = (freezing(&url), patient(&url), lasting(&url));
+    // The writer reaches Redis through the proxy: its attempt after the lapse is held
+    // back on its way, so that the semaphore takes the name up first, as the scenario
+    // needs (were the writer first, its write hold would be a write hold).
+    let writer = lock_client!(node(proxy.url()), key_prefix(PREFIX), patient());
+    let (frozen, sem_user) = (freezing(&url), lasting(&url));
     let name = "kind-change";
     let first = frozen.rwlock(name).write().expect("first write hold");
     let first_token = first.fencing_token();
@@ -108,6 +112,7 @@ fn a_semaphore_release_grants_no_permit_to_a_writer_left_waiting() {
                 .map(|g| g.fencing_token())
         });
         asleep(&srv, &writer, name, 1);
+        proxy.set_delay_both(ms(300));
         // Two permits, taken once the frozen write hold lapsed; one is given back while
         // the other keeps the name a semaphore, and no permit-seeker waits.
         let sem = sem_user.semaphore(name, 2);
@@ -118,6 +123,7 @@ fn a_semaphore_release_grants_no_permit_to_a_writer_left_waiting() {
         });
         drop(sem.try_acquire().expect("the second permit"));
         let still_free = sem.try_acquire();
+        proxy.set_delay_both(ms(0));
         let got = w.join().expect("writer thread");
         match got {
             Err(e) => assert!(e.is_wrong_kind(), "{e}"),
