@@ -167,25 +167,19 @@ impl Cleanup {
         self.stopping.join_until(deadline)
     }
 
-    /// Queues a compare-and-delete of `token` on `nodes` (`fence`: the holder's, see
-    /// `Protocol::release`); never blocks. When the queue is full (or the thread cannot
-    /// start) the release is dropped, counted, and the key expires with its lease.
+    /// Queues a compare-and-delete of `token` on `nodes`, a hold nobody used (see
+    /// `Protocol::release`; a holder's goes by [`Self::release_hold_later`]); never blocks.
+    /// When the queue is full (or the thread cannot start) the release is dropped, counted,
+    /// and the key expires with its lease.
     pub fn release_later(
         &self,
         keys: &Keys,
         protocol: Protocol,
         token: String,
-        fence: Option<u64>,
         nodes: Vec<NodeId>,
     ) {
-        self.later(
-            keys,
-            protocol,
-            token,
-            Undo::Release(fence),
-            nodes,
-            (0, false),
-        );
+        let undo = Undo::Release(None);
+        self.later(keys, protocol, token, undo, nodes, (0, false));
     }
 
     /// Queues the release of `lock`, a hold of ours, on `nodes`, as [`Self::release_later`]

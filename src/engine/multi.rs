@@ -152,13 +152,7 @@ impl Engine {
                 let nodes: Vec<_> = route.node_ids();
                 for lock in locks {
                     let token = lock.token.clone();
-                    (self.cleanup).release_later(
-                        &lock.keys,
-                        lock.protocol,
-                        token,
-                        None,
-                        nodes.clone(),
-                    );
+                    (self.cleanup).release_later(&lock.keys, lock.protocol, token, nodes.clone());
                 }
             }
         }
@@ -624,13 +618,7 @@ impl GroupContest<'_> {
     fn release_later(&self, token: String) {
         let nodes: Vec<_> = self.route.node_ids();
         for keys in self.keys {
-            (self.engine.cleanup).release_later(
-                keys,
-                self.protocol,
-                token.clone(),
-                None,
-                nodes.clone(),
-            );
+            (self.engine.cleanup).release_later(keys, self.protocol, token.clone(), nodes.clone());
         }
     }
 

@@ -523,8 +523,7 @@ impl Engine {
                     // (a lost hold admits nobody; the next local writer asks Redis).
                     from.mark_lost(LostReason::Converted, &self.counters);
                     let nodes = vec![node.id.clone()];
-                    self.cleanup
-                        .release_later(keys, protocol, member, None, nodes);
+                    self.cleanup.release_later(keys, protocol, member, nodes);
                 }
                 return Err(e);
             }
