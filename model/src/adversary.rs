@@ -4,7 +4,10 @@
 //!
 //! - **Run** a request's script at Redis, in any order, at the tick it was sent or up to
 //!   `Config::max_delay` ticks later (so after its sender gave up, at `Config::timeout`),
-//!   or **drop** it. With each run the reply is delivered or lost, and what the script
+//!   or **drop** it. A request that time leaves in flight is late: one fault each, paid
+//!   at the tick that leaves it (so a tick that would make more requests late than the
+//!   budget allows is not taken); running, dropping or stalling it later costs nothing
+//!   more for its lateness. With each run the reply is delivered or lost, and what the script
 //!   published is delivered or lost. A reply is delivered at once or never: one later
 //!   than the client's timeout is thrown away (as if lost), and one late but within it
 //!   would only make the client act later in the same tick. A paused process gets no
@@ -95,10 +98,9 @@ where
 {
     let faults = s.budget.faults_left;
     for &request in dedup(&s.net.requests) {
-        // A request run after the tick it was sent in is late: its sender gave up.
-        let late = u8::from(request.sent < s.now);
         // Only outcomes that differ are listed: a reply nobody awaits is thrown away
-        // either way, a message nobody listens to too.
+        // either way, a message nobody listens to too. A late request's fault was paid
+        // as time went past it (`begin_tick`).
         let (_, published) = s.redis.clone().run(cfg, s.now, request.op);
         let p = &s.procs[usize::from(request.from)];
         let replied = p.awaits(&request) && !p.pid().paused;
@@ -108,7 +110,7 @@ where
                 continue;
             }
             for lose_messages in [false, true] {
-                let cost = late + u8::from(lose_reply) + u8::from(lose_messages);
+                let cost = u8::from(lose_reply) + u8::from(lose_messages);
                 if (lose_messages && !listeners) || cost > faults {
                     continue;
                 }
@@ -119,7 +121,9 @@ where
                 });
             }
         }
-        if faults > 0 {
+        // Dropping or holding back a request that is late already costs nothing more:
+        // the fault of its sender giving up on it is the one paid.
+        if faults > 0 || request.sent < s.now {
             out.push(Move::DropRequest(request));
             if s.budget.stalls_left > 0 && s.net.stalled.is_none() && p.may_stall(cfg, &request) {
                 out.push(Move::Stall(request));
@@ -217,11 +221,12 @@ fn fires<R: Store<P>, P: Process, H>(
 }
 
 /// Whether time may advance: not past the horizon, nothing in flight at its longest
-/// delay (a paused process's messages wait for it), and no job with something to give
-/// back.
+/// delay (a paused process's messages wait for it), no job with something to give
+/// back, and a fault left for each request that the tick makes late.
 fn may_tick<R: Store<P>, P: Process<Cfg: Bounds>, H>(cfg: &P::Cfg, s: &Sim<R, P, H>) -> bool {
     let overdue = |at: u8| at + cfg.max_delay() <= s.now;
     s.now < cfg.horizon()
+        && made_late(s) <= usize::from(s.budget.faults_left)
         && !s.net.requests.iter().any(|r| overdue(r.sent))
         && !s
             .net
@@ -229,6 +234,12 @@ fn may_tick<R: Store<P>, P: Process<Cfg: Bounds>, H>(cfg: &P::Cfg, s: &Sim<R, P,
             .iter()
             .any(|m| !s.procs[usize::from(m.to)].pid().paused && overdue(m.at))
         && !s.net.jobs.iter().any(|j| fires(cfg, s, j).is_some())
+}
+
+/// How many requests in flight were sent in the current tick: each is late once time
+/// advances.
+fn made_late<R, P: Process, H>(s: &Sim<R, P, H>) -> usize {
+    s.net.requests.iter().filter(|r| r.sent == s.now).count()
 }
 
 /// The first part of a tick: time advances, keys expire, pauses change, and running
@@ -240,6 +251,14 @@ where
     P::Cfg: Bounds,
     H: Ledger<R, P>,
 {
+    // A request left in flight as time goes on is late: its sender gives up on it (or
+    // will), one fault each, paid now, when the delay happens, rather than when it
+    // runs or is dropped. Paid later, a delay that stopped the clock for its sender
+    // went uncounted in between, and a request left in flight once the budget was
+    // spent could neither run nor be dropped.
+    for _ in 0..made_late(s) {
+        s.lose();
+    }
     s.now += 1;
     s.redis.expire(s.now);
     let now = s.now;
@@ -283,7 +302,7 @@ where
         } => {
             take(&mut s.net.requests, &request);
             let (answer, published) = s.redis.run(cfg, now, request.op);
-            for lost in [request.sent < now, lose_reply, lose_messages] {
+            for lost in [lose_reply, lose_messages] {
                 if lost {
                     s.lose();
                 }
@@ -311,14 +330,18 @@ where
         }
         Move::DropRequest(r) => {
             take(&mut s.net.requests, &r);
-            s.lose();
+            if r.sent == now {
+                s.lose();
+            }
             H::dropped(s, r);
         }
         Move::Stall(r) => {
             take(&mut s.net.requests, &r);
             s.net.stalled = Some(r);
             s.budget.stalls_left -= 1;
-            s.lose();
+            if r.sent == now {
+                s.lose();
+            }
         }
         Move::Land {
             request,

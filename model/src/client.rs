@@ -253,15 +253,8 @@ impl Proc {
     /// (`Cleanup::release_later`, `leave_later`): made, and looked at again, while what it
     /// gives back could live (`Job::lives`): a hold a lease, a queue entry its TTL.
     fn clean_up(&self, cfg: &Config, now: u8, op: Op, fx: &mut Effects) {
-        let lives = match op {
-            Op::Leave { .. } => cfg.lease.max(cfg.entry_ttl()),
-            _ => cfg.lease,
-        };
-        fx.jobs.push(Job {
-            until: now + lives,
-            from: self.pid.id,
-            op,
-        });
+        let job = Job::new((self.pid.id, now), op, cfg.lease, cfg.entry_ttl());
+        fx.jobs.push(job);
     }
 
     fn send(&mut self, now: u8, op: Op, awaited: bool, fx: &mut Effects) {

@@ -51,6 +51,30 @@ pub struct Job<O = Op> {
     pub op: O,
 }
 
+impl<O: GiveBack> Job<O> {
+    /// The job the cleanup thread of `from` makes at `now` for `op`: it lives while what
+    /// `op` gives back could (a hold its `lease`; a queue entry or a mark `mark_ttl`, or
+    /// the lease if longer, for a leave, which may take a hold out too).
+    pub fn new((from, now): (u8, u8), op: O, lease: u8, mark_ttl: u8) -> Self {
+        let lives = if op.is_leave() {
+            lease.max(mark_ttl)
+        } else {
+            lease
+        };
+        Job {
+            until: now + lives,
+            from,
+            op,
+        }
+    }
+}
+
+/// A script call a cleanup job can make.
+pub trait GiveBack {
+    /// Whether it takes a waiter's entry or mark out (a leave) rather than a hold.
+    fn is_leave(&self) -> bool;
+}
+
 /// Everything in flight.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Net<O = Op, P = Publish> {

@@ -84,6 +84,12 @@ pub enum Op {
     Leave { token: Token },
 }
 
+impl crate::net::GiveBack for Op {
+    fn is_leave(&self) -> bool {
+        matches!(self, Op::Leave { .. })
+    }
+}
+
 impl Op {
     pub fn token(&self) -> Token {
         match *self {

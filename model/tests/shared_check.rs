@@ -212,6 +212,13 @@ fn stalled_first_sends_hold_every_property() {
 
 /// The same beside a second reader: a late send marks a writer waiting, is granted a
 /// hold, or takes one, beside other holds.
+/// Three permit-seekers for two permits, a first send stalled: the bound on a permit
+/// left free holds beside late landings too.
+#[test]
+fn stalled_first_sends_of_three_permit_seekers_hold_every_property() {
+    holds_on_every_path(SharedConfig::stalled_semaphore());
+}
+
 #[test]
 fn stalled_first_sends_beside_a_second_reader_hold_every_property() {
     holds_on_every_path(SharedConfig::stalled_rw());

@@ -246,15 +246,8 @@ impl Proc {
     /// (`Cleanup::give_back_later`, `leave_later`): made, and looked at again, while what
     /// it gives back could live (a hold a lease, a mark its TTL).
     fn clean_up(&self, cfg: &SharedConfig, now: u8, op: Op, fx: &mut Effects) {
-        let lives = match op {
-            Op::Leave { .. } => cfg.lease.max(cfg.mark_ttl()),
-            _ => cfg.lease,
-        };
-        fx.jobs.push(Job {
-            until: now + lives,
-            from: self.pid.id,
-            op,
-        });
+        let job = Job::new((self.pid.id, now), op, cfg.lease, cfg.mark_ttl());
+        fx.jobs.push(job);
     }
 
     /// The hold goes back in Redis (`SHARED_RELEASE`), and the process is done; the

@@ -361,6 +361,19 @@ impl SharedConfig {
         }
     }
 
+    /// `semaphore()` (three permit-seekers, two permits) with one resend of an
+    /// unanswered attempt and a stalled first send, a tick less: a late send takes the
+    /// second permit, or marks a seeker waiting, while both permits are free or one is
+    /// held.
+    pub fn stalled_semaphore() -> SharedConfig {
+        SharedConfig {
+            acquire_retries: 1,
+            stalls: 1,
+            horizon: 5,
+            ..SharedConfig::semaphore()
+        }
+    }
+
     /// Three permit-seekers, one permit, a tick less: where a permit believed too long
     /// is an overlap (with two permits, the bounds reach no third holder).
     pub fn semaphore_of_one() -> SharedConfig {
@@ -372,7 +385,7 @@ impl SharedConfig {
     }
 
     /// The longer checks: two readers and two writers, four permit-seekers for two
-    /// permits (15 and 37 million states), and the upgrade, downgrade and local-turn
+    /// permits (7 and 17 million states), and the upgrade, downgrade and local-turn
     /// configurations two ticks longer.
     pub fn deep() -> [SharedConfig; 6] {
         let rw = SharedConfig {
@@ -443,12 +456,13 @@ impl SharedConfig {
         SharedConfig { rules, ..self }
     }
 
-    /// The longer checks of stalled first sends (4 to 15 million states each): `stalled_rw()`
+    /// The longer checks of stalled first sends (2 to 6 million states each): `stalled_rw()`
     /// a tick longer; three permit-seekers for one permit; the downgrade and local-turn
     /// configurations (`downgrade()`, `turns()`), and an upgradable reader beside a writer
     /// and a reader (`upgrade()`, attempts and upgrades stalled up to three ticks), at
-    /// horizon 5.
-    pub fn deep_stalls() -> [SharedConfig; 5] {
+    /// horizon 5; and `stalled_semaphore()` (three permit-seekers, two permits) a tick
+    /// longer.
+    pub fn deep_stalls() -> [SharedConfig; 6] {
         let stalled = |cfg: SharedConfig| SharedConfig {
             acquire_retries: 1,
             stalls: 1,
@@ -467,6 +481,10 @@ impl SharedConfig {
                 stall: 3,
                 stall_upgrades: true,
                 ..stalled(SharedConfig::upgrade())
+            },
+            SharedConfig {
+                horizon: 6,
+                ..SharedConfig::stalled_semaphore()
             },
         ]
     }

@@ -90,6 +90,12 @@ pub enum Op {
     Unmark { m: Member },
 }
 
+impl crate::net::GiveBack for Op {
+    fn is_leave(&self) -> bool {
+        matches!(self, Op::Leave { .. })
+    }
+}
+
 impl Op {
     /// The member the call names.
     pub fn member(self) -> Member {
