@@ -1,6 +1,6 @@
 //! How a waiting multi-lock looks to the others, against a real `redis-server`: two
 //! multi-locks of one client waiting on one name keep its contention mark while either
-//! waits, a wait is re-checked when the whole group may be free rather than at the
+//! waits, and the one that wins takes it even if its own attempt never marked, a wait is re-checked when the whole group may be free rather than at the
 //! soonest lease among its names, and a name whose fair queue has a live waiter is not
 //! taken past it, while a grant from the queue never overlaps a multi-lock. Times are
 //! liveness bounds, never speed claims.
@@ -11,6 +11,7 @@ use std::time::Duration;
 use redbaton::{LockClient, Unlocked, Wakeup};
 use redbaton_testkit::intervals::{Recorder, most_at_once};
 use redbaton_testkit::keys::Keys;
+use redbaton_testkit::proxy::Proxy;
 use redbaton_testkit::wait::{join_within, wait_for};
 use redbaton_testkit::{exists, lock_client, ms, raw_conn, secs, test_server, test_server_and};
 
@@ -104,6 +105,51 @@ fn a_multi_lock_giving_up_keeps_the_mark_of_one_still_waiting() {
     wait_for(LIVENESS, "the last waiter takes its mark with it", || {
         !exists(&mut conn, mark("shared"))
     });
+}
+
+/// A multi-lock that begins to wait while another of its client's marks a name counts
+/// among the mark's waiters before its first attempt: when that attempt, held up on its
+/// way, wins the name after the first gave up (leaving the mark to it), the win must take
+/// the mark, which would otherwise tell the holder's process, for its TTL, that someone
+/// waits.
+#[test]
+fn a_multi_lock_winning_at_its_first_attempt_takes_the_mark_left_to_it() {
+    let srv = test_server();
+    let proxy = Proxy::start(srv.addr());
+    let c = lock_client!(
+        node(proxy.url()),
+        key_prefix(PREFIX),
+        patient(),
+        io_timeouts(secs(3))
+    );
+    // Connections opened before the proxy holds bytes up.
+    drop(c.try_multi_lock(["warm-1", "warm-2"]).expect("warm-up"));
+    let mut conn = srv.conn();
+    stranger_holds(&mut conn, "k");
+    let first = {
+        let c = c.clone();
+        thread::spawn(move || c.try_multi_lock_for(["k"], ms(900)).map(drop))
+    };
+    wait_for(LIVENESS, "the first multi-lock marks", || {
+        exists(&mut conn, mark("k"))
+    });
+    thread::sleep(ms(200));
+    proxy.set_delay_both(ms(1000));
+    let second = thread::spawn(move || c.multi_lock(["k"]).expect("multi-lock"));
+    let [gave_up] = <[_; 1]>::try_from(join_within(vec![first], LIVENESS, "the first"))
+        .unwrap_or_else(|_| unreachable!());
+    assert!(gave_up.is_err_and(|e| e.is_timeout()));
+    redis::cmd("DEL")
+        .arg(KEYS.lock("k"))
+        .query::<()>(&mut conn)
+        .expect("DEL");
+    let held = join_within(vec![second], LIVENESS, "the second");
+    proxy.set_delay_both(ms(0));
+    assert!(
+        !exists(&mut conn, mark("k")),
+        "the winner left the mark it shared behind"
+    );
+    drop(held);
 }
 
 /// A group whose names are held with a short lease and a long one cannot be free before

@@ -287,7 +287,6 @@ impl Engine {
             protocol,
             wait,
             waiter: wait.waiter(Hears::Key),
-            marked: false,
             waiting: Waiting::new(&self.multi_marks),
         }
         .run()
@@ -400,9 +399,6 @@ struct GroupContest<'a> {
     protocol: Protocol,
     wait: Wait<'a>,
     waiter: Waiter,
-    /// An attempt of ours may have left contention marks: taken with us when we leave
-    /// without the locks.
-    marked: bool,
     /// Counted among the client's multi-locks that wait with marks (see [`Waiting`]).
     waiting: Waiting<'a>,
 }
@@ -441,11 +437,8 @@ impl GroupContest<'_> {
             // confirmed: otherwise a release of one of them could go unheard.
             let before = (self.waiter.snapshots())
                 .filter(|snaps| snaps.len() == keys.len() && snaps.iter().all(|s| s.confirmed));
-            let marks = Marks {
-                leave: wait.waits_now(),
-                clear: self.marked,
-            };
-            if marks.leave {
+            let leave = wait.waits_now();
+            if leave {
                 // Before the attempt that may mark: a multi-lock of the client leaving
                 // meanwhile then leaves the mark to us.
                 if !(self.waiting).join(&self.mark_id, keys, deadline, wait.cancel()) {
@@ -453,6 +446,12 @@ impl GroupContest<'_> {
                     continue;
                 }
             }
+            // Counted, the mark may be ours: left by an attempt of ours, or to us by another
+            // multi-lock of the client that left.
+            let marks = Marks {
+                leave,
+                clear: self.waiting.counted(),
+            };
             let (token, ran_before) = carried.take().unwrap_or_else(|| (new_token(), false));
             // On the lease clock: the validity counts from here.
             let started = Stamp::now();
@@ -482,7 +481,6 @@ impl GroupContest<'_> {
                     Some(Duration::ZERO)
                 }
                 Ok(Taken::Held { pttl, resent }) => {
-                    self.marked |= marks.leave;
                     if resent {
                         // The first send may still land and take them all with this
                         // token, which the next attempt does not use.
@@ -491,7 +489,6 @@ impl GroupContest<'_> {
                     pttl
                 }
                 Err(e) => {
-                    self.marked |= marks.leave && may_have_run(&e);
                     let ran = ran_before || may_have_run(&e);
                     if matches!(wait, Wait::Until(..))
                         && !wait.cancelled()
@@ -643,11 +640,8 @@ impl GroupContest<'_> {
     }
 
     /// Removes our contention marks of the keys where `last` says we were the last of the
-    /// client's multi-locks to wait with them.
+    /// client's multi-locks to wait with them (none if we never counted among them).
     fn remove_marks(&self, last: Vec<bool>) {
-        if !self.marked {
-            return;
-        }
         let keys: Vec<Keys> = (self.keys.iter().zip(last))
             .filter(|&(_, last)| last)
             .map(|(k, _)| k.clone())

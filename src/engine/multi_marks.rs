@@ -117,6 +117,12 @@ impl<'a> Waiting<'a> {
         true
     }
 
+    /// Counted (since [`join`](Self::join), until [`leave`](Self::leave)): the marks may be
+    /// ours, left by an attempt of ours or to us by another multi-lock that left.
+    pub fn counted(&self) -> bool {
+        !self.marks.is_empty()
+    }
+
     /// No longer counted: per key (in `join`'s order, all false if never counted), whether
     /// it was the last of the client's multi-locks waiting with that mark, whose leaving
     /// may remove it. Those marks are noted as being removed until
