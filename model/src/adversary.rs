@@ -7,10 +7,10 @@
 //!   or **drop** it. A request that time leaves in flight is late: one fault each, paid
 //!   at the tick that leaves it (so a tick that would make more requests late than the
 //!   budget allows is not taken); running, dropping or stalling it later costs nothing
-//!   more for its lateness. With each run the reply is delivered or lost, and what the script
-//!   published is delivered or lost. A reply is delivered at once or never: one later
-//!   than the client's timeout is thrown away (as if lost), and one late but within it
-//!   would only make the client act later in the same tick. A paused process gets no
+//!   more for its lateness. With each run the reply is delivered or lost, and what the
+//!   script published is delivered or lost. A reply is delivered at once or never: one
+//!   later than the client's timeout is thrown away (as if lost), and one late but within
+//!   it would only make the client act later in the same tick. A paused process gets no
 //!   reply (its timeout comes first when it resumes); its messages wait for it, then are
 //!   **heard**, **repeated** (heard with a copy left in flight: a duplicate, one fault)
 //!   or **dropped**.
